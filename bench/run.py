@@ -1,0 +1,96 @@
+"""``rlperf bench``: run benchmark modules, print their tables, write JSON and BENCHMARKS.md sections.
+
+Each benchmark module in this package exposes ``run(quick: bool) -> list[BenchRow]`` and
+``summarize(rows) -> dict`` (the ratios that the targets are stated in).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import sys
+from pathlib import Path
+
+from .harness import BenchRow, environment, format_table, write_json
+
+BENCHES = {
+    "matmul": "rlperf.bench.matmul",
+    "attention": "rlperf.bench.attention",
+    "layers": "rlperf.bench.layers",
+}
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "names", nargs="*", default=["all"], metavar="NAME",
+        help=f"benchmarks to run: {', '.join(BENCHES)} or all (default: all)",
+    )
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (a smoke run, not for the table)")
+    p.add_argument("--json", default="results/bench.json", metavar="PATH", help="result file (default: %(default)s)")
+    p.add_argument(
+        "--markdown", default=None, metavar="PATH",
+        help="also rewrite this benchmark's section of a markdown file, e.g. bench/BENCHMARKS.md",
+    )
+
+
+def _markdown_section(name: str, rows: list[BenchRow], info: dict, summary: dict) -> str:
+    lines = [
+        f"<!-- bench:{name} start -->",
+        f"### {name}",
+        "",
+        f"Card **{info.get('card')}**, commit `{info.get('commit')}`, {info.get('date')}, "
+        f"torch {info.get('torch')}, Triton {info.get('triton')}, CUDA {info.get('cuda')}. "
+        f"Command: `rlperf bench {name} --markdown bench/BENCHMARKS.md`.",
+        "",
+        "| case | kernel | ms | anchor | anchor ms | ratio (anchor/kernel) | rate | anchor rate |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.case} | {r.kernel} | {r.kernel_ms:.4f} | {r.anchor} | {r.anchor_ms:.4f} | {r.ratio:.3f} | "
+            f"{r.rate(r.kernel_ms):.1f} {r.unit} | {r.rate(r.anchor_ms):.1f} {r.unit} |"
+        )
+    lines += ["", "Summary: " + ", ".join(f"{k} = {v:.3f}" if isinstance(v, float) else f"{k} = {v}" for k, v in summary.items()), ""]
+    lines.append(f"<!-- bench:{name} end -->")
+    return "\n".join(lines)
+
+
+def update_markdown(path: Path, name: str, section: str) -> None:
+    """Replace the ``name`` section of ``path`` (between its markers) or append it."""
+    text = path.read_text() if path.exists() else "# rlperf benchmarks\n\n"
+    pattern = re.compile(rf"<!-- bench:{re.escape(name)} start -->.*?<!-- bench:{re.escape(name)} end -->", re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def run_benchmarks(args: argparse.Namespace) -> int:
+    import torch
+
+    names = list(BENCHES) if "all" in args.names else args.names
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        print(f"rlperf bench: unknown benchmark(s) {unknown}; choose from {list(BENCHES)} or all", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("rlperf bench: needs a CUDA GPU (CPU timings are not performance results)", file=sys.stderr)
+        return 2
+    info = environment()
+    print(f"# {info['card']} | commit {info['commit']} | torch {info['torch']} | triton {info['triton']} | {info['date']}")
+    all_rows: list[BenchRow] = []
+    summaries: dict = {}
+    for name in names:
+        module = importlib.import_module(BENCHES[name])
+        rows = module.run(quick=args.quick)
+        summary = module.summarize(rows)
+        all_rows += rows
+        summaries[name] = summary
+        print(format_table(rows))
+        print(f"{name} summary: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+        if args.markdown:
+            update_markdown(Path(args.markdown), name, _markdown_section(name, rows, info, summary))
+    json_path = Path(args.json)
+    if len(names) == 1 and json_path.name == "bench.json":
+        json_path = json_path.with_name(f"bench-{names[0]}.json")
+    write_json(json_path, all_rows, info, summaries)
+    print(f"results: {json_path}")
+    return 0

@@ -1,0 +1,103 @@
+"""Which implementation an op runs: the backend (where and how) and the mode (invariant or fast).
+
+Backend, chosen per call from the input's device:
+
+* ``"triton"``       — CUDA tensors: the Triton kernels, compiled for the GPU.
+* ``"interpreter"``  — CPU tensors with ``TRITON_INTERPRET=1`` in the environment: the same Triton
+  kernels, run by Triton's interpreter on the CPU (how CI tests every kernel).
+* ``"reference"``    — CPU tensors otherwise: the torch references of ``rlperf.kernels.reference``
+  (float64 math, result cast to the input dtype).
+
+``RLPERF_BACKEND`` (or :func:`use_backend`) overrides the choice; asking for ``"triton"`` on CPU
+tensors or ``"interpreter"`` without ``TRITON_INTERPRET=1`` is an error, never a silent fallback.
+Triton reads ``TRITON_INTERPRET`` when a kernel module is imported, so it has to be set before
+the first op runs.
+
+Mode, global:
+
+* ``"invariant"`` (default) — batch-invariant kernels: a row's bits never depend on the batch.
+* ``"fast"``               — the fastest stock path (cuBLAS via ``F.linear``, SDPA, torch ops);
+  not batch-invariant. It exists so the price of invariance can be measured.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+
+BACKENDS = ("triton", "interpreter", "reference")
+MODES = ("invariant", "fast")
+
+_state = threading.local()
+
+
+def _interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def backend(device: torch.device | str | None = None) -> str:
+    """The backend an op on ``device`` runs now: ``"triton"``, ``"interpreter"`` or ``"reference"``."""
+    forced = getattr(_state, "backend", None) or os.environ.get("RLPERF_BACKEND") or None
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if forced is not None:
+        if forced not in BACKENDS:
+            raise ValueError(f"RLPERF_BACKEND={forced!r}: expected one of {BACKENDS}")
+        if forced == "triton" and dev.type != "cuda":
+            raise RuntimeError(f"backend 'triton' needs CUDA tensors, got a tensor on {dev}")
+        if forced == "interpreter" and not _interpreter_enabled():
+            raise RuntimeError("backend 'interpreter' needs TRITON_INTERPRET=1 set before rlperf.kernels runs an op")
+        if forced == "interpreter" and dev.type == "cuda":
+            raise RuntimeError("backend 'interpreter' runs on CPU tensors only")
+        return forced
+    if dev.type == "cuda":
+        return "triton"
+    return "interpreter" if _interpreter_enabled() else "reference"
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None):
+    """Force a backend inside the block (``None`` restores automatic choice)."""
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"backend {name!r}: expected one of {BACKENDS}")
+    previous = getattr(_state, "backend", None)
+    _state.backend = name
+    try:
+        yield
+    finally:
+        _state.backend = previous
+
+
+_mode = os.environ.get("RLPERF_MODE", "invariant")
+if _mode not in MODES:
+    raise ValueError(f"RLPERF_MODE={_mode!r}: expected one of {MODES}")
+
+
+def mode() -> str:
+    """``"invariant"`` (batch-invariant kernels) or ``"fast"`` (cuBLAS/SDPA/torch)."""
+    return _mode
+
+
+def set_mode(name: str) -> None:
+    """Switch every op between ``"invariant"`` and ``"fast"``."""
+    global _mode
+    if name not in MODES:
+        raise ValueError(f"mode {name!r}: expected one of {MODES}")
+    _mode = name
+
+
+@contextlib.contextmanager
+def use_mode(name: str):
+    """Run the block in mode ``name``, then restore the previous mode."""
+    previous = mode()
+    set_mode(name)
+    try:
+        yield
+    finally:
+        set_mode(previous)
+
+
+def use_triton(device: torch.device | str) -> bool:
+    """True when an invariant-mode op on ``device`` should launch its Triton kernel (GPU or interpreter)."""
+    return backend(device) in ("triton", "interpreter")

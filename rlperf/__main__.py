@@ -1,0 +1,5 @@
+import sys
+
+from rlperf.cli import main
+
+sys.exit(main())

@@ -1,0 +1,79 @@
+"""The ``rlperf`` command: one entry point, one subcommand per job.
+
+Exit codes follow one rule everywhere: 0 success, 1 the job ran and found a failure (a gate, a
+test), 2 bad usage or a subcommand that is not built yet.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+# Subcommands whose implementation has not landed yet, and the issue that tracks each. They say
+# so and exit 2; they never pretend to have run.
+NOT_BUILT = {
+    "train": ("run the RL loop (rollout -> rewards -> train -> weight sync) with first-step gates", 5),
+    "gate": ("run one rollout and one train step and check kl_zero, logprob_abs_diff, oom_headroom", 5),
+    "serve": ("start SGLang-compatible rollout servers (optionally behind sglang-router)", 4),
+    "profile": ("profile rollout servers behind a router and merge their traces into one Perfetto trace", 6),
+}
+
+
+def _not_built(name: str):
+    def run(args: argparse.Namespace) -> int:
+        summary, issue = NOT_BUILT[name]
+        print(
+            f"rlperf {name}: not built yet — this subcommand will {summary} (tracked in issue #{issue}).",
+            file=sys.stderr,
+        )
+        return 2
+
+    return run
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from rlperf.bench.run import run_benchmarks
+
+    return run_benchmarks(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlperf",
+        description="rlperf: batch-invariant kernels, first-step gates and profiling for RL post-training of LLMs.",
+    )
+    parser.add_argument("--version", action="version", version=f"rlperf {__import__('rlperf').__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    for name, (summary, issue) in NOT_BUILT.items():
+        p = sub.add_parser(name, help=f"{summary} [not built yet: issue #{issue}]", add_help=True)
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        p.set_defaults(func=_not_built(name))
+
+    from rlperf.bench.run import add_bench_arguments
+
+    p = sub.add_parser(
+        "bench",
+        help="run the kernel microbenchmarks (GPU) and print each result with its anchor from the same run",
+        description=(
+            "Run rlperf's kernel microbenchmarks. Every row is timed with CUDA events (warm-up, median of many "
+            "repetitions, rotated inputs so L2 does not hold them) next to its anchor measured in the same run: "
+            "cuBLAS for matmul, SDPA (flash and cuDNN) for attention, the fast path for the invariant layer stack. "
+            "Results go to a JSON file with card, versions and commit; --markdown rewrites bench/BENCHMARKS.md."
+        ),
+    )
+    add_bench_arguments(p)
+    p.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

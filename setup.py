@@ -1,0 +1,82 @@
+"""Build rlperf: the Python package, its top-level subpackages and the rlperf._C extension.
+
+`kernels/`, `gates/`, `profiles/` and `bench/` live at the top of the repository but import as
+`rlperf.kernels`, `rlperf.gates`, `rlperf.profiles` and `rlperf.bench` (package_dir below), for
+both `pip install -e .` and a wheel.
+
+The C++/CUDA extension (csrc/) needs torch at build time, so install with
+`pip install --no-build-isolation -e .` after torch. When torch is not importable the package
+still installs, without `rlperf._C`, and the Python fallbacks warn at run time.
+"""
+import os
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+TOP_LEVEL_SUBPACKAGES = ("kernels", "gates", "profiles", "bench")
+
+
+def _packages():
+    packages = ["rlperf"] + ["rlperf." + p for p in find_packages(where="rlperf")]
+    package_dir = {"rlperf": "rlperf"}
+    for top in TOP_LEVEL_SUBPACKAGES:
+        if not (ROOT / top / "__init__.py").exists():
+            continue
+        packages.append(f"rlperf.{top}")
+        package_dir[f"rlperf.{top}"] = top
+        for sub in find_packages(where=top):
+            packages.append(f"rlperf.{top}.{sub}")
+            package_dir[f"rlperf.{top}.{sub}"] = os.path.join(top, *sub.split("."))
+    return packages, package_dir
+
+
+def _extensions():
+    """rlperf._C from csrc/: CPU sources always, CUDA sources when nvcc and a CUDA torch exist."""
+    sources_cpp = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
+    if not sources_cpp or os.environ.get("RLPERF_NO_EXTENSION") == "1":
+        return [], {}
+    try:
+        import torch  # noqa: F401
+        from torch.utils import cpp_extension
+    except ImportError:
+        print("rlperf: torch is not importable at build time; building without rlperf._C", file=sys.stderr)
+        return [], {}
+    sources_cu = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cu"))
+    use_cuda = bool(sources_cu) and cpp_extension.CUDA_HOME is not None and torch.version.cuda is not None
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    if use_cuda:
+        ext = cpp_extension.CUDAExtension(
+            "rlperf._C",
+            sources_cpp + sources_cu,
+            define_macros=[("RLPERF_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
+            extra_link_args=["-fopenmp"],
+        )
+    else:
+        ext = cpp_extension.CppExtension(
+            "rlperf._C", sources_cpp, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"]
+        )
+    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)}
+
+
+packages, package_dir = _packages()
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="rlperf",
+    version="0.1.0",
+    description="Performance lab for RL post-training of LLMs: batch-invariant kernels, first-step gates, profiling",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"rlperf": ["data/*", "data/**/*"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    install_requires=["torch>=2.6", "triton>=3.3", "numpy"],
+    extras_require={"test": ["pytest>=8", "pytest-benchmark>=4"]},
+    entry_points={"console_scripts": ["rlperf=rlperf.cli:main"]},
+)

@@ -1,0 +1,42 @@
+"""Backend and mode selection is explicit and testable."""
+import os
+
+import pytest
+import torch
+
+import rlperf.kernels as K
+
+
+def test_cpu_backend_follows_triton_interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert K.backend("cpu") == "interpreter"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert K.backend("cpu") == "reference"
+
+
+def test_cuda_backend_is_triton():
+    assert K.backend("cuda") == "triton"
+
+
+def test_forced_backend_and_bad_names(monkeypatch):
+    with K.use_backend("reference"):
+        assert K.backend("cpu") == "reference"
+    with pytest.raises(ValueError, match="expected one of"):
+        with K.use_backend("cublas"):
+            pass
+    monkeypatch.setenv("RLPERF_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        K.backend("cpu")
+    monkeypatch.setenv("RLPERF_BACKEND", "interpreter")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        K.backend("cpu")
+
+
+def test_mode_switch_restores():
+    assert K.mode() == "invariant"
+    with K.use_mode("fast"):
+        assert K.mode() == "fast"
+    assert K.mode() == "invariant"
+    with pytest.raises(ValueError, match="mode"):
+        K.set_mode("quick")
