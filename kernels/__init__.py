@@ -27,6 +27,7 @@ _OPS = {
     "log_softmax": "logprob",
     "token_logprobs": "logprob",
     "sample": "sampling",
+    "silu_mul": "activation",
 }
 
 __all__ = ["BACKENDS", "MODES", "backend", "mode", "set_mode", "use_backend", "use_mode", *_OPS]

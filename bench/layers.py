@@ -1,0 +1,117 @@
+"""The price of batch invariance on a Qwen3-0.6B-shaped layer stack: invariant mode vs the fast path.
+
+Cases (bf16, all 28 layers of the qwen3-0.6b shape):
+
+* prefill: 8 sequences x 1024 tokens, packed varlen (the training forward);
+* decode: 64 sequences, one new token each, against a paged KV cache of 1024 tokens per sequence.
+
+Kernel = ``invariant`` mode (rlperf's Triton kernels); anchor = ``fast`` mode (cuBLAS, SDPA, torch
+ops) in the same run, same weights and inputs. Both are captured in a CUDA graph when capture
+works (as an engine would run them), else timed eagerly; ``extra['graph']`` says which. Target:
+invariant mode costs <= 15% over the fast path, i.e. ratio (fast_ms / invariant_ms) >= 0.87.
+"""
+from __future__ import annotations
+
+import torch
+
+from rlperf import kernels as K
+from rlperf.model import RopeTable, decoder_layer_paged, decoder_layer_prefill, init_layer_weights, preset
+
+from .harness import BenchRow, cuda_time, geomean
+
+MODEL = "qwen3-0.6b"
+
+
+def _graphed(fn):
+    """A CUDA-graph replay of ``fn`` if it captures, else ``fn``; and whether capture worked."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay, True
+    except Exception as exc:  # capture is an optimisation; say so and time eagerly
+        torch.cuda.synchronize()
+        print(f"layers bench: CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:120]}); timing eagerly")
+        return fn, False
+
+
+def _stack(cfg, layers, hidden, layer_fn):
+    residual = None
+    for w in layers:
+        hidden, residual = layer_fn(hidden, residual, w)
+    return hidden
+
+
+def run(quick: bool = False) -> list[BenchRow]:
+    cfg = preset(MODEL)
+    dtype, dev = torch.bfloat16, "cuda"
+    n_layers = 4 if quick else cfg.num_hidden_layers
+    gen = torch.Generator().manual_seed(0)
+    layers = [init_layer_weights(cfg, dtype, dev, generator=gen) for _ in range(n_layers)]
+    rope = RopeTable(cfg.head_dim, 8192, cfg.rope_theta, dev)
+    rows = []
+    # weights read once per step + KV read, per layer: for the decode GB/s column
+    w_bytes = sum(t.numel() * t.element_size() for w in layers for t in vars(w).values())
+
+    # prefill: 8 x 1024, packed
+    b, seq = 8, 1024
+    t = b * seq
+    hidden = torch.randn(t, cfg.hidden_size, dtype=dtype, device=dev)
+    positions = torch.arange(seq, device=dev).repeat(b)
+    cu = torch.arange(0, t + 1, seq, dtype=torch.int32, device=dev)
+    prefill = lambda: _stack(cfg, layers, hidden, lambda h, r, w: decoder_layer_prefill(h, r, w, cfg, rope, positions, cu))
+    flops = 2 * t * n_layers * (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+                                + 3 * cfg.hidden_size * cfg.intermediate_size)
+    flops += n_layers * 4 * b * cfg.num_attention_heads * seq * seq * cfg.head_dim // 2
+    rows.append(_compare(f"prefill {b}x{seq} L={n_layers}", prefill, flops, "TFLOP/s"))
+
+    # decode: 64 sequences, 1024 cached tokens each, one new token
+    b, ctx = 64, 1024
+    pages_per_seq = ctx // K.PAGE_SIZE + 1
+    num_pages = b * pages_per_seq
+    caches = [
+        (torch.randn(num_pages, K.PAGE_SIZE, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev),
+         torch.randn(num_pages, K.PAGE_SIZE, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev))
+        for _ in range(n_layers)
+    ]
+    page_table = torch.randperm(num_pages, device=dev).to(torch.int32).reshape(b, pages_per_seq)
+    kv_lens = torch.full((b,), ctx + 1, dtype=torch.int32, device=dev)
+    positions = torch.full((b,), ctx, dtype=torch.int64, device=dev)
+    slot_mapping = (page_table[:, ctx // K.PAGE_SIZE].to(torch.int64) * K.PAGE_SIZE + ctx % K.PAGE_SIZE)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=dev)
+    hidden = torch.randn(b, cfg.hidden_size, dtype=dtype, device=dev)
+
+    def decode():
+        residual, h = None, hidden
+        for w, cache in zip(layers, caches):
+            h, residual = decoder_layer_paged(h, residual, w, cfg, rope, positions, cache, slot_mapping,
+                                              page_table, cu_q, kv_lens)
+        return h
+
+    kv_bytes = n_layers * 2 * b * (ctx + 1) * cfg.kv_size * 2
+    rows.append(_compare(f"decode b={b} kv={ctx} L={n_layers}", decode, w_bytes + kv_bytes, "GB/s"))
+    return rows
+
+
+def _compare(case: str, fn, work: float, unit: str) -> BenchRow:
+    times, graphs = {}, {}
+    for m in ("invariant", "fast"):
+        with K.use_mode(m):
+            step, graphs[m] = _graphed(fn)
+            times[m] = cuda_time(step, warmup=3, reps=20).median_ms
+    return BenchRow(bench="layers", case=case, kernel="invariant", kernel_ms=times["invariant"], anchor="fast path",
+                    anchor_ms=times["fast"], work=work, unit=unit,
+                    extra={"graph_invariant": graphs["invariant"], "graph_fast": graphs["fast"],
+                           "overhead_pct": 100.0 * (times["invariant"] / times["fast"] - 1.0)})
+
+
+def summarize(rows: list[BenchRow]) -> dict:
+    out = {f"{r.case.split()[0]}_overhead_pct": r.extra["overhead_pct"] for r in rows}
+    out["geomean_ratio"] = geomean([r.ratio for r in rows])
+    return out

@@ -1,0 +1,145 @@
+"""The Qwen3 decoder layer as functions over rlperf.kernels ops.
+
+One body, two ways to attend:
+
+* :func:`decoder_layer_prefill` — packed varlen sequences (``cu_seqlens``), no KV cache: the
+  training forward.
+* :func:`decoder_layer_paged` — the engine's step: writes the new tokens' K/V into the paged
+  cache, then attends over the cache (chunked prefill and decode are the same call).
+
+Layer (HF ``Qwen3DecoderLayer`` order), per token, T tokens, hidden size H::
+
+    x, r  = add_rmsnorm(h, r, w.input_layernorm)            # r = h + r; x = rmsnorm(r)
+    q,k,v = split(linear(x, w.qkv_proj))                    # [T,Hq,D], [T,Hkv,D], [T,Hkv,D]
+    q, k  = rope(rmsnorm(q, w.q_norm)), rope(rmsnorm(k, w.k_norm))
+    a     = attention(q, k, v)                              # causal, GQA
+    x, r  = add_rmsnorm(linear(a, w.o_proj), r, w.post_attention_layernorm)
+    h     = linear(silu_mul(linear(x, w.gate_up_proj)), w.down_proj)
+    return h, r
+
+Every op is batch-invariant in ``invariant`` mode and attention gives the same bits in prefill,
+chunked prefill and decode, so a token's output never depends on how it was batched.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rlperf import kernels as K
+
+from .config import ModelConfig
+
+
+@dataclasses.dataclass
+class DecoderLayerWeights:
+    """One layer's parameters; q/k/v and gate/up are stored fused so each is one matmul launch.
+
+    Shapes (H hidden, D head_dim, I intermediate): ``input_layernorm`` [H], ``qkv_proj``
+    [(Hq + 2 Hkv) D, H] (rows: q, then k, then v), ``q_norm``/``k_norm`` [D], ``o_proj`` [H, Hq D],
+    ``post_attention_layernorm`` [H], ``gate_up_proj`` [2I, H] (rows: gate, then up), ``down_proj`` [H, I].
+    """
+
+    input_layernorm: torch.Tensor
+    qkv_proj: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+
+def init_layer_weights(cfg: ModelConfig, dtype: torch.dtype, device, generator: torch.Generator | None = None,
+                       std: float = 0.02) -> DecoderLayerWeights:
+    """Random weights (normal(0, std) matrices, unit norms) for a layer of ``cfg``."""
+
+    def normal(*shape):
+        return (torch.randn(*shape, generator=generator, dtype=torch.float32) * std).to(dtype=dtype, device=device)
+
+    def ones(n):
+        return torch.ones(n, dtype=dtype, device=device)
+
+    h, d = cfg.hidden_size, cfg.head_dim
+    return DecoderLayerWeights(
+        input_layernorm=ones(h),
+        qkv_proj=normal(cfg.q_size + 2 * cfg.kv_size, h),
+        q_norm=ones(d),
+        k_norm=ones(d),
+        o_proj=normal(h, cfg.q_size),
+        post_attention_layernorm=ones(h),
+        gate_up_proj=normal(2 * cfg.intermediate_size, h),
+        down_proj=normal(h, cfg.intermediate_size),
+    )
+
+
+class RopeTable:
+    """Rotary embedding with a cos/sin table [max_positions, D/2] in float32, computed once in float64.
+
+    ``apply(x [T, heads, D], positions [T])`` rotates the halves (HF ``rotate_half`` convention):
+    ``out = [x1 cos - x2 sin, x2 cos + x1 sin]`` in float32, rounded once to x's dtype. Looking the
+    angle up in a table (rather than calling sin/cos per batch) keeps a token's bits independent of
+    the batch: fp32 multiply and add are exact IEEE operations on every backend.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        self.cos = angles.cos().to(torch.float32).to(device)
+        self.sin = angles.sin().to(torch.float32).to(device)
+        self.max_positions = max_positions
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # Positions are validated where requests enter (the engine, the data loader), not here:
+        # a check here would be a host-device sync per layer and would break CUDA-graph capture.
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return out.to(x.dtype)
+
+
+def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: RopeTable, positions, attend):
+    t = hidden.shape[0]
+    if residual is None:
+        x, residual = K.rmsnorm(hidden, w.input_layernorm, cfg.rms_norm_eps), hidden
+    else:
+        x, residual = K.add_rmsnorm(hidden, residual, w.input_layernorm, cfg.rms_norm_eps)
+    qkv = K.linear(x, w.qkv_proj)
+    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    q = K.rmsnorm(q.reshape(t, cfg.num_attention_heads, cfg.head_dim), w.q_norm, cfg.rms_norm_eps)
+    k = K.rmsnorm(k.reshape(t, cfg.num_key_value_heads, cfg.head_dim), w.k_norm, cfg.rms_norm_eps)
+    v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+    q, k = rope.apply(q, positions), rope.apply(k, positions)
+    a = attend(q, k, v)
+    x, residual = K.add_rmsnorm(K.linear(a.reshape(t, cfg.q_size), w.o_proj), residual,
+                                w.post_attention_layernorm, cfg.rms_norm_eps)
+    return K.linear(K.silu_mul(K.linear(x, w.gate_up_proj)), w.down_proj), residual
+
+
+def decoder_layer_prefill(hidden, residual, w, cfg, rope, positions, cu_seqlens):
+    """Training forward of one layer over packed sequences.
+
+    hidden [T, H]; residual [T, H] or None (first layer); positions [T] int64 (position within its
+    sequence); cu_seqlens [B+1] int32. Returns (hidden_out [T, H], residual [T, H]).
+    """
+    return _layer(hidden, residual, w, cfg, rope, positions,
+                  lambda q, k, v: K.varlen_attention(q, k, v, cu_seqlens))
+
+
+def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slot_mapping, page_table,
+                        cu_seqlens_q, kv_lens):
+    """Engine step of one layer: store the new tokens' K/V in the paged cache, attend over it.
+
+    hidden [T, H] (the new tokens of B sequences, packed); positions [T]; kv_cache (k_cache,
+    v_cache), each [num_pages, PAGE_SIZE, Hkv, D]; slot_mapping [T] int64; page_table [B, max_pages]
+    int32; cu_seqlens_q [B+1] int32; kv_lens [B] int32 (cached + new tokens). A decode step is
+    one new token per sequence; a chunked prefill is a chunk per sequence.
+    """
+    k_cache, v_cache = kv_cache
+
+    def attend(q, k, v):
+        K.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return K.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens)
+
+    return _layer(hidden, residual, w, cfg, rope, positions, attend)
