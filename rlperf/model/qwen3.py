@@ -1,0 +1,231 @@
+"""A Qwen3-style causal LM on rlperf.kernels, with Hugging Face parameter names on disk.
+
+In memory, q/k/v and gate/up projections are stored fused (one matmul launch each, and the same
+launch shape on the training and the rollout side, which batch invariance needs: a matmul's tile
+config is fixed per (dtype, N, K), so a fused and a split projection need not give equal bits).
+On disk and in :meth:`Qwen3ForCausalLM.hf_state_dict` they carry HF's names
+(``model.layers.{i}.self_attn.q_proj.weight`` ...), as views of the fused tensors.
+
+Two forwards share every op:
+
+* :meth:`forward_packed` — packed varlen sequences (training, reference log-probs);
+* :meth:`forward_paged` — an engine step against the paged KV cache (chunked prefill, decode).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rlperf import kernels as K
+
+from .config import ModelConfig
+from .layer import DecoderLayerWeights, RopeTable, decoder_layer_paged, decoder_layer_prefill
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+
+class DecoderLayer(nn.Module):
+    """Parameters of one layer (fused layout; see :class:`DecoderLayerWeights` for shapes)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        kw = dict(dtype=dtype, device=device)
+        self.input_layernorm = nn.Parameter(torch.ones(h, **kw))
+        self.qkv_proj = nn.Parameter(torch.empty(cfg.q_size + 2 * cfg.kv_size, h, **kw))
+        self.q_norm = nn.Parameter(torch.ones(d, **kw))
+        self.k_norm = nn.Parameter(torch.ones(d, **kw))
+        self.o_proj = nn.Parameter(torch.empty(h, cfg.q_size, **kw))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h, **kw))
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * i, h, **kw))
+        self.down_proj = nn.Parameter(torch.empty(h, i, **kw))
+
+    def weights(self) -> DecoderLayerWeights:
+        return DecoderLayerWeights(**{f: getattr(self, f) for f in DecoderLayerWeights.__dataclass_fields__})
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3-style decoder: embedding, ``num_hidden_layers`` decoder layers, final RMSNorm, LM head."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu"):
+        super().__init__()
+        self.cfg = cfg
+        kw = dict(dtype=dtype, device=device)
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, **kw))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
+        self.rope = RopeTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu", std: float = 0.02):
+        """Random init (normal(0, std) matrices, unit norms), reproducible from ``seed`` on any device."""
+        model = cls(cfg, dtype, device)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return model
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head [V, H] (the embedding when tied)."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    # ---- forwards -----------------------------------------------------------------------------
+    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [T, H] of packed sequences (input_ids [T], positions [T], cu_seqlens [B+1] int32)."""
+        hidden, residual = self.embed_tokens[input_ids], None
+        for layer in self.layers:
+            hidden, residual = decoder_layer_prefill(hidden, residual, layer.weights(), self.cfg, self.rope, positions,
+                                                     cu_seqlens)
+        return K.add_rmsnorm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
+
+    def forward_paged(self, input_ids, positions, kv_caches, slot_mapping, page_table, cu_seqlens_q, kv_lens):
+        """Final hidden states [T, H] of the new tokens of an engine step (see ``decoder_layer_paged``).
+
+        ``kv_caches``: one (k_cache, v_cache) pair per layer, each [num_pages, PAGE_SIZE, Hkv, D].
+        """
+        hidden, residual = self.embed_tokens[input_ids], None
+        for layer, cache in zip(self.layers, kv_caches):
+            hidden, residual = decoder_layer_paged(hidden, residual, layer.weights(), self.cfg, self.rope, positions,
+                                                   cache, slot_mapping, page_table, cu_seqlens_q, kv_lens)
+        return K.add_rmsnorm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [T, V] in float32 from final hidden states [T, H]."""
+        return K.linear(hidden, self.head_weight, out_dtype=torch.float32)
+
+    # ---- Hugging Face names -------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters under HF Qwen3 names; fused tensors appear as row-slice views."""
+        cfg, out = self.cfg, {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
+        if self.lm_head is not None:
+            out["lm_head.weight"] = self.lm_head
+        q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        for n, layer in enumerate(self.layers):
+            p = f"model.layers.{n}."
+            out[p + "input_layernorm.weight"] = layer.input_layernorm
+            out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
+            out[p + "self_attn.q_proj.weight"] = layer.qkv_proj[:q]
+            out[p + "self_attn.k_proj.weight"] = layer.qkv_proj[q : q + kv]
+            out[p + "self_attn.v_proj.weight"] = layer.qkv_proj[q + kv :]
+            out[p + "self_attn.q_norm.weight"] = layer.q_norm
+            out[p + "self_attn.k_norm.weight"] = layer.k_norm
+            out[p + "self_attn.o_proj.weight"] = layer.o_proj
+            out[p + "mlp.gate_proj.weight"] = layer.gate_up_proj[:i]
+            out[p + "mlp.up_proj.weight"] = layer.gate_up_proj[i:]
+            out[p + "mlp.down_proj.weight"] = layer.down_proj
+        return out
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in (``lm_head.weight`` is ignored when tied). Names and shapes are checked."""
+        targets = self.hf_state_dict()
+        missing = sorted(set(targets) - set(tensors))
+        unexpected = sorted(set(tensors) - set(targets) - ({"lm_head.weight"} if self.lm_head is None else set()))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model config: missing {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}")
+        for name, dst in targets.items():
+            src = tensors[name]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"checkpoint tensor {name}: shape {tuple(src.shape)}, model expects {tuple(dst.shape)}")
+            dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+
+    # ---- disk ---------------------------------------------------------------------------------
+    def save_pretrained(self, path: str | Path, max_shard_bytes: int = 4 << 30) -> None:
+        """Write ``config.json`` and safetensors shards (+ index when more than one) under ``path``."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.hf_state_dict().items()}
+        shards, current, size = [], {}, 0
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if current and size + nbytes > max_shard_bytes:
+                shards.append(current)
+                current, size = {}, 0
+            current[name], size = t, size + nbytes
+        shards.append(current)
+        if len(shards) == 1:
+            save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for n, shard in enumerate(shards):
+                fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(path / fname), metadata={"format": "pt"})
+                weight_map.update({k: fname for k in shard})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            (path / SAFETENSORS_INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                                              "weight_map": weight_map}, indent=2))
+        (path / CONFIG_FILE).write_text(json.dumps(config_to_hf(self.cfg, self.embed_tokens.dtype), indent=2))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype=None, device="cpu") -> "Qwen3ForCausalLM":
+        """Load ``config.json`` and the safetensors weights (single file or sharded index) from ``path``."""
+        path = Path(path)
+        cfg, saved_dtype = config_from_hf(path / CONFIG_FILE)
+        model = cls(cfg, dtype or saved_dtype, device)
+        model.load_hf_state_dict(read_safetensors_dir(path))
+        return model
+
+
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory: ``model.safetensors`` or the shards its index names."""
+    from safetensors.torch import load_file
+
+    index = path / SAFETENSORS_INDEX
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or {SAFETENSORS_INDEX}")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(str(path / f)))
+    return tensors
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """An HF ``Qwen3Config``-compatible dict."""
+    import dataclasses
+
+    d = dataclasses.asdict(cfg)
+    d.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
+             torch_dtype=str(dtype).removeprefix("torch."), attention_bias=False)
+    return d
+
+
+def config_from_hf(path: Path) -> tuple[ModelConfig, torch.dtype]:
+    """Read an HF ``config.json`` into a :class:`ModelConfig` (and the saved dtype)."""
+    import dataclasses
+
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: a checkpoint directory needs config.json")
+    raw = json.loads(path.read_text())
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    kwargs = {k: raw[k] for k in fields if k in raw}
+    if "head_dim" not in kwargs and "hidden_size" in raw and "num_attention_heads" in raw:
+        kwargs["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
+    missing = [f.name for f in dataclasses.fields(ModelConfig)
+               if f.default is dataclasses.MISSING and f.name not in kwargs]
+    if missing:
+        raise ValueError(f"{path}: missing fields {missing}")
+    dtype = _DTYPES.get(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16", torch.bfloat16)
+    return ModelConfig(**kwargs), dtype
