@@ -1,0 +1,305 @@
+"""Batch-invariant matmul: ``out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])`` (nn.Linear layout).
+
+Shapes and dtypes: ``x`` [M, K] and ``w`` [N, K] of one dtype (bfloat16, float16 or float32),
+``bias`` [N] (any float dtype, read as float32) or None -> ``out`` [M, N] of ``out_dtype``
+(default ``x.dtype``; e.g. ``torch.float32`` for lm-head logits). Products accumulate in float32;
+the bias is added to the float32 accumulator after the K loop, then the sum is cast once.
+float32 inputs use ``tf32x3`` tensor-core products (three tf32 products per pair, about float32
+accuracy; plain tf32 would lose 3 decimal digits, ``ieee`` would leave the tensor cores).
+
+Invariance contract: the bits of ``out[m, :]`` depend only on ``x[m, :]``, ``w`` and ``bias`` —
+never on M, on the other rows, or on where row m sits in the batch. The kernel guarantees it by
+construction:
+
+* one tile config per (dtype, N, K) (:func:`matmul_config`), never a function of M: no autotune
+  keyed on M, so the instruction sequence that computes an output element is fixed;
+* every tile runs the full K loop in one program, in increasing K order, into one float32
+  accumulator: no split-K or stream-K, whose partial sums (and their number) would depend on
+  how many tiles the launch has;
+* an output element is computed by the same tensor-core instructions whatever the row's position
+  in its tile; rows past M are zero-padded (TMA) or duplicates (pointer path) and never stored;
+* the persistent grid (one program per SM, each walking tiles with a fixed stride) decides only
+  *which* program computes a tile, never *how*.
+
+On the GPU a (dtype, N, K) always takes the same load path (TMA descriptors when rows are 16-byte
+aligned, masked pointer loads otherwise); inputs whose layout does not fit are copied first, so
+the path never depends on a tensor's storage offset. Bits are proven on the GPU
+(``tests/kernels/test_matmul.py``, marker ``gpu``); the CPU interpreter computes ``tl.dot`` with
+numpy and proves the kernel's indexing, not the GPU's bits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .dispatch import backend, mode, use_triton
+from .reference.matmul import matmul_ref
+
+try:  # host-side TMA descriptors: Triton >= 3.4 (the device has 3.6, CI 3.9)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer path only
+    TensorDescriptor = None
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Grouped order: GROUP_M row-tiles walk the N tiles together, so a band of w stays in L2
+    # while the programs of one wave reuse it. Only the tile->program mapping changes, not the math.
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (tile_id // tiles_per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % tiles_per_group) % group_m
+    pid_n = (tile_id % tiles_per_group) // group_m
+    return pid_m, pid_n
+
+
+# M is never specialized (Triton would otherwise compile a separate kernel for M == 1): one
+# compiled kernel per (dtype, N, K) config serves every batch size.
+@triton.jit(do_not_specialize=["M", "num_programs"])
+def _matmul_kernel(
+    x, w, out, bias,  # x, w: pointers, or TMA tensor descriptors when USE_TMA
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    num_programs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # Persistent: program p computes tiles p, p + P, p + 2P, ... (P = num_programs <= #SMs), so
+    # the next tile's loads overlap this tile's epilogue and there is no tail of tiny launches.
+    for tile_id in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        if not USE_TMA:
+            # Rows past M / columns past N read row 0 / column 0 instead of masking: unmasked rows
+            # keep the loads vectorized; those results are never stored.
+            safe_m = tl.where(offs_m < M, offs_m, 0)
+            safe_n = tl.where(offs_n < N, offs_n, 0)
+            x_ptrs = x + safe_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+            w_ptrs = w + safe_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The full K loop, in order, into one accumulator: the reduction order of out[m, n] is
+        # fixed by BLOCK_K alone (no split-K).
+        for ki in range(k_tiles):
+            if USE_TMA:
+                a = x.load([off_m, ki * BLOCK_K])  # out-of-bounds rows/cols arrive as zeros
+                b = w.load([off_n, ki * BLOCK_K])
+            else:
+                k_mask = offs_k[None, :] < K - ki * BLOCK_K  # zero tail: adds exact zeros
+                a = tl.load(x_ptrs, mask=k_mask, other=0.0)
+                b = tl.load(w_ptrs, mask=k_mask, other=0.0)
+                x_ptrs += BLOCK_K * stride_xk
+                w_ptrs += BLOCK_K * stride_wk
+            if UPCAST:  # CPU interpreter only: its bf16 tl.dot is wrong, its fp32 one is right
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        if HAS_BIAS:  # after the K loop, in float32, before the single cast
+            acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        o_ptrs = out + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+# --------------------------------------------------------------------------------------------
+# Config table: one config per (dtype, N, K), never a function of M
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Tile shape and launch parameters of one (dtype, N, K); the same for every M.
+
+    ``BLOCK_K`` fixes the reduction order; ``BLOCK_M``/``BLOCK_N``/warps/stages only decide how
+    work is cut and scheduled. ``flatten`` lets Triton software-pipeline across tiles of the
+    persistent loop (the next tile's first loads overlap this tile's epilogue).
+    """
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int
+    num_warps: int
+    num_stages: int
+    flatten: bool = True
+
+
+# 16-bit inputs, measured on the lent GPU (bench/NOTES-matmul.md): (N, K) -> config. Shapes are the
+# fused linear layers of Qwen3-0.6B/4B/8B; other shapes take _default_config.
+_TUNED_16BIT: dict[tuple[int, int], MatmulConfig] = {}
+
+
+def _default_config(dtype: torch.dtype, N: int, K: int) -> MatmulConfig:
+    if dtype == torch.float32:
+        # tf32 wgmma reads 4-byte elements: BLOCK_K 32 moves the same bytes per stage as 64 bf16.
+        return MatmulConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
+    # bf16/fp16. BLOCK_M 128 with 8 warps = two warpgroups of wgmma m64; BLOCK_K 64 = one 128-byte
+    # swizzled TMA row. BLOCK_N trades large-M efficiency (wide tiles reuse each x tile more)
+    # against small-M parallelism (at M <= BLOCK_M there are only N / BLOCK_N tiles to spread
+    # over the SMs, and the weights are read once, so more tiles = more SMs pulling bandwidth).
+    block_n = 128 if N >= 4096 else 64
+    return MatmulConfig(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64, GROUP_M=8, num_warps=8 if block_n >= 128 else 4,
+                        num_stages=4)
+
+
+def matmul_config(dtype: torch.dtype, N: int, K: int) -> MatmulConfig:
+    """The one tile config used for ``dtype`` inputs with ``w`` of shape [N, K], whatever M is."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"matmul: dtype {dtype} not supported; expected one of {SUPPORTED_DTYPES}")
+    if dtype != torch.float32 and (N, K) in _TUNED_16BIT:
+        return _TUNED_16BIT[(N, K)]
+    return _default_config(dtype, N, K)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+_INTERPRETER_PROGRAMS = 3  # a small persistent grid on CPU, so the tile-stride loop is exercised
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_capable(index: int) -> bool:
+    return TensorDescriptor is not None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _use_tma(dtype: torch.dtype, K: int, device: torch.device) -> bool:
+    """TMA needs 16-byte aligned rows; a function of (dtype, K, device) only, never of M."""
+    if TensorDescriptor is None or (K * torch.empty((), dtype=dtype).element_size()) % 16:
+        return False
+    return device.type != "cuda" or _tma_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if a TMA descriptor can describe it (unit inner stride, 16-byte aligned base
+    and row stride), else a fresh contiguous copy (fresh allocations are aligned)."""
+    es = t.element_size()
+    if t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0 and t.stride(0) >= t.shape[1]:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"matmul: x must be 2-D [M, K], got shape {tuple(x.shape)} (use linear() for [..., K])")
+    if w.dim() != 2:
+        raise ValueError(f"matmul: w must be 2-D [N, K], got shape {tuple(w.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul: x [M, K] = {tuple(x.shape)} and w [N, K] = {tuple(w.shape)} disagree on K")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"matmul: x dtype {x.dtype} not supported; expected one of {SUPPORTED_DTYPES}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"matmul: x dtype {x.dtype} and w dtype {w.dtype} differ")
+    if x.device != w.device:
+        raise ValueError(f"matmul: x on {x.device} and w on {w.device}")
+    if bias is not None:
+        if bias.shape != (w.shape[0],):
+            raise ValueError(f"matmul: bias must have shape [N] = ({w.shape[0]},) for w {tuple(w.shape)}, "
+                             f"got {tuple(bias.shape)}")
+        if not bias.dtype.is_floating_point or bias.device != x.device:
+            raise TypeError(f"matmul: bias must be a float tensor on {x.device}, got {bias.dtype} on {bias.device}")
+    if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"matmul: out_dtype {out_dtype} not supported; expected one of {SUPPORTED_DTYPES}")
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ w[N, K].T (+ bias[N])`` -> [M, N] of ``out_dtype`` (default ``x.dtype``).
+
+    ``out``: optional [M, N] tensor of ``out_dtype`` (any strides) written in place and returned.
+    Invariant mode: the persistent Triton kernel above (GPU or CPU interpreter), or the float64
+    reference cast to ``out_dtype`` (CPU otherwise). Fast mode: ``F.linear`` (cuBLAS), not
+    batch-invariant.
+    """
+    _check(x, w, bias, out_dtype)
+    out_dtype = out_dtype or x.dtype
+    M, N = x.shape[0], w.shape[0]
+    if out is not None and (out.shape != (M, N) or out.dtype != out_dtype or out.device != x.device):
+        raise ValueError(f"matmul: out must be [M, N] = ({M}, {N}) of {out_dtype} on {x.device}, "
+                         f"got {tuple(out.shape)} of {out.dtype} on {out.device}")
+    if mode() == "fast":
+        y = F.linear(x, w, bias).to(out_dtype)
+    elif not use_triton(x.device):
+        y = matmul_ref(x, w, bias).to(out_dtype)
+    else:
+        return _launch(x, w, bias, out_dtype, matmul_config(x.dtype, N, x.shape[1]), out)
+    if out is None:
+        return y
+    return out.copy_(y)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+            cfg: MatmulConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the kernel with ``cfg`` (always :func:`matmul_config`'s, except in the tuning sweep)."""
+    M, K = x.shape
+    N = w.shape[0]
+    interpreted = backend(x.device) == "interpreter"
+    # The interpreter's bf16 dot and bf16 casts are wrong: upcast tiles there, write float32 and
+    # let torch round (never taken on the GPU).
+    upcast = interpreted and x.dtype == torch.bfloat16
+    kernel_out_dtype = torch.float32 if interpreted and out_dtype == torch.bfloat16 else out_dtype
+    dst = out if out is not None and kernel_out_dtype == out_dtype else torch.empty(
+        (M, N), dtype=kernel_out_dtype, device=x.device)
+    if M > 0 and N > 0:
+        use_tma = K > 0 and _use_tma(x.dtype, K, x.device)
+        if use_tma:
+            x, w = _tma_ready(x), _tma_ready(w)
+            x_arg = TensorDescriptor.from_tensor(x, [cfg.BLOCK_M, cfg.BLOCK_K])
+            w_arg = TensorDescriptor.from_tensor(w, [cfg.BLOCK_N, cfg.BLOCK_K])
+        else:
+            x_arg, w_arg = x, w
+        num_tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+        if interpreted:
+            programs = _INTERPRETER_PROGRAMS
+        else:
+            programs = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        programs = min(programs, num_tiles)
+        _matmul_kernel[(programs,)](
+            x_arg, w_arg, dst, bias,
+            M, N, K,
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), dst.stride(0), dst.stride(1),
+            programs,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+            HAS_BIAS=bias is not None, USE_TMA=use_tma, UPCAST=upcast,
+            PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", FLATTEN=cfg.flatten,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    if dst is out:
+        return out
+    if out is not None:
+        return out.copy_(dst)
+    return dst if kernel_out_dtype == out_dtype else dst.to(out_dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [..., K] @ w[N, K].T (+ bias)`` -> [..., N]: leading dims flattened onto :func:`matmul`'s M."""
+    if x.dim() < 1:
+        raise ValueError(f"linear: x must have at least 1 dim [..., K], got shape {tuple(x.shape)}")
+    lead = x.shape[:-1]
+    y = matmul(x.reshape(-1, x.shape[-1]), w, bias, out_dtype)
+    return y.reshape(*lead, w.shape[0])

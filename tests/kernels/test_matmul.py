@@ -1,0 +1,226 @@
+"""rlperf.kernels.matmul: accuracy against the float64 reference, and batch invariance bit for bit.
+
+Inputs are scaled so outputs are O(1) (x ~ N(0,1), w ~ N(0,1)/sqrt(K)); tolerances then read as
+errors of O(1) numbers:
+
+* float32 inputs: float32 accumulation (tf32x3 products on the GPU) -> atol = rtol = 2e-5;
+* float16: exact products, float32 sums, one rounding to fp16 (2^-11 relative) -> 2e-3;
+* bfloat16 (GPU only): one rounding to bf16 (2^-8 relative) -> 1.6e-2;
+* float32 output of 16-bit inputs (lm-head logits): float32 sums only -> 5e-5.
+
+CPU tests run the Triton kernel in the interpreter (fp32/fp16; its bf16 dot is wrong), with small
+N, K that are not multiples of the tiles; K = 96 takes the TMA-descriptor path, K = 33/130 (rows
+not 16-byte aligned in fp16) the masked pointer path. GPU tests (marker ``gpu``) repeat them with
+bf16 and real Qwen3 shapes, where the invariance bits actually matter.
+
+(Import ops through ``rlperf.kernels``, never ``from rlperf.kernels.matmul import ...`` here: a
+first import of the submodule binds the package attribute ``matmul`` to the module.)
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rlperf.kernels as K
+from rlperf.kernels.reference.matmul import matmul_ref
+
+TOL = {  # dtype -> (atol, rtol), see the module docstring
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+F32_OUT_TOL = (5e-5, 5e-5)
+
+
+def _inputs(m, n, k, dtype, device="cpu", bias=False):
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    return x, w, b
+
+
+def _poisoned(m, n, dtype, device="cpu"):
+    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
+
+
+def _check_close(y, x, w, b, atol, rtol):
+    ref = matmul_ref(x, w, b)
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    torch.testing.assert_close(y.double(), ref, atol=atol, rtol=rtol)
+
+
+# ------------------------------------------------------------------------------------ CPU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", [(33, 33), (130, 96), (96, 130)])
+@pytest.mark.parametrize("m", [1, 7, 33, 127])
+@pytest.mark.parametrize("bias", [False, True])
+def test_accuracy_interpreter(interpreter, dtype, m, n, k, bias):
+    atol, rtol = TOL[dtype]
+    x, w, b = _inputs(m, n, k, dtype, bias=bias)
+    out = _poisoned(m, n, dtype)
+    y = K.matmul(x, w, b, out=out)
+    assert y is out and y.dtype == dtype and y.shape == (m, n)
+    _check_close(y, x, w, b, atol, rtol)
+
+
+@pytest.mark.parametrize("k", [96, 130])
+def test_float32_output_of_float16(interpreter, k):
+    x, w, b = _inputs(40, 70, k, torch.float16, bias=True)
+    y = K.matmul(x, w, b, out_dtype=torch.float32, out=_poisoned(40, 70, torch.float32))
+    assert y.dtype == torch.float32
+    _check_close(y, x, w, b, *F32_OUT_TOL)
+    # fp32 output keeps what the fp16 cast would round away
+    assert not torch.equal(y, y.half().float())
+
+
+def test_bias_added_in_float32_before_the_cast(interpreter):
+    # A fp32 bias that fp16 cannot hold: adding it after a cast to fp16 would lose it.
+    x, w, _ = _inputs(5, 40, 96, torch.float16)
+    b = torch.full((40,), 1e-3, dtype=torch.float32) + torch.randn(40) * 1e-4
+    y = K.matmul(x, w, b, out_dtype=torch.float32)
+    _check_close(y, x, w, b, *F32_OUT_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", [(130, 96), (96, 130)])
+def test_batch_invariance_interpreter(interpreter, dtype, n, k):
+    x, w, b = _inputs(300, n, k, dtype, bias=True)
+    full = K.matmul(x, w, b)
+    for row in (0, 5, 128, 299):  # rows in different tiles and tile positions
+        assert torch.equal(K.matmul(x[row:row + 1], w, b)[0], full[row]), f"row {row} alone"
+    for m in (2, 7, 64, 129, 200):
+        assert torch.equal(K.matmul(x[:m], w, b), full[:m]), f"first {m} rows"
+    perm = torch.randperm(300)
+    shuffled = K.matmul(x[perm], w, b)
+    assert torch.equal(shuffled[torch.argsort(perm)], full), "shuffled batch"
+
+
+def test_noncontiguous_inputs_same_bits(interpreter):
+    x, w, b = _inputs(37, 64, 96, torch.float16)
+    x_t = x.T.contiguous().T  # column-major view
+    w_wide = torch.cat([w, w], dim=1)[:, :96]  # row stride 192, a view
+    assert not x_t.is_contiguous() and not w_wide.is_contiguous()
+    assert torch.equal(K.matmul(x_t, w_wide, b), K.matmul(x, w, b))
+    x_off = torch.randn(37 * 96 + 1).half()[1:].view(37, 96)  # storage offset: unaligned base
+    assert torch.equal(K.matmul(x_off, w), K.matmul(x_off.clone(), w))
+
+
+def test_linear_reshapes_leading_dims(interpreter):
+    x, w, b = _inputs(2 * 3 * 5, 40, 96, torch.float16, bias=True)
+    y = K.linear(x.view(2, 3, 5, 96), w, b)
+    assert y.shape == (2, 3, 5, 40)
+    assert torch.equal(y.reshape(30, 40), K.matmul(x, w, b))
+
+
+def test_empty_sizes(interpreter):
+    x, w, b = _inputs(0, 40, 96, torch.float16, bias=True)
+    assert K.matmul(x, w, b).shape == (0, 40)
+    x0, w0 = torch.randn(3, 0).half(), torch.randn(5, 0).half()
+    b0 = torch.randn(5).half()
+    assert torch.equal(K.matmul(x0, w0, b0), b0.expand(3, 5))
+
+
+def test_fast_mode_is_f_linear():
+    x, w, b = _inputs(9, 33, 65, torch.float32, bias=True)
+    with K.use_mode("fast"):
+        y = K.matmul(x, w, b)
+    assert torch.equal(y, F.linear(x, w, b))
+
+
+def test_reference_backend():
+    x, w, b = _inputs(9, 33, 65, torch.float16, bias=True)
+    with K.use_backend("reference"):
+        y = K.matmul(x, w, b)
+    assert torch.equal(y, matmul_ref(x, w, b).half())
+
+
+def test_bad_arguments_name_the_shapes():
+    x, w, _ = _inputs(4, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"x \[M, K\] = \(4, 16\) and w \[N, K\] = \(8, 12\)"):
+        K.matmul(x, torch.randn(8, 12))
+    with pytest.raises(ValueError, match=r"bias must have shape \[N\] = \(8,\).*got \(7,\)"):
+        K.matmul(x, w, torch.randn(7))
+    with pytest.raises(TypeError, match="x dtype torch.float32 and w dtype torch.float16"):
+        K.matmul(x, w.half())
+    with pytest.raises(TypeError, match="not supported"):
+        K.matmul(x.double(), w.double())
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        K.matmul(x[0], w)
+    with pytest.raises(ValueError, match=r"out must be \[M, N\] = \(4, 8\)"):
+        K.matmul(x, w, out=torch.empty(4, 9))
+
+
+def test_config_ignores_m_and_fixes_the_reduction():
+    cfg = K.matmul_config(torch.bfloat16, 6144, 2560)
+    assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"} <= set(vars(cfg))
+    assert cfg == K.matmul_config(torch.bfloat16, 6144, 2560)  # no M argument exists at all
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for n, k in ((33, 33), (1024, 3072), (24576, 4096)):
+            c = K.matmul_config(dtype, n, k)
+            assert c.BLOCK_M % 64 == 0 and c.BLOCK_K >= 16  # wgmma-sized tiles
+    with pytest.raises(TypeError, match="not supported"):
+        K.matmul_config(torch.float64, 8, 8)
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 2560), (257, 2560, 9728), (1024, 4096, 4096), (33, 1000, 1001),
+                                   (4097, 3072, 1024)])
+def test_accuracy_gpu(dtype, m, n, k):
+    atol, rtol = TOL[dtype]
+    x, w, b = _inputs(m, n, k, dtype, device="cuda", bias=True)
+    y = K.matmul(x, w, b, out=_poisoned(m, n, dtype, "cuda"))
+    _check_close(y, x, w, b, atol, rtol)
+
+
+@pytest.mark.gpu
+def test_float32_logits_gpu():
+    x, w, _ = _inputs(300, 4099, 2560, torch.bfloat16, device="cuda")
+    y = K.matmul(x, w, out_dtype=torch.float32, out=_poisoned(300, 4099, torch.float32, "cuda"))
+    _check_close(y, x, w, None, *F32_OUT_TOL)
+
+
+GPU_MS = (1, 2, 7, 16, 33, 64, 128, 255, 1024, 2048, 4097)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,n,k,bias,out_dtype", [
+    (torch.bfloat16, 6144, 2560, False, None),    # Qwen3-4B fused qkv
+    (torch.bfloat16, 2560, 9728, False, None),    # Qwen3-4B down
+    (torch.bfloat16, 1024, 3072, True, None),     # Qwen3-0.6B down, with bias
+    (torch.bfloat16, 4099, 2560, False, torch.float32),  # lm-head-like: odd N, float32 logits
+    (torch.bfloat16, 1000, 1001, False, None),    # K rows not 16-byte aligned: pointer path
+    (torch.float16, 4096, 4096, False, None),
+    (torch.float32, 1024, 2048, True, None),
+])
+def test_batch_invariance_gpu(dtype, n, k, bias, out_dtype):
+    total = max(GPU_MS)
+    x, w, b = _inputs(total, n, k, dtype, device="cuda", bias=bias)
+    full = K.matmul(x, w, b, out_dtype=out_dtype)
+    for m in GPU_MS:
+        part = K.matmul(x[:m], w, b, out_dtype=out_dtype)
+        assert torch.equal(part, full[:m]), f"first {m} rows differ from the same rows inside M={total}"
+    for row in (0, 63, 64, 1000, total - 1):
+        assert torch.equal(K.matmul(x[row:row + 1], w, b, out_dtype=out_dtype)[0], full[row]), f"row {row} alone"
+    for seed in range(2):
+        perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).cuda()
+        shuffled = K.matmul(x[perm], w, b, out_dtype=out_dtype)
+        assert torch.equal(shuffled[torch.argsort(perm)], full), "shuffled batch"
+    # a row inside a mixed batch of other requests (different values around it)
+    other = torch.randn(200, k, device="cuda").to(dtype)
+    mixed = torch.cat([other[:77], x[5:6], other[77:]])
+    assert torch.equal(K.matmul(mixed, w, b, out_dtype=out_dtype)[77], full[5])
+
+
+@pytest.mark.gpu
+def test_unaligned_and_strided_inputs_gpu():
+    m, n, k = 300, 2560, 4096
+    x, w, _ = _inputs(m, n, k, torch.bfloat16, device="cuda")
+    ref = K.matmul(x, w)
+    x_off = torch.empty(m * k + 1, device="cuda", dtype=torch.bfloat16)[1:].view(m, k).copy_(x)  # base % 16 == 2
+    assert torch.equal(K.matmul(x_off, w), ref)
+    assert torch.equal(K.matmul(x.T.contiguous().T, w), ref)
