@@ -1,0 +1,135 @@
+"""Tile-config sweep for ``rlperf.kernels.matmul`` (a tuning tool, not a benchmark of record).
+
+    python -m rlperf.bench.matmul_sweep [--json PATH] [--reps N]
+
+Times every candidate :class:`MatmulConfig` on every (N, K) of ``bench/matmul.py`` at every M,
+next to cuBLAS, and prints per (N, K) and config the geometric-mean ratio (cuBLAS / kernel) over
+small (M <= 64), middle (M = 256) and large (M >= 1024) batches. A config is then chosen per
+(N, K) for *all* M (the invariance contract: never a function of M) and written into
+``_TUNED_16BIT`` in ``kernels/matmul.py`` by hand, with the numbers in ``bench/NOTES-matmul.md``.
+
+It also records whether different configs give the same bits on one input (which config knobs
+change the reduction order on this GPU): evidence, not a license to vary configs with M.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from .harness import cuda_time, environment, geomean
+from .matmul import M_VALUES, MODELS, linear_shapes
+
+# name: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, flatten)
+CANDIDATES = {
+    "m128n256k64w8s3": (128, 256, 64, 8, 3, True),
+    "m128n256k64w8s4": (128, 256, 64, 8, 4, True),
+    "m128n256k64w8s3nf": (128, 256, 64, 8, 3, False),
+    "m128n128k64w8s4": (128, 128, 64, 8, 4, True),
+    "m128n128k64w8s5": (128, 128, 64, 8, 5, True),
+    "m128n128k64w8s4nf": (128, 128, 64, 8, 4, False),
+    "m128n128k64w4s4": (128, 128, 64, 4, 4, True),
+    "m128n128k128w8s3": (128, 128, 128, 8, 3, True),
+    "m128n64k64w4s4": (128, 64, 64, 4, 4, True),
+    "m128n64k64w4s6": (128, 64, 64, 4, 6, True),
+    "m128n64k64w8s4": (128, 64, 64, 8, 4, True),
+    "m128n64k128w4s4": (128, 64, 128, 4, 4, True),
+    "m64n256k64w4s4": (64, 256, 64, 4, 4, True),
+    "m64n128k64w4s6": (64, 128, 64, 4, 6, True),
+    "m64n64k128w4s6": (64, 64, 128, 4, 6, True),
+    "m64n32k128w4s8": (64, 32, 128, 4, 8, True),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default="results/matmul-sweep.json")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--configs", default="", help="comma-separated subset of candidate names")
+    args = p.parse_args(argv)
+
+    import rlperf.kernels as K
+
+    K.matmul  # resolve the op first, so importing the module below cannot shadow it
+    mm = sys.modules["rlperf.kernels.matmul"]
+    names = [n for n in CANDIDATES if not args.configs or n in args.configs.split(",")]
+    configs = {n: mm.MatmulConfig(*CANDIDATES[n][:3], 8, *CANDIDATES[n][3:]) for n in names}
+
+    info = environment()
+    print(f"# sweep on {info['card']} | triton {info['triton']} | torch {info['torch']}", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []  # dicts: model, layer, N, K, M, config, ms (None: failed)
+    failed: dict[str, str] = {}
+    bits: dict = {}
+    t0 = time.time()
+    for model in MODELS:
+        for layer, n, k in linear_shapes(model):
+            w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+            x_all = torch.randn(max(M_VALUES), k, device="cuda", generator=gen).bfloat16()
+            for m in M_VALUES:
+                x = x_all[:m]
+                t = cuda_time(lambda: torch.matmul(x, w.T), warmup=3, reps=args.reps)
+                results.append(dict(model=model, layer=layer, N=n, K=k, M=m, config="cublas", ms=t.median_ms))
+                for name, cfg in configs.items():
+                    if name in failed:
+                        continue
+                    try:
+                        t = cuda_time(lambda: mm._launch(x, w, None, torch.bfloat16, cfg), warmup=3, reps=args.reps)
+                        ms = t.median_ms
+                    except Exception as e:  # out of shared memory, compile error: record, skip config
+                        failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
+                        print(f"config {name} failed: {failed[name]}", flush=True)
+                        continue
+                    results.append(dict(model=model, layer=layer, N=n, K=k, M=m, config=name, ms=ms))
+            # Which knobs change bits: every config on the same 300 rows vs the first config.
+            if (model, layer) in (("qwen3-4b", "qkv"), ("qwen3-4b", "down")):
+                x = x_all[:300]
+                base = None
+                for name, cfg in configs.items():
+                    if name in failed:
+                        continue
+                    y = mm._launch(x, w, None, torch.bfloat16, cfg)
+                    if base is None:
+                        base = (name, y)
+                    bits[f"{model} {layer} {name} == {base[0]}"] = bool(torch.equal(y, base[1]))
+            print(f"{model} {layer} N={n} K={k} done ({time.time() - t0:.0f}s)", flush=True)
+            del w, x_all
+
+    # Per (N, K) and config: geomean ratio over M groups.
+    table = []
+    groups = {"small": lambda m: m <= 64, "mid": lambda m: m == 256, "large": lambda m: m >= 1024}
+    cublas = {(r["N"], r["K"], r["M"]): r["ms"] for r in results if r["config"] == "cublas"}
+    print(f"\n{'shape':<26} {'config':<20} {'small':>6} {'mid':>6} {'large':>6}")
+    for model in MODELS:
+        for layer, n, k in linear_shapes(model):
+            best = None
+            for name in names:
+                rs = {r["M"]: r["ms"] for r in results if r["config"] == name and r["N"] == n and r["K"] == k}
+                if len(rs) != len(M_VALUES):
+                    continue
+                g = {gname: geomean([cublas[(n, k, m)] / rs[m] for m in rs if pred(m)]) for gname, pred in groups.items()}
+                score = min(g["small"] / 0.75, g["large"] / 0.90)
+                table.append(dict(model=model, layer=layer, N=n, K=k, config=name, **g, score=score))
+                if best is None or score > best[1]:
+                    best = (name, score, g)
+            for row in table:
+                if row["N"] == n and row["K"] == k and row["model"] == model:
+                    mark = " *" if best and row["config"] == best[0] else ""
+                    print(f"{model[6:]+' '+layer:<26} {row['config']:<20} {row['small']:6.3f} {row['mid']:6.3f} "
+                          f"{row['large']:6.3f}{mark}")
+    print("\nbits equal across configs:", json.dumps(bits, indent=0))
+    print("failed configs:", json.dumps(failed, indent=0))
+    payload = dict(environment=info, results=results, table=table, bits=bits, failed=failed)
+    from pathlib import Path
+
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(payload, indent=1))
+    print(f"sweep: {args.json} ({time.time() - t0:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
