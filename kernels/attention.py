@@ -1,0 +1,452 @@
+"""Causal attention whose bits do not depend on how a sequence is batched or chunked: one Triton
+kernel for varlen prefill (training), chunked prefill against a paged KV cache, and decode.
+
+Formula. For sequence ``b`` with ``L_b`` tokens of K/V and ``n_b`` queries (the LAST ``n_b``
+positions, so query ``i`` sits at position ``pos = L_b - n_b + i``), query head ``j`` and KV head
+``h = j // G`` (``G = Hq // Hkv``)::
+
+    out[i, j] = sum_{p <= pos} softmax_p(scale * q[i, j] . k[p, h]) * v[p, h]       scale = D**-0.5
+
+Decode is ``n_b = 1``, chunked prefill ``n_b`` = a chunk, full prefill ``n_b = L_b``.
+
+Invariance contract (DESIGN.md "Prefill ≡ decode"): the output row of (sequence, position, head)
+has the same bits in every mode and every batch composition, because every mode runs
+
+* the same kernel body with ONE launch config (``_CONFIG``: BLOCK_M, BLOCK_N, warps, stages) —
+  on Hopper a row's wgmma result does not depend on which row of the tile it sits in, but a
+  different tile shape or warp count may pick a different MMA instruction and change the bits;
+* the same KV blocks in the same order: block ``j`` holds positions ``[j*BLOCK_N, (j+1)*BLOCK_N)``,
+  which is exactly page ``page_table[b, j]`` (``PAGE_SIZE == BLOCK_N``), from block 0 upwards, with
+  no split-KV;
+* the same online-softmax update per block. A tile covers several query positions, so it may run
+  blocks that are entirely in some row's future; for that row the update is an exact no-op:
+  scores are ``-inf``, the running max does not move (``alpha = exp2(0) = 1``), ``p = 0``, and
+  ``acc*1 + 0 @ v == acc`` (``v`` past ``L_b`` is loaded as 0, never as stale cache bits or NaN).
+  The one value ``+0`` cannot preserve is a ``-0.0`` accumulator, so the epilogue adds ``+0.0``.
+* blocks wholly at or before every row of the tile skip the mask (fast path); the masked path
+  differs only by a ``where`` applied to the raw scores before anything else, so a valid score
+  takes the same arithmetic (and the same FMA contraction) on both paths.
+
+GQA: the ``G`` query heads of one KV head are packed into the M tile (row ``r`` = query
+``r // G``, head ``r % G``), so each K/V block is read once per KV head, not once per query head;
+that is what makes decode memory-efficient. Grid: (query tiles of all sequences, KV heads), no
+split over KV: ``B * Hkv`` programs already fill the GPU in decode.
+
+Fast mode (``mode() == "fast"``) uses torch SDPA instead (flash / cuDNN / efficient), not
+invariant; it exists to measure the price of invariance.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .dispatch import mode, use_triton
+from .reference import attention as _ref
+
+# One launch config for every mode (see the contract above). BLOCK_N is the KV block and the page size.
+_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+PAGE_SIZE: int = _CONFIG["BLOCK_N"]
+
+__all__ = ["PAGE_SIZE", "write_kv_cache", "paged_attention", "varlen_attention"]
+
+
+# ----------------------------------------------------------------------------------------------
+# attention kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_block(
+    acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len,
+    PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One online-softmax update with KV block ``jb`` (identical arithmetic in every mode)."""
+    offs_j = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = jb * BLOCK_N + offs_j                      # key positions in the sequence
+    if PAGED:
+        page = tl.load(PAGE_TABLE + b * stride_pt + jb).to(tl.int64)
+        k_ptrs = K + page * stride_kp + kvh * stride_kh + offs_j[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = V + page * stride_vp + kvh * stride_vh + offs_j[:, None] * stride_vt + offs_d[None, :]
+    else:
+        rows = (kv_start + offs_n).to(tl.int64)
+        k_ptrs = K + kvh * stride_kh + rows[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = V + kvh * stride_vh + rows[:, None] * stride_vt + offs_d[None, :]
+    if MASKED:
+        # Past L_b the cache holds stale bits (maybe NaN): load zeros so 0 * v stays 0.
+        in_seq = (offs_n < kv_len)[:, None]
+        k = tl.load(k_ptrs, mask=in_seq, other=0.0)
+        v = tl.load(v_ptrs, mask=in_seq, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    qk = tl.dot(q, tl.trans(k))
+    if MASKED:
+        # Applied to the raw scores, before the scale, so valid entries see the same FMA as unmasked.
+        qk = tl.where(offs_n[None, :] <= pos[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, CU_Q, KV_LENS, PAGE_TABLE,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_pt,
+    qk_scale, num_seqs, search_steps,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+):
+    """Program (i, kvh): query tile i of the flattened tile list, KV head kvh.
+
+    Tile numbering without host sync: sequence b's tiles start at f(b) = cu_q[b] // BLOCK_Q + b,
+    which is monotone and leaves at least cdiv(n_b, BLOCK_Q) slots per sequence; the grid is
+    f(B) = T // BLOCK_Q + B. A binary search over f finds b; surplus slots exit.
+    """
+    BLOCK_Q: tl.constexpr = BLOCK_M // G
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+
+    lo = pid * 0
+    hi = lo + num_seqs
+    for _ in range(search_steps):  # invariant: f(lo) <= pid < f(hi); extra steps are no-ops
+        mid = (lo + hi) // 2
+        take = tl.load(CU_Q + mid) // BLOCK_Q + mid <= pid
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid)
+    b = lo
+    q_start = tl.load(CU_Q + b)
+    n_q = tl.load(CU_Q + b + 1) - q_start
+    n_tiles = (n_q + BLOCK_Q - 1) // BLOCK_Q
+    j = pid - (q_start // BLOCK_Q + b)
+    if j < n_tiles:
+        tile = n_tiles - 1 - j  # latest (longest) tiles of a sequence start first
+        if PAGED:
+            kv_len = tl.load(KV_LENS + b)
+            kv_start = 0
+        else:
+            kv_len = n_q
+            kv_start = q_start
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_idx = tile * BLOCK_Q + offs_m // G            # query index within the sequence
+        head = kvh * G + offs_m % G
+        row_ok = (offs_m < BLOCK_Q * G) & (q_idx < n_q)
+        pos = kv_len - n_q + q_idx                      # key position of each row's query
+        q_rows = (q_start + q_idx).to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+        first_pos = kv_len - n_q + tile * BLOCK_Q
+        last_pos = kv_len - n_q + tl.minimum(tile * BLOCK_Q + BLOCK_Q, n_q) - 1
+        n_full = (first_pos + 1) // BLOCK_N                # blocks no row of the tile masks
+        n_blocks = (last_pos + BLOCK_N) // BLOCK_N         # cdiv(last_pos + 1, BLOCK_N)
+        for jb in range(0, n_full):
+            acc, l_i, m_i = _attn_block(
+                acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len,
+                PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+                HEAD_DIM, BLOCK_N, PAGED, False)
+        for jb in range(n_full, n_blocks):
+            acc, l_i, m_i = _attn_block(
+                acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len,
+                PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+                HEAD_DIM, BLOCK_N, PAGED, True)
+
+        # + 0.0 turns a -0.0 (which an extra masked block would have turned into +0.0) into +0.0.
+        out = acc / l_i[:, None] + 0.0
+        tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int) -> int:
+    if q.dim() != 3 or k.dim() < 3 or k.shape != v.shape:
+        raise ValueError(f"expected q [T,Hq,D] and matching k/v, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype {q.dtype}: expected bfloat16, float16 or float32")
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k.shape[-2]
+    if k.shape[-1] != D:
+        raise ValueError(f"head_dim of q ({D}) and k ({k.shape[-1]}) differ")
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"head_dim {D}: expected a power of two >= 16 (64 and 128 are the tuned ones)")
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    G = Hq // Hkv
+    if G > block_m:
+        raise ValueError(f"{G} query heads per KV head exceed BLOCK_M={block_m}")
+    return G
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor | None,
+    page_table: torch.Tensor | None,
+    scale: float | None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Launch the kernel: paged when ``page_table`` is given (k, v = caches), varlen otherwise.
+
+    ``config`` overrides ``_CONFIG`` for tuning sweeps only; production calls never pass it.
+    """
+    cfg = _CONFIG if config is None else config
+    G = _check_qkv(q, k, v, cfg["BLOCK_M"])
+    T, Hq, D = q.shape
+    Hkv = k.shape[-2]
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    num_seqs = cu_seqlens_q.numel() - 1
+    out = torch.empty_like(q)
+    if T == 0 or num_seqs <= 0:
+        return out
+    scale = D ** -0.5 if scale is None else float(scale)
+    block_q = cfg["BLOCK_M"] // G
+    paged = page_table is not None
+    if paged:
+        if k.shape[1] != cfg["BLOCK_N"]:
+            raise ValueError(f"cache page size {k.shape[1]} != the kernel's KV block {cfg['BLOCK_N']} (PAGE_SIZE)")
+        strides_k = (k.stride(0), k.stride(1), k.stride(2))
+        strides_v = (v.stride(0), v.stride(1), v.stride(2))
+        stride_pt = page_table.stride(0)
+    else:
+        strides_k = (0, k.stride(0), k.stride(1))
+        strides_v = (0, v.stride(0), v.stride(1))
+        stride_pt = 0
+        kv_lens = cu_seqlens_q  # unused placeholders (PAGED=False never reads them)
+        page_table = cu_seqlens_q
+    grid = (T // block_q + num_seqs, Hkv)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, cu_seqlens_q, kv_lens, page_table,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *strides_k, *strides_v, stride_pt,
+        scale * math.log2(math.e), num_seqs, math.ceil(math.log2(num_seqs)) if num_seqs > 1 else 0,
+        G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def _check_index(name: str, x: torch.Tensor, device: torch.device) -> None:
+    if x.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, q on {device}")
+
+
+# ----------------------------------------------------------------------------------------------
+# fast mode: torch SDPA (not invariant)
+# ----------------------------------------------------------------------------------------------
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, causal_offset: int | None):
+    """q [n, Hq, D], k/v [L, Hkv, D] -> [n, Hq, D]; causal aligned to the end when causal_offset is set."""
+    import torch.nn.functional as F
+
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    n, L = q.shape[0], k.shape[0]
+    if n == 1 or causal_offset is None:
+        o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True)
+    elif n == L:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def _varlen_fast(q, k, v, cu_seqlens, scale):
+    cu = cu_seqlens.tolist()
+    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    if lens and all(n == lens[0] for n in lens) and lens[0] > 0:
+        import torch.nn.functional as F
+
+        B, L = len(lens), lens[0]
+        qb = q[cu[0]:cu[-1]].view(B, L, *q.shape[1:]).transpose(1, 2)
+        kb = k[cu[0]:cu[-1]].view(B, L, *k.shape[1:]).transpose(1, 2)
+        vb = v[cu[0]:cu[-1]].view(B, L, *v.shape[1:]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
+        out = torch.empty_like(q)
+        out[cu[0]:cu[-1]] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
+        return out
+    out = torch.empty_like(q)
+    for b, n in enumerate(lens):
+        if n:
+            out[cu[b]:cu[b + 1]] = _sdpa(q[cu[b]:cu[b + 1]], k[cu[b]:cu[b + 1]], v[cu[b]:cu[b + 1]], scale, 0)
+    return out
+
+
+def _paged_fast(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale):
+    import torch.nn.functional as F
+
+    cu = cu_seqlens_q.tolist()
+    lens = kv_lens.tolist()
+    B = len(lens)
+    page = k_cache.shape[1]
+    out = torch.empty_like(q)
+    if q.shape[0] == B and all(cu[i + 1] - cu[i] == 1 for i in range(B)):
+        # decode: gather every sequence's pages into a dense [B, Hkv, S, D] and mask the tail
+        S = max(lens)
+        npages = -(-S // page)
+        pt = page_table[:, :npages].long()
+        kd = k_cache[pt].flatten(1, 2)[:, :S].transpose(1, 2)
+        vd = v_cache[pt].flatten(1, 2)[:, :S].transpose(1, 2)
+        mask = (torch.arange(S, device=q.device)[None, :] < kv_lens[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(q[:, :, None, :], kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o[:, :, 0, :]
+    for b in range(B):
+        if cu[b + 1] == cu[b]:
+            continue
+        L = lens[b]
+        pages = page_table[b, : -(-L // page)].long()
+        kb = k_cache[pages].flatten(0, 1)[:L]
+        vb = v_cache[pages].flatten(0, 1)[:L]
+        out[cu[b]:cu[b + 1]] = _sdpa(q[cu[b]:cu[b + 1]], kb, vb, scale, 0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# public ops
+# ----------------------------------------------------------------------------------------------
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Causal prefill over packed sequences without a cache (the training forward).
+
+    Parameters
+    ----------
+    q : [T, Hq, D] bf16/fp16 (fp32 accepted; on the GPU its dots run in tf32)
+    k, v : [T, Hkv, D], same dtype; ``Hq % Hkv == 0``
+    cu_seqlens : [B+1] int32 offsets of the sequences in the packed token axis
+    scale : softmax scale, default ``D**-0.5``
+
+    Returns ``[T, Hq, D]`` in q's dtype. Bit-identical to :func:`paged_attention` on the same tokens.
+    """
+    if mode() == "fast":
+        return _varlen_fast(q, k, v, cu_seqlens, scale)
+    _check_index("cu_seqlens", cu_seqlens, q.device)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k has {k.shape[0]} tokens, q {q.shape[0]}")
+    if use_triton(q.device):
+        return _attention_forward(q, k, v, cu_seqlens, None, None, scale)
+    return _ref.attention_ref(q, k, v, cu_seqlens, cu_seqlens, scale).to(q.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of new queries against a paged KV cache (decode, chunked or full prefill).
+
+    Parameters
+    ----------
+    q : [T, Hq, D]; sequence b owns ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` (``n_b`` queries), which are
+        the LAST ``n_b`` of its ``kv_lens[b]`` tokens (their K/V already written with :func:`write_kv_cache`)
+    k_cache, v_cache : [num_pages, PAGE_SIZE, Hkv, D], q's dtype
+    page_table : [B, max_pages] int32; token p of sequence b is in page ``page_table[b, p // PAGE_SIZE]``
+    cu_seqlens_q : [B+1] int32;  kv_lens : [B] int32 with ``kv_lens[b] >= n_b``
+    scale : softmax scale, default ``D**-0.5``
+
+    Returns ``[T, Hq, D]`` in q's dtype; row (b, position, head) has the same bits whatever the mode
+    (decode, chunk, full prefill) and whatever else is in the batch.
+    """
+    if mode() == "fast":
+        return _paged_fast(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale)
+    for name, x in (("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q), ("kv_lens", kv_lens)):
+        _check_index(name, x, q.device)
+    if k_cache.dim() != 4 or kv_lens.numel() != cu_seqlens_q.numel() - 1 or page_table.shape[0] != kv_lens.numel():
+        raise ValueError(
+            f"expected k_cache [pages, page, Hkv, D], page_table [B, max_pages], cu_seqlens_q [B+1], kv_lens [B]; got "
+            f"{tuple(k_cache.shape)}, {tuple(page_table.shape)}, {tuple(cu_seqlens_q.shape)}, {tuple(kv_lens.shape)}"
+        )
+    if use_triton(q.device):
+        if page_table.stride(1) != 1:
+            page_table = page_table.contiguous()
+        return _attention_forward(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, scale)
+    return _ref.paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache write
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    K, V, KC, VC, SLOTS,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
+    H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
+):
+    """Program t copies token t's K and V (all KV heads) into its cache slot; slot < 0 means skip."""
+    t = tl.program_id(0)
+    slot = tl.load(SLOTS + t)
+    if slot >= 0:
+        page = slot // PAGE
+        off = slot % PAGE
+        offs_h = tl.arange(0, BLOCK_H)[:, None]
+        offs_d = tl.arange(0, HEAD_DIM)[None, :]
+        mask = offs_h < H
+        t64 = t.to(tl.int64)
+        k = tl.load(K + t64 * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+        v = tl.load(V + t64 * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+        tl.store(KC + page * stride_kcp + off * stride_kct + offs_h * stride_kch + offs_d, k.to(KC.dtype.element_ty), mask=mask)
+        tl.store(VC + page * stride_vcp + off * stride_vct + offs_h * stride_vch + offs_d, v.to(VC.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new tokens' K/V into the paged cache, in place.
+
+    ``k, v [T, Hkv, D]``; ``k_cache, v_cache [num_pages, page_size, Hkv, D]``; ``slot_mapping [T]``
+    int64 with ``slot = page_index * page_size + offset``; a negative slot skips its token (padding).
+    """
+    T = k.shape[0]
+    if k.shape != v.shape or k_cache.shape != v_cache.shape or k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"shapes: k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if slot_mapping.shape != (T,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be [T] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if T == 0:
+        return
+    D = k.shape[2]
+    if mode() == "fast" or not use_triton(k.device) or D & (D - 1) or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        # a copy has no bits to keep invariant; the torch path is exact too
+        _ref.write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    H = k.shape[1]
+    _write_kv_kernel[(T,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H=H, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(H), PAGE=k_cache.shape[1],
+        num_warps=4,
+    )

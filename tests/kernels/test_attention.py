@@ -1,0 +1,318 @@
+"""rlperf.kernels.attention: accuracy against float64 and the prefill ≡ chunked prefill ≡ decode contract.
+
+Every invariance check compares outputs with ``torch.equal`` (bits), never with a tolerance:
+
+* varlen prefill (no cache) ≡ paged full prefill ≡ paged chunked prefill for several chunk sizes
+  ≡ decode token by token (chunk size 1);
+* over random lengths, shuffled non-contiguous page tables, and batch compositions that change
+  every step (sequences join and leave, their order is shuffled, a sequence runs alone).
+
+The cache starts as NaN and each chunk's K/V is written just before the chunk attends, so a kernel
+that reads a slot past ``kv_lens`` (a future token, a free page) produces NaN. Outputs are
+assembled into NaN-filled tensors, so a query the kernel never wrote fails too.
+
+CPU runs the Triton kernels in the interpreter with fp32/fp16 tiles (its bf16 ``tl.dot`` is wrong);
+the ``gpu`` tests prove the same in bf16/fp16 on the real MMA units with production shapes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlperf.kernels as K
+from rlperf.kernels.reference.attention import (
+    attention_ref,
+    gather_kv_ref,
+    paged_attention_ref,
+    write_kv_cache_ref,
+)
+
+def page_size() -> int:
+    return K.PAGE_SIZE  # a lazy attribute: importing rlperf.kernels.attention imports Triton
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def cu_of(lens, device) -> torch.Tensor:
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def make_tokens(lens, hq, hkv, d, dtype, device):
+    """Random q [T,Hq,D], k/v [T,Hkv,D] for packed sequences of ``lens`` tokens, and cu_seqlens."""
+    T = sum(lens)
+    q = torch.randn(T, hq, d, device=device).to(dtype)
+    k = torch.randn(T, hkv, d, device=device).to(dtype)
+    v = torch.randn(T, hkv, d, device=device).to(dtype)
+    return q, k, v, cu_of(lens, device)
+
+
+class PagedCache:
+    """A NaN-filled paged cache whose sequences own shuffled, non-contiguous pages (plus free NaN pages)."""
+
+    def __init__(self, lens, hkv, d, dtype, device, free_pages=3):
+        P = page_size()
+        need = [-(-n // P) for n in lens]
+        num_pages = sum(need) + free_pages
+        perm = torch.randperm(num_pages).tolist()
+        # unused table entries point at a free (NaN) page: a read of them would show up as NaN
+        self.page_table = torch.full((len(lens), max(need) + 1), perm[-1], dtype=torch.int32)
+        i = 0
+        for b, n in enumerate(need):
+            self.page_table[b, :n] = torch.tensor(perm[i:i + n], dtype=torch.int32)
+            i += n
+        self.page_table = self.page_table.to(device)
+        self.k = torch.full((num_pages, P, hkv, d), float("nan"), dtype=dtype, device=device)
+        self.v = torch.full_like(self.k, float("nan"))
+        self._table = self.page_table.cpu()
+
+    def slots(self, b: int, start: int, end: int) -> torch.Tensor:
+        P = page_size()
+        pos = torch.arange(start, end)
+        return (self._table[b].long()[pos // P] * P + pos % P)
+
+
+
+def run_varlen(q, k, v, lens):
+    return K.varlen_attention(q, k, v, cu_of(lens, q.device))
+
+
+def run_chunked(q, k, v, lens, chunk, shuffle=True, cache=None):
+    """Paged attention, each sequence fed ``chunk`` queries per step (chunk=None: the whole sequence
+    at once); every step batches the sequences that still have tokens, in a shuffled order, and
+    writes their new K/V into the cache just before attending."""
+    device = q.device
+    cu = cu_of(lens, "cpu").tolist()
+    cache = cache or PagedCache(lens, k.shape[1], k.shape[2], k.dtype, device)
+    out = torch.full_like(q, float("nan"))
+    done = [0] * len(lens)
+    while any(done[b] < lens[b] for b in range(len(lens))):
+        active = [b for b in range(len(lens)) if done[b] < lens[b]]
+        if shuffle:
+            active = [active[i] for i in torch.randperm(len(active)).tolist()]
+        rows, slots, n_q, kv = [], [], [], []
+        for b in active:
+            start = done[b]
+            end = lens[b] if chunk is None else min(lens[b], start + chunk)
+            rows.append(torch.arange(cu[b] + start, cu[b] + end))
+            slots.append(cache.slots(b, start, end))
+            n_q.append(end - start)
+            kv.append(end)
+            done[b] = end
+        rows = torch.cat(rows).to(device)
+        K.write_kv_cache(k[rows], v[rows], cache.k, cache.v, torch.cat(slots).to(device))
+        out[rows] = K.paged_attention(
+            q[rows], cache.k, cache.v, cache.page_table[torch.tensor(active, device=device)],
+            cu_of(n_q, device), torch.tensor(kv, dtype=torch.int32, device=device),
+        )
+    return out
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU (Triton interpreter)
+# ---------------------------------------------------------------------------------------------
+
+# (dtype, atol, rtol) against the float64 reference. fp32: interpreter dots are fp32, so only
+# accumulation/exp rounding (~1e-6). fp16: inputs are exact, P is rounded to fp16 before P@V
+# (2^-11 relative) and the output is rounded to fp16.
+CPU_TOLS = [(torch.float32, 2e-5, 2e-5), (torch.float16, 2e-3, 5e-3)]
+CPU_LENS = [1, 7, 33, 127, 64, 65]
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", CPU_TOLS)
+def test_accuracy_vs_float64(interpreter, dtype, atol, rtol):
+    lens = CPU_LENS
+    q, k, v, cu = make_tokens(lens, 4, 2, 64, dtype, "cpu")
+    ref = attention_ref(q, k, v, cu, cu)
+    out = run_varlen(q, k, v, lens)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    # paged, with a chunk that leaves partial pages and a scale that is not the default
+    cache = PagedCache(lens, 2, 64, dtype, "cpu")
+    out_p = run_chunked(q, k, v, lens, chunk=40, cache=cache)
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    torch.testing.assert_close(out_p.double(), ref, atol=atol, rtol=rtol)
+    ref_s = paged_attention_ref(q, cache.k, cache.v, cache.page_table, cu, kv_lens, scale=0.3)
+    out_s = K.paged_attention(q, cache.k, cache.v, cache.page_table, cu, kv_lens, scale=0.3)
+    torch.testing.assert_close(out_s.double(), ref_s, atol=atol, rtol=rtol)
+
+
+def test_queries_are_the_last_positions(interpreter):
+    """n_b < kv_lens[b] in one call: queries sit at the end of the sequence, causal mask aligned there."""
+    lens, n_q = [70, 129, 5], [3, 64, 5]
+    q, k, v, _ = make_tokens(lens, 4, 2, 64, torch.float32, "cpu")
+    cache = PagedCache(lens, 2, 64, torch.float32, "cpu")
+    cu_all = cu_of(lens, "cpu").tolist()
+    rows = []
+    for b, L in enumerate(lens):
+        K.write_kv_cache(k[cu_all[b]:cu_all[b] + L], v[cu_all[b]:cu_all[b] + L], cache.k, cache.v, cache.slots(b, 0, L))
+        rows += list(range(cu_all[b] + L - n_q[b], cu_all[b] + L))
+    qs = q[rows]
+    cu_q, kv_lens = cu_of(n_q, "cpu"), torch.tensor(lens, dtype=torch.int32)
+    out = K.paged_attention(qs, cache.k, cache.v, cache.page_table, cu_q, kv_lens)
+    ref = attention_ref(qs, k, v, cu_q, cu_of(lens, "cpu"))
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_write_kv_cache_round_trip(interpreter):
+    P = page_size()
+    hkv, d, T = 2, 64, 2 * P + 9
+    k = torch.randn(T, hkv, d, dtype=torch.float16)
+    v = torch.randn(T, hkv, d, dtype=torch.float16)
+    kc = torch.full((5, P, hkv, d), float("nan"), dtype=torch.float16)
+    vc = torch.full_like(kc, float("nan"))
+    slots = torch.randperm(5 * P)[:T]
+    slots[3] = -1  # padding token: skipped
+    K.write_kv_cache(k, v, kc, vc, slots)
+    kr, vr = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+    write_kv_cache_ref(k, v, kr, vr, slots)
+    assert torch.equal(kc.isnan(), kr.isnan()) and torch.equal(kc.nan_to_num(), kr.nan_to_num())
+    assert torch.equal(vc.isnan(), vr.isnan()) and torch.equal(vc.nan_to_num(), vr.nan_to_num())
+    keep = slots >= 0
+    s = slots[keep]
+    assert torch.equal(kc[s // P, s % P], k[keep]) and torch.equal(vc[s // P, s % P], v[keep])
+    assert int(kc.isnan().any(-1).any(-1).sum()) == 5 * P - int(keep.sum())  # nothing else touched
+    # read back through a page table, the way attention does
+    table = torch.arange(5, dtype=torch.int32)[None]
+    kg, vg, cu_k = gather_kv_ref(kc, vc, table, torch.tensor([5 * P], dtype=torch.int32))
+    assert cu_k.tolist() == [0, 5 * P] and torch.equal(kg[s], k[keep]) and torch.equal(vg[s], v[keep])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_chunked_decode_bit_identical(interpreter, dtype):
+    """varlen ≡ paged full prefill ≡ chunks of 1 (decode), 5, 16, 33 — bit for bit, shuffled batches."""
+    P = page_size()
+    lens = [1, 7, 33, P - 1, P, P + 1, 2 * P + 3]
+    q, k, v, _ = make_tokens(lens, 4, 2, 64, dtype, "cpu")
+    base = run_varlen(q, k, v, lens)
+    assert not base.isnan().any()
+    for chunk in (None, 1, 5, 16, 33):
+        out = run_chunked(q, k, v, lens, chunk)
+        assert torch.equal(out, base), f"chunk={chunk}: max diff {(out.double() - base.double()).abs().max()}"
+
+
+def test_batch_composition_bit_identical(interpreter):
+    """A sequence's rows do not depend on its neighbours or its place in the batch."""
+    lens = [127, 1, 33, 64, 7]
+    q, k, v, cu = make_tokens(lens, 4, 2, 64, torch.float16, "cpu")
+    base = run_varlen(q, k, v, lens)
+    c = cu.tolist()
+    for b in (0, 2, 4):
+        s = slice(c[b], c[b + 1])
+        alone = run_varlen(q[s], k[s], v[s], [lens[b]])
+        assert torch.equal(alone, base[s])
+        alone_paged = run_chunked(q[s], k[s], v[s], [lens[b]], chunk=None)
+        assert torch.equal(alone_paged, base[s])
+    order = [3, 0, 4, 2, 1]
+    idx = torch.cat([torch.arange(c[b], c[b + 1]) for b in order])
+    reordered = run_varlen(q[idx], k[idx], v[idx], [lens[b] for b in order])
+    assert torch.equal(reordered, base[idx])
+
+
+def test_gqa_group_sizes(interpreter):
+    """MHA (G=1) and wider groups (G=4) pack into the M tile correctly."""
+    lens = [9, 70]
+    for hq, hkv in ((2, 2), (8, 2)):
+        q, k, v, cu = make_tokens(lens, hq, hkv, 32, torch.float32, "cpu")
+        out = run_varlen(q, k, v, lens)
+        torch.testing.assert_close(out.double(), attention_ref(q, k, v, cu, cu), atol=2e-5, rtol=2e-5)
+        assert torch.equal(run_chunked(q, k, v, lens, chunk=3), out)
+
+
+def test_fast_mode_and_reference_backend_match_reference():
+    lens = [5, 40]
+    q, k, v, cu = make_tokens(lens, 4, 2, 64, torch.float32, "cpu")
+    ref = attention_ref(q, k, v, cu, cu)
+    with K.use_mode("fast"):
+        torch.testing.assert_close(run_varlen(q, k, v, lens).double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(run_varlen(q[:10], k[:10], v[:10], [5, 5]).double(),
+                                   attention_ref(q[:10], k[:10], v[:10], cu_of([5, 5], "cpu"), cu_of([5, 5], "cpu")),
+                                   atol=1e-5, rtol=1e-5)
+        for chunk in (None, 1, 7):
+            torch.testing.assert_close(run_chunked(q, k, v, lens, chunk).double(), ref, atol=1e-5, rtol=1e-5)
+    with K.use_backend("reference"):
+        assert torch.equal(run_varlen(q, k, v, lens), ref.float())
+        assert torch.equal(run_chunked(q, k, v, lens, chunk=None), ref.float())
+
+
+def test_bad_arguments(interpreter):
+    q, k, v, cu = make_tokens([8], 4, 2, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="int32"):
+        K.varlen_attention(q, k, v, cu.long())
+    with pytest.raises(ValueError, match="multiple"):
+        K.varlen_attention(q[:, :3], k, v, cu)
+    with pytest.raises(ValueError, match="dtypes"):
+        K.varlen_attention(q.half(), k, v, cu)
+    bad_cache = torch.zeros(2, page_size() // 2, 2, 64)
+    with pytest.raises(ValueError, match="page size"):
+        K.paged_attention(q, bad_cache, bad_cache, torch.zeros(1, 2, dtype=torch.int32), cu,
+                          torch.tensor([8], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: production shapes, bf16 and fp16, the real MMA units
+# ---------------------------------------------------------------------------------------------
+
+# bf16: 8 mantissa bits on inputs, P and output (2^-9 relative each); fp16: 11 bits.
+GPU_TOLS = [(torch.bfloat16, 1.5e-2, 1.5e-2), (torch.float16, 2e-3, 4e-3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol,rtol", GPU_TOLS)
+@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 8)])
+def test_gpu_prefill_chunked_decode_bit_identical(dtype, atol, rtol, d, hq, hkv):
+    gen = torch.Generator().manual_seed(1000 + d + hq)
+    lens = [1, 2000, 127, 1024, 129] + torch.randint(2, 2000, (3,), generator=gen).tolist()
+    q, k, v, cu = make_tokens(lens, hq, hkv, d, dtype, "cuda")
+    base = run_varlen(q, k, v, lens)
+    assert not base.isnan().any()
+    ref = attention_ref(q, k, v, cu, cu)
+    torch.testing.assert_close(base.double(), ref, atol=atol, rtol=rtol)
+    assert rel_err(base, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+    for chunk in (None, 1, 5, 16, 33, 300):
+        out = run_chunked(q, k, v, lens, chunk)
+        assert torch.equal(out, base), f"chunk={chunk}: max diff {(out.double() - base.double()).abs().max()}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_batch_composition_bit_identical(dtype):
+    lens = [1500, 1, 333, 64, 2047, 900]
+    q, k, v, cu = make_tokens(lens, 32, 8, 128, dtype, "cuda")
+    base = run_varlen(q, k, v, lens)
+    c = cu.tolist()
+    for b in range(len(lens)):
+        s = slice(c[b], c[b + 1])
+        assert torch.equal(run_varlen(q[s], k[s], v[s], [lens[b]]), base[s])
+        assert torch.equal(run_chunked(q[s], k[s], v[s], [lens[b]], chunk=None), base[s])
+    order = [4, 2, 0, 5, 1, 3]
+    idx = torch.cat([torch.arange(c[b], c[b + 1], device="cuda") for b in order])
+    assert torch.equal(run_varlen(q[idx], k[idx], v[idx], [lens[b] for b in order]), base[idx])
+    # many decode streams at once (a serving batch) vs the same streams in a tiny batch
+    many = [int(x) for x in torch.randint(1, 3000, (48,)).tolist()]
+    q2, k2, v2, _ = make_tokens(many, 32, 8, 128, dtype, "cuda")
+    big = run_chunked(q2, k2, v2, many, chunk=700)
+    ref2 = run_varlen(q2, k2, v2, many)
+    assert torch.equal(big, ref2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fast_mode_accuracy(dtype):
+    lens = [700, 1, 1300]
+    q, k, v, cu = make_tokens(lens, 32, 8, 128, dtype, "cuda")
+    ref = attention_ref(q, k, v, cu, cu)
+    with K.use_mode("fast"):
+        assert rel_err(run_varlen(q, k, v, lens), ref) < 1e-2
+        for chunk in (None, 1, 100):
+            assert rel_err(run_chunked(q, k, v, lens, chunk), ref) < 1e-2
