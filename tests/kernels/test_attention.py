@@ -82,10 +82,11 @@ def run_varlen(q, k, v, lens):
     return K.varlen_attention(q, k, v, cu_of(lens, q.device))
 
 
-def run_chunked(q, k, v, lens, chunk, shuffle=True, cache=None):
+def run_chunked(q, k, v, lens, chunk, shuffle=True, cache=None, prompt=0):
     """Paged attention, each sequence fed ``chunk`` queries per step (chunk=None: the whole sequence
     at once); every step batches the sequences that still have tokens, in a shuffled order, and
-    writes their new K/V into the cache just before attending."""
+    writes their new K/V into the cache just before attending. ``prompt > 0``: the first step of
+    a sequence feeds all but its last ``prompt`` tokens (prefill, then decode the rest)."""
     device = q.device
     cu = cu_of(lens, "cpu").tolist()
     cache = cache or PagedCache(lens, k.shape[1], k.shape[2], k.dtype, device)
@@ -99,6 +100,8 @@ def run_chunked(q, k, v, lens, chunk, shuffle=True, cache=None):
         for b in active:
             start = done[b]
             end = lens[b] if chunk is None else min(lens[b], start + chunk)
+            if start == 0 and prompt and lens[b] > prompt:
+                end = lens[b] - prompt
             rows.append(torch.arange(cu[b] + start, cu[b] + end))
             slots.append(cache.slots(b, start, end))
             n_q.append(end - start)
@@ -187,17 +190,28 @@ def test_write_kv_cache_round_trip(interpreter):
     assert cu_k.tolist() == [0, 5 * P] and torch.equal(kg[s], k[keep]) and torch.equal(vg[s], v[keep])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_prefill_chunked_decode_bit_identical(interpreter, dtype):
-    """varlen ≡ paged full prefill ≡ chunks of 1 (decode), 5, 16, 33 — bit for bit, shuffled batches."""
+@pytest.mark.parametrize("dtype,chunks", [(torch.float16, (None, 5, 16, 33)), (torch.float32, (None, 33))])
+def test_prefill_chunked_decode_bit_identical(interpreter, dtype, chunks):
+    """varlen ≡ paged full prefill ≡ chunks of 5, 16, 33 ≡ prefill then decode token by token
+    (across page boundaries) — bit for bit, in batches that change and reshuffle every step."""
     P = page_size()
     lens = [1, 7, 33, P - 1, P, P + 1, 2 * P + 3]
     q, k, v, _ = make_tokens(lens, 4, 2, 64, dtype, "cpu")
     base = run_varlen(q, k, v, lens)
     assert not base.isnan().any()
-    for chunk in (None, 1, 5, 16, 33):
+    for chunk in chunks:
         out = run_chunked(q, k, v, lens, chunk)
         assert torch.equal(out, base), f"chunk={chunk}: max diff {(out.double() - base.double()).abs().max()}"
+    out = run_chunked(q, k, v, lens, chunk=1, prompt=12)  # decode positions P-12..P+1 and 2P-9..2P+3
+    assert torch.equal(out, base), f"decode: max diff {(out.double() - base.double()).abs().max()}"
+
+
+def test_decode_from_first_token_bit_identical(interpreter):
+    """Pure decode: every position from 0, one query per step, equals the varlen prefill."""
+    P = page_size()
+    lens = [P + 2, 3, 20]
+    q, k, v, _ = make_tokens(lens, 4, 2, 64, torch.float16, "cpu")
+    assert torch.equal(run_chunked(q, k, v, lens, chunk=1), run_varlen(q, k, v, lens))
 
 
 def test_batch_composition_bit_identical(interpreter):
