@@ -23,25 +23,72 @@ import torch
 from .harness import cuda_time, environment, geomean
 from .matmul import M_VALUES, MODELS, linear_shapes
 
-# name: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, flatten)
+# name: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, flatten, tma). Round 1 (bench/NOTES-matmul.md)
+# tried 16 TMA configs; round 2 keeps the leaders and adds deeper BLOCK_M-64 pipelines, two-warpgroup
+# BLOCK_M-64 tiles, BLOCK_M 256, and the pointer path.
 CANDIDATES = {
-    "m128n256k64w8s3": (128, 256, 64, 8, 3, True),
-    "m128n256k64w8s4": (128, 256, 64, 8, 4, True),
-    "m128n256k64w8s3nf": (128, 256, 64, 8, 3, False),
-    "m128n128k64w8s4": (128, 128, 64, 8, 4, True),
-    "m128n128k64w8s5": (128, 128, 64, 8, 5, True),
-    "m128n128k64w8s4nf": (128, 128, 64, 8, 4, False),
-    "m128n128k64w4s4": (128, 128, 64, 4, 4, True),
-    "m128n128k128w8s3": (128, 128, 128, 8, 3, True),
-    "m128n64k64w4s4": (128, 64, 64, 4, 4, True),
-    "m128n64k64w4s6": (128, 64, 64, 4, 6, True),
-    "m128n64k64w8s4": (128, 64, 64, 8, 4, True),
-    "m128n64k128w4s4": (128, 64, 128, 4, 4, True),
-    "m64n256k64w4s4": (64, 256, 64, 4, 4, True),
-    "m64n128k64w4s6": (64, 128, 64, 4, 6, True),
-    "m64n64k128w4s6": (64, 64, 128, 4, 6, True),
-    "m64n32k128w4s8": (64, 32, 128, 4, 8, True),
+    "m128n256k64w8s3": (128, 256, 64, 8, 3, True, True),
+    "m128n256k64w8s4": (128, 256, 64, 8, 4, True, True),
+    "m128n128k64w8s4": (128, 128, 64, 8, 4, True, True),
+    "m128n128k64w8s5": (128, 128, 64, 8, 5, True, True),
+    "m256n128k64w8s3": (256, 128, 64, 8, 3, True, True),
+    "m64n256k64w4s3": (64, 256, 64, 4, 3, True, True),
+    "m64n256k64w4s4": (64, 256, 64, 4, 4, True, True),
+    "m64n256k64w8s4": (64, 256, 64, 8, 4, True, True),
+    "m64n128k64w4s6": (64, 128, 64, 4, 6, True, True),
+    "m64n128k64w4s8": (64, 128, 64, 4, 8, True, True),
+    "m64n128k128w4s4": (64, 128, 128, 4, 4, True, True),
+    "m64n64k64w4s8": (64, 64, 64, 4, 8, True, True),
+    "m128n256k64w8s3p": (128, 256, 64, 8, 3, True, False),
+    "m128n128k64w8s4p": (128, 128, 64, 8, 4, True, False),
+    "m64n256k64w4s4p": (64, 256, 64, 4, 4, True, False),
+    "m64n128k64w4s6p": (64, 128, 64, 4, 6, True, False),
 }
+
+
+def diagnose(mm, reps: int) -> list[dict]:
+    """Where small-M time goes: event time with L2 flush (the harness), the same launch replayed from
+    a CUDA graph (no host overhead), and host microseconds per call (launch overhead alone)."""
+    from .harness import _flush_l2
+
+    flush = cuda_time(_flush_l2, warmup=3, reps=reps, flush_l2=False)
+    print(f"L2 flush itself: {flush.median_ms * 1e3:.1f} us", flush=True)
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for n, k, m in ((4096, 1024, 1), (2560, 9728, 1), (24576, 4096, 64), (4096, 4096, 4096)):
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        fns = {"cublas": lambda: torch.matmul(x, w.T)}
+        for name in ("m128n128k64w8s4", "m128n128k64w8s4p", "m64n128k64w4s6", "m128n256k64w8s3"):
+            c = CANDIDATES[name]
+            cfg = mm.MatmulConfig(*c[:3], 8, *c[3:6])
+            fns[name] = (lambda cfg=cfg, tma=c[6]: mm._launch(x, w, None, torch.bfloat16, cfg, tma=tma))
+        fns["matmul()"] = lambda: mm.matmul(x, w)
+        for name, fn in fns.items():
+            event = cuda_time(fn, warmup=3, reps=reps)
+            fn()
+            torch.cuda.synchronize()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()  # warm on the side stream too (cuBLAS workspaces)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            replay = cuda_time(graph.replay, warmup=3, reps=reps)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(200):
+                fn()
+            host_us = (time.perf_counter() - t) / 200 * 1e6
+            torch.cuda.synchronize()
+            row = dict(N=n, K=k, M=m, fn=name, event_us=event.median_ms * 1e3, graph_us=replay.median_ms * 1e3,
+                       host_us=host_us)
+            rows.append(row)
+            print(f"diag N={n} K={k} M={m} {name:<18} event {row['event_us']:7.1f} us  graph {row['graph_us']:7.1f} us"
+                  f"  host {host_us:6.1f} us/call", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -49,6 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="results/matmul-sweep.json")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--configs", default="", help="comma-separated subset of candidate names")
+    p.add_argument("--diag", action="store_true", help="first time host overhead vs graph replay on four cases")
     args = p.parse_args(argv)
 
     import rlperf.kernels as K
@@ -56,10 +104,12 @@ def main(argv=None) -> int:
     K.matmul  # resolve the op first, so importing the module below cannot shadow it
     mm = sys.modules["rlperf.kernels.matmul"]
     names = [n for n in CANDIDATES if not args.configs or n in args.configs.split(",")]
-    configs = {n: mm.MatmulConfig(*CANDIDATES[n][:3], 8, *CANDIDATES[n][3:]) for n in names}
+    configs = {n: mm.MatmulConfig(*CANDIDATES[n][:3], 8, *CANDIDATES[n][3:6]) for n in names}
+    use_tma = {n: CANDIDATES[n][6] for n in names}
 
     info = environment()
     print(f"# sweep on {info['card']} | triton {info['triton']} | torch {info['torch']}", flush=True)
+    diag = diagnose(mm, args.reps) if args.diag else []
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []  # dicts: model, layer, N, K, M, config, ms (None: failed)
     failed: dict[str, str] = {}
@@ -77,7 +127,7 @@ def main(argv=None) -> int:
                     if name in failed:
                         continue
                     try:
-                        t = cuda_time(lambda: mm._launch(x, w, None, torch.bfloat16, cfg), warmup=3, reps=args.reps)
+                        t = cuda_time(lambda: mm._launch(x, w, None, torch.bfloat16, cfg, tma=use_tma[name]), warmup=3, reps=args.reps)
                         ms = t.median_ms
                     except Exception as e:  # out of shared memory, compile error: record, skip config
                         failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -91,7 +141,7 @@ def main(argv=None) -> int:
                 for name, cfg in configs.items():
                     if name in failed:
                         continue
-                    y = mm._launch(x, w, None, torch.bfloat16, cfg)
+                    y = mm._launch(x, w, None, torch.bfloat16, cfg, tma=use_tma[name])
                     if base is None:
                         base = (name, y)
                     bits[f"{model} {layer} {name} == {base[0]}"] = bool(torch.equal(y, base[1]))
@@ -122,7 +172,7 @@ def main(argv=None) -> int:
                           f"{row['large']:6.3f}{mark}")
     print("\nbits equal across configs:", json.dumps(bits, indent=0))
     print("failed configs:", json.dumps(failed, indent=0))
-    payload = dict(environment=info, results=results, table=table, bits=bits, failed=failed)
+    payload = dict(environment=info, diag=diag, results=results, table=table, bits=bits, failed=failed)
     from pathlib import Path
 
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -145,7 +145,22 @@ class MatmulConfig:
 
 # 16-bit inputs, measured on the lent GPU (bench/NOTES-matmul.md): (N, K) -> config. Shapes are the
 # fused linear layers of Qwen3-0.6B/4B/8B; other shapes take _default_config.
-_TUNED_16BIT: dict[tuple[int, int], MatmulConfig] = {}
+_C = MatmulConfig
+_TUNED_16BIT: dict[tuple[int, int], MatmulConfig] = {
+    # provisional (sweep round 1, H200): best min(small/0.75, large/0.90) per shape
+    (4096, 1024): _C(128, 128, 64, 8, 8, 4),
+    (1024, 2048): _C(64, 128, 64, 8, 4, 6),
+    (6144, 1024): _C(128, 64, 64, 8, 4, 6),
+    (1024, 3072): _C(128, 64, 128, 8, 4, 4),
+    (6144, 2560): _C(128, 128, 64, 8, 8, 4),
+    (2560, 4096): _C(64, 128, 64, 8, 4, 6),
+    (19456, 2560): _C(128, 256, 64, 8, 8, 3),
+    (2560, 9728): _C(64, 128, 64, 8, 4, 6),
+    (6144, 4096): _C(128, 128, 64, 8, 8, 5),
+    (4096, 4096): _C(64, 128, 64, 8, 4, 6),
+    (24576, 4096): _C(128, 256, 64, 8, 8, 4),
+    (4096, 12288): _C(64, 128, 64, 8, 4, 6),
+}
 
 
 def _default_config(dtype: torch.dtype, N: int, K: int) -> MatmulConfig:
@@ -187,9 +202,12 @@ def _tma_capable(index: int) -> bool:
     return TensorDescriptor is not None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
+_ELEMENT_SIZE = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+
+
 def _use_tma(dtype: torch.dtype, K: int, device: torch.device) -> bool:
     """TMA needs 16-byte aligned rows; a function of (dtype, K, device) only, never of M."""
-    if TensorDescriptor is None or (K * torch.empty((), dtype=dtype).element_size()) % 16:
+    if TensorDescriptor is None or (K * _ELEMENT_SIZE[dtype]) % 16:
         return False
     return device.type != "cuda" or _tma_capable(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -253,8 +271,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-            cfg: MatmulConfig, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch the kernel with ``cfg`` (always :func:`matmul_config`'s, except in the tuning sweep)."""
+            cfg: MatmulConfig, out: torch.Tensor | None = None, tma: bool | None = None) -> torch.Tensor:
+    """Launch the kernel with ``cfg`` (always :func:`matmul_config`'s, except in the tuning sweep,
+    which also passes ``tma=False`` to time the pointer path)."""
     M, K = x.shape
     N = w.shape[0]
     interpreted = backend(x.device) == "interpreter"
@@ -265,7 +284,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dty
     dst = out if out is not None and kernel_out_dtype == out_dtype else torch.empty(
         (M, N), dtype=kernel_out_dtype, device=x.device)
     if M > 0 and N > 0:
-        use_tma = K > 0 and _use_tma(x.dtype, K, x.device)
+        use_tma = K > 0 and _use_tma(x.dtype, K, x.device) and tma is not False
         if use_tma:
             x, w = _tma_ready(x), _tma_ready(w)
             x_arg = TensorDescriptor.from_tensor(x, [cfg.BLOCK_M, cfg.BLOCK_K])
