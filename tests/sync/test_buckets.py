@@ -1,0 +1,692 @@
+"""rlperf.sync.buckets and the rlperf._C multi-tensor copy: layout, exact round trips, checks, checksum.
+
+CPU tests run the C++ CPU path of the extension (and the pure-torch fallback, which must give the
+same bytes); ``gpu`` tests run the CUDA kernels on larger, bf16-heavy inputs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlperf.sync import buckets as B
+
+REPO = Path(__file__).resolve().parents[2]
+U64 = (1 << 64) - 1
+BACKENDS = ["extension", "torch"]
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def random_tensor(shape, dtype, device="cpu", gen=None):
+    """Random values of every dtype (never all zeros, so unwritten bytes show)."""
+    if dtype == torch.bool:
+        return (torch.rand(shape, generator=gen) > 0.5).to(device)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=gen, dtype=torch.float32) * 3).to(dtype).to(device)
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
+    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(dtype).to(device)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().reshape(-1).view(torch.uint8).cpu(), b.contiguous().reshape(-1).view(torch.uint8).cpu())
+    )
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    """Same shape/dtype/device, every byte 0xA5: a destination that was not written shows."""
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    out.reshape(-1).view(torch.uint8).fill_(0xA5)
+    return out
+
+
+def mixed_tensors(device="cpu", n_repeat=1, scale=1):
+    """Odd shapes over fp32, bf16, fp16, fp64, int64, int32, bool, uint8, zero-size and 0-d tensors."""
+    gen = torch.Generator().manual_seed(1234)
+    specs = [
+        ((3, 5), torch.float32),
+        ((7,), torch.bfloat16),
+        ((33, 1), torch.float16),
+        ((127,), torch.int64),
+        ((1,), torch.bool),
+        ((13, 3), torch.uint8),
+        ((), torch.float32),
+        ((0,), torch.bfloat16),
+        ((2, 0, 3), torch.int64),
+        ((5, 7), torch.float64),
+        ((11,), torch.int32),
+        ((33,), torch.bool),
+        ((1, 127), torch.bfloat16),
+    ]
+    out = {}
+    for r in range(n_repeat):
+        for i, (shape, dtype) in enumerate(specs):
+            shape = tuple(s * scale if s > 1 else s for s in shape)
+            out[f"layer{r}.t{i}.{str(dtype)[6:]}"] = random_tensor(shape, dtype, device, gen)
+    return out
+
+
+def flatten_with(backend, named, bucket_bytes):
+    if backend == "torch":
+        with B.use_torch_fallback():
+            return B.flatten_buckets(named, bucket_bytes)
+    assert B.backend("cpu") == "extension"
+    return B.flatten_buckets(named, bucket_bytes)
+
+
+def ref_mix64(z: int) -> int:
+    z &= U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & U64
+    return z ^ (z >> 31)
+
+
+def ref_checksum(data: bytes) -> int:
+    """The documented formula, word by word in Python integers."""
+    n = len(data)
+    padded = data + bytes(-n % 8)
+    s = 0
+    for i in range(len(padded) // 8):
+        w = int.from_bytes(padded[8 * i : 8 * i + 8], "little")
+        s = (s + ref_mix64(w + (i + 1) * 0x9E3779B97F4A7C15)) & U64
+    return ref_mix64(s + n)
+
+
+# ---------------------------------------------------------------------------------------------
+# the extension is there
+
+
+def test_extension_is_built():
+    if os.environ.get("RLPERF_NO_EXTENSION") == "1":
+        pytest.skip("RLPERF_NO_EXTENSION=1: installed without rlperf._C")
+    assert B.extension_available("cpu"), f"rlperf._C did not load: {B._EXTENSION_ERROR}"
+
+
+needs_extension = pytest.mark.skipif(not B.extension_available("cpu"), reason="rlperf._C not built (RLPERF_NO_EXTENSION=1?)")
+
+
+# ---------------------------------------------------------------------------------------------
+# planning
+
+
+def test_plan_layout_by_hand():
+    named = [
+        ("a", torch.zeros(15, dtype=torch.float32)),  # 60 B
+        ("b", torch.zeros(7, dtype=torch.bfloat16)),  # 14 B
+        ("c", torch.zeros(3, dtype=torch.bool)),  # 3 B
+        ("d", torch.zeros(5, dtype=torch.int64)),  # 40 B
+        ("e", torch.zeros(0, 4)),  # 0 B
+        ("f", torch.zeros(30, dtype=torch.float32)),  # 120 B > 64: a bucket of its own
+        ("g", torch.zeros(1, dtype=torch.float16)),  # 2 B
+    ]
+    plan = B.plan_buckets(named, bucket_bytes=64)
+    layout = [[(m.name, m.start_idx, m.end_idx) for m in bucket] for bucket in plan]
+    assert layout == [
+        [("a", 0, 60)],
+        [("b", 0, 14), ("c", 16, 19)],
+        [("d", 0, 40), ("e", 48, 48)],
+        [("f", 0, 120)],
+        [("g", 0, 2)],
+    ]
+    assert plan[1][0].shape == (7,) and plan[1][0].dtype == torch.bfloat16 and plan[1][0].numel == 7
+
+
+@pytest.mark.parametrize("bucket_bytes", [16, 100, 1000, 4096])
+def test_plan_limits_alignment_and_order(bucket_bytes):
+    gen = torch.Generator().manual_seed(7)
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8, torch.float16]
+    named = []
+    for i in range(200):
+        n = int(torch.randint(0, 400, (1,), generator=gen))
+        named.append((f"p{i}", torch.zeros(n, dtype=dtypes[i % len(dtypes)])))
+    plan = B.plan_buckets(named, bucket_bytes)
+    flat = [m for bucket in plan for m in bucket]
+    assert [m.name for m in flat] == [n for n, _ in named]  # order kept, nothing lost
+    for bucket in plan:
+        assert all(m.start_idx % B.ALIGNMENT == 0 for m in bucket)
+        end = bucket[-1].end_idx
+        if end > bucket_bytes:  # only a single oversized tensor may exceed the limit
+            assert len([m for m in bucket if m.nbytes]) == 1 and max(m.nbytes for m in bucket) > bucket_bytes
+        for prev, cur in zip(bucket, bucket[1:]):
+            assert cur.start_idx >= prev.end_idx
+    # greedy: the first tensor of each bucket after the first did not fit in the previous one
+    for prev, cur in zip(plan, plan[1:]):
+        first = cur[0]
+        assert B._align_up(prev[-1].end_idx) + first.nbytes > bucket_bytes
+
+
+def test_oversized_tensor_gets_its_own_bucket():
+    named = [("small0", torch.ones(4)), ("big", torch.arange(100.0)), ("small1", torch.ones(4))]
+    buckets = B.flatten_buckets(named, bucket_bytes=64)
+    assert [b.names for b in buckets] == [["small0"], ["big"], ["small1"]]
+    assert buckets[1].nbytes == 400
+    assert torch.equal(buckets[1].unflatten()["big"], torch.arange(100.0))
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, True, "512"])
+def test_bad_bucket_bytes(bad):
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
+        B.flatten_buckets([("a", torch.ones(2))], bad)
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="'w' appears twice"):
+        B.flatten_buckets([("w", torch.ones(2)), ("w", torch.ones(3))])
+    with pytest.raises(ValueError, match="'x' is a list"):
+        B.flatten_buckets([("x", [1, 2])])
+    with pytest.raises(ValueError, match="names must be strings"):
+        B.flatten_buckets([(3, torch.ones(2))])
+    with pytest.raises(ValueError, match="'s' has layout"):
+        B.flatten_buckets([("s", torch.eye(3).to_sparse())])
+    with pytest.raises(ValueError, match="'m' is on meta"):
+        B.flatten_buckets([("c", torch.ones(2)), ("m", torch.ones(2, device="meta"))])
+
+
+# ---------------------------------------------------------------------------------------------
+# round trips
+
+
+@needs_extension
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bucket_bytes", [64, 1000, B.DEFAULT_BUCKET_BYTES])
+def test_round_trip_mixed_dtypes_exact(backend, bucket_bytes):
+    named = mixed_tensors()
+    buckets = flatten_with(backend, named, bucket_bytes)
+    assert sorted(n for b in buckets for n in b.names) == sorted(named)
+    if bucket_bytes == B.DEFAULT_BUCKET_BYTES:
+        assert len(buckets) == 1
+    for bucket in buckets:
+        views = bucket.unflatten()
+        for name, view in views.items():
+            assert same_bits(view, named[name]), name
+        # load_into poisoned destinations restores every byte
+        dsts = {name: poisoned_like(named[name]) for name in bucket.names}
+        if backend == "torch":
+            with B.use_torch_fallback():
+                bucket.load_into(dsts)
+        else:
+            bucket.load_into(dsts)
+        for name in bucket.names:
+            assert same_bits(dsts[name], named[name]), name
+
+
+@needs_extension
+def test_many_tensors_and_multithreaded_chunks():
+    # 600 tensors (many chunks per bucket) plus a 5 MiB tensor spread over several 1 MiB CPU chunks
+    named = mixed_tensors(n_repeat=46)
+    named["big.fp32"] = torch.randn(5 * 1024 * 1024 // 4 + 3)
+    assert len(named) == 599
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        buckets = B.flatten_buckets(named, bucket_bytes=3000)
+        params = {n: poisoned_like(t) for n, t in named.items()}
+        for b in buckets:
+            b.load_into(params)
+    finally:
+        torch.set_num_threads(previous)
+    for name, t in named.items():
+        assert same_bits(params[name], t), name
+
+
+@needs_extension
+def test_unflatten_views_are_zero_copy():
+    named = {"a": torch.randn(4, 3), "b": torch.arange(10, dtype=torch.int16)}
+    (bucket,) = B.flatten_buckets(named)
+    views = bucket.unflatten()
+    base = bucket.buffer.data_ptr()
+    for name, v in views.items():
+        meta = next(m for m in bucket.metadata if m.name == name)
+        assert v.data_ptr() == base + meta.start_idx
+        assert v.is_contiguous() and v.shape == named[name].shape and v.dtype == named[name].dtype
+    views["a"][0, 0] = 42.0
+    assert bucket.buffer[0:4].view(torch.float32).item() == 42.0
+
+
+@needs_extension
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_sources_are_made_contiguous(backend):
+    base = torch.randn(9, 6)
+    named = {
+        "transposed": base.t(),
+        "strided": base[:, ::2],
+        "expanded": torch.randn(1, 5).expand(4, 5),
+        "bf16_slice": base.to(torch.bfloat16)[1:8:3],
+    }
+    assert not any(t.is_contiguous() for t in named.values())
+    buckets = flatten_with(backend, named, 128)
+    for b in buckets:
+        for name, v in b.unflatten().items():
+            assert v.shape == named[name].shape
+            assert torch.equal(v, named[name]), name
+
+
+@needs_extension
+def test_gap_bytes_are_zero_not_garbage():
+    srcs = [torch.full((3,), 7, dtype=torch.uint8), torch.full((5,), 9, dtype=torch.uint8)]
+    for pack in ("extension", "torch"):
+        buffer = torch.full((40,), 0xFF, dtype=torch.uint8)
+        if pack == "extension":
+            torch.ops.rlperf.multi_tensor_pack(srcs, buffer, [16, 2])
+        else:
+            with B.use_torch_fallback():
+                B._pack(srcs, buffer, [16, 2])
+        expected = torch.zeros(40, dtype=torch.uint8)
+        expected[16:19] = 7
+        expected[2:7] = 9
+        assert torch.equal(buffer, expected), pack
+
+
+def test_empty_list_and_zero_size_tensors():
+    assert B.flatten_buckets([]) == []
+    assert B.flatten_buckets({}) == []
+    assert B.plan_buckets([]) == []
+    named = {"z0": torch.empty(0), "z1": torch.empty(3, 0, dtype=torch.bfloat16), "z2": torch.empty(0, dtype=torch.bool)}
+    (bucket,) = B.flatten_buckets(named)
+    assert bucket.nbytes == 0
+    views = bucket.unflatten()
+    assert {n: (tuple(v.shape), v.dtype) for n, v in views.items()} == {n: (tuple(t.shape), t.dtype) for n, t in named.items()}
+    bucket.load_into({n: torch.empty_like(t) for n, t in named.items()})  # a no-op that must not fail
+    assert bucket.checksum == ref_checksum(b"")
+
+
+@needs_extension
+def test_parameters_that_require_grad():
+    model = torch.nn.Linear(7, 3)
+    named = dict(model.named_parameters())
+    (bucket,) = B.flatten_buckets(named)
+    target = torch.nn.Linear(7, 3)
+    bucket.load_into(dict(target.named_parameters()))
+    assert torch.equal(target.weight, model.weight) and torch.equal(target.bias, model.bias)
+    assert target.weight.requires_grad
+
+
+# ---------------------------------------------------------------------------------------------
+# load_into rejects mismatches by name, before copying anything
+
+
+@needs_extension
+def test_load_into_mismatches_are_named_and_nothing_is_written():
+    named = {"first": torch.randn(4), "second": torch.randn(2, 3)}
+    (bucket,) = B.flatten_buckets(named)
+
+    def fresh():
+        return {"first": torch.zeros(4), "second": torch.zeros(2, 3)}
+
+    cases = [
+        (lambda p: p.pop("second"), "'second' of the bucket has no destination"),
+        (lambda p: p.__setitem__("second", torch.zeros(3, 2)), r"'second' has shape \[2, 3\] in the bucket but \[3, 2\]"),
+        (lambda p: p.__setitem__("second", torch.zeros(2, 3, dtype=torch.float64)), "'second' is torch.float32 in the bucket but torch.float64"),
+        (lambda p: p.__setitem__("second", torch.zeros(3, 2).t()), "destination 'second' is not contiguous"),
+        (lambda p: p.__setitem__("second", torch.zeros(2, 3, device="meta")), "'second' is on meta but the bucket is on cpu"),
+        (lambda p: p.__setitem__("second", [0.0] * 6), "destination 'second' is a list"),
+    ]
+    for mutate, message in cases:
+        params = fresh()
+        mutate(params)
+        with pytest.raises(ValueError, match=message):
+            bucket.load_into(params)
+        assert torch.equal(params["first"], torch.zeros(4)), "load_into wrote before validating"
+    with pytest.raises(TypeError, match="params must be a mapping"):
+        bucket.load_into([("first", torch.zeros(4))])
+    # extra destinations are fine
+    params = fresh()
+    params["unrelated"] = torch.zeros(1)
+    bucket.load_into(params)
+    assert torch.equal(params["second"], named["second"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the ops themselves
+
+
+@needs_extension
+def test_op_argument_checks():
+    ops = torch.ops.rlperf
+    bucket = torch.zeros(64, dtype=torch.uint8)
+    a, b = torch.ones(4), torch.ones(2, dtype=torch.float64)  # 16 B each
+    with pytest.raises(RuntimeError, match=r"srcs\[1\] \(bytes \[8, 24\)\) overlaps srcs\[0\]"):
+        ops.multi_tensor_pack([a, b], bucket, [0, 8])
+    with pytest.raises(RuntimeError, match=r"srcs\[0\] needs bytes \[56, 72\) of a bucket of 64 bytes"):
+        ops.multi_tensor_pack([a], bucket, [56])
+    with pytest.raises(RuntimeError, match=r"srcs\[0\] needs bytes \[-16"):
+        ops.multi_tensor_pack([a], bucket, [-16])
+    with pytest.raises(RuntimeError, match="got 2 srcs but 1 offsets"):
+        ops.multi_tensor_pack([a, b], bucket, [0])
+    with pytest.raises(RuntimeError, match="bucket must be uint8"):
+        ops.multi_tensor_pack([a], torch.zeros(16), [0])
+    with pytest.raises(RuntimeError, match="bucket must be 1-D"):
+        ops.multi_tensor_pack([a], torch.zeros(4, 16, dtype=torch.uint8), [0])
+    with pytest.raises(RuntimeError, match="bucket must be contiguous"):
+        ops.multi_tensor_pack([a], torch.zeros(128, dtype=torch.uint8)[::2], [0])
+    with pytest.raises(RuntimeError, match=r"srcs\[0\] \(shape \[3, 2\], strides \[1, 3\]\) is not contiguous"):
+        ops.multi_tensor_pack([torch.ones(2, 3).t()], bucket, [0])
+    with pytest.raises(RuntimeError, match=r"dsts\[1\] .* is not contiguous"):
+        ops.multi_tensor_unpack(bucket, [a, torch.ones(2, 3).t()], [0, 16])
+    with pytest.raises(RuntimeError, match=r"dsts\[0\] needs bytes \[60, 76\)"):
+        ops.multi_tensor_unpack(bucket, [a], [60])
+    with pytest.raises(RuntimeError, match="chunk_bytes must be 0 .* or a positive multiple of 16"):
+        ops.multi_tensor_pack([a], bucket, [0], 24)
+
+
+@needs_extension
+@pytest.mark.parametrize("chunk_bytes", [16, 48, 4096])
+def test_small_chunks_and_misaligned_sources(chunk_bytes):
+    # sources at odd byte addresses (a uint8 slice starting at 1) and tensors spanning many chunks
+    raw = torch.randint(0, 256, (1001,), dtype=torch.uint8)
+    srcs = [raw[1:], torch.randn(77), torch.randint(-9, 9, (3,), dtype=torch.int16)]
+    offsets = [0, 1008, 1328]
+    bucket = torch.full((1334,), 0xFF, dtype=torch.uint8)
+    torch.ops.rlperf.multi_tensor_pack(srcs, bucket, offsets, chunk_bytes)
+    with B.use_torch_fallback():
+        expected = torch.full((1334,), 0x11, dtype=torch.uint8)
+        B._pack(srcs, expected, offsets)
+    assert torch.equal(bucket, expected)
+    outs = [poisoned_like(s) for s in srcs]
+    outs[0] = torch.empty(1001, dtype=torch.uint8)[1:]  # misaligned destination too
+    torch.ops.rlperf.multi_tensor_unpack(bucket, outs, offsets, chunk_bytes)
+    for o, s in zip(outs, srcs):
+        assert same_bits(o, s)
+
+
+# ---------------------------------------------------------------------------------------------
+# checksum
+
+
+@needs_extension
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 33, 1000, 4099])
+def test_checksum_matches_the_documented_formula(n):
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    expected = ref_checksum(bytes(data.tolist()))
+    assert B.bucket_checksum(data) == expected
+    with B.use_torch_fallback():
+        assert B.bucket_checksum(data) == expected
+    # a buffer that starts at an odd address (not 8-byte aligned)
+    holder = torch.empty(n + 3, dtype=torch.uint8)
+    holder[3:] = data
+    assert B.bucket_checksum(holder[3:]) == expected
+    with B.use_torch_fallback():
+        assert B.bucket_checksum(holder[3:]) == expected
+
+
+@needs_extension
+def test_checksum_is_stable_and_changes_with_any_byte():
+    named = mixed_tensors(n_repeat=3)
+    (bucket,) = B.flatten_buckets(named)
+    (again,) = B.flatten_buckets(named)
+    assert bucket.checksum == again.checksum == again.compute_checksum()
+    with B.use_torch_fallback():
+        assert B.bucket_checksum(bucket.buffer) == bucket.checksum
+    large = torch.randint(0, 256, (3 * 1024 * 1024 + 5,), dtype=torch.uint8)  # several CPU blocks
+    sums = {B.bucket_checksum(large)}
+    base = B.bucket_checksum(large)
+    for pos in [0, 1, 7, 8, 4096, 1024 * 1024 + 3, large.numel() - 1]:
+        flipped = large.clone()
+        flipped[pos] ^= 0x01
+        h = B.bucket_checksum(flipped)
+        assert h != base, pos
+        sums.add(h)
+    assert len(sums) == 8
+    swapped = large.clone()
+    swapped[0:8], swapped[8:16] = large[8:16].clone(), large[0:8].clone()
+    assert B.bucket_checksum(swapped) != base
+    # a trailing zero byte is not invisible (the length is hashed)
+    assert B.bucket_checksum(large[:-1]) != B.bucket_checksum(torch.cat([large[:-1], torch.zeros(1, dtype=torch.uint8)]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the fallback
+
+
+@needs_extension
+def test_fallback_equals_extension():
+    named = mixed_tensors(n_repeat=4, scale=3)
+    ext = B.flatten_buckets(named, 2048)
+    with B.use_torch_fallback():
+        assert B.backend("cpu") == "torch"
+        ref = B.flatten_buckets(named, 2048)
+    assert len(ext) == len(ref)
+    for e, r in zip(ext, ref):
+        assert e.metadata == r.metadata
+        assert torch.equal(e.buffer, r.buffer)
+        assert e.checksum == r.checksum
+        d_ext = {n: poisoned_like(t) for n, t in named.items()}
+        d_ref = {n: poisoned_like(t) for n, t in named.items()}
+        e.load_into(d_ext)
+        with B.use_torch_fallback():
+            r.load_into(d_ref)
+        for n in e.names:
+            assert same_bits(d_ext[n], d_ref[n]) and same_bits(d_ext[n], named[n])
+
+
+def test_missing_extension_warns_once_and_still_works(monkeypatch):
+    monkeypatch.setattr(B, "_extension", None)
+    monkeypatch.setattr(B, "_EXTENSION_ERROR", ImportError("no module named rlperf._C"))
+    monkeypatch.setattr(B, "_warned_fallback", False)
+    assert B.backend("cpu") == "torch" and not B.extension_available("cpu")
+    named = mixed_tensors()
+    with pytest.warns(RuntimeWarning, match="falls back to pure torch"):
+        buckets = B.flatten_buckets(named, 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        params = {n: poisoned_like(t) for n, t in named.items()}
+        for b in buckets:
+            b.load_into(params)
+            assert b.checksum == ref_checksum(bytes(b.buffer.tolist()))
+    for n, t in named.items():
+        assert same_bits(params[n], t)
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON descriptions (what a rollout server receives next to the buffer)
+
+
+@needs_extension
+def test_description_round_trip_through_json():
+    named = mixed_tensors()
+    (bucket,) = B.flatten_buckets(named)
+    text = json.dumps(bucket.to_dict())
+    desc = json.loads(text)
+    assert desc["format"] == B.DESCRIPTION_FORMAT and desc["nbytes"] == bucket.nbytes
+    assert desc["checksum"] == f"{bucket.checksum:016x}"
+    first = desc["tensors"][0]
+    assert set(first) == {"name", "shape", "dtype", "start_idx", "end_idx", "numel"}
+    received = bucket.buffer.clone()
+    rebuilt = B.FlattenedBucket.from_dict(desc, received, verify_checksum=True)
+    assert rebuilt.metadata == bucket.metadata
+    for n, v in rebuilt.unflatten().items():
+        assert same_bits(v, named[n]) and v.untyped_storage().data_ptr() == received.untyped_storage().data_ptr()
+    corrupted = received.clone()
+    corrupted[5] ^= 0xFF
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        B.FlattenedBucket.from_dict(desc, corrupted, verify_checksum=True)
+    assert B.FlattenedBucket.from_dict(desc, corrupted).checksum == bucket.checksum  # not verified: trusted
+
+
+def test_description_rejects_bad_input():
+    (bucket,) = B.flatten_buckets({"w": torch.ones(4), "n": torch.ones(2, dtype=torch.bfloat16)})
+    buf = bucket.buffer
+
+    def desc(**tensor_changes):
+        d = bucket.to_dict(with_checksum=False)
+        d["tensors"][0].update(tensor_changes)
+        return d
+
+    with pytest.raises(ValueError, match="not a flattened-bucket description"):
+        B.FlattenedBucket.from_dict({"format": "pickle"}, buf)
+    with pytest.raises(ValueError, match="bytes but the buffer has"):
+        B.FlattenedBucket.from_dict(bucket.to_dict(), buf[:-1].clone())
+    with pytest.raises(ValueError, match="unknown dtype name"):
+        B.FlattenedBucket.from_dict(desc(dtype="__import__('os')"), buf)
+    with pytest.raises(ValueError, match="unknown dtype name"):
+        B.FlattenedBucket.from_dict(desc(dtype="float128"), buf)
+    with pytest.raises(ValueError, match="numel 4 != product of shape"):
+        B.FlattenedBucket.from_dict(desc(shape=[5]), buf)
+    with pytest.raises(ValueError, match="do not hold 4 elements of float32"):
+        B.FlattenedBucket.from_dict(desc(end_idx=20), buf)
+    with pytest.raises(ValueError, match="start_idx must be a non-negative int"):
+        B.FlattenedBucket.from_dict(desc(start_idx=-4, end_idx=12), buf)
+    with pytest.raises(ValueError, match="overlaps"):
+        B.FlattenedBucket.from_dict(desc(start_idx=4, end_idx=20), buf)
+    with pytest.raises(ValueError, match="exceed the 20-byte buffer"):
+        B.FlattenedBucket.from_dict(desc(start_idx=16, end_idx=32), buf)
+    with pytest.raises(ValueError, match="lacks fields"):
+        d = bucket.to_dict()
+        del d["tensors"][1]["numel"]
+        B.FlattenedBucket.from_dict(d, buf)
+    with pytest.raises(ValueError, match="1-D torch.uint8"):
+        B.FlattenedBucket.from_dict(bucket.to_dict(), buf.view(torch.int8))
+    assert B.dtype_from_name("torch.bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match="not supported in a flattened bucket"):
+        B.dtype_name(torch.quint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# CMake builds the same sources standalone
+
+
+@pytest.mark.slow
+def test_cmake_builds_the_extension(tmp_path):
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed")
+    build = tmp_path / "build"
+    configure = subprocess.run(
+        ["cmake", "-S", str(REPO), "-B", str(build), f"-DPython_EXECUTABLE={sys.executable}", "-DRLPERF_WITH_CUDA=OFF"],
+        capture_output=True, text=True,
+    )
+    assert configure.returncode == 0, configure.stdout[-3000:] + configure.stderr[-3000:]
+    compile_ = subprocess.run(["cmake", "--build", str(build), "-j", "2"], capture_output=True, text=True)
+    assert compile_.returncode == 0, compile_.stdout[-3000:] + compile_.stderr[-3000:]
+    (library,) = build.glob("_C*.so")
+    data = list(range(1, 23))
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(build)!r})
+        import torch, _C
+        srcs = [torch.tensor({data[:11]!r}, dtype=torch.int16), torch.tensor({data[11:]!r}, dtype=torch.uint8)]
+        bucket = torch.full((48,), 255, dtype=torch.uint8)
+        torch.ops.rlperf.multi_tensor_pack(srcs, bucket, [0, 32])
+        out = [torch.empty(11, dtype=torch.int16), torch.empty(11, dtype=torch.uint8)]
+        torch.ops.rlperf.multi_tensor_unpack(bucket, out, [0, 32])
+        assert out[0].tolist() == {data[:11]!r} and out[1].tolist() == {data[11:]!r}
+        print(bytes(bucket.tolist()).hex(), torch.ops.rlperf.bucket_checksum(bucket) & (2**64 - 1))
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    hex_bytes, checksum = run.stdout.split()
+    expected = bytearray(48)
+    for i, v in enumerate(data[:11]):
+        expected[2 * i : 2 * i + 2] = v.to_bytes(2, "little")
+    expected[32:43] = bytes(data[11:])
+    assert bytes.fromhex(hex_bytes) == bytes(expected)
+    assert int(checksum) == ref_checksum(bytes(expected))
+    assert library.stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_round_trip_and_load(backend):
+    assert B.extension_available("cuda"), "rlperf._C has no CUDA kernels: was it built with nvcc?"
+    named = mixed_tensors(device="cuda", n_repeat=5, scale=37)
+    gen = torch.Generator().manual_seed(3)
+    for i in range(4):  # Qwen3-like bf16 blocks, several 64 KiB chunks each
+        named[f"proj{i}"] = random_tensor((1024 + i, 777), torch.bfloat16, "cuda", gen)
+    if backend == "torch":
+        with B.use_torch_fallback():
+            buckets = B.flatten_buckets(named, 4 * 1024 * 1024)
+    else:
+        buckets = B.flatten_buckets(named, 4 * 1024 * 1024)
+    assert all(b.device.type == "cuda" for b in buckets)
+    params = {n: poisoned_like(t) for n, t in named.items()}
+    for b in buckets:
+        for n, v in b.unflatten().items():
+            assert same_bits(v, named[n]), n
+        if backend == "torch":
+            with B.use_torch_fallback():
+                b.load_into(params)
+        else:
+            b.load_into(params)
+    torch.cuda.synchronize()
+    for n, t in named.items():
+        assert same_bits(params[n], t), n
+
+
+@pytest.mark.gpu
+def test_gpu_matches_cpu_bytes_and_checksum():
+    named_cpu = mixed_tensors(n_repeat=20, scale=5)  # 260 tensors: > 96 tasks, the device-table path
+    named_gpu = {n: t.cuda() for n, t in named_cpu.items()}
+    (cpu_bucket,) = B.flatten_buckets(named_cpu)
+    (gpu_bucket,) = B.flatten_buckets(named_gpu)
+    assert len(gpu_bucket) == 260
+    assert torch.equal(gpu_bucket.buffer.cpu(), cpu_bucket.buffer)
+    assert gpu_bucket.checksum == cpu_bucket.checksum == ref_checksum(bytes(cpu_bucket.buffer.tolist()))
+    with B.use_torch_fallback():
+        assert B.bucket_checksum(gpu_bucket.buffer) == cpu_bucket.checksum
+    for n in [0, 1, 7, 9, 16, 4099, 10_000_019]:
+        data = torch.randint(0, 256, (n + 3,), dtype=torch.uint8)
+        for view in (data[:n], data[3:]):  # aligned start and a start 3 bytes off
+            assert B.bucket_checksum(view.cuda()) == B.bucket_checksum(view), n
+            holder = torch.empty(n + 3, dtype=torch.uint8, device="cuda")
+            holder[3:] = data[3:].cuda()
+            assert B.bucket_checksum(holder[3:]) == B.bucket_checksum(data[3:]), n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk_bytes", [0, 16, 4096, 1 << 20])
+def test_gpu_ops_misaligned_and_chunk_sizes(chunk_bytes):
+    gen = torch.Generator().manual_seed(11)
+    raw = torch.randint(0, 256, (3_000_001,), dtype=torch.uint8, generator=gen).cuda()
+    srcs = [
+        raw[1:],  # odd address: byte path
+        raw[4:1_000_004],  # 4-byte aligned: 32-bit path
+        random_tensor((513, 1000), torch.bfloat16, "cuda", gen),
+        random_tensor((7,), torch.float32, "cuda", gen)[1:],  # 4-byte aligned fp32
+        torch.empty(0, device="cuda"),
+    ]
+    offsets, end = [], 0
+    for s in srcs:
+        offsets.append(B._align_up(end))
+        end = offsets[-1] + s.numel() * s.element_size()
+    bucket = torch.full((end + 5,), 0xFF, dtype=torch.uint8, device="cuda")
+    torch.ops.rlperf.multi_tensor_pack(srcs, bucket, offsets, chunk_bytes)
+    expected = torch.zeros(end + 5, dtype=torch.uint8)
+    for s, o in zip(srcs, offsets):
+        expected[o : o + s.numel() * s.element_size()] = s.reshape(-1).view(torch.uint8).cpu()
+    assert torch.equal(bucket.cpu(), expected)
+    outs = [poisoned_like(s) for s in srcs]
+    outs[0] = torch.empty(3_000_001, dtype=torch.uint8, device="cuda")[1:]
+    torch.ops.rlperf.multi_tensor_unpack(bucket, outs, offsets, chunk_bytes)
+    for o, s in zip(outs, srcs):
+        assert same_bits(o, s)
+
+
+@pytest.mark.gpu
+def test_gpu_rejects_mixed_devices():
+    bucket = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    with pytest.raises(RuntimeError, match=r"srcs\[1\] is on cpu but the bucket is on cuda"):
+        torch.ops.rlperf.multi_tensor_pack([torch.ones(2, device="cuda"), torch.ones(2)], bucket, [0, 16])
+    with pytest.raises(ValueError, match="'b' is on cpu but 'a' is on cuda"):
+        B.flatten_buckets({"a": torch.ones(2, device="cuda"), "b": torch.ones(2)})
+    (gb,) = B.flatten_buckets({"a": torch.ones(2, device="cuda")})
+    with pytest.raises(ValueError, match="'a' is on cpu but the bucket is on cuda"):
+        gb.load_into({"a": torch.zeros(2)})
