@@ -1,0 +1,292 @@
+"""Invariant attention vs torch SDPA (flash and cuDNN): causal prefill and paged decode.
+
+Shapes (Qwen3-8B-like heads): 32 query heads, 8 KV heads, head_dim 128, bf16.
+
+* prefill, causal: B=8 L=4096 and B=32 L=1024. Kernel = ``rlperf.kernels.varlen_attention`` on the
+  packed ``[B*L, H, D]`` tokens (and, for B=8 L=4096, ``paged_attention`` full prefill from a
+  shuffled paged cache). Anchors in the same run: ``F.scaled_dot_product_attention(is_causal=True)``
+  under ``sdpa_kernel(FLASH_ATTENTION)`` and under ``sdpa_kernel(CUDNN_ATTENTION)``, on the same
+  memory viewed as ``[B, H, L, D]``. GQA is passed to SDPA as ``enable_gqa=True`` when the backend
+  takes it, otherwise as K/V expanded to 32 heads before timing (each row's ``extra['gqa']`` says
+  which). Work = 4·B·Hq·L²·D / 2 FLOPs (causal).
+* decode: B=64 sequences with 4096 tokens of KV each, one query each, paged cache (shuffled
+  pages). Anchor: SDPA flash with q length 1 on dense ``[B, Hkv, 4096, D]`` K/V. Work = the KV
+  bytes read (GB/s): B·4096·Hkv·D·2 tensors·2 bytes.
+
+``summarize`` gives the ratios the targets are stated in: prefill vs cuDNN (>= 0.75) and decode
+vs SDPA flash decode (>= 1.0).
+
+``python -m rlperf.bench.attention --sweep`` times candidate launch configs (BLOCK_M, BLOCK_N,
+warps, stages) on both workloads and checks, per config, that decode and chunked rows equal the
+prefill rows bit for bit — how ``_CONFIG`` in ``kernels/attention.py`` was chosen.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+
+from .harness import BenchRow, cuda_time, geomean
+
+BENCH = "attention"
+DEVICE = "cuda"  # a CPU dry run of the plumbing (tests) may point this elsewhere
+HQ, HKV, D = 32, 8, 128
+PREFILL_CASES = ((8, 4096), (32, 1024))
+DECODE_CASE = (64, 4096)  # (B, KV length)
+_HBM_TBS = {"H200": 4.8, "H100": 3.35}  # datasheet, for the roofline fraction
+
+
+def _hbm_tbs() -> float:
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in _HBM_TBS.items() if k in name), _HBM_TBS["H100"])
+
+
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.float() - ref.float()).norm() / ref.float().norm())
+
+
+def _sdpa_fn(backend_name: str, q4, k4, v4, causal: bool):
+    """A zero-argument SDPA call for ``backend_name`` ('flash' | 'cudnn') and how GQA was passed.
+
+    Tries ``enable_gqa=True`` first; if the backend refuses it, expands K/V to Hq heads (outside the
+    timed call). Returns (fn, gqa_description) or (None, reason) if the backend cannot run at all.
+    """
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+    g = q4.shape[1] // k4.shape[1]
+    attempts = [("enable_gqa=True", k4, v4, True),
+                ("K/V expanded to Hq heads", k4.repeat_interleave(g, 1), v4.repeat_interleave(g, 1), False)]
+    errors = []
+    for desc, kk, vv, gqa in attempts:
+        def fn(kk=kk, vv=vv, gqa=gqa):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q4, kk, vv, is_causal=causal, enable_gqa=gqa)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            return fn, desc
+        except RuntimeError as e:  # backend does not support this call
+            errors.append(f"{desc}: {str(e).splitlines()[0][:120]}")
+    return None, "; ".join(errors)
+
+
+def _paged_cache(k: torch.Tensor, v: torch.Tensor, B: int, L: int, page: int, gen: torch.Generator):
+    """Scatter packed K/V [B*L, Hkv, D] into a cache with shuffled pages; returns (kc, vc, page_table)."""
+    import rlperf.kernels as K
+
+    pages_per_seq = -(-L // page)
+    num_pages = B * pages_per_seq
+    perm = torch.randperm(num_pages, generator=gen).to(DEVICE)
+    table = perm.view(B, pages_per_seq).to(torch.int32)
+    kc = torch.empty(num_pages, page, *k.shape[1:], dtype=k.dtype, device=DEVICE)
+    vc = torch.empty_like(kc)
+    pos = torch.arange(L, device=DEVICE)
+    slots = (table.long()[:, pos // page] * page + pos % page).reshape(-1)
+    if page == K.PAGE_SIZE:
+        K.write_kv_cache(k, v, kc, vc, slots)
+    else:  # sweep configs with another page size
+        kc.view(-1, *k.shape[1:])[slots] = k
+        vc.view(-1, *v.shape[1:])[slots] = v
+    return kc, vc, table
+
+
+def _prefill_rows(B: int, L: int, reps: int, warmup: int, gen: torch.Generator, paged_row: bool) -> list[BenchRow]:
+    import rlperf.kernels as K
+
+    T = B * L
+    q = torch.randn(T, HQ, D, device=DEVICE, generator=gen).bfloat16()
+    k = torch.randn(T, HKV, D, device=DEVICE, generator=gen).bfloat16()
+    v = torch.randn(T, HKV, D, device=DEVICE, generator=gen).bfloat16()
+    cu = torch.arange(0, T + 1, L, dtype=torch.int32, device=DEVICE)
+    q4, k4, v4 = (x.view(B, L, -1, D).transpose(1, 2) for x in (q, k, v))
+    flops = 4.0 * B * HQ * L * L * D / 2
+    case = f"prefill causal B={B} L={L}"
+
+    ours = K.varlen_attention(q, k, v, cu)
+    t_ours = cuda_time(lambda: K.varlen_attention(q, k, v, cu), warmup=warmup, reps=reps)
+    kernels = [("rlperf.varlen", t_ours, ours)]
+    if paged_row:
+        kc, vc, table = _paged_cache(k, v, B, L, K.PAGE_SIZE, gen)
+        kv_lens = torch.full((B,), L, dtype=torch.int32, device=DEVICE)
+        out_p = K.paged_attention(q, kc, vc, table, cu, kv_lens)
+        t_p = cuda_time(lambda: K.paged_attention(q, kc, vc, table, cu, kv_lens), warmup=warmup, reps=reps)
+        kernels.append(("rlperf.paged", t_p, out_p))
+        paged_bits_equal = bool(torch.equal(out_p, ours))
+        del kc, vc
+    rows = []
+    for backend_name in ("flash", "cudnn"):
+        fn, gqa = _sdpa_fn(backend_name, q4, k4, v4, causal=True)
+        if fn is None:
+            print(f"[attention] {case}: SDPA {backend_name} unavailable: {gqa}")
+            continue
+        ref = fn().transpose(1, 2).reshape(T, HQ, D)
+        t_ref = cuda_time(fn, warmup=warmup, reps=reps)
+        for name, t, out in kernels:
+            extra = {"B": B, "L": L, "phase": "prefill", "anchor_backend": backend_name, "gqa": gqa,
+                     "rel_err_vs_anchor": _rel_err(out, ref),
+                     "kernel_p20_p80_ms": [t.p20_ms, t.p80_ms], "anchor_p20_p80_ms": [t_ref.p20_ms, t_ref.p80_ms]}
+            if name == "rlperf.paged":
+                extra["bits_equal_varlen"] = paged_bits_equal
+            rows.append(BenchRow(bench=BENCH, case=case, kernel=name, kernel_ms=t.median_ms,
+                                 anchor=f"sdpa-{backend_name}", anchor_ms=t_ref.median_ms, work=flops,
+                                 unit="TFLOP/s", extra=extra))
+        del ref
+    return rows
+
+
+def _decode_rows(B: int, S: int, reps: int, warmup: int, gen: torch.Generator) -> list[BenchRow]:
+    import rlperf.kernels as K
+
+    q = torch.randn(B, HQ, D, device=DEVICE, generator=gen).bfloat16()
+    k = torch.randn(B * S, HKV, D, device=DEVICE, generator=gen).bfloat16()
+    v = torch.randn(B * S, HKV, D, device=DEVICE, generator=gen).bfloat16()
+    kc, vc, table = _paged_cache(k, v, B, S, K.PAGE_SIZE, gen)
+    cu_q = torch.arange(B + 1, dtype=torch.int32, device=DEVICE)
+    kv_lens = torch.full((B,), S, dtype=torch.int32, device=DEVICE)
+    k4, v4 = (x.view(B, S, HKV, D).transpose(1, 2).contiguous() for x in (k, v))  # dense [B, Hkv, S, D]
+    del k, v
+    q4 = q[:, :, None, :]
+    nbytes = 2.0 * B * S * HKV * D * 2
+    ours = K.paged_attention(q, kc, vc, table, cu_q, kv_lens)
+    t_ours = cuda_time(lambda: K.paged_attention(q, kc, vc, table, cu_q, kv_lens), warmup=warmup, reps=reps)
+    fn, gqa = _sdpa_fn("flash", q4, k4, v4, causal=False)
+    if fn is None:
+        print(f"[attention] decode: SDPA flash unavailable: {gqa}")
+        return []
+    ref = fn()[:, :, 0, :]
+    t_ref = cuda_time(fn, warmup=warmup, reps=reps)
+    hbm = _hbm_tbs() * 1e12
+    return [BenchRow(
+        bench=BENCH, case=f"decode paged B={B} KV={S}", kernel="rlperf.paged", kernel_ms=t_ours.median_ms,
+        anchor="sdpa-flash-dense", anchor_ms=t_ref.median_ms, work=nbytes, unit="GB/s",
+        extra={"B": B, "S": S, "phase": "decode", "anchor_backend": "flash", "gqa": gqa,
+               "rel_err_vs_anchor": _rel_err(ours, ref),
+               "hbm_fraction": nbytes / (t_ours.median_ms * 1e-3) / hbm,
+               "kernel_p20_p80_ms": [t_ours.p20_ms, t_ours.p80_ms], "anchor_p20_p80_ms": [t_ref.p20_ms, t_ref.p80_ms]},
+    )]
+
+
+def run(quick: bool = False) -> list[BenchRow]:
+    reps, warmup = (10, 3) if quick else (30, 5)
+    gen = torch.Generator().manual_seed(0)
+    rows: list[BenchRow] = []
+    for i, (B, L) in enumerate(PREFILL_CASES[:1] if quick else PREFILL_CASES):
+        rows += _prefill_rows(B, L, reps, warmup, gen, paged_row=(i == 0))
+        torch.cuda.empty_cache()
+    rows += _decode_rows(*DECODE_CASE, reps=reps * 2, warmup=warmup, gen=gen)
+    return rows
+
+
+def summarize(rows: list[BenchRow]) -> dict:
+    def sel(phase, kernel, backend):
+        return [r.ratio for r in rows if r.extra["phase"] == phase and r.kernel == kernel and r.extra["anchor_backend"] == backend]
+
+    summary = {
+        "prefill_vs_cudnn_geomean": geomean(sel("prefill", "rlperf.varlen", "cudnn")),
+        "prefill_vs_cudnn_min": min(sel("prefill", "rlperf.varlen", "cudnn"), default=float("nan")),
+        "prefill_vs_flash_geomean": geomean(sel("prefill", "rlperf.varlen", "flash")),
+        "decode_vs_flash": geomean(sel("decode", "rlperf.paged", "flash")),
+    }
+    dec = [r for r in rows if r.extra["phase"] == "decode"]
+    if dec:
+        summary["decode_ms"] = dec[0].kernel_ms
+        summary["decode_GBps"] = dec[0].rate(dec[0].kernel_ms)
+    paged = [r.extra["bits_equal_varlen"] for r in rows if "bits_equal_varlen" in r.extra]
+    if paged:
+        summary["paged_prefill_bits_equal_varlen"] = all(paged)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# config sweep (tuning tool; not part of `rlperf bench`)
+# ----------------------------------------------------------------------------------------------
+
+SWEEP_CONFIGS = [
+    (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 4),
+    (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3),
+]
+
+
+def _bits_check(cfg: dict, gen: torch.Generator) -> bool:
+    """Rows of a 1500-token prefill vs decode of its last 3 tokens and a 200-token chunk, one config."""
+    from rlperf.kernels.attention import _attention_forward
+
+    L, page = 1500, cfg["BLOCK_N"]
+    q = torch.randn(L, HQ, D, device=DEVICE, generator=gen).bfloat16()
+    k = torch.randn(L, HKV, D, device=DEVICE, generator=gen).bfloat16()
+    v = torch.randn(L, HKV, D, device=DEVICE, generator=gen).bfloat16()
+    full = _attention_forward(q, k, v, torch.tensor([0, L], dtype=torch.int32, device=DEVICE), None, None, None, cfg)
+    kc, vc, table = _paged_cache(k, v, 1, L, page, gen)
+    ok = True
+    for n_q, kv in ((1, L), (1, L - 1), (1, L - 2), (200, L), (200, 700)):
+        o = _attention_forward(q[kv - n_q:kv], kc, vc, torch.tensor([0, n_q], dtype=torch.int32, device=DEVICE),
+                               torch.tensor([kv], dtype=torch.int32, device=DEVICE), table, None, cfg)
+        ok &= bool(torch.equal(o, full[kv - n_q:kv]))
+    return ok
+
+
+def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> list[dict]:
+    """Time each (BLOCK_M, BLOCK_N, warps, stages) on prefill B=8 L=4096 and decode B=64 KV=4096."""
+    from rlperf.kernels.attention import _attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    B, L = PREFILL_CASES[0]
+    T = B * L
+    q = torch.randn(T, HQ, D, device=DEVICE, generator=gen).bfloat16()
+    k = torch.randn(T, HKV, D, device=DEVICE, generator=gen).bfloat16()
+    v = torch.randn(T, HKV, D, device=DEVICE, generator=gen).bfloat16()
+    cu = torch.arange(0, T + 1, L, dtype=torch.int32, device=DEVICE)
+    flops = 4.0 * B * HQ * L * L * D / 2
+    Bd, S = DECODE_CASE
+    qd = torch.randn(Bd, HQ, D, device=DEVICE, generator=gen).bfloat16()
+    kd = torch.randn(Bd * S, HKV, D, device=DEVICE, generator=gen).bfloat16()
+    vd = torch.randn(Bd * S, HKV, D, device=DEVICE, generator=gen).bfloat16()
+    cu_d = torch.arange(Bd + 1, dtype=torch.int32, device=DEVICE)
+    lens_d = torch.full((Bd,), S, dtype=torch.int32, device=DEVICE)
+    nbytes = 2.0 * Bd * S * HKV * D * 2
+    results = []
+    for bm, bn, w, s in configs:
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+        row = {"config": f"BM={bm} BN={bn} w={w} s={s}"}
+        try:
+            tp = cuda_time(lambda: _attention_forward(q, k, v, cu, None, None, None, cfg), warmup=2, reps=reps)
+            kc, vc, table = _paged_cache(kd, vd, Bd, S, bn, gen)
+            td = cuda_time(lambda: _attention_forward(qd, kc, vc, cu_d, lens_d, table, None, cfg), warmup=3, reps=reps * 2)
+            del kc, vc
+            row.update(prefill_ms=tp.median_ms, prefill_tflops=flops / tp.median_ms / 1e9,
+                       decode_ms=td.median_ms, decode_gbps=nbytes / td.median_ms / 1e6, bits_ok=_bits_check(cfg, gen))
+        except Exception as e:  # a config that does not compile or fit (shared memory, registers)
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+        results.append(row)
+        print(row, flush=True)
+    print(f"{'config':<24} {'prefill ms':>10} {'TFLOP/s':>8} {'decode ms':>9} {'GB/s':>7} bits")
+    for r in results:
+        if "error" in r:
+            print(f"{r['config']:<24} {r['error']}")
+        else:
+            print(f"{r['config']:<24} {r['prefill_ms']:10.3f} {r['prefill_tflops']:8.1f} {r['decode_ms']:9.4f} "
+                  f"{r['decode_gbps']:7.0f} {r['bits_ok']}")
+    return results
+
+
+def _main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sweep", action="store_true", help="time the candidate launch configs")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    from .harness import format_table
+
+    if args.sweep:
+        sweep()
+    else:
+        rows = run(quick=args.quick)
+        print(format_table(rows))
+        print(summarize(rows))
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        _main()
