@@ -10,6 +10,14 @@ For every model, its four fused linear shapes (nn.Linear layout, ``w`` [N, K]):
 at M (tokens) in 1 ... 8192, bf16. Kernel = ``rlperf.kernels.matmul`` (invariant mode); anchor =
 ``torch.matmul(x, w.T)`` (cuBLAS) on the same inputs in the same run. Work = 2·M·N·K FLOPs; the
 harness flushes L2 before every timed call, so weights come from HBM as they do in a model.
+
+Two timings of each, both with the L2 flush: the row's ms are **CUDA-graph replays** of one call
+(GPU time: how decode runs in a rollout engine, and what the kernel itself costs), and ``extra``
+holds the **eager** event time of a plain Python call plus the host microseconds per call. The
+eager time includes any host launch overhead beyond the ~60 us L2 flush that precedes each call:
+Triton's launch path with two TMA descriptors costs ~50-80 us of host time on the lent machines'
+CPUs against cuBLAS's ~15-20 us, so at small M the eager ratio measures the launch path, not
+the kernel (bench/NOTES-matmul.md, run 2).
 Small M is memory-bound (the weights are read once: floor = bytes / HBM bandwidth), large M
 compute-bound (floor = FLOPs / tensor-core peak); ``extra`` holds that datasheet floor and the
 fraction of it reached.
@@ -19,6 +27,8 @@ M <= 64 (the targets: >= 0.90 and >= 0.75), per model, and one measured fact: wh
 is batch-invariant (row 0 alone vs inside M = 2048).
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -84,6 +94,33 @@ def cublas_invariance_fact(n: int = 4096, k: int = 4096, m: int = 2048) -> dict:
     }
 
 
+def graph_time(fn, *, warmup: int, reps: int):
+    """:func:`cuda_time` of a CUDA-graph replay of one ``fn()`` call (L2 flushed before each)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture (compilation, cuBLAS workspaces)
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    timing = cuda_time(graph.replay, warmup=warmup, reps=reps)
+    del graph
+    return timing
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host microseconds per call (launch path only: no synchronization inside the loop)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def run(quick: bool = False) -> list[BenchRow]:
     import rlperf.kernels as K
 
@@ -99,20 +136,26 @@ def run(quick: bool = False) -> list[BenchRow]:
             x_all = torch.randn(max(M_VALUES), k, device="cuda", generator=gen).bfloat16()
             for m in QUICK_M if quick else M_VALUES:
                 x = x_all[:m]
-                kernel = cuda_time(lambda: K.matmul(x, w), warmup=warmup, reps=reps)
-                anchor = cuda_time(lambda: torch.matmul(x, w.T), warmup=warmup, reps=reps)
+                kernel_fn, anchor_fn = (lambda: K.matmul(x, w)), (lambda: torch.matmul(x, w.T))
+                eager_k = cuda_time(kernel_fn, warmup=warmup, reps=reps)
+                eager_a = cuda_time(anchor_fn, warmup=warmup, reps=reps)
+                kernel = graph_time(kernel_fn, warmup=warmup, reps=reps)
+                anchor = graph_time(anchor_fn, warmup=warmup, reps=reps)
                 flops = 2.0 * m * n * k
                 nbytes = 2.0 * (m * k + n * k + m * n)
                 floor_ms = max(flops / (peak_tflops * 1e12), nbytes / (hbm_tbs * 1e12)) * 1e3
                 rows.append(BenchRow(
-                    bench=BENCH, case=f"{model} {layer} M={m} N={n} K={k}", kernel="rlperf.matmul",
-                    kernel_ms=kernel.median_ms, anchor="cublas", anchor_ms=anchor.median_ms, work=flops,
+                    bench=BENCH, case=f"{model} {layer} M={m} N={n} K={k}", kernel="rlperf.matmul/graph",
+                    kernel_ms=kernel.median_ms, anchor="cublas/graph", anchor_ms=anchor.median_ms, work=flops,
                     unit="TFLOP/s",
                     extra={"model": model, "layer": layer, "M": m, "N": n, "K": k,
                            "bound": "compute" if flops / (peak_tflops * 1e12) > nbytes / (hbm_tbs * 1e12) else "memory",
                            "floor_ms": floor_ms, "roofline_fraction": floor_ms / kernel.median_ms,
                            "kernel_p20_p80_ms": [kernel.p20_ms, kernel.p80_ms],
-                           "anchor_p20_p80_ms": [anchor.p20_ms, anchor.p80_ms]},
+                           "anchor_p20_p80_ms": [anchor.p20_ms, anchor.p80_ms],
+                           "eager_kernel_ms": eager_k.median_ms, "eager_anchor_ms": eager_a.median_ms,
+                           "eager_ratio": eager_a.median_ms / eager_k.median_ms,
+                           "host_us_kernel": host_us(kernel_fn), "host_us_anchor": host_us(anchor_fn)},
                 ))
             del w, x_all
     if rows:
@@ -121,14 +164,16 @@ def run(quick: bool = False) -> list[BenchRow]:
 
 
 def summarize(rows: list[BenchRow]) -> dict:
-    def gm(pred):
-        sel = [r.ratio for r in rows if pred(r.extra)]
+    def gm(pred, eager=False):
+        sel = [r.extra["eager_ratio"] if eager else r.ratio for r in rows if pred(r.extra)]
         return geomean(sel) if sel else float("nan")
 
     summary = {
         "ratio_geomean_M>=1024": gm(lambda e: e["M"] >= 1024),
         "ratio_geomean_M<=64": gm(lambda e: e["M"] <= 64),
         "ratio_geomean_all": gm(lambda e: True),
+        "eager_ratio_geomean_M>=1024": gm(lambda e: e["M"] >= 1024, eager=True),
+        "eager_ratio_geomean_M<=64": gm(lambda e: e["M"] <= 64, eager=True),
     }
     for model in MODELS:
         if any(r.extra["model"] == model for r in rows):
