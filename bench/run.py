@@ -17,6 +17,7 @@ BENCHES = {
     "matmul": "rlperf.bench.matmul",
     "attention": "rlperf.bench.attention",
     "layers": "rlperf.bench.layers",
+    "flatten": "rlperf.bench.flatten",
 }
 
 

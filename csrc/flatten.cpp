@@ -105,7 +105,13 @@ namespace {
 // binary search on first_chunk, then walks forward.
 void run_plan_cpu(const CopyPlan& plan, int64_t chunk_bytes) {
   const std::vector<CopyTask>& tasks = plan.tasks;
-  at::parallel_for(0, plan.num_chunks, 1, [&](int64_t begin, int64_t end) {
+  int64_t total_bytes = 0;
+  for (const CopyTask& t : tasks) total_bytes += t.nbytes;
+  // Below a few MiB one thread's memcpy finishes before a parallel region would pay for itself
+  // (waking a worker can cost milliseconds on a loaded machine), so small copies stay serial.
+  constexpr int64_t kParallelMinBytes = 4 * 1024 * 1024;
+  const int64_t grain = total_bytes >= kParallelMinBytes ? 1 : std::max<int64_t>(plan.num_chunks, 1);
+  at::parallel_for(0, plan.num_chunks, grain, [&](int64_t begin, int64_t end) {
     auto it = std::upper_bound(tasks.begin(), tasks.end(), begin,
                                [](int64_t chunk, const CopyTask& t) { return chunk < t.first_chunk; });
     size_t t = static_cast<size_t>(it - tasks.begin()) - 1;

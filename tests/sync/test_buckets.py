@@ -690,3 +690,31 @@ def test_gpu_rejects_mixed_devices():
     (gb,) = B.flatten_buckets({"a": torch.ones(2, device="cuda")})
     with pytest.raises(ValueError, match="'a' is on cpu but the bucket is on cuda"):
         gb.load_into({"a": torch.zeros(2)})
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark's workload and bookkeeping (CPU smoke run; timings come from the device)
+
+
+def test_flatten_bench_workload_and_rows_on_cpu():
+    import time
+
+    from rlperf.bench import flatten as bench
+    from rlperf.bench.harness import Timing
+
+    shapes = bench.qwen3_4b_shapes()
+    assert len(shapes) == 398 and len({n for n, _ in shapes}) == 398
+    assert sum(2 * torch.Size(s).numel() for _, s in shapes) == 8_044_936_192  # bf16 bytes: 8.04 GB
+
+    def timer(fn):
+        start = time.perf_counter()
+        fn()
+        ms = (time.perf_counter() - start) * 1e3
+        return Timing(median_ms=ms, p20_ms=ms, p80_ms=ms, reps=1)
+
+    tiny = [(n, tuple(d // 16 for d in s)) for n, s in bench.qwen3_4b_shapes(2)]  # sizes stay multiples of 16 B
+    rows = bench.measure(tiny, torch.device("cpu"), timer, bucket_bytes=1024 * 1024)
+    assert {(r.kernel, r.anchor) for r in rows} >= {("flatten_buckets", "d2d copy"), ("load_into", "foreach_copy_")}
+    assert all(r.unit == "GB/s" and r.kernel_ms > 0 and r.anchor_ms > 0 for r in rows)
+    summary = bench.summarize(rows)
+    assert summary["target_flatten_0.90"] in ("met", "missed") and summary["flatten_vs_copy"] > 0
