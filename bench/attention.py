@@ -79,7 +79,7 @@ def _paged_cache(k: torch.Tensor, v: torch.Tensor, B: int, L: int, page: int, ge
 
     pages_per_seq = -(-L // page)
     num_pages = B * pages_per_seq
-    perm = torch.randperm(num_pages, generator=gen).to(DEVICE)
+    perm = torch.randperm(num_pages, generator=gen, device=DEVICE)
     table = perm.view(B, pages_per_seq).to(torch.int32)
     kc = torch.empty(num_pages, page, *k.shape[1:], dtype=k.dtype, device=DEVICE)
     vc = torch.empty_like(kc)
@@ -171,7 +171,7 @@ def _decode_rows(B: int, S: int, reps: int, warmup: int, gen: torch.Generator) -
 
 def run(quick: bool = False) -> list[BenchRow]:
     reps, warmup = (10, 3) if quick else (30, 5)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     rows: list[BenchRow] = []
     for i, (B, L) in enumerate(PREFILL_CASES[:1] if quick else PREFILL_CASES):
         rows += _prefill_rows(B, L, reps, warmup, gen, paged_row=(i == 0))
@@ -232,7 +232,7 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> list[dict]:
     """Time each (BLOCK_M, BLOCK_N, warps, stages) on prefill B=8 L=4096 and decode B=64 KV=4096."""
     from rlperf.kernels.attention import _attention_forward
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     B, L = PREFILL_CASES[0]
     T = B * L
     q = torch.randn(T, HQ, D, device=DEVICE, generator=gen).bfloat16()
