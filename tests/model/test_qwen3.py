@@ -56,12 +56,14 @@ def test_sharded_checkpoint_round_trip_and_bad_shapes(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_chunked_decode_give_identical_bits(interpreter, dtype):
     model = Qwen3ForCausalLM.random(CFG, seed=3, dtype=dtype)
-    seqs, ids, positions, cu = _packed([5, 19, 40], CFG.vocab_size, seed=4)
+    longest = K.PAGE_SIZE + 6  # crosses a page boundary
+    seqs, ids, positions, cu = _packed([5, 19, longest], CFG.vocab_size, seed=4)
     with torch.no_grad():
         packed = model.forward_packed(ids, positions, cu)
-        n_pages = 3 * ((40 + K.PAGE_SIZE - 1) // K.PAGE_SIZE)
+        n_pages = 3 * ((longest + K.PAGE_SIZE - 1) // K.PAGE_SIZE)
         order = torch.randperm(n_pages).tolist()
-        for chunk in (1, 7, 64):  # decode token by token, chunked prefill, whole prefill
+        # whole prefill; chunked prefill; prefill of one page then decode token by token across the boundary
+        for chunk in ((longest, longest), (7, 7), (K.PAGE_SIZE, 1)):
             paged = _paged_run(model, seqs, chunk, order)
             for s in range(len(seqs)):
                 assert torch.equal(paged[s], packed[cu[s]:cu[s + 1]]), (chunk, s)
@@ -79,7 +81,7 @@ def test_bf16_gpu_prefill_equals_decode_and_tracks_transformers(tmp_path):
     with torch.no_grad():
         packed = model.forward_packed(ids.cuda(), positions.cuda(), cu.cuda())
         order = torch.randperm(3 * ((257 + K.PAGE_SIZE - 1) // K.PAGE_SIZE)).tolist()
-        for chunk in (1, 100):
+        for chunk in ((1, 1), (100, 100), (200, 1)):
             paged = _paged_run(model, seqs, chunk, order, "cuda")
             for s in range(3):
                 assert torch.equal(paged[s], packed[cu[s]:cu[s + 1]]), (chunk, s)
@@ -93,8 +95,8 @@ def test_bf16_gpu_prefill_equals_decode_and_tracks_transformers(tmp_path):
 
 
 def _paged_run(model, seqs, chunk, page_order, device="cpu"):
-    """Run every sequence through forward_paged in chunks of ``chunk`` tokens (NaN-poisoned cache pages in
-    ``page_order``); return each sequence's final hidden states."""
+    """Run every sequence through forward_paged, ``chunk = (first, rest)`` tokens per step (NaN-poisoned
+    cache pages in ``page_order``); return each sequence's final hidden states."""
     cfg, P = model.cfg, K.PAGE_SIZE
     pages_per_seq = max((len(s) + P - 1) // P for s in seqs)
     dt = model.embed_tokens.dtype
@@ -107,7 +109,7 @@ def _paged_run(model, seqs, chunk, page_order, device="cpu"):
     while any(d < len(s) for d, s in zip(done, seqs)):
         ids, pos, slots, cu, lens, rows = [], [], [], [0], [], []
         for b, s in enumerate(seqs):
-            n = min(chunk, len(s) - done[b])
+            n = min(chunk[0] if done[b] == 0 else chunk[1], len(s) - done[b])
             if n <= 0:
                 continue
             p = torch.arange(done[b], done[b] + n, device=device)
