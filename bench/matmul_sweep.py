@@ -41,6 +41,14 @@ CANDIDATES = {
     "m64n64k128w4s6": (64, 64, 128, 4, 6, True, True),
     "m64n64k64w4s8": (64, 64, 64, 4, 8, True, True),
     "m128n256k64w8s3p": (128, 256, 64, 8, 3, True, False),
+    # round 4 (exploration for later tuning, run next to the chosen configs)
+    "m64n128k128w4s3": (64, 128, 128, 4, 3, True, True),
+    "m64n128k128w4s5": (64, 128, 128, 4, 5, True, True),
+    "m64n128k128w8s4": (64, 128, 128, 8, 4, True, True),
+    "m128n128k128w8s3": (128, 128, 128, 8, 3, True, True),
+    "m128n128k64w8s6": (128, 128, 64, 8, 6, True, True),
+    "m64n128k64w4s8": (64, 128, 64, 4, 8, True, True),
+    "m128n256k64w8s4p": (128, 256, 64, 8, 4, True, False),
 }
 
 
