@@ -17,13 +17,15 @@ Shapes (Qwen3-8B-like heads): 32 query heads, 8 KV heads, head_dim 128, bf16.
 vs SDPA flash decode (>= 1.0).
 
 ``python -m rlperf.bench.attention --sweep`` times candidate launch configs (BLOCK_M, BLOCK_N,
-warps, stages) on both workloads and checks, per config, that decode and chunked rows equal the
-prefill rows bit for bit — how ``_CONFIG`` in ``kernels/attention.py`` was chosen.
+warps, stages, TMA loads) on both workloads and checks, per config, that decode and chunked rows
+equal the prefill rows bit for bit — how ``_CONFIG`` in ``kernels/attention.py`` was chosen.
+``--test-config cfg.json -- <pytest args>`` runs the tests with a candidate config (tuning only).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 
 import torch
 
@@ -204,14 +206,19 @@ def summarize(rows: list[BenchRow]) -> dict:
 # config sweep (tuning tool; not part of `rlperf bench`)
 # ----------------------------------------------------------------------------------------------
 
-SWEEP_CONFIGS = [
-    (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 4),
-    (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3),
+SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
+    (128, 64, 8, 3, False), (128, 64, 8, 3, True), (128, 64, 8, 4, True),
+    (128, 128, 8, 3, False), (128, 128, 8, 3, True), (128, 128, 8, 2, True),
+    (64, 64, 4, 3, False), (64, 64, 4, 3, True), (64, 64, 4, 4, True), (64, 64, 4, 2, True),
 ]
 
 
+def _config(bm: int, bn: int, w: int, s: int, tma: bool) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma}
+
+
 def _bits_check(cfg: dict, gen: torch.Generator) -> bool:
-    """Rows of a 1500-token prefill vs decode of its last 3 tokens and a 200-token chunk, one config."""
+    """Rows of a 1500-token prefill vs decode of its last 3 tokens and 200-token chunks, one config."""
     from rlperf.kernels.attention import _attention_forward
 
     L, page = 1500, cfg["BLOCK_N"]
@@ -228,8 +235,10 @@ def _bits_check(cfg: dict, gen: torch.Generator) -> bool:
     return ok
 
 
-def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> list[dict]:
-    """Time each (BLOCK_M, BLOCK_N, warps, stages) on prefill B=8 L=4096 and decode B=64 KV=4096."""
+def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
+    """Time each config on prefill B=8 L=4096 (varlen and paged) and decode B=64 KV=4096, next to
+    cuDNN prefill and SDPA flash decode; return the config with the best worse-of-two target ratio
+    (prefill / (0.75 cuDNN), flash decode / decode) among those whose bits check passes."""
     from rlperf.kernels.attention import _attention_forward
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -239,6 +248,7 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> list[dict]:
     k = torch.randn(T, HKV, D, device=DEVICE, generator=gen).bfloat16()
     v = torch.randn(T, HKV, D, device=DEVICE, generator=gen).bfloat16()
     cu = torch.arange(0, T + 1, L, dtype=torch.int32, device=DEVICE)
+    lens_p = torch.full((B,), L, dtype=torch.int32, device=DEVICE)
     flops = 4.0 * B * HQ * L * L * D / 2
     Bd, S = DECODE_CASE
     qd = torch.randn(Bd, HQ, D, device=DEVICE, generator=gen).bfloat16()
@@ -247,40 +257,85 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> list[dict]:
     cu_d = torch.arange(Bd + 1, dtype=torch.int32, device=DEVICE)
     lens_d = torch.full((Bd,), S, dtype=torch.int32, device=DEVICE)
     nbytes = 2.0 * Bd * S * HKV * D * 2
+
+    q4, k4, v4 = (x.view(B, L, -1, D).transpose(1, 2) for x in (q, k, v))
+    cudnn, _ = _sdpa_fn("cudnn", q4, k4, v4, causal=True)
+    cudnn_ms = cuda_time(cudnn, warmup=2, reps=reps).median_ms if cudnn else float("nan")
+    kd4, vd4 = (x.view(Bd, S, HKV, D).transpose(1, 2).contiguous() for x in (kd, vd))
+    flash_dec, _ = _sdpa_fn("flash", qd[:, :, None, :], kd4, vd4, causal=False)
+    flash_dec_ms = cuda_time(flash_dec, warmup=3, reps=reps * 2).median_ms if flash_dec else float("nan")
+    del kd4, vd4
+    print(f"anchors: cudnn prefill {cudnn_ms:.3f} ms ({flops / cudnn_ms / 1e9:.1f} TFLOP/s), "
+          f"flash decode {flash_dec_ms:.4f} ms", flush=True)
+
     results = []
-    for bm, bn, w, s in configs:
-        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
-        row = {"config": f"BM={bm} BN={bn} w={w} s={s}"}
+    caches = {}
+    for c in configs:
+        cfg = _config(*c)
+        bn = cfg["BLOCK_N"]
+        row = {"config": f"BM={c[0]} BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])}", "cfg": cfg}
         try:
+            if bn not in caches:
+                caches.clear()
+                torch.cuda.empty_cache()
+                caches[bn] = (_paged_cache(k, v, B, L, bn, gen), _paged_cache(kd, vd, Bd, S, bn, gen))
+            (kc, vc, table), (kcd, vcd, table_d) = caches[bn]
             tp = cuda_time(lambda: _attention_forward(q, k, v, cu, None, None, None, cfg), warmup=2, reps=reps)
-            kc, vc, table = _paged_cache(kd, vd, Bd, S, bn, gen)
-            td = cuda_time(lambda: _attention_forward(qd, kc, vc, cu_d, lens_d, table, None, cfg), warmup=3, reps=reps * 2)
-            del kc, vc
+            tpp = cuda_time(lambda: _attention_forward(q, kc, vc, cu, lens_p, table, None, cfg), warmup=2, reps=reps)
+            td = cuda_time(lambda: _attention_forward(qd, kcd, vcd, cu_d, lens_d, table_d, None, cfg),
+                           warmup=3, reps=reps * 2)
             row.update(prefill_ms=tp.median_ms, prefill_tflops=flops / tp.median_ms / 1e9,
+                       paged_prefill_tflops=flops / tpp.median_ms / 1e9,
                        decode_ms=td.median_ms, decode_gbps=nbytes / td.median_ms / 1e6, bits_ok=_bits_check(cfg, gen))
+            row["score"] = min(cudnn_ms / tp.median_ms / 0.75, flash_dec_ms / td.median_ms)
         except Exception as e:  # a config that does not compile or fit (shared memory, registers)
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
         results.append(row)
-        print(row, flush=True)
-    print(f"{'config':<24} {'prefill ms':>10} {'TFLOP/s':>8} {'decode ms':>9} {'GB/s':>7} bits")
+        print({k_: v_ for k_, v_ in row.items() if k_ != "cfg"}, flush=True)
+    print(f"{'config':<30} {'prefill ms':>10} {'TFLOP/s':>8} {'paged':>6} {'decode ms':>9} {'GB/s':>6} {'score':>6} bits")
     for r in results:
         if "error" in r:
-            print(f"{r['config']:<24} {r['error']}")
+            print(f"{r['config']:<30} {r['error']}")
         else:
-            print(f"{r['config']:<24} {r['prefill_ms']:10.3f} {r['prefill_tflops']:8.1f} {r['decode_ms']:9.4f} "
-                  f"{r['decode_gbps']:7.0f} {r['bits_ok']}")
-    return results
+            print(f"{r['config']:<30} {r['prefill_ms']:10.3f} {r['prefill_tflops']:8.1f} {r['paged_prefill_tflops']:6.1f} "
+                  f"{r['decode_ms']:9.4f} {r['decode_gbps']:6.0f} {r['score']:6.3f} {r['bits_ok']}")
+    ok = [r for r in results if r.get("bits_ok")]
+    best = max(ok, key=lambda r: r["score"]) if ok else None
+    if best:
+        print(f"best: {best['config']} score {best['score']:.3f}")
+    return best["cfg"] if best else {}
+
+
+def _test_with_config(cfg: dict, pytest_args: list[str]) -> int:
+    """Run pytest in this process with ``_CONFIG`` (and PAGE_SIZE) replaced: tuning only."""
+    import pytest
+
+    import rlperf.kernels as K
+    from rlperf.kernels import attention as A
+
+    A._CONFIG.update(cfg)
+    A.PAGE_SIZE = K.PAGE_SIZE = A._CONFIG["BLOCK_N"]
+    print(f"testing with {A._CONFIG}", flush=True)
+    return pytest.main(pytest_args)
 
 
 def _main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true", help="time the candidate launch configs")
+    p.add_argument("--best-json", metavar="PATH", help="with --sweep: write the best config here")
+    p.add_argument("--test-config", metavar="PATH", help="run the pytest args after -- with this config (JSON)")
     p.add_argument("--quick", action="store_true")
-    args = p.parse_args()
+    args, rest = p.parse_known_args()
     from .harness import format_table
 
     if args.sweep:
-        sweep()
+        best = sweep()
+        if args.best_json:
+            with open(args.best_json, "w") as f:
+                json.dump(best, f)
+    elif args.test_config:
+        with open(args.test_config) as f:
+            raise SystemExit(_test_with_config(json.load(f), [a for a in rest if a != "--"]))
     else:
         rows = run(quick=args.quick)
         print(format_table(rows))

@@ -47,7 +47,7 @@ from .dispatch import mode, use_triton
 from .reference import attention as _ref
 
 # One launch config for every mode (see the contract above). BLOCK_N is the KV block and the page size.
-_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": False}
 PAGE_SIZE: int = _CONFIG["BLOCK_N"]
 
 __all__ = ["PAGE_SIZE", "write_kv_cache", "paged_attention", "varlen_attention"]
@@ -63,12 +63,27 @@ def _attn_block(
     acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len,
     PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """One online-softmax update with KV block ``jb`` (identical arithmetic in every mode)."""
+    """One online-softmax update with KV block ``jb`` (identical arithmetic in every mode).
+
+    K/V arrive either through tensor descriptors (TMA on Hopper; K, V are descriptors over the
+    2-D views ``[rows, Hkv*D]``) or through pointers; both paths load the same values, and past
+    ``kv_len`` V is zeroed in both (K needs no zeroing: those scores become -inf).
+    """
     offs_j = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = jb * BLOCK_N + offs_j                      # key positions in the sequence
-    if PAGED:
+    if USE_TMA:
+        if PAGED:
+            row = tl.load(PAGE_TABLE + b * stride_pt + jb) * BLOCK_N
+        else:
+            row = kv_start + jb * BLOCK_N
+        k = K.load([row, kvh * HEAD_DIM])
+        v = V.load([row, kvh * HEAD_DIM])
+        if MASKED:
+            v = tl.where((offs_n < kv_len)[:, None], v, 0.0)
+    elif PAGED:
         page = tl.load(PAGE_TABLE + b * stride_pt + jb).to(tl.int64)
         k_ptrs = K + page * stride_kp + kvh * stride_kh + offs_j[:, None] * stride_kt + offs_d[None, :]
         v_ptrs = V + page * stride_vp + kvh * stride_vh + offs_j[:, None] * stride_vt + offs_d[None, :]
@@ -76,14 +91,15 @@ def _attn_block(
         rows = (kv_start + offs_n).to(tl.int64)
         k_ptrs = K + kvh * stride_kh + rows[:, None] * stride_kt + offs_d[None, :]
         v_ptrs = V + kvh * stride_vh + rows[:, None] * stride_vt + offs_d[None, :]
-    if MASKED:
-        # Past L_b the cache holds stale bits (maybe NaN): load zeros so 0 * v stays 0.
-        in_seq = (offs_n < kv_len)[:, None]
-        k = tl.load(k_ptrs, mask=in_seq, other=0.0)
-        v = tl.load(v_ptrs, mask=in_seq, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+    if not USE_TMA:
+        if MASKED:
+            # Past L_b the cache holds stale bits (maybe NaN): load zeros so 0 * v stays 0.
+            in_seq = (offs_n < kv_len)[:, None]
+            k = tl.load(k_ptrs, mask=in_seq, other=0.0)
+            v = tl.load(v_ptrs, mask=in_seq, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
     qk = tl.dot(q, tl.trans(k))
     if MASKED:
         # Applied to the raw scores, before the scale, so valid entries see the same FMA as unmasked.
@@ -104,7 +120,7 @@ def _attn_fwd_kernel(
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_pt,
     qk_scale, num_seqs, search_steps,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr,
+    PAGED: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Program (i, kvh): query tile i of the flattened tile list, KV head kvh.
 
@@ -159,12 +175,12 @@ def _attn_fwd_kernel(
             acc, l_i, m_i = _attn_block(
                 acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len,
                 PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-                HEAD_DIM, BLOCK_N, PAGED, False)
+                HEAD_DIM, BLOCK_N, PAGED, False, USE_TMA)
         for jb in range(n_full, n_blocks):
             acc, l_i, m_i = _attn_block(
                 acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len,
                 PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-                HEAD_DIM, BLOCK_N, PAGED, True)
+                HEAD_DIM, BLOCK_N, PAGED, True, USE_TMA)
 
         # + 0.0 turns a -0.0 (which an extra masked block would have turned into +0.0) into +0.0.
         out = acc / l_i[:, None] + 0.0
@@ -191,6 +207,21 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int) 
     if G > block_m:
         raise ValueError(f"{G} query heads per KV head exceed BLOCK_M={block_m}")
     return G
+
+
+def _tma_views_ok(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
+    """Whether K/V can be described as 2-D ``[rows, Hkv*D]`` tensors for TMA: heads adjacent,
+    16-byte aligned base and row stride, and row coordinates that fit int32."""
+    for x in (k, v):
+        D, H = x.shape[-1], x.shape[-2]
+        row_stride = x.stride(1) if paged else x.stride(0)
+        if x.stride(-1) != 1 or x.stride(-2) != D or (row_stride * x.element_size()) % 16 or x.data_ptr() % 16:
+            return False
+        if paged and x.stride(0) != x.shape[1] * row_stride:
+            return False
+        if x.shape[0] * (x.shape[1] if paged else 1) >= 2**31 or row_stride < H * D:
+            return False
+    return True
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -235,13 +266,24 @@ def _attention_forward(
         stride_pt = 0
         kv_lens = cu_seqlens_q  # unused placeholders (PAGED=False never reads them)
         page_table = cu_seqlens_q
+    use_tma = cfg["TMA"] and _tma_views_ok(k, v, paged)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # 2-D views [rows, Hkv*D]: a K/V block is the box [BLOCK_N, D] at (first row, kvh*D)
+        rows = k.shape[0] * (k.shape[1] if paged else 1)
+        row_stride = k.stride(1) if paged else k.stride(0)
+        k_arg = TensorDescriptor(k, [rows, Hkv * D], [row_stride, 1], [cfg["BLOCK_N"], D])
+        v_arg = TensorDescriptor(v, [rows, Hkv * D], [row_stride, 1], [cfg["BLOCK_N"], D])
+    else:
+        k_arg, v_arg = k, v
     grid = (T // block_q + num_seqs, Hkv)
     _attn_fwd_kernel[grid](
-        q, k, v, out, cu_seqlens_q, kv_lens, page_table,
+        q, k_arg, v_arg, out, cu_seqlens_q, kv_lens, page_table,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *strides_k, *strides_v, stride_pt,
         scale * math.log2(math.e), num_seqs, math.ceil(math.log2(num_seqs)) if num_seqs > 1 else 0,
-        G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged,
+        G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged, USE_TMA=use_tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -242,6 +242,32 @@ def test_gqa_group_sizes(interpreter):
         assert torch.equal(run_chunked(q, k, v, lens, chunk=3), out)
 
 
+def _check_load_paths(tokens, lens):
+    from rlperf.kernels import attention as A
+
+    q, k, v, cu = tokens
+    cache = PagedCache(lens, k.shape[1], k.shape[2], k.dtype, q.device)
+    run_chunked(q, k, v, lens, chunk=None, cache=cache)  # fills the cache
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=q.device)
+    outs = []
+    for tma in (False, True):
+        cfg = dict(A._CONFIG, TMA=tma)
+        assert A._tma_views_ok(k, v, False) and A._tma_views_ok(cache.k, cache.v, True)
+        outs.append(A._attention_forward(q, k, v, cu, None, None, None, cfg))
+        outs.append(A._attention_forward(q, cache.k, cache.v, cu, kv_lens, cache.page_table, None, cfg))
+        outs.append(A._attention_forward(q[-1:], cache.k, cache.v, cu_of([1], q.device), kv_lens[-1:],
+                                         cache.page_table[-1:], None, cfg))
+    assert not outs[0].isnan().any()
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0][-o.shape[0]:] if o.shape[0] == 1 else outs[0])
+
+
+def test_tma_and_pointer_loads_bit_identical(interpreter):
+    """K/V through tensor descriptors or through pointers: the same bits (varlen, paged, decode)."""
+    lens = [3, page_size() + 5, 40]
+    _check_load_paths(make_tokens(lens, 4, 2, 64, torch.float16, "cpu"), lens)
+
+
 def test_fast_mode_and_reference_backend_match_reference():
     lens = [5, 40]
     q, k, v, cu = make_tokens(lens, 4, 2, 64, torch.float32, "cpu")
@@ -330,5 +356,14 @@ def test_gpu_fast_mode_accuracy(dtype):
     ref = attention_ref(q, k, v, cu, cu)
     with K.use_mode("fast"):
         assert rel_err(run_varlen(q, k, v, lens), ref) < 1e-2
-        for chunk in (None, 1, 100):
+        for chunk in (None, 300):
             assert rel_err(run_chunked(q, k, v, lens, chunk), ref) < 1e-2
+        assert rel_err(run_chunked(q, k, v, lens, chunk=1, prompt=20), ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [128, 64])
+def test_gpu_tma_and_pointer_loads_bit_identical(dtype, d):
+    """The K/V load path (TMA descriptors or pointers) does not change a bit, in either layout."""
+    _check_load_paths(make_tokens([1, 2000, 127, 700], 32, 8, d, dtype, "cuda"), [1, 2000, 127, 700])
