@@ -27,6 +27,7 @@ _OPS = {
     "log_softmax": "logprob",
     "token_logprobs": "logprob",
     "sample": "sampling",
+    "fused_logprob": "fused_logprob",
     "silu_mul": "activation",
 }
 

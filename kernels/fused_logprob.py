@@ -1,0 +1,468 @@
+"""Fused lm-head + log-prob (+ entropy) from hidden states, without [N, V] float32 logits.
+
+Formula (hidden [N, H], weight [V, H] = the lm head, targets [N], temperature T > 0)::
+
+    z[i, j]   = (hidden[i] . weight[j]) * float32(1 / T)      # float32 accumulate
+    lse[i]    = log sum_j exp(z[i, j])
+    logp[i]   = z[i, targets[i]] - lse[i]
+    entropy[i]= lse[i] - sum_j p[i, j] z[i, j],   p = exp(z - lse)
+
+Backward (autograd, also through the entropy), with upstream grads ``g`` (of logp) and ``q`` (of
+entropy) per row::
+
+    dz[i, j]  = g[i] * (1[j == targets[i]] - p[i, j]) - q[i] * p[i, j] * (z[i, j] - lse[i] + entropy[i])
+    d hidden  = (dz / T) @ weight          d weight = (dz / T)^T @ hidden
+
+Forward kernel: the vocabulary is cut into fixed splits of ``SPLIT_TILES * BLOCK_N`` columns; one
+program owns ``BLOCK_M`` tokens x one split. For each ``BLOCK_N`` vocabulary tile of its split, in
+increasing order, it computes the logit tile with a full K loop over H (``tl.dot``, float32
+accumulator; never stored) and folds it into running (max, sum-exp, entropy-sum) per token with
+:func:`rlperf.kernels.logprob.online_lse_update` — the same update, chunk by chunk, that
+``token_logprobs`` documents. A second small kernel merges the splits of a token in split order.
+Memory: [n_splits, N] float32 partials, nothing of size [N, V].
+
+Batch invariance: the tile config (``BLOCK_M/N/K``, warps, stages, split width) is one constant
+per dtype, never a function of N; a token's logits depend only on its own hidden row (rows of a
+tile never mix; rows past N are clamped duplicates, never stored); the tile order and the split
+merge order are fixed. So a token's log-prob bits are the same alone, in any batch, in any row.
+
+Train/rollout bit identity: the rollout engine computes its sampled-token log-probs with this same
+function (same hidden state, same weight, same config) in invariant mode, so rollout and training
+log-probs agree bit for bit by construction. ``token_logprobs(matmul(hidden, weight, float32))``
+gives the same values to float32 rounding, not bit for bit: the matmul kernel's tile config and the
+single-level chunk order of ``token_logprobs`` differ from this kernel's two-level split order.
+
+Backward: the vocabulary is walked in chunks of at most ``BWD_CHUNK_BYTES`` of dlogits; per chunk a
+Triton kernel recomputes the logit tiles (same config as the forward) and writes ``dz / T`` in the
+input dtype, then two matmuls (cuBLAS on GPU) give that chunk's rows of d weight and add its term to
+a float32 d hidden. Deterministic run to run (fixed chunk order, no atomics).
+
+Tensor parallel (``tp_group``): each rank holds a contiguous V/tp slice of the vocabulary (rank r's
+slice follows ranks 0..r-1; sizes may differ) and the same hidden and (global) targets. The local
+(max, sum-exp, entropy-sum, target logit) are combined with all-reduces (MAX, then SUM of the
+rescaled terms); every rank returns the full-vocabulary logp / entropy. Backward returns each
+rank's d weight slice and the full d hidden (all-reduced over the group).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .dispatch import backend, mode
+from .logprob import _check_temperature, online_lse_update
+from .reference import fused_logprob as _ref
+
+BWD_CHUNK_BYTES = 256 * 2**20  # dlogits per backward chunk (the main extra memory of backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+    """One tile config per dtype (batch invariance: never a function of N)."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT_TILES: int  # vocabulary tiles per forward split
+    num_warps: int
+    num_stages: int
+
+
+_CONFIGS = {
+    torch.bfloat16: FusedConfig(128, 128, 64, 32, 8, 3),
+    torch.float16: FusedConfig(128, 128, 64, 32, 8, 3),
+    torch.float32: FusedConfig(64, 64, 32, 32, 4, 2),
+}
+
+
+def fused_config(dtype: torch.dtype) -> FusedConfig:
+    if dtype not in _CONFIGS:
+        raise TypeError(f"fused_logprob: dtype {dtype} not supported; expected one of {list(_CONFIGS)}")
+    return _CONFIGS[dtype]
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _logits_tile(h_ptr, w_ptr, rows, cols, H, stride_h, stride_w,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32 = hidden[rows] @ weight[cols]^T, K loop over H in order.
+
+    ``rows`` / ``cols`` are already clamped in range (duplicates past the end are never stored),
+    so only the K tail needs a mask.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(h_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            a = tl.load(h_ptrs, mask=(k + offs_k)[None, :] < H, other=0.0)
+            b = tl.load(w_ptrs, mask=(k + offs_k)[:, None] < H, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _fwd_partials_kernel(
+    h_ptr, w_ptr, tgt_ptr, pm_ptr, ps_ptr, pt_ptr, pz_ptr,
+    N, V, H, stride_h, stride_w, v_offset, inv_t, num_m_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
+    EVEN_K: tl.constexpr, WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # token tiles fastest: the programs of a wave share a vocabulary split, so its weight tiles
+    # are read from HBM about once per wave and served to the other token tiles from L2
+    pid_m = pid % num_m_tiles
+    pid_s = pid // num_m_tiles
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.minimum(offs_m, N - 1)
+    tgt = tl.load(tgt_ptr + rows) - v_offset  # local vocabulary index (outside [0, V): not here)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    t = tl.zeros([BLOCK_M], tl.float32)
+    tz = tl.zeros([BLOCK_M], tl.float32)
+    v_begin = pid_s * (SPLIT_TILES * BLOCK_N)
+    v_end = tl.minimum(v_begin + SPLIT_TILES * BLOCK_N, V)
+    for n0 in range(v_begin, v_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        cols = tl.minimum(offs_n, V - 1)
+        acc = _logits_tile(h_ptr, w_ptr, rows, cols, H, stride_h, stride_w,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+        live = offs_n[None, :] < V
+        z = tl.where(live, acc * inv_t, float("-inf"))
+        # at most one live column of one tile matches: a sum of zeros and that logit, exact
+        tz += tl.sum(tl.where(live & (offs_n[None, :] == tgt[:, None]), z, 0.0), axis=1)
+        m, s, t = online_lse_update(m, s, t, z, WITH_ENTROPY)
+    out = pid_s * N + offs_m
+    keep = offs_m < N
+    tl.store(pm_ptr + out, m, mask=keep)
+    tl.store(ps_ptr + out, s, mask=keep)
+    tl.store(pt_ptr + out, t, mask=keep)
+    tl.store(pz_ptr + out, tz, mask=keep)
+
+
+@triton.jit
+def _fwd_combine_kernel(
+    pm_ptr, ps_ptr, pt_ptr, pz_ptr, tgt_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr,
+    N, num_splits, v_total,
+    BLOCK: tl.constexpr, WITH_ENTROPY: tl.constexpr, FINAL: tl.constexpr,
+):
+    """Merge the splits of each token in split order.
+
+    FINAL: (logp, entropy, lse) into o0..o2. Else the local (m, s, t, target logit) into o0..o3,
+    for the tensor-parallel all-reduce.
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < N
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    t = tl.zeros([BLOCK], tl.float32)
+    tz = tl.zeros([BLOCK], tl.float32)
+    for sp in range(0, num_splits):
+        # lanes past N read a harmless (m, s) = (0, 1) and are never stored
+        pm = tl.load(pm_ptr + sp * N + offs, mask=keep, other=0.0)
+        ps = tl.load(ps_ptr + sp * N + offs, mask=keep, other=1.0)
+        m_new = tl.maximum(m, pm)
+        r = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - r)
+        b = tl.exp(pm - r)
+        if WITH_ENTROPY:
+            pt = tl.load(pt_ptr + sp * N + offs, mask=keep, other=0.0)
+            da = tl.where(m == float("-inf"), 0.0, m - r)
+            db = tl.where(pm == float("-inf"), 0.0, pm - r)
+            t = a * (t + da * s) + b * (pt + db * ps)
+        s = a * s + b * ps
+        tz += tl.load(pz_ptr + sp * N + offs, mask=keep, other=0.0)
+        m = m_new
+    if FINAL:
+        tgt = tl.load(tgt_ptr + offs, mask=keep, other=0)
+        lse = m + tl.log(s)
+        valid = (tgt >= 0) & (tgt < v_total)
+        tl.store(o0_ptr + offs, tl.where(valid, tz - lse, float("nan")), mask=keep)
+        if WITH_ENTROPY:
+            tl.store(o1_ptr + offs, tl.log(s) - t / s, mask=keep)
+        tl.store(o2_ptr + offs, lse, mask=keep)
+    else:
+        tl.store(o0_ptr + offs, m, mask=keep)
+        tl.store(o1_ptr + offs, s, mask=keep)
+        tl.store(o2_ptr + offs, t, mask=keep)
+        tl.store(o3_ptr + offs, tz, mask=keep)
+
+
+@triton.jit
+def _bwd_dlogits_kernel(
+    h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dl_ptr,
+    N, V, H, stride_h, stride_w, stride_dl, v_begin, v_end, v_offset, inv_t, num_m_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dlogits[:, v_begin:v_end] = dz / T (module docstring), in the input dtype."""
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_tiles
+    pid_n = pid // num_m_tiles
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = v_begin + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_m, N - 1)
+    cols = tl.minimum(offs_n, V - 1)
+    acc = _logits_tile(h_ptr, w_ptr, rows, cols, H, stride_h, stride_w,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    z = acc * inv_t
+    lse = tl.load(lse_ptr + rows)
+    g = tl.load(glp_ptr + rows)
+    tgt = tl.load(tgt_ptr + rows) - v_offset
+    p = tl.exp(z - lse[:, None])
+    coef = g[:, None]
+    if WITH_ENTROPY:
+        q = tl.load(gent_ptr + rows)
+        ent = tl.load(ent_ptr + rows)
+        coef = coef + q[:, None] * (z - lse[:, None] + ent[:, None])
+    dz = tl.where(offs_n[None, :] == tgt[:, None], g[:, None], 0.0) - p * coef
+    dst = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl + (offs_n - v_begin)[None, :]
+    keep = (offs_m[:, None] < N) & (offs_n[None, :] < v_end)
+    tl.store(dst, (dz * inv_t).to(dl_ptr.dtype.element_ty), mask=keep)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+_COMBINE_BLOCK = 128
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is unused for 16-bit inputs
+
+
+def _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, with_entropy, final, cfg=None):
+    """Run the forward kernels. final: (logp, entropy, lse); else local (m, s, t, tz)."""
+    cfg = cfg or fused_config(hidden.dtype)
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    num_m = triton.cdiv(N, cfg.BLOCK_M)
+    num_splits = triton.cdiv(V, cfg.SPLIT_TILES * cfg.BLOCK_N)
+    parts = torch.empty((4, num_splits, N), dtype=torch.float32, device=dev)
+    _fwd_partials_kernel[(num_m * num_splits,)](
+        hidden, weight, targets, parts[0], parts[1], parts[2], parts[3],
+        N, V, H, hidden.stride(0), weight.stride(0), v_offset, inv_t, num_m,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_TILES=cfg.SPLIT_TILES,
+        EVEN_K=H % cfg.BLOCK_K == 0, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    outs = torch.empty((4, N), dtype=torch.float32, device=dev)
+    _fwd_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
+        parts[0], parts[1], parts[2], parts[3], targets, outs[0], outs[1], outs[2], outs[3],
+        N, num_splits, v_total,
+        BLOCK=_COMBINE_BLOCK, WITH_ENTROPY=with_entropy, FINAL=final, num_warps=4,
+    )
+    return outs[0], outs[1], outs[2], outs[3]
+
+
+def _tp_layout(weight: torch.Tensor, group) -> tuple[int, int]:
+    """(this rank's first vocabulary index, total V) from every rank's slice size."""
+    import torch.distributed as dist
+
+    sizes = [torch.zeros(1, dtype=torch.int64, device=weight.device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([weight.shape[0]], dtype=torch.int64, device=weight.device), group=group)
+    sizes = [int(x) for x in sizes]
+    rank = dist.get_rank(group)
+    return sum(sizes[:rank]), sum(sizes)
+
+
+def _tp_finalize(m, s, t, tz, targets, v_total, with_entropy, group):
+    """Combine the ranks' local statistics: global max, then sums of the rescaled terms."""
+    import torch.distributed as dist
+
+    gm = m.clone()
+    dist.all_reduce(gm, op=dist.ReduceOp.MAX, group=group)
+    r = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
+    a = torch.exp(m - r)
+    packed = torch.stack([a * s, a * (t + torch.where(torch.isneginf(m), torch.zeros_like(m), m - r) * s), tz])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    S, T_, TZ = packed
+    lse = gm + torch.log(S)
+    valid = (targets >= 0) & (targets < v_total)
+    logp = torch.where(valid, TZ - lse, torch.full_like(lse, math.nan))
+    ent = torch.log(S) - T_ / S
+    return logp, ent, lse
+
+
+_MM_OUT_DTYPE: bool | None = None
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with a float32 result (cuBLAS float32 output where torch has it)."""
+    global _MM_OUT_DTYPE
+    if a.is_cuda and a.dtype != torch.float32:
+        if _MM_OUT_DTYPE is not False:
+            try:
+                out = torch.mm(a, b, out_dtype=torch.float32)
+                _MM_OUT_DTYPE = True
+                return out
+            except (TypeError, RuntimeError):
+                _MM_OUT_DTYPE = False
+        return torch.mm(a, b).float()
+    return torch.mm(a.float(), b.float())
+
+
+def _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, with_entropy,
+              need_h, need_w, cfg=None):
+    cfg = cfg or fused_config(hidden.dtype)
+    N, H = hidden.shape
+    V = weight.shape[0]
+    grad_h = torch.zeros((N, H), dtype=torch.float32, device=hidden.device) if need_h else None
+    grad_w = torch.empty_like(weight) if need_w else None
+    num_m = triton.cdiv(N, cfg.BLOCK_M)
+    chunk = BWD_CHUNK_BYTES // max(1, N * hidden.element_size())
+    chunk = max(cfg.BLOCK_N, chunk // cfg.BLOCK_N * cfg.BLOCK_N)
+    chunk = min(chunk, triton.cdiv(V, cfg.BLOCK_N) * cfg.BLOCK_N)
+    dl = torch.empty((N, chunk), dtype=hidden.dtype, device=hidden.device)
+    for v0 in range(0, V, chunk):
+        v1 = min(V, v0 + chunk)
+        _bwd_dlogits_kernel[(num_m * triton.cdiv(v1 - v0, cfg.BLOCK_N),)](
+            hidden, weight, targets, lse, ent, g_lp, g_ent, dl,
+            N, V, H, hidden.stride(0), weight.stride(0), dl.stride(0), v0, v1, v_offset, inv_t, num_m,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            EVEN_K=H % cfg.BLOCK_K == 0, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        d = dl[:, : v1 - v0]
+        if need_w:
+            if hidden.is_cuda:
+                torch.mm(d.t(), hidden, out=grad_w[v0:v1])
+            else:
+                grad_w[v0:v1] = torch.mm(d.t().float(), hidden.float())
+        if need_h:
+            grad_h += _mm_f32(d, weight[v0:v1])
+    return grad_h, grad_w
+
+
+class _FusedLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_t, with_entropy, tp_group):
+        if tp_group is None:
+            v_offset, v_total = 0, weight.shape[0]
+            logp, ent, lse, _ = _local_stats(hidden, weight, targets, inv_t, 0, v_total, with_entropy, True)
+        else:
+            v_offset, v_total = _tp_layout(weight, tp_group)
+            m, s, t, tz = _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, with_entropy, False)
+            logp, ent, lse = _tp_finalize(m, s, t, tz, targets, v_total, with_entropy, tp_group)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.inv_t, ctx.with_entropy, ctx.tp_group, ctx.v_offset = inv_t, with_entropy, tp_group, v_offset
+        ctx.mark_non_differentiable(lse)
+        return logp, ent, lse
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _g_lse):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_h or need_w):
+            return None, None, None, None, None, None
+        g_lp = g_lp.contiguous().float()
+        g_ent = g_ent.contiguous().float() if ctx.with_entropy else g_lp
+        grad_h, grad_w = _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, ctx.inv_t, ctx.v_offset,
+                                   ctx.with_entropy, need_h, need_w)
+        if need_h and ctx.tp_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.tp_group)
+        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Public op
+# --------------------------------------------------------------------------------------------
+
+
+def _check(hidden, weight, targets):
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"fused_logprob: hidden must be [N, H] and weight [V, H], got "
+                         f"{list(hidden.shape)} and {list(weight.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"fused_logprob: hidden [N, H] = {list(hidden.shape)} and weight [V, H] = "
+                         f"{list(weight.shape)} disagree on H")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"fused_logprob: hidden {hidden.dtype} and weight {weight.dtype} differ")
+    fused_config(hidden.dtype)
+    if targets.shape != (hidden.shape[0],):
+        raise ValueError(f"fused_logprob: targets must have shape [{hidden.shape[0]}], got {list(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise TypeError(f"fused_logprob: targets must be integer token ids, got {targets.dtype}")
+    if not (hidden.device == weight.device == targets.device):
+        raise ValueError(f"fused_logprob: hidden, weight, targets on {hidden.device}, {weight.device}, {targets.device}")
+    if weight.shape[0] == 0 or hidden.shape[1] == 0:
+        raise ValueError("fused_logprob: V and H must be > 0")
+
+
+def fused_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    tp_group=None,
+):
+    """Per-token log-prob (and entropy) of ``softmax(hidden @ weight.T / temperature)``.
+
+    Args:
+        hidden: [N, H] bfloat16/float16/float32 final hidden states.
+        weight: [V, H] lm-head weight, same dtype (this rank's vocabulary slice under ``tp_group``).
+        targets: [N] integer token ids in [0, V_total) (NaN log-prob otherwise).
+        temperature: Python float > 0.
+        return_entropy: also return the entropy of each token's distribution.
+        tp_group: a ``torch.distributed`` process group over which the vocabulary is split, or None.
+
+    Returns:
+        logp [N] float32 (and entropy [N] float32). Differentiable w.r.t. hidden and weight.
+    """
+    T = _check_temperature(temperature)
+    _check(hidden, weight, targets)
+    if mode() == "fast" and tp_group is None:
+        # stock torch: cuBLAS logits, then float32 log-softmax (materializes [N, V] float32)
+        logp_all = torch.log_softmax(F.linear(hidden, weight).float() / T, dim=-1)
+        logp = logp_all.gather(-1, targets.long().clamp(0, weight.shape[0] - 1)[:, None]).squeeze(-1)
+        logp = torch.where((targets >= 0) & (targets < weight.shape[0]), logp, torch.full_like(logp, math.nan))
+        if not return_entropy:
+            return logp
+        return logp, -(logp_all.exp() * logp_all).nan_to_num(0.0).sum(-1)
+    where = backend(hidden.device)
+    if where == "reference":
+        if tp_group is not None:
+            raise RuntimeError("fused_logprob: tp_group needs the Triton kernels (CUDA, or TRITON_INTERPRET=1 on CPU)")
+        return _ref.fused_logprob(hidden, weight, targets, T, return_entropy)
+    if hidden.shape[0] == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32) + 0.0 * hidden.sum() + 0.0 * weight.sum()
+        return (empty, empty.clone()) if return_entropy else empty
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    tgt = targets.to(torch.int64).contiguous()
+    logp, ent, _lse = _FusedLogprob.apply(hidden, weight, tgt, 1.0 / T, bool(return_entropy), tp_group)
+    return (logp, ent) if return_entropy else logp
+
+
+class _CallableModule(type(math)):
+    """The module shares its name with the op (``rlperf.kernels.fused_logprob``): importing the
+    submodule directly makes the package attribute the module instead of the function, so the
+    module forwards calls to the function and both spellings work."""
+
+    def __call__(self, *args, **kwargs):
+        return fused_logprob(*args, **kwargs)
+
+
+import sys as _sys  # noqa: E402
+
+_sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,224 @@
+"""fused_logprob: forward and backward (through entropy) vs float64, batch invariance, determinism,
+tensor-parallel split (gloo, 2 processes), edge cases.
+
+Tolerances vs float64 (inputs exactly representable, float32 accumulation):
+  log-prob / entropy: atol 5e-5 + rtol 1e-5 (a few float32 ulps of |lse| <= ~20);
+  gradients: dlogits are rounded to the input dtype before the two matmuls, so relative to the
+  largest gradient entry: fp32 1e-4, fp16 4e-3 (2^-11 ulp x a few), bf16 2e-2 (GPU).
+"""
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+import rlperf.kernels as K
+FL = importlib.import_module("rlperf.kernels.fused_logprob")  # the module (the package attribute is the op)
+from rlperf.kernels.reference.fused_logprob import fused_logprob as ref
+
+CPU_DTYPES = [(torch.float32, 1e-4), (torch.float16, 4e-3)]
+
+
+def _inputs(N, V, H, dtype, device="cpu", scale=1.0):
+    hidden = (torch.randn(N, H, device=device) * scale).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, device=device) / math.sqrt(H) * 4).to(dtype).requires_grad_()
+    targets = torch.randint(0, V, (N,), device=device)
+    return hidden, weight, targets
+
+
+def _grads(out, hidden, weight, seed=1):
+    lp, ent = out
+    gen = torch.Generator(device=lp.device).manual_seed(seed)
+    g1 = torch.randn(lp.shape, generator=gen, device=lp.device)
+    g2 = torch.randn(lp.shape, generator=gen, device=lp.device)
+    return torch.autograd.grad((lp * g1).sum() + (ent * g2).sum(), [hidden, weight])
+
+
+def _close_rel(a, b, tol):
+    scale = b.abs().max().item() or 1.0
+    torch.testing.assert_close(a.double(), b.double(), atol=tol * scale, rtol=tol)
+
+
+def _check_against_reference(N, V, H, dtype, gtol, T, device="cpu"):
+    hidden, weight, targets = _inputs(N, V, H, dtype, device)
+    out = K.fused_logprob(hidden, weight, targets, temperature=T, return_entropy=True)
+    r_out = ref(hidden, weight, targets, T, True)
+    assert out[0].dtype == torch.float32 and out[1].dtype == torch.float32 and out[0].shape == (N,)
+    torch.testing.assert_close(out[0], r_out[0].detach(), atol=5e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1], r_out[1].detach(), atol=5e-5, rtol=1e-5)
+    gh, gw = _grads(out, hidden, weight)
+    rh, rw = _grads(r_out, hidden, weight)
+    assert gh.dtype == dtype and gw.dtype == dtype
+    _close_rel(gh, rh, gtol)
+    _close_rel(gw, rw, gtol)
+
+
+@pytest.mark.parametrize("dtype,gtol", CPU_DTYPES)
+@pytest.mark.parametrize("N,V,H", [(1, 1000, 64), (33, 1000, 96), (257, 1000, 64), (7, 50257, 96)])
+def test_forward_backward_vs_float64(interpreter, dtype, gtol, N, V, H):
+    _check_against_reference(N, V, H, dtype, gtol, T=0.7 if N % 2 else 1.0)
+
+
+def test_logprob_only_gradient_and_entropy_only_gradient(interpreter):
+    hidden, weight, targets = _inputs(19, 1000, 64, torch.float32)
+    lp = K.fused_logprob(hidden, weight, targets, temperature=1.3)
+    r_lp = ref(hidden, weight, targets, 1.3)
+    torch.testing.assert_close(lp, r_lp.detach(), atol=5e-5, rtol=1e-5)
+    g = torch.randn(19)
+    _close_rel(torch.autograd.grad((lp * g).sum(), hidden)[0], torch.autograd.grad((r_lp * g).sum(), hidden)[0], 1e-4)
+    # entropy alone (the log-prob output unused): the gradient flows through the entropy
+    _, ent = K.fused_logprob(hidden, weight, targets, temperature=1.3, return_entropy=True)
+    _, r_ent = ref(hidden, weight, targets, 1.3, True)
+    _close_rel(torch.autograd.grad(ent.sum(), weight)[0], torch.autograd.grad(r_ent.sum(), weight)[0], 1e-4)
+
+
+def test_multi_chunk_backward(interpreter, monkeypatch):
+    """A small chunk budget walks the vocabulary in several backward chunks (incl. a ragged last)."""
+    N, V, H = 33, 1000, 64
+    monkeypatch.setattr(FL, "BWD_CHUNK_BYTES", N * 4 * 192)  # 192 columns -> 128-column chunks
+    _check_against_reference(N, V, H, torch.float32, 1e-4, T=0.9)
+
+
+def test_batch_invariance_and_determinism(interpreter):
+    N, V, H = 257, 1000, 96
+    hidden, weight, targets = _inputs(N, V, H, torch.float32)
+    with torch.no_grad():
+        lp, ent = K.fused_logprob(hidden, weight, targets, 0.8, True)
+        for i in (0, 100, 256):
+            a, b = K.fused_logprob(hidden[i : i + 1], weight, targets[i : i + 1], 0.8, True)
+            assert torch.equal(a, lp[i : i + 1]) and torch.equal(b, ent[i : i + 1]), i
+        perm = torch.randperm(N)
+        a, b = K.fused_logprob(hidden[perm], weight, targets[perm], 0.8, True)
+        assert torch.equal(a, lp[perm]) and torch.equal(b, ent[perm])
+        a = K.fused_logprob(hidden[5:70], weight, targets[5:70], 0.8)
+        assert torch.equal(a, lp[5:70])
+        # the entropy flag does not change the log-prob bits
+        assert torch.equal(K.fused_logprob(hidden, weight, targets, 0.8), lp)
+    # backward is deterministic run to run
+    g1 = _grads(K.fused_logprob(hidden, weight, targets, 0.8, True), hidden, weight)
+    g2 = _grads(K.fused_logprob(hidden, weight, targets, 0.8, True), hidden, weight)
+    assert torch.equal(g1[0], g2[0]) and torch.equal(g1[1], g2[1])
+
+
+def test_agrees_with_token_logprobs_of_float32_logits(interpreter):
+    """Same values as the unfused path (float32 rounding; bit identity is via fused_logprob itself)."""
+    hidden, weight, targets = _inputs(40, 1000, 64, torch.float32)
+    with torch.no_grad():
+        lp, ent = K.fused_logprob(hidden, weight, targets, 0.6, True)
+        logits = hidden.double() @ weight.double().t()
+        a, b = K.token_logprobs(logits.float(), targets, 0.6, return_entropy=True)
+    torch.testing.assert_close(lp, a, atol=5e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, b, atol=5e-5, rtol=1e-5)
+
+
+def test_invalid_targets_nan_and_errors(interpreter):
+    hidden, weight, targets = _inputs(4, 1000, 64, torch.float32)
+    targets[1], targets[2] = 1000, -1
+    with torch.no_grad():
+        lp = K.fused_logprob(hidden, weight, targets)
+    assert torch.isnan(lp[1]) and torch.isnan(lp[2]) and torch.isfinite(lp[[0, 3]]).all()
+    with pytest.raises(ValueError, match="temperature"):
+        K.fused_logprob(hidden, weight, targets, temperature=0.0)
+    with pytest.raises(ValueError, match="disagree on H"):
+        K.fused_logprob(hidden, weight[:, :32], targets)
+    with pytest.raises(TypeError, match="differ"):
+        K.fused_logprob(hidden, weight.double(), targets)
+    with pytest.raises(ValueError, match="targets must have shape"):
+        K.fused_logprob(hidden, weight, targets[:3])
+    with pytest.raises(TypeError, match="integer"):
+        K.fused_logprob(hidden, weight, targets.float())
+    with pytest.raises(TypeError, match="not supported"):
+        K.fused_logprob(hidden.double(), weight.double(), targets)
+    empty = K.fused_logprob(hidden[:0], weight, targets[:0], return_entropy=True)
+    assert empty[0].shape == (0,) and empty[1].shape == (0,)
+
+
+def test_fast_mode_and_reference_backend(interpreter):
+    hidden, weight, targets = _inputs(9, 1000, 64, torch.float32)
+    r = ref(hidden, weight, targets, 0.9, True)
+    with K.use_mode("fast"):
+        f = K.fused_logprob(hidden, weight, targets, 0.9, True)
+    torch.testing.assert_close(f[0], r[0].detach(), atol=5e-5, rtol=1e-5)
+    torch.testing.assert_close(f[1], r[1].detach(), atol=5e-5, rtol=1e-5)
+    with K.use_backend("reference"):
+        b = K.fused_logprob(hidden, weight, targets, 0.9, True)
+    assert torch.equal(b[0], r[0]) and torch.equal(b[1], r[1])
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+def _tp_worker(rank, world, init_file, result_dir):
+    import torch.distributed as dist
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)  # identical full problem on every rank
+        N, V, H = 21, 1000, 64
+        hidden, weight, targets = _inputs(N, V, H, torch.float32)
+        targets[3] = 599  # last row of rank 0's slice
+        targets[4] = 600  # first row of rank 1's slice
+        bounds = [0, 600, V]  # unequal slices
+        w_local = weight.detach()[bounds[rank] : bounds[rank + 1]].clone().requires_grad_()
+        h_local = hidden.detach().clone().requires_grad_()
+        out = K.fused_logprob(h_local, w_local, targets, temperature=0.8, return_entropy=True, tp_group=dist.group.WORLD)
+        gh, gw = _grads(out, h_local, w_local)
+        full = ref(hidden, weight, targets, 0.8, True)
+        rh, rw = _grads(full, hidden, weight)
+        torch.testing.assert_close(out[0], full[0].detach(), atol=5e-5, rtol=1e-5)
+        torch.testing.assert_close(out[1], full[1].detach(), atol=5e-5, rtol=1e-5)
+        _close_rel(gh, rh, 1e-4)
+        _close_rel(gw, rw[bounds[rank] : bounds[rank + 1]], 1e-4)
+        open(os.path.join(result_dir, f"ok{rank}"), "w").close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_gloo_matches_unsplit(interpreter, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_tp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+def test_tensor_parallel_needs_kernels():
+    hidden, weight, targets = _inputs(3, 100, 64, torch.float32)
+    with K.use_backend("reference"), pytest.raises(RuntimeError, match="tp_group"):
+        K.fused_logprob(hidden, weight, targets, tp_group=object())
+
+
+# ----------------------------------------------------------------------------- GPU (device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 77, 1025])
+def test_gpu_bf16_vs_float64(N):
+    _check_against_reference(N, 151936, 2560, torch.bfloat16, 2e-2, T=0.7, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,gtol", [(torch.float16, 4e-3), (torch.float32, 1e-4)])
+def test_gpu_other_dtypes(dtype, gtol):
+    _check_against_reference(257, 50257, 96, dtype, gtol, T=1.0, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariance_and_determinism():
+    N, V, H = 300, 151936, 2560
+    hidden, weight, targets = _inputs(N, V, H, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        lp, ent = K.fused_logprob(hidden, weight, targets, 0.8, True)
+        for i in (0, 129, 299):
+            a, b = K.fused_logprob(hidden[i : i + 1], weight, targets[i : i + 1], 0.8, True)
+            assert torch.equal(a, lp[i : i + 1]) and torch.equal(b, ent[i : i + 1]), i
+        perm = torch.randperm(N, device="cuda")
+        a, b = K.fused_logprob(hidden[perm], weight, targets[perm], 0.8, True)
+        assert torch.equal(a, lp[perm]) and torch.equal(b, ent[perm])
+        big = torch.cat([torch.randn(4000, H, device="cuda").to(torch.bfloat16), hidden[:3]])
+        a = K.fused_logprob(big, weight, torch.cat([targets.new_zeros(4000), targets[:3]]), 0.8)
+        assert torch.equal(a[4000:], lp[:3])
+    g1 = _grads(K.fused_logprob(hidden, weight, targets, 0.8, True), hidden, weight)
+    g2 = _grads(K.fused_logprob(hidden, weight, targets, 0.8, True), hidden, weight)
+    assert torch.equal(g1[0], g2[0]) and torch.equal(g1[1], g2[1])
