@@ -18,6 +18,7 @@ BENCHES = {
     "attention": "rlperf.bench.attention",
     "layers": "rlperf.bench.layers",
     "flatten": "rlperf.bench.flatten",
+    "logprob": "rlperf.bench.logprob",
 }
 
 
