@@ -1,0 +1,432 @@
+"""The rollout engine: continuous batching over a paged KV cache, on rlperf's batch-invariant kernels.
+
+One :meth:`Engine.step` is one ``forward_paged`` call over a mixed batch:
+
+* every running request whose KV cache is one token behind (decoding) adds 1 token;
+* running requests still prefilling add their next chunk, and waiting requests are admitted
+  (FIFO, up to ``max_running_requests``), while the step's prefill-token budget
+  (``chunked_prefill_size``; <= 0 means whole prompts) lasts;
+* a request whose whole sequence is now cached gets its last row's logits, samples its next token
+  and records that token's log-prob.
+
+Preemption: when a running request needs a page and none is free, the newest running request is
+retracted (its pages freed, its tokens so far kept) and put at the front of the waiting queue; when
+it is admitted again it re-prefills prompt + output and goes on. Because prefill, chunked prefill
+and decode give the same bits (``rlperf.kernels`` contract) and sampling is a function of
+``(seed, position)`` only, a retracted request produces exactly the tokens it would have produced.
+
+Sampling and log-probs (per request):
+
+* token ``i`` of a sequence (prompt + output, 0-based) is drawn by ``rlperf.kernels.sample`` with
+  the request's seed and ``position = i`` as the counter, so it does not depend on the batch;
+* its log-prob is ``token_logprobs(logits, token, T)`` — the log-prob under ``softmax(logits / T)``
+  with the request's temperature ``T``, *before* top-k / top-p filtering (SGLang's default, and
+  what slime's trainer recomputes: it divides logits by ``--rollout-temperature``); greedy
+  requests (``T == 0``) report the log-prob at ``T = 1``.
+
+So in ``invariant`` mode, a response's log-probs equal ``token_logprobs(model.logits(
+model.forward_packed(prompt + response)), targets, T)`` at the response positions, bit for bit.
+
+Finish reasons (SGLang's): ``{"type": "stop", "matched": token_id | stop_string}`` (EOS unless
+``ignore_eos``, a ``stop_token_ids`` entry, or a ``stop`` string, which is trimmed from the text),
+``{"type": "length", "length": n}`` (``max_new_tokens`` or the context length), ``{"type": "abort",
+"message": ...}``.
+
+The engine is single-threaded: :class:`rlperf.rollout.loop.EngineLoop` drives it from one thread
+and is the only thing that touches it while it runs.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+import numbers
+import uuid
+
+import torch
+
+from rlperf import kernels as K
+
+from .kv_cache import PagedKVCache, plan_num_pages
+from .tokenizer import Tokenizer
+
+# sampling_params keys SGLang clients (slime) send that need no work here, with the value that is
+# a no-op; another value is refused rather than silently ignored.
+RESERVE_STEPS = 8  # decode steps of page headroom kept back from admissions (see Engine._schedule)
+_NEUTRAL_PARAMS = {"skip_special_tokens": None, "spaces_between_special_tokens": None, "no_stop_trim": False,
+                   "n": 1, "min_new_tokens": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                   "repetition_penalty": 1.0, "min_p": 0.0}
+
+
+class BadRequest(ValueError):
+    """A request the engine refuses; the message says why (the server answers 400 with it)."""
+
+
+def _number(d, key, default, *, integer=False, lo=None, hi=None, lo_open=False):
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or (integer and not float(v).is_integer()):
+        raise BadRequest(f"sampling_params.{key} must be {'an integer' if integer else 'a number'}, got {v!r}")
+    v = int(v) if integer else float(v)
+    if not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
+        raise BadRequest(f"sampling_params.{key}={v} is outside {rng}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """SGLang's sampling parameters (the subset the engine implements).
+
+    ``top_k`` <= 0 disables it (SGLang's -1); ``seed`` (SGLang: ``sampling_seed``) None means a
+    random seed drawn by the engine; ``stop`` strings are searched in the decoded output text.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, d) -> "SamplingParams":
+        """Validate a JSON ``sampling_params`` object; BadRequest with a message on anything wrong."""
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise BadRequest(f"sampling_params must be an object, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)} | {"sampling_seed"} | set(_NEUTRAL_PARAMS)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise BadRequest(f"sampling_params: unsupported keys {unknown}")
+        for key, neutral in _NEUTRAL_PARAMS.items():
+            if key in d and neutral is not None and d[key] is not None and d[key] != neutral:
+                raise BadRequest(f"sampling_params.{key}={d[key]!r} is not supported (only {neutral!r})")
+        stop = d.get("stop") or ()
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise BadRequest(f"sampling_params.stop must be a non-empty string or a list of them, got {stop!r}")
+        stop_ids = d.get("stop_token_ids") or ()
+        if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in stop_ids):
+            raise BadRequest(f"sampling_params.stop_token_ids must be a list of integers, got {stop_ids!r}")
+        ignore_eos = d.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise BadRequest(f"sampling_params.ignore_eos must be a boolean, got {ignore_eos!r}")
+        seed = d.get("seed", d.get("sampling_seed"))
+        if seed is not None:
+            seed = _number({"seed": seed}, "seed", None, integer=True, lo=-(1 << 63), hi=(1 << 63) - 1)
+        return cls(
+            max_new_tokens=_number(d, "max_new_tokens", cls.max_new_tokens, integer=True, lo=0),
+            temperature=_number(d, "temperature", cls.temperature, lo=0),
+            top_p=_number(d, "top_p", cls.top_p, lo=0, hi=1, lo_open=True),
+            top_k=_number(d, "top_k", cls.top_k, integer=True, lo=-1),
+            stop=tuple(stop), stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos, seed=seed,
+        )
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Engine limits (SGLang server-argument names)."""
+
+    max_running_requests: int = 64
+    """At most this many requests hold KV pages at once; the rest wait."""
+    chunked_prefill_size: int = 512
+    """Prefill tokens per step (all requests together); <= 0 disables chunking (whole sequences)."""
+    max_total_tokens: int | None = None
+    """KV-cache capacity in tokens (rounded up to pages); None sizes it from memory."""
+    mem_fraction_static: float | None = None
+    """CUDA: fraction of device memory for weights + KV cache (default 0.85)."""
+    context_length: int | None = None
+    """Longest prompt + output; default the model's ``max_position_embeddings``."""
+    random_seed: int = 0
+    """Seeds the engine's draw of per-request seeds when a request brings none."""
+
+
+class Request:
+    """One generation request and its state inside the engine."""
+
+    _counter = itertools.count()
+
+    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, seed: int):
+        self.rid, self.prompt_ids, self.params, self.seed = rid, prompt_ids, params, seed
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.pages: list[int] = []
+        self.num_cached = 0              # tokens of prompt + output whose K/V are in the cache
+        self.finish_reason: dict | None = None
+        self.text = ""
+        self.num_retractions = 0
+        self.order = next(Request._counter)
+        self.aborted: str | None = None
+        self.on_finish = None            # callback(request), set by the caller
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        p = len(self.prompt_ids)
+        return (self.prompt_ids[start:min(stop, p)] if start < p else []) + self.output_ids[max(start - p, 0):max(stop - p, 0)]
+
+
+class Engine:
+    """Continuous-batching engine over one model (module docstring)."""
+
+    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = cfg = config or EngineConfig()
+        if cfg.max_running_requests <= 0:
+            raise ValueError(f"max_running_requests must be positive, got {cfg.max_running_requests}")
+        mcfg = model.cfg
+        self.context_length = min(cfg.context_length or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        dtype, device = model.embed_tokens.dtype, model.device
+        num_pages = plan_num_pages(mcfg, dtype, device, max_total_tokens=cfg.max_total_tokens,
+                                   mem_fraction_static=cfg.mem_fraction_static)
+        self.kv = PagedKVCache(mcfg, num_pages, dtype, device)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._seed_gen = torch.Generator().manual_seed(cfg.random_seed)
+        self.num_steps = 0
+        self.num_retractions = 0
+        self.weight_version = "default"
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, rid: str | None = None,
+                    on_finish=None) -> Request:
+        """Queue a request (validated here; BadRequest with a message when it cannot run).
+
+        ``on_finish(request)`` is called once, from the engine's thread, when it finishes.
+        """
+        params = params or SamplingParams()
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise BadRequest("the prompt must be a non-empty list of token ids")
+        V = self.model.cfg.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V for t in prompt_ids):
+            raise BadRequest(f"input_ids must be integers in [0, {V})")
+        if len(prompt_ids) >= self.context_length:
+            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens; the context length is {self.context_length} "
+                             "(prompt + at least one new token must fit)")
+        if len(prompt_ids) + 1 > self.kv.max_total_tokens:
+            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {self.kv.max_total_tokens}")
+        rid = rid if rid is not None else uuid.uuid4().hex
+        if rid in self.requests:
+            raise BadRequest(f"request id {rid!r} is already in flight")
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 1 << 62, (1,), generator=self._seed_gen))
+        req = Request(rid, list(prompt_ids), params, seed)
+        req.on_finish = on_finish
+        self.requests[rid] = req
+        if params.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "length": 0})
+        else:
+            self.waiting.append(req)
+        return req
+
+    def abort(self, rid: str | None = None, message: str = "aborted by request") -> int:
+        """Abort one request (or all when ``rid`` is None) at the next step boundary; returns how many."""
+        targets = list(self.requests.values()) if rid is None else [self.requests[rid]] if rid in self.requests else []
+        for r in targets:
+            r.aborted = message
+        self._reap_aborted()
+        return len(targets)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Schedule, run one forward, sample; returns the requests that finished in this step."""
+        finished = self._reap_aborted()
+        batch = self._schedule()
+        if not batch:
+            return finished
+        self.num_steps += 1
+        model, P, dev = self.model, self.kv.page_size, self.model.device
+        ids, pos, slots, cu, kv_lens, sample_rows, sample_reqs = [], [], [], [0], [], [], []
+        max_pages = max(len(r.pages) for r, _ in batch)
+        table = torch.zeros(len(batch), max_pages, dtype=torch.int32)
+        for b, (r, n) in enumerate(batch):
+            start = r.num_cached
+            p = torch.arange(start, start + n)
+            pages = torch.tensor(r.pages, dtype=torch.int64)
+            ids.extend(r.tokens(start, start + n))
+            pos.append(p)
+            slots.append(pages[p // P] * P + p % P)
+            table[b, : len(r.pages)] = pages.to(torch.int32)
+            cu.append(cu[-1] + n)
+            kv_lens.append(start + n)
+            r.num_cached = start + n
+            if r.num_cached == r.seq_len:
+                sample_rows.append(cu[-1] - 1)
+                sample_reqs.append(r)
+        with torch.no_grad():
+            hidden = model.forward_paged(
+                torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(pos).to(dev), self.kv.layers,
+                torch.cat(slots).to(dev), table.to(dev), torch.tensor(cu, dtype=torch.int32, device=dev),
+                torch.tensor(kv_lens, dtype=torch.int32, device=dev))
+            if sample_reqs:
+                tokens, logprobs = self._sample(hidden[torch.tensor(sample_rows, device=dev)], sample_reqs)
+                for r, t, lp in zip(sample_reqs, tokens, logprobs):
+                    r.output_ids.append(t)
+                    r.output_logprobs.append(lp)
+                    reason = self._check_finished(r, t)
+                    if reason is not None:
+                        self._finish(r, reason)
+                        finished.append(r)
+        return finished
+
+    def _sample(self, hidden: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
+        logits = self.model.logits(hidden)
+        dev, B = logits.device, len(reqs)
+        temps = [r.params.temperature for r in reqs]
+        tokens = K.sample(
+            logits, torch.tensor(temps, dtype=torch.float32, device=dev),
+            torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
+            torch.tensor([max(r.params.top_k, 0) for r in reqs], dtype=torch.int64, device=dev),
+            torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev),
+            torch.tensor([r.seq_len for r in reqs], dtype=torch.int64, device=dev))
+        logprobs = torch.empty(B, dtype=torch.float32, device=dev)
+        # token_logprobs takes one temperature per call; rows are independent, so grouping is exact
+        for t in sorted(set(temps)):
+            rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=dev)
+            logprobs[rows] = K.token_logprobs(logits[rows], tokens[rows], t if t > 0 else 1.0)
+        return tokens.tolist(), logprobs.tolist()
+
+    def _check_finished(self, r: Request, token: int) -> dict | None:
+        p = r.params
+        if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        if p.stop:
+            text = self.tokenizer.decode(r.output_ids)
+            hits = [(text.find(s), s) for s in p.stop if s in text]
+            if hits:
+                idx, s = min(hits)
+                r.text = text[:idx]
+                return {"type": "stop", "matched": s}
+        if len(r.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": len(r.output_ids)}
+        if r.seq_len >= self.context_length:
+            return {"type": "length", "length": len(r.output_ids)}
+        return None
+
+    def _finish(self, r: Request, reason: dict) -> None:
+        r.finish_reason = reason
+        if not (reason["type"] == "stop" and isinstance(reason.get("matched"), str)):
+            r.text = self.tokenizer.decode(r.output_ids)
+        self.kv.free(r.pages)
+        r.pages = []
+        if r in self.running:
+            self.running.remove(r)
+        self.requests.pop(r.rid, None)
+        if r.on_finish is not None:
+            r.on_finish(r)
+
+    def _reap_aborted(self) -> list[Request]:
+        done = [r for r in list(self.waiting) + self.running if r.aborted is not None]
+        for r in done:
+            if r in self.waiting:
+                self.waiting.remove(r)
+            self._finish(r, {"type": "abort", "message": r.aborted})
+        return done
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def _capacity(self, r: Request) -> int:
+        """Tokens ``r`` can add with its pages plus every free page."""
+        return (len(r.pages) + self.kv.num_free_pages) * self.kv.page_size - r.num_cached
+
+    def _grow(self, r: Request, n: int) -> None:
+        need = self.kv.pages_for(r.num_cached + n) - len(r.pages)
+        if need > 0:
+            r.pages.extend(self.kv.allocate(need))
+
+    def _retract(self, r: Request) -> None:
+        self.kv.free(r.pages)
+        r.pages, r.num_cached = [], 0
+        r.num_retractions += 1
+        self.num_retractions += 1
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        chunk = self.config.chunked_prefill_size
+        budget = chunk if chunk > 0 else math.inf
+        batch: list[tuple[Request, int]] = []
+        # running requests, oldest first; a newer one is retracted when an older one needs its pages
+        for r in sorted(self.running, key=lambda x: x.order):
+            if r not in self.running:
+                continue  # retracted below for an older request
+            need = r.seq_len - r.num_cached
+            n = 1 if need == 1 else min(need, budget)
+            if n <= 0:
+                continue
+            while self._capacity(r) < 1:
+                newer = [x for x in self.running if x.order > r.order]
+                if not newer:
+                    break
+                self._retract(max(newer, key=lambda x: x.order))
+            cap = self._capacity(r)
+            if cap < 1:
+                if len(self.running) == 1 and not batch:
+                    self._finish(r, {"type": "abort", "message": f"the KV cache ({self.kv.max_total_tokens} tokens) "
+                                                                 "cannot hold this request"})
+                else:
+                    self._retract(r)
+                continue
+            n = min(n, cap)
+            self._grow(r, n)
+            batch.append((r, n))
+            if need > 1:
+                budget -= n
+        # admit waiting requests (FIFO; retracted ones are at the front), keeping back the pages the
+        # decoding requests will need within RESERVE_STEPS steps, so an admission does not force a
+        # retraction right away (correctness never depends on this; it only avoids churn)
+        P = self.kv.page_size
+        reserve = sum(1 for r, n in batch if r.seq_len - r.num_cached == 1
+                      and len(r.pages) * P - (r.num_cached + 1) < RESERVE_STEPS)
+        while self.waiting and len(self.running) < self.config.max_running_requests and budget > 0:
+            r = self.waiting[0]
+            free_tokens = (self.kv.num_free_pages - (reserve if batch else 0)) * P
+            n = min(r.seq_len, budget, free_tokens)
+            if n < 1:
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            self._grow(r, n)
+            batch.append((r, n))
+            budget -= n
+        return batch
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def run_until_done(self, max_steps: int = 1_000_000) -> None:
+        """Step until nothing is waiting or running (tests, offline use)."""
+        for _ in range(max_steps):
+            if not self.has_work():
+                return
+            self.step()
+        raise RuntimeError(f"engine still busy after {max_steps} steps")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
+        """Run ``prompts`` to completion together; returns the finished requests in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        self.run_until_done()
+        return reqs
+
+    def flush(self) -> None:
+        """Free every page; only when idle (nothing running or waiting)."""
+        if self.has_work():
+            raise BadRequest(f"cannot flush the cache: {len(self.running)} running and {len(self.waiting)} waiting requests")
+        self.kv.reset()

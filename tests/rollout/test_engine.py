@@ -1,0 +1,238 @@
+"""The rollout engine on the tiny model (CPU): determinism across batches, chunking and preemption;
+rollout log-probs == training-forward log-probs bit for bit; stop conditions; abort; validation."""
+import dataclasses
+
+import pytest
+import torch
+
+import rlperf.kernels as K
+from rlperf.model import preset
+from rlperf.model.qwen3 import Qwen3ForCausalLM
+from rlperf.rollout.engine import BadRequest, Engine, EngineConfig, SamplingParams
+from rlperf.rollout.tokenizer import ByteTokenizer
+
+CFG = preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen3ForCausalLM.random(CFG, seed=0, std=0.1)  # std 0.1: peaked enough that greedy/top-k matter
+
+
+@pytest.fixture(autouse=True)
+def _reference_backend():
+    with K.use_backend("reference"):
+        yield
+
+
+def _prompts(n, seed=0, lo=3, hi=90):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _engine(model, **kw):
+    return Engine(model, ByteTokenizer(CFG.vocab_size), EngineConfig(**{"max_total_tokens": 8192, **kw}))
+
+
+def _run(engine, prompts, params):
+    reqs = engine.generate(prompts, params)
+    return [(r.output_ids, r.output_logprobs, r.finish_reason) for r in reqs]
+
+
+PARAMS = [SamplingParams(max_new_tokens=24, temperature=0.8, seed=11, ignore_eos=True),
+          SamplingParams(max_new_tokens=17, temperature=1.0, top_p=0.9, top_k=50, seed=12, ignore_eos=True),
+          SamplingParams(max_new_tokens=9, temperature=0.0, seed=13, ignore_eos=True)]
+
+
+def test_seeded_request_is_the_same_alone_in_any_batch_and_with_or_without_chunking(model):
+    target, target_params = _prompts(1, seed=1, lo=70, hi=71)[0], PARAMS[1]  # 70 tokens: crosses a page
+    alone = _run(_engine(model, chunked_prefill_size=0), [target], target_params)[0]
+    assert len(alone[0]) == 17 and len(set(alone[0])) > 1
+    others = _prompts(9, seed=2)
+    for chunk in (0, 16, 7):
+        for where in (0, 5, 9):
+            prompts = others[:where] + [target] + others[where:]
+            params = [PARAMS[i % 3] for i in range(where)] + [target_params] + [PARAMS[i % 3] for i in range(where, 9)]
+            got = _run(_engine(model, chunked_prefill_size=chunk), prompts, params)[where]
+            assert got == alone, (chunk, where)
+
+
+def test_different_seeds_give_different_samples(model):
+    p = _prompts(1, seed=3)[0]
+    a = _run(_engine(model), [p], dataclasses.replace(PARAMS[0], seed=1))[0][0]
+    b = _run(_engine(model), [p], dataclasses.replace(PARAMS[0], seed=2))[0][0]
+    assert a != b
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_rollout_logprobs_equal_training_forward_bits(model, temperature):
+    prompts = _prompts(4, seed=4)
+    params = SamplingParams(max_new_tokens=20, temperature=temperature, seed=5, ignore_eos=True)
+    outs = _run(_engine(model, chunked_prefill_size=32), prompts, params)
+    seqs = [p + o[0] for p, o in zip(prompts, outs)]
+    ids = torch.tensor([t for s in seqs for t in s])
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])
+    cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), dtype=torch.int32)
+    with torch.no_grad():
+        logits = model.logits(model.forward_packed(ids, positions, cu))
+    # the log-prob of token t+1 comes from the logits at position t
+    targets = torch.cat([ids[1:], ids[:1]])
+    train = K.token_logprobs(logits, targets, temperature if temperature > 0 else 1.0)
+    for b, (p, o) in enumerate(zip(prompts, outs)):
+        start = int(cu[b]) + len(p) - 1
+        expect = train[start:start + len(o[0])]
+        assert torch.equal(torch.tensor(o[1], dtype=torch.float32), expect), b
+        if temperature == 0.0:  # greedy: every token is the argmax of its logits
+            assert o[0] == logits[start:start + len(o[0])].argmax(-1).tolist()
+
+
+def test_preemption_under_a_tiny_kv_cache_returns_the_same_tokens(model):
+    prompts = _prompts(6, seed=6, lo=20, hi=60)
+    params = [dataclasses.replace(PARAMS[i % 3], max_new_tokens=50) for i in range(6)]
+    roomy_engine = _engine(model)
+    roomy = _run(roomy_engine, prompts, params)
+    assert roomy_engine.num_retractions == 0
+    tight = _engine(model, max_total_tokens=3 * K.PAGE_SIZE, chunked_prefill_size=24)  # 192 tokens for 6 x ~90
+    got = _run(tight, prompts, params)
+    assert tight.num_retractions > 0
+    assert got == roomy
+    assert tight.kv.num_free_pages == tight.kv.num_pages and not tight.running and not tight.waiting
+
+
+def test_running_cap_is_respected(model):
+    engine = _engine(model, max_running_requests=2)
+    reqs = [engine.add_request(p, PARAMS[0]) for p in _prompts(5, seed=7)]
+    peak = 0
+    while engine.has_work():
+        engine.step()
+        peak = max(peak, len(engine.running))
+    assert peak == 2 and all(r.finished for r in reqs)
+
+
+class _EosTokenizer(ByteTokenizer):
+    def __init__(self, eos):
+        super().__init__(CFG.vocab_size)
+        self.eos_token_ids = (eos,)
+
+
+def test_stop_token_ids_eos_ignore_eos_and_max_new_tokens(model):
+    p = _prompts(1, seed=8)[0]
+    base = _run(_engine(model), [p], dataclasses.replace(PARAMS[0], max_new_tokens=40))[0]
+    ids = base[0]
+    assert base[2] == {"type": "length", "length": 40}
+    k = 5
+    first = ids.index(ids[k])  # the first occurrence of that token ends the request
+    got = _run(_engine(model), [p], dataclasses.replace(PARAMS[0], max_new_tokens=40, stop_token_ids=(ids[k],)))[0]
+    assert got[0] == ids[:first + 1] and got[2] == {"type": "stop", "matched": ids[k]}
+    assert got[1] == base[1][:first + 1]
+    eos_engine = Engine(model, _EosTokenizer(ids[k]), EngineConfig(max_total_tokens=8192))
+    params = dataclasses.replace(PARAMS[0], max_new_tokens=40, ignore_eos=False)
+    got = _run(eos_engine, [p], params)[0]
+    assert got[0] == ids[:first + 1] and got[2] == {"type": "stop", "matched": ids[k]}
+    got = _run(eos_engine, [p], dataclasses.replace(params, ignore_eos=True))[0]
+    assert got[0] == ids
+    assert _run(_engine(model), [p], dataclasses.replace(PARAMS[0], max_new_tokens=0))[0] == ([], [], {"type": "length", "length": 0})
+
+
+def test_stop_string_trims_the_text(model):
+    tok = ByteTokenizer(CFG.vocab_size)
+    p = _prompts(1, seed=9)[0]
+    ids = _run(_engine(model), [p], dataclasses.replace(PARAMS[0], max_new_tokens=60))[0][0]
+    i = next(i for i, t in enumerate(ids) if chr(t).isalnum() and t < 128)
+    stop = chr(ids[i])
+    engine = _engine(model)
+    (req,) = engine.generate([p], dataclasses.replace(PARAMS[0], max_new_tokens=60, stop=(stop, "never-there")))
+    assert req.output_ids == ids[:i + 1] and req.finish_reason == {"type": "stop", "matched": stop}
+    assert req.text == tok.decode(ids[:i + 1])[:-1] and stop not in req.text
+
+
+def test_context_length_limits(model):
+    engine = _engine(model, context_length=40)
+    with pytest.raises(BadRequest, match="context length is 40"):
+        engine.add_request(list(range(40)), PARAMS[0])
+    (req,) = engine.generate([list(range(30))], dataclasses.replace(PARAMS[0], max_new_tokens=100))
+    assert len(req.output_ids) == 10 and req.finish_reason == {"type": "length", "length": 10}
+
+
+def test_abort_frees_pages_and_others_go_on(model):
+    engine = _engine(model)
+    finished = []
+    a = engine.add_request(_prompts(1, seed=10)[0], PARAMS[0], rid="a", on_finish=finished.append)
+    b = engine.add_request(_prompts(1, seed=11)[0], PARAMS[0], rid="b", on_finish=finished.append)
+    for _ in range(3):
+        engine.step()
+    assert engine.abort("a") == 1 and a.finish_reason["type"] == "abort"
+    assert engine.abort("missing") == 0
+    engine.run_until_done()
+    assert [r.rid for r in finished] == ["a", "b"] and len(b.output_ids) == 24
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+    engine.add_request([1, 2], PARAMS[0], rid="c")
+    with pytest.raises(BadRequest, match="already in flight"):
+        engine.add_request([1, 2], PARAMS[0], rid="c")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"max_new_tokens": -1}, "max_new_tokens=-1"),
+    ({"max_new_tokens": "5"}, "must be an integer"),
+    ({"max_new_tokens": 2.5}, "must be an integer"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": True}, "top_k"),
+    ({"stop": [1]}, "stop must be"),
+    ({"stop_token_ids": "3"}, "stop_token_ids"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"seed": "x"}, "seed"),
+    ({"frequency_penalty": 0.5}, "not supported"),
+    ({"bogus": 1}, "unsupported keys"),
+    ([1], "must be an object"),
+])
+def test_sampling_params_validation(bad, message):
+    with pytest.raises(BadRequest, match=message):
+        SamplingParams.from_dict(bad)
+
+
+def test_sampling_params_from_sglang_names():
+    sp = SamplingParams.from_dict({"max_new_tokens": 3, "sampling_seed": 7, "top_k": -1, "stop": "x",
+                                   "skip_special_tokens": True, "no_stop_trim": False})
+    assert sp == SamplingParams(max_new_tokens=3, seed=7, top_k=-1, stop=("x",))
+
+
+def test_interpreter_engine_matches_training_forward(model, interpreter):
+    # the Triton kernels (interpreted) instead of the reference: one short run, fp32
+    prompts = _prompts(2, seed=12, lo=5, hi=20)
+    params = SamplingParams(max_new_tokens=4, temperature=0.9, seed=3, ignore_eos=True)
+    with K.use_backend("interpreter"):
+        batched = _run(_engine(model, chunked_prefill_size=8), prompts, params)
+        alone = _run(_engine(model), prompts[1:], params)[0]
+        seq = prompts[1] + batched[1][0]
+        with torch.no_grad():
+            logits = model.logits(model.forward_packed(torch.tensor(seq), torch.arange(len(seq)),
+                                                       torch.tensor([0, len(seq)], dtype=torch.int32)))
+        train = K.token_logprobs(logits[len(prompts[1]) - 1:-1], torch.tensor(batched[1][0]), 0.9)
+    assert alone == batched[1]
+    assert torch.equal(torch.tensor(batched[1][1], dtype=torch.float32), train)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_engine_determinism_and_on_policy_logprobs():
+    cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
+    model = Qwen3ForCausalLM.random(cfg, seed=1, dtype=torch.bfloat16, device="cuda")
+    tok = ByteTokenizer(cfg.vocab_size)
+    prompts = _prompts(16, seed=13, lo=20, hi=300)
+    params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=21, ignore_eos=True)
+    with K.use_backend(None):
+        full = Engine(model, tok, EngineConfig(max_total_tokens=1 << 16, chunked_prefill_size=128)).generate(prompts, params)
+        alone = Engine(model, tok, EngineConfig(max_total_tokens=1 << 16, chunked_prefill_size=0)).generate(prompts[7:8], params)[0]
+        tight = Engine(model, tok, EngineConfig(max_total_tokens=8 * K.PAGE_SIZE, chunked_prefill_size=64))
+        pre = tight.generate(prompts, params)
+        assert tight.num_retractions > 0
+        assert (alone.output_ids, alone.output_logprobs) == (full[7].output_ids, full[7].output_logprobs)
+        assert [r.output_ids for r in pre] == [r.output_ids for r in full]
+        assert [r.output_logprobs for r in pre] == [r.output_logprobs for r in full]
+        seq = prompts[7] + full[7].output_ids
+        with torch.no_grad():
+            h = model.forward_packed(torch.tensor(seq, device="cuda"), torch.arange(len(seq), device="cuda"),
+                                     torch.tensor([0, len(seq)], dtype=torch.int32, device="cuda"))
+            train = K.token_logprobs(model.logits(h)[len(prompts[7]) - 1:-1], torch.tensor(full[7].output_ids, device="cuda"), 1.0)
+        assert torch.equal(torch.tensor(full[7].output_logprobs, dtype=torch.float32, device="cuda"), train)
