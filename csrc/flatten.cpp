@@ -20,14 +20,14 @@ int64_t resolve_chunk_bytes(int64_t chunk_bytes, int64_t default_bytes) {
   return chunk_bytes;
 }
 
-namespace {
-
 void check_bucket(const char* op, const at::Tensor& bucket) {
   TORCH_CHECK(bucket.layout() == at::kStrided, op, ": bucket must be a strided (dense) tensor");
   TORCH_CHECK(bucket.scalar_type() == at::kByte, op, ": bucket must be uint8, got ", bucket.scalar_type());
   TORCH_CHECK(bucket.dim() == 1, op, ": bucket must be 1-D, got shape ", bucket.sizes());
   TORCH_CHECK(bucket.is_contiguous(), op, ": bucket must be contiguous");
 }
+
+namespace {
 
 // The checks every source or destination tensor passes; `what` is "srcs" or "dsts".
 int64_t checked_range(const char* op, const char* what, size_t i, const at::Tensor& t, const at::Tensor& bucket,

@@ -12,8 +12,11 @@
 //       are the unsigned hash.
 //
 // Both copies are "one launch": the work is cut into fixed-size chunks of a flat task table, and
-// every chunk is independent (CUDA: one thread block per chunk; CPU: at::parallel_for over chunks).
-// chunk_bytes = 0 picks the default of the device (below); other values are for tuning sweeps.
+// every chunk is independent (CUDA: one thread block per chunk, multi_tensor_copy.cu; CPU:
+// at::parallel_for over chunks, flatten.cpp). Argument checks and plans live in flatten.cpp and
+// run before any device code, for both devices (flatten_cuda.cpp registers the CUDA versions).
+// chunk_bytes = 0 picks the device default (kCudaChunkBytes / kCpuChunkBytes in
+// multi_tensor_copy.h); other values are for tuning sweeps.
 // Sources and destinations must be contiguous and on the bucket's device; the Python layer
 // makes non-contiguous sources contiguous and rejects non-contiguous destinations.
 //
@@ -25,41 +28,13 @@
 //   single word changes S.
 #pragma once
 
-#include <cstdint>
 #include <vector>
 
 #include <ATen/ATen.h>
 
-#if defined(__CUDACC__)
-#define RLPERF_HD __host__ __device__ __forceinline__
-#else
-#define RLPERF_HD inline
-#endif
+#include "multi_tensor_copy.h"
 
 namespace rlperf {
-
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
-
-RLPERF_HD uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-RLPERF_HD uint64_t checksum_term(uint64_t word, uint64_t index) { return mix64(word + (index + 1) * kGolden); }
-
-inline uint64_t checksum_finish(uint64_t word_sum, uint64_t nbytes) { return mix64(word_sum + nbytes); }
-
-// One contiguous byte range to copy; src == nullptr means "fill with zeros" (gaps in a bucket).
-// first_chunk is the prefix sum of the chunk counts of the tasks before this one, so a chunk's
-// task is found by binary search. 32 bytes, so the table packs into int64 words for the GPU.
-struct CopyTask {
-  const uint8_t* src;
-  uint8_t* dst;
-  int64_t nbytes;
-  int64_t first_chunk;
-};
-static_assert(sizeof(CopyTask) == 32, "CopyTask is shipped to the GPU as 4 int64 words");
 
 // The checked, flattened work of one pack or unpack call: tasks (zero-byte ranges dropped) and
 // the total number of chunks of chunk_bytes each.
@@ -69,17 +44,15 @@ struct CopyPlan {
 };
 
 // Validates arguments (device, dtype, contiguity, bounds, overlaps) with errors that name the
-// offending list index, and builds the plan. Defined in flatten.cpp, shared by CPU and CUDA.
+// offending list index, and builds the plan. Shared by CPU and CUDA.
 CopyPlan plan_pack(at::TensorList srcs, const at::Tensor& bucket, at::IntArrayRef offsets, int64_t chunk_bytes);
 CopyPlan plan_unpack(const at::Tensor& bucket, at::TensorList dsts, at::IntArrayRef offsets, int64_t chunk_bytes);
 
-// Chunk sizes: a GPU block copies 64 KiB (enough 16-byte vectors per thread to keep loads in
-// flight, small enough that one 512 MiB bucket is 8192 blocks, ~16 waves on 132 SMs); a CPU
-// thread copies 1 MiB at a time (memcpy is at full speed by then, and tasks still balance).
-constexpr int64_t kCudaChunkBytes = 64 * 1024;
-constexpr int64_t kCpuChunkBytes = 1024 * 1024;
+// Checks a bucket argument: strided, uint8, 1-D, contiguous.
+void check_bucket(const char* op, const at::Tensor& bucket);
 
-// Resolves chunk_bytes = 0 to the device default and rejects negative values.
+// Resolves chunk_bytes = 0 to the device default; rejects values that are not positive
+// multiples of 16.
 int64_t resolve_chunk_bytes(int64_t chunk_bytes, int64_t default_bytes);
 
 }  // namespace rlperf
