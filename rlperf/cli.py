@@ -13,7 +13,6 @@ import sys
 NOT_BUILT = {
     "train": ("run the RL loop (rollout -> rewards -> train -> weight sync) with first-step gates", 5),
     "gate": ("run one rollout and one train step and check kl_zero, logprob_abs_diff, oom_headroom", 5),
-    "serve": ("start SGLang-compatible rollout servers (optionally behind sglang-router)", 4),
     "profile": ("profile rollout servers behind a router and merge their traces into one Perfetto trace", 6),
 }
 
@@ -34,6 +33,19 @@ def _bench(args: argparse.Namespace) -> int:
     from rlperf.bench.run import run_benchmarks
 
     return run_benchmarks(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from rlperf.rollout.args import server_args_from
+
+    server_args = server_args_from(args)
+    if args.router:
+        from rlperf.rollout.router import serve_cluster
+
+        return serve_cluster(server_args, args.router, args.router_port, args.router_policy)
+    from rlperf.rollout.server import serve
+
+    return serve(server_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(p)
     p.set_defaults(func=_bench)
+
+    from rlperf.rollout.args import add_serve_arguments
+
+    p = sub.add_parser(
+        "serve",
+        help="start an SGLang-compatible rollout server (or N of them behind sglang-router with --router N)",
+        description=(
+            "Serve a Qwen3-style model over SGLang's HTTP API (/generate with log-probs, /health, /get_model_info, "
+            "/get_server_info, pause/continue/flush/abort, start/stop_profile, update_weights_from_tensor with "
+            "flattened buckets) on rlperf's batch-invariant kernels. With no flags it serves the embedded tiny model "
+            "with the built-in byte tokenizer on 127.0.0.1:30000."
+        ),
+    )
+    add_serve_arguments(p)
+    p.set_defaults(func=_serve)
     return parser
 
 

@@ -80,8 +80,10 @@ def _number(d, key, default, *, integer=False, lo=None, hi=None, lo_open=False):
 class SamplingParams:
     """SGLang's sampling parameters (the subset the engine implements).
 
-    ``top_k`` <= 0 disables it (SGLang's -1); ``seed`` (SGLang: ``sampling_seed``) None means a
-    random seed drawn by the engine; ``stop`` strings are searched in the decoded output text.
+    ``top_k`` <= 0 disables it (SGLang's -1); ``seed`` — JSON ``sampling_seed`` (SGLang's name, the
+    one sglang-router forwards; it drops unknown keys such as ``seed``, which the server also
+    accepts directly) — None means a random seed drawn by the engine; ``stop`` strings are searched
+    in the decoded output text.
     """
 
     max_new_tokens: int = 128
@@ -100,6 +102,7 @@ class SamplingParams:
             d = {}
         if not isinstance(d, dict):
             raise BadRequest(f"sampling_params must be an object, got {type(d).__name__}")
+        d = {k: v for k, v in d.items() if v is not None}  # routers forward unset fields as null
         known = {f.name for f in dataclasses.fields(cls)} | {"sampling_seed"} | set(_NEUTRAL_PARAMS)
         unknown = sorted(set(d) - known)
         if unknown:

@@ -1,0 +1,79 @@
+"""``rlperf serve`` arguments (SGLang server-argument names); light to import (no torch, no aiohttp)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    """Options of one rollout server."""
+
+    model_path: str = "tiny"
+    """A preset name (random weights from ``random_seed``) or a local HF checkpoint directory."""
+    tokenizer_path: str | None = None
+    """A local HF tokenizer directory; default the checkpoint's own, else the built-in byte tokenizer."""
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dtype: str = "auto"
+    """``auto`` (the checkpoint's; presets: bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16."""
+    device: str = "auto"
+    kernel_backend: str = "auto"
+    """``auto`` (Triton on CUDA, the torch reference on CPU), ``triton``, ``interpreter``, ``reference``."""
+    mode: str = "invariant"
+    """``invariant`` (batch-invariant kernels) or ``fast``."""
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512
+    context_length: int | None = None
+    random_seed: int = 0
+    api_key: str | None = None
+    num_threads: int | None = None
+    """CPU intra-op threads (1 is fastest for the tiny model on a shared machine)."""
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServerArgs()
+    p.add_argument("--model-path", default=d.model_path,
+                   help="preset (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b: random weights) or a local HF checkpoint directory "
+                        "(default: tiny, which needs no files)")
+    p.add_argument("--tokenizer-path", default=None,
+                   help="local HF tokenizer directory (default: the checkpoint's, else the built-in byte tokenizer)")
+    p.add_argument("--host", default=d.host, help="bind address (default 127.0.0.1: local only)")
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=d.device, help="auto (cuda when present), cpu, cuda, cuda:N")
+    p.add_argument("--kernel-backend", default=d.kernel_backend, choices=["auto", "triton", "interpreter", "reference"])
+    p.add_argument("--mode", default=d.mode, choices=["invariant", "fast"],
+                   help="invariant: batch-invariant kernels (rollout log-probs == training log-probs); fast: stock torch")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="CUDA: fraction of GPU memory for weights + KV cache (default 0.85)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV cache size in tokens (overrides --mem-fraction-static; CPU default: a 64 MiB pool)")
+    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                   help="prefill tokens per engine step; <= 0 disables chunked prefill")
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--random-seed", type=int, default=d.random_seed)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on admin endpoints")
+    p.add_argument("--num-threads", type=int, default=None, help="CPU intra-op threads")
+    p.add_argument("--router", type=int, default=0, metavar="N",
+                   help="start N servers (ports --port, --port+1, ...) and the sglang-router in front of them")
+    p.add_argument("--router-port", type=int, default=30080, help="port of the sglang-router (with --router)")
+    p.add_argument("--router-policy", default="round_robin",
+                   choices=["random", "round_robin", "cache_aware", "power_of_two"])
+
+
+def server_args_from(ns: argparse.Namespace) -> ServerArgs:
+    return ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
+
+
+def server_argv(args: ServerArgs) -> list[str]:
+    """Command-line flags that reproduce ``args`` (for starting servers as subprocesses)."""
+    argv = []
+    for f in dataclasses.fields(ServerArgs):
+        v = getattr(args, f.name)
+        if v is not None:
+            argv += [f"--{f.name.replace('_', '-')}", str(v)]
+    return argv

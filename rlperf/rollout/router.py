@@ -1,0 +1,155 @@
+"""``rlperf serve --router N``: N rollout servers behind the real ``sglang-router``.
+
+Each server is a subprocess ``python -m rlperf serve --port PORT+i ...``; once every one answers
+``GET /health``, the router starts as ``python -m sglang_router.launch_router --worker-urls ...``
+(the workers are registered through ``--worker-urls``) and the cluster is ready when the router's
+``GET /workers`` lists all N. Closing the cluster terminates the router, then the servers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from .args import ServerArgs, server_argv
+
+
+def http_json(url: str, body=None, timeout: float = 30.0, headers: dict | None = None):
+    """(status, decoded JSON or text) of a GET (``body`` None) or a JSON POST; never raises on 4xx/5xx."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    try:
+        return status, json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return status, raw.decode(errors="replace")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, timeout: float, what: str, procs=()) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what}: process {p.args[:4]} exited with {p.returncode}")
+        try:
+            if check():
+                return
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{what}: not ready after {timeout:.0f} s")
+
+
+@dataclasses.dataclass
+class Cluster:
+    servers: list[subprocess.Popen]
+    router: subprocess.Popen | None
+    worker_urls: list[str]
+    router_url: str
+
+    def close(self) -> None:
+        for p in ([self.router] if self.router else []) + self.servers:
+            if p.poll() is None:
+                p.terminate()
+        for p in ([self.router] if self.router else []) + self.servers:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def start_servers(args: ServerArgs, n: int, env=None, log_dir: str | None = None, ports: list[int] | None = None,
+                  timeout: float = 120.0) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start ``n`` servers on ``ports`` (default ``args.port + i``); return them once all answer /health."""
+    procs, urls = [], []
+    ports = ports or [args.port + i for i in range(n)]
+    try:
+        for i in range(n):
+            a = dataclasses.replace(args, port=ports[i])
+            out = open(os.path.join(log_dir, f"server-{i}.log"), "wb") if log_dir else subprocess.DEVNULL
+            procs.append(subprocess.Popen([sys.executable, "-m", "rlperf", "serve", *server_argv(a)], env=env,
+                                          stdout=out, stderr=subprocess.STDOUT))
+            urls.append(f"http://{args.host}:{a.port}")
+        for url in urls:
+            wait_until(lambda: http_json(url + "/health", timeout=2)[0] == 200, timeout, f"server {url}", procs)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return procs, urls
+
+
+def start_router(worker_urls: list[str], host: str, port: int, policy: str = "round_robin", env=None,
+                 log_dir: str | None = None, timeout: float = 60.0) -> subprocess.Popen:
+    """Start sglang-router with ``worker_urls``; return it once ``GET /workers`` lists them all."""
+    # the router also serves Prometheus metrics, on a fixed default port unless told: give it a free one
+    # so two clusters (or another program) on one host do not collide
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+           "--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn",
+           "--prometheus-host", host, "--prometheus-port", str(free_port(host))]
+    out = open(os.path.join(log_dir, "router.log"), "wb") if log_dir else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def registered():
+        status, body = http_json(f"http://{host}:{port}/workers", timeout=2)
+        urls = {w.get("url") for w in body.get("workers", [])} if status == 200 and isinstance(body, dict) else set()
+        return set(worker_urls) <= urls
+
+    try:
+        wait_until(registered, timeout, f"sglang-router on port {port}", [proc])
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def launch_cluster(args: ServerArgs, n: int, router_port: int, policy: str = "round_robin", env=None,
+                   log_dir: str | None = None, ports: list[int] | None = None) -> Cluster:
+    servers, urls = start_servers(args, n, env=env, log_dir=log_dir, ports=ports)
+    try:
+        router = start_router(urls, args.host, router_port, policy, env=env, log_dir=log_dir)
+    except BaseException:
+        for p in servers:
+            p.kill()
+        raise
+    return Cluster(servers, router, urls, f"http://{args.host}:{router_port}")
+
+
+def serve_cluster(args: ServerArgs, n: int, router_port: int, policy: str) -> int:
+    """Run N servers and the router until interrupted (``rlperf serve --router N``)."""
+    cluster = launch_cluster(args, n, router_port, policy)
+    print(f"rlperf serve: sglang-router at {cluster.router_url} in front of {', '.join(cluster.worker_urls)}", flush=True)
+    try:
+        while all(p.poll() is None for p in cluster.servers + [cluster.router]):
+            time.sleep(1.0)
+        print("rlperf serve: a server or the router exited; shutting the rest down", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.close()

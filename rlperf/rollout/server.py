@@ -1,0 +1,385 @@
+"""``rlperf serve``: the SGLang-compatible HTTP server in front of one rollout engine.
+
+Web stack: **aiohttp**. The engine runs on its own thread (:mod:`rlperf.rollout.loop`), so the
+server only needs an asyncio loop that parses JSON, hands work to that thread and awaits futures.
+aiohttp is that and nothing more: one package that is both the server and the client (the router
+launcher and the tools use its client side), no ASGI layer, and no schema layer between the wire
+and our validation — FastAPI/pydantic would coerce ``"5"`` into ``5`` and answer type errors with
+422 in its own shape, whereas every malformed request here gets a 400 with one readable message
+(``{"error": {"message": ..., "code": 400}}``) from the same checks the engine uses.
+
+Endpoints (SGLang's names and reply fields; DESIGN.md "Rollout server"):
+
+* ``GET /health``, ``/health_generate``; ``GET /model_info``, ``/get_model_info``,
+  ``/server_info``, ``/get_server_info``, ``/get_weight_version``.
+* ``POST /generate``: ``text`` or ``input_ids``, single or batched; ``sampling_params`` (one object
+  or one per prompt), ``return_logprob``, ``rid``. Reply ``{text, output_ids, meta_info: {id,
+  finish_reason, prompt_tokens, completion_tokens, cached_tokens, weight_version, e2e_latency,
+  output_token_logprobs: [[logprob, token_id, null], ...]}}`` (a list for a batch). Streaming is
+  not implemented (400).
+* admin (``Authorization: Bearer <api-key>`` when the server has ``--api-key``):
+  ``/pause_generation`` (``mode``: ``abort`` (SGLang's default) aborts what is in flight,
+  ``retract`` and ``in_place`` keep it), ``/continue_generation``, ``/flush_cache`` (only when idle),
+  ``/abort_request`` (``rid`` or ``abort_all``), ``/start_profile``, ``/stop_profile``,
+  ``/update_weights_from_tensor`` (``load_format: "flattened_bucket"``; :mod:`rlperf.rollout.weights`).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from rlperf import kernels as K
+
+from .args import ServerArgs
+from .engine import BadRequest, Engine, EngineConfig, Request, SamplingParams
+from .loop import EngineLoop
+from .tokenizer import has_hf_tokenizer, load_tokenizer
+from .weights import load_bucket, receive_bucket
+
+VERSION = "rlperf-0.1.0"
+MAX_BODY_BYTES = 1 << 30  # inline weight buckets arrive base64-encoded in the body
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(args: ServerArgs):
+    """(model, tokenizer) from a preset name or a checkpoint directory."""
+    from rlperf.model import PRESETS
+    from rlperf.model.qwen3 import Qwen3ForCausalLM
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if args.dtype != "auto" and args.dtype not in _DTYPES:
+        raise ValueError(f"--dtype {args.dtype!r}: choose auto or one of {sorted(_DTYPES)}")
+    if args.model_path in PRESETS:
+        dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device == "cuda" else torch.float32)
+        model = Qwen3ForCausalLM.random(PRESETS[args.model_path], seed=args.random_seed, dtype=dtype, device=device)
+        tok_path = args.tokenizer_path
+    elif Path(args.model_path).is_dir():
+        model = Qwen3ForCausalLM.from_pretrained(args.model_path, dtype=_DTYPES.get(args.dtype), device=device)
+        tok_path = args.tokenizer_path or (args.model_path if has_hf_tokenizer(args.model_path) else None)
+    else:
+        raise ValueError(f"--model-path {args.model_path!r} is neither a preset ({sorted(PRESETS)}) nor a directory")
+    return model, load_tokenizer(tok_path, model.cfg.vocab_size)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except BadRequest as exc:
+        return _error(400, str(exc))
+    except Exception as exc:  # the server keeps serving; the client learns what went wrong
+        return _error(500, f"{type(exc).__name__}: {exc}")
+
+
+async def _json_body(request: web.Request, allow_empty: bool = False) -> dict:
+    raw = await request.read()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise BadRequest("the request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+class RolloutServer:
+    """The aiohttp application around one :class:`EngineLoop`."""
+
+    def __init__(self, args: ServerArgs, model, tokenizer):
+        self.args, self.model, self.tokenizer = args, model, tokenizer
+        config = EngineConfig(max_running_requests=args.max_running_requests,
+                              chunked_prefill_size=args.chunked_prefill_size, max_total_tokens=args.max_total_tokens,
+                              mem_fraction_static=args.mem_fraction_static, context_length=args.context_length,
+                              random_seed=args.random_seed)
+        self.engine = Engine(model, tokenizer, config)
+        backend = None if args.kernel_backend == "auto" else args.kernel_backend
+        self.loop = EngineLoop(self.engine, backend)
+        self.started = time.time()
+        self.app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+        self.app.on_startup.append(self._startup)
+        self.app.on_cleanup.append(self._cleanup)
+        r = self.app.router
+        for path in ("/health",):
+            r.add_get(path, self.health)
+        r.add_get("/health_generate", self.health_generate)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        r.add_get("/get_weight_version", self.weight_version)
+        r.add_post("/generate", self.generate)
+        admin = {"/pause_generation": self.pause, "/continue_generation": self.resume, "/flush_cache": self.flush,
+                 "/abort_request": self.abort, "/start_profile": self.start_profile, "/stop_profile": self.stop_profile,
+                 "/update_weights_from_tensor": self.update_weights}
+        for path, handler in admin.items():
+            r.add_post(path, self._admin(handler))
+        r.add_get("/flush_cache", self._admin(self.flush))
+
+    async def _startup(self, app):
+        self.loop.start()
+
+    async def _cleanup(self, app):
+        self.loop.close()
+
+    def _admin(self, handler):
+        async def wrapped(request: web.Request):
+            key = self.args.api_key
+            if key and request.headers.get("Authorization") != f"Bearer {key}":
+                return _error(401, "this endpoint needs the server's API key (Authorization: Bearer <key>)")
+            return await handler(request)
+        return wrapped
+
+    async def _on_engine(self, fn):
+        return await asyncio.wrap_future(self.loop.call(fn))
+
+    # ---- info ---------------------------------------------------------------------------------
+    async def health(self, request):
+        if self.loop.error is not None and not self.loop._thread.is_alive():
+            return _error(503, "the engine thread died")
+        return web.Response(text="")
+
+    async def health_generate(self, request):
+        results = await self._submit([[0]], [SamplingParams(max_new_tokens=1, temperature=0.0)], [None], [False])
+        if results[0]["meta_info"]["finish_reason"]["type"] == "abort":
+            return _error(503, "health generate was aborted: " + str(results[0]["meta_info"]["finish_reason"]))
+        return web.Response(text="")
+
+    async def model_info(self, request):
+        return web.json_response({
+            "model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path or getattr(self.tokenizer, "name", None),
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
+            "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "has_image_understanding": False,
+            "has_audio_understanding": False})
+
+    async def server_info(self, request):
+        e = self.engine
+        info = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
+        info.update(version=VERSION, max_total_num_tokens=e.kv.max_total_tokens, page_size=e.kv.page_size,
+                    context_length=e.context_length, weight_version=e.weight_version, kernel_mode=K.mode(),
+                    tp_size=1, dp_size=1,
+                    internal_states=[{"num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
+                                      "num_free_pages": e.kv.num_free_pages, "num_steps": e.num_steps,
+                                      "num_retractions": e.num_retractions, "paused": self.loop.paused}])
+        return web.json_response(info)
+
+    async def weight_version(self, request):
+        return web.json_response({"weight_version": self.engine.weight_version})
+
+    # ---- generate -----------------------------------------------------------------------------
+    def _result(self, r: Request, return_logprob: bool, t0: float) -> dict:
+        meta = {"id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": len(r.prompt_ids),
+                "completion_tokens": len(r.output_ids), "cached_tokens": 0, "weight_version": self.engine.weight_version,
+                "e2e_latency": time.time() - t0}
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
+        return {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
+
+    async def _submit(self, prompts, params, rids, return_logprob) -> list[dict]:
+        aio = asyncio.get_running_loop()
+        futures = [aio.create_future() for _ in prompts]
+        t0 = time.time()
+
+        def add_all(engine: Engine):
+            added = []
+            try:
+                for i, (p, sp, rid, lp) in enumerate(zip(prompts, params, rids, return_logprob)):
+                    def done(r, i=i, lp=lp):
+                        res = self._result(r, lp, t0)
+                        aio.call_soon_threadsafe(lambda: futures[i].done() or futures[i].set_result(res))
+                    added.append(engine.add_request(p, sp, rid, on_finish=done))
+            except BaseException:
+                for r in added:  # all or nothing: a bad prompt in a batch runs none of it
+                    r.on_finish = None
+                    engine.abort(r.rid)
+                raise
+            return [r.rid for r in added]
+
+        ids = await self._on_engine(add_all)
+        try:
+            return list(await asyncio.gather(*futures))
+        except asyncio.CancelledError:  # the client went away: stop spending steps on it
+            self.loop.call(lambda engine: [engine.abort(rid, "client disconnected") for rid in ids])
+            raise
+
+    async def generate(self, request):
+        body = await _json_body(request)
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by rlperf serve")
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise BadRequest("give exactly one of 'text' and 'input_ids'")
+        if text is not None:
+            if isinstance(text, str):
+                batch, prompts = False, [text]
+            elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+                batch, prompts = True, list(text)
+            else:
+                raise BadRequest("'text' must be a string or a non-empty list of strings")
+            prompts = [self.tokenizer.encode(t) for t in prompts]
+        else:
+            if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+                batch, prompts = True, input_ids
+            elif isinstance(input_ids, list):
+                batch, prompts = False, [input_ids]
+            else:
+                raise BadRequest("'input_ids' must be a list of token ids or a non-empty list of such lists")
+            for p in prompts:
+                if not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                    raise BadRequest("'input_ids' must hold non-empty lists of integers")
+        n = len(prompts)
+
+        def per_prompt(key, default, check, what):
+            v = body.get(key, default)
+            if v is None:
+                v = default
+            if batch and isinstance(v, list):
+                if len(v) != n:
+                    raise BadRequest(f"'{key}' has {len(v)} entries for {n} prompts")
+                vals = v
+            else:
+                vals = [v] * n
+            for x in vals:
+                if not check(x):
+                    raise BadRequest(f"'{key}' must be {what}, got {x!r}")
+            return vals
+
+        sps = [SamplingParams.from_dict(d) for d in per_prompt("sampling_params", {}, lambda x: isinstance(x, dict), "an object")]
+        lps = per_prompt("return_logprob", False, lambda x: isinstance(x, bool), "a boolean")
+        rid = body.get("rid")
+        if rid is None:
+            rids = [None] * n
+        elif batch and isinstance(rid, list) and len(rid) == n and all(isinstance(x, str) for x in rid):
+            rids = rid
+        elif isinstance(rid, str):
+            rids = [rid] if not batch else [f"{rid}-{i}" for i in range(n)]
+        else:
+            raise BadRequest("'rid' must be a string (or a list of strings, one per prompt)")
+        results = await self._submit(prompts, sps, rids, lps)
+        return web.json_response(results if batch else results[0])
+
+    # ---- admin --------------------------------------------------------------------------------
+    async def pause(self, request):
+        body = await _json_body(request, allow_empty=True)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode must be abort, retract or in_place, got {mode!r}")
+
+        def apply(engine: Engine):
+            self.loop._paused = True
+            if mode == "abort":
+                engine.abort(None, "generation paused (mode=abort)")
+            elif mode == "retract":
+                for r in sorted(engine.running, key=lambda x: -x.order):
+                    engine._retract(r)
+        await self._on_engine(apply)
+        return web.json_response({"success": True, "message": f"generation paused (mode={mode})"})
+
+    async def resume(self, request):
+        await asyncio.wrap_future(self.loop.set_paused(False))
+        return web.json_response({"success": True, "message": "generation continues"})
+
+    async def flush(self, request):
+        await self._on_engine(lambda engine: engine.flush())
+        return web.json_response({"success": True, "message": "Cache flushed."})
+
+    async def abort(self, request):
+        body = await _json_body(request)
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if not isinstance(abort_all, bool) or (rid is not None and not isinstance(rid, str)):
+            raise BadRequest("abort_request takes 'rid' (string) or 'abort_all' (boolean)")
+        if not abort_all and rid is None:
+            raise BadRequest("abort_request needs 'rid' or 'abort_all': true")
+        n = await self._on_engine(lambda engine: engine.abort(None if abort_all else rid))
+        return web.json_response({"success": True, "num_aborted": n})
+
+    async def start_profile(self, request):
+        body = await _json_body(request, allow_empty=True)
+        kw = {}
+        for key, kind in (("output_dir", str), ("num_steps", int), ("with_stack", bool), ("record_shapes", bool),
+                          ("profile_by_stage", bool), ("profile_id", str)):
+            v = body.get(key)
+            if v is not None and (not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
+                raise BadRequest(f"start_profile: '{key}' must be a {kind.__name__}, got {v!r}")
+            if v is not None and key != "profile_by_stage":  # one trace covers prefill and decode together
+                kw[key] = v
+        acts = body.get("activities")
+        if acts is not None and (not isinstance(acts, list) or not all(isinstance(a, str) for a in acts)):
+            raise BadRequest("start_profile: 'activities' must be a list of strings (CPU, GPU)")
+
+        def start(engine):
+            try:
+                return str(self.loop.profiler.start(activities=acts, **kw))
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+        path = await self._on_engine(start)
+        return web.json_response({"success": True, "message": "Start profiling.", "trace_path": path})
+
+    async def stop_profile(self, request):
+        def stop(engine):
+            try:
+                return str(self.loop.profiler.stop())
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+        path = await self._on_engine(stop)
+        return web.json_response({"success": True, "message": "Stop profiling.", "trace_path": path})
+
+    async def update_weights(self, request):
+        body = await _json_body(request)
+        if body.get("load_format") != "flattened_bucket":
+            raise BadRequest(f"load_format must be 'flattened_bucket', got {body.get('load_format')!r}")
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or len(payloads) != 1:
+            raise BadRequest("serialized_named_tensors must be a list with one bucket payload (tp_size is 1)")
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            raise BadRequest(f"weight_version must be a string, got {version!r}")
+        flush = body.get("flush_cache", False)
+        abort_all = body.get("abort_all_requests", False)
+        if not isinstance(flush, bool) or not isinstance(abort_all, bool):
+            raise BadRequest("flush_cache and abort_all_requests must be booleans")
+        bucket = await asyncio.to_thread(receive_bucket, payloads[0], self.model.device)
+
+        def apply(engine: Engine):
+            if abort_all:
+                engine.abort(None, "aborted for a weight update")
+            names = load_bucket(engine.model, bucket)
+            if version is not None:
+                engine.weight_version = version
+            if flush and not engine.has_work():
+                engine.flush()
+            return names
+        names = await self._on_engine(apply)
+        return web.json_response({"success": True, "message": f"loaded {len(names)} tensors",
+                                  "weight_version": self.engine.weight_version})
+
+
+def serve(args: ServerArgs) -> int:
+    """Load the model, start the engine thread and serve HTTP until interrupted."""
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    K.set_mode(args.mode)
+    model, tokenizer = load_model(args)
+    server = RolloutServer(args, model, tokenizer)
+    print(f"rlperf serve: {args.model_path} on {model.device} ({type(tokenizer).__name__}), "
+          f"KV cache {server.engine.kv.max_total_tokens} tokens, http://{args.host}:{args.port}", flush=True)
+    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None)
+    return 0
+

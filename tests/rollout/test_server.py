@@ -1,0 +1,327 @@
+"""`rlperf serve` over real HTTP: two servers on the tiny model behind the real sglang-router.
+
+The servers run in subprocesses (reference kernels, float32, one thread each) with a KV cache of
+8 pages, so the concurrent test forces preemption. Expected tokens and log-probs come from an
+in-process engine over the same model with a roomy cache: equal lists mean the server path,
+the router, batching with strangers and preemption changed nothing.
+"""
+import concurrent.futures
+import gzip
+import json
+import os
+import re
+import socket
+import sys
+import urllib.request
+
+import pytest
+import torch
+
+import rlperf.kernels as K
+from rlperf.model import preset
+from rlperf.model.qwen3 import Qwen3ForCausalLM
+from rlperf.rollout.args import ServerArgs
+from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
+from rlperf.rollout.router import http_json, launch_cluster
+from rlperf.rollout.tokenizer import ByteTokenizer
+from rlperf.rollout.weights import bucket_payload, release
+from rlperf.sync import flatten_buckets
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("sglang_router")
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+KV_TOKENS = 8 * K.PAGE_SIZE
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("logs")
+    p0, p1, router_port = _free_ports(3)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    args = ServerArgs(model_path="tiny", kernel_backend="reference", max_total_tokens=KV_TOKENS, chunked_prefill_size=64,
+                      api_key=KEY, num_threads=1, device="cpu")
+    try:
+        c = launch_cluster(args, 2, router_port, env=env, log_dir=str(log_dir), ports=[p0, p1])
+    except Exception:
+        for f in sorted(log_dir.iterdir()):
+            sys.stderr.write(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}\n")
+        raise
+    with c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen3ForCausalLM.random(preset("tiny"), seed=0)
+
+
+def _expected(model, prompts, params):
+    """Tokens and log-probs of an in-process engine with a roomy cache (reference backend)."""
+    with K.use_backend("reference"):
+        engine = Engine(model, ByteTokenizer(512), EngineConfig(max_total_tokens=1 << 14))
+        reqs = engine.generate(prompts, params)
+    return [(r.output_ids, r.output_logprobs) for r in reqs]
+
+
+def _got(reply):
+    m = reply["meta_info"]
+    return reply["output_ids"], [lp for lp, _, _ in m["output_token_logprobs"]]
+
+
+def _post_raw(url, data: bytes, headers=None):
+    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def _sp(n, seed, **kw):
+    return {"max_new_tokens": n, "sampling_seed": seed, "temperature": 1.0, "ignore_eos": True, **kw}
+
+
+def test_router_lists_both_workers(cluster):
+    status, body = http_json(cluster.router_url + "/workers")
+    assert status == 200 and {w["url"] for w in body["workers"]} == set(cluster.worker_urls)
+    for url in cluster.worker_urls:
+        for path in ("/model_info", "/get_model_info"):
+            s, info = http_json(url + path)
+            assert s == 200 and info["is_generation"] and info["model_path"] == "tiny"
+        s, info = http_json(url + "/get_server_info")
+        assert s == 200 and info["max_total_num_tokens"] == KV_TOKENS and "api_key" not in info
+        assert http_json(url + "/health_generate")[0] == 200
+
+
+def test_generate_single_and_batched_with_logprobs(cluster, model):
+    tok = ByteTokenizer(512)
+    status, one = http_json(cluster.router_url + "/generate",
+                            {"text": "hello rollout", "sampling_params": _sp(12, 5), "return_logprob": True})
+    assert status == 200, one
+    m = one["meta_info"]
+    assert m["finish_reason"] == {"type": "length", "length": 12}
+    assert m["prompt_tokens"] == len("hello rollout") and m["completion_tokens"] == 12
+    assert m["weight_version"] == "default" and isinstance(one["text"], str)
+    assert [t for _, t, _ in m["output_token_logprobs"]] == one["output_ids"]
+    assert all(x is None for _, _, x in m["output_token_logprobs"])
+    assert _got(one) == _expected(model, [tok.encode("hello rollout")], SamplingParams(max_new_tokens=12, seed=5, ignore_eos=True))[0]
+
+    prompts = [[1, 2, 3], list(range(40, 110)), [7]]
+    # sglang-router takes one sampling_params object for a batch; a server also takes one per prompt
+    status, batch = http_json(cluster.router_url + "/generate",
+                              {"input_ids": prompts, "sampling_params": _sp(5, 1), "return_logprob": True})
+    assert status == 200 and isinstance(batch, list) and len(batch) == 3, batch
+    assert [_got(r) for r in batch] == _expected(model, prompts, SamplingParams.from_dict(_sp(5, 1)))
+    params = [_sp(5, 1), _sp(9, 2, top_k=20), _sp(3, 3, temperature=0.0)]
+    status, batch = http_json(cluster.worker_urls[0] + "/generate",
+                              {"input_ids": prompts, "sampling_params": params, "return_logprob": True})
+    assert status == 200 and isinstance(batch, list) and len(batch) == 3, batch
+    expect = _expected(model, prompts, [SamplingParams.from_dict(p) for p in params])
+    assert [_got(r) for r in batch] == expect
+    assert [r["meta_info"]["prompt_tokens"] for r in batch] == [3, 70, 1]
+    status, no_lp = http_json(cluster.worker_urls[1] + "/generate", {"input_ids": prompts[1], "sampling_params": params[1]})
+    assert status == 200 and "output_token_logprobs" not in no_lp["meta_info"] and no_lp["output_ids"] == expect[1][0]
+
+
+def test_rollout_logprobs_equal_training_forward_through_the_router(cluster, model):
+    prompt = list(range(100, 150))
+    status, r = http_json(cluster.router_url + "/generate",
+                          {"input_ids": prompt, "sampling_params": _sp(16, 9, temperature=0.7), "return_logprob": True})
+    assert status == 200
+    seq = prompt + r["output_ids"]
+    with K.use_backend("reference"), torch.no_grad():
+        logits = model.logits(model.forward_packed(torch.tensor(seq), torch.arange(len(seq)),
+                                                   torch.tensor([0, len(seq)], dtype=torch.int32)))
+        train = K.token_logprobs(logits[len(prompt) - 1:-1], torch.tensor(r["output_ids"]), 0.7)
+    assert torch.equal(torch.tensor(_got(r)[1], dtype=torch.float32), train)
+
+
+def test_64_concurrent_requests_with_preemption_match_the_roomy_engine(cluster, model):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (int(torch.randint(5, 90, (1,), generator=g)),), generator=g).tolist() for _ in range(64)]
+    params = [_sp(24, 1000 + i, top_p=0.95) for i in range(64)]
+
+    def one(i):
+        return http_json(cluster.router_url + "/generate", {"input_ids": prompts[i], "sampling_params": params[i],
+                                                            "return_logprob": True}, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        replies = list(pool.map(one, range(64)))
+    assert all(s == 200 for s, _ in replies), [r for s, r in replies if s != 200][:2]
+    expect = _expected(model, prompts, [SamplingParams.from_dict(p) for p in params])
+    assert [_got(r) for _, r in replies] == expect
+    retractions = sum(http_json(u + "/get_server_info")[1]["internal_states"][0]["num_retractions"] for u in cluster.worker_urls)
+    assert retractions > 0  # 8 KV pages per server for ~32 requests each: preemption happened
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"{not json", "malformed JSON"),
+    (b"", "empty"),
+    (b"[1, 2]", "must be a JSON object"),
+    (json.dumps({"text": 5}).encode(), "'text' must be"),
+    (json.dumps({"text": "a", "input_ids": [1]}).encode(), "exactly one"),
+    (json.dumps({"input_ids": [1, "2"]}).encode(), "integers"),
+    (json.dumps({"input_ids": [1, 600]}).encode(), "in [0, 512)"),
+    (json.dumps({"text": "a", "sampling_params": "x"}).encode(), "'sampling_params' must be an object"),
+    (json.dumps({"text": "a", "return_logprob": "yes"}).encode(), "'return_logprob' must be a boolean"),
+    (json.dumps({"text": "a", "sampling_params": {"max_new_tokens": -1}}).encode(), "max_new_tokens=-1"),
+    (json.dumps({"text": "a", "sampling_params": {"temperature": "hot"}}).encode(), "temperature must be a number"),
+    (json.dumps({"input_ids": list(range(256)) * 4}).encode(), "context length is 1024"),
+    (json.dumps({"input_ids": [[1], [2]], "sampling_params": [{}]}).encode(), "1 entries for 2 prompts"),
+])
+def test_bad_generate_requests_get_400_and_the_server_keeps_serving(cluster, body, message):
+    url = cluster.worker_urls[0]
+    status, reply = _post_raw(url + "/generate", body)
+    assert status == 400 and message in reply["error"]["message"], reply
+    status, ok = http_json(url + "/generate", {"input_ids": [1, 2], "sampling_params": _sp(2, 1)})
+    assert status == 200 and len(ok["output_ids"]) == 2
+
+
+def test_router_passes_client_errors_through(cluster):
+    status, _ = http_json(cluster.router_url + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": -1}})
+    assert 400 <= status < 500
+
+
+def test_admin_endpoints_need_the_api_key(cluster):
+    url = cluster.worker_urls[0]
+    status, reply = http_json(url + "/flush_cache", {})
+    assert status == 401 and "API key" in reply["error"]["message"]
+    assert http_json(url + "/flush_cache", {}, headers={"Authorization": "Bearer wrong"})[0] == 401
+    assert http_json(url + "/flush_cache", {}, headers=AUTH)[0] == 200
+
+
+def test_pause_continue_and_abort(cluster):
+    url = cluster.worker_urls[1]
+    assert http_json(url + "/pause_generation", {"mode": "in_place"}, headers=AUTH)[0] == 200
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        held = pool.submit(http_json, url + "/generate", {"input_ids": [5, 6], "sampling_params": _sp(4, 1), "rid": "held"})
+        dropped = pool.submit(http_json, url + "/generate", {"input_ids": [5, 6], "sampling_params": _sp(4, 1), "rid": "gone"})
+        with pytest.raises(concurrent.futures.TimeoutError):
+            held.result(timeout=1.0)  # paused: nothing is generated
+        s, r = http_json(url + "/abort_request", {"rid": "gone"}, headers=AUTH)
+        assert s == 200 and r["num_aborted"] == 1
+        status, reply = dropped.result(timeout=10)
+        assert status == 200 and reply["meta_info"]["finish_reason"]["type"] == "abort"
+        s, r = http_json(url + "/flush_cache", {}, headers=AUTH)
+        assert s == 400 and "running" in r["error"]["message"]  # a request is still waiting
+        assert http_json(url + "/continue_generation", {}, headers=AUTH)[0] == 200
+        status, reply = held.result(timeout=30)
+        assert status == 200 and reply["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert http_json(url + "/abort_request", {}, headers=AUTH)[0] == 400
+    assert http_json(url + "/pause_generation", {"mode": "sideways"}, headers=AUTH)[0] == 400
+
+
+def test_start_and_stop_profile_write_an_sglang_named_trace(cluster, tmp_path):
+    url = cluster.worker_urls[0]
+    s, r = http_json(url + "/start_profile", {"output_dir": str(tmp_path), "activities": ["CPU"], "record_shapes": True},
+                     headers=AUTH)
+    assert s == 200, r
+    assert http_json(url + "/start_profile", {"output_dir": str(tmp_path)}, headers=AUTH)[0] == 400  # one at a time
+    assert http_json(url + "/generate", {"input_ids": [1, 2, 3], "sampling_params": _sp(3, 1)})[0] == 200
+    s, r = http_json(url + "/stop_profile", {}, headers=AUTH)
+    assert s == 200, r
+    (trace,) = list(tmp_path.iterdir())
+    assert re.fullmatch(r"\d+(\.\d+)?-TP-0\.trace\.json\.gz", trace.name) and str(trace) == r["trace_path"]
+    with gzip.open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)
+    assert http_json(url + "/stop_profile", {}, headers=AUTH)[0] == 400  # nothing running now
+    assert http_json(url + "/start_profile", {"num_steps": "two"}, headers=AUTH)[0] == 400
+
+
+def _update(url, payload, version=None):
+    body = {"load_format": "flattened_bucket", "serialized_named_tensors": [payload]}
+    if version is not None:
+        body["weight_version"] = version
+    return http_json(url + "/update_weights_from_tensor", body, headers=AUTH)
+
+
+def _push(url, named, version, transport):
+    for i, bucket in enumerate(flatten_buckets(named, bucket_bytes=64 * 1024)):
+        payload, handle = bucket_payload(bucket, transport if i % 2 == 0 else "inline")
+        try:
+            status, reply = _update(url, payload, version)
+        finally:
+            release(handle)
+        assert status == 200 and reply["success"], reply
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_weight_update_through_flattened_buckets(cluster, model, transport):
+    url = cluster.worker_urls[0]
+    new = Qwen3ForCausalLM.random(preset("tiny"), seed=1)
+    prompt, sp = [3, 1, 4, 1, 5], _sp(10, 2)
+    before = _got(http_json(url + "/generate", {"input_ids": prompt, "sampling_params": sp, "return_logprob": True})[1])
+    assert before == _expected(model, [prompt], SamplingParams.from_dict(sp))[0]
+    try:
+        _push(url, new.hf_state_dict(), "v2", transport)
+        s, r = http_json(url + "/generate", {"input_ids": prompt, "sampling_params": sp, "return_logprob": True})
+        assert s == 200 and r["meta_info"]["weight_version"] == "v2"
+        assert _got(r) == _expected(new, [prompt], SamplingParams.from_dict(sp))[0] != before
+    finally:
+        _push(url, model.hf_state_dict(), "default", "inline")
+    assert _got(http_json(url + "/generate", {"input_ids": prompt, "sampling_params": sp, "return_logprob": True})[1]) == before
+
+
+def _corrupt(kind):
+    named = {"model.norm.weight": torch.full((64,), 3.0), "model.layers.0.input_layernorm.weight": torch.full((64,), 2.0)}
+    (bucket,) = flatten_buckets(named)
+    payload, _ = bucket_payload(bucket, "inline")
+    desc, data = payload["description"], payload["transport"]
+    if kind == "nbytes":
+        desc["nbytes"] += 16
+    elif kind == "range":
+        desc["tensors"][1]["end_idx"] += 4
+    elif kind == "overlap":
+        desc["tensors"][1]["start_idx"], desc["tensors"][1]["end_idx"] = 0, 256
+    elif kind == "checksum":
+        raw = bytearray(__import__("base64").b64decode(data["data"]))
+        raw[5] ^= 1
+        data["data"] = __import__("base64").b64encode(bytes(raw)).decode()
+    elif kind == "name":
+        desc["tensors"][0]["name"] = "model.not_a_weight"
+    elif kind == "shape":
+        desc["tensors"][0]["shape"] = [8, 8]
+    elif kind == "dtype":
+        desc["tensors"][0]["dtype"] = "pickle"
+    elif kind == "base64":
+        data["data"] = "%%%not base64%%%"
+    elif kind == "transport":
+        payload["transport"] = {"kind": "pickle", "data": ""}
+    elif kind == "shm":
+        payload["transport"] = {"kind": "shm", "name": "rlperf-no-such-segment"}
+    return payload
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("nbytes", "bytes but the buffer has"), ("range", "do not hold"), ("overlap", "overlaps"),
+    ("checksum", "checksum mismatch"), ("name", "no destination"), ("shape", "has shape"),
+    ("dtype", "unknown dtype"), ("base64", "base64"), ("transport", "transport.kind"), ("shm", "cannot be opened"),
+])
+def test_bad_bucket_gets_400_and_changes_nothing(cluster, model, kind, message):
+    url = cluster.worker_urls[1]
+    status, reply = _update(url, _corrupt(kind), "bad")
+    assert status == 400 and message in reply["error"]["message"], reply
+    prompt, sp = [9, 9, 9], _sp(6, 4)
+    s, r = http_json(url + "/generate", {"input_ids": prompt, "sampling_params": sp, "return_logprob": True})
+    assert s == 200 and r["meta_info"]["weight_version"] == "default"
+    assert _got(r) == _expected(model, [prompt], SamplingParams.from_dict(sp))[0]
+
+
+def test_update_weights_rejects_other_load_formats(cluster):
+    status, reply = http_json(cluster.worker_urls[0] + "/update_weights_from_tensor",
+                              {"load_format": None, "serialized_named_tensors": ["gASV"]}, headers=AUTH)
+    assert status == 400 and "flattened_bucket" in reply["error"]["message"]
