@@ -76,7 +76,11 @@ setup(
     package_data={"rlperf": ["data/*", "data/**/*"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    install_requires=["torch>=2.6", "triton>=3.3", "numpy"],
-    extras_require={"test": ["pytest>=8", "pytest-benchmark>=4"]},
+    install_requires=["torch>=2.6", "triton>=3.3", "numpy", "safetensors>=0.4", "aiohttp>=3.9"],
+    extras_require={
+        "test": ["pytest>=8", "pytest-benchmark>=4", "sglang-router>=0.3.2", "transformers>=4.51"],
+        "serve": ["sglang-router>=0.3.2"],
+        "hf": ["transformers>=4.51"],
+    },
     entry_points={"console_scripts": ["rlperf=rlperf.cli:main"]},
 )
