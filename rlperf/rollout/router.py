@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -142,6 +143,10 @@ def launch_cluster(args: ServerArgs, n: int, router_port: int, policy: str = "ro
 
 def serve_cluster(args: ServerArgs, n: int, router_port: int, policy: str) -> int:
     """Run N servers and the router until interrupted (``rlperf serve --router N``)."""
+    def interrupt(signum, frame):  # SIGTERM ends the cluster like Ctrl-C: children are terminated, not orphaned
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     cluster = launch_cluster(args, n, router_port, policy)
     print(f"rlperf serve: sglang-router at {cluster.router_url} in front of {', '.join(cluster.worker_urls)}", flush=True)
     try:

@@ -325,3 +325,35 @@ def test_update_weights_rejects_other_load_formats(cluster):
     status, reply = http_json(cluster.worker_urls[0] + "/update_weights_from_tensor",
                               {"load_format": None, "serialized_named_tensors": ["gASV"]}, headers=AUTH)
     assert status == 400 and "flattened_bucket" in reply["error"]["message"]
+
+
+def test_cli_serve_router_starts_and_stops_the_cluster(tmp_path):
+    import signal
+    import subprocess
+
+    from rlperf.rollout.router import wait_until
+
+    port, router_port = _free_ports(2)
+    while port + 1 == router_port:
+        port, router_port = _free_ports(2)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "rlperf", "serve", "--router", "2", "--port", str(port),
+                             "--router-port", str(router_port), "--kernel-backend", "reference", "--device", "cpu",
+                             "--num-threads", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    router = f"http://127.0.0.1:{router_port}"
+    workers = {f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"}
+    try:
+        def listed():
+            s, body = http_json(router + "/workers", timeout=2)
+            return s == 200 and {w["url"] for w in body["workers"]} == workers
+        wait_until(listed, 120, "rlperf serve --router 2", [proc])
+        s, r = http_json(router + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+        assert s == 200 and r["meta_info"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0].decode(errors="replace")
+    assert "sglang-router at" in out, out
+    for url in workers:  # the servers went down with it
+        with pytest.raises(OSError):
+            urllib.request.urlopen(url + "/health", timeout=2)
