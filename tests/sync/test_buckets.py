@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -354,33 +355,60 @@ def test_load_into_mismatches_are_named_and_nothing_is_written():
 # the ops themselves
 
 
+def op_errors(setup: str, calls: list[str]) -> list[str]:
+    """First line of the RuntimeError each call raises, run in a fresh interpreter.
+
+    In a subprocess because on the device's torch 2.11 build a TORCH_CHECK failing inside
+    rlperf._C crashed the process (SIGSEGV, cause not established; torch 2.13 here raises
+    RuntimeError): a crash must fail this test, not end the test session.
+    """
+    script = textwrap.dedent(
+        """
+        import json, sys, torch
+        import rlperf._C
+        ops = torch.ops.rlperf
+        """
+    ) + textwrap.dedent(setup) + textwrap.dedent(
+        f"""
+        out = []
+        for call in {calls!r}:
+            try:
+                eval(call)
+                out.append("no error")
+            except RuntimeError as e:
+                out.append(str(e).splitlines()[0])
+        print(json.dumps(out))
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, f"rlperf._C crashed raising argument errors (rc {run.returncode}):\n{run.stderr[-3000:]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @needs_extension
 def test_op_argument_checks():
-    ops = torch.ops.rlperf
-    bucket = torch.zeros(64, dtype=torch.uint8)
-    a, b = torch.ones(4), torch.ones(2, dtype=torch.float64)  # 16 B each
-    with pytest.raises(RuntimeError, match=r"srcs\[1\] \(bytes \[8, 24\)\) overlaps srcs\[0\]"):
-        ops.multi_tensor_pack([a, b], bucket, [0, 8])
-    with pytest.raises(RuntimeError, match=r"srcs\[0\] needs bytes \[56, 72\) of a bucket of 64 bytes"):
-        ops.multi_tensor_pack([a], bucket, [56])
-    with pytest.raises(RuntimeError, match=r"srcs\[0\] needs bytes \[-16"):
-        ops.multi_tensor_pack([a], bucket, [-16])
-    with pytest.raises(RuntimeError, match="got 2 srcs but 1 offsets"):
-        ops.multi_tensor_pack([a, b], bucket, [0])
-    with pytest.raises(RuntimeError, match="bucket must be uint8"):
-        ops.multi_tensor_pack([a], torch.zeros(16), [0])
-    with pytest.raises(RuntimeError, match="bucket must be 1-D"):
-        ops.multi_tensor_pack([a], torch.zeros(4, 16, dtype=torch.uint8), [0])
-    with pytest.raises(RuntimeError, match="bucket must be contiguous"):
-        ops.multi_tensor_pack([a], torch.zeros(128, dtype=torch.uint8)[::2], [0])
-    with pytest.raises(RuntimeError, match=r"srcs\[0\] \(shape \[3, 2\], strides \[1, 3\]\) is not contiguous"):
-        ops.multi_tensor_pack([torch.ones(2, 3).t()], bucket, [0])
-    with pytest.raises(RuntimeError, match=r"dsts\[1\] .* is not contiguous"):
-        ops.multi_tensor_unpack(bucket, [a, torch.ones(2, 3).t()], [0, 16])
-    with pytest.raises(RuntimeError, match=r"dsts\[0\] needs bytes \[60, 76\)"):
-        ops.multi_tensor_unpack(bucket, [a], [60])
-    with pytest.raises(RuntimeError, match="chunk_bytes must be 0 .* or a positive multiple of 16"):
-        ops.multi_tensor_pack([a], bucket, [0], 24)
+    setup = """
+        bucket = torch.zeros(64, dtype=torch.uint8)
+        a, b = torch.ones(4), torch.ones(2, dtype=torch.float64)  # 16 B each
+    """
+    expected = {
+        "ops.multi_tensor_pack([a, b], bucket, [0, 8])": r"srcs\[1\] \(bytes \[8, 24\)\) overlaps srcs\[0\]",
+        "ops.multi_tensor_pack([a], bucket, [56])": r"srcs\[0\] needs bytes \[56, 72\) of a bucket of 64 bytes",
+        "ops.multi_tensor_pack([a], bucket, [-16])": r"srcs\[0\] needs bytes \[-16",
+        "ops.multi_tensor_pack([a, b], bucket, [0])": "got 2 srcs but 1 offsets",
+        "ops.multi_tensor_pack([a], torch.zeros(16), [0])": "bucket must be uint8",
+        "ops.multi_tensor_pack([a], torch.zeros(4, 16, dtype=torch.uint8), [0])": "bucket must be 1-D",
+        "ops.multi_tensor_pack([a], torch.zeros(128, dtype=torch.uint8)[::2], [0])": "bucket must be contiguous",
+        "ops.multi_tensor_pack([torch.ones(2, 3).t()], bucket, [0])": r"srcs\[0\] \(shape \[3, 2\], strides \[1, 3\]\) is not contiguous",
+        "ops.multi_tensor_unpack(bucket, [a, torch.ones(2, 3).t()], [0, 16])": r"dsts\[1\] .* is not contiguous",
+        "ops.multi_tensor_unpack(bucket, [a], [60])": r"dsts\[0\] needs bytes \[60, 76\)",
+        "ops.multi_tensor_pack([a], bucket, [0], 24)": "chunk_bytes must be 0 .* or a positive multiple of 16",
+        "ops.bucket_checksum(torch.zeros(4))": "bucket must be uint8",
+        "ops.multi_tensor_pack([a], bucket, [16])": "no error",
+    }
+    messages = op_errors(setup, list(expected))
+    for (call, pattern), message in zip(expected.items(), messages):
+        assert re.search(pattern, message), f"{call}: {message!r} does not match {pattern!r}"
 
 
 @needs_extension
@@ -682,9 +710,11 @@ def test_gpu_ops_misaligned_and_chunk_sizes(chunk_bytes):
 
 @pytest.mark.gpu
 def test_gpu_rejects_mixed_devices():
-    bucket = torch.zeros(64, dtype=torch.uint8, device="cuda")
-    with pytest.raises(RuntimeError, match=r"srcs\[1\] is on cpu but the bucket is on cuda"):
-        torch.ops.rlperf.multi_tensor_pack([torch.ones(2, device="cuda"), torch.ones(2)], bucket, [0, 16])
+    (message,) = op_errors(
+        'bucket = torch.zeros(64, dtype=torch.uint8, device="cuda")',
+        ['ops.multi_tensor_pack([torch.ones(2, device="cuda"), torch.ones(2)], bucket, [0, 16])'],
+    )
+    assert re.search(r"srcs\[1\] is on cpu but the bucket is on cuda", message), message
     with pytest.raises(ValueError, match="'b' is on cpu but 'a' is on cuda"):
         B.flatten_buckets({"a": torch.ones(2, device="cuda"), "b": torch.ones(2)})
     (gb,) = B.flatten_buckets({"a": torch.ones(2, device="cuda")})
