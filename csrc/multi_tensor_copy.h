@@ -41,9 +41,10 @@ struct CopyTask {
 static_assert(sizeof(CopyTask) == 32, "CopyTask is shipped to the GPU as 4 int64 words");
 
 // Chunk sizes. GPU: a block of 256 threads copies 16 KiB, i.e. each thread one batch of four
-// independent 16-byte loads then four stores; on an H200 this beat 64 KiB / 256 KiB / 1 MiB
-// chunks (0.97 vs 0.93 / 0.90 / 0.87 of a device-to-device copy, one run each): short blocks
-// keep every SM's load queue full up to the end of each launch. CPU: a thread copies 1 MiB at a
+// independent 16-byte loads then four stores. Packing 8.04 GB on an H200 (fraction of one
+// device-to-device copy, one run each): 4K 0.75, 8K 0.87, 16K 0.975, 32K 0.95, 64K 0.93,
+// 256K 0.90, 1M 0.87. Smaller chunks leave threads with fewer loads in flight than the unroll;
+// larger ones make fewer, longer blocks that drain unevenly. CPU: a thread copies 1 MiB at a
 // time (memcpy is at full speed by then, and tasks still balance across threads).
 constexpr int64_t kCudaChunkBytes = 16 * 1024;
 constexpr int64_t kCpuChunkBytes = 1024 * 1024;
