@@ -33,27 +33,44 @@ MODES = ("invariant", "fast")
 _state = threading.local()
 
 
-def _interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_env: dict | None = None
+
+
+def refresh_environment() -> None:
+    """Re-read ``TRITON_INTERPRET`` and ``RLPERF_BACKEND`` (they are read once, on the first op).
+
+    Reading them once keeps the per-op dispatch cost to a few attribute lookups (it sits on the
+    decode hot path), and matches Triton, which reads ``TRITON_INTERPRET`` when a kernel module
+    is imported: changing it later does not change how already-imported kernels run.
+    """
+    global _env
+    forced = os.environ.get("RLPERF_BACKEND") or None
+    if forced is not None and forced not in BACKENDS:
+        raise ValueError(f"RLPERF_BACKEND={forced!r}: expected one of {BACKENDS}")
+    _env = {"interpret": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), "forced": forced}
 
 
 def backend(device: torch.device | str | None = None) -> str:
     """The backend an op on ``device`` runs now: ``"triton"``, ``"interpreter"`` or ``"reference"``."""
-    forced = getattr(_state, "backend", None) or os.environ.get("RLPERF_BACKEND") or None
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if forced is not None:
-        if forced not in BACKENDS:
-            raise ValueError(f"RLPERF_BACKEND={forced!r}: expected one of {BACKENDS}")
-        if forced == "triton" and dev.type != "cuda":
-            raise RuntimeError(f"backend 'triton' needs CUDA tensors, got a tensor on {dev}")
-        if forced == "interpreter" and not _interpreter_enabled():
-            raise RuntimeError("backend 'interpreter' needs TRITON_INTERPRET=1 set before rlperf.kernels runs an op")
-        if forced == "interpreter" and dev.type == "cuda":
+    if _env is None:
+        refresh_environment()
+    forced = getattr(_state, "backend", None) or _env["forced"]
+    if isinstance(device, torch.device):
+        is_cuda = device.type == "cuda"
+    else:
+        is_cuda = device is not None and str(device).startswith("cuda")
+    if forced is None:
+        if is_cuda:
+            return "triton"
+        return "interpreter" if _env["interpret"] else "reference"
+    if forced == "triton" and not is_cuda:
+        raise RuntimeError(f"backend 'triton' needs CUDA tensors, got a tensor on {device or 'cpu'}")
+    if forced == "interpreter":
+        if is_cuda:
             raise RuntimeError("backend 'interpreter' runs on CPU tensors only")
-        return forced
-    if dev.type == "cuda":
-        return "triton"
-    return "interpreter" if _interpreter_enabled() else "reference"
+        if not _env["interpret"]:
+            raise RuntimeError("backend 'interpreter' needs TRITON_INTERPRET=1 set before rlperf.kernels runs an op")
+    return forced
 
 
 @contextlib.contextmanager
