@@ -139,32 +139,72 @@ def run(quick: bool = False) -> list[BenchRow]:
     row("fused fwd+bwd+entropy", t_fb_ent, "naive torch fwd+bwd", t_fb_naive, work=4 * flop)
     row("fused_logprob fwd+bwd", t_fb, "4 x lm-head matmul", 4 * t_mm, work=4 * flop)
 
-    # ---- the backward alone, and a forward tile-config sweep (the op keeps one config per dtype)
+    # ---- the backward alone (and its parts), and tile-config sweeps (the op keeps one config per dtype)
     inv_t = 1.0
     with torch.no_grad():
         logp, ent, lse, _ = FL._local_stats(hidden, weight, targets, inv_t, 0, V, False, True)
-    t_bwd = timer(lambda: FL._backward(hidden, weight, targets, lse, ent, g_out, g_out, inv_t, 0, False, True, True),
-                  heavy_reps).median_ms
-    row("backward alone", t_bwd, "3 x lm-head matmul", 3 * t_mm, work=3 * flop)
+    bwd = lambda cfg=None: FL._backward(hidden, weight, targets, lse, ent, g_out, g_out, inv_t, 0, False, True, True, cfg=cfg)  # noqa: E731
+    t_bwd = timer(bwd, heavy_reps).median_ms
+    row("backward alone", t_bwd, "3 x lm-head matmul", 3 * t_mm, work=3 * flop, mm_out_dtype=FL._MM_OUT_DTYPE)
     default = FL.fused_config(torch.bfloat16)
+    chunk = max(default.BLOCK_N, FL.BWD_CHUNK_BYTES // (n * 2) // default.BLOCK_N * default.BLOCK_N)
+    dl = torch.randn(n, chunk, device=dev, generator=gen).to(torch.bfloat16)
+    gw = torch.empty_like(weight)
+    n_chunks = -(-V // chunk)
+
+    def mm_w():
+        for v0 in range(0, V, chunk):
+            v1 = min(V, v0 + chunk)
+            torch.mm(dl[:, : v1 - v0].t(), hidden, out=gw[v0:v1])
+
+    def mm_h():
+        acc = torch.zeros(n, H, device=dev)
+        for v0 in range(0, V, chunk):
+            v1 = min(V, v0 + chunk)
+            acc += FL._mm_f32(dl[:, : v1 - v0], weight[v0:v1])
+
+    row("bwd part: d weight mm", timer(mm_w, heavy_reps).median_ms, "lm-head matmul", t_mm, chunks=n_chunks)
+    row("bwd part: d hidden mm", timer(mm_h, heavy_reps).median_ms, "lm-head matmul", t_mm, chunks=n_chunks)
+    del dl, gw
+    C = FL.FusedConfig
     sweep = [
         default,
-        FL.FusedConfig(128, 128, 64, 32, 8, 4),
-        FL.FusedConfig(128, 256, 64, 16, 8, 3),
-        FL.FusedConfig(128, 128, 64, 64, 8, 3),
-        FL.FusedConfig(64, 128, 64, 32, 4, 4),
-        FL.FusedConfig(128, 64, 64, 64, 4, 4),
+        C(128, 128, 64, 32, 8, 3),
+        C(128, 256, 64, 16, 8, 3),
+        C(128, 256, 64, 16, 8, 4),
+        C(128, 256, 64, 16, 8, 3, flatten=True),
+        C(128, 256, 64, 16, 8, 3, tma=True),
+        C(128, 256, 64, 16, 8, 4, flatten=True, tma=True),
+        C(128, 256, 64, 16, 16, 4, flatten=True, tma=True),
+        C(128, 256, 64, 16, 16, 3, tma=True),
+        C(128, 128, 64, 32, 8, 4, flatten=True, tma=True),
+        C(128, 128, 64, 32, 8, 5, flatten=True, tma=True),
+        C(256, 128, 64, 32, 16, 3, tma=True),
+        C(128, 256, 64, 32, 8, 4, flatten=True, tma=True),
     ]
-    for cfg in ([] if quick else sweep):
+    bwd_sweep = [C(128, 128, 64, 32, 8, 3), C(128, 256, 64, 16, 8, 3, tma=True), C(128, 256, 64, 16, 16, 3, tma=True),
+                 C(128, 128, 64, 32, 8, 4, tma=True)]
+
+    def tag(cfg):
+        return (f"{cfg.BLOCK_M}x{cfg.BLOCK_N}x{cfg.BLOCK_K} s{cfg.SPLIT_TILES} w{cfg.num_warps} st{cfg.num_stages}"
+                + (" fl" if cfg.flatten else "") + (" tma" if cfg.tma else ""))
+
+    for i, cfg in enumerate([] if quick else sweep):
         fn = lambda cfg=cfg: FL._local_stats(hidden, weight, targets, inv_t, 0, V, False, True, cfg=cfg)  # noqa: E731
         try:
+            bits = torch.equal(fn()[0], logp)
             t_cfg = timer(fn).median_ms
-            ok = torch.equal(fn()[0], logp) if cfg == default else None
         except Exception as exc:  # a config may not fit shared memory / registers
-            print(f"logprob sweep: {cfg} failed: {exc!r:.120}")
+            print(f"logprob sweep: {tag(cfg)} failed: {exc!r:.160}")
             continue
-        tag = f"{cfg.BLOCK_M}x{cfg.BLOCK_N}x{cfg.BLOCK_K} s{cfg.SPLIT_TILES} w{cfg.num_warps} st{cfg.num_stages}"
-        row(f"fwd cfg {tag}", t_cfg, "lm-head matmul", t_mm, case="sweep " + case, default=cfg == default, repeat_bits_equal=ok)
+        row(f"fwd {tag(cfg)}", t_cfg, "lm-head matmul", t_mm, case="sweep " + case, default=i == 0, bits_equal_default=bits)
+    for cfg in ([] if quick else bwd_sweep):
+        try:
+            t_cfg = timer(lambda cfg=cfg: bwd(cfg), heavy_reps).median_ms
+        except Exception as exc:
+            print(f"logprob bwd sweep: {tag(cfg)} failed: {exc!r:.160}")
+            continue
+        row(f"bwd {tag(cfg)}", t_cfg, "3 x lm-head matmul", 3 * t_mm, work=3 * flop, case="sweep " + case)
     del h_req, w_req
     gc.collect()
     torch.cuda.empty_cache()

@@ -70,13 +70,20 @@ class FusedConfig:
     SPLIT_TILES: int  # vocabulary tiles per forward split
     num_warps: int
     num_stages: int
+    flatten: bool = False  # software-pipeline across the vocabulary tiles of a split (tl.range flatten)
+    tma: bool = False      # TMA tensor descriptors for the tiles (when rows are 16-byte aligned)
 
 
 _CONFIGS = {
-    torch.bfloat16: FusedConfig(128, 128, 64, 32, 8, 3),
-    torch.float16: FusedConfig(128, 128, 64, 32, 8, 3),
+    torch.bfloat16: FusedConfig(128, 256, 64, 16, 8, 3, flatten=True, tma=True),
+    torch.float16: FusedConfig(128, 256, 64, 16, 8, 3, flatten=True, tma=True),
     torch.float32: FusedConfig(64, 64, 32, 32, 4, 2),
 }
+
+try:  # host-side TMA descriptors: Triton >= 3.4 (the device has 3.6, CI 3.9)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 
 def fused_config(dtype: torch.dtype) -> FusedConfig:
@@ -91,37 +98,45 @@ def fused_config(dtype: torch.dtype) -> FusedConfig:
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, rows, cols, H, stride_h, stride_w,
+def _logits_tile(h_src, w_src, off_m, off_n, rows, cols, H, stride_h, stride_w,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] float32 = hidden[rows] @ weight[cols]^T, K loop over H in order.
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32 = hidden[off_m:] @ weight[off_n:]^T, K loop over H in order.
 
-    ``rows`` / ``cols`` are already clamped in range (duplicates past the end are never stored),
-    so only the K tail needs a mask.
+    Pointer path: ``rows`` / ``cols`` are clamped in range (duplicates past the end are never
+    stored), so only the K tail needs a mask. TMA path (``h_src``/``w_src`` are descriptors):
+    out-of-range rows, columns and K arrive as zeros.
     """
-    offs_k = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
-    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, H, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(h_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            a = tl.load(h_ptrs, mask=(k + offs_k)[None, :] < H, other=0.0)
-            b = tl.load(w_ptrs, mask=(k + offs_k)[:, None] < H, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if USE_TMA:
+        for k in range(0, H, BLOCK_K):
+            a = h_src.load([off_m, k])
+            b = w_src.load([off_n, k])
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        h_ptrs = h_src + rows.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
+        w_ptrs = w_src + cols.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
+        for k in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(h_ptrs)
+                b = tl.load(w_ptrs)
+            else:
+                a = tl.load(h_ptrs, mask=(k + offs_k)[None, :] < H, other=0.0)
+                b = tl.load(w_ptrs, mask=(k + offs_k)[:, None] < H, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     return acc
 
 
 @triton.jit
 def _fwd_partials_kernel(
-    h_ptr, w_ptr, tgt_ptr, pm_ptr, ps_ptr, pt_ptr, pz_ptr,
+    h_src, w_src, tgt_ptr, pm_ptr, ps_ptr, pt_ptr, pz_ptr,
     N, V, H, stride_h, stride_w, v_offset, inv_t, num_m_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
     EVEN_K: tl.constexpr, WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # token tiles fastest: the programs of a wave share a vocabulary split, so its weight tiles
@@ -137,11 +152,11 @@ def _fwd_partials_kernel(
     tz = tl.zeros([BLOCK_M], tl.float32)
     v_begin = pid_s * (SPLIT_TILES * BLOCK_N)
     v_end = tl.minimum(v_begin + SPLIT_TILES * BLOCK_N, V)
-    for n0 in range(v_begin, v_end, BLOCK_N):
+    for n0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         cols = tl.minimum(offs_n, V - 1)
-        acc = _logits_tile(h_ptr, w_ptr, rows, cols, H, stride_h, stride_w,
-                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+        acc = _logits_tile(h_src, w_src, pid_m * BLOCK_M, n0, rows, cols, H, stride_h, stride_w,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
         live = offs_n[None, :] < V
         z = tl.where(live, acc * inv_t, float("-inf"))
         # at most one live column of one tile matches: a sum of zeros and that logit, exact
@@ -205,10 +220,10 @@ def _fwd_combine_kernel(
 
 @triton.jit
 def _bwd_dlogits_kernel(
-    h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dl_ptr,
+    h_src, w_src, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dl_ptr,
     N, V, H, stride_h, stride_w, stride_dl, v_begin, v_end, v_offset, inv_t, num_m_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dlogits[:, v_begin:v_end] = dz / T (module docstring), in the input dtype."""
     pid = tl.program_id(0)
@@ -218,8 +233,8 @@ def _bwd_dlogits_kernel(
     offs_n = v_begin + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_m, N - 1)
     cols = tl.minimum(offs_n, V - 1)
-    acc = _logits_tile(h_ptr, w_ptr, rows, cols, H, stride_h, stride_w,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    acc = _logits_tile(h_src, w_src, pid_m * BLOCK_M, v_begin + pid_n * BLOCK_N, rows, cols, H, stride_h, stride_w,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
     z = acc * inv_t
     lse = tl.load(lse_ptr + rows)
     g = tl.load(glp_ptr + rows)
@@ -247,6 +262,24 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is unused for 16-bit inputs
 
 
+def _sources(hidden, weight, cfg):
+    """(h_src, w_src, use_tma): TMA descriptors when the config asks and rows are 16-byte aligned
+    (a function of dtype and H only, never of N), else the tensors themselves."""
+    es = hidden.element_size()
+    use_tma = (cfg.tma and TensorDescriptor is not None and (hidden.shape[1] * es) % 16 == 0
+               and (not hidden.is_cuda or torch.cuda.get_device_capability(hidden.device)[0] >= 9))
+    if not use_tma:
+        return hidden, weight, False
+
+    def ready(t):
+        if (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0:
+            return t
+        return t.clone(memory_format=torch.contiguous_format)
+
+    return (TensorDescriptor.from_tensor(ready(hidden), [cfg.BLOCK_M, cfg.BLOCK_K]),
+            TensorDescriptor.from_tensor(ready(weight), [cfg.BLOCK_N, cfg.BLOCK_K]), True)
+
+
 def _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, with_entropy, final, cfg=None):
     """Run the forward kernels. final: (logp, entropy, lse); else local (m, s, t, tz)."""
     cfg = cfg or fused_config(hidden.dtype)
@@ -256,12 +289,13 @@ def _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, with_entropy
     num_m = triton.cdiv(N, cfg.BLOCK_M)
     num_splits = triton.cdiv(V, cfg.SPLIT_TILES * cfg.BLOCK_N)
     parts = torch.empty((4, num_splits, N), dtype=torch.float32, device=dev)
+    h_src, w_src, use_tma = _sources(hidden, weight, cfg)
     _fwd_partials_kernel[(num_m * num_splits,)](
-        hidden, weight, targets, parts[0], parts[1], parts[2], parts[3],
+        h_src, w_src, targets, parts[0], parts[1], parts[2], parts[3],
         N, V, H, hidden.stride(0), weight.stride(0), v_offset, inv_t, num_m,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_TILES=cfg.SPLIT_TILES,
         EVEN_K=H % cfg.BLOCK_K == 0, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_TMA=use_tma, FLATTEN=cfg.flatten, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     outs = torch.empty((4, N), dtype=torch.float32, device=dev)
     _fwd_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
@@ -331,14 +365,15 @@ def _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, w
     chunk = max(cfg.BLOCK_N, chunk // cfg.BLOCK_N * cfg.BLOCK_N)
     chunk = min(chunk, triton.cdiv(V, cfg.BLOCK_N) * cfg.BLOCK_N)
     dl = torch.empty((N, chunk), dtype=hidden.dtype, device=hidden.device)
+    h_src, w_src, use_tma = _sources(hidden, weight, cfg)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
         _bwd_dlogits_kernel[(num_m * triton.cdiv(v1 - v0, cfg.BLOCK_N),)](
-            hidden, weight, targets, lse, ent, g_lp, g_ent, dl,
+            h_src, w_src, targets, lse, ent, g_lp, g_ent, dl,
             N, V, H, hidden.stride(0), weight.stride(0), dl.stride(0), v0, v1, v_offset, inv_t, num_m,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
             EVEN_K=H % cfg.BLOCK_K == 0, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         d = dl[:, : v1 - v0]
         if need_w:
