@@ -5,42 +5,24 @@ is explicit: :func:`backend` (triton on CUDA; reference, or the Triton interpret
 ``TRITON_INTERPRET=1``, on CPU) and :func:`mode` (``"invariant"`` or ``"fast"``). See
 ``rlperf.kernels.dispatch``.
 
-Ops are imported lazily, so ``import rlperf.kernels`` does not import Triton.
+Triton reads ``TRITON_INTERPRET`` when the kernel modules are imported, i.e. at
+``import rlperf.kernels``: set it before that to run the kernels on the CPU.
+
+The ops are bound here by name after their submodules load, so ``rlperf.kernels.matmul`` is the
+function even when the submodule of the same name was imported first.
 """
-from __future__ import annotations
+from .dispatch import BACKENDS, MODES, backend, mode, refresh_environment, set_mode, use_backend, use_mode
 
-import importlib
+from .activation import silu_mul
+from .attention import PAGE_SIZE, paged_attention, varlen_attention, write_kv_cache
+from .fused_logprob import fused_logprob
+from .logprob import log_softmax, token_logprobs
+from .matmul import linear, matmul, matmul_config
+from .norm import add_rmsnorm, rmsnorm
+from .sampling import sample
 
-from .dispatch import BACKENDS, MODES, backend, mode, set_mode, use_backend, use_mode
-
-# public name -> submodule that defines it
-_OPS = {
-    "matmul": "matmul",
-    "linear": "matmul",
-    "matmul_config": "matmul",
-    "rmsnorm": "norm",
-    "add_rmsnorm": "norm",
-    "PAGE_SIZE": "attention",
-    "write_kv_cache": "attention",
-    "paged_attention": "attention",
-    "varlen_attention": "attention",
-    "log_softmax": "logprob",
-    "token_logprobs": "logprob",
-    "sample": "sampling",
-    "fused_logprob": "fused_logprob",
-    "silu_mul": "activation",
-}
-
-__all__ = ["BACKENDS", "MODES", "backend", "mode", "set_mode", "use_backend", "use_mode", *_OPS]
-
-
-def __getattr__(name: str):
-    if name in _OPS:
-        value = getattr(importlib.import_module(f".{_OPS[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rlperf.kernels' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_OPS))
+__all__ = [
+    "BACKENDS", "MODES", "backend", "mode", "refresh_environment", "set_mode", "use_backend", "use_mode",
+    "matmul", "linear", "matmul_config", "rmsnorm", "add_rmsnorm", "PAGE_SIZE", "write_kv_cache",
+    "paged_attention", "varlen_attention", "log_softmax", "token_logprobs", "fused_logprob", "sample", "silu_mul",
+]
