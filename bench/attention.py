@@ -206,15 +206,14 @@ def summarize(rows: list[BenchRow]) -> dict:
 # config sweep (tuning tool; not part of `rlperf bench`)
 # ----------------------------------------------------------------------------------------------
 
-SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
-    (128, 64, 8, 3, False), (128, 64, 8, 3, True), (128, 64, 8, 4, True),
-    (128, 128, 8, 3, False), (128, 128, 8, 3, True), (128, 128, 8, 2, True),
-    (64, 64, 4, 3, False), (64, 64, 4, 3, True), (64, 64, 4, 4, True), (64, 64, 4, 2, True),
+SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, ONE_LOOP)
+    (128, 128, 8, 3, True, False), (128, 128, 8, 3, True, True), (128, 128, 8, 2, True, True),
+    (128, 64, 8, 3, True, False), (128, 64, 8, 3, True, True), (64, 64, 4, 3, False, True),
 ]
 
 
-def _config(bm: int, bn: int, w: int, s: int, tma: bool) -> dict:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma}
+def _config(bm: int, bn: int, w: int, s: int, tma: bool, one_loop: bool = False) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma, "ONE_LOOP": one_loop}
 
 
 def _bits_check(cfg: dict, gen: torch.Generator) -> bool:
@@ -236,9 +235,10 @@ def _bits_check(cfg: dict, gen: torch.Generator) -> bool:
 
 
 def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
-    """Time each config on prefill B=8 L=4096 (varlen and paged) and decode B=64 KV=4096, next to
-    cuDNN prefill and SDPA flash decode; return the config with the best worse-of-two target ratio
-    (prefill / (0.75 cuDNN), flash decode / decode) among those whose bits check passes."""
+    """Time each config on prefill B=8 L=4096 (varlen and paged), B=32 L=1024 and decode B=64
+    KV=4096, next to cuDNN prefill and SDPA flash decode; return the config with the best worst
+    target ratio (prefill / (0.75 cuDNN) for both lengths, flash decode / decode) among those whose
+    bits check passes."""
     from rlperf.kernels.attention import _attention_forward
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -261,11 +261,18 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
     q4, k4, v4 = (x.view(B, L, -1, D).transpose(1, 2) for x in (q, k, v))
     cudnn, _ = _sdpa_fn("cudnn", q4, k4, v4, causal=True)
     cudnn_ms = cuda_time(cudnn, warmup=2, reps=reps).median_ms if cudnn else float("nan")
+    B2, L2 = PREFILL_CASES[1]  # same tokens, shorter sequences
+    cu2 = torch.arange(0, T + 1, L2, dtype=torch.int32, device=DEVICE)
+    q42, k42, v42 = (x.view(B2, L2, -1, D).transpose(1, 2) for x in (q, k, v))
+    cudnn2, _ = _sdpa_fn("cudnn", q42, k42, v42, causal=True)
+    cudnn2_ms = cuda_time(cudnn2, warmup=2, reps=reps).median_ms if cudnn2 else float("nan")
+    flops2 = 4.0 * B2 * HQ * L2 * L2 * D / 2
     kd4, vd4 = (x.view(Bd, S, HKV, D).transpose(1, 2).contiguous() for x in (kd, vd))
     flash_dec, _ = _sdpa_fn("flash", qd[:, :, None, :], kd4, vd4, causal=False)
     flash_dec_ms = cuda_time(flash_dec, warmup=3, reps=reps * 2).median_ms if flash_dec else float("nan")
     del kd4, vd4
     print(f"anchors: cudnn prefill {cudnn_ms:.3f} ms ({flops / cudnn_ms / 1e9:.1f} TFLOP/s), "
+          f"L={L2} {cudnn2_ms:.3f} ms ({flops2 / cudnn2_ms / 1e9:.1f}), "
           f"flash decode {flash_dec_ms:.4f} ms", flush=True)
 
     results = []
@@ -273,7 +280,8 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
     for c in configs:
         cfg = _config(*c)
         bn = cfg["BLOCK_N"]
-        row = {"config": f"BM={c[0]} BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])}", "cfg": cfg}
+        row = {"config": f"BM={c[0]} BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])} 1loop={int(cfg['ONE_LOOP'])}",
+               "cfg": cfg}
         try:
             if bn not in caches:
                 caches.clear()
@@ -281,23 +289,28 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
                 caches[bn] = (_paged_cache(k, v, B, L, bn, gen), _paged_cache(kd, vd, Bd, S, bn, gen))
             (kc, vc, table), (kcd, vcd, table_d) = caches[bn]
             tp = cuda_time(lambda: _attention_forward(q, k, v, cu, None, None, None, cfg), warmup=2, reps=reps)
+            tp2 = cuda_time(lambda: _attention_forward(q, k, v, cu2, None, None, None, cfg), warmup=2, reps=reps)
             tpp = cuda_time(lambda: _attention_forward(q, kc, vc, cu, lens_p, table, None, cfg), warmup=2, reps=reps)
             td = cuda_time(lambda: _attention_forward(qd, kcd, vcd, cu_d, lens_d, table_d, None, cfg),
                            warmup=3, reps=reps * 2)
             row.update(prefill_ms=tp.median_ms, prefill_tflops=flops / tp.median_ms / 1e9,
+                       prefill2_tflops=flops2 / tp2.median_ms / 1e9,
                        paged_prefill_tflops=flops / tpp.median_ms / 1e9,
                        decode_ms=td.median_ms, decode_gbps=nbytes / td.median_ms / 1e6, bits_ok=_bits_check(cfg, gen))
-            row["score"] = min(cudnn_ms / tp.median_ms / 0.75, flash_dec_ms / td.median_ms)
+            row["score"] = min(cudnn_ms / tp.median_ms / 0.75, cudnn2_ms / tp2.median_ms / 0.75,
+                               flash_dec_ms / td.median_ms)
         except Exception as e:  # a config that does not compile or fit (shared memory, registers)
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
         results.append(row)
         print({k_: v_ for k_, v_ in row.items() if k_ != "cfg"}, flush=True)
-    print(f"{'config':<30} {'prefill ms':>10} {'TFLOP/s':>8} {'paged':>6} {'decode ms':>9} {'GB/s':>6} {'score':>6} bits")
+    print(f"{'config':<38} {'prefill ms':>10} {'TFLOP/s':>8} {'L' + str(L2):>6} {'paged':>6} {'decode ms':>9} {'GB/s':>6} "
+          f"{'score':>6} bits")
     for r in results:
         if "error" in r:
-            print(f"{r['config']:<30} {r['error']}")
+            print(f"{r['config']:<38} {r['error']}")
         else:
-            print(f"{r['config']:<30} {r['prefill_ms']:10.3f} {r['prefill_tflops']:8.1f} {r['paged_prefill_tflops']:6.1f} "
+            print(f"{r['config']:<38} {r['prefill_ms']:10.3f} {r['prefill_tflops']:8.1f} {r['prefill2_tflops']:6.1f} "
+                  f"{r['paged_prefill_tflops']:6.1f} "
                   f"{r['decode_ms']:9.4f} {r['decode_gbps']:6.0f} {r['score']:6.3f} {r['bits_ok']}")
     ok = [r for r in results if r.get("bits_ok")]
     best = max(ok, key=lambda r: r["score"]) if ok else None
