@@ -171,19 +171,15 @@ def run(quick: bool = False) -> list[BenchRow]:
         default,
         C(128, 128, 64, 32, 8, 3),
         C(128, 256, 64, 16, 8, 3),
-        C(128, 256, 64, 16, 8, 4),
-        C(128, 256, 64, 16, 8, 3, flatten=True),
         C(128, 256, 64, 16, 8, 3, tma=True),
+        C(128, 256, 64, 16, 8, 3, flatten=True, tma=True),
         C(128, 256, 64, 16, 8, 4, flatten=True, tma=True),
-        C(128, 256, 64, 16, 16, 4, flatten=True, tma=True),
-        C(128, 256, 64, 16, 16, 3, tma=True),
-        C(128, 128, 64, 32, 8, 4, flatten=True, tma=True),
-        C(128, 128, 64, 32, 8, 5, flatten=True, tma=True),
-        C(256, 128, 64, 32, 16, 3, tma=True),
+        C(128, 256, 128, 16, 8, 2, flatten=True, tma=True),
+        C(128, 256, 64, 8, 8, 4, flatten=True, tma=True),
         C(128, 256, 64, 32, 8, 4, flatten=True, tma=True),
     ]
-    bwd_sweep = [C(128, 128, 64, 32, 8, 3), C(128, 256, 64, 16, 8, 3, tma=True), C(128, 256, 64, 16, 16, 3, tma=True),
-                 C(128, 128, 64, 32, 8, 4, tma=True)]
+    bwd_sweep = [C(128, 256, 64, 16, 8, 3, tma=True), C(128, 256, 64, 16, 8, 4, tma=True),
+                 C(128, 256, 128, 16, 8, 2, tma=True)]
 
     def tag(cfg):
         return (f"{cfg.BLOCK_M}x{cfg.BLOCK_N}x{cfg.BLOCK_K} s{cfg.SPLIT_TILES} w{cfg.num_warps} st{cfg.num_stages}"

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import backend, mode
-from .logprob import _check_temperature, online_lse_update
+from .logprob import LOG2E, _check_temperature, online_lse_update
 from .reference import fused_logprob as _ref
 
 BWD_CHUNK_BYTES = 256 * 2**20  # dlogits per backward chunk (the main extra memory of backward)
@@ -133,7 +133,7 @@ def _logits_tile(h_src, w_src, off_m, off_n, rows, cols, H, stride_h, stride_w,
 @triton.jit
 def _fwd_partials_kernel(
     h_src, w_src, tgt_ptr, pm_ptr, ps_ptr, pt_ptr, pz_ptr,
-    N, V, H, stride_h, stride_w, v_offset, inv_t, num_m_tiles,
+    N, V, H, stride_h, stride_w, v_offset, c, num_m_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
     EVEN_K: tl.constexpr, WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, FLATTEN: tl.constexpr,
@@ -145,7 +145,8 @@ def _fwd_partials_kernel(
     pid_s = pid // num_m_tiles
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.minimum(offs_m, N - 1)
-    tgt = tl.load(tgt_ptr + rows) - v_offset  # local vocabulary index (outside [0, V): not here)
+    tgt = tl.load(tgt_ptr + rows) - v_offset  # local vocabulary index
+    tgt = tl.where((tgt >= 0) & (tgt < V), tgt, -1)  # not in this slice: matches no column
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_M], tl.float32)
     t = tl.zeros([BLOCK_M], tl.float32)
@@ -157,11 +158,11 @@ def _fwd_partials_kernel(
         cols = tl.minimum(offs_n, V - 1)
         acc = _logits_tile(h_src, w_src, pid_m * BLOCK_M, n0, rows, cols, H, stride_h, stride_w,
                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
-        live = offs_n[None, :] < V
-        z = tl.where(live, acc * inv_t, float("-inf"))
-        # at most one live column of one tile matches: a sum of zeros and that logit, exact
-        tz += tl.sum(tl.where(live & (offs_n[None, :] == tgt[:, None]), z, 0.0), axis=1)
-        m, s, t = online_lse_update(m, s, t, z, WITH_ENTROPY)
+        # raw logits, columns past V at -inf (one add per element: cheaper than a select)
+        x = acc + tl.where(offs_n < V, 0.0, float("-inf"))[None, :]
+        # at most one column of one tile matches: a sum of zeros and that logit, exact
+        tz += tl.sum(tl.where(offs_n[None, :] == tgt[:, None], x, 0.0), axis=1)
+        m, s, t = online_lse_update(m, s, t, x, c, WITH_ENTROPY)
     out = pid_s * N + offs_m
     keep = offs_m < N
     tl.store(pm_ptr + out, m, mask=keep)
@@ -173,13 +174,13 @@ def _fwd_partials_kernel(
 @triton.jit
 def _fwd_combine_kernel(
     pm_ptr, ps_ptr, pt_ptr, pz_ptr, tgt_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr,
-    N, num_splits, v_total,
+    N, num_splits, v_total, inv_t, c,
     BLOCK: tl.constexpr, WITH_ENTROPY: tl.constexpr, FINAL: tl.constexpr,
 ):
-    """Merge the splits of each token in split order.
+    """Merge the splits of each token in split order (raw units, as the online update).
 
-    FINAL: (logp, entropy, lse) into o0..o2. Else the local (m, s, t, target logit) into o0..o3,
-    for the tensor-parallel all-reduce.
+    FINAL: (logp, entropy, lse) into o0..o2 (lse in temperature-scaled units, for backward).
+    Else the local raw (m, s, t, target logit) into o0..o3, for the tensor-parallel all-reduce.
     """
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < N
@@ -193,8 +194,8 @@ def _fwd_combine_kernel(
         ps = tl.load(ps_ptr + sp * N + offs, mask=keep, other=1.0)
         m_new = tl.maximum(m, pm)
         r = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp(m - r)
-        b = tl.exp(pm - r)
+        a = tl.exp2((m - r) * c)
+        b = tl.exp2((pm - r) * c)
         if WITH_ENTROPY:
             pt = tl.load(pt_ptr + sp * N + offs, mask=keep, other=0.0)
             da = tl.where(m == float("-inf"), 0.0, m - r)
@@ -205,12 +206,12 @@ def _fwd_combine_kernel(
         m = m_new
     if FINAL:
         tgt = tl.load(tgt_ptr + offs, mask=keep, other=0)
-        lse = m + tl.log(s)
+        log_s = tl.log(s)
         valid = (tgt >= 0) & (tgt < v_total)
-        tl.store(o0_ptr + offs, tl.where(valid, tz - lse, float("nan")), mask=keep)
+        tl.store(o0_ptr + offs, tl.where(valid, (tz - m) * inv_t - log_s, float("nan")), mask=keep)
         if WITH_ENTROPY:
-            tl.store(o1_ptr + offs, tl.log(s) - t / s, mask=keep)
-        tl.store(o2_ptr + offs, lse, mask=keep)
+            tl.store(o1_ptr + offs, log_s - (t / s) * inv_t, mask=keep)
+        tl.store(o2_ptr + offs, m * inv_t + log_s, mask=keep)
     else:
         tl.store(o0_ptr + offs, m, mask=keep)
         tl.store(o1_ptr + offs, s, mask=keep)
@@ -221,7 +222,7 @@ def _fwd_combine_kernel(
 @triton.jit
 def _bwd_dlogits_kernel(
     h_src, w_src, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dl_ptr,
-    N, V, H, stride_h, stride_w, stride_dl, v_begin, v_end, v_offset, inv_t, num_m_tiles,
+    N, V, H, stride_h, stride_w, stride_dl, v_begin, v_end, v_offset, inv_t, c, num_m_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -235,16 +236,15 @@ def _bwd_dlogits_kernel(
     cols = tl.minimum(offs_n, V - 1)
     acc = _logits_tile(h_src, w_src, pid_m * BLOCK_M, v_begin + pid_n * BLOCK_N, rows, cols, H, stride_h, stride_w,
                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
-    z = acc * inv_t
     lse = tl.load(lse_ptr + rows)
     g = tl.load(glp_ptr + rows)
     tgt = tl.load(tgt_ptr + rows) - v_offset
-    p = tl.exp(z - lse[:, None])
+    p = tl.exp2(acc * c - (lse * 1.4426950408889634)[:, None])  # exp(z - lse), one FMA + ex2
     coef = g[:, None]
     if WITH_ENTROPY:
         q = tl.load(gent_ptr + rows)
         ent = tl.load(ent_ptr + rows)
-        coef = coef + q[:, None] * (z - lse[:, None] + ent[:, None])
+        coef = coef + q[:, None] * (acc * inv_t + (ent - lse)[:, None])
     dz = tl.where(offs_n[None, :] == tgt[:, None], g[:, None], 0.0) - p * coef
     dst = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl + (offs_n - v_begin)[None, :]
     keep = (offs_m[:, None] < N) & (offs_n[None, :] < v_end)
@@ -292,7 +292,7 @@ def _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, with_entropy
     h_src, w_src, use_tma = _sources(hidden, weight, cfg)
     _fwd_partials_kernel[(num_m * num_splits,)](
         h_src, w_src, targets, parts[0], parts[1], parts[2], parts[3],
-        N, V, H, hidden.stride(0), weight.stride(0), v_offset, inv_t, num_m,
+        N, V, H, hidden.stride(0), weight.stride(0), v_offset, inv_t * LOG2E, num_m,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_TILES=cfg.SPLIT_TILES,
         EVEN_K=H % cfg.BLOCK_K == 0, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
         USE_TMA=use_tma, FLATTEN=cfg.flatten, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -300,7 +300,7 @@ def _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, with_entropy
     outs = torch.empty((4, N), dtype=torch.float32, device=dev)
     _fwd_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
         parts[0], parts[1], parts[2], parts[3], targets, outs[0], outs[1], outs[2], outs[3],
-        N, num_splits, v_total,
+        N, num_splits, v_total, inv_t, inv_t * LOG2E,
         BLOCK=_COMBINE_BLOCK, WITH_ENTROPY=with_entropy, FINAL=final, num_warps=4,
     )
     return outs[0], outs[1], outs[2], outs[3]
@@ -317,22 +317,22 @@ def _tp_layout(weight: torch.Tensor, group) -> tuple[int, int]:
     return sum(sizes[:rank]), sum(sizes)
 
 
-def _tp_finalize(m, s, t, tz, targets, v_total, with_entropy, group):
-    """Combine the ranks' local statistics: global max, then sums of the rescaled terms."""
+def _tp_finalize(m, s, t, tz, targets, inv_t, v_total, group):
+    """Combine the ranks' local raw statistics: global max, then sums of the rescaled terms."""
     import torch.distributed as dist
 
     gm = m.clone()
     dist.all_reduce(gm, op=dist.ReduceOp.MAX, group=group)
     r = torch.where(torch.isneginf(gm), torch.zeros_like(gm), gm)
-    a = torch.exp(m - r)
+    a = torch.exp((m - r) * inv_t)
     packed = torch.stack([a * s, a * (t + torch.where(torch.isneginf(m), torch.zeros_like(m), m - r) * s), tz])
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)  # tz: only the owning rank's is non-zero
     S, T_, TZ = packed
-    lse = gm + torch.log(S)
+    log_s = torch.log(S)
     valid = (targets >= 0) & (targets < v_total)
-    logp = torch.where(valid, TZ - lse, torch.full_like(lse, math.nan))
-    ent = torch.log(S) - T_ / S
-    return logp, ent, lse
+    logp = torch.where(valid, (TZ - gm) * inv_t - log_s, torch.full_like(log_s, math.nan))
+    ent = log_s - (T_ / S) * inv_t
+    return logp, ent, gm * inv_t + log_s
 
 
 _MM_OUT_DTYPE: bool | None = None
@@ -370,7 +370,7 @@ def _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, w
         v1 = min(V, v0 + chunk)
         _bwd_dlogits_kernel[(num_m * triton.cdiv(v1 - v0, cfg.BLOCK_N),)](
             h_src, w_src, targets, lse, ent, g_lp, g_ent, dl,
-            N, V, H, hidden.stride(0), weight.stride(0), dl.stride(0), v0, v1, v_offset, inv_t, num_m,
+            N, V, H, hidden.stride(0), weight.stride(0), dl.stride(0), v0, v1, v_offset, inv_t, inv_t * LOG2E, num_m,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
             EVEN_K=H % cfg.BLOCK_K == 0, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
             USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -395,7 +395,7 @@ class _FusedLogprob(torch.autograd.Function):
         else:
             v_offset, v_total = _tp_layout(weight, tp_group)
             m, s, t, tz = _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, with_entropy, False)
-            logp, ent, lse = _tp_finalize(m, s, t, tz, targets, v_total, with_entropy, tp_group)
+            logp, ent, lse = _tp_finalize(m, s, t, tz, targets, inv_t, v_total, tp_group)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.inv_t, ctx.with_entropy, ctx.tp_group, ctx.v_offset = inv_t, with_entropy, tp_group, v_offset
         ctx.mark_non_differentiable(lse)

@@ -10,19 +10,23 @@ Formulas (logits [..., V] of any float dtype, temperature T > 0, math in float32
 
 Reduction order (the contract :mod:`rlperf.kernels.fused_logprob` follows too): one program owns a
 row and walks V in chunks of ``BLOCK_V`` columns, in increasing column order, keeping float32
-running values ``m`` (max), ``s`` (sum of exp) and ``t`` (sum of exp-weighted shifted logits)::
+running values in *raw logit units* (before the temperature): ``m`` (max), ``s`` (sum of exp) and
+``t`` (exp-weighted sum of shifted logits). With ``c = float32(log2(e) / T)``::
 
     m = -inf; s = 0; t = 0
-    for each chunk C:                                     # masked columns read as z = -inf
-        m_new = max(m, max_{j in C} z_j)
+    for each chunk C:                                     # masked columns read as x = -inf
+        m_new = max(m, max_{j in C} x_j)
         r     = m_new if m_new > -inf else 0              # finite reference point
-        a     = exp(m - r)                                # rescales the earlier chunks
-        e_j   = exp(z_j - r)
-        t     = a * (t + (m - r) * s) + sum_{j in C} e_j * (z_j - r)    # (m - r) := 0 while m = -inf
+        a     = exp2((m - r) * c)                         # rescales the earlier chunks
+        e_j   = exp2(x_j * c - r * c)                     # = exp((x_j - r) / T), one FMA + ex2
+        t     = a * (t + (m - r) * s) + sum_{j in C} e_j * (x_j - r)    # (m - r) := 0 while m = -inf
         s     = a * s + sum_{j in C} e_j
         m     = m_new
-    lse = m + log(s);  logp = z_target - lse;  entropy = log(s) - t / s
+    lse = m / T + log(s);  logp = (x_target - m) / T - log(s)
+    entropy = log(s) - (t / s) / T;  log_softmax_j = (x_j - m) / T - log(s)
 
+(``/ T`` is a multiply by ``float32(1 / T)``.) Working in raw units with one fused multiply-add
+per element keeps the fused lm-head kernel's epilogue short; max commutes with the positive scale.
 ``sum_{j in C}`` / ``max_{j in C}`` are single ``tl.sum`` / ``tl.max`` reductions of one chunk.
 ``BLOCK_V`` and ``num_warps`` are constants (not functions of the number of rows), so a row's bits
 never depend on the batch. Asking for the entropy does not change the log-prob bits.
@@ -42,70 +46,77 @@ from .reference import logprob as _ref
 
 BLOCK_V = 4096   # vocabulary chunk of the online update (fixed: batch invariance)
 NUM_WARPS = 8
+LOG2E = 1.4426950408889634
+
+
+def scales(T: float) -> tuple[float, float]:
+    """(1 / T, log2(e) / T): the two per-call constants of the online update (rounded to float32
+    when passed to a kernel)."""
+    return 1.0 / T, LOG2E / T
 
 
 @triton.jit
-def online_lse_update(m, s, t, z, WITH_ENTROPY: tl.constexpr):
+def online_lse_update(m, s, t, x, c, WITH_ENTROPY: tl.constexpr):
     """One chunk of the online log-sum-exp / entropy update (module docstring).
 
-    z: [R, C] float32 with masked columns at -inf; m, s, t: [R] float32 running values.
+    x: [R, C] float32 raw logits with masked columns at -inf; c = log2(e) / T; m, s, t: [R].
     """
-    m_new = tl.maximum(m, tl.max(z, axis=1))
+    m_new = tl.maximum(m, tl.max(x, axis=1))
     r = tl.where(m_new == float("-inf"), 0.0, m_new)
-    a = tl.exp(m - r)
-    e = tl.exp(z - r[:, None])
+    a = tl.exp2((m - r) * c)
+    e = tl.exp2(x * c - (r * c)[:, None])
     if WITH_ENTROPY:
         d = tl.where(m == float("-inf"), 0.0, m - r)
-        ez = e * tl.where(e > 0.0, z - r[:, None], 0.0)  # 0, not 0 * -inf, for masked columns
+        ez = e * tl.where(e > 0.0, x - r[:, None], 0.0)  # 0, not 0 * -inf, for masked columns
         t = a * (t + d * s) + tl.sum(ez, axis=1)
     s = a * s + tl.sum(e, axis=1)
     return m_new, s, t
 
 
 @triton.jit
-def _row_stats(x_row, V, inv_t, BLOCK: tl.constexpr, WITH_ENTROPY: tl.constexpr):
-    """Running (m, s, t) of one row, shape [1] each."""
+def _row_stats(x_row, V, c, BLOCK: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+    """Running (m, s, t) of one row (raw units), shape [1] each."""
     cols = tl.arange(0, BLOCK)[None, :]
     m = tl.full([1], float("-inf"), tl.float32)
     s = tl.zeros([1], tl.float32)
     t = tl.zeros([1], tl.float32)
     for start in range(0, V, BLOCK):
-        c = start + cols
-        x = tl.load(x_row + c, mask=c < V, other=0.0)
-        z = tl.where(c < V, x.to(tl.float32) * inv_t, float("-inf"))
-        m, s, t = online_lse_update(m, s, t, z, WITH_ENTROPY)
+        col = start + cols
+        x = tl.load(x_row + col, mask=col < V, other=float("-inf")).to(tl.float32)
+        m, s, t = online_lse_update(m, s, t, x, c, WITH_ENTROPY)
     return m, s, t
 
 
 @triton.jit
 def _token_logprobs_kernel(
-    x_ptr, tgt_ptr, logp_ptr, ent_ptr, V, stride_x, inv_t,
+    x_ptr, tgt_ptr, logp_ptr, ent_ptr, V, stride_x, inv_t, c,
     BLOCK: tl.constexpr, WITH_ENTROPY: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    m, s, t = _row_stats(x_row, V, inv_t, BLOCK, WITH_ENTROPY)
-    lse = m + tl.log(s)
+    m, s, t = _row_stats(x_row, V, c, BLOCK, WITH_ENTROPY)
+    log_s = tl.log(s)
     one = tl.arange(0, 1)
     tgt = tl.load(tgt_ptr + row + one)
     valid = (tgt >= 0) & (tgt < V)
-    z_t = tl.load(x_row + tl.where(valid, tgt, 0)).to(tl.float32) * inv_t
-    tl.store(logp_ptr + row + one, tl.where(valid, z_t - lse, float("nan")))
+    x_t = tl.load(x_row + tl.where(valid, tgt, 0)).to(tl.float32)
+    tl.store(logp_ptr + row + one, tl.where(valid, (x_t - m) * inv_t - log_s, float("nan")))
     if WITH_ENTROPY:
-        tl.store(ent_ptr + row + one, tl.log(s) - t / s)
+        tl.store(ent_ptr + row + one, log_s - (t / s) * inv_t)
 
 
 @triton.jit
-def _log_softmax_kernel(x_ptr, y_ptr, V, stride_x, stride_y, inv_t, BLOCK: tl.constexpr):
+def _log_softmax_kernel(x_ptr, y_ptr, V, stride_x, stride_y, inv_t, c, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    m, s, t = _row_stats(x_row, V, inv_t, BLOCK, False)
-    lse = (m + tl.log(s))[:, None]
+    m, s, t = _row_stats(x_row, V, c, BLOCK, False)
+    m2 = m[:, None]
+    log_s = tl.log(s)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     for start in range(0, V, BLOCK):
-        c = start + cols
-        x = tl.load(x_row + c, mask=c < V, other=0.0)
-        tl.store(y_ptr + row * stride_y + c, x.to(tl.float32) * inv_t - lse, mask=c < V)
+        col = start + cols
+        x = tl.load(x_row + col, mask=col < V, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + col, (x - m2) * inv_t - log_s, mask=col < V)
 
 
 def _check_temperature(temperature) -> float:
@@ -144,7 +155,7 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if x.shape[0] > 0:
         _log_softmax_kernel[(x.shape[0],)](
-            x, y, x.shape[1], x.stride(0), y.stride(0), 1.0 / T, BLOCK=BLOCK_V, num_warps=NUM_WARPS
+            x, y, x.shape[1], x.stride(0), y.stride(0), *scales(T), BLOCK=BLOCK_V, num_warps=NUM_WARPS
         )
     return y.reshape(logits.shape)
 
@@ -185,7 +196,7 @@ def token_logprobs(
     ent = torch.empty(n if return_entropy else 1, dtype=torch.float32, device=x.device)
     if n > 0:
         _token_logprobs_kernel[(n,)](
-            x, tgt, logp, ent, x.shape[1], x.stride(0), 1.0 / T,
+            x, tgt, logp, ent, x.shape[1], x.stride(0), *scales(T),
             BLOCK=BLOCK_V, WITH_ENTROPY=return_entropy, num_warps=NUM_WARPS,
         )
     logp = logp.reshape(targets.shape)

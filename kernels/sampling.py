@@ -115,18 +115,18 @@ def _top_p_threshold_kernel(
     one = tl.arange(0, 1)
     s_row = srt_ptr + row * stride_s
     temp = tl.load(temp_ptr + row + one)
-    inv_t = 1.0 / tl.where(temp > 0.0, temp, 1.0)
+    c2 = 1.4426950408889634 / tl.where(temp > 0.0, temp, 1.0)  # log2(e) / T
     p = tl.load(top_p_ptr + row + one)
-    m, s, _t = _row_stats(s_row, V, inv_t, BLOCK, False)
-    lse = m + tl.log(s)
+    m, s, _t = _row_stats(s_row, V, c2, BLOCK, False)
+    lse2 = m * c2 + tl.log2(s)  # log2 of the partition function, in the same scaled units
     cols = tl.arange(0, BLOCK)[None, :]
     run = tl.zeros([1], tl.float32)
     below = tl.zeros([1], tl.int32)
     for start in range(0, V, BLOCK):
         c = start + cols
         live = c < V
-        z = tl.load(s_row + c, mask=live, other=0.0) * inv_t
-        e = tl.where(live, tl.exp(z - lse[:, None]), 0.0)
+        x = tl.load(s_row + c, mask=live, other=0.0)
+        e = tl.where(live, tl.exp2(x * c2[:, None] - lse2[:, None]), 0.0)
         cs = run[:, None] + tl.cumsum(e, axis=1)
         below += tl.sum(tl.where(live & (cs < p[:, None]), 1, 0), axis=1)
         run = tl.max(cs, axis=1)  # the cumulative sum is non-decreasing: its max is its last value

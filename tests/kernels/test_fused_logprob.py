@@ -234,3 +234,27 @@ def test_config_variants(interpreter, monkeypatch, cfg):
     zero-filled edges: N, V and H not multiples of the tile)."""
     monkeypatch.setitem(FL._CONFIGS, torch.float32, cfg)
     _check_against_reference(37, 1000, 72, torch.float32, 1e-4, T=0.8)
+
+
+# Tile configs the benchmark sweeps as candidates for the bf16 default: each must be accurate and
+# batch-invariant on the GPU before it may become the default.
+GPU_CANDIDATES = [
+    FL.FusedConfig(128, 256, 64, 16, 8, 3, flatten=True, tma=True),
+    FL.FusedConfig(128, 256, 64, 16, 8, 4, flatten=True, tma=True),
+    FL.FusedConfig(128, 256, 128, 16, 8, 2, flatten=True, tma=True),
+    FL.FusedConfig(128, 256, 64, 8, 8, 4, flatten=True, tma=True),
+    FL.FusedConfig(128, 256, 64, 32, 8, 4, flatten=True, tma=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", GPU_CANDIDATES, ids=lambda c: f"{c.BLOCK_M}x{c.BLOCK_N}x{c.BLOCK_K}s{c.SPLIT_TILES}st{c.num_stages}")
+def test_gpu_candidate_configs(monkeypatch, cfg):
+    monkeypatch.setitem(FL._CONFIGS, torch.bfloat16, cfg)
+    _check_against_reference(77, 151936, 2560, torch.bfloat16, 2e-2, T=0.9, device="cuda")
+    hidden, weight, targets = _inputs(300, 151936, 2560, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        lp, ent = K.fused_logprob(hidden, weight, targets, 1.0, True)
+        for i in (0, 131, 299):
+            a, b = K.fused_logprob(hidden[i : i + 1], weight, targets[i : i + 1], 1.0, True)
+            assert torch.equal(a, lp[i : i + 1]) and torch.equal(b, ent[i : i + 1]), i
