@@ -150,6 +150,8 @@ class EngineConfig:
     """Longest prompt + output; default the model's ``max_position_embeddings``."""
     random_seed: int = 0
     """Seeds the engine's draw of per-request seeds when a request brings none."""
+    poison_kv_cache: bool = False
+    """Fill the KV pool with NaN (tests: a read of an unwritten slot shows up as NaN)."""
 
 
 class Request:
@@ -196,7 +198,7 @@ class Engine:
         dtype, device = model.embed_tokens.dtype, model.device
         num_pages = plan_num_pages(mcfg, dtype, device, max_total_tokens=cfg.max_total_tokens,
                                    mem_fraction_static=cfg.mem_fraction_static)
-        self.kv = PagedKVCache(mcfg, num_pages, dtype, device)
+        self.kv = PagedKVCache(mcfg, num_pages, dtype, device, poison=cfg.poison_kv_cache)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

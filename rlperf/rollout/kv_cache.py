@@ -7,8 +7,9 @@ lives in slot ``pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE``.
 Sizing: ``bytes_per_token = 2 (K and V) * layers * Hkv * D * itemsize``. On CUDA the pool takes
 ``mem_fraction_static * total_memory - memory already allocated`` (weights and activations live in
 the rest, as in SGLang); on CPU, or when ``max_total_tokens`` is given, it holds that many tokens
-(rounded up to whole pages). Pages are poisoned with NaN on allocation of the pool so a read of a
-slot nobody wrote shows up in tests.
+(rounded up to whole pages). The pool starts zeroed; ``poison=True`` fills it with NaN instead, so
+a read of a slot nobody wrote shows up (tests of the invariant path; the fast path's decode
+attention reads whole pages under a mask, and a masked NaN still poisons SDPA's output).
 """
 from __future__ import annotations
 
@@ -48,13 +49,14 @@ def plan_num_pages(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *
 class PagedKVCache:
     """Per-layer K/V page pools plus a free list of page ids (LIFO: recently freed pages are reused first)."""
 
-    def __init__(self, cfg: ModelConfig, num_pages: int, dtype: torch.dtype, device):
+    def __init__(self, cfg: ModelConfig, num_pages: int, dtype: torch.dtype, device, poison: bool = False):
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.cfg, self.num_pages, self.page_size = cfg, num_pages, K.PAGE_SIZE
         shape = (num_pages, K.PAGE_SIZE, cfg.num_key_value_heads, cfg.head_dim)
-        self.layers = [(torch.full(shape, float("nan"), dtype=dtype, device=device),
-                        torch.full(shape, float("nan"), dtype=dtype, device=device))
+        fill = float("nan") if poison else 0.0
+        self.layers = [(torch.full(shape, fill, dtype=dtype, device=device),
+                        torch.full(shape, fill, dtype=dtype, device=device))
                        for _ in range(cfg.num_hidden_layers)]
         self._free = list(range(num_pages - 1, -1, -1))
 

@@ -101,12 +101,25 @@ def _buffer(transport, nbytes: int) -> torch.Tensor:
     if kind == "cuda_ipc":
         if not torch.cuda.is_available():
             raise BadRequest("transport cuda_ipc needs a CUDA server")
+        from torch.multiprocessing import reductions
+
         what = "transport"
-        storage = torch.UntypedStorage._new_shared_cuda(
-            _field(transport, "device", int, what), _b64(transport, "handle", what),
-            _field(transport, "storage_size", int, what), _field(transport, "storage_offset", int, what),
-            _b64(transport, "ref_counter_handle", what), _field(transport, "ref_counter_offset", int, what),
-            _b64(transport, "event_handle", what), bool(transport.get("event_sync_required", True)))
+        handle, offset = _b64(transport, "handle", what), _field(transport, "storage_offset", int, what)
+        torch.cuda._lazy_init()
+        # a handle opened before (the sender reuses its buffer) must come from torch's cache: CUDA
+        # refuses to open one IPC handle twice in a process
+        storage = reductions.storage_from_cache(torch.UntypedStorage, (handle, offset))
+        if storage is None:
+            try:
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    _field(transport, "device", int, what), handle, _field(transport, "storage_size", int, what), offset,
+                    _b64(transport, "ref_counter_handle", what), _field(transport, "ref_counter_offset", int, what),
+                    _b64(transport, "event_handle", what), bool(transport.get("event_sync_required", True)))
+            except RuntimeError as exc:
+                raise BadRequest(f"cuda_ipc handle cannot be opened: {exc}") from None
+            reductions.shared_cache[(handle, offset)] = reductions.StorageWeakRef(storage)
+        elif not isinstance(storage, torch.UntypedStorage):
+            storage = storage._untyped_storage
         off = _field(transport, "tensor_offset", int, what)
         if off + nbytes > storage.nbytes():
             raise BadRequest(f"cuda_ipc storage has {storage.nbytes()} bytes, the description needs {off + nbytes}")

@@ -32,7 +32,9 @@ def _prompts(n, seed=0, lo=3, hi=90):
 
 
 def _engine(model, **kw):
-    return Engine(model, ByteTokenizer(CFG.vocab_size), EngineConfig(**{"max_total_tokens": 8192, **kw}))
+    # NaN-poisoned pages: a read of a KV slot nobody wrote would turn the outputs into NaN
+    cfg = {"max_total_tokens": 8192, "poison_kv_cache": K.mode() == "invariant", **kw}
+    return Engine(model, ByteTokenizer(CFG.vocab_size), EngineConfig(**cfg))
 
 
 def _run(engine, prompts, params):
@@ -88,12 +90,13 @@ def test_rollout_logprobs_equal_training_forward_bits(model, temperature):
 
 
 def test_preemption_under_a_tiny_kv_cache_returns_the_same_tokens(model):
-    prompts = _prompts(6, seed=6, lo=20, hi=60)
+    P = K.PAGE_SIZE
+    prompts = _prompts(6, seed=6, lo=P // 2, hi=P)  # 6 x (P/2..P + 50) tokens never fit in 2 pages at once
     params = [dataclasses.replace(PARAMS[i % 3], max_new_tokens=50) for i in range(6)]
     roomy_engine = _engine(model)
     roomy = _run(roomy_engine, prompts, params)
     assert roomy_engine.num_retractions == 0
-    tight = _engine(model, max_total_tokens=3 * K.PAGE_SIZE, chunked_prefill_size=24)  # 192 tokens for 6 x ~90
+    tight = _engine(model, max_total_tokens=2 * P, chunked_prefill_size=24)
     got = _run(tight, prompts, params)
     assert tight.num_retractions > 0
     assert got == roomy
@@ -170,6 +173,26 @@ def test_abort_frees_pages_and_others_go_on(model):
     engine.add_request([1, 2], PARAMS[0], rid="c")
     with pytest.raises(BadRequest, match="already in flight"):
         engine.add_request([1, 2], PARAMS[0], rid="c")
+
+
+def test_a_request_longer_than_the_whole_cache_is_aborted_with_a_message(model):
+    P = K.PAGE_SIZE
+    engine = _engine(model, max_total_tokens=P)
+    (req,) = engine.generate([[i % 256 for i in range(P - 4)]], dataclasses.replace(PARAMS[0], max_new_tokens=10))
+    # P tokens cached (prompt + 4 outputs) give a 5th token; the 6th would need a second page
+    assert len(req.output_ids) == 5 and req.finish_reason["type"] == "abort"
+    assert "cannot hold" in req.finish_reason["message"]
+    with pytest.raises(BadRequest, match=f"KV cache holds {P}"):
+        engine.add_request([i % 256 for i in range(P)], PARAMS[0])
+
+
+def test_fast_mode_runs_the_same_engine(model):
+    prompts = _prompts(3, seed=14)
+    with K.use_mode("fast"):
+        outs = _run(_engine(model, chunked_prefill_size=16), prompts, PARAMS)
+    assert [len(o[0]) for o in outs] == [24, 17, 9] and all(lp <= 0 for o in outs for lp in o[1])
+    # greedy on a peaked model: the fast path picks the same tokens (not bits) as the invariant one
+    assert outs[2][0] == _run(_engine(model), prompts[2:], PARAMS[2])[0][0]
 
 
 @pytest.mark.parametrize("bad, message", [
