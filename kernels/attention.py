@@ -50,9 +50,8 @@ from .reference import attention as _ref
 # size. Chosen by `python -m rlperf.bench.attention --sweep` on an H200 (bench/NOTES-attention.md):
 # 128x128 tiles with 8 warps and TMA loads are the only tried config that is within reach of both
 # the prefill (cuDNN) and the decode (SDPA flash) anchors. TMA falls back to pointer loads (same
-# bits) when K/V strides do not allow a descriptor. ONE_LOOP: one pipelined KV loop instead of an
-# unmasked and a masked one (fewer pipeline fills for short tiles).
-_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True, "ONE_LOOP": False}
+# bits) when K/V strides do not allow a descriptor.
+_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True}
 PAGE_SIZE: int = _CONFIG["BLOCK_N"]
 
 __all__ = ["PAGE_SIZE", "write_kv_cache", "paged_attention", "varlen_attention"]
@@ -65,16 +64,15 @@ __all__ = ["PAGE_SIZE", "write_kv_cache", "paged_attention", "varlen_attention"]
 
 @triton.jit
 def _attn_block(
-    acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len, need_mask,
+    acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len,
     PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
     """One online-softmax update with KV block ``jb`` (identical arithmetic in every mode).
 
-    ``MASK``: 0 = no row of the tile is masked in this block; 1 = causal mask and positions past
-    ``kv_len`` (the block may run past the sequence); 2 = the block lies inside the sequence and
-    the causal mask is applied when the runtime flag ``need_mask`` says so (a uniform branch).
+    ``MASKED``: apply the causal mask and treat positions past ``kv_len`` as absent; unmasked
+    blocks lie at or before every row's position.
 
     K/V arrive either through tensor descriptors (TMA on Hopper; K, V are descriptors over the
     2-D views ``[rows, Hkv*D]``) or through pointers; both paths load the same values, and past
@@ -90,7 +88,7 @@ def _attn_block(
             row = kv_start + jb * BLOCK_N
         k = K.load([row, kvh * HEAD_DIM])
         v = V.load([row, kvh * HEAD_DIM])
-        if MASK == 1:
+        if MASKED:
             v = tl.where((offs_n < kv_len)[:, None], v, 0.0)
     elif PAGED:
         page = tl.load(PAGE_TABLE + b * stride_pt + jb).to(tl.int64)
@@ -101,7 +99,7 @@ def _attn_block(
         k_ptrs = K + kvh * stride_kh + rows[:, None] * stride_kt + offs_d[None, :]
         v_ptrs = V + kvh * stride_vh + rows[:, None] * stride_vt + offs_d[None, :]
     if not USE_TMA:
-        if MASK == 1:
+        if MASKED:
             # Past L_b the cache holds stale bits (maybe NaN): load zeros so 0 * v stays 0.
             in_seq = (offs_n < kv_len)[:, None]
             k = tl.load(k_ptrs, mask=in_seq, other=0.0)
@@ -112,11 +110,8 @@ def _attn_block(
     qk = tl.dot(q, tl.trans(k))
     # The mask is applied to the raw scores, before the scale, so valid entries see the same FMA
     # (qk * scale - m) whether or not their block was masked.
-    if MASK == 1:
+    if MASKED:
         qk = tl.where(offs_n[None, :] <= pos[:, None], qk, float("-inf"))
-    if MASK == 2:
-        if need_mask:
-            qk = tl.where(offs_n[None, :] <= pos[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -133,7 +128,7 @@ def _attn_fwd_kernel(
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_pt,
     qk_scale, num_seqs, search_steps,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,
+    PAGED: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Program (i, kvh): query tile i of the flattened tile list, KV head kvh.
 
@@ -184,29 +179,16 @@ def _attn_fwd_kernel(
         last_pos = kv_len - n_q + tl.minimum(tile * BLOCK_Q + BLOCK_Q, n_q) - 1
         n_full = (first_pos + 1) // BLOCK_N                # blocks no row of the tile masks
         n_blocks = (last_pos + BLOCK_N) // BLOCK_N         # cdiv(last_pos + 1, BLOCK_N)
-        if ONE_LOOP:
-            # One software-pipelined loop over all blocks but the last (which alone can run past
-            # kv_len), so short tiles pay one pipeline fill, not two; then the last block.
-            for jb in range(0, n_blocks - 1):
-                acc, l_i, m_i = _attn_block(
-                    acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len, jb >= n_full,
-                    PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-                    HEAD_DIM, BLOCK_N, PAGED, 2, USE_TMA)
+        for jb in range(0, n_full):
             acc, l_i, m_i = _attn_block(
-                acc, l_i, m_i, q, K, V, pos, b, kvh, n_blocks - 1, kv_start, kv_len, True,
+                acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len,
                 PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-                HEAD_DIM, BLOCK_N, PAGED, 1, USE_TMA)
-        else:
-            for jb in range(0, n_full):
-                acc, l_i, m_i = _attn_block(
-                    acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len, False,
-                    PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-                    HEAD_DIM, BLOCK_N, PAGED, 0, USE_TMA)
-            for jb in range(n_full, n_blocks):
-                acc, l_i, m_i = _attn_block(
-                    acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len, True,
-                    PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-                    HEAD_DIM, BLOCK_N, PAGED, 1, USE_TMA)
+                HEAD_DIM, BLOCK_N, PAGED, False, USE_TMA)
+        for jb in range(n_full, n_blocks):
+            acc, l_i, m_i = _attn_block(
+                acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len,
+                PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+                HEAD_DIM, BLOCK_N, PAGED, True, USE_TMA)
 
         # + 0.0 turns a -0.0 (which an extra masked block would have turned into +0.0) into +0.0.
         out = acc / l_i[:, None] + 0.0
@@ -310,7 +292,6 @@ def _attention_forward(
         *strides_k, *strides_v, stride_pt,
         scale * math.log2(math.e), num_seqs, math.ceil(math.log2(num_seqs)) if num_seqs > 1 else 0,
         G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged, USE_TMA=use_tma,
-        ONE_LOOP=cfg.get("ONE_LOOP", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
