@@ -260,17 +260,18 @@ class Engine:
             return finished
         self.num_steps += 1
         model, P, dev = self.model, self.kv.page_size, self.model.device
+        # host-side batch description as Python lists, one tensor (and one copy to the device) each:
+        # per-request torch ops would cost more than a decode step of a small model
         ids, pos, slots, cu, kv_lens, sample_rows, sample_reqs = [], [], [], [0], [], [], []
         max_pages = max(len(r.pages) for r, _ in batch)
-        table = torch.zeros(len(batch), max_pages, dtype=torch.int32)
-        for b, (r, n) in enumerate(batch):
+        table = []
+        for r, n in batch:
             start = r.num_cached
-            p = torch.arange(start, start + n)
-            pages = torch.tensor(r.pages, dtype=torch.int64)
             ids.extend(r.tokens(start, start + n))
-            pos.append(p)
-            slots.append(pages[p // P] * P + p % P)
-            table[b, : len(r.pages)] = pages.to(torch.int32)
+            pos.extend(range(start, start + n))
+            pages = r.pages
+            slots.extend(pages[p // P] * P + p % P for p in range(start, start + n))
+            table.append(pages + [0] * (max_pages - len(pages)))
             cu.append(cu[-1] + n)
             kv_lens.append(start + n)
             r.num_cached = start + n
@@ -279,8 +280,9 @@ class Engine:
                 sample_reqs.append(r)
         with torch.no_grad():
             hidden = model.forward_paged(
-                torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(pos).to(dev), self.kv.layers,
-                torch.cat(slots).to(dev), table.to(dev), torch.tensor(cu, dtype=torch.int32, device=dev),
+                torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+                self.kv.layers, torch.tensor(slots, dtype=torch.int64, device=dev),
+                torch.tensor(table, dtype=torch.int32, device=dev), torch.tensor(cu, dtype=torch.int32, device=dev),
                 torch.tensor(kv_lens, dtype=torch.int32, device=dev))
             if sample_reqs:
                 tokens, logprobs = self._sample(hidden[torch.tensor(sample_rows, device=dev)], sample_reqs)

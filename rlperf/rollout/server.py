@@ -380,6 +380,7 @@ def serve(args: ServerArgs) -> int:
     server = RolloutServer(args, model, tokenizer)
     print(f"rlperf serve: {args.model_path} on {model.device} ({type(tokenizer).__name__}), "
           f"KV cache {server.engine.kv.max_total_tokens} tokens, http://{args.host}:{args.port}", flush=True)
-    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None)
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts its requests
+    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
     return 0
 

@@ -226,6 +226,23 @@ def test_pause_continue_and_abort(cluster):
     assert http_json(url + "/pause_generation", {"mode": "sideways"}, headers=AUTH)[0] == 400
 
 
+def test_a_client_that_hangs_up_has_its_request_aborted(cluster):
+    from rlperf.rollout.router import wait_until
+
+    url = cluster.worker_urls[1]
+    assert http_json(url + "/pause_generation", {"mode": "in_place"}, headers=AUTH)[0] == 200
+    try:
+        with pytest.raises(OSError):  # urllib's timeout: the client gives up and closes the connection
+            http_json(url + "/generate", {"input_ids": [1, 2], "sampling_params": _sp(4, 1)}, timeout=0.5)
+
+        def queue_empty():
+            state = http_json(url + "/get_server_info")[1]["internal_states"][0]
+            return state["num_waiting_reqs"] == 0 and state["num_running_reqs"] == 0
+        wait_until(queue_empty, 10, "abort of a disconnected request")
+    finally:
+        assert http_json(url + "/continue_generation", {}, headers=AUTH)[0] == 200
+
+
 def test_start_and_stop_profile_write_an_sglang_named_trace(cluster, tmp_path):
     url = cluster.worker_urls[0]
     s, r = http_json(url + "/start_profile", {"output_dir": str(tmp_path), "activities": ["CPU"], "record_shapes": True},
