@@ -14,7 +14,9 @@ has the same bits in every mode and every batch composition, because every mode 
 
 * the same kernel body with ONE launch config (``_CONFIG``: BLOCK_M, BLOCK_N, warps, stages) —
   on Hopper a row's wgmma result does not depend on which row of the tile it sits in, but a
-  different tile shape or warp count may pick a different MMA instruction and change the bits;
+  different tile shape or warp count may pick a different MMA instruction and change the bits
+  (K/V arrive by TMA or, when strides forbid a descriptor, by pointers: the same values, tested
+  bit-identical);
 * the same KV blocks in the same order: block ``j`` holds positions ``[j*BLOCK_N, (j+1)*BLOCK_N)``,
   which is exactly page ``page_table[b, j]`` (``PAGE_SIZE == BLOCK_N``), from block 0 upwards, with
   no split-KV;
