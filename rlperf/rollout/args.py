@@ -31,6 +31,8 @@ class ServerArgs:
     api_key: str | None = None
     num_threads: int | None = None
     """CPU intra-op threads (1 is fastest for the tiny model on a shared machine)."""
+    cuda_graph_max_bs: int = 0
+    """Replay decode steps of up to this many sequences from CUDA graphs; 0 (default for now) disables."""
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +60,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-seed", type=int, default=d.random_seed)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on admin endpoints")
     p.add_argument("--num-threads", type=int, default=None, help="CPU intra-op threads")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                   help="replay decode steps of up to N sequences from CUDA graphs (invariant mode); 0 disables")
     p.add_argument("--router", type=int, default=0, metavar="N",
                    help="start N servers (ports --port, --port+1, ...) and the sglang-router in front of them")
     p.add_argument("--router-port", type=int, default=30080, help="port of the sglang-router (with --router)")

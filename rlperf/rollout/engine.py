@@ -152,6 +152,9 @@ class EngineConfig:
     """Seeds the engine's draw of per-request seeds when a request brings none."""
     poison_kv_cache: bool = False
     """Fill the KV pool with NaN (tests: a read of an unwritten slot shows up as NaN)."""
+    cuda_graph_max_bs: int = 0
+    """Replay decode steps of up to this many sequences from CUDA graphs (``rlperf.rollout.cuda_graph``);
+    0 disables. Off by default until the GPU tests have proven it on the device."""
 
 
 class Request:
@@ -199,6 +202,12 @@ class Engine:
         num_pages = plan_num_pages(mcfg, dtype, device, max_total_tokens=cfg.max_total_tokens,
                                    mem_fraction_static=cfg.mem_fraction_static)
         self.kv = PagedKVCache(mcfg, num_pages, dtype, device, poison=cfg.poison_kv_cache)
+        self.graphs = None
+        if cfg.cuda_graph_max_bs > 0:
+            from .cuda_graph import DecodeGraphs
+
+            max_pages = min(self.kv.pages_for(self.context_length), self.kv.num_pages)
+            self.graphs = DecodeGraphs(model, self.kv.layers, min(cfg.cuda_graph_max_bs, cfg.max_running_requests), max_pages)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -279,13 +288,19 @@ class Engine:
                 sample_rows.append(cu[-1] - 1)
                 sample_reqs.append(r)
         with torch.no_grad():
-            hidden = model.forward_paged(
-                torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-                self.kv.layers, torch.tensor(slots, dtype=torch.int64, device=dev),
-                torch.tensor(table, dtype=torch.int32, device=dev), torch.tensor(cu, dtype=torch.int32, device=dev),
-                torch.tensor(kv_lens, dtype=torch.int32, device=dev))
+            if self.graphs is not None and len(sample_reqs) == len(batch) == len(ids) and K.mode() == "invariant" \
+                    and len(batch) <= self.graphs.max_bs:
+                # a pure decode step: replay the captured graph of its batch-size bucket
+                logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
+            else:
+                hidden = model.forward_paged(
+                    torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+                    self.kv.layers, torch.tensor(slots, dtype=torch.int64, device=dev),
+                    torch.tensor(table, dtype=torch.int32, device=dev), torch.tensor(cu, dtype=torch.int32, device=dev),
+                    torch.tensor(kv_lens, dtype=torch.int32, device=dev))
+                logits = model.logits(hidden[torch.tensor(sample_rows, device=dev)]) if sample_reqs else None
             if sample_reqs:
-                tokens, logprobs = self._sample(hidden[torch.tensor(sample_rows, device=dev)], sample_reqs)
+                tokens, logprobs = self._sample(logits, sample_reqs)
                 for r, t, lp in zip(sample_reqs, tokens, logprobs):
                     r.output_ids.append(t)
                     r.output_logprobs.append(lp)
@@ -295,8 +310,7 @@ class Engine:
                         finished.append(r)
         return finished
 
-    def _sample(self, hidden: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
-        logits = self.model.logits(hidden)
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
         dev, B = logits.device, len(reqs)
         temps = [r.params.temperature for r in reqs]
         tokens = K.sample(

@@ -195,6 +195,21 @@ def test_fast_mode_runs_the_same_engine(model):
     assert outs[2][0] == _run(_engine(model), prompts[2:], PARAMS[2])[0][0]
 
 
+def test_padded_decode_graph_path_gives_the_eager_bits(model):
+    # on CPU the graph runner runs its padded static-buffer path eagerly: padding rows and bucket
+    # sizes must not change a single bit of the real rows
+    prompts = _prompts(7, seed=15)
+    params = [dataclasses.replace(PARAMS[i % 3], max_new_tokens=6 + 3 * i) for i in range(7)]  # the batch shrinks
+    eager = _run(_engine(model), prompts, params)
+    graphed_engine = _engine(model, cuda_graph_max_bs=5)  # 7 running: steps of 7 run eagerly, <= 5 padded
+    assert graphed_engine.graphs.buckets == [1, 2, 4, 5]
+    calls = []
+    run = graphed_engine.graphs.run
+    graphed_engine.graphs.run = lambda *a: calls.append(len(a[0])) or run(*a)
+    assert _run(graphed_engine, prompts, params) == eager
+    assert {5, 4, 3, 2, 1} <= set(calls) and max(calls) == 5
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"max_new_tokens": -1}, "max_new_tokens=-1"),
     ({"max_new_tokens": "5"}, "must be an integer"),
@@ -235,6 +250,21 @@ def test_interpreter_engine_matches_training_forward(model, interpreter):
         train = K.token_logprobs(logits[len(prompts[1]) - 1:-1], torch.tensor(batched[1][0]), 0.9)
     assert alone == batched[1]
     assert torch.equal(torch.tensor(batched[1][1], dtype=torch.float32), train)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_decode_gives_the_eager_bits():
+    cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
+    model = Qwen3ForCausalLM.random(cfg, seed=2, dtype=torch.bfloat16, device="cuda")
+    tok = ByteTokenizer(cfg.vocab_size)
+    prompts = _prompts(12, seed=16, lo=10, hi=200)
+    params = [SamplingParams(max_new_tokens=20 + 5 * i, temperature=1.0, seed=30 + i, ignore_eos=True) for i in range(12)]
+    with K.use_backend(None):
+        eager = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15)).generate(prompts, params)
+        graphed = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, cuda_graph_max_bs=16))
+        got = graphed.generate(prompts, params)
+    assert len(graphed.graphs.graphs) >= 3  # several buckets were captured and replayed
+    assert [(r.output_ids, r.output_logprobs) for r in got] == [(r.output_ids, r.output_logprobs) for r in eager]
 
 
 @pytest.mark.gpu

@@ -1,0 +1,102 @@
+"""Decode steps replayed from CUDA graphs, padded to a few batch sizes (SGLang's ``--cuda-graph-max-bs``).
+
+Why: a decode step of a 28-layer model is some 400 small kernel launches issued from Python; at
+batch 1-64 that host time is larger than the memory-bound work itself. Capturing
+``logits(forward_paged(...))`` once per batch-size bucket and replaying it removes the launch and
+dispatch cost; only the inputs are copied into static buffers per step.
+
+Bits: the graph replays the same kernels with the same launch configs as the eager step. A batch of
+B decodes runs padded to its bucket size Bp >= B; a padding row has ``slot = -1`` (its K/V are not
+written), ``kv_len = 1`` over page 0 (it reads one finite cached value, never writes) and its
+outputs are dropped. Every op is row-invariant, so the B real rows get the bits of the eager,
+unpadded step (tests/rollout/test_engine.py checks the padded path on CPU; the GPU test compares
+replayed graphs against the eager engine).
+
+Limits: invariant mode only (the fast path's decode attention reads ``kv_lens`` on the host), pure
+decode steps only (a step with a prefill chunk runs eagerly), batches up to ``max_bs``. On a CPU
+device nothing is captured: the padded static-buffer path runs eagerly (that is what the CPU
+tests exercise).
+"""
+from __future__ import annotations
+
+import torch
+
+from rlperf import kernels as K
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    """Static buffers and one captured graph per batch-size bucket (captured lazily, on first use)."""
+
+    def __init__(self, model, kv_layers, max_bs: int, max_pages: int):
+        if max_bs <= 0:
+            raise ValueError(f"max_bs must be positive, got {max_bs}")
+        self.model, self.kv_layers = model, kv_layers
+        self.buckets = sorted({b for b in BUCKETS if b < max_bs} | {max_bs})
+        self.max_bs, self.max_pages = max_bs, max_pages
+        dev = model.device
+        self.capture = dev.type == "cuda"
+        i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
+        self.ids = torch.zeros(max_bs, **i64)
+        self.pos = torch.zeros(max_bs, **i64)
+        self.slots = torch.full((max_bs,), -1, **i64)
+        self.table = torch.zeros(max_bs, max_pages, **i32)
+        self.cu = torch.arange(max_bs + 1, **i32)
+        self.kv_lens = torch.ones(max_bs, **i32)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    def bucket(self, batch: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        m = self.model
+        hidden = m.forward_paged(self.ids[:bs], self.pos[:bs], self.kv_layers, self.slots[:bs], self.table[:bs],
+                                 self.cu[: bs + 1], self.kv_lens[:bs])
+        return m.logits(hidden)
+
+    def _capture(self, bs: int) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and warm every kernel outside the capture
+            for _ in range(2):
+                self._forward(bs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the server's other threads may touch CUDA (e.g. copying a weight bucket)
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._forward(bs)
+        self._pool = graph.pool()
+        self.graphs[bs] = (graph, out)
+
+    def run(self, ids: list[int], pos: list[int], slots: list[int], table: list[list[int]], kv_lens: list[int]) -> torch.Tensor:
+        """Logits [B, V] float32 of a decode step of B = len(ids) sequences (one new token each).
+
+        The result is a view of a static buffer: read it before the next call.
+        """
+        B = len(ids)
+        bs = self.bucket(B)
+        if bs is None or K.mode() != "invariant":
+            raise ValueError(f"decode graphs take 1..{self.max_bs} sequences in invariant mode, got {B} in {K.mode()}")
+        pad = bs - B
+        width = max(len(r) for r in table)
+        if width > self.max_pages:
+            raise ValueError(f"a sequence holds {width} pages; the graphs were sized for {self.max_pages}")
+        dev = self.ids.device
+        host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad, kv_lens + [1] * pad], dtype=torch.int64)
+        host_table = torch.zeros(bs, self.max_pages, dtype=torch.int32)
+        host_table[:B, :width] = torch.tensor([r + [0] * (width - len(r)) for r in table], dtype=torch.int32)
+        host = host.to(dev, non_blocking=True)
+        self.ids[:bs].copy_(host[0])
+        self.pos[:bs].copy_(host[1])
+        self.slots[:bs].copy_(host[2])
+        self.kv_lens[:bs].copy_(host[3])
+        self.table[:bs].copy_(host_table.to(dev, non_blocking=True))
+        if not self.capture:
+            return self._forward(bs)[:B]
+        if bs not in self.graphs:
+            self._capture(bs)
+        graph, out = self.graphs[bs]
+        graph.replay()
+        return out[:B]
