@@ -1,0 +1,158 @@
+"""Rollout-engine benchmark: decode step time against the memory floor, prefill throughput, invariance cost.
+
+A benchmark module in the ``rlperf bench`` protocol (``run(quick) -> list[BenchRow]``,
+``summarize(rows) -> dict``); it lives next to the engine it measures. To run it as
+``rlperf bench rollout``, ``bench/run.py`` registers ``"rollout": "rlperf.rollout.benchmark"``.
+
+Cases (qwen3-0.6b shape, random bf16 weights, byte prompts, ``ignore_eos``):
+
+* **decode** at batch 1, 16, 64, 256 (prompt 512, 256 new tokens): the wall time of one
+  :meth:`Engine.step` when every request is decoding (host scheduling, H2D copies, the forward,
+  sampling, log-probs — what a decode step costs), averaged over ``steps`` consecutive steps.
+  Anchor: the **memory floor** of that step, ``(weight bytes + KV bytes read) / copy bandwidth``,
+  with KV bytes = batch x mean cached tokens x bytes per token and the copy bandwidth measured in
+  the same run (a 1 GiB device-to-device copy: 2 x bytes / time). Ratio = floor / step; the
+  target is >= 0.5 at batch 64 (step <= 2x the floor). Decode uses CUDA graphs
+  (``cuda_graph_max_bs``) unless ``graphs=False``; ``extra`` has tokens/s and whether graphs ran.
+* **prefill**: one step that prefills 16 x 512 prompt tokens; anchor: the same step in fast mode.
+* **invariance cost**: the batch-64 decode step in invariant mode (graphs) vs fast mode (eager:
+  the fast path's attention reads lengths on the host and cannot be captured).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rlperf import kernels as K
+from rlperf.model import preset
+from rlperf.model.qwen3 import Qwen3ForCausalLM
+
+from .engine import Engine, EngineConfig, SamplingParams
+from .kv_cache import bytes_per_token
+from .tokenizer import ByteTokenizer
+
+MODEL = "qwen3-0.6b"
+PROMPT, NEW = 512, 256
+BATCHES = (1, 16, 64, 256)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _requests(engine: Engine, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for i in range(batch):
+        prompt = torch.randint(0, 256, (prompt_len,), generator=g).tolist()
+        engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=i, ignore_eos=True))
+
+
+def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int, graph_bs: int = 0,
+                warmup: int = 3) -> dict:
+    """Mean wall ms of a decode step of ``batch`` sequences, and the mean cached tokens per sequence."""
+    if steps + warmup + 1 > new_tokens:
+        raise ValueError(f"{steps} timed + {warmup} warm-up steps need more than {new_tokens} new tokens")
+    P = K.PAGE_SIZE
+    cfg = EngineConfig(max_running_requests=batch, chunked_prefill_size=max(8192, prompt_len),
+                       max_total_tokens=batch * (-(-(prompt_len + new_tokens) // P) * P), cuda_graph_max_bs=graph_bs)
+    engine = Engine(model, ByteTokenizer(model.cfg.vocab_size), cfg)
+    _requests(engine, batch, prompt_len, new_tokens)
+    while any(not r.output_ids for r in engine.requests.values()) or engine.waiting:
+        engine.step()  # prefill (chunked) until every request has its first token
+    for _ in range(warmup):  # graph capture and kernel compilation stay out of the timing
+        engine.step()
+    kv_before = sum(r.num_cached for r in engine.running) / batch
+    _sync(model.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(model.device)
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    if len(engine.running) != batch:
+        raise RuntimeError(f"only {len(engine.running)} of {batch} requests decoded through the timed steps")
+    kv_mean = kv_before + (steps + 1) / 2  # each step reads one more cached token than the last
+    return {"ms": ms, "kv_mean": kv_mean, "graph": bool(engine.graphs and engine.graphs.graphs)}
+
+
+def prefill_case(model, batch: int, prompt_len: int, reps: int) -> float:
+    """Median wall ms of one engine step that prefills ``batch`` prompts of ``prompt_len`` tokens."""
+    times = []
+    for rep in range(reps + 1):
+        engine = Engine(model, ByteTokenizer(model.cfg.vocab_size),
+                        EngineConfig(max_running_requests=batch, chunked_prefill_size=batch * prompt_len,
+                                     max_total_tokens=batch * (prompt_len + K.PAGE_SIZE)))
+        _requests(engine, batch, prompt_len, 2, seed=rep)
+        _sync(model.device)
+        t0 = time.perf_counter()
+        engine.step()
+        _sync(model.device)
+        if rep:  # the first one compiles
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), CUDA events, median."""
+    from rlperf.bench.harness import cuda_time
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), warmup=3, reps=20, flush_l2=False)
+    return 2 * nbytes / (t.median_ms * 1e-3)
+
+
+def floor_ms(model, batch: int, kv_mean: float, bandwidth: float) -> tuple[float, float]:
+    """(memory-floor ms, bytes) of a decode step: every weight once + the KV cache read."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = batch * kv_mean * bytes_per_token(model.cfg, model.embed_tokens.dtype)
+    total = weight_bytes + kv_bytes
+    return total / bandwidth * 1e3, total
+
+
+def run(quick: bool = False) -> list:
+    from rlperf.bench.harness import BenchRow
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the rollout benchmark needs a CUDA GPU")
+    cfg = preset(MODEL)
+    model = Qwen3ForCausalLM.random(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    bw = copy_bandwidth()
+    batches = (1, 64) if quick else BATCHES
+    steps = 8 if quick else 32
+    rows = []
+    with K.use_mode("invariant"):
+        for b in batches:
+            d = decode_case(model, b, PROMPT, NEW, steps, graph_bs=max(batches))
+            fl, nbytes = floor_ms(model, b, d["kv_mean"], bw)
+            rows.append(BenchRow("rollout", f"decode B={b} prompt {PROMPT}", "engine step", d["ms"], "memory floor", fl,
+                                 work=nbytes, unit="GB/s",
+                                 extra={"tokens_per_s": b / d["ms"] * 1e3, "graph": d["graph"], "kv_mean": d["kv_mean"],
+                                        "copy_GBps": bw / 1e9}))
+        pre_inv = prefill_case(model, 16, PROMPT, reps=2 if quick else 5)
+        inv64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64)
+    with K.use_mode("fast"):
+        pre_fast = prefill_case(model, 16, PROMPT, reps=2 if quick else 5)
+        fast64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=0)
+    flops = 2 * 16 * PROMPT * sum(p.numel() for p in model.parameters())
+    rows.append(BenchRow("rollout", f"prefill 16x{PROMPT}", "invariant step", pre_inv, "fast step", pre_fast, work=flops,
+                         extra={"tokens_per_s": 16 * PROMPT / pre_inv * 1e3}))
+    rows.append(BenchRow("rollout", "decode B=64 invariance cost", "invariant step", inv64["ms"], "fast step", fast64["ms"],
+                         work=0.0, extra={"graph": inv64["graph"]}))
+    return rows
+
+
+def summarize(rows) -> dict:
+    out = {}
+    for r in rows:
+        if r.case.startswith("decode B=") and r.anchor == "memory floor":
+            b = r.case.split()[1]
+            out[f"decode_{b}_floor_ratio"] = r.ratio
+            out[f"decode_{b}_tokens_per_s"] = r.extra["tokens_per_s"]
+        elif r.case.startswith("prefill"):
+            out["prefill_tokens_per_s"] = r.extra["tokens_per_s"]
+            out["prefill_invariance_ratio"] = r.ratio
+        elif "invariance cost" in r.case:
+            out["decode_B=64_invariance_ratio"] = r.ratio
+    return out
