@@ -496,17 +496,3 @@ def fused_logprob(
     tgt = targets.to(torch.int64).contiguous()
     logp, ent, _lse = _FusedLogprob.apply(hidden, weight, tgt, 1.0 / T, bool(return_entropy), tp_group)
     return (logp, ent) if return_entropy else logp
-
-
-class _CallableModule(type(math)):
-    """The module shares its name with the op (``rlperf.kernels.fused_logprob``): importing the
-    submodule directly makes the package attribute the module instead of the function, so the
-    module forwards calls to the function and both spellings work."""
-
-    def __call__(self, *args, **kwargs):
-        return fused_logprob(*args, **kwargs)
-
-
-import sys as _sys  # noqa: E402
-
-_sys.modules[__name__].__class__ = _CallableModule

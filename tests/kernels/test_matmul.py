@@ -184,6 +184,18 @@ def test_float32_logits_gpu():
     _check_close(y, x, w, None, *F32_OUT_TOL)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1024, 2560])
+def test_float32_logits_full_vocab_gpu(k):
+    """The Qwen3 lm-head (V = 151936): the float32 epilogue must fit shared memory, and the rows stay
+    batch-invariant whatever pipeline depth had to be used."""
+    x, w, _ = _inputs(257, 151936, k, torch.bfloat16, device="cuda")
+    y = K.matmul(x, w, out_dtype=torch.float32)
+    _check_close(y[:64], x[:64], w, None, *F32_OUT_TOL)
+    assert torch.equal(K.matmul(x[200:201], w, out_dtype=torch.float32), y[200:201])
+    assert torch.equal(K.matmul(x[:33], w, out_dtype=torch.float32), y[:33])
+
+
 GPU_MS = (1, 2, 7, 16, 33, 64, 128, 255, 1024, 2048, 4097)
 
 
