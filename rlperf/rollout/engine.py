@@ -54,7 +54,7 @@ from .tokenizer import Tokenizer
 # sampling_params keys SGLang clients (slime) send that need no work here, with the value that is
 # a no-op; another value is refused rather than silently ignored.
 RESERVE_STEPS = 8  # decode steps of page headroom kept back from admissions (see Engine._schedule)
-_NEUTRAL_PARAMS = {"skip_special_tokens": None, "spaces_between_special_tokens": None, "no_stop_trim": False,
+_NEUTRAL_PARAMS = {"spaces_between_special_tokens": None,
                    "n": 1, "min_new_tokens": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                    "repetition_penalty": 1.0, "min_p": 0.0}
 
@@ -94,6 +94,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    no_stop_trim: bool = False
+    """Keep a matched stop string in the text (slime sends True)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text (the byte tokenizer always does)."""
 
     @classmethod
     def from_dict(cls, d) -> "SamplingParams":
@@ -119,9 +123,11 @@ class SamplingParams:
         if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                               for t in stop_ids):
             raise BadRequest(f"sampling_params.stop_token_ids must be a list of integers, got {stop_ids!r}")
-        ignore_eos = d.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise BadRequest(f"sampling_params.ignore_eos must be a boolean, got {ignore_eos!r}")
+        flags = {}
+        for key in ("ignore_eos", "no_stop_trim", "skip_special_tokens"):
+            flags[key] = d.get(key, getattr(cls, key))
+            if not isinstance(flags[key], bool):
+                raise BadRequest(f"sampling_params.{key} must be a boolean, got {flags[key]!r}")
         seed = d.get("seed", d.get("sampling_seed"))
         if seed is not None:
             seed = _number({"seed": seed}, "seed", None, integer=True, lo=-(1 << 63), hi=(1 << 63) - 1)
@@ -130,7 +136,7 @@ class SamplingParams:
             temperature=_number(d, "temperature", cls.temperature, lo=0),
             top_p=_number(d, "top_p", cls.top_p, lo=0, hi=1, lo_open=True),
             top_k=_number(d, "top_k", cls.top_k, integer=True, lo=-1),
-            stop=tuple(stop), stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos, seed=seed,
+            stop=tuple(stop), stop_token_ids=tuple(stop_ids), seed=seed, **flags,
         )
 
 
@@ -331,11 +337,11 @@ class Engine:
         if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids:
             return {"type": "stop", "matched": token}
         if p.stop:
-            text = self.tokenizer.decode(r.output_ids)
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=p.skip_special_tokens)
             hits = [(text.find(s), s) for s in p.stop if s in text]
             if hits:
                 idx, s = min(hits)
-                r.text = text[:idx]
+                r.text = text if p.no_stop_trim else text[:idx]
                 return {"type": "stop", "matched": s}
         if len(r.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": len(r.output_ids)}
@@ -346,7 +352,7 @@ class Engine:
     def _finish(self, r: Request, reason: dict) -> None:
         r.finish_reason = reason
         if not (reason["type"] == "stop" and isinstance(reason.get("matched"), str)):
-            r.text = self.tokenizer.decode(r.output_ids)
+            r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
         self.kv.free(r.pages)
         r.pages = []
         if r in self.running:

@@ -148,6 +148,8 @@ def test_stop_string_trims_the_text(model):
     (req,) = engine.generate([p], dataclasses.replace(PARAMS[0], max_new_tokens=60, stop=(stop, "never-there")))
     assert req.output_ids == ids[:i + 1] and req.finish_reason == {"type": "stop", "matched": stop}
     assert req.text == tok.decode(ids[:i + 1])[:-1] and stop not in req.text
+    (kept,) = _engine(model).generate([p], dataclasses.replace(PARAMS[0], max_new_tokens=60, stop=(stop,), no_stop_trim=True))
+    assert kept.output_ids == ids[:i + 1] and kept.text == tok.decode(ids[:i + 1]) and kept.text.endswith(stop)
 
 
 def test_context_length_limits(model):
@@ -220,6 +222,7 @@ def test_padded_decode_graph_path_gives_the_eager_bits(model):
     ({"stop": [1]}, "stop must be"),
     ({"stop_token_ids": "3"}, "stop_token_ids"),
     ({"ignore_eos": 1}, "ignore_eos"),
+    ({"no_stop_trim": "yes"}, "no_stop_trim"),
     ({"seed": "x"}, "seed"),
     ({"frequency_penalty": 0.5}, "not supported"),
     ({"bogus": 1}, "unsupported keys"),
@@ -231,9 +234,12 @@ def test_sampling_params_validation(bad, message):
 
 
 def test_sampling_params_from_sglang_names():
-    sp = SamplingParams.from_dict({"max_new_tokens": 3, "sampling_seed": 7, "top_k": -1, "stop": "x",
-                                   "skip_special_tokens": True, "no_stop_trim": False})
-    assert sp == SamplingParams(max_new_tokens=3, seed=7, top_k=-1, stop=("x",))
+    # what slime sends
+    sp = SamplingParams.from_dict({"max_new_tokens": 3, "sampling_seed": 7, "top_k": -1, "stop": "x", "temperature": 1.0,
+                                   "top_p": 1.0, "stop_token_ids": [5], "skip_special_tokens": False, "no_stop_trim": True,
+                                   "spaces_between_special_tokens": False})
+    assert sp == SamplingParams(max_new_tokens=3, seed=7, top_k=-1, stop=("x",), stop_token_ids=(5,),
+                                skip_special_tokens=False, no_stop_trim=True)
 
 
 def test_interpreter_engine_matches_training_forward(model, interpreter):

@@ -261,6 +261,18 @@ def test_start_and_stop_profile_write_an_sglang_named_trace(cluster, tmp_path):
     assert http_json(url + "/start_profile", {"num_steps": "two"}, headers=AUTH)[0] == 400
 
 
+def test_profile_with_num_steps_stops_by_itself(cluster, tmp_path):
+    from rlperf.rollout.router import wait_until
+
+    url = cluster.worker_urls[0]
+    s, r = http_json(url + "/start_profile", {"output_dir": str(tmp_path), "num_steps": 3, "activities": ["CPU"],
+                                              "profile_id": "run7"}, headers=AUTH)
+    assert s == 200 and r["trace_path"].endswith("run7-TP-0.trace.json.gz")
+    assert http_json(url + "/generate", {"input_ids": [4, 5], "sampling_params": _sp(6, 1)})[0] == 200
+    wait_until(lambda: (tmp_path / "run7-TP-0.trace.json.gz").exists(), 10, "a trace after 3 steps")
+    assert http_json(url + "/stop_profile", {}, headers=AUTH)[0] == 400  # it already stopped
+
+
 def _update(url, payload, version=None):
     body = {"load_format": "flattened_bucket", "serialized_named_tensors": [payload]}
     if version is not None:
