@@ -157,6 +157,8 @@ class RolloutServer:
         return web.Response(text="")
 
     async def health_generate(self, request):
+        if self.loop.paused:  # a paused engine would hold the probe until /continue_generation
+            return _error(503, "generation is paused")
         results = await self._submit([[0]], [SamplingParams(max_new_tokens=1, temperature=0.0)], [None], [False])
         if results[0]["meta_info"]["finish_reason"]["type"] == "abort":
             return _error(503, "health generate was aborted: " + str(results[0]["meta_info"]["finish_reason"]))

@@ -208,6 +208,7 @@ def test_admin_endpoints_need_the_api_key(cluster):
 def test_pause_continue_and_abort(cluster):
     url = cluster.worker_urls[1]
     assert http_json(url + "/pause_generation", {"mode": "in_place"}, headers=AUTH)[0] == 200
+    assert http_json(url + "/health_generate", timeout=5)[0] == 503  # answers at once: it cannot generate now
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         held = pool.submit(http_json, url + "/generate", {"input_ids": [5, 6], "sampling_params": _sp(4, 1), "rid": "held"})
         dropped = pool.submit(http_json, url + "/generate", {"input_ids": [5, 6], "sampling_params": _sp(4, 1), "rid": "gone"})
