@@ -221,6 +221,7 @@ class Engine:
         self.num_steps = 0
         self.num_retractions = 0
         self.weight_version = "default"
+        self._finished: list[Request] = []
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, rid: str | None = None,
@@ -256,7 +257,7 @@ class Engine:
         return req
 
     def abort(self, rid: str | None = None, message: str = "aborted by request") -> int:
-        """Abort one request (or all when ``rid`` is None) at the next step boundary; returns how many."""
+        """Abort one request (or all when ``rid`` is None) now, between steps; returns how many."""
         targets = list(self.requests.values()) if rid is None else [self.requests[rid]] if rid in self.requests else []
         for r in targets:
             r.aborted = message
@@ -269,7 +270,8 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule, run one forward, sample; returns the requests that finished in this step."""
-        finished = self._reap_aborted()
+        self._finished = finished = []  # _finish appends: aborts, cache-too-small, stops, lengths
+        self._reap_aborted()
         batch = self._schedule()
         if not batch:
             return finished
@@ -313,7 +315,6 @@ class Engine:
                     reason = self._check_finished(r, t)
                     if reason is not None:
                         self._finish(r, reason)
-                        finished.append(r)
         return finished
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
@@ -358,16 +359,15 @@ class Engine:
         if r in self.running:
             self.running.remove(r)
         self.requests.pop(r.rid, None)
+        self._finished.append(r)
         if r.on_finish is not None:
             r.on_finish(r)
 
-    def _reap_aborted(self) -> list[Request]:
-        done = [r for r in list(self.waiting) + self.running if r.aborted is not None]
-        for r in done:
+    def _reap_aborted(self) -> None:
+        for r in [r for r in list(self.waiting) + self.running if r.aborted is not None]:
             if r in self.waiting:
                 self.waiting.remove(r)
             self._finish(r, {"type": "abort", "message": r.aborted})
-        return done
 
     # ---- scheduling -------------------------------------------------------------------------
     def _capacity(self, r: Request) -> int:

@@ -147,7 +147,10 @@ def serve_cluster(args: ServerArgs, n: int, router_port: int, policy: str) -> in
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
-    cluster = launch_cluster(args, n, router_port, policy)
+    try:
+        cluster = launch_cluster(args, n, router_port, policy)  # cleans up after itself when interrupted
+    except KeyboardInterrupt:
+        return 130
     print(f"rlperf serve: sglang-router at {cluster.router_url} in front of {', '.join(cluster.worker_urls)}", flush=True)
     try:
         while all(p.poll() is None for p in cluster.servers + [cluster.router]):

@@ -180,7 +180,11 @@ def test_abort_frees_pages_and_others_go_on(model):
 def test_a_request_longer_than_the_whole_cache_is_aborted_with_a_message(model):
     P = K.PAGE_SIZE
     engine = _engine(model, max_total_tokens=P)
-    (req,) = engine.generate([[i % 256 for i in range(P - 4)]], dataclasses.replace(PARAMS[0], max_new_tokens=10))
+    req = engine.add_request([i % 256 for i in range(P - 4)], dataclasses.replace(PARAMS[0], max_new_tokens=10))
+    reported = []
+    while engine.has_work():
+        reported += engine.step()
+    assert reported == [req]  # step() reports every request it finished, this kind too
     # P tokens cached (prompt + 4 outputs) give a 5th token; the 6th would need a second page
     assert len(req.output_ids) == 5 and req.finish_reason["type"] == "abort"
     assert "cannot hold" in req.finish_reason["message"]

@@ -363,8 +363,6 @@ def test_cli_serve_router_starts_and_stops_the_cluster(tmp_path):
     import signal
     import subprocess
 
-    from rlperf.rollout.router import wait_until
-
     port, router_port = _free_ports(2)
     while port + 1 == router_port:
         port, router_port = _free_ports(2)
@@ -376,16 +374,17 @@ def test_cli_serve_router_starts_and_stops_the_cluster(tmp_path):
     router = f"http://127.0.0.1:{router_port}"
     workers = {f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"}
     try:
-        def listed():
-            s, body = http_json(router + "/workers", timeout=2)
-            return s == 200 and {w["url"] for w in body["workers"]} == workers
-        wait_until(listed, 120, "rlperf serve --router 2", [proc])
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the CLI says when the cluster is up
+            line = pool.submit(proc.stdout.readline).result(timeout=120).decode()
+        assert "sglang-router at" in line, line
+        s, body = http_json(router + "/workers")
+        assert s == 200 and {w["url"] for w in body["workers"]} == workers
         s, r = http_json(router + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
         assert s == 200 and r["meta_info"]["completion_tokens"] == 3
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0].decode(errors="replace")
-    assert "sglang-router at" in out, out
+    assert proc.returncode == 0 and "Traceback" not in out, out
     for url in workers:  # the servers went down with it
         with pytest.raises(OSError):
             urllib.request.urlopen(url + "/health", timeout=2)
