@@ -338,8 +338,14 @@ class Engine:
         if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids:
             return {"type": "stop", "matched": token}
         if p.stop:
-            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=p.skip_special_tokens)
-            hits = [(text.find(s), s) for s in p.stop if s in text]
+            # a stop string that was not in the text before ends in the newest token: decoding a tail
+            # of (4 bytes per char + slack) tokens finds it without re-decoding the whole output
+            tail = r.output_ids[-(4 * max(map(len, p.stop)) + 8):]
+            skip = p.skip_special_tokens
+            hits = []
+            if any(s in self.tokenizer.decode(tail, skip_special_tokens=skip) for s in p.stop):
+                text = self.tokenizer.decode(r.output_ids, skip_special_tokens=skip)
+                hits = [(text.find(s), s) for s in p.stop if s in text]
             if hits:
                 idx, s = min(hits)
                 r.text = text if p.no_stop_trim else text[:idx]

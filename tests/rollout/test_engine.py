@@ -150,6 +150,13 @@ def test_stop_string_trims_the_text(model):
     assert req.text == tok.decode(ids[:i + 1])[:-1] and stop not in req.text
     (kept,) = _engine(model).generate([p], dataclasses.replace(PARAMS[0], max_new_tokens=60, stop=(stop,), no_stop_trim=True))
     assert kept.output_ids == ids[:i + 1] and kept.text == tok.decode(ids[:i + 1]) and kept.text.endswith(stop)
+    # a stop string spanning several tokens: the text of the first 30 tokens' last 3 bytes-worth
+    full = tok.decode(ids[:30])
+    multi = full[-3:]
+    first = full.find(multi)
+    (req,) = _engine(model).generate([p], dataclasses.replace(PARAMS[0], max_new_tokens=60, stop=(multi,)))
+    assert req.finish_reason == {"type": "stop", "matched": multi} and req.text == full[:first]
+    assert len(req.output_ids) <= 30
 
 
 def test_context_length_limits(model):
