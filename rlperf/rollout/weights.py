@@ -15,7 +15,8 @@ class name ever comes from the request) — then ``FlattenedBucket.from_dict`` c
 description against the buffer (sizes, ranges, dtypes, checksum) and ``load_into`` checks every
 destination before one byte is copied. Anything that disagrees is a :class:`BadRequest`.
 
-The sender side is :func:`bucket_payload` (and :func:`release` for the shared-memory segment).
+The sender side is :func:`bucket_payload` (and :func:`release` for the shared-memory segment);
+:func:`push_weights` flattens named tensors and posts every bucket to a server.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from rlperf.sync.buckets import FlattenedBucket
+from rlperf.sync.buckets import DEFAULT_BUCKET_BYTES, FlattenedBucket, flatten_buckets
 
 from .engine import BadRequest
 
@@ -160,3 +161,29 @@ def load_bucket(model, bucket: FlattenedBucket) -> list[str]:
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
     return bucket.names
+
+
+def push_weights(url: str, named_tensors, *, transport: str = "inline", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 weight_version: str | None = None, api_key: str | None = None, timeout: float = 600.0) -> int:
+    """Send ``named_tensors`` (HF names -> tensors) to the server at ``url`` through
+    ``/update_weights_from_tensor``, one bucket per request; returns the number of buckets.
+
+    RuntimeError with the server's message when a bucket is refused (earlier buckets stay loaded).
+    """
+    from .router import http_json
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    buckets = flatten_buckets(named_tensors, bucket_bytes=bucket_bytes)
+    for i, bucket in enumerate(buckets):
+        payload, handle = bucket_payload(bucket, transport)
+        body = {"load_format": "flattened_bucket", "serialized_named_tensors": [payload]}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        try:
+            status, reply = http_json(url.rstrip("/") + "/update_weights_from_tensor", body, timeout=timeout, headers=headers)
+        finally:
+            release(handle)
+        if status != 200:
+            msg = reply.get("error", {}).get("message") if isinstance(reply, dict) else reply
+            raise RuntimeError(f"{url}: bucket {i + 1}/{len(buckets)} refused ({status}): {msg}")
+    return len(buckets)

@@ -24,7 +24,7 @@ from rlperf.rollout.args import ServerArgs
 from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
 from rlperf.rollout.router import http_json, launch_cluster
 from rlperf.rollout.tokenizer import ByteTokenizer
-from rlperf.rollout.weights import bucket_payload, release
+from rlperf.rollout.weights import bucket_payload, push_weights
 from rlperf.sync import flatten_buckets
 
 pytest.importorskip("aiohttp")
@@ -282,13 +282,8 @@ def _update(url, payload, version=None):
 
 
 def _push(url, named, version, transport):
-    for i, bucket in enumerate(flatten_buckets(named, bucket_bytes=64 * 1024)):
-        payload, handle = bucket_payload(bucket, transport if i % 2 == 0 else "inline")
-        try:
-            status, reply = _update(url, payload, version)
-        finally:
-            release(handle)
-        assert status == 200 and reply["success"], reply
+    n = push_weights(url, named, transport=transport, bucket_bytes=64 * 1024, weight_version=version, api_key=KEY)
+    assert n > 1  # several buckets, so a multi-request update is exercised
 
 
 @pytest.mark.parametrize("transport", ["inline", "shm"])
@@ -351,6 +346,14 @@ def test_bad_bucket_gets_400_and_changes_nothing(cluster, model, kind, message):
     s, r = http_json(url + "/generate", {"input_ids": prompt, "sampling_params": sp, "return_logprob": True})
     assert s == 200 and r["meta_info"]["weight_version"] == "default"
     assert _got(r) == _expected(model, [prompt], SamplingParams.from_dict(sp))[0]
+
+
+def test_push_weights_reports_a_refused_bucket(cluster):
+    bad = {"model.norm.weight": torch.ones(7)}
+    with pytest.raises(RuntimeError, match=r"bucket 1/1 refused \(400\).*has shape"):
+        push_weights(cluster.worker_urls[1], bad, api_key=KEY)
+    with pytest.raises(RuntimeError, match=r"\(401\)"):
+        push_weights(cluster.worker_urls[1], bad)
 
 
 def test_update_weights_rejects_other_load_formats(cluster):
