@@ -227,6 +227,23 @@ def test_pause_continue_and_abort(cluster):
     assert http_json(url + "/pause_generation", {"mode": "sideways"}, headers=AUTH)[0] == 400
 
 
+def test_pause_with_retract_then_continue_gives_the_same_tokens(cluster, model):
+    from rlperf.rollout.router import wait_until
+
+    url = cluster.worker_urls[0]
+    prompt, sp = list(range(30, 90)), _sp(150, 77)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(http_json, url + "/generate", {"input_ids": prompt, "sampling_params": sp, "return_logprob": True})
+        wait_until(lambda: http_json(url + "/get_server_info")[1]["internal_states"][0]["num_running_reqs"] == 1, 10,
+                   "the request to start")
+        assert http_json(url + "/pause_generation", {"mode": "retract"}, headers=AUTH)[0] == 200
+        state = http_json(url + "/get_server_info")[1]["internal_states"][0]
+        assert state["paused"] and state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 1
+        assert http_json(url + "/continue_generation", {}, headers=AUTH)[0] == 200
+        status, reply = fut.result(timeout=60)
+    assert status == 200 and _got(reply) == _expected(model, [prompt], SamplingParams.from_dict(sp))[0]
+
+
 def test_a_client_that_hangs_up_has_its_request_aborted(cluster):
     from rlperf.rollout.router import wait_until
 
