@@ -44,6 +44,10 @@ class EngineLoop:
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def call(self, fn) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread between steps; its result or exception in the future."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -87,4 +91,7 @@ class EngineLoop:
                     self.engine.running.clear()
                     self.engine.waiting.clear()
                     self.engine.kv.reset()
-                self.profiler.on_step()
+                try:
+                    self.profiler.on_step()
+                except Exception:  # a trace that cannot be written is lost; serving goes on
+                    self.error = traceback.format_exc()

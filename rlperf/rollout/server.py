@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import time
 from pathlib import Path
@@ -117,8 +118,7 @@ class RolloutServer:
         self.app.on_startup.append(self._startup)
         self.app.on_cleanup.append(self._cleanup)
         r = self.app.router
-        for path in ("/health",):
-            r.add_get(path, self.health)
+        r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
         for path in ("/model_info", "/get_model_info"):
             r.add_get(path, self.model_info)
@@ -142,7 +142,8 @@ class RolloutServer:
     def _admin(self, handler):
         async def wrapped(request: web.Request):
             key = self.args.api_key
-            if key and request.headers.get("Authorization") != f"Bearer {key}":
+            given = request.headers.get("Authorization", "")
+            if key and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 return _error(401, "this endpoint needs the server's API key (Authorization: Bearer <key>)")
             return await handler(request)
         return wrapped
@@ -152,8 +153,8 @@ class RolloutServer:
 
     # ---- info ---------------------------------------------------------------------------------
     async def health(self, request):
-        if self.loop.error is not None and not self.loop._thread.is_alive():
-            return _error(503, "the engine thread died")
+        if not self.loop.alive:
+            return _error(503, f"the engine thread is not running: {self.loop.error or 'stopped'}")
         return web.Response(text="")
 
     async def health_generate(self, request):
@@ -174,7 +175,7 @@ class RolloutServer:
     async def server_info(self, request):
         e = self.engine
         info = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
-        info.update(version=VERSION, max_total_num_tokens=e.kv.max_total_tokens, page_size=e.kv.page_size,
+        info.update(version=VERSION, uptime_s=time.time() - self.started, max_total_num_tokens=e.kv.max_total_tokens, page_size=e.kv.page_size,
                     context_length=e.context_length, weight_version=e.weight_version, kernel_mode=K.mode(),
                     tp_size=1, dp_size=1,
                     internal_states=[{"num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
