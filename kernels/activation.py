@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .dispatch import mode, use_triton
+from .dispatch import use_stock_op, use_triton
 from .reference.activation import silu_mul_ref
 
 BLOCK = 1024
@@ -38,7 +38,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.shape[-1] % 2:
         raise ValueError(f"silu_mul: last dim of gate_up must be even (gate and up halves), got {tuple(gate_up.shape)}")
     inter = gate_up.shape[-1] // 2
-    if mode() == "fast":
+    if use_stock_op(gate_up.device, stock_wins_on_cuda=False):
         g, u = gate_up.chunk(2, dim=-1)
         return F.silu(g) * u
     if not use_triton(gate_up.device):

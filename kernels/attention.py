@@ -34,7 +34,8 @@ GQA: the ``G`` query heads of one KV head are packed into the M tile (row ``r`` 
 that is what makes decode memory-efficient. Grid: (query tiles of all sequences, KV heads), no
 split over KV: ``B * Hkv`` programs already fill the GPU in decode.
 
-Fast mode (``mode() == "fast"``) uses torch SDPA instead (flash / cuDNN / efficient), not
+Fast mode (``mode() == "fast"``) uses torch SDPA for prefill and chunks (flash / cuDNN / efficient; decode-only
+batches keep this kernel, the fastest paged decode available), not
 invariant; it exists to measure the price of invariance.
 """
 from __future__ import annotations
@@ -281,10 +282,14 @@ def _attention_forward(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         # 2-D views [rows, Hkv*D]: a K/V block is the box [BLOCK_N, D] at (first row, kvh*D)
-        rows = k.shape[0] * (k.shape[1] if paged else 1)
-        row_stride = k.stride(1) if paged else k.stride(0)
-        k_arg = TensorDescriptor(k, [rows, Hkv * D], [row_stride, 1], [cfg["BLOCK_N"], D])
-        v_arg = TensorDescriptor(v, [rows, Hkv * D], [row_stride, 1], [cfg["BLOCK_N"], D])
+        # (K and V keep their own row strides: in the training forward V is often a strided view of
+        # the fused qkv projection while K is a fresh contiguous tensor)
+        def descriptor(x):
+            rows = x.shape[0] * (x.shape[1] if paged else 1)
+            row_stride = x.stride(1) if paged else x.stride(0)
+            return TensorDescriptor(x, [rows, Hkv * D], [row_stride, 1], [cfg["BLOCK_N"], D])
+
+        k_arg, v_arg = descriptor(k), descriptor(v)
     else:
         k_arg, v_arg = k, v
     grid = (T // block_q + num_seqs, Hkv)
@@ -349,25 +354,17 @@ def _varlen_fast(q, k, v, cu_seqlens, scale):
 
 
 def _paged_fast(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale):
-    import torch.nn.functional as F
-
+    """SDPA per sequence over its gathered pages; None for decode-only batches (see below)."""
     cu = cu_seqlens_q.tolist()
     lens = kv_lens.tolist()
     B = len(lens)
     page = k_cache.shape[1]
     out = torch.empty_like(q)
     if q.shape[0] == B and all(cu[i + 1] - cu[i] == 1 for i in range(B)):
-        # decode: gather every sequence's pages into a dense [B, Hkv, S, D] and mask the tail
-        S = max(lens)
-        npages = -(-S // page)
-        pt = page_table[:, :npages].long()
-        valid = torch.arange(S, device=q.device)[None, :] < kv_lens[:, None]           # [B, S]
-        # slots past kv_len hold stale cache bits (maybe NaN): zero them, 0-weight * NaN is NaN
-        kd = k_cache[pt].flatten(1, 2)[:, :S].masked_fill(~valid[:, :, None, None], 0).transpose(1, 2)
-        vd = v_cache[pt].flatten(1, 2)[:, :S].masked_fill(~valid[:, :, None, None], 0).transpose(1, 2)
-        mask = valid[:, None, None, :]
-        o = F.scaled_dot_product_attention(q[:, :, None, :], kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o[:, :, 0, :]
+        # Decode: torch has no paged-decode kernel (SDPA would need the pages gathered into a dense
+        # copy and a length mask, which rules out its flash backend), and rlperf's kernel beats
+        # SDPA flash on dense KV, so it is the fastest path here too. None = "use the kernel".
+        return None
     for b in range(B):
         if cu[b + 1] == cu[b]:
             continue
@@ -432,7 +429,9 @@ def paged_attention(
     (decode, chunk, full prefill) and whatever else is in the batch.
     """
     if mode() == "fast":
-        return _paged_fast(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale)
+        out = _paged_fast(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale)
+        if out is not None:
+            return out
     for name, x in (("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q), ("kv_lens", kv_lens)):
         _check_index(name, x, q.device)
     if k_cache.dim() != 4 or kv_lens.numel() != cu_seqlens_q.numel() - 1 or page_table.shape[0] != kv_lens.numel():

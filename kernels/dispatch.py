@@ -16,8 +16,11 @@ the first op runs.
 Mode, global:
 
 * ``"invariant"`` (default) — batch-invariant kernels: a row's bits never depend on the batch.
-* ``"fast"``               — the fastest stock path (cuBLAS via ``F.linear``, SDPA, torch ops);
-  not batch-invariant. It exists so the price of invariance can be measured.
+* ``"fast"``               — the fastest path, invariance not required, so the price of
+  invariance can be measured: cuBLAS (``F.linear``) for matmul and SDPA (flash/cuDNN) for
+  prefill attention. On CUDA, ops whose rlperf kernel beats the stock torch code (RMSNorm,
+  SwiGLU, log-softmax; paged decode, which torch lacks) keep the kernel in fast mode too: there
+  invariance costs nothing. On CPU fast mode runs the stock torch ops (see :func:`use_stock_op`).
 """
 from __future__ import annotations
 
@@ -113,6 +116,16 @@ def use_mode(name: str):
         yield
     finally:
         set_mode(previous)
+
+
+def use_stock_op(device: torch.device | str, stock_wins_on_cuda: bool) -> bool:
+    """Whether an op runs its stock torch implementation: only in fast mode; there always on CPU,
+    and on CUDA only where the stock op is faster than rlperf's kernel (``stock_wins_on_cuda``;
+    measured in bench/BENCHMARKS.md: True for matmul and prefill attention, False for the row ops)."""
+    if _mode != "fast":
+        return False
+    is_cuda = device.type == "cuda" if isinstance(device, torch.device) else str(device).startswith("cuda")
+    return stock_wins_on_cuda or not is_cuda
 
 
 def use_triton(device: torch.device | str) -> bool:

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import mode, use_triton
+from .dispatch import use_stock_op, use_triton
 from .reference import logprob as _ref
 
 BLOCK_V = 4096   # vocabulary chunk of the online update (fixed: batch invariance)
@@ -148,7 +148,7 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """
     T = _check_temperature(temperature)
     x = _rows(logits)
-    if mode() == "fast":
+    if use_stock_op(logits.device, stock_wins_on_cuda=False):
         return torch.log_softmax(logits.float() / T, dim=-1)
     if not use_triton(logits.device):
         return _ref.log_softmax(logits, T)
@@ -182,7 +182,7 @@ def token_logprobs(
         raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
     if targets.device != logits.device:
         raise ValueError(f"targets on {targets.device}, logits on {logits.device}")
-    if mode() == "fast":
+    if use_stock_op(logits.device, stock_wins_on_cuda=False):
         logp_all = torch.log_softmax(logits.float() / T, dim=-1)
         logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
         if not return_entropy:

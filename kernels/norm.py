@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import mode, use_triton
+from .dispatch import use_stock_op, use_triton
 from .reference import norm as _ref
 
 MAX_BLOCK = 8192  # rows up to this width are read once and kept in registers
@@ -132,7 +132,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
         ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``.
     """
     _check(x, weight, eps)
-    if mode() == "fast":
+    if use_stock_op(x.device, stock_wins_on_cuda=False):
         return _torch_rmsnorm(x, weight, eps)
     if use_triton(x.device):
         return _launch(x, None, weight, eps)
@@ -158,7 +158,7 @@ def add_rmsnorm(
             f"add_rmsnorm: residual {list(residual.shape)} {residual.dtype} {residual.device} must match "
             f"x {list(x.shape)} {x.dtype} {x.device}"
         )
-    if mode() == "fast":
+    if use_stock_op(x.device, stock_wins_on_cuda=False):
         new_residual = residual + x
         return _torch_rmsnorm(new_residual, weight, eps), new_residual
     if use_triton(x.device):

@@ -23,7 +23,6 @@ a decode step, and a sampler that changes with the batch would break seeded repr
 """
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch

@@ -367,3 +367,30 @@ def test_gpu_fast_mode_accuracy(dtype):
 def test_gpu_tma_and_pointer_loads_bit_identical(dtype, d):
     """The K/V load path (TMA descriptors or pointers) does not change a bit, in either layout."""
     _check_load_paths(make_tokens([1, 2000, 127, 700], 32, 8, d, dtype, "cuda"), [1, 2000, 127, 700])
+
+
+def _strided_like_model(lens, hq, hkv, d, dtype, device):
+    """q/k/v as the model makes them: q and v are strided views of one fused qkv projection, k a
+    fresh contiguous tensor, so K and V have different row strides."""
+    T = sum(lens)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, device=device).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.reshape(T, hq, d), k.reshape(T, hkv, d).contiguous(), v.reshape(T, hkv, d), cu_of(lens, device)
+
+
+def test_strided_views_give_the_contiguous_bits(interpreter):
+    lens = [3, 70, 130]
+    q, k, v, cu = _strided_like_model(lens, 4, 2, 64, torch.float16, "cpu")
+    assert v.stride(0) != k.stride(0)
+    out = K.varlen_attention(q, k, v, cu)
+    assert torch.equal(out, K.varlen_attention(q.contiguous(), k, v.contiguous(), cu))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_strided_views_give_the_contiguous_bits(dtype):
+    lens = [3, 130, 257, 1000]
+    q, k, v, cu = _strided_like_model(lens, 16, 8, 128, dtype, "cuda")
+    out = K.varlen_attention(q, k, v, cu)
+    assert torch.equal(out, K.varlen_attention(q.contiguous(), k, v.contiguous(), cu))
+    assert torch.equal(out, run_chunked(q.contiguous(), k, v.contiguous(), lens, chunk=1, prompt=40))

@@ -54,3 +54,11 @@ def test_mode_switch_restores():
     assert K.mode() == "invariant"
     with pytest.raises(ValueError, match="mode"):
         K.set_mode("quick")
+
+
+def test_fast_mode_uses_stock_ops_only_where_they_win():
+    assert not dispatch.use_stock_op("cpu", stock_wins_on_cuda=False)  # invariant mode: never
+    with K.use_mode("fast"):
+        assert dispatch.use_stock_op("cpu", stock_wins_on_cuda=False)  # CPU: stock torch
+        assert dispatch.use_stock_op(torch.device("cuda"), stock_wins_on_cuda=True)  # cuBLAS, SDPA
+        assert not dispatch.use_stock_op("cuda:0", stock_wins_on_cuda=False)  # row ops keep the kernel
