@@ -19,6 +19,7 @@ BENCHES = {
     "layers": "rlperf.bench.layers",
     "flatten": "rlperf.bench.flatten",
     "logprob": "rlperf.bench.logprob",
+    "rollout": "rlperf.rollout.benchmark",
 }
 
 

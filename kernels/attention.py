@@ -332,7 +332,34 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
     return o[0].transpose(0, 1)
 
 
+def _flash_varlen():
+    """torch's flash varlen attention (``torch.nn.attention.varlen.varlen_attn``) and how it takes
+    causality, or None where this torch has none. Its signature moved between releases."""
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
+
+
 def _varlen_fast(q, k, v, cu_seqlens, scale):
+    flash = _flash_varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+    if flash is not None and (flash[2] or q.shape[1] == k.shape[1]):
+        fn, causal, has_gqa = flash
+        # max_q = max_k = T: an upper bound known without reading cu_seqlens on the host, so the
+        # call never synchronizes (and can be captured in a CUDA graph); extra blocks exit at once.
+        T = q.shape[0]
+        extra = {"enable_gqa": True} if has_gqa else {}
+        return fn(q, k, v, cu_seqlens, cu_seqlens, T, T, scale=scale, **causal, **extra)
     cu = cu_seqlens.tolist()
     lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
     if lens and all(n == lens[0] for n in lens) and lens[0] > 0:
@@ -355,16 +382,17 @@ def _varlen_fast(q, k, v, cu_seqlens, scale):
 
 def _paged_fast(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale):
     """SDPA per sequence over its gathered pages; None for decode-only batches (see below)."""
+    if q.shape[0] == page_table.shape[0]:
+        # As many queries as sequences: a decode step. torch has no paged-decode kernel (SDPA would
+        # need the pages gathered into a dense copy and a length mask, which rules out its flash
+        # backend), and rlperf's kernel beats SDPA flash on dense KV, so it is the fastest path
+        # here too. None = "use the kernel" (correct for any layout; checked without a host sync).
+        return None
     cu = cu_seqlens_q.tolist()
     lens = kv_lens.tolist()
     B = len(lens)
     page = k_cache.shape[1]
     out = torch.empty_like(q)
-    if q.shape[0] == B and all(cu[i + 1] - cu[i] == 1 for i in range(B)):
-        # Decode: torch has no paged-decode kernel (SDPA would need the pages gathered into a dense
-        # copy and a length mask, which rules out its flash backend), and rlperf's kernel beats
-        # SDPA flash on dense KV, so it is the fastest path here too. None = "use the kernel".
-        return None
     for b in range(B):
         if cu[b + 1] == cu[b]:
             continue
