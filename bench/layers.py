@@ -37,7 +37,11 @@ def _graphed(fn):
         return graph.replay, True
     except Exception as exc:  # capture is an optimisation; say so and time eagerly
         torch.cuda.synchronize()
-        print(f"layers bench: CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:120]}); timing eagerly")
+        import traceback
+
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        print(f"layers bench: CUDA graph capture failed at {frame.filename}:{frame.lineno} "
+              f"({type(exc).__name__}: {str(exc)[:100]}); timing eagerly")
         return fn, False
 
 
@@ -59,18 +63,8 @@ def run(quick: bool = False) -> list[BenchRow]:
     # weights read once per step + KV read, per layer: for the decode GB/s column
     w_bytes = sum(t.numel() * t.element_size() for w in layers for t in vars(w).values())
 
-    # prefill: 8 x 1024, packed
-    b, seq = 8, 1024
-    t = b * seq
-    hidden = torch.randn(t, cfg.hidden_size, dtype=dtype, device=dev)
-    positions = torch.arange(seq, device=dev).repeat(b)
-    cu = torch.arange(0, t + 1, seq, dtype=torch.int32, device=dev)
-    prefill = lambda: _stack(cfg, layers, hidden, lambda h, r, w: decoder_layer_prefill(h, r, w, cfg, rope, positions, cu))
-    flops = 2 * t * n_layers * (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
-                                + 3 * cfg.hidden_size * cfg.intermediate_size)
-    flops += n_layers * 4 * b * cfg.num_attention_heads * seq * seq * cfg.head_dim // 2
-    rows.append(_compare(f"prefill {b}x{seq} L={n_layers}", prefill, flops, "TFLOP/s"))
-
+    # decode first: a failed capture (fast-mode prefill syncs on some torch builds) can leave the
+    # device in a state where the next capture fails too
     # decode: 64 sequences, 1024 cached tokens each, one new token
     b, ctx = 64, 1024
     pages_per_seq = ctx // K.PAGE_SIZE + 1
@@ -96,6 +90,18 @@ def run(quick: bool = False) -> list[BenchRow]:
 
     kv_bytes = n_layers * 2 * b * (ctx + 1) * cfg.kv_size * 2
     rows.append(_compare(f"decode b={b} kv={ctx} L={n_layers}", decode, w_bytes + kv_bytes, "GB/s"))
+    # prefill: 8 x 1024, packed
+    b, seq = 8, 1024
+    t = b * seq
+    hidden = torch.randn(t, cfg.hidden_size, dtype=dtype, device=dev)
+    positions = torch.arange(seq, device=dev).repeat(b)
+    cu = torch.arange(0, t + 1, seq, dtype=torch.int32, device=dev)
+    prefill = lambda: _stack(cfg, layers, hidden, lambda h, r, w: decoder_layer_prefill(h, r, w, cfg, rope, positions, cu))
+    flops = 2 * t * n_layers * (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+                                + 3 * cfg.hidden_size * cfg.intermediate_size)
+    flops += n_layers * 4 * b * cfg.num_attention_heads * seq * seq * cfg.head_dim // 2
+    rows.append(_compare(f"prefill {b}x{seq} L={n_layers}", prefill, flops, "TFLOP/s"))
+
     return rows
 
 

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import mode, use_triton
+from .dispatch import mode, use_stock_op, use_triton
 from .reference import attention as _ref
 
 # One launch config for every mode (see the contract above). BLOCK_N is the KV block and the page
@@ -518,8 +518,10 @@ def write_kv_cache(
     if T == 0:
         return
     D = k.shape[2]
-    if mode() == "fast" or not use_triton(k.device) or D & (D - 1) or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        # a copy has no bits to keep invariant; the torch path is exact too
+    if (use_stock_op(k.device, stock_wins_on_cuda=False) or not use_triton(k.device) or D & (D - 1)
+            or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
+        # a copy has no bits to keep invariant; the torch path is exact too (but syncs the host for
+        # the negative-slot filter, so on CUDA fast mode keeps the kernel)
         _ref.write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
         return
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
