@@ -30,6 +30,20 @@ def interpreter():
         pytest.skip("TRITON_INTERPRET is not set: the CPU kernel tests need Triton's interpreter")
 
 
+@pytest.fixture
+def poison(monkeypatch):
+    """Every float tensor an op allocates with torch.empty starts as NaN, so unwritten outputs fail."""
+    original = torch.empty
+
+    def empty(*args, **kwargs):
+        t = original(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
