@@ -1,0 +1,20 @@
+"""rlperf.train — the training core: advantages, RL losses, packed micro-batches, the optimizer step.
+
+* :mod:`~rlperf.train.args` — :class:`TrainArgs` (slime's flag names);
+* :mod:`~rlperf.train.advantages` — grpo, gspo, reinforce_plus_plus, reinforce_plus_plus_baseline;
+* :mod:`~rlperf.train.losses` — PPO/GSPO policy loss, KL estimators, TIS, per-sample/per-token reduction;
+* :mod:`~rlperf.train.batching` — :class:`Sample`, packing under ``max_tokens_per_gpu``, log-probs
+  of response tokens through ``rlperf.kernels.fused_logprob``;
+* :mod:`~rlperf.train.trainer` — :class:`Trainer` (AdamW + grad clipping), metrics with slime's names.
+"""
+from .advantages import compute_advantages, masked_whiten, normalize_rewards
+from .args import ADVANTAGE_ESTIMATORS, KL_LOSS_TYPES, TrainArgs
+from .batching import MicroBatch, Sample, compute_log_probs, micro_batch_log_probs, pack_micro_batches, partition
+from .losses import compute_approx_kl, compute_policy_loss, policy_loss, sample_reducer
+from .trainer import Trainer, frozen_copy
+
+__all__ = [
+    "TrainArgs", "ADVANTAGE_ESTIMATORS", "KL_LOSS_TYPES", "compute_advantages", "normalize_rewards", "masked_whiten",
+    "Sample", "MicroBatch", "pack_micro_batches", "partition", "micro_batch_log_probs", "compute_log_probs",
+    "compute_approx_kl", "compute_policy_loss", "policy_loss", "sample_reducer", "Trainer", "frozen_copy",
+]

@@ -1,0 +1,91 @@
+"""Training-core options, with slime's flag names (``--eps-clip`` -> ``eps_clip``); light to import."""
+from __future__ import annotations
+
+import dataclasses
+
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
+
+
+@dataclasses.dataclass
+class TrainArgs:
+    """What :class:`rlperf.train.Trainer` needs; defaults follow slime (and Megatron's optimizer defaults)."""
+
+    advantage_estimator: str = "grpo"
+    """``grpo``, ``gspo``, ``reinforce_plus_plus`` or ``reinforce_plus_plus_baseline``."""
+    n_samples_per_prompt: int = 1
+    """Group size: samples ``[g * n, (g + 1) * n)`` answer the same prompt (group-normalized rewards)."""
+    rewards_normalization: bool = True
+    """Subtract the group mean reward (grpo, gspo, reinforce_plus_plus_baseline); slime's ``--disable-rewards-normalization``."""
+    grpo_std_normalization: bool = True
+    """grpo/gspo: also divide by the group's (unbiased) std + 1e-6; slime's ``--disable-grpo-std-normalization``."""
+    normalize_advantages: bool = False
+    """Whiten advantages over the loss-masked tokens of the rollout (mean 0, unbiased var 1)."""
+    kl_coef: float = 0.0
+    """Reward-shaping KL (reinforce_plus_plus*): per-token reward ``-kl_coef * kl(actor, ref)``."""
+    gamma: float = 1.0
+    """Discount of the reinforce_plus_plus token returns."""
+
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    """Upper clip of the ratio (``1 + eps_clip_high``); None: ``eps_clip`` (symmetric)."""
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k1"
+    """``k1`` (log r), ``k2`` ((log r)^2 / 2), ``low_var_kl`` (k3 = r' - 1 - log r', clamped to [-10, 10])."""
+    entropy_coef: float = 0.0
+    use_tis: bool = False
+    """Truncated importance sampling: weight each token's pg loss by ``clamp(exp(old - rollout), tis_clip_low, tis_clip)``."""
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    calculate_per_token_loss: bool = False
+    """False: mean over samples of each sample's token mean; True: sum over tokens / number of loss tokens."""
+    rollout_temperature: float = 1.0
+    """Log-probs are of ``softmax(logits / rollout_temperature)`` (what the rollout reported)."""
+
+    use_dynamic_batch_size: bool = False
+    max_tokens_per_gpu: int | None = None
+    """With ``use_dynamic_batch_size``: the most tokens (prompt + response) of one packed micro-batch."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch without ``use_dynamic_batch_size``."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step; None: all samples given to one ``train_step``."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global grad norm to this (0 disables clipping; the norm is still reported)."""
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag for an option slime would reject."""
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"--advantage-estimator {self.advantage_estimator!r} is not supported; "
+                             f"choose from {', '.join(ADVANTAGE_ESTIMATORS)}")
+        if self.kl_loss_type not in KL_LOSS_TYPES:
+            raise ValueError(f"--kl-loss-type {self.kl_loss_type!r} is not supported; choose from {', '.join(KL_LOSS_TYPES)}")
+        if self.n_samples_per_prompt < 1:
+            raise ValueError(f"--n-samples-per-prompt must be >= 1, got {self.n_samples_per_prompt}")
+        if self.eps_clip < 0 or self.clip_high < 0:
+            raise ValueError(f"--eps-clip / --eps-clip-high must be >= 0, got {self.eps_clip} / {self.eps_clip_high}")
+        if not 0 <= self.tis_clip_low <= self.tis_clip:
+            raise ValueError(f"need 0 <= --tis-clip-low <= --tis-clip, got {self.tis_clip_low} and {self.tis_clip}")
+        if self.use_dynamic_batch_size and (self.max_tokens_per_gpu is None or self.max_tokens_per_gpu < 1):
+            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu >= 1")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        if not self.rollout_temperature > 0:
+            raise ValueError(f"--rollout-temperature must be > 0 for log-probs, got {self.rollout_temperature}")
+        if self.clip_grad < 0:
+            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")

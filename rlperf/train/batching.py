@@ -1,0 +1,167 @@
+"""Samples, packed varlen micro-batches, and per-token log-probs of response tokens.
+
+A :class:`Sample` is one prompt + response: ``tokens`` [L] (prompt then response),
+``response_length`` R (<= L - 1: the first response token needs a token before it), a
+``loss_mask`` [R] (1 = train on this token; 0 e.g. for tool output), the scalar ``reward``, and
+per response token the rollout engine's ``rollout_log_probs`` [R]. The trainer fills in
+``log_probs`` (old actor), ``ref_log_probs`` and ``advantages`` ([R] float32 each).
+
+Response token j sits at position ``p = L - R + j``; its log-prob is read from the final hidden
+state at ``p - 1`` with target ``tokens[p]``, through :func:`rlperf.kernels.fused_logprob` — only
+the R rows that predict response tokens go into the lm head, never the prompt rows.
+
+Packing (slime's ``--use-dynamic-batch-size --max-tokens-per-gpu``): first-fit decreasing by
+length into as few micro-batches as fit under the token cap (each holds at most
+``max_tokens_per_gpu`` tokens; a longer sample is an error); the samples of a micro-batch keep
+their input order. Without dynamic batching, consecutive runs of ``micro_batch_size`` samples.
+Because the kernels are batch invariant, a token's log-prob bits do not depend on the packing.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from rlperf import kernels as K
+
+
+@dataclasses.dataclass
+class Sample:
+    """One trajectory (field names as slime's ``Sample``); see the module docstring for shapes."""
+
+    tokens: torch.Tensor
+    response_length: int
+    reward: float = 0.0
+    loss_mask: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.tokens = torch.as_tensor(self.tokens, dtype=torch.int64)
+        self.response_length = int(self.response_length)
+        L, R = self.tokens.numel(), self.response_length
+        if self.tokens.dim() != 1 or not 0 < R < L:
+            raise ValueError(f"Sample: need tokens [L] with 0 < response_length < L (a prompt token first), "
+                             f"got tokens {list(self.tokens.shape)} and response_length {R}")
+        if self.loss_mask is None:
+            self.loss_mask = torch.ones(R, dtype=torch.float32)
+        for name in ("loss_mask", "rollout_log_probs", "log_probs", "ref_log_probs", "advantages"):
+            v = getattr(self, name)
+            if v is not None:
+                v = torch.as_tensor(v, dtype=torch.float32)
+                setattr(self, name, v)
+                if v.shape != (R,):
+                    raise ValueError(f"Sample: {name} must have shape [{R}] (response_length), got {list(v.shape)}")
+
+    @property
+    def total_length(self) -> int:
+        return self.tokens.numel()
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """Packed varlen input of some samples (indices into the caller's list, in order).
+
+    ``input_ids`` / ``positions`` [T] with T = sum of total lengths, ``cu_seqlens`` [B+1] int32,
+    ``logit_rows`` [sum R_i] int64 (the hidden row predicting each response token), ``targets``
+    [sum R_i] int64 (the response tokens), ``response_lengths`` [B].
+    """
+
+    indices: list[int]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    logit_rows: torch.Tensor
+    targets: torch.Tensor
+    response_lengths: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device) -> "MicroBatch":
+        return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in
+                                            ("input_ids", "positions", "cu_seqlens", "logit_rows", "targets")})
+
+
+def partition(lengths: Sequence[int], max_tokens_per_gpu: int | None = None,
+              micro_batch_size: int | None = None) -> list[list[int]]:
+    """Index groups: first-fit decreasing under ``max_tokens_per_gpu``, else runs of ``micro_batch_size``."""
+    lengths = [int(n) for n in lengths]
+    if max_tokens_per_gpu is None:
+        size = micro_batch_size or 1
+        return [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
+    for i, n in enumerate(lengths):
+        if n > max_tokens_per_gpu:
+            raise ValueError(f"sample {i} has {n} tokens > --max-tokens-per-gpu {max_tokens_per_gpu}; raise "
+                             f"--max-tokens-per-gpu or lower --rollout-max-response-len")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    # stable sort: equal lengths keep input order, so the packing is a function of the lengths only
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b in range(len(bins)):
+            if lengths[i] <= room[b]:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens_per_gpu - lengths[i])
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def make_micro_batch(samples: Sequence[Sample], indices: Sequence[int], device=None) -> MicroBatch:
+    """Pack ``samples[indices]`` into one varlen micro-batch (tensors on ``device``)."""
+    ids, pos, rows, tgts, cu, rl = [], [], [], [], [0], []
+    for i in indices:
+        s = samples[i]
+        L, R = s.total_length, s.response_length
+        ids.append(s.tokens)
+        pos.append(torch.arange(L))
+        rows.append(torch.arange(cu[-1] + L - R - 1, cu[-1] + L - 1))
+        tgts.append(s.tokens[L - R:])
+        cu.append(cu[-1] + L)
+        rl.append(R)
+    mb = MicroBatch(list(indices), torch.cat(ids), torch.cat(pos), torch.tensor(cu, dtype=torch.int32),
+                    torch.cat(rows), torch.cat(tgts), rl)
+    return mb.to(device) if device is not None else mb
+
+
+def pack_micro_batches(samples: Sequence[Sample], max_tokens_per_gpu: int | None = None,
+                       micro_batch_size: int | None = None, device=None) -> list[MicroBatch]:
+    """Micro-batches covering every sample once (see :func:`partition`)."""
+    groups = partition([s.total_length for s in samples], max_tokens_per_gpu, micro_batch_size)
+    return [make_micro_batch(samples, g, device) for g in groups]
+
+
+def micro_batch_log_probs(model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
+    """Log-probs [sum R_i] float32 (and entropy) of the micro-batch's response tokens, in sample order.
+
+    ``model`` needs ``forward_packed(input_ids, positions, cu_seqlens) -> hidden [T, H]`` and
+    ``head_weight`` [V, H] (:class:`rlperf.model.qwen3.Qwen3ForCausalLM`). Differentiable when
+    grad is enabled and the kernel backend has backward passes (the reference backend on CPU; of
+    the Triton kernels only ``fused_logprob`` has a backward so far).
+    """
+    hidden = model.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens)
+    return K.fused_logprob(hidden[mb.logit_rows], model.head_weight, mb.targets, temperature,
+                           return_entropy=with_entropy)
+
+
+@torch.no_grad()
+def compute_log_probs(model, samples: Sequence[Sample], temperature: float = 1.0,
+                      max_tokens_per_gpu: int | None = None, micro_batch_size: int | None = None,
+                      with_entropy: bool = False):
+    """Per-sample log-probs (list of [R_i] float32, on CPU) without grad, e.g. old or reference log-probs."""
+    logps: list[torch.Tensor | None] = [None] * len(samples)
+    ents: list[torch.Tensor | None] = [None] * len(samples)
+    for mb in pack_micro_batches(samples, max_tokens_per_gpu, micro_batch_size, device=model.head_weight.device):
+        out = micro_batch_log_probs(model, mb, temperature, with_entropy)
+        lp, ent = out if with_entropy else (out, None)
+        for k, (i, part) in enumerate(zip(mb.indices, lp.split(mb.response_lengths))):
+            logps[i] = part.float().cpu()
+            if with_entropy:
+                ents[i] = ent.split(mb.response_lengths)[k].float().cpu()
+    return (logps, ents) if with_entropy else logps

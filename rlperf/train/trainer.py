@@ -1,0 +1,147 @@
+"""One RL optimizer step: packed micro-batches -> fused log-probs -> policy loss -> AdamW.
+
+:class:`Trainer` owns the actor, an optional frozen reference model and the optimizer
+(``torch.optim.AdamW`` on the actor's parameters — they are the master weights, so train a float32
+model, or accept bf16 updates — and ``clip_grad_norm_``). Per rollout:
+
+1. :meth:`Trainer.prepare` — old log-probs (actor, no grad), reference log-probs (when
+   ``use_kl_loss`` or ``kl_coef``), advantages (:func:`rlperf.train.advantages.compute_advantages`);
+2. :meth:`Trainer.train_step` — one optimizer step over a global batch: each micro-batch's loss is
+   divided by the global batch's sample count (per-sample loss) or loss-token count (per-token),
+   so the accumulated gradient is that of the whole batch's loss, whatever the packing.
+
+Metrics use slime's names (``train/loss``, ``train/pg_loss``, ``train/pg_clipfrac``, ``train/ppo_kl``,
+``train/kl_loss``, ``train/entropy_loss``, ``train/grad_norm`` (before clipping),
+``train/train_rollout_logprob_abs_diff``, with TIS ``train/tis``, ``train/ois``,
+``train/tis_clipfrac``), each reduced like the loss.
+
+Backward needs kernels with backward passes: the reference backend (CPU) has them through torch
+autograd; of the Triton kernels only ``fused_logprob`` has one so far, so :meth:`train_step` raises
+when a parameter gets no gradient instead of silently training part of the model.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .advantages import compute_advantages
+from .args import TrainArgs
+from .batching import Sample, compute_log_probs, micro_batch_log_probs, pack_micro_batches
+from .losses import compute_approx_kl, policy_loss
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy with ``requires_grad=False`` (the reference model at step 0 equals the actor)."""
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+class Trainer:
+    """Actor + frozen reference + AdamW; ``train(samples)`` runs one rollout's optimizer steps."""
+
+    def __init__(self, model: torch.nn.Module, args: TrainArgs, ref_model: torch.nn.Module | None = None):
+        args.validate()
+        if (args.use_kl_loss or args.kl_coef != 0) and ref_model is None:
+            raise ValueError("--use-kl-loss / --kl-coef need a reference model (--ref-load)")
+        self.model, self.args, self.ref_model = model, args, ref_model
+        if ref_model is not None:
+            for p in ref_model.parameters():
+                p.requires_grad_(False)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                                           eps=args.adam_eps, weight_decay=args.weight_decay)
+        self.step_count = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.head_weight.device
+
+    def _packing(self) -> dict:
+        a = self.args
+        if a.use_dynamic_batch_size:
+            return dict(max_tokens_per_gpu=a.max_tokens_per_gpu)
+        return dict(micro_batch_size=a.micro_batch_size)
+
+    def prepare(self, samples: Sequence[Sample]) -> None:
+        """Fill each sample's ``log_probs`` (old actor), ``ref_log_probs`` (if needed) and ``advantages``."""
+        a = self.args
+        old = compute_log_probs(self.model, samples, a.rollout_temperature, **self._packing())
+        for s, lp in zip(samples, old):
+            s.log_probs = lp
+        kl = None
+        if self.ref_model is not None and (a.use_kl_loss or a.kl_coef != 0):
+            ref = compute_log_probs(self.ref_model, samples, a.rollout_temperature, **self._packing())
+            for s, lp in zip(samples, ref):
+                s.ref_log_probs = lp
+            kl = [compute_approx_kl(s.log_probs, s.ref_log_probs, a.kl_loss_type) for s in samples]
+        rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
+        adv = compute_advantages(a, rewards, [s.response_length for s in samples], [s.loss_mask for s in samples], kl)
+        for s, ad in zip(samples, adv):
+            s.advantages = ad
+
+    def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One optimizer step over ``samples`` (prepared); returns the step's metrics."""
+        a = self.args
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        for i, s in enumerate(samples):
+            if s.log_probs is None or s.advantages is None:
+                raise ValueError(f"sample {i} has no log_probs / advantages: call Trainer.prepare first")
+            if a.use_kl_loss and s.ref_log_probs is None:
+                raise ValueError(f"sample {i} has no ref_log_probs (use_kl_loss)")
+        with_rollout = all(s.rollout_log_probs is not None for s in samples)
+        if a.use_tis and not with_rollout:
+            raise ValueError("--use-tis needs rollout_log_probs on every sample")
+        if a.calculate_per_token_loss:
+            denom = max(float(sum(s.loss_mask.sum() for s in samples)), 1.0)
+        else:
+            denom = float(len(samples))
+
+        dev = self.device
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, torch.Tensor] = {}
+        for mb in pack_micro_batches(samples, device=dev, **self._packing()):
+            group = [samples[i] for i in mb.indices]
+
+            def flat(name):
+                return torch.cat([getattr(s, name) for s in group]).to(dev)
+
+            log_probs, entropy = micro_batch_log_probs(self.model, mb, a.rollout_temperature, with_entropy=True)
+            if a.entropy_coef == 0:
+                entropy = entropy.detach()  # a metric only: no backward through the entropy
+            loss, metrics = policy_loss(
+                a, log_probs, entropy, flat("log_probs"), flat("advantages"),
+                [s.loss_mask.to(dev) for s in group], mb.response_lengths,
+                ref_log_probs=flat("ref_log_probs") if a.use_kl_loss else None,
+                rollout_log_probs=flat("rollout_log_probs") if with_rollout else None)
+            (loss / denom).backward()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v / denom
+
+        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is None]
+        if missing:
+            raise RuntimeError(f"no gradient reached {missing[:4]}{' ...' if len(missing) > 4 else ''}: the kernel "
+                               f"backend has no backward for some op (use the reference backend to train on CPU)")
+        max_norm = a.clip_grad if a.clip_grad > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.step_count += 1
+        out = {f"train/{k}": float(v) for k, v in totals.items()}
+        out["train/grad_norm"] = grad_norm
+        out["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+    def train(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
+        """Prepare one rollout's samples, then one step per global batch (``num_steps_per_rollout`` steps)."""
+        gbs = self.args.global_batch_size or len(samples)
+        if len(samples) % gbs:
+            raise ValueError(f"{len(samples)} samples do not split into global batches of {gbs}")
+        self.prepare(samples)
+        return [self.train_step(samples[i:i + gbs]) for i in range(0, len(samples), gbs)]
