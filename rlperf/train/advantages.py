@@ -8,7 +8,10 @@ Outputs: one advantages tensor [R_i] float32 per sample.
 1. Reward post-processing (:func:`normalize_rewards`, slime does it when the rollout ends): for
    grpo, gspo and reinforce_plus_plus_baseline, ``r <- r - mean_group(r)``; for grpo and gspo also
    ``r <- r / (std_group(r) + 1e-6)`` (unbiased std; a group of one has std NaN, so groups of one
-   are only centered: slime would produce NaN there).
+   are only centered: slime would produce NaN there). The statistics are taken in float64 and a
+   group whose rewards are all equal gets exactly 0: in float32, ``0.9 - mean(0.9, 0.9, 0.9)`` is
+   ~1e-8, which the std division turns into a spurious advantage of ~0.06 (a noise slime's docs
+   warn about for non-binary rewards).
 2. Estimators:
 
    * grpo, gspo: ``A_i,t = r_i`` (every token of a sample gets its normalized reward);
@@ -45,11 +48,12 @@ def normalize_rewards(rewards: torch.Tensor, n_samples_per_prompt: int, advantag
     if rewards.numel() % n_samples_per_prompt:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of n_samples_per_prompt="
                          f"{n_samples_per_prompt}")
-    groups = rewards.view(-1, n_samples_per_prompt)
+    groups = rewards.view(-1, n_samples_per_prompt).double()
     centered = groups - groups.mean(dim=-1, keepdim=True)
     if advantage_estimator in ("grpo", "gspo") and grpo_std_normalization and n_samples_per_prompt > 1:
         centered = centered / (groups.std(dim=-1, keepdim=True) + GROUP_STD_EPS)
-    return centered.flatten()
+    uniform = (groups == groups[:, :1]).all(dim=-1, keepdim=True)
+    return centered.masked_fill(uniform, 0.0).float().flatten()
 
 
 def grpo_advantages(rewards: torch.Tensor, response_lengths: Sequence[int]) -> list[torch.Tensor]:
