@@ -12,8 +12,11 @@ outputs are dropped. Every op is row-invariant, so the B real rows get the bits 
 unpadded step (tests/rollout/test_engine.py checks the padded path on CPU; the GPU test compares
 replayed graphs against the eager engine).
 
-Limits: invariant mode only (the fast path's decode attention reads ``kv_lens`` on the host), pure
-decode steps only (a step with a prefill chunk runs eagerly), batches up to ``max_bs``. On a CPU
+Modes: graphs are kept per (mode, bucket) — a graph replays the kernels of the mode it was captured
+in, so a mode switch captures anew rather than replaying the other mode's kernels. Both modes
+capture: fast mode's decode is cuBLAS plus rlperf's paged-decode kernel, with no host sync.
+
+Limits: pure decode steps only (a step with a prefill chunk runs eagerly), batches up to ``max_bs``. On a CPU
 device nothing is captured: the padded static-buffer path runs eagerly (that is what the CPU
 tests exercise).
 """
@@ -44,7 +47,7 @@ class DecodeGraphs:
         self.table = torch.zeros(max_bs, max_pages, **i32)
         self.cu = torch.arange(max_bs + 1, **i32)
         self.kv_lens = torch.ones(max_bs, **i32)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
     def bucket(self, batch: int) -> int | None:
@@ -68,7 +71,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(bs)
         self._pool = graph.pool()
-        self.graphs[bs] = (graph, out)
+        self.graphs[(K.mode(), bs)] = (graph, out)
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], table: list[list[int]], kv_lens: list[int]) -> torch.Tensor:
         """Logits [B, V] float32 of a decode step of B = len(ids) sequences (one new token each).
@@ -77,8 +80,8 @@ class DecodeGraphs:
         """
         B = len(ids)
         bs = self.bucket(B)
-        if bs is None or K.mode() != "invariant":
-            raise ValueError(f"decode graphs take 1..{self.max_bs} sequences in invariant mode, got {B} in {K.mode()}")
+        if bs is None:
+            raise ValueError(f"decode graphs take 1..{self.max_bs} sequences, got {B}")
         pad = bs - B
         width = max(len(r) for r in table)
         if width > self.max_pages:
@@ -95,8 +98,9 @@ class DecodeGraphs:
         self.table[:bs].copy_(host_table.to(dev, non_blocking=True))
         if not self.capture:
             return self._forward(bs)[:B]
-        if bs not in self.graphs:
+        key = (K.mode(), bs)
+        if key not in self.graphs:
             self._capture(bs)
-        graph, out = self.graphs[bs]
+        graph, out = self.graphs[key]
         graph.replay()
         return out[:B]

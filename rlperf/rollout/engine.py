@@ -296,7 +296,7 @@ class Engine:
                 sample_rows.append(cu[-1] - 1)
                 sample_reqs.append(r)
         with torch.no_grad():
-            if self.graphs is not None and len(sample_reqs) == len(batch) == len(ids) and K.mode() == "invariant" \
+            if self.graphs is not None and len(sample_reqs) == len(batch) == len(ids) \
                     and len(batch) <= self.graphs.max_bs:
                 # a pure decode step: replay the captured graph of its batch-size bucket
                 logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
