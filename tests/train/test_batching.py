@@ -1,0 +1,96 @@
+"""Packing under --max-tokens-per-gpu, micro-batch layout, and response log-probs through fused_logprob."""
+import random
+
+import pytest
+import torch
+
+import rlperf.kernels as K
+from rlperf.kernels.reference.logprob import token_logprobs
+from rlperf.model import preset
+from rlperf.model.qwen3 import Qwen3ForCausalLM
+from rlperf.train import Sample, compute_log_probs, micro_batch_log_probs, pack_micro_batches, partition
+from rlperf.train.batching import make_micro_batch
+
+CFG = preset("tiny")
+
+
+def _samples(lengths, responses, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(torch.randint(0, CFG.vocab_size, (n,), generator=g), r, reward=float(i % 2))
+            for i, (n, r) in enumerate(zip(lengths, responses))]
+
+
+@pytest.mark.parametrize("cap", [33, 64, 127, 500])
+def test_packing_respects_the_token_cap_and_loses_no_sample(cap):
+    rng = random.Random(cap)
+    lengths = [rng.randint(1, 33) for _ in range(41)]
+    groups = partition(lengths, max_tokens_per_gpu=cap)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert g == sorted(g) and sum(lengths[i] for i in g) <= cap
+    assert len(groups) >= -(-sum(lengths) // cap)
+    assert [g[0] for g in groups] == sorted(g[0] for g in groups)
+    if cap == 500:
+        assert len(groups) == 2  # 41 samples of <= 33 tokens: first-fit decreasing fills the first bin
+
+
+def test_packing_finds_the_tight_fit_and_fixed_micro_batches_keep_order():
+    assert partition([5, 5, 5, 5, 3, 7], max_tokens_per_gpu=10) == [[0, 1], [2, 3], [4, 5]]
+    assert partition([4, 9, 2, 8, 1], micro_batch_size=2) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="sample 2 has 12 tokens > --max-tokens-per-gpu 11"):
+        partition([3, 4, 12], max_tokens_per_gpu=11)
+
+
+def test_micro_batch_layout_and_no_token_lost():
+    samples = _samples([9, 2, 17, 33], [4, 1, 16, 7])
+    mbs = pack_micro_batches(samples, max_tokens_per_gpu=40)
+    assert sum(mb.num_tokens for mb in mbs) == sum(s.total_length for s in samples)
+    for mb in mbs:
+        assert mb.num_tokens <= 40
+        assert mb.cu_seqlens.dtype == torch.int32 and mb.cu_seqlens[-1] == mb.num_tokens
+        assert torch.equal(mb.input_ids[mb.logit_rows + 1], mb.targets)  # row p - 1 predicts token p
+        for k, i in enumerate(mb.indices):
+            s, start = samples[i], int(mb.cu_seqlens[k])
+            assert torch.equal(mb.input_ids[start:start + s.total_length], s.tokens)
+            assert torch.equal(mb.positions[start:start + s.total_length], torch.arange(s.total_length))
+        assert torch.equal(mb.targets, torch.cat([samples[i].tokens[-samples[i].response_length:] for i in mb.indices]))
+
+
+def test_sample_validation():
+    with pytest.raises(ValueError, match="0 < response_length < L"):
+        Sample(torch.arange(4), 4)
+    with pytest.raises(ValueError, match=r"loss_mask must have shape \[2\]"):
+        Sample(torch.arange(4), 2, loss_mask=torch.ones(3))
+    s = Sample([1, 2, 3], 2, rollout_log_probs=[-0.5, -1.0])
+    assert s.loss_mask.tolist() == [1.0, 1.0] and s.rollout_log_probs.dtype == torch.float32
+
+
+def test_response_log_probs_match_full_logits_and_do_not_depend_on_packing():
+    model = Qwen3ForCausalLM.random(CFG, seed=1, std=0.1)
+    samples = _samples([7, 1 + 1, 33, 12], [3, 1, 20, 11], seed=2)
+    with K.use_backend("reference"), torch.no_grad():
+        packed, packed_ent = compute_log_probs(model, samples, temperature=0.7, max_tokens_per_gpu=64, with_entropy=True)
+        alone = compute_log_probs(model, samples, temperature=0.7, micro_batch_size=1)
+        for i, s in enumerate(samples):
+            # independent path: the sample alone, full [L, V] logits, float64 log-softmax
+            mb = make_micro_batch(samples, [i])
+            hidden = model.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens)
+            logits = hidden.double() @ model.head_weight.double().t()
+            L, R = s.total_length, s.response_length
+            want, want_ent = token_logprobs(logits[L - R - 1:L - 1], s.tokens[L - R:], 0.7, True)
+            torch.testing.assert_close(packed[i], want, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(packed_ent[i], want_ent, atol=1e-5, rtol=1e-5)
+            assert torch.equal(packed[i], alone[i]), i  # batch invariance: packing never changes the bits
+            assert (packed[i] <= 0).all() and packed[i].shape == (R,)
+
+
+def test_micro_batch_log_probs_are_differentiable_on_the_reference_backend():
+    model = Qwen3ForCausalLM.random(CFG, seed=3)
+    samples = _samples([5, 9], [2, 4], seed=4)
+    mb = pack_micro_batches(samples, max_tokens_per_gpu=32)[0]
+    with K.use_backend("reference"):
+        logp, ent = micro_batch_log_probs(model, mb, with_entropy=True)
+        (logp.sum() + ent.sum()).backward()
+    assert logp.shape == ent.shape == (6,)
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
