@@ -13,7 +13,6 @@ import sys
 NOT_BUILT = {
     "train": ("run the RL loop (rollout -> rewards -> train -> weight sync) with first-step gates", 5),
     "gate": ("run one rollout and one train step and check kl_zero, logprob_abs_diff, oom_headroom", 5),
-    "profile": ("profile rollout servers behind a router and merge their traces into one Perfetto trace", 6),
 }
 
 
@@ -46,6 +45,12 @@ def _serve(args: argparse.Namespace) -> int:
     from rlperf.rollout.server import serve
 
     return serve(server_args)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from rlperf.profiles.cli import run_profile
+
+    return run_profile(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(p)
     p.set_defaults(func=_serve)
+
+    from rlperf.profiles.cli import add_profile_arguments
+
+    p = sub.add_parser(
+        "profile",
+        help="profile rollout servers behind a router: start/stop traces, run under load and merge, summarize",
+        description=(
+            "rlperf profile --router-url URL --action start|stop: start or stop torch.profiler on every worker the "
+            "sglang-router lists (slime's tools/profile_rollout.py). rlperf profile run --router-url URL: start, "
+            "drive load through the router, stop, collect every worker's trace, merge them into one Perfetto trace "
+            "and print a summary. rlperf profile summarize TRACE...: the summary of existing traces."
+        ),
+    )
+    add_profile_arguments(p)
+    p.set_defaults(func=_profile)
     return parser
 
 

@@ -20,7 +20,7 @@ Endpoints (SGLang's names and reply fields; DESIGN.md "Rollout server"):
 * admin (``Authorization: Bearer <api-key>`` when the server has ``--api-key``):
   ``/pause_generation`` (``mode``: ``abort`` (SGLang's default) aborts what is in flight,
   ``retract`` and ``in_place`` keep it), ``/continue_generation``, ``/flush_cache`` (only when idle),
-  ``/abort_request`` (``rid`` or ``abort_all``), ``/start_profile``, ``/stop_profile``,
+  ``/abort_request`` (``rid`` or ``abort_all``), ``/start_profile``, ``/stop_profile``, ``/profile_trace``,
   ``/update_weights_from_tensor`` (``load_format: "flattened_bucket"``; :mod:`rlperf.rollout.weights`).
 """
 from __future__ import annotations
@@ -132,6 +132,7 @@ class RolloutServer:
         for path, handler in admin.items():
             r.add_post(path, self._admin(handler))
         r.add_get("/flush_cache", self._admin(self.flush))
+        r.add_get("/profile_trace", self._admin(self.profile_trace))
 
     async def _startup(self, app):
         self.loop.start()
@@ -343,6 +344,15 @@ class RolloutServer:
                 raise BadRequest(str(exc)) from None
         path = await self._on_engine(stop)
         return web.json_response({"success": True, "message": "Stop profiling.", "trace_path": path})
+
+    async def profile_trace(self, request):
+        """The gzip trace the last profile wrote, so ``rlperf profile run`` collects it from another host;
+        its path is in the ``X-Trace-Path`` header (a caller waiting for a ``num_steps`` trace compares it)."""
+        path = await self._on_engine(lambda engine: self.loop.profiler.last_trace)
+        if path is None or not path.exists():
+            return _error(404, "no profile trace has been written yet (POST /start_profile, then /stop_profile)")
+        data = await asyncio.to_thread(path.read_bytes)
+        return web.Response(body=data, content_type="application/gzip", headers={"X-Trace-Path": str(path)})
 
     async def update_weights(self, request):
         body = await _json_body(request)

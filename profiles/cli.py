@@ -1,0 +1,132 @@
+"""``rlperf profile`` arguments and handler (``rlperf.cli`` wires them in).
+
+* ``rlperf profile --router-url URL --action start|stop [options]``: slime's ``profile_rollout.py``.
+* ``rlperf profile run --router-url URL [options] [load options]``: start, load, stop, collect, merge, summarize.
+* ``rlperf profile summarize TRACE...``: the summary of existing traces (worker traces, SGLang's
+  ``*.trace.json.gz``, or a merged ``rlperf profile run`` trace, whose request slices give the load numbers).
+
+Exit codes: 0 done, 1 a router/worker failed or refused (the message says which), 2 bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .control import ACTIVITIES
+
+
+def _add_target(p: argparse.ArgumentParser, required_url: bool) -> None:
+    p.add_argument("--router-url", required=required_url, help="the sglang-router, e.g. http://127.0.0.1:30000")
+    p.add_argument("--api-key", default=None, help="Bearer key of the workers' admin endpoints (rlperf serve --api-key)")
+    p.add_argument("--output-dir", default=None,
+                   help="where the workers write their traces (a path on each worker's host; SGLang's default: "
+                        "$SGLANG_TORCH_PROFILER_DIR); run mode also writes the merged trace and summary here")
+    p.add_argument("--num-steps", type=int, default=None, help="each worker stops by itself after this many engine steps")
+    p.add_argument("--activities", nargs="+", choices=ACTIVITIES, default=None,
+                   help="what to record (default: the worker's choice: CPU, and GPU when it has one)")
+    p.add_argument("--profile-by-stage", action="store_true", help="SGLang: one trace per stage (prefill, decode)")
+    p.add_argument("--with-stack", action="store_true", help="record Python stacks")
+    p.add_argument("--record-shapes", action="store_true", help="record input shapes of ops")
+
+
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    _add_target(p, required_url=False)
+    p.add_argument("--action", choices=("start", "stop"), default=None,
+                   help="start or stop profiling on every worker the router lists")
+    sub = p.add_subparsers(dest="profile_mode", metavar="{run,summarize}")
+    r = sub.add_parser("run", help="start, drive load through the router, stop, collect, merge, summarize",
+                       description="Profile every worker behind the router under a built-in load, merge their traces "
+                                   "into one Perfetto trace (a process per worker, plus the requests) and summarize.")
+    _add_target(r, required_url=True)
+    r.add_argument("--num-prompts", type=int, default=16)
+    r.add_argument("--input-len", type=int, default=128, help="random prompts of this many token ids")
+    r.add_argument("--output-len", type=int, default=64, help="tokens generated per request (ignore_eos)")
+    r.add_argument("--concurrency", type=int, default=8, help="requests in flight at a time")
+    r.add_argument("--dataset", default=None,
+                   help="a jsonl of prompts ({'text'|'prompt'|'input_ids', optional 'max_new_tokens'}) instead of random ones")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--temperature", type=float, default=1.0)
+    r.add_argument("--top-n", type=int, default=15, help="kernels (or CPU ops) listed in the summary")
+    s = sub.add_parser("summarize", help="summarize existing trace files (SGLang's *.trace.json.gz too)")
+    s.add_argument("traces", nargs="+", metavar="TRACE")
+    s.add_argument("--top-n", type=int, default=15)
+    s.add_argument("--json", default=None, help="also write the summary as JSON to this file")
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from .control import ProfileError, StartOptions
+
+    def fail(msg: str) -> int:
+        print(f"rlperf profile: error: {msg}", file=sys.stderr)
+        return 1
+
+    try:
+        if args.profile_mode == "summarize":
+            return _summarize(args)
+        if not args.router_url:
+            print("rlperf profile: --router-url is required (or use 'rlperf profile summarize TRACE...')", file=sys.stderr)
+            return 2
+        if args.num_steps is not None and args.num_steps <= 0:
+            print("rlperf profile: --num-steps must be positive", file=sys.stderr)
+            return 2
+        options = StartOptions(output_dir=args.output_dir, num_steps=args.num_steps, activities=args.activities,
+                               profile_by_stage=args.profile_by_stage, with_stack=args.with_stack,
+                               record_shapes=args.record_shapes)
+        if args.profile_mode == "run":
+            return _run(args, options)
+        if args.action is None:
+            print("rlperf profile: give --action start|stop, or 'run' / 'summarize' (rlperf profile --help)",
+                  file=sys.stderr)
+            return 2
+        from . import control
+
+        workers = control.list_workers(args.router_url, args.api_key)
+        if args.action == "start":
+            replies = control.start(workers, options, args.api_key)
+        else:
+            replies = control.stop(workers, args.api_key)
+        for r in replies:
+            where = f": {r.trace_path}" if r.trace_path else ""
+            print(f"{args.action}_profile {r.url}: ok{where}")
+        print(f"rlperf profile: {args.action} succeeded on {len(replies)} worker(s)")
+        return 0
+    except ProfileError as exc:
+        return fail(str(exc))
+
+
+def _run(args, options) -> int:
+    from .harness import profile_run
+    from .load import LoadSpec
+
+    spec = LoadSpec(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                    concurrency=args.concurrency, dataset=args.dataset, seed=args.seed, temperature=args.temperature)
+    result = profile_run(args.router_url, options, spec, args.output_dir or "profiles-out", args.api_key, args.top_n)
+    load = result.summary["load"]
+    return 0 if load and load["failed"] == 0 else 1
+
+
+def _summarize(args) -> int:
+    from pathlib import Path
+
+    from .control import ProfileError
+    from .summary import format_summary, summarize
+    from .traces import is_merged, read_json, split_merged, to_epoch, stage_of
+
+    workers, requests = [], []
+    for t in args.traces:
+        try:
+            doc = read_json(t)
+        except (OSError, ValueError, EOFError) as exc:
+            raise ProfileError(f"{t}: not a readable Chrome trace ({exc})") from None
+        if is_merged(doc):
+            w, r = split_merged(doc)
+            workers += w
+            requests += r
+        else:
+            workers.append(to_epoch(doc, Path(t).name, stage_of(t), t))
+    s = summarize(workers, requests, args.top_n)
+    print(format_summary(s))
+    if args.json:
+        Path(args.json).write_text(json.dumps(s, indent=2))
+    return 0

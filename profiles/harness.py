@@ -1,0 +1,148 @@
+"""``rlperf profile run``: start on every worker, drive load, stop, collect, merge, summarize.
+
+Collecting: a worker that reports its trace path (rlperf servers do, in the ``/start_profile`` and
+``/stop_profile`` replies) is read from that path when this host sees it, else fetched over HTTP
+from the worker's ``GET /profile_trace`` (so remote workers work). A worker that reports no path
+(SGLang) is matched to the ``*.trace.json.gz`` files that appeared in ``--output-dir`` during the
+run, newest first, one per worker in the router's order; if the files cannot be told apart that
+way, the run says so instead of guessing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import time
+from pathlib import Path
+
+from . import control
+from .control import ProfileError, StartOptions
+from .load import LoadSpec, run_load
+from .summary import format_summary, summarize
+from .traces import WorkerTrace, load_worker_trace, merge, read_json, to_epoch, write_trace
+
+MERGED_NAME = "rlperf-profile-{run_id}.merged.json.gz"
+SUMMARY_NAME = "rlperf-profile-{run_id}.summary.json"
+REQUESTS_NAME = "rlperf-profile-{run_id}.requests.jsonl"
+
+
+@dataclasses.dataclass
+class RunResult:
+    merged_path: Path
+    summary_path: Path
+    requests_path: Path
+    summary: dict
+    trace_sources: dict[str, str]
+    """Worker URL -> where its trace came from (a local path or ``url/profile_trace``)."""
+
+
+def _fetch(worker: str, expected: str | None, api_key: str | None, wait_s: float) -> tuple[dict, str]:
+    """The worker's last trace over ``GET /profile_trace``; waits up to ``wait_s`` until it is ``expected``
+    (the path ``/start_profile`` reported: a ``num_steps`` trace is written when the steps ran out)."""
+    url = worker.rstrip("/") + "/profile_trace"
+    deadline = time.time() + wait_s
+    while True:
+        status, payload, headers = control.http(url, api_key=api_key, timeout=300.0)
+        got = {k.lower(): v for k, v in headers.items()}.get("x-trace-path")
+        if status == 200 and (expected is None or got == expected):
+            return json.loads(gzip.decompress(payload) if payload[:2] == b"\x1f\x8b" else payload), url
+        if status not in (200, 404) or time.time() > deadline:
+            what = f"trace {expected}" if expected else "a trace"
+            raise ProfileError(f"{url}: {what} not available (HTTP {status}, last trace {got}: "
+                               f"{payload[:300].decode(errors='replace')})")
+        time.sleep(0.5)
+
+
+def collect(workers: list[str], starts: list, stops: list, output_dir: str | None, since: float,
+            api_key: str | None = None, wait_s: float = 120.0) -> tuple[list[WorkerTrace], dict[str, str]]:
+    """One :class:`WorkerTrace` per worker, in ``workers`` order (see the module docstring)."""
+    reported = {}
+    for r in list(starts) + list(stops):
+        if r.trace_path:
+            reported[r.url] = r.trace_path
+    traces, sources = [], {}
+    unreported = [w for w in workers if w not in reported]
+    found: list[Path] = []
+    if unreported:
+        if not output_dir:
+            raise ProfileError(f"{', '.join(unreported)} did not report a trace path: pass --output-dir "
+                               f"(a directory this host can read) to collect their traces")
+        taken = set(reported.values())
+        found = sorted((p for p in Path(output_dir).glob("*.trace.json.gz")
+                        if p.stat().st_mtime >= since - 1 and str(p) not in taken),
+                       key=lambda p: p.stat().st_mtime)
+        if len(found) != len(unreported):
+            raise ProfileError(f"found {len(found)} new trace files in {output_dir} for {len(unreported)} workers "
+                               f"that reported no path ({', '.join(unreported)}); cannot tell which is whose")
+    for w in workers:
+        if w in reported:
+            path = Path(reported[w])
+            if path.exists():
+                deadline = time.time() + wait_s
+                while True:  # a num_steps trace appears when the worker finishes writing it
+                    try:
+                        doc, src = read_json(path), str(path)
+                        break
+                    except (OSError, ValueError, EOFError):
+                        if time.time() > deadline:
+                            raise ProfileError(f"{w}: trace {path} could not be read") from None
+                        time.sleep(0.5)
+            else:
+                doc, src = _fetch(w, reported[w], api_key, wait_s)
+            traces.append(to_epoch(doc, w, None, str(path)))
+        else:
+            p = found.pop(0)
+            t = load_worker_trace(p, w)
+            traces.append(t)
+            src = str(p)
+        sources[w] = src
+    return traces, sources
+
+
+def profile_run(router_url: str, options: StartOptions, spec: LoadSpec, output_dir: str, api_key: str | None = None,
+                top_n: int = 10, log=print) -> RunResult:
+    """The whole ``rlperf profile run``; ProfileError on any failure (workers are stopped first)."""
+    workers = control.list_workers(router_url, api_key)
+    log(f"rlperf profile: {len(workers)} workers behind {router_url}: {', '.join(workers)}")
+    run_id = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if options.output_dir is None:
+        options = dataclasses.replace(options, output_dir=str(out.resolve()))
+    since = time.time()
+    starts = control.start(workers, options, api_key)
+    t_start = time.time()
+    try:
+        records, load_start, load_end = run_load(router_url, spec, api_key)
+    except BaseException:
+        for w in workers:  # do not leave profilers running behind a failed run
+            try:
+                control.stop([w], api_key)
+            except ProfileError:
+                pass
+        raise
+    if options.num_steps is None:
+        stops = control.stop(workers, api_key)
+    else:  # a worker whose num_steps ran out has stopped itself (and refuses); one that has not is stopped now
+        stops = []
+        for w in workers:
+            try:
+                stops += control.stop([w], api_key)
+            except ProfileError as exc:
+                log(f"rlperf profile: {w} had stopped by itself after --num-steps ({str(exc).splitlines()[0]})")
+    t_stop = time.time()
+    failed = [r for r in records if not r.ok]
+    log(f"rlperf profile: {len(records) - len(failed)}/{len(records)} requests succeeded in {load_end - load_start:.2f} s")
+    traces, sources = collect(workers, starts, stops, options.output_dir, since, api_key)
+    merged = merge(traces, records, (t_start, t_stop))
+    merged_path = write_trace(merged, out / MERGED_NAME.format(run_id=run_id))
+    requests_path = out / REQUESTS_NAME.format(run_id=run_id)
+    requests_path.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in records))
+    summary = summarize(traces, records, top_n)
+    summary["merged_trace"] = str(merged_path)
+    summary["trace_sources"] = sources
+    summary_path = out / SUMMARY_NAME.format(run_id=run_id)
+    summary_path.write_text(json.dumps(summary, indent=2))
+    log(format_summary(summary))
+    log(f"merged trace (open in https://ui.perfetto.dev): {merged_path}")
+    return RunResult(merged_path, summary_path, requests_path, summary, sources)
