@@ -1,5 +1,9 @@
-"""rlperf.profiles — the profile harness behind `rlperf profile` (discover workers through the router,
-start/stop traces, drive load, collect, merge into one Perfetto trace, summarize).
+"""rlperf.profiles — the profile harness behind ``rlperf profile`` (issue #6).
 
-The harness lands with issue #6; until then `rlperf profile` says so and exits 2.
+``control``: discover workers through the router (``GET /workers``) and start/stop their profilers
+(slime's ``tools/profile_rollout.py``). ``load``: the load generator and its request log.
+``traces``: read Chrome traces (SGLang's ``*.trace.json.gz`` too), put them on one clock, merge them
+into one Perfetto-loadable trace. ``summary``: top kernels, prefill vs decode, throughput and latency.
+``harness``: ``rlperf profile run`` end to end, collecting traces locally or over HTTP.
+``timeline``: the phase timeline a training run writes. ``cli``: the ``rlperf profile`` arguments.
 """
