@@ -62,29 +62,48 @@ def compute_policy_loss(ppo_kl: torch.Tensor, advantages: torch.Tensor, eps_clip
     return torch.maximum(l1, l2), torch.gt(l2, l1).to(l1.dtype)
 
 
+def _segments(response_lengths: Sequence[int], device) -> torch.Tensor:
+    """Sample index of every token [sum R_i] (int64)."""
+    lengths = torch.as_tensor(list(response_lengths), dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
+
+
 def sequence_ppo_kl(old_log_probs: torch.Tensor, log_probs: torch.Tensor, loss_masks: Sequence[torch.Tensor],
                     response_lengths: Sequence[int]) -> torch.Tensor:
     """GSPO: each sample's masked mean of ``old - new``, broadcast to its tokens -> [sum R_i]."""
-    diff = old_log_probs - log_probs
-    parts = [(d * m).sum() / m.sum().clamp_min(1) for d, m in zip(diff.split(list(response_lengths)), loss_masks)]
-    return torch.cat([p.expand(n) for p, n in zip(parts, response_lengths)]) if parts else diff
+    if not len(response_lengths):
+        return old_log_probs - log_probs
+    seg = _segments(response_lengths, log_probs.device)
+    mask = torch.cat(list(loss_masks)).to(log_probs.dtype)
+    diff = (old_log_probs - log_probs) * mask
+    num = diff.new_zeros(len(response_lengths)).index_add(0, seg, diff)
+    count = mask.new_zeros(len(response_lengths)).index_add(0, seg, mask).clamp_min(1)
+    return (num / count)[seg]
 
 
 def sample_reducer(response_lengths: Sequence[int], loss_masks: Sequence[torch.Tensor],
                    calculate_per_token_loss: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``f(x [sum R_i]) -> scalar``: sum of per-sample masked means, or the masked token sum (per-token)."""
-    lengths = list(response_lengths)
+    """``f(x [sum R_i]) -> scalar``: sum of per-sample masked means, or the masked token sum (per-token).
 
-    def per_sample(x: torch.Tensor) -> torch.Tensor:
-        total = x.new_zeros(())
-        for xi, mi in zip(x.split(lengths), loss_masks):
-            total = total + (xi * mi).sum() / mi.sum().clamp_min(1)
-        return total
+    Both are one weighted sum over tokens (no per-sample Python loop: a few launches per metric
+    on the GPU, whatever the number of samples): token weight ``mask`` (per-token) or
+    ``mask / max(sum of the sample's mask, 1)`` (per-sample).
+    """
+    if not len(response_lengths):
+        return lambda x: x.sum()
+    mask = torch.cat(list(loss_masks))
+    weight = mask.double()
+    if not calculate_per_token_loss:
+        seg = _segments(response_lengths, mask.device)
+        count = weight.new_zeros(len(response_lengths)).index_add(0, seg, weight).clamp_min(1)
+        weight = weight / count[seg]
+    cache: dict[torch.dtype, torch.Tensor] = {}
 
-    def per_token(x: torch.Tensor) -> torch.Tensor:
-        return (x * torch.cat(list(loss_masks)).to(x.dtype)).sum() if lengths else x.new_zeros(())
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        w = cache.setdefault(x.dtype, weight.to(x.dtype))
+        return (x * w).sum()
 
-    return per_token if calculate_per_token_loss else per_sample
+    return reduce
 
 
 def policy_loss(args: TrainArgs, log_probs: torch.Tensor, entropy: torch.Tensor, old_log_probs: torch.Tensor,

@@ -13,7 +13,8 @@ model, or accept bf16 updates — and ``clip_grad_norm_``). Per rollout:
 Metrics use slime's names (``train/loss``, ``train/pg_loss``, ``train/pg_clipfrac``, ``train/ppo_kl``,
 ``train/kl_loss``, ``train/entropy_loss``, ``train/grad_norm`` (before clipping),
 ``train/train_rollout_logprob_abs_diff``, with TIS ``train/tis``, ``train/ois``,
-``train/tis_clipfrac``), each reduced like the loss.
+``train/tis_clipfrac``), each reduced like the loss. A non-finite grad norm skips the update (the
+weights stay as they were) and is reported as is, for the sanity gate to catch.
 
 Backward needs kernels with backward passes: the reference backend (CPU) has them through torch
 autograd; of the Triton kernels only ``fused_logprob`` has one so far, so :meth:`train_step` raises

@@ -164,3 +164,15 @@ def test_clear_errors():
     model.unused = nn.Parameter(torch.zeros(3))  # a parameter the loss never reaches
     with pytest.raises(RuntimeError, match=r"no gradient reached \['unused'\]"):
         Trainer(model, TrainArgs(n_samples_per_prompt=3, micro_batch_size=6)).train(_samples())
+
+
+def test_a_non_finite_gradient_skips_the_update_and_reports_it():
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(model, TrainArgs(n_samples_per_prompt=3, micro_batch_size=6, lr=1e-2))
+    samples = _samples()
+    trainer.prepare(samples)
+    samples[1].advantages[0] = float("nan")
+    m = trainer.train_step(samples)
+    assert m["train/grad_norm"] != m["train/grad_norm"]  # NaN: what the sanity gate looks at
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
