@@ -108,7 +108,8 @@ class WorkerReply:
     message: str
 
 
-def _each(workers: list[str], path: str, body: dict, api_key: str | None, timeout: float) -> list[WorkerReply]:
+def _each(workers: list[str], path: str, body: dict, api_key: str | None, timeout: float):
+    """(replies of the workers that accepted, messages of those that refused or could not be reached)."""
     replies, failures = [], []
     for url in workers:
         try:
@@ -121,20 +122,32 @@ def _each(workers: list[str], path: str, body: dict, api_key: str | None, timeou
             continue
         trace = payload.get("trace_path") if isinstance(payload, dict) else None
         replies.append(WorkerReply(url, trace, _message(payload) if isinstance(payload, dict) else str(payload)))
-    if failures:
-        done = f"; it succeeded on {', '.join(r.url for r in replies)}" if replies else ""
-        raise ProfileError("\n".join(failures) + done)
-    return replies
+    return replies, failures
 
 
 def start(workers: list[str], options: StartOptions, api_key: str | None = None, timeout: float = 60.0) -> list[WorkerReply]:
-    """POST ``/start_profile`` to every worker; ProfileError naming each one that refused."""
+    """POST ``/start_profile`` to every worker; ProfileError naming each one that refused.
+
+    All or nothing: when one refuses, the workers that did start are stopped again (their traces are
+    written, as any stop writes them) so a failed start leaves no profiler running.
+    """
     bad = [a for a in options.activities or [] if a not in ACTIVITIES]
     if bad:
         raise ProfileError(f"unknown activities {bad}; choose from {list(ACTIVITIES)}")
-    return _each(workers, "/start_profile", options.body(), api_key, timeout)
+    replies, failures = _each(workers, "/start_profile", options.body(), api_key, timeout)
+    if failures:
+        undone = ""
+        if replies:
+            stopped, _ = _each([r.url for r in replies], "/stop_profile", {}, api_key, 300.0)
+            undone = f"\n(stopped again on {', '.join(r.url for r in stopped)}, which had started)"
+        raise ProfileError("\n".join(failures) + undone)
+    return replies
 
 
 def stop(workers: list[str], api_key: str | None = None, timeout: float = 300.0) -> list[WorkerReply]:
     """POST ``/stop_profile`` to every worker (writing a trace can take a while: long timeout)."""
-    return _each(workers, "/stop_profile", {}, api_key, timeout)
+    replies, failures = _each(workers, "/stop_profile", {}, api_key, timeout)
+    if failures:
+        done = f"\n(it stopped on {', '.join(r.url for r in replies)})" if replies else ""
+        raise ProfileError("\n".join(failures) + done)
+    return replies

@@ -218,3 +218,33 @@ def test_sleep_rollout_keeps_the_servers_answering(cluster, caplog, monkeypatch)
     assert result["out"] == []
     lines = [r.getMessage() for r in caplog.records if r.name == sleep_mod.__name__]
     assert len(lines) == 1 + 4 and "rollout 7" in lines[0] and lines[-1].endswith("asleep for 4 hours")
+
+
+def test_a_refusing_worker_leaves_no_profiler_running_elsewhere(cluster, tmp_path, capsys):
+    w0, w1 = cluster.worker_urls
+    control.start([w0], control.StartOptions(output_dir=str(tmp_path), activities=["CPU"]), KEY)
+    try:
+        assert _profile("--router-url", cluster.router_url, "--api-key", KEY, "--action", "start",
+                        "--output-dir", str(tmp_path), "--activities", "CPU") == 1
+        err = capsys.readouterr().err
+        assert f"{w0}/start_profile refused (HTTP 400)" in err and "already running" in err
+        assert f"stopped again on {w1}" in err
+    finally:
+        control.stop([w0], KEY)
+    with pytest.raises(control.ProfileError, match="no profile is running"):
+        control.stop([w1], KEY)
+
+
+@pytest.mark.gpu
+def test_run_on_gpu_servers_ranks_gpu_kernels(tmp_path, capsys):
+    from rlperf.rollout.args import ServerArgs
+    from rlperf.rollout.router import launch_cluster
+
+    args = ServerArgs(model_path="tiny", device="cuda", api_key=KEY, max_total_tokens=4096)
+    with launch_cluster(args, 2, free_port(), log_dir=str(tmp_path), ports=[free_port(), free_port()]) as c:
+        assert _profile("run", "--router-url", c.router_url, "--api-key", KEY, "--output-dir", str(tmp_path / "run"),
+                        "--num-prompts", "16", "--input-len", "100", "--output-len", "32", "--concurrency", "8") == 0
+    summary = json.loads(next((tmp_path / "run").glob("*.summary.json")).read_text())
+    assert summary["top_kind"] == "gpu" and summary["top"][0]["total_ms"] > 0
+    assert summary["load"]["output_tokens"] == 16 * 32
+    print(capsys.readouterr().out)
