@@ -94,3 +94,36 @@ def test_micro_batch_log_probs_are_differentiable_on_the_reference_backend():
     assert logp.shape == ent.shape == (6,)
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_response_log_probs_are_packing_invariant_and_equal_with_grad():
+    import dataclasses
+
+    from rlperf.train import TrainArgs, frozen_copy, policy_loss
+
+    cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
+    model = Qwen3ForCausalLM.random(cfg, seed=7, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(8)
+    samples = [Sample(torch.randint(0, cfg.vocab_size, (n,), generator=g), r)
+               for n, r in [(40, 20), (300, 150), (513, 400), (129, 1), (7, 6)]]
+    with K.use_mode("invariant"):
+        packed = compute_log_probs(model, samples, max_tokens_per_gpu=700)
+        alone = compute_log_probs(model, samples, micro_batch_size=1)
+        ref = compute_log_probs(frozen_copy(model), samples, micro_batch_size=2)
+        for i in range(len(samples)):
+            assert torch.equal(packed[i], alone[i]) and torch.equal(packed[i], ref[i]), i
+            assert (packed[i] <= 0).all()
+        # the training forward (grad on: fused_logprob's autograd path) gives the same bits
+        mb = pack_micro_batches(samples, max_tokens_per_gpu=1100, device="cuda")[0]
+        logp, ent = micro_batch_log_probs(model, mb, with_entropy=True)
+        old = torch.cat([packed[i] for i in mb.indices]).cuda()
+        assert torch.equal(logp.detach(), old)
+        args = TrainArgs(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
+        masks = [samples[i].loss_mask.cuda() for i in mb.indices]
+        loss, m = policy_loss(args, logp, ent, old, torch.ones_like(old), masks, mb.response_lengths,
+                              ref_log_probs=torch.cat([ref[i] for i in mb.indices]).cuda(), rollout_log_probs=old)
+        for key in ("ppo_kl", "pg_clipfrac", "kl_loss", "train_rollout_logprob_abs_diff"):
+            assert float(m[key]) == 0.0, key
+        loss.backward()  # reaches the lm head through fused_logprob's backward
+        assert model.head_weight.grad is not None and torch.isfinite(model.head_weight.grad).all()
