@@ -21,7 +21,8 @@ def _add_target(p: argparse.ArgumentParser, required_url: bool) -> None:
     p.add_argument("--api-key", default=None, help="Bearer key of the workers' admin endpoints (rlperf serve --api-key)")
     p.add_argument("--output-dir", default=None,
                    help="where the workers write their traces (a path on each worker's host; SGLang's default: "
-                        "$SGLANG_TORCH_PROFILER_DIR); run mode also writes the merged trace and summary here")
+                        "$SGLANG_TORCH_PROFILER_DIR); run mode also writes the merged trace, summary and request log "
+                        "here (default ./rlperf-profile)")
     p.add_argument("--num-steps", type=int, default=None, help="each worker stops by itself after this many engine steps")
     p.add_argument("--activities", nargs="+", choices=ACTIVITIES, default=None,
                    help="what to record (default: the worker's choice: CPU, and GPU when it has one)")
@@ -101,7 +102,7 @@ def _run(args, options) -> int:
 
     spec = LoadSpec(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                     concurrency=args.concurrency, dataset=args.dataset, seed=args.seed, temperature=args.temperature)
-    result = profile_run(args.router_url, options, spec, args.output_dir or "profiles-out", args.api_key, args.top_n)
+    result = profile_run(args.router_url, options, spec, args.output_dir or "rlperf-profile", args.api_key, args.top_n)
     load = result.summary["load"]
     return 0 if load and load["failed"] == 0 else 1
 

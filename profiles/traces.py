@@ -22,6 +22,7 @@ from pathlib import Path
 LOAD_PROCESS = "load generator"
 REQUEST_CAT = "request"
 WINDOW_NAME = "profile window"
+FLOW_ID_STRIDE = 1 << 40
 STAGE_IN_NAME = re.compile(r"-(EXTEND|PREFILL|DECODE)(?=[-.])", re.IGNORECASE)
 """SGLang's ``--profile-by-stage`` writes one trace per stage, the stage in the file name."""
 
@@ -71,6 +72,15 @@ def load_worker_trace(path: str | Path, name: str | None = None) -> WorkerTrace:
     return to_epoch(read_json(path), name or Path(path).name, stage_of(path), str(path))
 
 
+def _flow_id(pid: int, fid):
+    """Flow ids are unique per file only: give each worker its own range (numbers stay numbers,
+    which every JSON importer takes; kineto's ids are small integers)."""
+    try:
+        return pid * FLOW_ID_STRIDE + int(fid)
+    except (TypeError, ValueError):
+        return f"{pid}:{fid}"
+
+
 def _meta(pid: int, tid: int, kind: str, args: dict) -> dict:
     return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "ts": 0, "args": args}
 
@@ -117,7 +127,7 @@ def merge(workers: list[WorkerTrace], requests=(), window: tuple[float, float] |
             if "ts" in e:
                 e["ts"] = e["ts"] - origin_us
             if e.get("ph") in ("s", "t", "f") and "id" in e:
-                e["id"] = f"{pid}:{e['id']}"  # flow ids are per file: keep workers' arrows apart
+                e["id"] = _flow_id(pid, e["id"])
             out.append(e)
         for (p, t), new in sorted(tids.items(), key=lambda kv: kv[1]):
             label = proc_label.get(p) or f"pid {p}"

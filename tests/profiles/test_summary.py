@@ -124,8 +124,11 @@ def test_request_stats_match_the_log():
 
 def test_merge_puts_workers_on_one_clock_and_split_undoes_it(tmp_path):
     # worker b's kineto base is 2.5 ms later: its ts=0 event happens after worker a's ts=1000 event
-    a = to_epoch(_kineto([_x("k1", "kernel", 1000.0, 10.0, pid=0, tid=7), _x("aten::mm", "cpu_op", 990.0, 30.0)]), "http://a")
-    b = to_epoch(_kineto([_x("k2", "kernel", 0.0, 20.0, pid=0, tid=7)], base_ns=BASE_NS + 2_500_000), "http://b")
+    flow = [{"ph": "s", "id": 5, "pid": 100, "tid": 100, "ts": 995.0, "cat": "ac2g", "name": "launch"},
+            {"ph": "f", "id": 5, "pid": 0, "tid": 7, "ts": 1000.0, "cat": "ac2g", "name": "launch", "bp": "e"}]
+    a = to_epoch(_kineto([_x("k1", "kernel", 1000.0, 10.0, pid=0, tid=7), _x("aten::mm", "cpu_op", 990.0, 30.0)]
+                         + flow), "http://a")
+    b = to_epoch(_kineto([_x("k2", "kernel", 0.0, 20.0, pid=0, tid=7)] + flow, base_ns=BASE_NS + 2_500_000), "http://b")
     start = BASE_NS / 1e9
     reqs = [RequestRecord(0, start, start + 0.004, 3, 4, True), RequestRecord(1, start + 0.001, start + 0.002, 3, 2, True)]
     doc = merge([a, b], reqs, (start, start + 0.005))
@@ -141,6 +144,9 @@ def test_merge_puts_workers_on_one_clock_and_split_undoes_it(tmp_path):
     assert threads[(1, k1["tid"])] == "GPU 0 / stream 7"
     mm, = [e for e in ev if e.get("name") == "aten::mm"]
     assert threads[(1, mm["tid"])] == "CPU / thread 100 (python)" and mm["tid"] != k1["tid"]
+    ids = {(e["pid"], e["ph"]): e["id"] for e in ev if e.get("cat") == "ac2g"}
+    assert ids[(1, "s")] == ids[(1, "f")] != ids[(2, "s")] == ids[(2, "f")]  # arrows stay within their worker
+    assert all(isinstance(i, int) for i in ids.values())
     req = sorted((e for e in ev if e.get("cat") == "request"), key=lambda e: e["args"]["index"])
     assert [e["tid"] for e in req] == [1, 2]  # overlapping requests get separate lanes
     workers, slices = split_merged(back)
