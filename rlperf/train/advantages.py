@@ -66,16 +66,19 @@ def reinforce_plus_plus_returns(rewards: torch.Tensor, kl: Sequence[torch.Tensor
     """Discounted token returns of ``-kl_coef * kl * mask`` plus the reward at the last loss token."""
     out = []
     for r, k, m in zip(rewards.tolist(), kl, loss_masks):
-        token_rewards = -kl_coef * k.float() * m.float()
+        token_rewards = (-kl_coef * k.double() * m.double()).clone()
         nz = m.nonzero()
         if len(nz):  # a sample with no loss token trains nothing; its reward has nowhere to go
             token_rewards[int(nz[-1])] += r
-        returns = torch.empty_like(token_rewards)
-        running = torch.zeros((), dtype=token_rewards.dtype)
-        for t in range(token_rewards.numel() - 1, -1, -1):
-            running = token_rewards[t] + gamma * running
-            returns[t] = running
-        out.append(returns)
+        if gamma == 1.0:  # undiscounted: a reversed cumulative sum (float64)
+            returns = token_rewards.flip(0).cumsum(0).flip(0)
+        else:  # gamma^t scaling would underflow on long responses: the recurrence, on Python floats
+            values, running = token_rewards.tolist(), 0.0
+            for t in range(len(values) - 1, -1, -1):
+                running = values[t] + gamma * running
+                values[t] = running
+            returns = torch.tensor(values, dtype=torch.float64)
+        out.append(returns.float())
     return out
 
 

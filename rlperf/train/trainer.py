@@ -1,8 +1,9 @@
 """One RL optimizer step: packed micro-batches -> fused log-probs -> policy loss -> AdamW.
 
 :class:`Trainer` owns the actor, an optional frozen reference model and the optimizer
-(``torch.optim.AdamW`` on the actor's parameters — they are the master weights, so train a float32
-model, or accept bf16 updates — and ``clip_grad_norm_``). Per rollout:
+(``torch.optim.AdamW`` on the actor's parameters, no weight decay on 1-D ones as in Megatron; the
+parameters are the master weights, so train a float32 model or accept bf16 updates; then
+``clip_grad_norm_``). Per rollout:
 
 1. :meth:`Trainer.prepare` — old log-probs (actor, no grad), reference log-probs (when
    ``use_kl_loss`` or ``kl_coef``), advantages (:func:`rlperf.train.advantages.compute_advantages`);
@@ -53,9 +54,13 @@ class Trainer:
         if ref_model is not None:
             for p in ref_model.parameters():
                 p.requires_grad_(False)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                           eps=args.adam_eps, weight_decay=args.weight_decay)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        # Megatron's default: no weight decay on 1-D parameters (norm weights, biases)
+        groups = [{"params": [p for _, p in named if p.dim() > 1], "weight_decay": args.weight_decay},
+                  {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr,
+                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         self.step_count = 0
 
     @property

@@ -58,11 +58,12 @@ def test_rewards_normalization_off_and_reinforce_plus_plus_keep_raw_rewards():
     assert torch.equal(normalize_rewards(rewards, 3, "reinforce_plus_plus"), rewards)
 
 
-def test_reinforce_plus_plus_discounted_returns_with_kl_penalty():
+@pytest.mark.parametrize("gamma", [0.9, 1.0])
+def test_reinforce_plus_plus_discounted_returns_with_kl_penalty(gamma):
     rewards, masks = _rewards(), _masks(LENGTHS)
     g = torch.Generator().manual_seed(2)
     kl = [torch.randn(n, generator=g) * 0.1 for n in LENGTHS]
-    args = TrainArgs(advantage_estimator="reinforce_plus_plus", n_samples_per_prompt=3, kl_coef=0.3, gamma=0.9)
+    args = TrainArgs(advantage_estimator="reinforce_plus_plus", n_samples_per_prompt=3, kl_coef=0.3, gamma=gamma)
     adv = compute_advantages(args, rewards, LENGTHS, masks, kl)
     for i, a in enumerate(adv):
         m, k = masks[i].tolist(), kl[i].double().tolist()
@@ -72,7 +73,7 @@ def test_reinforce_plus_plus_discounted_returns_with_kl_penalty():
             token_rewards[loss_tokens[-1]] += float(rewards[i])  # raw reward, no group normalization
         want, running = [0.0] * len(m), 0.0
         for t in reversed(range(len(m))):
-            running = token_rewards[t] + 0.9 * running
+            running = token_rewards[t] + gamma * running
             want[t] = running
         torch.testing.assert_close(a.double(), torch.tensor(want, dtype=torch.float64), atol=1e-5, rtol=1e-5)
 

@@ -176,3 +176,12 @@ def test_a_non_finite_gradient_skips_the_update_and_reports_it():
     m = trainer.train_step(samples)
     assert m["train/grad_norm"] != m["train/grad_norm"]  # NaN: what the sanity gate looks at
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_no_weight_decay_on_one_dimensional_parameters():
+    model = _model()
+    trainer = Trainer(model, TrainArgs(weight_decay=0.1))
+    decay = {id(p): g["weight_decay"] for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert len(decay) == len(list(model.parameters()))
+    for name, p in model.named_parameters():
+        assert decay[id(p)] == (0.1 if p.dim() > 1 else 0.0), name
