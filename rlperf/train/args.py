@@ -89,3 +89,65 @@ class TrainArgs:
             raise ValueError(f"--rollout-temperature must be > 0 for log-probs, got {self.rollout_temperature}")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+
+
+def add_train_arguments(p, skip=()) -> None:
+    """Add the training-core flags (slime's names) to an ``argparse.ArgumentParser``.
+
+    ``skip``: flags another group of the same parser already defines (``--n-samples-per-prompt``,
+    ``--global-batch-size`` and ``--rollout-temperature`` are shared with the rollout side);
+    :func:`train_args_from` reads them from the namespace all the same.
+    """
+    d = TrainArgs()
+
+    def add(flag, **kw):
+        if flag not in skip:
+            p.add_argument(flag, **kw)
+
+    def switch(flag, help):
+        add(flag, action="store_true", help=help)
+
+    add("--advantage-estimator", default=d.advantage_estimator, choices=ADVANTAGE_ESTIMATORS)
+    add("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt, help="samples per prompt (group size)")
+    switch("--disable-rewards-normalization", "grpo/gspo/reinforce_plus_plus_baseline: keep raw rewards")
+    switch("--disable-grpo-std-normalization", "grpo/gspo: center group rewards without dividing by their std")
+    switch("--normalize-advantages", "whiten advantages over the rollout's loss tokens")
+    add("--kl-coef", type=float, default=d.kl_coef, help="reward-shaping KL for reinforce_plus_plus*")
+    add("--gamma", type=float, default=d.gamma, help="discount of reinforce_plus_plus returns")
+    add("--eps-clip", type=float, default=d.eps_clip)
+    add("--eps-clip-high", type=float, default=None, help="upper clip (default: --eps-clip)")
+    switch("--use-kl-loss", "add kl_loss_coef * KL(actor || reference) to the loss")
+    add("--kl-loss-coef", type=float, default=d.kl_loss_coef)
+    add("--kl-loss-type", default=d.kl_loss_type, choices=KL_LOSS_TYPES)
+    add("--entropy-coef", type=float, default=d.entropy_coef)
+    switch("--use-tis", "truncated importance sampling from the rollout's log-probs")
+    add("--tis-clip", type=float, default=d.tis_clip)
+    add("--tis-clip-low", type=float, default=d.tis_clip_low)
+    switch("--calculate-per-token-loss", "average the loss over tokens instead of over samples")
+    add("--rollout-temperature", type=float, default=d.rollout_temperature)
+    switch("--use-dynamic-batch-size", "pack micro-batches up to --max-tokens-per-gpu tokens")
+    add("--max-tokens-per-gpu", type=int, default=None)
+    add("--micro-batch-size", type=int, default=d.micro_batch_size)
+    add("--global-batch-size", type=int, default=None, help="samples per optimizer step")
+    add("--lr", type=float, default=d.lr)
+    add("--weight-decay", type=float, default=d.weight_decay)
+    add("--adam-beta1", type=float, default=d.adam_beta1)
+    add("--adam-beta2", type=float, default=d.adam_beta2)
+    add("--adam-eps", type=float, default=d.adam_eps)
+    add("--clip-grad", type=float, default=d.clip_grad)
+
+
+_NEGATED = {"rewards_normalization": "disable_rewards_normalization",
+            "grpo_std_normalization": "disable_grpo_std_normalization"}
+
+
+def train_args_from(ns) -> TrainArgs:
+    """:class:`TrainArgs` from parsed flags (missing attributes keep their defaults); validates."""
+    kw = {}
+    for f in dataclasses.fields(TrainArgs):
+        if f.name in _NEGATED:
+            if hasattr(ns, _NEGATED[f.name]):
+                kw[f.name] = not getattr(ns, _NEGATED[f.name])
+        elif hasattr(ns, f.name):
+            kw[f.name] = getattr(ns, f.name)
+    return TrainArgs(**kw)
