@@ -10,6 +10,7 @@ CLI prints it and exits 1.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import socket
@@ -109,20 +110,24 @@ class WorkerReply:
 
 
 def _each(workers: list[str], path: str, body: dict, api_key: str | None, timeout: float):
-    """(replies of the workers that accepted, messages of those that refused or could not be reached)."""
-    replies, failures = [], []
-    for url in workers:
+    """(replies of the workers that accepted, messages of those that refused or could not be reached).
+
+    The workers are asked at the same time: starting or stopping torch.profiler takes seconds, and
+    one after another would give each worker a different window.
+    """
+    def ask(url: str):
         try:
             status, payload = request(url.rstrip("/") + path, body, timeout=timeout, api_key=api_key)
         except ProfileError as exc:
-            failures.append(str(exc))
-            continue
+            return None, str(exc)
         if status != 200 or (isinstance(payload, dict) and payload.get("success") is False):
-            failures.append(f"{url}{path} refused (HTTP {status}): {_message(payload)}")
-            continue
+            return None, f"{url}{path} refused (HTTP {status}): {_message(payload)}"
         trace = payload.get("trace_path") if isinstance(payload, dict) else None
-        replies.append(WorkerReply(url, trace, _message(payload) if isinstance(payload, dict) else str(payload)))
-    return replies, failures
+        return WorkerReply(url, trace, _message(payload) if isinstance(payload, dict) else str(payload)), None
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(workers), 32))) as pool:
+        answers = list(pool.map(ask, workers))
+    return [r for r, _ in answers if r is not None], [f for _, f in answers if f is not None]
 
 
 def start(workers: list[str], options: StartOptions, api_key: str | None = None, timeout: float = 60.0) -> list[WorkerReply]:
