@@ -45,13 +45,16 @@ def _extensions():
         return [], {}
     sources_cu = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cu"))
     use_cuda = bool(sources_cu) and cpp_extension.CUDA_HOME is not None and torch.version.cuda is not None
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    # No -std flag of our own: BuildExtension passes the standard torch itself was built with
+    # (C++20 for current releases). Compiling torch's headers under another standard changes the
+    # layout of inline types such as c10::Error, and a raised TORCH_CHECK then crashes the process.
+    cxx_flags = ["-O3", "-fopenmp"]
     if use_cuda:
         ext = cpp_extension.CUDAExtension(
             "rlperf._C",
             sources_cpp + sources_cu,
             define_macros=[("RLPERF_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math"]},
             extra_link_args=["-fopenmp"],
         )
     else:
