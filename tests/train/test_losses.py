@@ -27,7 +27,7 @@ def _batch(seed=0, spread=0.3):
 
 def _reduce(values, masks, per_token):
     """Hand reduction of a python list of per-token floats."""
-    out, pos, tokens = 0.0, 0, 0.0
+    out, pos = 0.0, 0
     for m in masks:
         m = m.tolist()
         part = sum(v * w for v, w in zip(values[pos:pos + len(m)], m))

@@ -1,5 +1,4 @@
 """Trainer: step-0 exact zeros, loss normalization across micro-batches, AdamW + clipping on the tiny model."""
-import copy
 
 import pytest
 import torch
