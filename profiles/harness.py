@@ -4,8 +4,10 @@ Collecting: a worker that reports its trace path (rlperf servers do, in the ``/s
 ``/stop_profile`` replies) is read from that path when this host sees it, else fetched over HTTP
 from the worker's ``GET /profile_trace`` (so remote workers work). A worker that reports no path
 (SGLang) is matched to the ``*.trace.json.gz`` files that appeared in ``--output-dir`` during the
-run, newest first, one per worker in the router's order; if the files cannot be told apart that
-way, the run says so instead of guessing.
+run: files that share a profile id (the name before ``-TP-``) are one worker's (SGLang's
+``--profile-by-stage`` writes an ``-EXTEND`` and a ``-DECODE`` file), and the ids are given to the
+workers in the router's order by time written; if the count of ids is not the count of workers, the
+run says so instead of guessing.
 """
 from __future__ import annotations
 
@@ -55,25 +57,32 @@ def _fetch(worker: str, expected: str | None, api_key: str | None, wait_s: float
 
 def collect(workers: list[str], starts: list, stops: list, output_dir: str | None, since: float,
             api_key: str | None = None, wait_s: float = 120.0) -> tuple[list[WorkerTrace], dict[str, str]]:
-    """One :class:`WorkerTrace` per worker, in ``workers`` order (see the module docstring)."""
+    """The :class:`WorkerTrace` s of every worker, in ``workers`` order (one per file: a worker that
+    profiled by stage has two); see the module docstring."""
     reported = {}
     for r in list(starts) + list(stops):
         if r.trace_path:
             reported[r.url] = r.trace_path
     traces, sources = [], {}
     unreported = [w for w in workers if w not in reported]
-    found: list[Path] = []
+    groups: list[list[Path]] = []
     if unreported:
         if not output_dir:
             raise ProfileError(f"{', '.join(unreported)} did not report a trace path: pass --output-dir "
                                f"(a directory this host can read) to collect their traces")
         taken = set(reported.values())
         found = sorted((p for p in Path(output_dir).glob("*.trace.json.gz")
-                        if p.stat().st_mtime >= since - 1 and str(p) not in taken),
+                        if p.stat().st_mtime >= since - 1 and str(p) not in taken and not p.name.startswith("merged")),
                        key=lambda p: p.stat().st_mtime)
-        if len(found) != len(unreported):
-            raise ProfileError(f"found {len(found)} new trace files in {output_dir} for {len(unreported)} workers "
-                               f"that reported no path ({', '.join(unreported)}); cannot tell which is whose")
+        # one profile id per worker: SGLang's --profile-by-stage files of one worker share it
+        by_id: dict[str, list[Path]] = {}
+        for p in found:
+            by_id.setdefault(p.name.split("-TP-")[0], []).append(p)
+        groups = list(by_id.values())
+        if len(groups) != len(unreported):
+            raise ProfileError(f"found {len(groups)} new profile ids ({len(found)} trace files) in {output_dir} for "
+                               f"{len(unreported)} workers that reported no path ({', '.join(unreported)}); "
+                               f"cannot tell which is whose")
     for w in workers:
         if w in reported:
             path = Path(reported[w])
@@ -91,10 +100,9 @@ def collect(workers: list[str], starts: list, stops: list, output_dir: str | Non
                 doc, src = _fetch(w, reported[w], api_key, wait_s)
             traces.append(to_epoch(doc, w, None, str(path)))
         else:
-            p = found.pop(0)
-            t = load_worker_trace(p, w)
-            traces.append(t)
-            src = str(p)
+            files = groups.pop(0)
+            traces += [load_worker_trace(p, w) for p in files]
+            src = ", ".join(map(str, files))
         sources[w] = src
     return traces, sources
 

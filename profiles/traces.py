@@ -97,7 +97,7 @@ def merge(workers: list[WorkerTrace], requests=(), window: tuple[float, float] |
     out: list[dict] = []
     for i, w in enumerate(workers):
         pid = i + 1
-        out.append(_meta(pid, 0, "process_name", {"name": w.name}))
+        out.append(_meta(pid, 0, "process_name", {"name": f"{w.name} [{w.stage}]" if w.stage else w.name}))
         out.append(_meta(pid, 0, "process_sort_index", {"sort_index": pid}))
         labels = [s for s in (w.stage, w.source and Path(w.source).name) if s]
         if labels:
@@ -185,6 +185,8 @@ def split_merged(doc: dict) -> tuple[list[WorkerTrace], list[dict]]:
         by_pid.setdefault(e.get("pid"), []).append(e)
     workers, requests = [], []
     for pid in sorted(names):
+        if stages.get(pid) and names[pid].endswith(f" [{stages[pid]}]"):
+            names[pid] = names[pid][: -len(stages[pid]) - 3]
         if names[pid] == LOAD_PROCESS:
             requests = [e for e in by_pid.get(pid, []) if e.get("cat") == REQUEST_CAT]
         else:

@@ -169,8 +169,23 @@ def test_collect_matches_unreported_sglang_traces_by_new_files(tmp_path):
     traces, sources = harness.collect(workers, replies, replies, str(tmp_path), since)
     assert sources == {"http://w1": str(a), "http://w2": str(b)}
     assert [t.events[-1]["name"] for t in traces] == ["ka", "kb"]
+    # --profile-by-stage: a third worker's two stage files share one profile id
+    for stage, t in (("EXTEND", 3), ("DECODE", 4)):
+        f = write_trace(_kineto([_x("k" + stage, "kernel", 0.0, 1.0, pid=0, tid=7)]),
+                        tmp_path / f"4.0-TP-0-{stage}.trace.json.gz")
+        os.utime(f, (since + t, since + t))
+    traces, sources = harness.collect(workers + ["http://w3"], replies + [WorkerReply("http://w3", None, "ok")], [],
+                                      str(tmp_path), since)
+    assert [(t.name, t.stage) for t in traces] == [("http://w1", None), ("http://w2", None),
+                                                   ("http://w3", "prefill"), ("http://w3", "decode")]
+    doc = merge(traces)
+    names = sorted(e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name")
+    assert names == ["http://w1", "http://w2", "http://w3 [decode]", "http://w3 [prefill]"]
+    back, _ = split_merged(doc)
+    assert [(t.name, t.stage) for t in back] == [(t.name, t.stage) for t in traces]
+    assert stage_times(back)["decode"]["total_ms"] == pytest.approx(1e-3)
     with pytest.raises(ProfileError, match="cannot tell which is whose"):
-        harness.collect(workers + ["http://w3"], replies, [], str(tmp_path), since)
+        harness.collect(workers + ["http://w3", "http://w4"], replies, [], str(tmp_path), since)
     with pytest.raises(ProfileError, match="pass --output-dir"):
         harness.collect(workers, replies, [], None, since)
 
