@@ -144,6 +144,15 @@ class Trainer:
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
+    def state_dict(self) -> dict:
+        """Optimizer state and step count (the model's weights are saved by the model)."""
+        return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (into a Trainer built on a model with the saved weights)."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
+
     def train(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
         """Prepare one rollout's samples, then one step per global batch (``num_steps_per_rollout`` steps)."""
         gbs = self.args.global_batch_size or len(samples)

@@ -184,3 +184,31 @@ def test_no_weight_decay_on_one_dimensional_parameters():
     assert len(decay) == len(list(model.parameters()))
     for name, p in model.named_parameters():
         assert decay[id(p)] == (0.1 if p.dim() > 1 else 0.0), name
+
+
+def test_runs_are_deterministic_and_resume_continues_bit_for_bit(tmp_path):
+    args = TrainArgs(n_samples_per_prompt=3, lr=1e-3, use_kl_loss=True, kl_loss_coef=0.05, micro_batch_size=2)
+
+    def run(model, trainer, steps):
+        return [trainer.train(_samples(seed=k))[0] for k in steps]
+
+    model_a = _model()
+    a = Trainer(model_a, args, ref_model=frozen_copy(model_a))
+    full = run(model_a, a, range(3))
+    model_b = _model()
+    b = Trainer(model_b, args, ref_model=frozen_copy(model_b))
+    assert run(model_b, b, range(3)) == full  # same seed, same metrics, bit for bit
+    assert all(torch.equal(x, y) for x, y in zip(model_a.parameters(), model_b.parameters()))
+
+    model_c = _model()
+    ref = frozen_copy(model_c)
+    c = Trainer(model_c, args, ref_model=ref)
+    run(model_c, c, range(2))
+    torch.save({"model": model_c.state_dict(), "trainer": c.state_dict()}, tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt")
+    model_d = _model(seed=9)  # other weights, overwritten by the checkpoint
+    model_d.load_state_dict(saved["model"])
+    d = Trainer(model_d, args, ref_model=ref)
+    d.load_state_dict(saved["trainer"])
+    assert d.step_count == 2 and run(model_d, d, [2]) == full[2:]
+    assert all(torch.equal(x, y) for x, y in zip(model_a.parameters(), model_d.parameters()))
