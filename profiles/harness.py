@@ -119,7 +119,6 @@ def profile_run(router_url: str, options: StartOptions, spec: LoadSpec, output_d
         options = dataclasses.replace(options, output_dir=str(out.resolve()))
     since = time.time()
     starts = control.start(workers, options, api_key)
-    t_start = time.time()
     try:
         records, load_start, load_end = run_load(router_url, spec, api_key)
     except BaseException:
@@ -137,12 +136,13 @@ def profile_run(router_url: str, options: StartOptions, spec: LoadSpec, output_d
             try:
                 stops += control.stop([w], api_key)
             except ProfileError as exc:
-                log(f"rlperf profile: {w} had stopped by itself after --num-steps ({str(exc).splitlines()[0]})")
+                log(f"rlperf profile: {w} refused /stop_profile, as a worker that stopped by itself after "
+                    f"--num-steps does ({str(exc).splitlines()[0]})")
     t_stop = time.time()
     failed = [r for r in records if not r.ok]
     log(f"rlperf profile: {len(records) - len(failed)}/{len(records)} requests succeeded in {load_end - load_start:.2f} s")
     traces, sources = collect(workers, starts, stops, options.output_dir, since, api_key)
-    merged = merge(traces, records, (t_start, t_stop))
+    merged = merge(traces, records, (since, t_stop))
     merged_path = write_trace(merged, out / MERGED_NAME.format(run_id=run_id))
     requests_path = out / REQUESTS_NAME.format(run_id=run_id)
     requests_path.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in records))
