@@ -131,10 +131,22 @@ def request_stats(requests) -> dict | None:
     return out
 
 
+def per_worker(workers: list[WorkerTrace], kind: str) -> list[dict]:
+    """Each trace's total of the ranked time (GPU kernel time, or CPU op self time): imbalance shows here."""
+    out = []
+    for w in workers:
+        if kind == "gpu":
+            times = [float(e.get("dur", 0)) for e in _complete(w.events, GPU_CATS)]
+        else:
+            times = [d for _, d in _self_times(_complete(w.events, ("cpu_op",)))]
+        out.append({"name": w.name, "stage": w.stage, "events": len(times), "total_ms": sum(times) / 1e3})
+    return out
+
+
 def summarize(workers: list[WorkerTrace], requests=(), top_n: int = 10) -> dict:
     kind, rows = top_ops(workers, top_n)
-    return {"workers": [w.name for w in workers], "top_kind": kind, "top": rows, "stages": stage_times(workers),
-            "load": request_stats(requests)}
+    return {"workers": [w.name for w in workers], "top_kind": kind, "top": rows,
+            "per_worker": per_worker(workers, kind), "stages": stage_times(workers), "load": request_stats(requests)}
 
 
 def format_summary(s: dict) -> str:
@@ -145,6 +157,10 @@ def format_summary(s: dict) -> str:
     lines.append(f"  {'total ms':>10} {'%':>6} {'count':>7} {'avg us':>9}  name")
     for r in s["top"]:
         lines.append(f"  {r['total_ms']:10.3f} {r['percent']:6.1f} {r['count']:7d} {r['avg_us']:9.1f}  {r['name'][:100]}")
+    unit = "GPU kernel time" if s["top_kind"] == "gpu" else "CPU op self time"
+    for w in s["per_worker"]:
+        stage = f" [{w['stage']}]" if w["stage"] else ""
+        lines.append(f"  {w['name']}{stage}: {w['total_ms']:.3f} ms {unit} in {w['events']} events")
     st = s["stages"]
     if st is None:
         lines.append("prefill vs decode: not annotated in these traces (no prefill/extend/decode ranges or stage files)")

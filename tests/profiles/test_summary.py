@@ -64,6 +64,10 @@ def test_top_kernels_rank_gpu_time_over_every_worker(tmp_path):
     for r in rows:
         assert r["total_ms"] == pytest.approx(totals[r["name"]] / 1e3)
     assert sum(r["percent"] for r in top_ops(workers, 10)[1]) == pytest.approx(100.0)
+    each = summarize(workers)["per_worker"]
+    assert [w["total_ms"] for w in each] == pytest.approx(
+        [sum(e["dur"] for e in d["traceEvents"] if e.get("cat") == "kernel") / 1e3 for d in docs])
+    assert [w["events"] for w in each] == [200, 200]
     # the CLI prints the same ranking for SGLang's files
     assert main(["profile", "summarize", *map(str, paths), "--top-n", "3", "--json", str(tmp_path / "s.json")]) == 0
     assert [r["name"] for r in json.loads((tmp_path / "s.json").read_text())["top"]] == want
