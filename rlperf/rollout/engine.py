@@ -295,9 +295,11 @@ class Engine:
             if r.num_cached == r.seq_len:
                 sample_rows.append(cu[-1] - 1)
                 sample_reqs.append(r)
-        with torch.no_grad():
-            if self.graphs is not None and len(sample_reqs) == len(batch) == len(ids) \
-                    and len(batch) <= self.graphs.max_bs:
+        decode_only = len(sample_reqs) == len(batch) == len(ids)
+        # named ranges so a profile can split prefill from decode time (rlperf.profiles.summary)
+        phase = torch.profiler.record_function("rlperf.decode" if decode_only else "rlperf.prefill")
+        with torch.no_grad(), phase:
+            if self.graphs is not None and decode_only and len(batch) <= self.graphs.max_bs:
                 # a pure decode step: replay the captured graph of its batch-size bucket
                 logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
             else:

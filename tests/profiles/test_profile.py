@@ -162,6 +162,10 @@ def test_run_merges_one_process_per_worker_and_agrees_with_the_request_log(clust
     assert abs(load["latency_ms"]["max"] - 1e3 * lat[-1]) < 1e-6
     assert summary["top_kind"] == "cpu" and 0 < len(summary["top"]) <= 5
     assert "output tok/s" in printed and str(merged_path) in printed
+    # the engine names its prefill and decode steps, so the time splits between the two phases
+    stages = summary["stages"]
+    assert stages["prefill"]["count"] > 0 and stages["decode"]["count"] > 0
+    assert stages["prefill"]["total_ms"] > 0 and stages["decode"]["total_ms"] > 0
 
     # summarize on the merged trace gives the same load numbers (request slices carry them)
     assert main(["profile", "summarize", str(merged_path), "--json", str(tmp_path / "s.json")]) == 0
