@@ -101,6 +101,13 @@ async def _json_body(request: web.Request, allow_empty: bool = False) -> dict:
     return body
 
 
+def default_cuda_graph_max_bs(args: ServerArgs, model) -> int:
+    """``--cuda-graph-max-bs`` as given, else 256 on a CUDA device and 0 on CPU."""
+    if args.cuda_graph_max_bs is not None:
+        return args.cuda_graph_max_bs
+    return 256 if model.device.type == "cuda" else 0
+
+
 class RolloutServer:
     """The aiohttp application around one :class:`EngineLoop`."""
 
@@ -109,7 +116,7 @@ class RolloutServer:
         config = EngineConfig(max_running_requests=args.max_running_requests,
                               chunked_prefill_size=args.chunked_prefill_size, max_total_tokens=args.max_total_tokens,
                               mem_fraction_static=args.mem_fraction_static, context_length=args.context_length,
-                              random_seed=args.random_seed, cuda_graph_max_bs=args.cuda_graph_max_bs)
+                              random_seed=args.random_seed, cuda_graph_max_bs=default_cuda_graph_max_bs(args, model))
         self.engine = Engine(model, tokenizer, config)
         backend = None if args.kernel_backend == "auto" else args.kernel_backend
         self.loop = EngineLoop(self.engine, backend)
