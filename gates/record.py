@@ -1,0 +1,49 @@
+"""What the first step hands to the gates: :class:`FirstStepRecord`.
+
+The loop (``rlperf.loop``) runs one rollout and one train step and fills this record; the gates
+(``rlperf.gates``) read only this record, so they can be tested on hand-made records and run on
+any backend that can fill it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from rlperf.train import Sample
+
+PHASES = ("rollout", "log_prob", "train", "weight_sync")
+"""Phases whose peak memory the oom_headroom gate checks, in step order."""
+
+
+@dataclasses.dataclass
+class PhaseMemory:
+    """Peak memory of one phase, in bytes, of the kind named by :attr:`FirstStepRecord.memory_kind`."""
+
+    phase: str
+    peak_bytes: int
+
+
+@dataclasses.dataclass
+class FirstStepRecord:
+    """One rollout + one train step, as the gates see it.
+
+    ``samples``: the step's :class:`rlperf.train.Sample` objects with ``rollout_log_probs`` (from the
+    rollout engine), ``log_probs`` (the actor recomputed before training), ``ref_log_probs`` (the
+    frozen reference), ``loss_mask`` and ``reward`` filled, each [response_length] float32.
+    ``first_micro_step``: metrics of the first micro-step with slime's names (``train/ppo_kl``,
+    ``train/pg_clipfrac``, ``train/loss``, ``train/grad_norm``, ...). ``step_metrics``: the whole
+    step's metrics. ``phases``: measured peak per phase (:data:`PHASES`); ``probe``: the peak of a
+    worst-case probe (the largest micro-batch the run can see), if one ran. ``capacity_bytes``: the
+    device's memory, or ``--memory-limit`` on CPU. ``memory_kind``: ``"cuda"`` (allocator peaks) or
+    ``"cpu_rss"`` (process resident set). ``true_on_policy``: ``--true-on-policy-mode`` was on.
+    """
+
+    samples: list[Sample]
+    first_micro_step: dict[str, float]
+    step_metrics: dict[str, float]
+    phases: list[PhaseMemory]
+    capacity_bytes: int | None
+    memory_kind: str
+    probe: PhaseMemory | None = None
+    true_on_policy: bool = False
+    config: dict = dataclasses.field(default_factory=dict)
+    """The run's arguments (for the report, and for the gates' hints: max_tokens_per_gpu ...)."""
