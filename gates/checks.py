@@ -1,0 +1,320 @@
+"""The four first-step gates, each a function ``FirstStepRecord, GateOptions -> GateResult``.
+
+* :func:`kl_zero` — step 0: actor log-probs == reference log-probs bit for bit (KL exactly 0), and the
+  first micro-step's ``train/ppo_kl`` and ``train/pg_clipfrac`` exactly 0 (the old log-probs and the
+  training forward come from the same weights, so any difference is a non-invariant kernel path:
+  packing, batch size or a different reduction order).
+* :func:`logprob_abs_diff` — mean over loss-masked response tokens of ``|log_probs - rollout_log_probs|``
+  (slime's ``train/train_rollout_logprob_abs_diff``): exactly 0 with ``--true-on-policy-mode``, at
+  most ``--logprob-abs-diff-threshold`` otherwise.
+* :func:`oom_headroom` — every phase's peak and the worst-case probe under ``(1 - headroom) x capacity``.
+* :func:`sanity` — finite losses, rewards and grad norm; every log-prob finite and ``<= 0``.
+
+Messages name the first offender (sample, token position, token id, both values) so a failure
+can be acted on without rerunning under a debugger.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .memory import format_bytes
+from .record import PHASES, FirstStepRecord
+
+DEFAULT_OOM_HEADROOM = 0.10
+"""Fraction of capacity kept free: a first step at 90% leaves no room for longer samples later."""
+DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD = 0.05
+"""Outside true-on-policy mode: bf16 rollout engines and trainers typically differ by ~1e-2 per token
+on average; 0.05 flags a mismatched model, tokenizer or temperature, not kernel rounding."""
+
+OOM_REMEDIES = (
+    "lower --max-tokens-per-gpu",
+    "add context parallelism (--context-parallel-size)",
+    "lower --mem-fraction-static (the rollout engine's share of the device)",
+)
+"""slime's order of remedies for an out-of-memory first step (its docs' OOM advice)."""
+
+
+@dataclasses.dataclass
+class GateOptions:
+    """Thresholds of the gates (the ``rlperf gate`` flags)."""
+
+    oom_headroom: float = DEFAULT_OOM_HEADROOM
+    """``--oom-headroom``: each peak must stay under ``(1 - oom_headroom) * capacity``; in [0, 1)."""
+    logprob_abs_diff_threshold: float = DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD
+    """``--logprob-abs-diff-threshold``: the most mean |train - rollout| log-prob allowed outside true-on-policy mode."""
+
+    def __post_init__(self):
+        if not 0.0 <= self.oom_headroom < 1.0:
+            raise ValueError(f"--oom-headroom must be in [0, 1), got {self.oom_headroom}")
+        if not self.logprob_abs_diff_threshold >= 0.0:  # also rejects NaN
+            raise ValueError(f"--logprob-abs-diff-threshold must be >= 0, got {self.logprob_abs_diff_threshold}")
+
+
+@dataclasses.dataclass
+class GateResult:
+    """One gate's verdict.
+
+    ``measured``: the values the verdict rests on (JSON-serializable); ``threshold``: what they were
+    held to, in words or as a number; ``message``: the verdict, naming the first offender on failure;
+    ``hint``: what to try when it failed (empty when it passed).
+    """
+
+    name: str
+    passed: bool
+    measured: dict
+    threshold: object
+    message: str
+    hint: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _fmt(v: float) -> str:
+    """A float with enough digits to show a one-ulp float32 difference."""
+    return f"{v:.9g}"
+
+
+def _first_diff(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """Index of the first element where ``a`` and ``b`` differ bit for bit (NaN == NaN only if same bits)."""
+    same = a.view(torch.int32) == b.view(torch.int32)
+    if bool(same.all()):
+        return None
+    return int((~same).nonzero()[0])
+
+
+def _token(record: FirstStepRecord, i: int, t: int) -> str:
+    """``sample i, response token t (position p, id x)``: position in the full sequence, for the report."""
+    s = record.samples[i]
+    pos = s.tokens.numel() - s.response_length + t
+    return f"sample {i}, response token {t} (position {pos}, token id {int(s.tokens[pos])})"
+
+
+def kl_zero(record: FirstStepRecord, options: GateOptions | None = None) -> GateResult:
+    """Step 0: ``log_probs`` == ``ref_log_probs`` bit for bit on every response token, and the first
+    micro-step's ``train/ppo_kl`` == ``train/pg_clipfrac`` == 0 exactly.
+
+    Samples without ``ref_log_probs`` (no reference model: neither ``--use-kl-loss`` nor ``--kl-coef``)
+    are reported and only the two metrics are checked for them.
+    """
+    name = "kl_zero"
+    hint_ref = ("the actor and the reference must run the same weights through the same batch-invariant path: load "
+                "the reference from the actor's checkpoint (--ref-load = --load at step 0), compute both with the "
+                "same packing (--max-tokens-per-gpu, --micro-batch-size) on the invariant kernels (not the fast mode)")
+    hint_train = ("the old log-probs (no grad) and the training forward must be bit-identical at step 0: use the "
+                  "same micro-batch packing for both and the invariant kernels; a differing backward path or "
+                  "autocast around only one of them breaks this")
+    n_tokens = n_diff = 0
+    max_abs = 0.0
+    first = None
+    without_ref = []
+    for i, s in enumerate(record.samples):
+        if s.log_probs is None:
+            return GateResult(name, False, {"sample": i}, "exactly 0",
+                              f"sample {i} has no log_probs: the actor's recomputed log-probs were not filled",
+                              "fill Sample.log_probs (Trainer.prepare) before the gates run")
+        if s.ref_log_probs is None:
+            without_ref.append(i)
+            continue
+        a = s.log_probs.float().contiguous()
+        b = s.ref_log_probs.float().contiguous()
+        n_tokens += a.numel()
+        diff = a.view(torch.int32) != b.view(torch.int32)
+        n_diff += int(diff.sum())
+        if bool(diff.any()):
+            max_abs = max(max_abs, float((a.double() - b.double()).abs().nan_to_num(math.inf).max()))
+            if first is None:
+                t = _first_diff(a, b)
+                first = (i, t, float(a[t]), float(b[t]))
+    ppo_kl = record.first_micro_step.get("train/ppo_kl")
+    clipfrac = record.first_micro_step.get("train/pg_clipfrac")
+    measured = {"tokens_compared": n_tokens, "tokens_differing": n_diff, "max_abs_diff": max_abs,
+                "train/ppo_kl": ppo_kl, "train/pg_clipfrac": clipfrac, "samples_without_ref": len(without_ref)}
+    threshold = "bit-identical log-probs; train/ppo_kl == train/pg_clipfrac == 0"
+    if first is not None:
+        i, t, lp, ref = first
+        return GateResult(name, False, measured, threshold,
+                          f"log_probs differ from ref_log_probs at {_token(record, i, t)}: actor {_fmt(lp)} vs "
+                          f"reference {_fmt(ref)} ({n_diff} of {n_tokens} tokens differ, max |diff| {max_abs:.3g})",
+                          hint_ref)
+    for key, value in (("train/ppo_kl", ppo_kl), ("train/pg_clipfrac", clipfrac)):
+        if value is None:
+            return GateResult(name, False, measured, threshold,
+                              f"{key} missing from the first micro-step's metrics",
+                              "the loop must record the first micro-step's metrics with slime's names")
+        if value != 0.0:  # NaN fails here too
+            return GateResult(name, False, measured, threshold,
+                              f"{key} of the first micro-step is {value!r}, not exactly 0", hint_train)
+    note = ""
+    if without_ref:
+        note = f"; {len(without_ref)} sample(s) without a reference (no --use-kl-loss / --kl-coef): metrics only"
+    return GateResult(name, True, measured, threshold,
+                      f"{n_tokens} response tokens bit-identical to the reference; ppo_kl and pg_clipfrac exactly 0{note}")
+
+
+def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None) -> GateResult:
+    """Mean over loss-masked response tokens (all samples) of ``|log_probs - rollout_log_probs|``.
+
+    Must be exactly 0 with ``record.true_on_policy`` (``--true-on-policy-mode``), else at most
+    ``options.logprob_abs_diff_threshold``. With true-on-policy mode, the trainer's own
+    ``train/train_rollout_logprob_abs_diff`` (when recorded) must be exactly 0 as well. The report
+    names the worst token: sample, response position, token id, both values.
+    """
+    options = options or GateOptions()
+    name = "logprob_abs_diff"
+    limit = 0.0 if record.true_on_policy else options.logprob_abs_diff_threshold
+    threshold = "exactly 0 (true-on-policy mode)" if record.true_on_policy else limit
+    total = 0.0
+    count = 0
+    worst = None  # (abs diff, sample, token, train, rollout)
+    for i, s in enumerate(record.samples):
+        if s.log_probs is None or s.rollout_log_probs is None:
+            missing = "log_probs" if s.log_probs is None else "rollout_log_probs"
+            return GateResult(name, False, {"sample": i}, threshold, f"sample {i} has no {missing}",
+                              "the rollout must return per-token log-probs (return_logprob) and the trainer "
+                              "must recompute them before the gates run")
+        mask = s.loss_mask > 0
+        d = (s.log_probs.double() - s.rollout_log_probs.double()).abs()
+        d = torch.where(mask, d.nan_to_num(math.inf), torch.zeros_like(d))  # a NaN is the worst token
+        total += float(d.sum())
+        count += int(mask.sum())
+        if bool(mask.any()):
+            t = int(d.argmax())
+            if worst is None or float(d[t]) > worst[0]:
+                worst = (float(d[t]), i, t, float(s.log_probs[t]), float(s.rollout_log_probs[t]))
+    mean = total / count if count else 0.0
+    metric = record.step_metrics.get("train/train_rollout_logprob_abs_diff",
+                                     record.first_micro_step.get("train/train_rollout_logprob_abs_diff"))
+    measured = {"mean_abs_diff": mean, "loss_tokens": count, "train/train_rollout_logprob_abs_diff": metric,
+                "max_abs_diff": worst[0] if worst else 0.0}
+    where = ""
+    if worst is not None and worst[0] > 0:
+        where = (f"worst at {_token(record, worst[1], worst[2])}: train {_fmt(worst[3])} vs rollout "
+                 f"{_fmt(worst[4])}")
+    if count == 0:
+        return GateResult(name, False, measured, threshold, "no loss-masked response token to compare",
+                          "every sample's loss_mask is 0: check the rollout's loss masks")
+    if record.true_on_policy:
+        hint = ("true-on-policy needs the rollout engine and the trainer to run the same batch-invariant kernels "
+                "(same dtype, same attention and log-softmax reductions, same temperature); a difference means "
+                "one side took a fast path or a different sampling temperature")
+        if mean != 0.0:
+            return GateResult(name, False, measured, threshold,
+                              f"mean |train - rollout| log-prob is {mean:.3g}, not exactly 0; {where}", hint)
+        if metric is not None and metric != 0.0:
+            return GateResult(name, False, measured, threshold,
+                              f"the trainer's train/train_rollout_logprob_abs_diff is {metric!r}, not exactly 0 "
+                              f"(the record's log-probs agree: the training forward differs from the recompute)", hint)
+        return GateResult(name, True, measured, threshold,
+                          f"{count} loss tokens: train and rollout log-probs identical")
+    if not mean <= limit:
+        return GateResult(name, False, measured, threshold,
+                          f"mean |train - rollout| log-prob {mean:.4g} > {limit:g}; {where}",
+                          "check that rollout and trainer load the same weights (weight sync), the same tokenizer "
+                          "and chat template, and the same --rollout-temperature; --true-on-policy-mode makes "
+                          "the difference exactly 0")
+    return GateResult(name, True, measured, threshold,
+                      f"mean |train - rollout| log-prob {mean:.4g} <= {limit:g} over {count} loss tokens"
+                      + (f"; {where}" if where else ""))
+
+
+def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) -> GateResult:
+    """Every phase of :data:`PHASES` measured, and each peak (and the worst-case probe, if one ran)
+    ``<= (1 - options.oom_headroom) * record.capacity_bytes``.
+
+    ``capacity_bytes`` is the device's memory (``memory_kind == "cuda"``) or ``--memory-limit``
+    against the process RSS (``"cpu_rss"``). A failure names the first phase over the limit, in step
+    order, and gives slime's OOM remedies in order.
+    """
+    options = options or GateOptions()
+    name = "oom_headroom"
+    peaks = {p.phase: int(p.peak_bytes) for p in record.phases}
+    if record.probe is not None:
+        peaks[f"probe:{record.probe.phase}"] = int(record.probe.peak_bytes)
+    measured = {"memory_kind": record.memory_kind, "capacity_bytes": record.capacity_bytes,
+                "headroom": options.oom_headroom, "peaks_bytes": peaks}
+    if record.capacity_bytes is None or record.capacity_bytes <= 0:
+        return GateResult(name, False, measured, None,
+                          f"no capacity to check {record.memory_kind} peaks against",
+                          "on the CPU pass --memory-limit (e.g. 8GiB); on a GPU the loop must record the device's memory")
+    limit = int((1.0 - options.oom_headroom) * record.capacity_bytes)
+    measured["limit_bytes"] = limit
+    threshold = f"<= {format_bytes(limit)} ((1 - {options.oom_headroom:g}) x {format_bytes(record.capacity_bytes)})"
+    missing = [p for p in PHASES if p not in peaks]
+    if missing:
+        return GateResult(name, False, measured, threshold,
+                          f"phase(s) {', '.join(missing)} not measured: cannot vouch for their peak",
+                          "the loop must wrap every phase in rlperf.gates.memory.measure_phase")
+    max_tokens = record.config.get("max_tokens_per_gpu")
+    remedies = list(OOM_REMEDIES)
+    if max_tokens:
+        remedies[0] += f" (now {max_tokens})"
+    hint = "in order: " + "; ".join(f"{k + 1}. {r}" for k, r in enumerate(remedies))
+    order = [p for p in PHASES] + [p for p in peaks if p not in PHASES]  # step order, then extras and the probe
+    for phase in order:
+        peak = peaks[phase]
+        if peak > limit:
+            frac = peak / record.capacity_bytes
+            return GateResult(name, False, measured, threshold,
+                              f"phase {phase}: peak {format_bytes(peak)} ({frac:.1%} of {format_bytes(record.capacity_bytes)}"
+                              f" {record.memory_kind}) exceeds {format_bytes(limit)} (headroom {options.oom_headroom:g})",
+                              hint)
+    worst = max(peaks, key=peaks.get)
+    return GateResult(name, True, measured, threshold,
+                      f"highest peak {worst} {format_bytes(peaks[worst])} = "
+                      f"{peaks[worst] / record.capacity_bytes:.1%} of {format_bytes(record.capacity_bytes)}")
+
+
+def sanity(record: FirstStepRecord, options: GateOptions | None = None) -> GateResult:
+    """Finite losses (metrics whose name contains ``loss``), rewards and ``train/grad_norm``; every
+    recorded log-prob (``log_probs``, ``rollout_log_probs``, ``ref_log_probs``) finite and ``<= 0``."""
+    name = "sanity"
+    threshold = "finite losses, rewards, grad norm; log-probs finite and <= 0"
+    fail_hint = {
+        "loss": "a non-finite loss: look for log(0) (a -inf log-prob), an empty loss mask or a bf16 overflow; "
+                "try fp32 logits for the log-softmax",
+        "reward": "the reward function returned a non-finite value: check --custom-rm-path on this sample",
+        "grad": "a non-finite grad norm (the update was skipped): lower --lr, check the loss, keep --clip-grad on",
+        "logprob": "a log-prob must be finite and <= 0: a positive value means an unnormalized softmax, a temperature "
+                   "mismatch or a wrong token index",
+    }
+    for source, metrics in (("first micro-step", record.first_micro_step), ("step", record.step_metrics)):
+        for key, value in metrics.items():
+            if "loss" in key and not math.isfinite(value):
+                return GateResult(name, False, {key: value}, threshold, f"{key} of the {source} is {value!r}",
+                                  fail_hint["loss"])
+    if not any("loss" in k for k in record.first_micro_step) and not any("loss" in k for k in record.step_metrics):
+        return GateResult(name, False, {}, threshold, "no loss metric recorded (train/loss ...)",
+                          "the loop must record the train step's metrics")
+    grad = record.step_metrics.get("train/grad_norm", record.first_micro_step.get("train/grad_norm"))
+    if grad is None or not math.isfinite(grad):
+        return GateResult(name, False, {"train/grad_norm": grad}, threshold,
+                          "train/grad_norm missing" if grad is None else f"train/grad_norm is {grad!r}",
+                          fail_hint["grad"])
+    n_lp = 0
+    for i, s in enumerate(record.samples):
+        if not math.isfinite(s.reward):
+            return GateResult(name, False, {"sample": i, "reward": s.reward}, threshold,
+                              f"sample {i} reward is {s.reward!r}", fail_hint["reward"])
+        for field in ("log_probs", "rollout_log_probs", "ref_log_probs"):
+            v = getattr(s, field)
+            if v is None:
+                continue
+            n_lp += v.numel()
+            bad = ~torch.isfinite(v) | (v > 0)
+            if bool(bad.any()):
+                t = int(bad.nonzero()[0])
+                return GateResult(name, False, {"sample": i, "field": field, "value": float(v[t])}, threshold,
+                                  f"{field} at {_token(record, i, t)} is {_fmt(float(v[t]))}", fail_hint["logprob"])
+    rewards = [s.reward for s in record.samples]
+    measured = {"train/grad_norm": grad, "log_probs_checked": n_lp,
+                "reward_mean": sum(rewards) / len(rewards) if rewards else None}
+    return GateResult(name, True, measured, threshold,
+                      f"losses, {len(rewards)} rewards and grad norm {grad:.4g} finite; {n_lp} log-probs in (-inf, 0]")
+
+
+GATES = {"kl_zero": kl_zero, "logprob_abs_diff": logprob_abs_diff, "oom_headroom": oom_headroom, "sanity": sanity}
+"""Every gate, in the order they run and are reported."""

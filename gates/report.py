@@ -1,0 +1,98 @@
+"""The gates' verdicts as a console table, a JSON report and JUnit XML (one testcase per gate)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import xml.etree.ElementTree as ET
+
+from .checks import GateResult
+
+JUNIT_SUITE = "rlperf.gate"
+"""The JUnit testsuite name (and each testcase's classname), so CI dashboards group the gates."""
+
+
+def _jsonable(v):
+    """JSON has no NaN/inf: write them as strings ("nan", "inf") so the report stays strict JSON."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    return str(v)
+
+
+@dataclasses.dataclass
+class GateReport:
+    """All gates' results for one first step; ``seconds``: wall time of the first step plus the gates."""
+
+    results: list[GateResult]
+    seconds: float = 0.0
+    config: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    @property
+    def exit_code(self) -> int:
+        """0 every gate passed, 1 at least one failed (the CLI's rule)."""
+        return 0 if self.passed else 1
+
+    @property
+    def failed(self) -> list[str]:
+        return [r.name for r in self.results if not r.passed]
+
+    def to_dict(self) -> dict:
+        return _jsonable({"passed": self.passed, "failed": self.failed, "seconds": self.seconds,
+                          "gates": [r.to_dict() for r in self.results], "config": self.config})
+
+    def table(self) -> str:
+        """One line per gate (``PASS``/``FAIL``, name, message), then each failure's hint."""
+        width = max((len(r.name) for r in self.results), default=4)
+        lines = [f"{'gate':<{width}}  result  details", f"{'-' * width}  ------  -------"]
+        for r in self.results:
+            lines.append(f"{r.name:<{width}}  {'PASS' if r.passed else 'FAIL':<6}  {r.message}")
+        for r in self.results:
+            if not r.passed and r.hint:
+                lines.append(f"{r.name}: try: {r.hint}")
+        verdict = "all gates passed" if self.passed else f"FAILED: {', '.join(self.failed)}"
+        lines.append(f"{verdict} ({len(self.results)} gates, {self.seconds:.1f} s)")
+        return "\n".join(lines)
+
+    def write_json(self, path: str) -> None:
+        _write(path, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
+
+    def junit_xml(self) -> str:
+        """JUnit XML: one ``<testsuite>``, one ``<testcase>`` per gate, ``<failure>`` on failed gates."""
+        suite = ET.Element("testsuite", name=JUNIT_SUITE, tests=str(len(self.results)),
+                           failures=str(len(self.failed)), errors="0", skipped="0", time=f"{self.seconds:.3f}")
+        for r in self.results:
+            case = ET.SubElement(suite, "testcase", classname=JUNIT_SUITE, name=r.name, time="0")
+            details = json.dumps(_jsonable({"measured": r.measured, "threshold": r.threshold}), sort_keys=True)
+            if r.passed:
+                ET.SubElement(case, "system-out").text = f"{r.message}\n{details}"
+            else:
+                failure = ET.SubElement(case, "failure", message=r.message, type="GateFailed")
+                failure.text = f"{r.message}\ntry: {r.hint}\n{details}"
+        root = ET.Element("testsuites", name=JUNIT_SUITE, tests=suite.get("tests"), failures=suite.get("failures"))
+        root.append(suite)
+        ET.indent(root)
+        return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+    def write_junit(self, path: str) -> None:
+        _write(path, self.junit_xml())
+
+
+def _write(path: str, text: str) -> None:
+    """Write whole or not at all (a CI reader never sees half a report)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

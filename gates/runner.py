@@ -1,0 +1,196 @@
+"""``FirstStepGate`` (run every gate on a :class:`FirstStepRecord`) and the ``rlperf gate`` command.
+
+The command: parse the gate and training flags, run one rollout and one train step through the
+loop's first-step hook (``rlperf.loop.first_step(args) -> FirstStepRecord``), run the gates, print
+the table, write ``--report-json`` / ``--junit-xml``, and exit 0 (all passed), 1 (a gate failed, or
+the first step itself crashed or ran out of memory) or 2 (bad usage, or no loop to run).
+``rlperf train`` uses :class:`FirstStepGate` and :func:`add_gate_arguments` the same way before step 1.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+from .checks import (DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD, DEFAULT_OOM_HEADROOM, GATES, OOM_REMEDIES, GateOptions,
+                     GateResult)
+from .memory import parse_memory_size
+from .record import FirstStepRecord
+from .report import GateReport
+
+FirstStepFn = Callable[[argparse.Namespace], FirstStepRecord]
+
+DESCRIPTION = """\
+Run one rollout and one train step, then check the first-step gates, each reported on its own:
+
+  kl_zero           at step 0 the actor's log-probs equal the reference's bit for bit (KL exactly 0),
+                    and the first micro-step's train/ppo_kl and train/pg_clipfrac are exactly 0
+  logprob_abs_diff  mean |train - rollout| log-prob over loss tokens: exactly 0 with
+                    --true-on-policy-mode, else <= --logprob-abs-diff-threshold
+  oom_headroom      every phase's peak memory (rollout, log_prob, train, weight_sync) and the
+                    worst-case probe stay under (1 - --oom-headroom) x capacity (the GPU's memory;
+                    on the CPU the process's resident memory against --memory-limit)
+  sanity            finite losses, rewards and grad norm; log-probs finite and <= 0
+
+A failing gate names the first offending token, sample or phase, and what to try.
+Output: a table on stdout, --report-json PATH, --junit-xml PATH (one testcase per gate).
+Exit codes: 0 all gates passed, 1 a gate failed (or the first step crashed), 2 bad usage.
+"""
+
+
+class FirstStepGate:
+    """Runs the gates (default: all of :data:`rlperf.gates.checks.GATES`, in order) on a first step."""
+
+    def __init__(self, options: GateOptions | None = None, gates: dict | None = None):
+        self.options = options or GateOptions()
+        self.gates = dict(GATES if gates is None else gates)
+
+    def check(self, record: FirstStepRecord, seconds: float = 0.0) -> GateReport:
+        """Every gate on ``record``; a gate that raises is reported as failed with the exception."""
+        results = []
+        for name, gate in self.gates.items():
+            try:
+                results.append(gate(record, self.options))
+            except Exception as e:  # one broken gate must not hide the others' verdicts
+                results.append(GateResult(name, False, {}, None, f"the gate raised {type(e).__name__}: {e}",
+                                          "a malformed FirstStepRecord (shapes, missing fields)"))
+        return GateReport(results, seconds, _config(record))
+
+    def run(self, first_step: Callable[[], FirstStepRecord]) -> GateReport:
+        """Run ``first_step()`` and check its record. If it raises, every gate fails with the cause:
+        out of memory fails ``oom_headroom`` with slime's remedies, anything else names the exception."""
+        t0 = time.perf_counter()
+        try:
+            record = first_step()
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            return self.crashed(e, time.perf_counter() - t0)
+        return self.check(record, time.perf_counter() - t0)
+
+    def crashed(self, error: BaseException, seconds: float = 0.0) -> GateReport:
+        """The report of a first step that did not finish: every gate failed, the cause named."""
+        oom = _is_oom(error)
+        cause = f"the first step raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        results = []
+        for name in self.gates:
+            if name == "oom_headroom" and oom:
+                results.append(GateResult(name, False, {"error": str(error)[:500]}, None,
+                                          f"out of memory during the first step ({cause})",
+                                          "in order: " + "; ".join(f"{k + 1}. {r}" for k, r in enumerate(OOM_REMEDIES))))
+            else:
+                results.append(GateResult(name, False, {}, None, f"not checked: {cause}",
+                                          "fix the first step's error (see the traceback on stderr)"))
+        return GateReport(results, seconds)
+
+
+def _is_oom(error: BaseException) -> bool:
+    oom_type = getattr(__import__("torch"), "OutOfMemoryError", ())
+    return isinstance(error, (MemoryError, oom_type)) or "out of memory" in str(error).lower()
+
+
+def _config(record: FirstStepRecord) -> dict:
+    return {"true_on_policy": record.true_on_policy, "memory_kind": record.memory_kind,
+            "samples": len(record.samples), **{k: v for k, v in record.config.items()}}
+
+
+def add_gate_arguments(p: argparse.ArgumentParser) -> None:
+    """The gates' own flags (``rlperf gate`` and ``rlperf train`` both add them)."""
+    g = p.add_argument_group("first-step gates")
+    g.add_argument("--junit-xml", metavar="PATH", default=None, help="write JUnit XML, one testcase per gate")
+    g.add_argument("--report-json", metavar="PATH", default=None,
+                   help="write the JSON report (every gate's measured values, threshold, message, hint)")
+    g.add_argument("--memory-limit", metavar="SIZE", default=None,
+                   help="on the CPU: the capacity the process's resident memory is checked against, e.g. 8GiB, "
+                        "512MiB, 1.5GB (binary K/M/G/T, decimal kB/MB/GB)")
+    g.add_argument("--oom-headroom", type=float, default=DEFAULT_OOM_HEADROOM, metavar="FRACTION",
+                   help=f"fraction of capacity every phase's peak must leave free (default {DEFAULT_OOM_HEADROOM})")
+    g.add_argument("--logprob-abs-diff-threshold", type=float, default=DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD,
+                   metavar="X", help="most mean |train - rollout| log-prob allowed without --true-on-policy-mode "
+                                     f"(default {DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD})")
+
+
+def gate_options_from(ns: argparse.Namespace) -> GateOptions:
+    """:class:`GateOptions` from parsed flags; ValueError naming the flag for a bad value."""
+    if getattr(ns, "memory_limit", None) is not None:
+        parse_memory_size(ns.memory_limit)  # validate early: before any step runs
+    return GateOptions(oom_headroom=getattr(ns, "oom_headroom", DEFAULT_OOM_HEADROOM),
+                       logprob_abs_diff_threshold=getattr(ns, "logprob_abs_diff_threshold",
+                                                          DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD))
+
+
+def add_gate_command_arguments(p: argparse.ArgumentParser) -> None:
+    """Everything ``rlperf gate`` takes: the gate flags, the training flags and (once it exists) the loop's."""
+    from rlperf.train import add_train_arguments
+
+    add_gate_arguments(p)
+    loop_args = _loop_attr("add_loop_arguments")
+    if loop_args is not None:
+        loop_args(p)
+    add_train_arguments(p, skip=_defined_flags(p))
+
+
+def _defined_flags(p: argparse.ArgumentParser) -> set[str]:
+    return {s for a in p._actions for s in a.option_strings}
+
+
+def _loop_attr(name: str):
+    """``rlperf.loop.<name>`` if the loop has landed and defines it, else None."""
+    try:
+        import rlperf.loop as loop
+    except ImportError:
+        return None
+    return getattr(loop, name, None)
+
+
+def build_gate_parser(prog: str = "rlperf gate") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_gate_command_arguments(p)
+    return p
+
+
+def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) -> int:
+    """``rlperf gate`` on parsed flags: 0 all gates passed, 1 a gate failed, 2 bad usage / no loop.
+
+    ``first_step``: the hook that runs one rollout and one train step (default
+    ``rlperf.loop.first_step``). On the CPU, ``--memory-limit`` is the capacity of the record.
+    """
+    try:
+        options = gate_options_from(args)
+        from rlperf.train import train_args_from
+
+        train_args_from(args)  # a bad training flag is bad usage, reported before any step runs
+    except ValueError as e:
+        print(f"rlperf gate: {e}", file=sys.stderr)
+        return 2
+    if first_step is None:
+        first_step = _loop_attr("first_step")
+        if first_step is None:
+            print("rlperf gate: the RL loop's first-step hook (rlperf.loop.first_step) is not built yet "
+                  "(issue #5); the gates themselves are in rlperf.gates", file=sys.stderr)
+            return 2
+    limit = parse_memory_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
+
+    def step() -> FirstStepRecord:
+        record = first_step(args)
+        if record.memory_kind == "cpu_rss" and limit is not None:
+            record.capacity_bytes = limit
+        return record
+
+    report = FirstStepGate(options).run(step)
+    print(report.table())
+    if getattr(args, "report_json", None):
+        report.write_json(args.report_json)
+    if getattr(args, "junit_xml", None):
+        report.write_junit(args.junit_xml)
+    return report.exit_code
+
+
+def main(argv: list[str] | None = None, first_step: FirstStepFn | None = None) -> int:
+    """``rlperf gate`` from an argument list (argparse's own usage errors also exit 2)."""
+    try:
+        args = build_gate_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2)
+        return int(e.code or 0)
+    return run_gate(args, first_step)
