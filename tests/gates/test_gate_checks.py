@@ -1,0 +1,247 @@
+"""Each gate passes on a healthy first step and fails, naming the offender, when it should."""
+import math
+
+import pytest
+import torch
+
+from gate_records import GiB, healthy_record, next_float
+from rlperf.gates import (GATES, PHASES, GateOptions, PhaseMemory, kl_zero, logprob_abs_diff, oom_headroom,
+                          parse_memory_size, sanity)
+from rlperf.gates.checks import OOM_REMEDIES
+from rlperf.gates.memory import current_rss_bytes, format_bytes, measure_phase
+
+
+@pytest.mark.parametrize("true_on_policy,noise", [(True, 0.0), (False, 0.0), (False, 0.01)])
+def test_every_gate_passes_on_a_healthy_record(true_on_policy, noise):
+    record = healthy_record(true_on_policy, noise)
+    for name, gate in GATES.items():
+        r = gate(record, GateOptions())
+        assert r.passed, (name, r.message)
+        assert r.name == name and r.hint == ""
+
+
+# -- kl_zero -------------------------------------------------------------------------------------------
+
+def test_kl_zero_fails_on_a_one_ulp_reference_difference_and_names_the_token():
+    record = healthy_record()
+    s = record.samples[1]
+    before = float(s.ref_log_probs[2])
+    s.ref_log_probs[2] = next_float(before)
+    r = kl_zero(record)
+    assert not r.passed
+    pos = s.tokens.numel() - s.response_length + 2
+    assert f"sample 1, response token 2 (position {pos}, token id {int(s.tokens[pos])})" in r.message
+    assert f"{float(s.log_probs[2]):.9g}" in r.message and f"{float(s.ref_log_probs[2]):.9g}" in r.message
+    assert r.measured["tokens_differing"] == 1
+    assert r.measured["max_abs_diff"] == pytest.approx(abs(next_float(before) - before))
+    assert "--ref-load" in r.hint
+
+
+def test_kl_zero_names_the_first_differing_token_in_sample_order():
+    record = healthy_record()
+    record.samples[3].ref_log_probs[20] -= 0.5
+    record.samples[2].ref_log_probs[0] -= 0.5
+    r = kl_zero(record)
+    assert not r.passed and "sample 2, response token 0" in r.message and r.measured["tokens_differing"] == 2
+
+
+@pytest.mark.parametrize("key,value", [("train/ppo_kl", 1e-12), ("train/pg_clipfrac", 0.25),
+                                       ("train/ppo_kl", math.nan), ("train/pg_clipfrac", -1e-30)])
+def test_kl_zero_fails_on_a_nonzero_first_micro_step_metric(key, value):
+    record = healthy_record()
+    record.first_micro_step[key] = value
+    r = kl_zero(record)
+    assert not r.passed and key in r.message and "not exactly 0" in r.message
+
+
+def test_kl_zero_fails_when_a_metric_is_missing():
+    record = healthy_record()
+    del record.first_micro_step["train/pg_clipfrac"]
+    r = kl_zero(record)
+    assert not r.passed and "train/pg_clipfrac missing" in r.message
+
+
+def test_kl_zero_without_a_reference_checks_the_metrics_and_says_so():
+    record = healthy_record()
+    for s in record.samples:
+        s.ref_log_probs = None
+    r = kl_zero(record)
+    assert r.passed and "without a reference" in r.message and r.measured["tokens_compared"] == 0
+    record.first_micro_step["train/ppo_kl"] = 1e-7
+    assert not kl_zero(record).passed
+
+
+# -- logprob_abs_diff ----------------------------------------------------------------------------------
+
+def test_logprob_abs_diff_true_on_policy_fails_on_one_ulp_and_names_the_worst_token():
+    record = healthy_record(true_on_policy=True)
+    s = record.samples[3]
+    s.rollout_log_probs[7] = next_float(float(s.rollout_log_probs[7]))
+    s.rollout_log_probs[9] -= 0.125  # the worst
+    r = logprob_abs_diff(record)
+    assert not r.passed and r.threshold == "exactly 0 (true-on-policy mode)"
+    pos = s.tokens.numel() - s.response_length + 9
+    assert f"sample 3, response token 9 (position {pos}, token id {int(s.tokens[pos])})" in r.message
+    assert f"train {float(s.log_probs[9]):.9g} vs rollout {float(s.rollout_log_probs[9]):.9g}" in r.message
+    assert r.measured["max_abs_diff"] == pytest.approx(0.125, rel=1e-5)
+
+
+def test_logprob_abs_diff_ignores_tokens_outside_the_loss_mask():
+    record = healthy_record(true_on_policy=True)
+    record.samples[1].rollout_log_probs[1] -= 3.0  # loss_mask[1] == 0 there
+    assert record.samples[1].loss_mask[1] == 0
+    assert logprob_abs_diff(record).passed
+
+
+def test_logprob_abs_diff_mean_is_over_loss_tokens_and_held_to_the_threshold():
+    record = healthy_record(true_on_policy=False, noise=0.02, seed=3)
+    diffs = torch.cat([(s.log_probs.double() - s.rollout_log_probs.double()).abs()[s.loss_mask > 0]
+                       for s in record.samples])
+    want = float(diffs.mean())
+    r = logprob_abs_diff(record, GateOptions(logprob_abs_diff_threshold=0.05))
+    assert r.passed and r.measured["mean_abs_diff"] == pytest.approx(want, rel=1e-12)
+    assert r.measured["loss_tokens"] == diffs.numel() == 40
+    r = logprob_abs_diff(record, GateOptions(logprob_abs_diff_threshold=want * 0.99))
+    assert not r.passed and "sample" in r.message and "--true-on-policy-mode" in r.hint
+
+
+def test_logprob_abs_diff_true_on_policy_also_holds_the_trainers_metric_to_zero():
+    record = healthy_record(true_on_policy=True)
+    record.step_metrics["train/train_rollout_logprob_abs_diff"] = 3e-8
+    r = logprob_abs_diff(record)
+    assert not r.passed and "train/train_rollout_logprob_abs_diff" in r.message
+
+
+def test_logprob_abs_diff_fails_on_a_nan_rollout_log_prob():
+    record = healthy_record(true_on_policy=False)
+    record.samples[0].rollout_log_probs[1] = math.nan
+    r = logprob_abs_diff(record, GateOptions(logprob_abs_diff_threshold=1e9))
+    assert not r.passed and "sample 0, response token 1" in r.message
+
+
+def test_logprob_abs_diff_fails_without_rollout_log_probs():
+    record = healthy_record()
+    record.samples[2].rollout_log_probs = None
+    r = logprob_abs_diff(record)
+    assert not r.passed and "sample 2 has no rollout_log_probs" in r.message
+
+
+# -- oom_headroom --------------------------------------------------------------------------------------
+
+def test_oom_headroom_fails_on_a_too_low_capacity_naming_the_first_phase_over():
+    record = healthy_record()  # peaks: rollout 2, log_prob 3, train 4, weight_sync 5 GiB, probe 6 GiB
+    record.capacity_bytes = 3 * GiB  # limit 2.7 GiB: log_prob is the first phase over it
+    r = oom_headroom(record, GateOptions(oom_headroom=0.1))
+    assert not r.passed and r.message.startswith("phase log_prob: peak 3 GiB")
+    # slime's order of remedies, with the current --max-tokens-per-gpu
+    i = [r.hint.index(x) for x in ("1. lower --max-tokens-per-gpu (now 4096)", "2. add context parallelism",
+                                   "3. lower --mem-fraction-static")]
+    assert i == sorted(i)
+
+
+def test_oom_headroom_checks_the_probe_and_the_boundary():
+    record = healthy_record()
+    record.capacity_bytes = 8 * GiB
+    assert not oom_headroom(record, GateOptions(oom_headroom=0.3)).passed  # limit 5.6 GiB < probe 6 GiB
+    r = oom_headroom(record, GateOptions(oom_headroom=0.3))
+    assert "phase probe:train" in r.message
+    record.capacity_bytes = 12 * GiB
+    assert oom_headroom(record, GateOptions(oom_headroom=0.5)).passed  # limit exactly 6 GiB: allowed
+    record.probe = PhaseMemory("train", 6 * GiB + 1)
+    assert not oom_headroom(record, GateOptions(oom_headroom=0.5)).passed
+
+
+def test_oom_headroom_fails_without_a_capacity_or_with_an_unmeasured_phase():
+    record = healthy_record()
+    record.capacity_bytes = None
+    r = oom_headroom(record)
+    assert not r.passed and "--memory-limit" in r.hint
+    record = healthy_record()
+    record.phases = [p for p in record.phases if p.phase != "weight_sync"]
+    r = oom_headroom(record)
+    assert not r.passed and "weight_sync not measured" in r.message
+
+
+def test_oom_headroom_on_cpu_rss_of_this_process():
+    record = healthy_record()
+    rss = current_rss_bytes()
+    record.memory_kind = "cpu_rss"
+    record.phases = [PhaseMemory(p, rss) for p in PHASES]
+    record.probe = None
+    record.capacity_bytes = parse_memory_size("1MiB")
+    r = oom_headroom(record)
+    assert not r.passed and r.message.startswith("phase rollout:") and "cpu_rss" in r.message
+    record.capacity_bytes = parse_memory_size("1TiB")
+    assert oom_headroom(record).passed
+
+
+# -- sanity --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["first_micro_step", "step_metrics"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_sanity_fails_on_a_non_finite_loss(where, value):
+    record = healthy_record()
+    getattr(record, where)["train/pg_loss"] = value
+    r = sanity(record)
+    assert not r.passed and "train/pg_loss" in r.message
+
+
+def test_sanity_fails_on_a_non_finite_reward_or_grad_norm():
+    record = healthy_record()
+    record.samples[2].reward = math.nan
+    r = sanity(record)
+    assert not r.passed and "sample 2 reward" in r.message
+    record = healthy_record()
+    record.step_metrics["train/grad_norm"] = math.inf
+    r = sanity(record)
+    assert not r.passed and "train/grad_norm" in r.message and "--lr" in r.hint
+
+
+@pytest.mark.parametrize("field", ["log_probs", "rollout_log_probs", "ref_log_probs"])
+@pytest.mark.parametrize("value", [1e-6, math.nan, -math.inf])
+def test_sanity_fails_on_a_positive_or_non_finite_log_prob(field, value):
+    record = healthy_record()
+    getattr(record.samples[3], field)[32] = value
+    r = sanity(record)
+    assert not r.passed and f"{field} at sample 3, response token 32" in r.message
+
+
+def test_sanity_accepts_a_log_prob_of_exactly_zero():
+    record = healthy_record()
+    for field in ("log_probs", "rollout_log_probs", "ref_log_probs"):
+        getattr(record.samples[2], field)[0] = 0.0  # a certain token
+    assert sanity(record).passed
+
+
+# -- options and memory sizes ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(oom_headroom=1.0), dict(oom_headroom=-0.1),
+                                dict(logprob_abs_diff_threshold=-1e-3), dict(logprob_abs_diff_threshold=math.nan)])
+def test_gate_options_reject_bad_values(kw):
+    with pytest.raises(ValueError):
+        GateOptions(**kw)
+
+
+@pytest.mark.parametrize("text,want", [("8GiB", 8 * 2**30), ("8G", 8 * 2**30), ("1.5GB", 1_500_000_000),
+                                       ("512 MiB", 512 * 2**20), ("1000000", 1_000_000), ("64kB", 64_000),
+                                       ("2TiB", 2 * 2**40), (4096, 4096)])
+def test_parse_memory_size(text, want):
+    assert parse_memory_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "lots", "8 GiBs", "-1GiB", "0", "1e9", "GiB"])
+def test_parse_memory_size_rejects(text):
+    with pytest.raises(ValueError):
+        parse_memory_size(text)
+
+
+def test_format_bytes():
+    assert format_bytes(3 * GiB) == "3 GiB" and format_bytes(512) == "512 B" and format_bytes(None) == "-"
+
+
+def test_measure_phase_on_cpu_sees_an_allocation_inside_the_block():
+    before = current_rss_bytes()
+    with measure_phase("train") as m:
+        x = torch.ones(32 * 2**20 // 4)  # 32 MiB, touched
+        del x
+    assert m.record.phase == "train" and m.record.peak_bytes >= before + 30 * 2**20
