@@ -263,9 +263,11 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
                               f" {record.memory_kind}) exceeds {format_bytes(limit)} (headroom {options.oom_headroom:g})",
                               hint)
     worst = max(peaks, key=peaks.get)
+    # without a probe the verdict covers this step's batch only, not the longest batch the run can see
+    probe_note = "" if record.probe is not None else "; no worst-case probe ran"
     return GateResult(name, True, measured, threshold,
                       f"highest peak {worst} {format_bytes(peaks[worst])} = "
-                      f"{peaks[worst] / record.capacity_bytes:.1%} of {format_bytes(record.capacity_bytes)}")
+                      f"{peaks[worst] / record.capacity_bytes:.1%} of {format_bytes(record.capacity_bytes)}{probe_note}")
 
 
 def sanity(record: FirstStepRecord, options: GateOptions | None = None) -> GateResult:

@@ -130,3 +130,27 @@ def measure_phase(phase: str, device=None):
         else:
             peak = peak_rss_bytes()
         box.record = PhaseMemory(phase, int(peak))
+
+
+def system_memory_bytes() -> int | None:
+    """The memory this process may use: the cgroup limit (v2 ``memory.max``, v1 ``limit_in_bytes``) when
+    one is set, else the machine's MemTotal; None where neither can be read. The CPU capacity when
+    ``--memory-limit`` is not given (a container's limit is what the OOM killer enforces)."""
+    limits = []
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # "max" or a huge v1 sentinel mean: no limit
+            limits.append(int(text))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    limits.append(int(line.split()[1]) * 1024)
+                    break
+    except OSError:
+        pass
+    return min(limits) if limits else None

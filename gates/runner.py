@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from .checks import (DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD, DEFAULT_OOM_HEADROOM, GATES, OOM_REMEDIES, GateOptions,
                      GateResult)
-from .memory import parse_memory_size
+from .memory import parse_memory_size, system_memory_bytes
 from .record import FirstStepRecord
 from .report import GateReport
 
@@ -31,7 +31,8 @@ Run one rollout and one train step, then check the first-step gates, each report
                     --true-on-policy-mode, else <= --logprob-abs-diff-threshold
   oom_headroom      every phase's peak memory (rollout, log_prob, train, weight_sync) and the
                     worst-case probe stay under (1 - --oom-headroom) x capacity (the GPU's memory;
-                    on the CPU the process's resident memory against --memory-limit)
+                    on the CPU the process's resident memory against --memory-limit,
+                    by default the cgroup limit or the machine's memory)
   sanity            finite losses, rewards and grad norm; log-probs finite and <= 0
 
 A failing gate names the first offending token, sample or phase, and what to try.
@@ -103,7 +104,8 @@ def add_gate_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the JSON report (every gate's measured values, threshold, message, hint)")
     g.add_argument("--memory-limit", metavar="SIZE", default=None,
                    help="on the CPU: the capacity the process's resident memory is checked against, e.g. 8GiB, "
-                        "512MiB, 1.5GB (binary K/M/G/T, decimal kB/MB/GB)")
+                        "512MiB, 1.5GB (binary K/M/G/T, decimal kB/MB/GB); default: the cgroup's memory limit, "
+                        "else the machine's memory")
     g.add_argument("--oom-headroom", type=float, default=DEFAULT_OOM_HEADROOM, metavar="FRACTION",
                    help=f"fraction of capacity every phase's peak must leave free (default {DEFAULT_OOM_HEADROOM})")
     g.add_argument("--logprob-abs-diff-threshold", type=float, default=DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD,
@@ -120,19 +122,17 @@ def gate_options_from(ns: argparse.Namespace) -> GateOptions:
                                                           DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD))
 
 
-def add_gate_command_arguments(p: argparse.ArgumentParser) -> None:
-    """Everything ``rlperf gate`` takes: the gate flags, the training flags and (once it exists) the loop's."""
+def add_gate_command_arguments(p: argparse.ArgumentParser, with_loop: bool = True) -> None:
+    """Everything ``rlperf gate`` takes: the gate flags, then the loop's (``rlperf train``'s, which include
+    the training core's) when the loop is there and ``with_loop``, else the training core's alone."""
     from rlperf.train import add_train_arguments
 
     add_gate_arguments(p)
-    loop_args = _loop_attr("add_loop_arguments")
+    loop_args = _loop_attr("add_loop_arguments") if with_loop else None
     if loop_args is not None:
         loop_args(p)
-    add_train_arguments(p, skip=_defined_flags(p))
-
-
-def _defined_flags(p: argparse.ArgumentParser) -> set[str]:
-    return {s for a in p._actions for s in a.option_strings}
+    else:
+        add_train_arguments(p)
 
 
 def _loop_attr(name: str):
@@ -144,38 +144,56 @@ def _loop_attr(name: str):
     return getattr(loop, name, None)
 
 
-def build_gate_parser(prog: str = "rlperf gate") -> argparse.ArgumentParser:
+def build_gate_parser(prog: str = "rlperf gate", with_loop: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_gate_command_arguments(p)
+    add_gate_command_arguments(p, with_loop)
     return p
+
+
+def _resolve_flags(args: argparse.Namespace, with_loop: bool) -> argparse.Namespace:
+    """Check the non-gate flags before any step: the loop's :func:`resolve_args` (which fills the task's
+    defaults) when its flags were parsed, else :func:`rlperf.train.train_args_from`. ValueError if bad."""
+    resolve = _loop_attr("resolve_args") if with_loop else None
+    if resolve is not None and hasattr(args, "true_on_policy_mode"):
+        return resolve(args)
+    from rlperf.train import train_args_from
+
+    train_args_from(args)
+    return args
 
 
 def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) -> int:
     """``rlperf gate`` on parsed flags: 0 all gates passed, 1 a gate failed, 2 bad usage / no loop.
 
     ``first_step``: the hook that runs one rollout and one train step (default
-    ``rlperf.loop.first_step``). On the CPU, ``--memory-limit`` is the capacity of the record.
+    ``rlperf.loop.first_step``, with the loop's flags). ``args.memory_limit`` is replaced by its
+    value in bytes (an int) before the hook runs; for a ``cpu_rss`` record it is the capacity.
     """
-    try:
-        options = gate_options_from(args)
-        from rlperf.train import train_args_from
-
-        train_args_from(args)  # a bad training flag is bad usage, reported before any step runs
-    except ValueError as e:
-        print(f"rlperf gate: {e}", file=sys.stderr)
-        return 2
-    if first_step is None:
+    with_loop = first_step is None
+    if with_loop:
         first_step = _loop_attr("first_step")
         if first_step is None:
             print("rlperf gate: the RL loop's first-step hook (rlperf.loop.first_step) is not built yet "
                   "(issue #5); the gates themselves are in rlperf.gates", file=sys.stderr)
             return 2
-    limit = parse_memory_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
+    try:
+        options = gate_options_from(args)
+        if getattr(args, "memory_limit", None) is not None:
+            args.memory_limit = parse_memory_size(args.memory_limit)
+        args = _resolve_flags(args, with_loop)
+    except ValueError as e:
+        print(f"rlperf gate: {e}", file=sys.stderr)
+        return 2
+    limit = getattr(args, "memory_limit", None)
 
     def step() -> FirstStepRecord:
         record = first_step(args)
-        if record.memory_kind == "cpu_rss" and limit is not None:
-            record.capacity_bytes = limit
+        if record.memory_kind == "cpu_rss":
+            if limit is not None:
+                record.capacity_bytes = limit
+            elif record.capacity_bytes is None:  # no --memory-limit: what the OOM killer would enforce
+                record.capacity_bytes = system_memory_bytes()
+                record.config["memory_limit"] = f"{record.capacity_bytes} (cgroup limit or MemTotal)"
         return record
 
     report = FirstStepGate(options).run(step)
@@ -188,9 +206,13 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) ->
 
 
 def main(argv: list[str] | None = None, first_step: FirstStepFn | None = None) -> int:
-    """``rlperf gate`` from an argument list (argparse's own usage errors also exit 2)."""
+    """``rlperf gate`` from an argument list; argparse's own usage errors also exit 2.
+
+    Without ``first_step`` the loop's hook runs with the loop's flags (``rlperf train``'s); an
+    injected hook (tests, other loops) gets the gate and training-core flags only.
+    """
     try:
-        args = build_gate_parser().parse_args(argv)
+        args = build_gate_parser(with_loop=first_step is None).parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2)
         return int(e.code or 0)
     return run_gate(args, first_step)
