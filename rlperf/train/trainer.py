@@ -62,6 +62,10 @@ class Trainer:
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr,
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         self.step_count = 0
+        self.micro_step_hook = None
+        """Called once per :meth:`train_step` with the first micro-batch's metrics (slime names, each
+        averaged over that micro-batch's samples, or loss tokens with ``calculate_per_token_loss``):
+        the first-step gates read ``train/ppo_kl`` and ``train/pg_clipfrac`` of step 0's first micro-step."""
 
     @property
     def device(self) -> torch.device:
@@ -76,12 +80,13 @@ class Trainer:
     def prepare(self, samples: Sequence[Sample]) -> None:
         """Fill each sample's ``log_probs`` (old actor), ``ref_log_probs`` (if needed) and ``advantages``."""
         a = self.args
-        old = compute_log_probs(self.model, samples, a.rollout_temperature, **self._packing())
+        old = compute_log_probs(self.model, samples, a.rollout_temperature, impl=a.logprob_impl, **self._packing())
         for s, lp in zip(samples, old):
             s.log_probs = lp
         kl = None
         if self.ref_model is not None and (a.use_kl_loss or a.kl_coef != 0):
-            ref = compute_log_probs(self.ref_model, samples, a.rollout_temperature, **self._packing())
+            ref = compute_log_probs(self.ref_model, samples, a.rollout_temperature, impl=a.logprob_impl,
+                                    **self._packing())
             for s, lp in zip(samples, ref):
                 s.ref_log_probs = lp
             kl = [compute_approx_kl(s.log_probs, s.ref_log_probs, a.kl_loss_type) for s in samples]
@@ -112,13 +117,16 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
-        for mb in pack_micro_batches(samples, device=dev, **self._packing()):
+        micro_batches = pack_micro_batches(samples, device=dev, **self._packing())
+        first_mb = micro_batches[0]
+        for mb in micro_batches:
             group = [samples[i] for i in mb.indices]
 
             def flat(name):
                 return torch.cat([getattr(s, name) for s in group]).to(dev)
 
-            log_probs, entropy = micro_batch_log_probs(self.model, mb, a.rollout_temperature, with_entropy=True)
+            log_probs, entropy = micro_batch_log_probs(self.model, mb, a.rollout_temperature, with_entropy=True,
+                                                       impl=a.logprob_impl)
             if a.entropy_coef == 0:
                 entropy = entropy.detach()  # a metric only: no backward through the entropy
             loss, metrics = policy_loss(
@@ -127,6 +135,10 @@ class Trainer:
                 ref_log_probs=flat("ref_log_probs") if a.use_kl_loss else None,
                 rollout_log_probs=flat("rollout_log_probs") if with_rollout else None)
             (loss / denom).backward()
+            if self.micro_step_hook is not None and mb is first_mb:
+                count = (float(sum(s.loss_mask.sum() for s in group)) if a.calculate_per_token_loss
+                         else float(len(group)))
+                self.micro_step_hook({f"train/{k}": float(v) / max(count, 1.0) for k, v in metrics.items()})
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / denom
 

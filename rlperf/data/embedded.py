@@ -1,0 +1,68 @@
+"""The built-in task of ``rlperf train`` with no arguments: learn a key -> letter table by RL.
+
+Prompts are ``"key k? "`` for 8 keys ``k`` in ``a..h``; the answer is one of ``A B C D`` by a fixed
+table (:data:`EmbeddedTask.table`), then EOS. The reward (``exact``) is 1.0 when the response is
+exactly the right letter.
+
+Why a format warm-up: a randomly initialised tiny model spreads its first token over all 512 ids,
+so a random answer is right 1 time in 512 and a GRPO group almost never sees a reward. Like an RL
+run that starts from a model that already answers in the expected format, the embedded run first
+teaches the *format only* — a few supervised steps towards "one of A-D, uniformly, then EOS",
+whatever the key — so the rollout starts at chance (mean reward ~0.25) and only RL can learn which
+letter goes with which key. The warm-up is seeded and deterministic.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .jsonl import PromptRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedTask:
+    keys: str = "abcdefgh"
+    letters: str = "ABCD"
+    table: str = "CADBBDAC"
+    """``table[i]`` answers ``keys[i]`` (each letter twice, so no letter is a free win)."""
+
+    def prompt(self, key: str) -> str:
+        return f"key {key}? "
+
+    def records(self) -> list[PromptRecord]:
+        return [PromptRecord(self.prompt(k), self.table[i], {"task": "embedded"}, i + 1) for i, k in enumerate(self.keys)]
+
+    @property
+    def chance(self) -> float:
+        return 1.0 / len(self.letters)
+
+
+EMBEDDED_TASK = EmbeddedTask()
+
+EMBEDDED_DEFAULTS = dict(
+    rollout_batch_size=8, n_samples_per_prompt=8, global_batch_size=64, num_steps_per_rollout=1, num_rollout=80,
+    rollout_max_response_len=2, rollout_temperature=1.0, lr=5e-3, rm_type="exact", model="tiny",
+)
+"""Flag values the embedded run uses where the command line gives none."""
+
+
+def format_warmup(model, task: EmbeddedTask, tokenizer, steps: int = 60, lr: float = 1e-2) -> float:
+    """Supervised format steps (module docstring): each prompt followed by each letter then EOS, so
+    the cross-entropy is minimal for a uniform letter; returns the last loss. Deterministic."""
+    from rlperf.train.batching import Sample, pack_micro_batches
+
+    eos = tokenizer.eos_token_ids[0]
+    samples = [Sample(tokenizer.encode(task.prompt(k)) + tokenizer.encode(a) + [eos], 2)
+               for k in task.keys for a in task.letters]
+    mb = pack_micro_batches(samples, micro_batch_size=len(samples), device=model.device)[0]
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        hidden = model.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens)
+        logits = model.logits(hidden[mb.logit_rows])
+        loss = torch.nn.functional.cross_entropy(logits.float(), mb.targets)
+        loss.backward()
+        opt.step()
+    return float(loss.detach())

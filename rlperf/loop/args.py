@@ -1,0 +1,144 @@
+"""Flags of ``rlperf train`` (slime's names) and the checks that run before anything starts.
+
+:func:`add_loop_arguments` adds the loop's flags plus the training core's
+(:func:`rlperf.train.add_train_arguments`); :func:`resolve_args` fills the defaults (the embedded
+task's when ``--prompt-data`` is absent, see :data:`rlperf.data.embedded.EMBEDDED_DEFAULTS`) and
+raises :class:`UsageError` for anything that would fail later: the batch relation
+``rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout``, an
+unknown estimator, conflicting modes, an unwritable ``--save``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+from rlperf.data.embedded import EMBEDDED_DEFAULTS
+from rlperf.train.args import TrainArgs, add_train_arguments, train_args_from
+
+
+class UsageError(ValueError):
+    """Bad flags or inputs, found before any step (the CLI exits 2 with the message)."""
+
+
+# loop flags whose default depends on the task (None on the parser; resolve_args fills them)
+_TASK_DEFAULTS = dict(
+    rollout_batch_size=32, n_samples_per_prompt=8, global_batch_size=None, num_steps_per_rollout=1, num_rollout=100,
+    rollout_max_response_len=1024, rollout_temperature=1.0, lr=TrainArgs.lr, rm_type="boxed_math", model="tiny",
+)
+
+
+def add_loop_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--prompt-data", default=None, help="jsonl prompts (default: the embedded task)")
+    g.add_argument("--input-key", default="input")
+    g.add_argument("--label-key", default="label")
+    g.add_argument("--metadata-key", default="metadata")
+    g.add_argument("--apply-chat-template", action="store_true", help="the input field is a list of chat messages")
+    g = p.add_argument_group("rollout")
+    g.add_argument("--rollout-batch-size", type=int, default=None, help="prompts per rollout")
+    g.add_argument("--num-steps-per-rollout", type=int, default=None)
+    g.add_argument("--num-rollout", type=int, default=None, help="rollouts (steps) to run")
+    g.add_argument("--rollout-max-response-len", type=int, default=None)
+    g.add_argument("--rollout-top-p", type=float, default=1.0)
+    g.add_argument("--rollout-top-k", type=int, default=-1)
+    g.add_argument("--rollout-function-path", default=None,
+                   help="python path of fn(args, rollout_id, data_source, evaluation=False) -> samples")
+    g.add_argument("--custom-generate-function-path", default=None,
+                   help="python path of fn(args, sample, sampling_params) -> sample (one generation)")
+    g.add_argument("--custom-rm-path", default=None, help="python path of fn(args, sample) -> float")
+    g.add_argument("--rm-type", default=None, choices=["exact", "boxed_math"], help="built-in rule reward")
+    g.add_argument("--sglang-router-ip", default=None,
+                   help="rollout through this sglang-router (default: an in-process engine)")
+    g.add_argument("--sglang-router-port", type=int, default=None)
+    g.add_argument("--colocate", action="store_true", help="trainer and engines share the GPU (weights by CUDA IPC)")
+    g = p.add_argument_group("model and checkpoints")
+    g.add_argument("--model", default=None, help="preset when no --hf-checkpoint/--load (default tiny)")
+    g.add_argument("--hf-checkpoint", default=None, help="initial weights (HF safetensors directory)")
+    g.add_argument("--load", default=None, help="resume from this --save directory")
+    g.add_argument("--ref-load", default=None, help="reference model (HF directory or a --save directory)")
+    g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N rollouts (and after the last)")
+    g.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda")
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--output-dir", default="rlperf-train", help="metrics.jsonl and the timeline go here")
+    g.add_argument("--async", dest="async_mode", action="store_true",
+                   help="overlap rollout k+1 with training k (one step off-policy)")
+    g.add_argument("--deterministic-mode", action="store_true")
+    g.add_argument("--true-on-policy-mode", action="store_true",
+                   help="trainer log-probs through the engine's path: train_rollout_logprob_abs_diff exactly 0")
+    g.add_argument("--debug-rollout-only", action="store_true")
+    g.add_argument("--debug-train-only", action="store_true")
+    g.add_argument("--save-debug-rollout-data", default=None, help="path template with {rollout_id}")
+    g.add_argument("--load-debug-rollout-data", default=None, help="path template with {rollout_id}")
+    g.add_argument("--num-threads", type=int, default=1, help="CPU intra-op threads (1 is fastest on shared cores)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (summary lines still print)")
+    add_train_arguments(p)
+    p.set_defaults(lr=None, n_samples_per_prompt=None, rollout_temperature=None)
+
+
+def check_writable_dir(path, flag: str) -> None:
+    """Create ``path`` if needed and prove a file can be written there (removed again)."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".rlperf-write-check-", dir=p)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: not writable ({exc.strerror or exc})") from None
+
+
+def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
+    """Fill task defaults, check every relation; returns ``ns`` with ``train_args`` and ``embedded`` set."""
+    ns.embedded = ns.prompt_data is None
+    defaults = EMBEDDED_DEFAULTS if ns.embedded else _TASK_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(ns, k, None) is None:
+            setattr(ns, k, v)
+    if ns.global_batch_size is None:
+        ns.global_batch_size = ns.rollout_batch_size * ns.n_samples_per_prompt // ns.num_steps_per_rollout
+    for flag in ("rollout_batch_size", "num_steps_per_rollout", "num_rollout", "rollout_max_response_len"):
+        if getattr(ns, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
+    if ns.rollout_batch_size * ns.n_samples_per_prompt != ns.global_batch_size * ns.num_steps_per_rollout:
+        raise UsageError(
+            f"batch relation broken: --rollout-batch-size {ns.rollout_batch_size} x --n-samples-per-prompt "
+            f"{ns.n_samples_per_prompt} = {ns.rollout_batch_size * ns.n_samples_per_prompt} samples per rollout, but "
+            f"--global-batch-size {ns.global_batch_size} x --num-steps-per-rollout {ns.num_steps_per_rollout} = "
+            f"{ns.global_batch_size * ns.num_steps_per_rollout}")
+    if ns.true_on_policy_mode and ns.async_mode:
+        raise UsageError("--true-on-policy-mode needs sync mode: --async trains one step off-policy")
+    if ns.true_on_policy_mode and ns.num_steps_per_rollout != 1:
+        raise UsageError("--true-on-policy-mode needs --num-steps-per-rollout 1 (later steps train an updated actor)")
+    if ns.debug_rollout_only and ns.debug_train_only:
+        raise UsageError("--debug-rollout-only and --debug-train-only exclude each other")
+    if ns.debug_train_only and not ns.load_debug_rollout_data:
+        raise UsageError("--debug-train-only needs --load-debug-rollout-data")
+    if (ns.sglang_router_ip is None) != (ns.sglang_router_port is None):
+        raise UsageError("give both --sglang-router-ip and --sglang-router-port (or neither: in-process engine)")
+    if ns.save_interval is not None and ns.save_interval < 1:
+        raise UsageError(f"--save-interval must be >= 1, got {ns.save_interval}")
+    if ns.save_interval is not None and not ns.save:
+        raise UsageError("--save-interval needs --save")
+    ns.logprob_impl = "engine" if ns.true_on_policy_mode else "fused"
+    try:
+        ns.train_args = train_args_from(ns)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for flag, path in (("--load", ns.load), ("--ref-load", ns.ref_load), ("--hf-checkpoint", ns.hf_checkpoint)):
+        if path is not None and not Path(path).is_dir():
+            raise UsageError(f"{flag} {path}: no such directory")
+    if ns.save:
+        check_writable_dir(ns.save, "--save")
+    check_writable_dir(ns.output_dir, "--output-dir")
+    return ns
+
+
+def parse_train_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and resolve ``rlperf train`` flags (tests and :func:`rlperf.loop.first_step` callers)."""
+    p = argparse.ArgumentParser(prog="rlperf train")
+    add_loop_arguments(p)
+    return resolve_args(p.parse_args(argv or []))

@@ -1,0 +1,335 @@
+"""The RL loop of ``rlperf train``: rollout -> rewards -> log-probs -> train -> weight sync, per step.
+
+Sync mode (default)::
+
+    for k in range(start, num_rollout):
+        samples = rollout(k)                 # engines hold the weights after update k-1
+        prepare (old + ref log-probs, advantages); num_steps_per_rollout optimizer steps
+        weight sync (buckets) ; metrics line ; checkpoint every --save-interval
+
+Async mode (``--async``, slime's ``train_async.py``): rollout k+1 is generated (in a second thread)
+while the trainer trains on rollout k; the engines get update k only after rollout k+1 is in, so
+every rollout is one step off-policy.
+
+On CPU every op runs on the reference backend (the Triton interpreter has no backward passes) with
+``--num-threads`` intra-op threads (1 by default: fastest on shared cores). Every run writes
+``OUTPUT_DIR/metrics.jsonl`` (one JSON object per rollout, DESIGN.md's names) and a phase timeline
+(``profiles.timeline.PhaseTimeline``) with memory counters.
+
+:func:`first_step` is the hook of the first-step gates: one rollout and one train step, returned
+as a :class:`rlperf.gates.record.FirstStepRecord`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from rlperf import kernels as K
+
+from . import checkpoint as ckpt
+from .args import UsageError, parse_train_args, resolve_args
+from .rollout import (DataSource, EngineClient, RouterClient, generate_rollout, to_train_samples, weights_checksum)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PhaseMeter:
+    """Wall time and peak memory of named phases (CUDA: allocator peak; CPU: resident set at the phase's edges)."""
+
+    def __init__(self, device: torch.device, timeline):
+        self.device, self.timeline = device, timeline
+        self.kind = "cuda" if device.type == "cuda" else "cpu_rss"
+        self.times: dict[str, float] = {}
+        self.peaks: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        before = 0 if cuda else _rss_bytes()
+        t = time.perf_counter()
+        with self.timeline.phase(name, step=step):
+            yield
+            if cuda:
+                torch.cuda.synchronize(self.device)
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t
+        peak = torch.cuda.max_memory_allocated(self.device) if cuda else max(before, _rss_bytes())
+        self.peaks[name] = max(self.peaks.get(name, 0), peak)
+
+    def reset(self):
+        self.times, self.peaks = {}, {}
+
+
+def _mean_over_tokens(tensors) -> float:
+    ts = [t for t in tensors if t is not None]
+    return float(torch.cat(ts).double().mean()) if ts else float("nan")
+
+
+class Run:
+    """Everything a training run holds; building it runs no step (all input errors surface here)."""
+
+    def __init__(self, ns):
+        from rlperf.profiles.timeline import PhaseTimeline, default_path
+
+        from rlperf.data.embedded import EMBEDDED_TASK, format_warmup
+        from rlperf.data.jsonl import DataError, PromptDataset, load_prompt_data
+        from rlperf.data.rewards import load_python_path, reward_fn_for
+        from rlperf.model import preset
+        from rlperf.model.qwen3 import Qwen3ForCausalLM
+        from rlperf.rollout.tokenizer import load_tokenizer
+        from rlperf.train import Trainer, frozen_copy
+
+        self.ns = ns
+        if ns.num_threads:
+            torch.set_num_threads(ns.num_threads)
+        if ns.deterministic_mode:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(ns.seed)
+        dev = ns.device if ns.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(dev)
+        self.backend = None if self.device.type == "cuda" else "reference"
+        with self.kernels():
+            # model: --load > --hf-checkpoint > a preset at random init (+ the embedded task's format warm-up)
+            init_path = ckpt.model_dir(ns.load) if ns.load else ns.hf_checkpoint
+            if init_path:
+                self.model = Qwen3ForCausalLM.from_pretrained(init_path, dtype=torch.float32, device=self.device)
+            else:
+                self.model = Qwen3ForCausalLM.random(preset(ns.model), seed=ns.seed, device=self.device)
+            self.tokenizer = load_tokenizer(ns.hf_checkpoint, self.model.cfg.vocab_size)
+            try:
+                if ns.embedded:
+                    self.dataset = PromptDataset(EMBEDDED_TASK.records(), ns.seed)
+                else:
+                    self.dataset = PromptDataset(load_prompt_data(
+                        ns.prompt_data, ns.input_key, ns.label_key, ns.metadata_key, ns.apply_chat_template,
+                        self.tokenizer), ns.seed)
+                self.reward_fn = reward_fn_for(ns.rm_type, ns.custom_rm_path)
+                self.rollout_fn = (load_python_path(ns.rollout_function_path, "--rollout-function-path")
+                                   if ns.rollout_function_path else generate_rollout)
+                custom_gen = (load_python_path(ns.custom_generate_function_path, "--custom-generate-function-path")
+                              if ns.custom_generate_function_path else None)
+            except (DataError, ValueError) as exc:
+                raise UsageError(str(exc)) from None
+            if ns.embedded and not init_path:
+                self.warmup_loss = format_warmup(self.model, EMBEDDED_TASK, self.tokenizer)
+            ta = ns.train_args
+            ref = None
+            if ns.ref_load:
+                ref = Qwen3ForCausalLM.from_pretrained(ckpt.model_dir(ns.ref_load), dtype=torch.float32,
+                                                       device=self.device)
+            elif ta.use_kl_loss or ta.kl_coef:
+                ref = frozen_copy(self.model)  # the actor as it starts (slime asks for --ref-load)
+            self.trainer = Trainer(self.model, ta, ref)
+            self.start = ckpt.load_trainer_state(ns.load, self.trainer) if ns.load else 0
+        if ns.sglang_router_ip:
+            self.client = RouterClient(ns.sglang_router_ip, ns.sglang_router_port, self.tokenizer, ns.colocate)
+        else:
+            self.client = EngineClient(self.model, self.tokenizer)
+        self.data_source = DataSource(self.dataset, self.client, self.tokenizer, self.reward_fn, custom_gen)
+        self.out = Path(ns.output_dir)
+        self.timeline = PhaseTimeline(default_path(self.out))
+        self.meter = PhaseMeter(self.device, self.timeline)
+
+    def kernels(self):
+        return K.use_backend(self.backend)
+
+    # ---- phases ---------------------------------------------------------------------------------
+    def rollout(self, k: int):
+        """Samples of rollout ``k`` and its wall time (measured here: in async mode it overlaps training)."""
+        ns = self.ns
+        t = time.perf_counter()
+        with self.kernels(), self.meter.phase("rollout", k):
+            if ns.load_debug_rollout_data:
+                samples = torch.load(ns.load_debug_rollout_data.format(rollout_id=k), weights_only=False)
+            else:
+                samples = self.rollout_fn(ns, k, self.data_source)
+        if ns.save_debug_rollout_data:
+            path = Path(ns.save_debug_rollout_data.format(rollout_id=k))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(samples, path)
+        if len(samples) != ns.rollout_batch_size * ns.n_samples_per_prompt:
+            raise RuntimeError(f"rollout {k}: the rollout function returned {len(samples)} samples, expected "
+                               f"{ns.rollout_batch_size} x {ns.n_samples_per_prompt}")
+        return samples, time.perf_counter() - t
+
+    def train(self, k: int, samples, micro_hook=None) -> dict:
+        ns, tr = self.ns, self.trainer
+        gbs = ns.global_batch_size
+        with self.kernels():
+            train_samples = to_train_samples(samples)
+            with self.meter.phase("log_prob", k):
+                tr.prepare(train_samples)
+            steps = []
+            with self.meter.phase("train", k):
+                for i in range(0, len(train_samples), gbs):
+                    tr.micro_step_hook = micro_hook if i == 0 else None
+                    steps.append(tr.train_step(train_samples[i:i + gbs]))
+                tr.micro_step_hook = None
+        m = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
+        m["rollout/log_probs"] = _mean_over_tokens(s.log_probs for s in train_samples)
+        m["rollout/rollout_log_probs"] = _mean_over_tokens(s.rollout_log_probs for s in train_samples)
+        if any(s.ref_log_probs is not None for s in train_samples):
+            m["rollout/ref_log_probs"] = _mean_over_tokens(s.ref_log_probs for s in train_samples)
+        self.last_train_samples = train_samples
+        return m
+
+    def sync(self, k: int) -> dict:
+        with self.kernels(), self.meter.phase("weight_sync", k), torch.no_grad():
+            named = {n: t.detach() for n, t in self.model.hf_state_dict().items()}
+            stats = self.client.update_weights(named, version=str(k + 1))
+        return stats
+
+    def rollout_metrics(self, samples, rollout_time: float) -> dict:
+        rewards = [s.reward for s in samples]
+        lengths = [s.response_length for s in samples]
+        return {"rollout/raw_reward": sum(rewards) / len(rewards),
+                "rollout/response_length": sum(lengths) / len(lengths),
+                "perf/longest_sample_tokens_per_sec": max(lengths) / rollout_time if rollout_time > 0 else 0.0}
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        from tqdm import tqdm
+
+        ns = self.ns
+        self.out.mkdir(parents=True, exist_ok=True)
+        mode = "a" if ns.load else "w"
+        history = []
+        print(f"rlperf train: {'embedded task' if ns.embedded else ns.prompt_data} on {self.device} "
+              f"({self.client.kind}), rollouts {self.start}..{ns.num_rollout - 1}, "
+              f"{ns.rollout_batch_size}x{ns.n_samples_per_prompt} samples per rollout, "
+              f"{'async' if ns.async_mode else 'sync'} mode; metrics -> {self.out / METRICS_FILE}", file=sys.stderr)
+        bar = tqdm(total=ns.num_rollout, initial=self.start, disable=ns.no_progress, desc="rlperf train",
+                   unit="rollout", file=sys.stderr)
+        pool = ThreadPoolExecutor(1) if ns.async_mode else None
+        try:
+            with open(self.out / METRICS_FILE, mode) as mf:
+                pending = None
+                for k in range(self.start, ns.num_rollout):
+                    self.meter.reset()
+                    samples, rollout_time = pending.result() if pending is not None else self.rollout(k)
+                    if pool is not None and k + 1 < ns.num_rollout:
+                        pending = pool.submit(self.rollout, k + 1)  # generated by weights before update k
+                    else:
+                        pending = None
+                    m = {"rollout_id": k}
+                    m.update(self.rollout_metrics(samples, rollout_time))
+                    if not ns.debug_rollout_only:
+                        m.update(self.train(k, samples))
+                        if pending is not None:
+                            pending = _Done(pending.result())  # the engines must be idle to take weights
+                        if not ns.debug_train_only:
+                            self.sync(k)
+                        m["sync/weights_checksum"] = weights_checksum(self.model.hf_state_dict())
+                    m["perf/rollout_time"] = rollout_time
+                    for phase, key in (("train", "perf/train_time"), ("log_prob", "perf/log_prob_time"),
+                                       ("weight_sync", "perf/update_weights_time")):
+                        if phase in self.meter.times:
+                            m[key] = self.meter.times[phase]
+                    for phase, peak in self.meter.peaks.items():
+                        m[f"memory/{phase}_peak_bytes"] = peak
+                    m["memory/kind"] = self.meter.kind
+                    if ns.save and not ns.debug_rollout_only and (
+                            k + 1 == ns.num_rollout or (ns.save_interval and (k + 1) % ns.save_interval == 0)):
+                        ckpt.save_checkpoint(ns.save, k + 1, self.model, self.trainer)
+                    mf.write(json.dumps(m) + "\n")
+                    mf.flush()
+                    history.append(m)
+                    bar.update(1)
+                    bar.write(summary_line(m, ns.num_rollout), file=sys.stderr)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+            bar.close()
+            self.timeline.save()
+        return history
+
+
+class _Done:
+    """A finished future's stand-in (async mode waits for rollout k+1 before the weight sync)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def summary_line(m: dict, total: int) -> str:
+    def f(key, fmt="{:.4f}"):
+        v = m.get(key)
+        return "-" if v is None else fmt.format(v)
+
+    return (f"rollout {m['rollout_id'] + 1}/{total} | reward {f('rollout/raw_reward', '{:.3f}')} | "
+            f"loss {f('train/loss')} | pg_clipfrac {f('train/pg_clipfrac', '{:.3f}')} | ppo_kl {f('train/ppo_kl', '{:.2e}')}"
+            f" | grad_norm {f('train/grad_norm', '{:.3f}')} | abs_diff {f('train/train_rollout_logprob_abs_diff', '{:.2e}')}"
+            f" | rollout {f('perf/rollout_time', '{:.2f}')}s train {f('perf/train_time', '{:.2f}')}s "
+            f"sync {f('perf/update_weights_time', '{:.3f}')}s")
+
+
+def _resolve(args):
+    if isinstance(args, (list, tuple)) or args is None:
+        return parse_train_args(list(args or []))
+    if not hasattr(args, "train_args"):
+        return resolve_args(args)
+    return args
+
+
+def train(args=None) -> list[dict]:
+    """Run ``rlperf train`` with ``args`` (argv list, or a parsed namespace); returns the metrics lines."""
+    return Run(_resolve(args)).run()
+
+
+def first_step(args=None):
+    """One rollout and one train step (no weight sync, no checkpoint), as the gates' record.
+
+    ``args``: argv list (``rlperf train`` flags) or a parsed namespace. The reference model is
+    ``--ref-load``, else a frozen copy of the actor at step 0, and reference log-probs are always
+    computed. Returns :class:`rlperf.gates.record.FirstStepRecord`.
+    """
+    from rlperf.gates.record import FirstStepRecord, PhaseMemory
+    from rlperf.train import frozen_copy
+
+    ns = _resolve(args)
+    run = Run(ns)
+    if run.trainer.ref_model is None:
+        run.trainer.ref_model = frozen_copy(run.model)
+    ta = run.trainer.args
+    forced = not (ta.use_kl_loss or ta.kl_coef)
+    if forced:  # prepare computes ref log-probs only when the loss needs them: ask with kl_coef 0 + use_kl_loss 0 coef
+        ta.use_kl_loss, ta.kl_loss_coef = True, 0.0
+    first: dict = {}
+    samples, rollout_time = run.rollout(0)
+    m = run.rollout_metrics(samples, rollout_time)
+    m.update(run.train(0, samples, micro_hook=lambda x: first.update(x) if not first else None))
+    with run.kernels(), run.meter.phase("weight_sync", 0), torch.no_grad():
+        run.client.update_weights({n: t.detach() for n, t in run.model.hf_state_dict().items()}, version="1")
+    if forced:
+        ta.use_kl_loss, ta.kl_loss_coef = False, 0.0
+    run.timeline.save()
+    cap = None
+    if run.device.type == "cuda":
+        cap = torch.cuda.get_device_properties(run.device).total_memory
+    elif getattr(ns, "memory_limit", None):
+        cap = int(ns.memory_limit)
+    config = {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    return FirstStepRecord(
+        samples=run.last_train_samples, first_micro_step=first, step_metrics=m,
+        phases=[PhaseMemory(p, run.meter.peaks[p]) for p in ("rollout", "log_prob", "train", "weight_sync")],
+        capacity_bytes=cap, memory_kind=run.meter.kind, probe=None, true_on_policy=bool(ns.true_on_policy_mode),
+        config=config)
