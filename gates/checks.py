@@ -235,7 +235,8 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
     if record.probe is not None:
         peaks[f"probe:{record.probe.phase}"] = int(record.probe.peak_bytes)
     measured = {"memory_kind": record.memory_kind, "capacity_bytes": record.capacity_bytes,
-                "headroom": options.oom_headroom, "peaks_bytes": peaks}
+                "headroom": options.oom_headroom, "peaks_bytes": peaks,
+                "probe_tokens": record.probe.tokens if record.probe is not None else None}
     if record.capacity_bytes is None or record.capacity_bytes <= 0:
         return GateResult(name, False, measured, None,
                           f"no capacity to check {record.memory_kind} peaks against",
@@ -258,6 +259,8 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
         peak = peaks[phase]
         if peak > limit:
             frac = peak / record.capacity_bytes
+            if phase.startswith("probe:") and record.probe.tokens:
+                phase = f"{phase} (worst-case micro-batch of {record.probe.tokens} tokens)"
             return GateResult(name, False, measured, threshold,
                               f"phase {phase}: peak {format_bytes(peak)} ({frac:.1%} of {format_bytes(record.capacity_bytes)}"
                               f" {record.memory_kind}) exceeds {format_bytes(limit)} (headroom {options.oom_headroom:g})",

@@ -20,6 +20,8 @@ class PhaseMemory:
 
     phase: str
     peak_bytes: int
+    tokens: int | None = None
+    """Tokens of the micro-batch measured, where known (the worst-case probe sets it)."""
 
 
 @dataclasses.dataclass

@@ -139,7 +139,9 @@ def _loop_attr(name: str):
     """``rlperf.loop.<name>`` if the loop has landed and defines it, else None."""
     try:
         import rlperf.loop as loop
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != "rlperf.loop":
+            raise  # the loop is there but broken: say so, do not pretend it is not built
         return None
     return getattr(loop, name, None)
 
