@@ -59,12 +59,15 @@ class FirstStepGate:
                                           "a malformed FirstStepRecord (shapes, missing fields)"))
         return GateReport(results, seconds, _config(record))
 
-    def run(self, first_step: Callable[[], FirstStepRecord]) -> GateReport:
+    def run(self, first_step: Callable[[], FirstStepRecord], usage_errors: tuple = ()) -> GateReport:
         """Run ``first_step()`` and check its record. If it raises, every gate fails with the cause:
-        out of memory fails ``oom_headroom`` with slime's remedies, anything else names the exception."""
+        out of memory fails ``oom_headroom`` with slime's remedies, anything else names the exception.
+        Exceptions of the ``usage_errors`` types (bad flags or inputs found by the step) propagate."""
         t0 = time.perf_counter()
         try:
             record = first_step()
+        except usage_errors:
+            raise
         except Exception as e:
             traceback.print_exc(file=sys.stderr)
             return self.crashed(e, time.perf_counter() - t0)
@@ -198,7 +201,12 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) ->
                 record.config["memory_limit"] = f"{record.capacity_bytes} (cgroup limit or MemTotal)"
         return record
 
-    report = FirstStepGate(options).run(step)
+    usage = _loop_attr("UsageError") if with_loop else None
+    try:
+        report = FirstStepGate(options).run(step, usage_errors=(usage,) if usage is not None else ())
+    except ValueError as e:  # only the loop's UsageError gets here: bad inputs found before any step
+        print(f"rlperf gate: {e}", file=sys.stderr)
+        return 2
     print(report.table())
     if getattr(args, "report_json", None):
         report.write_json(args.report_json)

@@ -256,3 +256,11 @@ def test_rlperf_gate_bad_loop_flags_exit_2(tmp_path, capsys):
 
     code = rlperf(["gate", "--rollout-batch-size", "3", "--global-batch-size", "5", "--output-dir", str(tmp_path)])
     assert code == 2 and "batch relation" in capsys.readouterr().err
+
+
+@needs_loop
+def test_rlperf_gate_missing_data_file_exits_2(tmp_path, capsys):
+    from rlperf.cli import main as rlperf
+
+    code = rlperf(["gate", "--prompt-data", str(tmp_path / "nope.jsonl"), "--output-dir", str(tmp_path)])
+    assert code == 2 and "nope.jsonl" in capsys.readouterr().err
