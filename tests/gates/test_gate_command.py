@@ -264,3 +264,30 @@ def test_rlperf_gate_missing_data_file_exits_2(tmp_path, capsys):
 
     code = rlperf(["gate", "--prompt-data", str(tmp_path / "nope.jsonl"), "--output-dir", str(tmp_path)])
     assert code == 2 and "nope.jsonl" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(tmp_path_factory):
+    """A --save directory after one training step of the embedded run (weights differ from the init)."""
+    from rlperf.cli import main as rlperf
+
+    d = tmp_path_factory.mktemp("ckpt")
+    assert rlperf(["train", "--num-rollout", "1", "--save", str(d / "save"), "--output-dir", str(d / "out"),
+                   "--no-progress"]) == 0
+    return d / "save"
+
+
+@needs_loop
+@pytest.mark.parametrize("same_weights", [False, True])
+def test_rlperf_gate_reference_from_another_checkpoint_fails_kl_zero(same_weights, trained_checkpoint, tmp_path):
+    from rlperf.cli import main as rlperf
+
+    argv = ["gate", "--ref-load", str(trained_checkpoint), "--output-dir", str(tmp_path), "--no-progress",
+            "--junit-xml", str(tmp_path / "g.xml")]
+    if same_weights:
+        argv += ["--load", str(trained_checkpoint)]  # actor and reference both the trained weights
+    assert rlperf(argv) == (0 if same_weights else 1)
+    cases, failed = _junit(tmp_path / "g.xml")
+    assert failed == ([] if same_weights else ["kl_zero"])
+    if not same_weights:
+        assert "sample 0, response token 0" in cases["kl_zero"].find("failure").get("message")
