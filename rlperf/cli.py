@@ -11,7 +11,6 @@ import sys
 # Subcommands whose implementation has not landed yet, and the issue that tracks each. They say
 # so and exit 2; they never pretend to have run.
 NOT_BUILT = {
-    "train": ("run the RL loop (rollout -> rewards -> train -> weight sync) with first-step gates", 5),
 }
 
 
@@ -50,6 +49,22 @@ def _gate(args: argparse.Namespace) -> int:
     from rlperf.gates.runner import run_gate
 
     return run_gate(args)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rlperf.loop import UsageError, resolve_args, train
+
+    try:
+        ns = resolve_args(args)
+    except UsageError as exc:
+        print(f"rlperf train: {exc}", file=sys.stderr)
+        return 2
+    try:
+        train(ns)
+    except UsageError as exc:  # input errors found while building the run, before any step
+        print(f"rlperf train: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -112,6 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_gate_command_arguments(p)
     p.set_defaults(func=_gate)
+
+    from rlperf.loop import add_loop_arguments
+
+    p = sub.add_parser(
+        "train",
+        help="run the RL loop: rollout -> rewards -> train -> weight sync (no flags: the embedded CPU task)",
+        description=(
+            "Run the RL loop with slime's flag names: prompts from --prompt-data jsonl, rollouts through an "
+            "sglang-router (--sglang-router-ip/--sglang-router-port) or an in-process engine, rule or custom rewards, "
+            "GRPO-family training, weight sync through flattened buckets after every update, metrics.jsonl and a phase "
+            "timeline under --output-dir, checkpoints with --save. With no flags it trains the tiny model on the "
+            "embedded key->letter task on the CPU; the mean reward rises from chance (0.25) to about 1 in under a "
+            "minute on 2 cores."
+        ),
+    )
+    add_loop_arguments(p)
+    p.set_defaults(func=_train)
 
     from rlperf.profiles.cli import add_profile_arguments
 

@@ -131,6 +131,10 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
     for flag, path in (("--load", ns.load), ("--ref-load", ns.ref_load), ("--hf-checkpoint", ns.hf_checkpoint)):
         if path is not None and not Path(path).is_dir():
             raise UsageError(f"{flag} {path}: no such directory")
+    from .checkpoint import LATEST
+
+    if ns.load is not None and not (Path(ns.load) / LATEST).is_file():
+        raise UsageError(f"--load {ns.load}: no {LATEST} (not a checkpoint directory written by --save)")
     if ns.save:
         check_writable_dir(ns.save, "--save")
     check_writable_dir(ns.output_dir, "--output-dir")
