@@ -90,8 +90,9 @@ class FirstStepGate:
 
 
 def _is_oom(error: BaseException) -> bool:
-    oom_type = getattr(__import__("torch"), "OutOfMemoryError", ())
-    return isinstance(error, (MemoryError, oom_type)) or "out of memory" in str(error).lower()
+    import torch
+
+    return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(error).lower()
 
 
 def _config(record: FirstStepRecord) -> dict:

@@ -7,7 +7,6 @@ import torch
 from gate_records import GiB, healthy_record, next_float
 from rlperf.gates import (GATES, PHASES, GateOptions, PhaseMemory, kl_zero, logprob_abs_diff, oom_headroom,
                           parse_memory_size, sanity)
-from rlperf.gates.checks import OOM_REMEDIES
 from rlperf.gates.memory import current_rss_bytes, format_bytes, measure_phase
 
 

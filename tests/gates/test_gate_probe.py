@@ -8,7 +8,7 @@ from rlperf.gates import PhaseMemory, measure_phase, oom_headroom
 from rlperf.gates.probe import probe_samples, worst_case_probe
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
-from rlperf.train import Sample, TrainArgs, Trainer
+from rlperf.train import TrainArgs, Trainer
 
 CFG = preset("tiny")
 
