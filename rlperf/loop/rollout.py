@@ -116,6 +116,7 @@ class RouterClient:
         from rlperf.rollout.router import http_json
 
         self.url, self.tokenizer, self.colocate, self.timeout = f"http://{ip}:{port}", tokenizer, colocate, timeout
+        self.max_inflight = 32
         self._http = http_json
         status, reply = http_json(self.url + "/workers", timeout=30)
         if status != 200 or not isinstance(reply, dict) or not reply.get("workers"):
@@ -125,21 +126,25 @@ class RouterClient:
         status, reply = self._http(self.url + "/workers", timeout=30)
         return [w["url"] for w in reply["workers"]]
 
+    def _generate_one(self, ids: list[int], sp: SamplingParams) -> dict:
+        body = {"input_ids": ids, "return_logprob": True, "sampling_params": {
+            "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+            "top_k": sp.top_k, "sampling_seed": sp.seed, "no_stop_trim": True}}
+        status, reply = self._http(self.url + "/generate", body, timeout=self.timeout)
+        if status != 200:
+            raise RuntimeError(f"router {self.url}: /generate answered {status}: {reply!r}")
+        meta = reply["meta_info"]
+        triples = meta.get("output_token_logprobs") or []
+        return dict(output_ids=reply.get("output_ids") or [t[1] for t in triples], logprobs=[t[0] for t in triples],
+                    text=reply.get("text", ""), finish_reason=meta["finish_reason"]["type"])
+
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
-        out = []
-        for ids, sp in zip(prompts, params):  # one request each: the router spreads them over workers
-            body = {"input_ids": ids, "return_logprob": True, "sampling_params": {
-                "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
-                "top_k": sp.top_k, "sampling_seed": sp.seed, "no_stop_trim": True}}
-            status, reply = self._http(self.url + "/generate", body, timeout=self.timeout)
-            if status != 200:
-                raise RuntimeError(f"router {self.url}: /generate answered {status}: {reply!r}")
-            meta = reply["meta_info"]
-            triples = meta.get("output_token_logprobs") or []
-            out.append(dict(output_ids=reply.get("output_ids") or [t[1] for t in triples],
-                            logprobs=[t[0] for t in triples], text=reply.get("text", ""),
-                            finish_reason=meta["finish_reason"]["type"]))
-        return out
+        # one request per sample, many in flight: the router spreads them over the workers, and each
+        # sample's tokens depend only on its seed (batch-invariant engines), not on who served it
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.max_inflight) as pool:
+            return list(pool.map(self._generate_one, prompts, params))
 
     def update_weights(self, named_tensors, version: str) -> dict:
         from rlperf.rollout.weights import push_weights

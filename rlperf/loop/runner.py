@@ -214,6 +214,7 @@ class Run:
               f"({self.client.kind}), rollouts {self.start}..{ns.num_rollout - 1}, "
               f"{ns.rollout_batch_size}x{ns.n_samples_per_prompt} samples per rollout, "
               f"{'async' if ns.async_mode else 'sync'} mode; metrics -> {self.out / METRICS_FILE}", file=sys.stderr)
+        self.sync(self.start - 1)  # the engines start from the trainer's weights (a router's servers loaded their own)
         bar = tqdm(total=ns.num_rollout, initial=self.start, disable=ns.no_progress, desc="rlperf train",
                    unit="rollout", file=sys.stderr)
         pool = ThreadPoolExecutor(1) if ns.async_mode else None
@@ -314,6 +315,8 @@ def first_step(args=None):
     if forced:  # prepare computes ref log-probs only when the loss needs them: ask with kl_coef 0 + use_kl_loss 0 coef
         ta.use_kl_loss, ta.kl_loss_coef = True, 0.0
     first: dict = {}
+    run.sync(-1)
+    run.meter.reset()
     samples, rollout_time = run.rollout(0)
     m = run.rollout_metrics(samples, rollout_time)
     m.update(run.train(0, samples, micro_hook=lambda x: first.update(x) if not first else None))
