@@ -152,15 +152,20 @@ class RouterClient:
         first = next(iter(named_tensors.values()))
         transport = "cuda_ipc" if (self.colocate and first.device.type == "cuda") else (
             "shm" if first.device.type == "cpu" else "inline")
+        def admin(url, endpoint):
+            status, reply = self._http(url + endpoint, {}, timeout=60)
+            if status != 200:
+                raise RuntimeError(f"{url}{endpoint} answered {status}: {reply!r}")
+
         n = 0
         for url in self.workers():
-            self._http(url + "/pause_generation", {}, timeout=60)
+            admin(url, "/pause_generation")
             try:
                 n += push_weights(url, named_tensors, transport=transport, bucket_bytes=SYNC_BUCKET_BYTES,
                                   weight_version=version)
-                self._http(url + "/flush_cache", {}, timeout=60)
+                admin(url, "/flush_cache")
             finally:
-                self._http(url + "/continue_generation", {}, timeout=60)
+                admin(url, "/continue_generation")
         return {"buckets": n, "bytes": sum(t.numel() * t.element_size() for t in named_tensors.values())}
 
 
