@@ -4,9 +4,10 @@ Two places generate (:class:`RolloutClient`):
 
 * :class:`EngineClient` — an in-process :class:`rlperf.rollout.engine.Engine` over its **own copy**
   of the model (the default when no ``--sglang-router-ip`` is given, e.g. the embedded CPU run).
-  Weight sync goes through the same path a server takes: ``flatten_buckets`` -> a bucket payload
-  (shared memory on CPU, CUDA IPC on GPU) -> ``receive_bucket`` (checks sizes and checksum) ->
-  ``load_bucket`` into the engine's model, then the KV cache is flushed.
+  Weight sync on CPU goes through the path a server takes: ``flatten_buckets`` -> a shared-memory
+  bucket payload -> ``receive_bucket`` (checks sizes and checksum) -> ``load_bucket`` into the
+  engine's model; on one GPU the buckets are loaded directly (one copy launch per bucket). Then
+  the KV cache is flushed.
 * :class:`RouterClient` — ``POST /generate`` through a running sglang-router; weight sync pauses
   every worker the router lists (``/pause_generation``), pushes the buckets
   (``/update_weights_from_tensor``, ``push_weights``), flushes their caches and continues them.
@@ -92,15 +93,19 @@ class EngineClient:
 
     def update_weights(self, named_tensors, version: str) -> dict:
         """Buckets -> payload -> receive (checksum verified) -> load; returns the sync's stats."""
-        transport = "cuda_ipc" if self.model.device.type == "cuda" else "shm"
         buckets = flatten_buckets(named_tensors, bucket_bytes=SYNC_BUCKET_BYTES)
         nbytes = 0
         for b in buckets:
-            payload, handle = bucket_payload(b, transport)
-            try:
-                load_bucket(self.model, receive_bucket(payload, self.model.device))
-            finally:
-                release(handle)
+            if self.model.device.type == "cuda":
+                # same process, same GPU: CUDA cannot open a process's own IPC handle, and none is
+                # needed; the bucket's views are copied straight into the engine's parameters
+                load_bucket(self.model, b)
+            else:
+                payload, handle = bucket_payload(b, "shm")
+                try:
+                    load_bucket(self.model, receive_bucket(payload, self.model.device))
+                finally:
+                    release(handle)
             nbytes += b.nbytes
         self.engine.flush()
         self.engine.weight_version = version

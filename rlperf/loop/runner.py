@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor

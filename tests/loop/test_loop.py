@@ -183,3 +183,13 @@ def test_unwritable_save(tmp_path, checkpoint, capsys):
 def test_load_without_checkpoint(tmp_path, checkpoint, capsys):
     err = _bad(tmp_path, checkpoint, capsys, "--load", str(tmp_path))
     assert "latest_checkpointed_iteration.txt" in err
+
+
+def test_ref_load_kl_loss_starts_at_zero(tmp_path):
+    _run(tmp_path / "a", "--num-rollout", "1", "--save", str(tmp_path / "ckpt"))
+    hist = _run(tmp_path / "b", "--num-rollout", "3", "--load", str(tmp_path / "ckpt"), "--ref-load",
+                str(tmp_path / "ckpt"), "--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl")
+    # rollout 1: the actor is the checkpoint, so is the reference: KL exactly 0 in every micro-step
+    assert hist[0]["rollout/ref_log_probs"] == hist[0]["rollout/log_probs"]
+    assert hist[0]["train/kl_loss"] == 0.0
+    assert hist[1]["train/kl_loss"] != 0.0  # the actor has moved, the reference has not
