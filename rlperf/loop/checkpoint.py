@@ -59,6 +59,6 @@ def model_dir(path) -> Path:
 def load_trainer_state(load, trainer) -> int:
     """Restore optimizer state; returns the iteration (rollouts done) of the latest checkpoint."""
     it = latest_iteration(load)
-    state = torch.load(iter_dir(load, it) / "trainer.pt", map_location="cpu", weights_only=False)
+    state = torch.load(iter_dir(load, it) / "trainer.pt", map_location="cpu", weights_only=True)
     trainer.load_state_dict(state["trainer"])
     return int(state["iteration"])

@@ -24,6 +24,7 @@ replaces it, ``--custom-generate-function-path`` replaces only the per-sample ge
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import torch
@@ -219,6 +220,23 @@ def timed_rollout(fn, args, rollout_id, data_source):
     t = time.perf_counter()
     samples = fn(args, rollout_id, data_source)
     return samples, time.perf_counter() - t
+
+
+def save_rollout_data(path, samples: list[RolloutSample]) -> None:
+    """``--save-debug-rollout-data``: one JSON object per sample (plain data, never a pickle)."""
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(dataclasses.asdict(s)) + "\n" for s in samples))
+    tmp.replace(path)
+
+
+def load_rollout_data(path) -> list[RolloutSample]:
+    """``--load-debug-rollout-data``: the samples :func:`save_rollout_data` wrote (same floats, bit for bit)."""
+    with open(path) as f:
+        return [RolloutSample(**json.loads(line)) for line in f if line.strip()]
 
 
 def to_train_samples(samples: list[RolloutSample]):

@@ -34,7 +34,8 @@ from rlperf import kernels as K
 
 from . import checkpoint as ckpt
 from .args import UsageError, parse_train_args, resolve_args
-from .rollout import (DataSource, EngineClient, RouterClient, generate_rollout, to_train_samples, weights_checksum)
+from .rollout import (DataSource, EngineClient, RouterClient, generate_rollout, load_rollout_data, save_rollout_data,
+                      to_train_samples, weights_checksum)
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -155,13 +156,11 @@ class Run:
         t = time.perf_counter()
         with self.kernels(), self.meter.phase("rollout", k):
             if ns.load_debug_rollout_data:
-                samples = torch.load(ns.load_debug_rollout_data.format(rollout_id=k), weights_only=False)
+                samples = load_rollout_data(ns.load_debug_rollout_data.format(rollout_id=k))
             else:
                 samples = self.rollout_fn(ns, k, self.data_source)
         if ns.save_debug_rollout_data:
-            path = Path(ns.save_debug_rollout_data.format(rollout_id=k))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(samples, path)
+            save_rollout_data(ns.save_debug_rollout_data.format(rollout_id=k), samples)
         if len(samples) != ns.rollout_batch_size * ns.n_samples_per_prompt:
             raise RuntimeError(f"rollout {k}: the rollout function returned {len(samples)} samples, expected "
                                f"{ns.rollout_batch_size} x {ns.n_samples_per_prompt}")

@@ -9,6 +9,7 @@ import torch
 
 from rlperf.cli import main
 from rlperf.loop import METRICS_FILE, first_step, train
+from rlperf.loop.rollout import load_rollout_data
 
 # keys that depend on time or memory, not on the computation
 VOLATILE = ("perf/", "memory/")
@@ -86,20 +87,20 @@ def test_true_on_policy_abs_diff_is_exactly_zero(tmp_path):
 
 
 def test_async_rollout_is_one_step_off_policy(tmp_path):
-    tpl = str(tmp_path / "{}" / "r{{rollout_id}}.pt")
+    tpl = str(tmp_path / "{}" / "r{{rollout_id}}.jsonl")
     hist = _run(tmp_path / "a", "--async", "--num-rollout", "3", "--save-debug-rollout-data", tpl.format("async"))
     assert [m["rollout_id"] for m in hist] == [0, 1, 2]
     # rollout 1 of the async run came from the initial weights: it equals a rollout-only run's rollout 1
     _run(tmp_path / "r", "--debug-rollout-only", "--num-rollout", "2", "--save-debug-rollout-data", tpl.format("ro"))
     _run(tmp_path / "s", "--num-rollout", "2", "--save-debug-rollout-data", tpl.format("sync"))
-    load = lambda kind: torch.load(tmp_path / kind / "r1.pt", weights_only=False)  # noqa: E731
+    load = lambda kind: load_rollout_data(tmp_path / kind / "r1.jsonl")  # noqa: E731
     key = lambda ss: [(s.response_ids, s.rollout_log_probs) for s in ss]  # noqa: E731
     assert key(load("async")) == key(load("ro"))
     assert key(load("sync")) != key(load("ro"))
 
 
 def test_debug_train_only_replays_saved_rollouts(tmp_path):
-    tpl = str(tmp_path / "data" / "r{rollout_id}.pt")
+    tpl = str(tmp_path / "data" / "r{rollout_id}.jsonl")
     a = _run(tmp_path / "a", "--num-rollout", "2", "--save-debug-rollout-data", tpl)
     b = _run(tmp_path / "b", "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", tpl)
     for x, y in zip(a, b):
