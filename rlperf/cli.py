@@ -59,6 +59,18 @@ def _train(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"rlperf train: {exc}", file=sys.stderr)
         return 2
+    if not (ns.skip_gates or ns.debug_rollout_only or ns.debug_train_only):
+        import copy
+
+        from rlperf.gates.runner import run_gate
+
+        # the first-step gates run one rollout and one train step on a run of their own; the
+        # training run then starts from the same initial state (nothing is saved by the gates)
+        code = run_gate(copy.copy(ns))
+        if code != 0:
+            print(f"rlperf train: {'a first-step gate failed' if code == 1 else 'the gates could not run'}; "
+                  f"stopping before step 1 (--skip-gates trains anyway)", file=sys.stderr)
+            return code
     try:
         train(ns)
     except UsageError as exc:  # input errors found while building the run, before any step
@@ -137,11 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
             "Run the RL loop with slime's flag names: prompts from --prompt-data jsonl, rollouts through an "
             "sglang-router (--sglang-router-ip/--sglang-router-port) or an in-process engine, rule or custom rewards, "
             "GRPO-family training, weight sync through flattened buckets after every update, metrics.jsonl and a phase "
-            "timeline under --output-dir, checkpoints with --save. With no flags it trains the tiny model on the "
+            "timeline under --output-dir, checkpoints with --save. The first-step gates (rlperf gate) run first and a "
+            "failing gate stops the run before step 1 (exit 1; --skip-gates). With no flags it trains the tiny model on the "
             "embedded key->letter task on the CPU; the mean reward rises from chance (0.25) to about 1 in under a "
             "minute on 2 cores."
         ),
     )
+    from rlperf.gates.runner import add_gate_arguments
+
+    add_gate_arguments(p)
+    p.add_argument("--skip-gates", action="store_true", help="train without running the first-step gates first")
     add_loop_arguments(p)
     p.set_defaults(func=_train)
 

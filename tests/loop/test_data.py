@@ -127,3 +127,14 @@ def test_cli_train_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "rollout 1/1 | reward" in proc.stderr
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_cli_train_stops_before_step_1_when_a_gate_fails(tmp_path, capsys):
+    from rlperf.cli import main
+
+    code = main(["train", "--output-dir", str(tmp_path), "--no-progress", "--num-rollout", "2", "--save",
+                 str(tmp_path / "ckpt"), "--memory-limit", "1MiB"])
+    assert code == 1
+    out = capsys.readouterr()
+    assert "FAILED: oom_headroom" in out.out and "stopping before step 1" in out.err
+    assert not (tmp_path / "metrics.jsonl").exists() and not any((tmp_path / "ckpt").iterdir())
