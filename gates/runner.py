@@ -128,26 +128,21 @@ def gate_options_from(ns: argparse.Namespace) -> GateOptions:
 
 def add_gate_command_arguments(p: argparse.ArgumentParser, with_loop: bool = True) -> None:
     """Everything ``rlperf gate`` takes: the gate flags, then the loop's (``rlperf train``'s, which include
-    the training core's) when the loop is there and ``with_loop``, else the training core's alone."""
+    the training core's) with ``with_loop``, else the training core's alone (a hand-made first step)."""
     from rlperf.train import add_train_arguments
 
     add_gate_arguments(p)
-    loop_args = _loop_attr("add_loop_arguments") if with_loop else None
-    if loop_args is not None:
-        loop_args(p)
+    if with_loop:
+        _loop_attr("add_loop_arguments")(p)
     else:
         add_train_arguments(p)
 
 
 def _loop_attr(name: str):
-    """``rlperf.loop.<name>`` if the loop has landed and defines it, else None."""
-    try:
-        import rlperf.loop as loop
-    except ModuleNotFoundError as e:
-        if e.name != "rlperf.loop":
-            raise  # the loop is there but broken: say so, do not pretend it is not built
-        return None
-    return getattr(loop, name, None)
+    """``rlperf.loop.<name>``, imported on use (the loop pulls in the engine and the trainer)."""
+    import rlperf.loop as loop
+
+    return getattr(loop, name)
 
 
 def build_gate_parser(prog: str = "rlperf gate", with_loop: bool = True) -> argparse.ArgumentParser:
@@ -159,9 +154,8 @@ def build_gate_parser(prog: str = "rlperf gate", with_loop: bool = True) -> argp
 def _resolve_flags(args: argparse.Namespace, with_loop: bool) -> argparse.Namespace:
     """Check the non-gate flags before any step: the loop's :func:`resolve_args` (which fills the task's
     defaults) when its flags were parsed, else :func:`rlperf.train.train_args_from`. ValueError if bad."""
-    resolve = _loop_attr("resolve_args") if with_loop else None
-    if resolve is not None and hasattr(args, "true_on_policy_mode"):
-        return resolve(args)
+    if with_loop and hasattr(args, "true_on_policy_mode"):
+        return _loop_attr("resolve_args")(args)
     from rlperf.train import train_args_from
 
     train_args_from(args)
@@ -169,7 +163,7 @@ def _resolve_flags(args: argparse.Namespace, with_loop: bool) -> argparse.Namesp
 
 
 def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) -> int:
-    """``rlperf gate`` on parsed flags: 0 all gates passed, 1 a gate failed, 2 bad usage / no loop.
+    """``rlperf gate`` on parsed flags: 0 all gates passed, 1 a gate failed, 2 bad usage.
 
     ``first_step``: the hook that runs one rollout and one train step (default
     ``rlperf.loop.first_step``, with the loop's flags). ``args.memory_limit`` is replaced by its
@@ -178,10 +172,6 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) ->
     with_loop = first_step is None
     if with_loop:
         first_step = _loop_attr("first_step")
-        if first_step is None:
-            print("rlperf gate: the RL loop's first-step hook (rlperf.loop.first_step) is not built yet "
-                  "(issue #5); the gates themselves are in rlperf.gates", file=sys.stderr)
-            return 2
     try:
         options = gate_options_from(args)
         if getattr(args, "memory_limit", None) is not None:
@@ -202,9 +192,8 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) ->
                 record.config["memory_limit"] = f"{record.capacity_bytes} (cgroup limit or MemTotal)"
         return record
 
-    usage = _loop_attr("UsageError") if with_loop else None
     try:
-        report = FirstStepGate(options).run(step, usage_errors=(usage,) if usage is not None else ())
+        report = FirstStepGate(options).run(step, usage_errors=(_loop_attr("UsageError"),) if with_loop else ())
     except ValueError as e:  # only the loop's UsageError gets here: bad inputs found before any step
         print(f"rlperf gate: {e}", file=sys.stderr)
         return 2

@@ -1,30 +1,12 @@
 """The ``rlperf`` command: one entry point, one subcommand per job.
 
 Exit codes follow one rule everywhere: 0 success, 1 the job ran and found a failure (a gate, a
-test), 2 bad usage or a subcommand that is not built yet.
+test), 2 bad usage.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-
-# Subcommands whose implementation has not landed yet, and the issue that tracks each. They say
-# so and exit 2; they never pretend to have run.
-NOT_BUILT = {
-}
-
-
-def _not_built(name: str):
-    def run(args: argparse.Namespace) -> int:
-        summary, issue = NOT_BUILT[name]
-        print(
-            f"rlperf {name}: not built yet — this subcommand will {summary} (tracked in issue #{issue}).",
-            file=sys.stderr,
-        )
-        return 2
-
-    return run
-
 
 def _bench(args: argparse.Namespace) -> int:
     from rlperf.bench.run import run_benchmarks
@@ -92,11 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"rlperf {__import__('rlperf').__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    for name, (summary, issue) in NOT_BUILT.items():
-        p = sub.add_parser(name, help=f"{summary} [not built yet: issue #{issue}]", add_help=True)
-        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        p.set_defaults(func=_not_built(name))
 
     from rlperf.bench.run import add_bench_arguments
 

@@ -117,16 +117,6 @@ def test_command_help_explains_the_gates(capsys):
         assert word in out
 
 
-def test_command_without_the_loop_exits_2(capsys):
-    try:
-        import rlperf.loop as loop
-    except ImportError:
-        loop = None
-    if getattr(loop, "first_step", None) is not None:
-        pytest.skip("the loop's first-step hook exists")
-    assert main([]) == 2 and "not built yet" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("error,oom", [(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), True),
                                        (RuntimeError("shape mismatch"), False)])
 def test_command_first_step_that_crashes_exits_1(error, oom, tmp_path):
@@ -221,18 +211,8 @@ def test_gate_options_reach_the_gates():
 
 # -- rlperf gate through the CLI and the loop's first-step hook (the embedded task on the tiny model) -------
 
-def _loop_first_step():
-    try:
-        import rlperf.loop as loop
-    except ImportError:
-        return None
-    return getattr(loop, "first_step", None)
 
 
-needs_loop = pytest.mark.skipif(_loop_first_step() is None, reason="rlperf.loop.first_step not built")
-
-
-@needs_loop
 @pytest.mark.parametrize("limit,failed", [("8GiB", []), ("1MiB", ["oom_headroom"])])
 def test_rlperf_gate_end_to_end(limit, failed, tmp_path, capsys):
     from rlperf.cli import main as rlperf
@@ -250,7 +230,6 @@ def test_rlperf_gate_end_to_end(limit, failed, tmp_path, capsys):
         assert cases["oom_headroom"].find("failure").get("message").startswith("phase rollout:")
 
 
-@needs_loop
 def test_rlperf_gate_bad_loop_flags_exit_2(tmp_path, capsys):
     from rlperf.cli import main as rlperf
 
@@ -258,7 +237,6 @@ def test_rlperf_gate_bad_loop_flags_exit_2(tmp_path, capsys):
     assert code == 2 and "batch relation" in capsys.readouterr().err
 
 
-@needs_loop
 def test_rlperf_gate_missing_data_file_exits_2(tmp_path, capsys):
     from rlperf.cli import main as rlperf
 
@@ -277,7 +255,6 @@ def trained_checkpoint(tmp_path_factory):
     return d / "save"
 
 
-@needs_loop
 @pytest.mark.parametrize("same_weights", [False, True])
 def test_rlperf_gate_reference_from_another_checkpoint_fails_kl_zero(same_weights, trained_checkpoint, tmp_path):
     from rlperf.cli import main as rlperf
