@@ -313,7 +313,7 @@ def train(args=None) -> list[dict]:
 
 
 def first_step(args=None):
-    """One rollout and one train step (no weight sync, no checkpoint), as the gates' record.
+    """One rollout and one train step (no checkpoint), then the worst-case memory probe, as the gates' record.
 
     ``args``: argv list (``rlperf train`` flags) or a parsed namespace. The reference model is
     ``--ref-load``, else a frozen copy of the actor at step 0, and reference log-probs are always
@@ -340,6 +340,13 @@ def first_step(args=None):
         run.client.update_weights({n: t.detach() for n, t in run.model.hf_state_dict().items()}, version="1")
     if forced:
         ta.use_kl_loss, ta.kl_loss_coef = False, 0.0
+    # worst case: the longest prompt of this step plus a full-length response, packed as densely as
+    # the run packs (max_tokens_per_gpu or micro_batch_size samples); weights and grads untouched
+    from rlperf.gates.probe import worst_case_probe
+
+    longest_prompt = max(len(s.tokens) - s.response_length for s in run.last_train_samples)
+    with run.kernels():
+        probe = worst_case_probe(run.trainer, longest_prompt + int(ns.rollout_max_response_len))
     run.timeline.save()
     cap = None
     if run.device.type == "cuda":
@@ -350,5 +357,5 @@ def first_step(args=None):
     return FirstStepRecord(
         samples=run.last_train_samples, first_micro_step=first, step_metrics=m,
         phases=[PhaseMemory(p, run.meter.peaks[p]) for p in ("rollout", "log_prob", "train", "weight_sync")],
-        capacity_bytes=cap, memory_kind=run.meter.kind, probe=None, true_on_policy=bool(ns.true_on_policy_mode),
+        capacity_bytes=cap, memory_kind=run.meter.kind, probe=probe, true_on_policy=bool(ns.true_on_policy_mode),
         config=config)
