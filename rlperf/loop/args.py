@@ -5,7 +5,8 @@
 task's when ``--prompt-data`` is absent, see :data:`rlperf.data.embedded.EMBEDDED_DEFAULTS`) and
 raises :class:`UsageError` for anything that would fail later: the batch relation
 ``rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout``, an
-unknown estimator, conflicting modes, an unwritable ``--save``.
+unknown estimator, conflicting modes, an unwritable ``--save``, a bad ``--profile-step-*`` window
+(:mod:`rlperf.profiles.trainer_trace`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from rlperf.data.embedded import EMBEDDED_DEFAULTS
+from rlperf.profiles.trainer_trace import add_profile_arguments, check_profile_args
 from rlperf.train.args import TrainArgs, add_train_arguments, train_args_from
 
 
@@ -75,6 +77,7 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-debug-rollout-data", default=None, help="path template with {rollout_id}")
     g.add_argument("--num-threads", type=int, default=1, help="CPU intra-op threads (1 is fastest on shared cores)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (summary lines still print)")
+    add_profile_arguments(p)
     add_train_arguments(p)
     p.set_defaults(lr=None, n_samples_per_prompt=None, rollout_temperature=None)
 
@@ -123,6 +126,7 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(f"--save-interval must be >= 1, got {ns.save_interval}")
     if ns.save_interval is not None and not ns.save:
         raise UsageError("--save-interval needs --save")
+    check_profile_args(ns, error=UsageError)
     ns.logprob_impl = "engine" if ns.true_on_policy_mode else "fused"
     try:
         ns.train_args = train_args_from(ns)

@@ -28,7 +28,9 @@ rollout 1, ~0.98 at rollout 80, in about 35 s.
 On CPU every op runs on the reference backend (the Triton interpreter has no backward passes) with
 ``--num-threads`` intra-op threads (1 by default: fastest on shared cores). Every run writes
 ``OUTPUT_DIR/metrics.jsonl`` (one JSON object per rollout, DESIGN.md's names) and a phase timeline
-(``profiles.timeline.PhaseTimeline``) with memory counters.
+(``profiles.timeline.PhaseTimeline``) with memory counters; ``--profile-step-start/-end`` and
+``--profile-target`` add torch.profiler traces of a window of steps
+(:mod:`rlperf.profiles.trainer_trace`).
 
 :func:`first_step` is the hook of the first-step gates: one rollout and one train step, returned
 as a :class:`rlperf.gates.record.FirstStepRecord`.
@@ -69,9 +71,17 @@ class PhaseMeter:
         self.kind = "cuda" if device.type == "cuda" else "cpu_rss"
         self.times: dict[str, float] = {}
         self.peaks: dict[str, int] = {}
+        self.trace = None  # a TrainerTrace once Run.run arms it (the gates' first_step never does)
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int):
+        # the torch trace (when armed) wraps the measurement: its start and export stay out of the phase's time
+        with self.trace.phase(name, step) if self.trace is not None else contextlib.nullcontext(), \
+                self._measure(name, step):
+            yield
+
+    @contextlib.contextmanager
+    def _measure(self, name: str, step: int):
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -100,6 +110,7 @@ class Run:
 
     def __init__(self, ns):
         from rlperf.profiles.timeline import PhaseTimeline, default_path
+        from rlperf.profiles.trainer_trace import TrainerTrace
 
         from rlperf.data.embedded import EMBEDDED_TASK, format_warmup
         from rlperf.data.jsonl import DataError, PromptDataset, load_prompt_data
@@ -163,6 +174,7 @@ class Run:
         self.out = Path(ns.output_dir)
         self.timeline = PhaseTimeline(default_path(self.out))
         self.meter = PhaseMeter(self.device, self.timeline)
+        self.trace = TrainerTrace(ns, self.out, self.start, self.device, error=UsageError)  # --profile-step-*
 
     def kernels(self):
         return K.use_backend(self.backend)
@@ -234,10 +246,12 @@ class Run:
         bar = tqdm(total=ns.num_rollout, initial=self.start, disable=ns.no_progress, desc="rlperf train",
                    unit="rollout", file=sys.stderr)
         pool = ThreadPoolExecutor(1) if ns.async_mode else None
+        self.meter.trace = self.trace
         try:
             with open(self.out / METRICS_FILE, mode) as mf:
                 pending = None
                 for k in range(self.start, ns.num_rollout):
+                    self.trace.step(k)
                     self.meter.reset()
                     samples, rollout_time = pending.result() if pending is not None else self.rollout(k)
                     if pool is not None and k + 1 < ns.num_rollout:
@@ -273,6 +287,7 @@ class Run:
             if pool is not None:
                 pool.shutdown(wait=True)
             bar.close()
+            self.trace.close()
             self.timeline.save()
         return history
 
