@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import random
 import threading
 import time
 from pathlib import Path
+
+from rlperf.data.jsonl import iter_json_objects
 
 from .control import ProfileError, request
 
@@ -66,15 +67,7 @@ def make_prompts(spec: LoadSpec) -> list[dict]:
     if not path.is_file():
         raise ProfileError(f"--dataset {path}: no such file")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ProfileError(f"{path}:{n}: not JSON ({exc})") from None
-        if not isinstance(row, dict):
-            raise ProfileError(f"{path}:{n}: expected a JSON object")
+    for n, row in iter_json_objects(path, ProfileError):
         text = row.get("text", row.get("prompt"))
         body = {"input_ids": row["input_ids"]} if "input_ids" in row else {"text": text}
         if body.get("text") is None and "input_ids" not in body:

@@ -44,6 +44,23 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
+@pytest.fixture(scope="session")
+def free_ports():
+    """``free_ports(n)``: n TCP ports on 127.0.0.1 that were free a moment ago (for test servers)."""
+    import socket
+
+    def grab(n: int) -> list[int]:
+        socks = [socket.socket() for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in socks]
+        for s in socks:
+            s.close()
+        return ports
+
+    return grab
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -49,6 +49,23 @@ def _check_messages(value, where: str):
         raise DataError(f"{where}: --apply-chat-template needs a non-empty list of {{role, content}} messages")
 
 
+def iter_json_objects(path: Path, error: type[ValueError] = None):
+    """``(line_number, object)`` for every non-blank line of a jsonl file; ``error(f"{path}:{n}: ...")``
+    (default :class:`DataError`) for a line that is not JSON or not a JSON object."""
+    error = error or DataError
+    with Path(path).open(encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise error(f"{path}:{n}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(obj, dict):
+                raise error(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+            yield n, obj
+
+
 def load_prompt_data(path, input_key: str = "input", label_key: str | None = "label", metadata_key: str = "metadata",
                      apply_template: bool = False, tokenizer=None) -> list[PromptRecord]:
     """Read and check every line of ``path`` (see the module docstring); DataError on the first bad line."""
@@ -56,33 +73,24 @@ def load_prompt_data(path, input_key: str = "input", label_key: str | None = "la
     if not path.is_file():
         raise DataError(f"--prompt-data {path}: no such file")
     records = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            if input_key not in obj:
-                raise DataError(f"{where}: no --input-key {input_key!r} field (keys: {sorted(obj)})")
-            prompt = obj[input_key]
-            if apply_template:
-                _check_messages(prompt, where)
-                prompt = apply_chat_template(prompt, tokenizer)
-            elif not isinstance(prompt, str) or not prompt:
-                raise DataError(f"{where}: field {input_key!r} must be a non-empty string "
-                                f"(a message list needs --apply-chat-template)")
-            label = obj.get(label_key) if label_key else None
-            if label is not None and not isinstance(label, (str, int, float)):
-                raise DataError(f"{where}: field {label_key!r} must be a string or a number")
-            meta = obj.get(metadata_key, {}) if metadata_key else {}
-            if not isinstance(meta, dict):
-                raise DataError(f"{where}: field {metadata_key!r} must be an object")
-            records.append(PromptRecord(prompt, None if label is None else str(label), meta, n))
+    for n, obj in iter_json_objects(path):
+        where = f"{path}:{n}"
+        if input_key not in obj:
+            raise DataError(f"{where}: no --input-key {input_key!r} field (keys: {sorted(obj)})")
+        prompt = obj[input_key]
+        if apply_template:
+            _check_messages(prompt, where)
+            prompt = apply_chat_template(prompt, tokenizer)
+        elif not isinstance(prompt, str) or not prompt:
+            raise DataError(f"{where}: field {input_key!r} must be a non-empty string "
+                            f"(a message list needs --apply-chat-template)")
+        label = obj.get(label_key) if label_key else None
+        if label is not None and not isinstance(label, (str, int, float)):
+            raise DataError(f"{where}: field {label_key!r} must be a string or a number")
+        meta = obj.get(metadata_key, {}) if metadata_key else {}
+        if not isinstance(meta, dict):
+            raise DataError(f"{where}: field {metadata_key!r} must be an object")
+        records.append(PromptRecord(prompt, None if label is None else str(label), meta, n))
     if not records:
         raise DataError(f"--prompt-data {path}: no prompts (the file is empty)")
     return records

@@ -1,7 +1,6 @@
 """rlperf train through the real sglang-router: two `rlperf serve` workers, weights pushed as
 shared-memory buckets after every update; the run matches the in-process engine's, bit for bit."""
 import os
-import socket
 import sys
 
 import pytest
@@ -16,20 +15,10 @@ pytest.importorskip("sglang_router")
 VOLATILE = ("perf/", "memory/")
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, free_ports):
     log_dir = tmp_path_factory.mktemp("logs")
-    p0, p1, router_port = _free_ports(3)
+    p0, p1, router_port = free_ports(3)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
     # a different random init than the trainer's: the loop's first weight sync must replace it

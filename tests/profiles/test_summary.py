@@ -206,6 +206,12 @@ def test_prompts_random_and_jsonl(tmp_path):
     f.write_text('{"other": 1}\n')
     with pytest.raises(ProfileError, match="needs 'text'"):
         make_prompts(LoadSpec(dataset=str(f)))
+    f.write_text('{"text": "ok"}\n{"text": \n')
+    with pytest.raises(ProfileError, match=r"p.jsonl:2: not valid JSON"):
+        make_prompts(LoadSpec(dataset=str(f)))
+    f.write_text('["a list"]\n')
+    with pytest.raises(ProfileError, match=r"p.jsonl:1: expected a JSON object"):
+        make_prompts(LoadSpec(dataset=str(f)))
     with pytest.raises(ProfileError, match="must be positive"):
         make_prompts(LoadSpec(concurrency=0))
 

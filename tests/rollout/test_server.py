@@ -10,7 +10,6 @@ import gzip
 import json
 import os
 import re
-import socket
 import sys
 import urllib.request
 
@@ -35,20 +34,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 KV_TOKENS = 4 * K.PAGE_SIZE
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, free_ports):
     log_dir = tmp_path_factory.mktemp("logs")
-    p0, p1, router_port = _free_ports(3)
+    p0, p1, router_port = free_ports(3)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
     args = ServerArgs(model_path="tiny", kernel_backend="reference", max_total_tokens=KV_TOKENS, chunked_prefill_size=64,
@@ -379,13 +368,13 @@ def test_update_weights_rejects_other_load_formats(cluster):
     assert status == 400 and "flattened_bucket" in reply["error"]["message"]
 
 
-def test_cli_serve_router_starts_and_stops_the_cluster(tmp_path):
+def test_cli_serve_router_starts_and_stops_the_cluster(tmp_path, free_ports):
     import signal
     import subprocess
 
-    port, router_port = _free_ports(2)
+    port, router_port = free_ports(2)
     while port + 1 == router_port:
-        port, router_port = _free_ports(2)
+        port, router_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.Popen([sys.executable, "-m", "rlperf", "serve", "--router", "2", "--port", str(port),
