@@ -79,7 +79,7 @@ setup(
     package_data={"rlperf": ["data/*", "data/**/*"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    install_requires=["torch>=2.6", "triton>=3.3", "numpy", "safetensors>=0.4", "aiohttp>=3.9"],
+    install_requires=["torch>=2.6", "triton>=3.3", "numpy", "safetensors>=0.4", "aiohttp>=3.9", "tqdm", "perfetto>=0.59"],
     extras_require={
         "test": ["pytest>=8", "pytest-benchmark>=4", "sglang-router>=0.3.2", "transformers>=4.51",
                  "perfetto>=0.59"],
