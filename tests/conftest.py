@@ -5,6 +5,7 @@
 * Tests marked ``gpu`` need CUDA: skipped without it, run on the device before an issue is resolved.
 """
 import os
+import sys
 
 import pytest
 import torch
@@ -59,6 +60,29 @@ def free_ports():
         return ports
 
     return grab
+
+
+@pytest.fixture(scope="session")
+def launch_router_cluster(tmp_path_factory, free_ports):
+    """``launch_router_cluster(args, n=2)``: n ``rlperf serve`` workers (``ServerArgs`` args) on free ports
+    behind the real sglang-router, one CPU thread each, not under the Triton interpreter; returns the
+    started ``rlperf.rollout.router.Cluster`` (a context manager). A start failure prints the logs."""
+
+    def launch(args, n: int = 2):
+        from rlperf.rollout.router import launch_cluster
+
+        log_dir = tmp_path_factory.mktemp("cluster-logs")
+        *ports, router_port = free_ports(n + 1)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["OMP_NUM_THREADS"] = "1"
+        try:
+            return launch_cluster(args, n, router_port, env=env, log_dir=str(log_dir), ports=ports)
+        except Exception:
+            for f in sorted(log_dir.iterdir()):
+                sys.stderr.write(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}\n")
+            raise
+
+    return launch
 
 
 @pytest.fixture(autouse=True)

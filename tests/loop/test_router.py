@@ -1,13 +1,10 @@
 """rlperf train through the real sglang-router: two `rlperf serve` workers, weights pushed as
 shared-memory buckets after every update; the run matches the in-process engine's, bit for bit."""
-import os
-import sys
 
 import pytest
 
 from rlperf.loop import train
 from rlperf.rollout.args import ServerArgs
-from rlperf.rollout.router import launch_cluster
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("sglang_router")
@@ -16,25 +13,15 @@ VOLATILE = ("perf/", "memory/")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, free_ports):
-    log_dir = tmp_path_factory.mktemp("logs")
-    p0, p1, router_port = free_ports(3)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["OMP_NUM_THREADS"] = "1"
+def cluster(launch_router_cluster):
     # a different random init than the trainer's: the loop's first weight sync must replace it
     args = ServerArgs(model_path="tiny", kernel_backend="reference", num_threads=1, device="cpu", random_seed=5)
-    try:
-        c = launch_cluster(args, 2, router_port, env=env, log_dir=str(log_dir), ports=[p0, p1])
-    except Exception:
-        for f in sorted(log_dir.iterdir()):
-            sys.stderr.write(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}\n")
-        raise
-    with c:
-        yield c, router_port
+    with launch_router_cluster(args) as c:
+        yield c
 
 
 def test_router_run_equals_in_process_run(cluster, tmp_path):
-    _, port = cluster
+    port = cluster.router_url.rsplit(":", 1)[1]
     flags = ["--no-progress", "--num-rollout", "2", "--true-on-policy-mode"]
     routed = train(["--output-dir", str(tmp_path / "r"), "--sglang-router-ip", "127.0.0.1",
                     "--sglang-router-port", str(port), *flags])

@@ -29,7 +29,7 @@ _spec = importlib.util.spec_from_file_location(
     "rollout_test_server", Path(__file__).resolve().parents[1] / "rollout" / "test_server.py")
 _server_tests = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_server_tests)
-cluster = _server_tests.cluster  # the module-scoped fixture: 2 servers + sglang-router
+cluster = _server_tests.cluster  # the module-scoped fixture: 2 servers with an API key + sglang-router
 KEY = _server_tests.KEY
 
 
@@ -241,12 +241,11 @@ def test_a_refusing_worker_leaves_no_profiler_running_elsewhere(cluster, tmp_pat
 
 
 @pytest.mark.gpu
-def test_run_on_gpu_servers_ranks_gpu_kernels(tmp_path, capsys):
+def test_run_on_gpu_servers_ranks_gpu_kernels(tmp_path, capsys, launch_router_cluster):
     from rlperf.rollout.args import ServerArgs
-    from rlperf.rollout.router import launch_cluster
 
     args = ServerArgs(model_path="tiny", device="cuda", api_key=KEY, max_total_tokens=4096)
-    with launch_cluster(args, 2, free_port(), log_dir=str(tmp_path), ports=[free_port(), free_port()]) as c:
+    with launch_router_cluster(args) as c:
         assert _profile("run", "--router-url", c.router_url, "--api-key", KEY, "--output-dir", str(tmp_path / "run"),
                         "--num-prompts", "16", "--input-len", "100", "--output-len", "32", "--concurrency", "8") == 0
     summary = json.loads(next((tmp_path / "run").glob("*.summary.json")).read_text())

@@ -21,7 +21,7 @@ from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.rollout.args import ServerArgs
 from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
-from rlperf.rollout.router import http_json, launch_cluster
+from rlperf.rollout.router import http_json
 from rlperf.rollout.tokenizer import ByteTokenizer
 from rlperf.rollout.weights import bucket_payload, push_weights
 from rlperf.sync import flatten_buckets
@@ -35,20 +35,10 @@ KV_TOKENS = 4 * K.PAGE_SIZE
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, free_ports):
-    log_dir = tmp_path_factory.mktemp("logs")
-    p0, p1, router_port = free_ports(3)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["OMP_NUM_THREADS"] = "1"
+def cluster(launch_router_cluster):
     args = ServerArgs(model_path="tiny", kernel_backend="reference", max_total_tokens=KV_TOKENS, chunked_prefill_size=64,
                       api_key=KEY, num_threads=1, device="cpu")
-    try:
-        c = launch_cluster(args, 2, router_port, env=env, log_dir=str(log_dir), ports=[p0, p1])
-    except Exception:
-        for f in sorted(log_dir.iterdir()):
-            sys.stderr.write(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}\n")
-        raise
-    with c:
+    with launch_router_cluster(args) as c:
         yield c
 
 
