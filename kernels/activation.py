@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .autograd import needs_grad, with_recompute_backward
 from .dispatch import use_stock_op, use_triton
 from .reference.activation import silu_mul_ref
 
@@ -33,14 +34,23 @@ def _silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexp
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(g) * u`` for ``gate_up = [g | u]`` on the last dim: [..., 2I] -> [..., I]."""
+    """``silu(g) * u`` for ``gate_up = [g | u]`` on the last dim: [..., 2I] -> [..., I].
+
+    Differentiable: the backward recomputes the torch formula in float32.
+    """
     if gate_up.shape[-1] % 2:
         raise ValueError(f"silu_mul: last dim of gate_up must be even (gate and up halves), got {tuple(gate_up.shape)}")
     inter = gate_up.shape[-1] // 2
+    if needs_grad(gate_up):
+        return with_recompute_backward(silu_mul, _torch_silu_mul, gate_up)
     if use_stock_op(gate_up.device, stock_wins_on_cuda=False):
-        g, u = gate_up.chunk(2, dim=-1)
-        return F.silu(g) * u
+        return _torch_silu_mul(gate_up)
     if not use_triton(gate_up.device):
         return silu_mul_ref(gate_up).to(gate_up.dtype)
     x = gate_up.reshape(-1, 2 * inter)

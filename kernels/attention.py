@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .autograd import needs_grad, with_recompute_backward
 from .dispatch import mode, use_stock_op, use_triton
 from .reference import attention as _ref
 
@@ -422,7 +423,12 @@ def varlen_attention(
     scale : softmax scale, default ``D**-0.5``
 
     Returns ``[T, Hq, D]`` in q's dtype. Bit-identical to :func:`paged_attention` on the same tokens.
+    Differentiable in q, k, v: the backward recomputes the fast path (flash varlen or SDPA, in q's
+    dtype) and differentiates it.
     """
+    if needs_grad(q, k, v):
+        return with_recompute_backward(lambda q, k, v: varlen_attention(q, k, v, cu_seqlens, scale),
+                                       lambda q, k, v: _varlen_fast(q, k, v, cu_seqlens, scale), q, k, v, upcast=False)
     if mode() == "fast":
         return _varlen_fast(q, k, v, cu_seqlens, scale)
     _check_index("cu_seqlens", cu_seqlens, q.device)

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .autograd import needs_grad, with_recompute_backward
 from .dispatch import use_stock_op, use_triton
 from .reference import logprob as _ref
 
@@ -148,6 +149,9 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """
     T = _check_temperature(temperature)
     x = _rows(logits)
+    if needs_grad(logits):
+        return with_recompute_backward(lambda x: log_softmax(x, T), lambda x: torch.log_softmax(x.float() / T, dim=-1),
+                                       logits)
     if use_stock_op(logits.device, stock_wins_on_cuda=False):
         return torch.log_softmax(logits.float() / T, dim=-1)
     if not use_triton(logits.device):
@@ -158,6 +162,14 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
             x, y, x.shape[1], x.stride(0), y.stride(0), *scales(T), BLOCK=BLOCK_V, num_warps=NUM_WARPS
         )
     return y.reshape(logits.shape)
+
+
+def _torch_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, T: float, return_entropy: bool):
+    logp_all = torch.log_softmax(logits.float() / T, dim=-1)
+    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    if not return_entropy:
+        return logp
+    return logp, -(logp_all.exp() * logp_all).nan_to_num(0.0).sum(-1)
 
 
 def token_logprobs(
@@ -182,12 +194,11 @@ def token_logprobs(
         raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
     if targets.device != logits.device:
         raise ValueError(f"targets on {targets.device}, logits on {logits.device}")
+    if needs_grad(logits):
+        return with_recompute_backward(lambda x: token_logprobs(x, targets, T, return_entropy),
+                                       lambda x: _torch_token_logprobs(x, targets, T, return_entropy), logits)
     if use_stock_op(logits.device, stock_wins_on_cuda=False):
-        logp_all = torch.log_softmax(logits.float() / T, dim=-1)
-        logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-        if not return_entropy:
-            return logp
-        return logp, -(logp_all.exp() * logp_all).nan_to_num(0.0).sum(-1)
+        return _torch_token_logprobs(logits, targets, T, return_entropy)
     if not use_triton(logits.device):
         return _ref.token_logprobs(logits, targets, T, return_entropy)
     n = x.shape[0]

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from .autograd import matmul_with_grad, needs_grad
 from .dispatch import backend, mode
 from .reference.matmul import matmul_ref
 
@@ -260,10 +261,14 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     ``out``: optional [M, N] tensor of ``out_dtype`` (any strides) written in place and returned.
     Invariant mode: the persistent Triton kernel above (GPU or CPU interpreter), or the float64
     reference cast to ``out_dtype`` (CPU otherwise). Fast mode: ``F.linear`` (cuBLAS), not
-    batch-invariant.
+    batch-invariant. Differentiable in x, w and bias (:func:`rlperf.kernels.autograd.matmul_with_grad`).
     """
     _check(x, w, bias, out_dtype)
     out_dtype = out_dtype or x.dtype
+    if needs_grad(x, w, bias):
+        if out is not None:
+            raise ValueError("matmul: out= does not support autograd (an input requires grad)")
+        return matmul_with_grad(lambda x, w, b: matmul(x, w, b, out_dtype), x, w, bias)
     M, N = x.shape[0], w.shape[0]
     if out is not None and (out.shape != (M, N) or out.dtype != out_dtype or out.device != x.device):
         raise ValueError(f"matmul: out must be [M, N] = ({M}, {N}) of {out_dtype} on {x.device}, "

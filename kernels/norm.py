@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .autograd import needs_grad, with_recompute_backward
 from .dispatch import use_stock_op, use_triton
 from .reference import norm as _ref
 
@@ -119,6 +120,11 @@ def _torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * xf.to(x.dtype)
 
 
+def _torch_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    new_residual = residual + x
+    return _torch_rmsnorm(new_residual, weight, eps), new_residual
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dimension.
 
@@ -132,6 +138,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
         ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``.
     """
     _check(x, weight, eps)
+    if needs_grad(x, weight):
+        return with_recompute_backward(lambda x, w: rmsnorm(x, w, eps), lambda x, w: _torch_rmsnorm(x, w, eps),
+                                       x, weight)
     if use_stock_op(x.device, stock_wins_on_cuda=False):
         return _torch_rmsnorm(x, weight, eps)
     if use_triton(x.device):
@@ -151,6 +160,9 @@ def add_rmsnorm(
     Returns:
         ``(normed, new_residual)`` with ``new_residual = (x + residual)`` in the input dtype and
         ``normed = rmsnorm(new_residual, weight, eps)``.
+
+    Both ops are differentiable: the backward recomputes the HF formula in float32
+    (:func:`rlperf.kernels.autograd.with_recompute_backward`).
     """
     _check(x, weight, eps)
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
@@ -158,9 +170,11 @@ def add_rmsnorm(
             f"add_rmsnorm: residual {list(residual.shape)} {residual.dtype} {residual.device} must match "
             f"x {list(x.shape)} {x.dtype} {x.device}"
         )
+    if needs_grad(x, residual, weight):
+        return with_recompute_backward(lambda x, r, w: add_rmsnorm(x, r, w, eps),
+                                       lambda x, r, w: _torch_add_rmsnorm(x, r, w, eps), x, residual, weight)
     if use_stock_op(x.device, stock_wins_on_cuda=False):
-        new_residual = residual + x
-        return _torch_rmsnorm(new_residual, weight, eps), new_residual
+        return _torch_add_rmsnorm(x, residual, weight, eps)
     if use_triton(x.device):
         return _launch(x, residual, weight, eps)
     return _ref.add_rmsnorm(x, residual, weight, eps)

@@ -17,9 +17,10 @@ Metrics use slime's names (``train/loss``, ``train/pg_loss``, ``train/pg_clipfra
 ``train/tis_clipfrac``), each reduced like the loss. A non-finite grad norm skips the update (the
 weights stay as they were) and is reported as is, for the sanity gate to catch.
 
-Backward needs kernels with backward passes: the reference backend (CPU) has them through torch
-autograd; of the Triton kernels only ``fused_logprob`` has one so far, so :meth:`train_step` raises
-when a parameter gets no gradient instead of silently training part of the model.
+Every kernel the model runs has a backward (``rlperf.kernels.autograd``: the forward is the
+batch-invariant kernel, the backward an analytic or recomputed torch gradient), and
+:meth:`train_step` still raises when a parameter gets no gradient instead of silently training
+part of the model.
 """
 from __future__ import annotations
 

@@ -1,0 +1,92 @@
+"""Backward passes for the forward kernels, so the trainer can differentiate through the model.
+
+The forward of every op is the batch-invariant kernel (that is what makes training and rollout
+log-probs equal bit for bit); the backward only has to be a correct gradient of the same math, and
+need not be batch-invariant. Two kinds:
+
+* :func:`matmul_with_grad` — ``y = x @ w.T + b`` with the analytic backward in torch
+  (``dx = g @ w``, ``dw = g.T @ x``, ``db = sum_rows(g)``; cuBLAS on the GPU);
+* :func:`with_recompute_backward` — the rest (RMSNorm, add+RMSNorm, SwiGLU, varlen attention,
+  token log-probs): the forward runs the kernel and saves only its inputs; the backward re-runs a
+  stock torch formula of the same op under autograd and differentiates it (``torch.autograd.grad``),
+  like activation checkpointing for one op. The formula runs in float32 for the row ops
+  (``upcast=True``); attention recomputes in its input dtype through SDPA / flash varlen, whose
+  backward never materializes the [L, L] scores.
+
+Both engage only when grad mode is on and an input requires grad, so the rollout engine, the
+CUDA-graph captures and every ``torch.no_grad`` log-prob pass run the bare kernels.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Grad mode is on and one of ``tensors`` (None allowed) requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class _MatmulWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, forward: Callable, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(x, w)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return forward(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[1]:
+            gx = (g.to(w.dtype) @ w).to(x.dtype)                           # [M, N] @ [N, K]
+        if ctx.needs_input_grad[2]:
+            gw = (g.to(x.dtype).transpose(0, 1) @ x).to(w.dtype)           # [N, M] @ [M, K]
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
+            gb = g.float().sum(0).to(ctx.bias_dtype)
+        return None, gx, gw, gb
+
+
+def matmul_with_grad(forward: Callable, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
+    """``forward(x [M, K], w [N, K], bias [N] | None) -> [M, N]`` (the kernel), made differentiable."""
+    return _MatmulWithGrad.apply(forward, x, w, bias)
+
+
+class _RecomputeBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, forward: Callable, formula: Callable, upcast: bool, *inputs: torch.Tensor):
+        ctx.formula, ctx.upcast = formula, upcast
+        ctx.save_for_backward(*inputs)
+        ctx.set_materialize_grads(False)
+        out = forward(*inputs)
+        ctx.tuple_out = isinstance(out, tuple)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        inputs = ctx.saved_tensors
+        wanted = [i for i, t in enumerate(inputs) if ctx.needs_input_grad[3 + i]]
+        leaves = [t.detach().requires_grad_(i in wanted) for i, t in enumerate(inputs)]
+        with torch.enable_grad():
+            args = [t.float() if ctx.upcast and t.is_floating_point() else t for t in leaves]
+            outs = ctx.formula(*args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        result: list[torch.Tensor | None] = [None] * len(inputs)
+        if pairs and wanted:
+            got = torch.autograd.grad([o for o, _ in pairs], [leaves[i] for i in wanted],
+                                      [g for _, g in pairs], allow_unused=True)
+            for i, gi in zip(wanted, got):
+                result[i] = gi
+        return (None, None, None, *result)
+
+
+def with_recompute_backward(forward: Callable, formula: Callable, *inputs: torch.Tensor, upcast: bool = True):
+    """``forward(*inputs)`` (a kernel; a tensor or a tuple of tensors), with the gradient of
+    ``formula(*inputs)`` (stock torch, same math; inputs cast to float32 first when ``upcast``).
+
+    ``inputs`` are the tensors gradients may flow to; other arguments (eps, cu_seqlens, targets,
+    temperature) are closed over by ``forward`` and ``formula``.
+    """
+    return _RecomputeBackward.apply(forward, formula, upcast, *inputs)
