@@ -18,6 +18,7 @@ BENCHES = {
     "attention": "rlperf.bench.attention",
     "layers": "rlperf.bench.layers",
     "flatten": "rlperf.bench.flatten",
+    "sync": "rlperf.bench.sync",
     "logprob": "rlperf.bench.logprob",
     "rollout": "rlperf.rollout.benchmark",
 }
