@@ -26,8 +26,11 @@ sync reaches; a sync moves at least 2x the copy's bytes, flatten then load, so <
 
 Timing (:func:`wall_time`): wall clock with the device synchronized at both ends (the child's work
 happens in another process, so CUDA events in the parent cannot see it), median of ``reps`` after
-``warmup`` calls. The first sync into the freshly started child (IPC handles opened for the first
-time, kernels loaded in the child) is reported separately as ``cold_ms`` in ``extra``.
+``warmup`` calls. The first sync into the freshly started child is reported separately as
+``cold_ms`` in ``extra`` (and every configuration's first, untimed sync as ``first_sync_ms``). Warm
+syncs open every bucket's IPC handle too: the child drops each bucket after loading it, as a
+server does, and torch closes a handle when its last storage dies; so cold - warm is the one-time
+cost (the child's first IPC mappings, kernel loading and allocator growth), not the handle opens.
 Correctness before timing: the destination is poisoned (every byte 0xFF), one sync runs, and the
 destination must equal the source bit for bit (in-process: ``torch.equal`` per tensor; child:
 ``weights_checksum`` of its parameters equals the parent's).
