@@ -61,6 +61,15 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
         self.rope = RopeTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
 
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() move the parameters; the RoPE tables (plain float32 tensors, not
+        # parameters) follow them to the new device and keep their dtype
+        super()._apply(fn, recurse)
+        device = self.embed_tokens.device
+        if self.rope.cos.device != device:
+            self.rope.cos, self.rope.sin = self.rope.cos.to(device), self.rope.sin.to(device)
+        return self
+
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu", std: float = 0.02):
