@@ -5,6 +5,7 @@
 #
 #   bash bench/device_e2e.sh [STAGES]     STAGES: any of "gate train profile" (default: all three)
 #
+# Everything but the traces is bundled into $OUT/e2e.tar.gz at the end.
 # Assumes the project is installed (bench/device.sh does it) and, for the profile stage,
 # that sglang-router is importable.
 set -uo pipefail
@@ -50,4 +51,9 @@ if [[ " $STAGES " == *" profile "* ]]; then
   kill -TERM $serve_pid 2>/dev/null; wait $serve_pid 2>/dev/null
   tail -20 "$OUT/serve.log"
 fi
+# one archive of the small outputs (logs, reports, metrics, timelines, summaries; not the traces),
+# since a device call brings back only a few files
+(cd "$OUT" && tar czf e2e.tar.gz --exclude='*.trace.json.gz' --exclude='*.merged.json.gz' --exclude='*.pt.trace.json*' \
+  $(ls -d gate gate.* train train.* train-gate.json profile profile.log serve.log 2>/dev/null) && \
+  rm -rf gate.log gate.xml train.log train-gate.json profile.log serve.log)
 exit $status

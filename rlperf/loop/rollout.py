@@ -31,9 +31,14 @@ import torch
 
 from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
 from rlperf.rollout.weights import bucket_payload, load_bucket, receive_bucket, release
-from rlperf.sync.buckets import flatten_buckets
+from rlperf.sync.buckets import DEFAULT_BUCKET_BYTES, flatten_buckets
 
-SYNC_BUCKET_BYTES = 64 << 20
+# Weight-sync bucket size: 512 MiB, the flatten default. Each bucket costs a handle open, a
+# checksum and a round trip: Qwen3-4B-shaped bf16 (8.04 GB) over cuda_ipc to another process took
+# 163 ms in 64 MiB buckets and 41 ms in 512 MiB ones (H100, bench/BENCHMARKS.md "sync").
+SYNC_BUCKET_BYTES = DEFAULT_BUCKET_BYTES
+# the inline transport carries the bytes base64-encoded in the HTTP body: smaller requests
+INLINE_BUCKET_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
@@ -167,7 +172,8 @@ class RouterClient:
         for url in self.workers():
             admin(url, "/pause_generation")
             try:
-                n += push_weights(url, named_tensors, transport=transport, bucket_bytes=SYNC_BUCKET_BYTES,
+                n += push_weights(url, named_tensors, transport=transport,
+                                  bucket_bytes=INLINE_BUCKET_BYTES if transport == "inline" else SYNC_BUCKET_BYTES,
                                   weight_version=version)
                 admin(url, "/flush_cache")
             finally:

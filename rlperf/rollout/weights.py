@@ -119,8 +119,14 @@ def _buffer(transport, nbytes: int) -> torch.Tensor:
             except RuntimeError as exc:
                 raise BadRequest(f"cuda_ipc handle cannot be opened: {exc}") from None
             reductions.shared_cache[(handle, offset)] = reductions.StorageWeakRef(storage)
-        elif not isinstance(storage, torch.UntypedStorage):
-            storage = storage._untyped_storage
+        else:
+            # already open here: the sender still incremented its reference counter for this
+            # message, so release that count now or its memory would never be freed or reused
+            torch.UntypedStorage._release_ipc_counter(
+                _b64(transport, "ref_counter_handle", what), _field(transport, "ref_counter_offset", int, what),
+                device=_field(transport, "device", int, what))
+            if not isinstance(storage, torch.UntypedStorage):
+                storage = storage._untyped_storage
         off = _field(transport, "tensor_offset", int, what)
         if off + nbytes > storage.nbytes():
             raise BadRequest(f"cuda_ipc storage has {storage.nbytes()} bytes, the description needs {off + nbytes}")

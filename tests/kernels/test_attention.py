@@ -303,7 +303,8 @@ def test_bad_arguments(interpreter):
 # ---------------------------------------------------------------------------------------------
 
 # bf16: 8 mantissa bits on inputs, P and output (2^-9 relative each); fp16: 11 bits.
-GPU_TOLS = [(torch.bfloat16, 1.5e-2, 1.5e-2), (torch.float16, 2e-3, 4e-3)]
+# float32: the dots run in tf32 (10-bit mantissa, like fp16); its K/V tiles need the reduced pipeline
+GPU_TOLS = [(torch.bfloat16, 1.5e-2, 1.5e-2), (torch.float16, 2e-3, 4e-3), (torch.float32, 2e-3, 4e-3)]
 
 
 @pytest.mark.gpu
