@@ -32,7 +32,7 @@ on average; 0.05 flags a mismatched model, tokenizer or temperature, not kernel 
 OOM_REMEDIES = (
     "lower --max-tokens-per-gpu",
     "add context parallelism (--context-parallel-size)",
-    "lower --mem-fraction-static (the rollout engine's share of the device)",
+    "lower --sglang-mem-fraction-static (the in-process engine's share of the device; servers: --mem-fraction-static)",
 )
 """slime's order of remedies for an out-of-memory first step (its docs' OOM advice)."""
 

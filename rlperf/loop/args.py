@@ -55,6 +55,10 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
                    help="rollout through this sglang-router (default: an in-process engine)")
     g.add_argument("--sglang-router-port", type=int, default=None)
     g.add_argument("--colocate", action="store_true", help="trainer and engines share the GPU (weights by CUDA IPC)")
+    g.add_argument("--sglang-mem-fraction-static", type=float, default=None,
+                   help="in-process engine on CUDA: fraction of device memory that the weights allocated so far "
+                        "plus its KV cache may fill (default %(default)s -> 0.3, since the trainer shares the "
+                        "device; servers behind a router take rlperf serve --mem-fraction-static)")
     g = p.add_argument_group("model and checkpoints")
     g.add_argument("--model", default=None, help="preset when no --hf-checkpoint/--load (default tiny)")
     g.add_argument("--hf-checkpoint", default=None, help="initial weights (HF safetensors directory)")
@@ -122,6 +126,9 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
         raise UsageError("--debug-train-only needs --load-debug-rollout-data")
     if (ns.sglang_router_ip is None) != (ns.sglang_router_port is None):
         raise UsageError("give both --sglang-router-ip and --sglang-router-port (or neither: in-process engine)")
+    frac = ns.sglang_mem_fraction_static
+    if frac is not None and not 0 < frac < 1:
+        raise UsageError(f"--sglang-mem-fraction-static must be in (0, 1), got {frac}")
     if ns.save_interval is not None and ns.save_interval < 1:
         raise UsageError(f"--save-interval must be >= 1, got {ns.save_interval}")
     if ns.save_interval is not None and not ns.save:

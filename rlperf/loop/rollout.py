@@ -37,6 +37,10 @@ from rlperf.sync.buckets import DEFAULT_BUCKET_BYTES, flatten_buckets
 # checksum and a round trip: Qwen3-4B-shaped bf16 (8.04 GB) over cuda_ipc to another process took
 # 163 ms in 64 MiB buckets and 41 ms in 512 MiB ones (H100, bench/BENCHMARKS.md "sync").
 SYNC_BUCKET_BYTES = DEFAULT_BUCKET_BYTES
+# The in-process engine shares the device with the trainer (weights, grads, AdamW state,
+# activations): its KV cache may fill device memory up to this fraction (a server's default, 0.85,
+# left the trainer too little at qwen3-0.6b: the oom_headroom gate failed at 96% of the card)
+TRAIN_MEM_FRACTION_STATIC = 0.3
 # the inline transport carries the bytes base64-encoded in the HTTP body: smaller requests
 INLINE_BUCKET_BYTES = 64 << 20
 
@@ -82,15 +86,17 @@ class EngineClient:
 
     kind = "in-process engine"
 
-    def __init__(self, model, tokenizer, max_total_tokens: int | None = None):
+    def __init__(self, model, tokenizer, max_total_tokens: int | None = None, mem_fraction_static: float | None = None):
         import copy
 
         self.model = copy.deepcopy(model)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.tokenizer = tokenizer
-        self.engine = Engine(self.model, tokenizer, EngineConfig(max_total_tokens=max_total_tokens,
-                                                                 cuda_graph_max_bs=0))
+        if mem_fraction_static is None and self.model.device.type == "cuda":
+            mem_fraction_static = TRAIN_MEM_FRACTION_STATIC
+        self.engine = Engine(self.model, tokenizer, EngineConfig(
+            max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static, cuda_graph_max_bs=0))
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
         reqs = self.engine.generate(prompts, params)

@@ -169,7 +169,7 @@ class Run:
         if ns.sglang_router_ip:
             self.client = RouterClient(ns.sglang_router_ip, ns.sglang_router_port, self.tokenizer, ns.colocate)
         else:
-            self.client = EngineClient(self.model, self.tokenizer)
+            self.client = EngineClient(self.model, self.tokenizer, mem_fraction_static=ns.sglang_mem_fraction_static)
         self.data_source = DataSource(self.dataset, self.client, self.tokenizer, self.reward_fn, custom_gen)
         self.out = Path(ns.output_dir)
         self.timeline = PhaseTimeline(default_path(self.out))

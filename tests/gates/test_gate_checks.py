@@ -134,7 +134,7 @@ def test_oom_headroom_fails_on_a_too_low_capacity_naming_the_first_phase_over():
     assert not r.passed and r.message.startswith("phase log_prob: peak 3 GiB")
     # slime's order of remedies, with the current --max-tokens-per-gpu
     i = [r.hint.index(x) for x in ("1. lower --max-tokens-per-gpu (now 4096)", "2. add context parallelism",
-                                   "3. lower --mem-fraction-static")]
+                                   "3. lower --sglang-mem-fraction-static")]
     assert i == sorted(i)
 
 

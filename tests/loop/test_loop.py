@@ -162,6 +162,11 @@ def test_broken_batch_relation(tmp_path, checkpoint, capsys):
     assert "batch relation broken" in err and "64" in err and "48" in err
 
 
+def test_engine_memory_fraction_out_of_range(tmp_path, checkpoint, capsys):
+    err = _bad(tmp_path, checkpoint, capsys, "--sglang-mem-fraction-static", "1.5")
+    assert "--sglang-mem-fraction-static must be in (0, 1), got 1.5" in err
+
+
 def test_unknown_estimator(tmp_path, checkpoint, capsys):
     with pytest.raises(SystemExit) as exc:  # argparse refuses it: exit 2 before anything runs
         _bad(tmp_path, checkpoint, capsys, "--advantage-estimator", "ppo_v9")
