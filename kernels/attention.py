@@ -45,10 +45,10 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from .autograd import needs_grad, with_recompute_backward
 from .dispatch import mode, use_stock_op, use_triton
+from .pipeline import launch_with_fitting_stages
 from .reference import attention as _ref
 
 # One launch config for every mode (see the contract above). BLOCK_N is the KV block and the page
@@ -295,33 +295,22 @@ def _attention_forward(
     else:
         k_arg, v_arg = k, v
     grid = (T // block_q + num_seqs, Hkv)
-    # float32 K/V tiles are twice the bytes: [128, 128] float32 K and V blocks three stages deep
-    # need 448 KiB of shared memory (Hopper has 227). When the pipeline does not fit, drop stages:
-    # the depth only changes how far loads run ahead, never the KV block order or the math, so a
-    # row's bits stay the same (and varlen and paged launches agree whatever depth each got).
-    key = (q.dtype, D, G, paged, use_tma, tuple(sorted(cfg.items())))
-    stages = _STAGES_THAT_FIT.get(key, cfg["num_stages"])
-    while True:
-        try:
-            _attn_fwd_kernel[grid](
-                q, k_arg, v_arg, out, cu_seqlens_q, kv_lens, page_table,
-                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                *strides_k, *strides_v, stride_pt,
-                scale * math.log2(math.e), num_seqs, math.ceil(math.log2(num_seqs)) if num_seqs > 1 else 0,
-                G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged, USE_TMA=use_tma,
-                num_warps=cfg["num_warps"], num_stages=stages,
-            )
-            break
-        except OutOfResources:
-            if stages <= 1:
-                raise
-            stages -= 1
-    _STAGES_THAT_FIT[key] = stages
+    # float32 [128, 128] K and V blocks three stages deep need 448 KiB of shared memory (Hopper
+    # has 227): fewer stages then (kernels/pipeline.py). The KV block order and the math stay, so
+    # varlen and paged launches agree whatever depth each got.
+    def launch(stages):
+        _attn_fwd_kernel[grid](
+            q, k_arg, v_arg, out, cu_seqlens_q, kv_lens, page_table,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *strides_k, *strides_v, stride_pt,
+            scale * math.log2(math.e), num_seqs, math.ceil(math.log2(num_seqs)) if num_seqs > 1 else 0,
+            G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged, USE_TMA=use_tma,
+            num_warps=cfg["num_warps"], num_stages=stages,
+        )
+
+    launch_with_fitting_stages(launch, ("attention", q.dtype, D, G, paged, use_tma, tuple(sorted(cfg.items()))),
+                               cfg["num_stages"])
     return out
-
-
-# (dtype, head dim, group, paged, TMA, config) -> the deepest pipeline that fit in shared memory
-_STAGES_THAT_FIT: dict = {}
 
 
 def _check_index(name: str, x: torch.Tensor, device: torch.device) -> None:

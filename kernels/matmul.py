@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from .autograd import matmul_with_grad, needs_grad
 from .dispatch import backend, mode
+from .pipeline import launch_with_fitting_stages
 from .reference.matmul import matmul_ref
 
 try:  # host-side TMA descriptors: Triton >= 3.4 (the device has 3.6, CI 3.9)
@@ -287,10 +287,6 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     return out.copy_(y)
 
 
-# (config, output dtype) -> the deepest pipeline that fit in shared memory (see _launch)
-_STAGES_THAT_FIT: dict = {}
-
-
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
             cfg: MatmulConfig, out: torch.Tensor | None = None, tma: bool | None = None,
             interpreted: bool | None = None) -> torch.Tensor:
@@ -321,27 +317,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dty
             programs = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
         programs = min(programs, num_tiles)
         # A wider output (float32 logits from a bf16 lm-head) needs a larger epilogue buffer in
-        # shared memory; when the tuned pipeline depth no longer fits, drop stages. The depth only
-        # changes how far loads run ahead, never the K order or the MMA shape, so the bits stay.
-        key = (cfg, dst.dtype)
-        stages = _STAGES_THAT_FIT.get(key, cfg.num_stages)
-        while True:
-            try:
-                _matmul_kernel[(programs,)](
-                    x_arg, w_arg, dst, bias,
-                    M, N, K,
-                    x.stride(0), x.stride(1), w.stride(0), w.stride(1), dst.stride(0), dst.stride(1),
-                    BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                    HAS_BIAS=bias is not None, USE_TMA=use_tma, UPCAST=upcast,
-                    PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", FLATTEN=cfg.flatten,
-                    num_warps=cfg.num_warps, num_stages=stages,
-                )
-                break
-            except OutOfResources:
-                if stages <= 1:
-                    raise
-                stages -= 1
-        _STAGES_THAT_FIT[key] = stages
+        # shared memory: fewer stages then (kernels/pipeline.py; the bits stay).
+        def launch(stages):
+            _matmul_kernel[(programs,)](
+                x_arg, w_arg, dst, bias,
+                M, N, K,
+                x.stride(0), x.stride(1), w.stride(0), w.stride(1), dst.stride(0), dst.stride(1),
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                HAS_BIAS=bias is not None, USE_TMA=use_tma, UPCAST=upcast,
+                PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", FLATTEN=cfg.flatten,
+                num_warps=cfg.num_warps, num_stages=stages,
+            )
+
+        launch_with_fitting_stages(launch, ("matmul", cfg, dst.dtype), cfg.num_stages)
     if dst is out:
         return out
     if out is not None:
