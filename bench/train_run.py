@@ -15,7 +15,6 @@ Prints a markdown table, one row per rollout, and a mean over the rollouts after
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,15 +24,10 @@ COLUMNS = ("rollout", "step s", "rollout s", "log-prob s", "train s", "sync ms",
 
 
 def load_metrics(path: str | Path) -> list[dict]:
-    """The metrics of each rollout, in order; a line that is not JSON is an error naming it."""
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+    """The metrics of each rollout, in order; a line that is not a JSON object is an error naming it."""
+    from rlperf.data.jsonl import iter_json_objects
+
+    rows = [m for _, m in iter_json_objects(Path(path), error=ValueError)]
     if not rows:
         raise ValueError(f"{path}: no metrics (did the run reach step 1?)")
     return rows

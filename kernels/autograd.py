@@ -66,9 +66,7 @@ class _RecomputeBackward(torch.autograd.Function):
         ctx.formula, ctx.upcast = formula, upcast
         ctx.save_for_backward(*inputs)
         ctx.set_materialize_grads(False)
-        out = forward(*inputs)
-        ctx.tuple_out = isinstance(out, tuple)
-        return out
+        return forward(*inputs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):

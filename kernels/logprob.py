@@ -148,10 +148,10 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         [..., V] float32.
     """
     T = _check_temperature(temperature)
-    x = _rows(logits)
-    if needs_grad(logits):
+    if needs_grad(logits):  # the kernel call inside checks the logits
         return with_recompute_backward(lambda x: log_softmax(x, T), lambda x: torch.log_softmax(x.float() / T, dim=-1),
                                        logits)
+    x = _rows(logits)
     if use_stock_op(logits.device, stock_wins_on_cuda=False):
         return torch.log_softmax(logits.float() / T, dim=-1)
     if not use_triton(logits.device):
@@ -187,6 +187,9 @@ def token_logprobs(
         logp [...] float32, and entropy [...] float32 when ``return_entropy``.
     """
     T = _check_temperature(temperature)
+    if needs_grad(logits):  # the kernel call inside checks logits and targets
+        return with_recompute_backward(lambda x: token_logprobs(x, targets, T, return_entropy),
+                                       lambda x: _torch_token_logprobs(x, targets, T, return_entropy), logits)
     x = _rows(logits)
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets must have shape {list(logits.shape[:-1])}, got {list(targets.shape)}")
@@ -194,9 +197,6 @@ def token_logprobs(
         raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
     if targets.device != logits.device:
         raise ValueError(f"targets on {targets.device}, logits on {logits.device}")
-    if needs_grad(logits):
-        return with_recompute_backward(lambda x: token_logprobs(x, targets, T, return_entropy),
-                                       lambda x: _torch_token_logprobs(x, targets, T, return_entropy), logits)
     if use_stock_op(logits.device, stock_wins_on_cuda=False):
         return _torch_token_logprobs(logits, targets, T, return_entropy)
     if not use_triton(logits.device):

@@ -81,10 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="run the kernel microbenchmarks (GPU) and print each result with its anchor from the same run",
         description=(
-            "Run rlperf's kernel microbenchmarks. Every row is timed with CUDA events (warm-up, median of many "
-            "repetitions, rotated inputs so L2 does not hold them) next to its anchor measured in the same run: "
-            "cuBLAS for matmul, SDPA (flash and cuDNN) for attention, the fast path for the invariant layer stack. "
-            "Results go to a JSON file with card, versions and commit; --markdown rewrites bench/BENCHMARKS.md."
+            "Run rlperf's benchmarks on the GPU. Every row is timed (CUDA events, warm-up, median of many "
+            "repetitions; the cross-process weight sync by wall clock) next to its anchor measured in the same "
+            "run: cuBLAS for matmul, SDPA (flash and cuDNN) for attention, the fast path for the invariant layer "
+            "stack, one device copy of the same bytes for flatten and sync (plus its 50 ms budget), the lm-head "
+            "matmul, naive torch, Liger and cut-cross-entropy (when installed) for logprob, the memory floor for "
+            "rollout decode. Results go to a JSON file with card, versions and commit; --markdown rewrites this "
+            "benchmark's section of bench/BENCHMARKS.md."
         ),
     )
     add_bench_arguments(p)

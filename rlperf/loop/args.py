@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from rlperf.data.embedded import EMBEDDED_DEFAULTS
+from rlperf.loop.rollout import TRAIN_MEM_FRACTION_STATIC
 from rlperf.profiles.trainer_trace import add_profile_arguments, check_profile_args
 from rlperf.train.args import TrainArgs, add_train_arguments, train_args_from
 
@@ -56,9 +57,9 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-router-port", type=int, default=None)
     g.add_argument("--colocate", action="store_true", help="trainer and engines share the GPU (weights by CUDA IPC)")
     g.add_argument("--sglang-mem-fraction-static", type=float, default=None,
-                   help="in-process engine on CUDA: fraction of device memory that the weights allocated so far "
-                        "plus its KV cache may fill (default %(default)s -> 0.3, since the trainer shares the "
-                        "device; servers behind a router take rlperf serve --mem-fraction-static)")
+                   help="in-process engine on CUDA: the fraction of device memory that everything allocated "
+                        f"before it plus its KV cache may fill (default {TRAIN_MEM_FRACTION_STATIC}: the trainer "
+                        "shares the device; servers behind a router take rlperf serve --mem-fraction-static)")
     g = p.add_argument_group("model and checkpoints")
     g.add_argument("--model", default=None, help="preset when no --hf-checkpoint/--load (default tiny)")
     g.add_argument("--hf-checkpoint", default=None, help="initial weights (HF safetensors directory)")
