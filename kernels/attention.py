@@ -49,6 +49,7 @@ import triton.language as tl
 from .autograd import needs_grad, with_recompute_backward
 from .dispatch import mode, use_stock_op, use_triton
 from .pipeline import launch_with_fitting_stages
+from .tile_dot import dot_acc, dot_fresh
 from .reference import attention as _ref
 
 # One launch config for every mode (see the contract above). BLOCK_N is the KV block and the page
@@ -112,7 +113,7 @@ def _attn_block(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-    qk = tl.dot(q, tl.trans(k))
+    qk = dot_fresh(q, tl.trans(k))
     # The mask is applied to the raw scores, before the scale, so valid entries see the same FMA
     # (qk * scale - m) whether or not their block was masked.
     if MASKED:
@@ -122,7 +123,7 @@ def _attn_block(
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    acc = dot_acc(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
 
 

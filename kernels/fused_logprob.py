@@ -56,6 +56,7 @@ import triton.language as tl
 from .dispatch import backend, mode
 from .logprob import LOG2E, _check_temperature, online_lse_update
 from .reference import fused_logprob as _ref
+from .tile_dot import dot_acc
 
 BWD_CHUNK_BYTES = 256 * 2**20  # dlogits per backward chunk (the main extra memory of backward)
 
@@ -121,7 +122,7 @@ def _logits_tile(h_src, w_src, off_m, off_n, rows, cols, H, stride_h, stride_w,
         for k in range(0, H, BLOCK_K):
             a = h_src.load([off_m, k])
             b = w_src.load([off_n, k])
-            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            acc = dot_acc(a, b.T, acc, PRECISION)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         h_ptrs = h_src + rows.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
@@ -133,7 +134,7 @@ def _logits_tile(h_src, w_src, off_m, off_n, rows, cols, H, stride_h, stride_w,
             else:
                 a = tl.load(h_ptrs, mask=(k + offs_k)[None, :] < H, other=0.0)
                 b = tl.load(w_ptrs, mask=(k + offs_k)[:, None] < H, other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = dot_acc(a, b, acc, PRECISION)
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
     return acc

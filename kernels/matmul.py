@@ -24,8 +24,9 @@ construction:
 On the GPU a (dtype, N, K) always takes the same load path (TMA descriptors when rows are 16-byte
 aligned, masked pointer loads otherwise); inputs whose layout does not fit are copied first, so
 the path never depends on a tensor's storage offset. Bits are proven on the GPU
-(``tests/kernels/test_matmul.py``, marker ``gpu``); the CPU interpreter computes ``tl.dot`` with
-numpy and proves the kernel's indexing, not the GPU's bits.
+(``tests/kernels/test_matmul.py``, marker ``gpu``); the CPU interpreter computes the tile product
+in float64 through :func:`rlperf.kernels.tile_dot.dot_acc` (row-position invariant on any x86
+BLAS) and proves the kernel's indexing and invariance, not the GPU's bits.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import triton.language as tl
 from .autograd import matmul_with_grad, needs_grad
 from .dispatch import backend, mode
 from .pipeline import launch_with_fitting_stages
+from .tile_dot import dot_acc
 from .reference.matmul import matmul_ref
 
 try:  # host-side TMA descriptors: Triton >= 3.4 (the device has 3.6, CI 3.9)
@@ -75,7 +77,7 @@ def _matmul_kernel(
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -111,10 +113,7 @@ def _matmul_kernel(
                 b = tl.load(w_ptrs, mask=k_mask, other=0.0)
                 x_ptrs += BLOCK_K * stride_xk
                 w_ptrs += BLOCK_K * stride_wk
-            if UPCAST:  # CPU interpreter only: its bf16 tl.dot is wrong, its fp32 one is right
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            acc = dot_acc(a, b.T, acc, PRECISION)
         if HAS_BIAS:  # after the K loop, in float32, before the single cast
             acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         # 64-bit row offsets: M * N passes 2^31 for long-batch lm-head logits.
@@ -296,9 +295,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dty
     N = w.shape[0]
     if interpreted is None:
         interpreted = backend(x.device) == "interpreter"
-    # The interpreter's bf16 dot and bf16 casts are wrong: upcast tiles there, write float32 and
-    # let torch round (never taken on the GPU).
-    upcast = interpreted and x.dtype == torch.bfloat16
+    # The interpreter's bf16 casts round differently from torch: write float32 there and let
+    # torch round (never taken on the GPU); its tile products go through tile_dot.dot_acc.
     kernel_out_dtype = torch.float32 if interpreted and out_dtype == torch.bfloat16 else out_dtype
     dst = out if out is not None and kernel_out_dtype == out_dtype else torch.empty(
         (M, N), dtype=kernel_out_dtype, device=x.device)
@@ -324,7 +322,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dty
                 M, N, K,
                 x.stride(0), x.stride(1), w.stride(0), w.stride(1), dst.stride(0), dst.stride(1),
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                HAS_BIAS=bias is not None, USE_TMA=use_tma, UPCAST=upcast,
+                HAS_BIAS=bias is not None, USE_TMA=use_tma,
                 PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", FLATTEN=cfg.flatten,
                 num_warps=cfg.num_warps, num_stages=stages,
             )
