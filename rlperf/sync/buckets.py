@@ -3,10 +3,19 @@
 Weight sync (trainer -> rollout servers) moves parameters as *buckets*: each bucket is one
 contiguous ``torch.uint8`` buffer of at most ``bucket_bytes`` bytes holding many tensors of any
 dtypes, plus per-tensor metadata with SGLang's ``FlattenedTensorMetadata`` fields
-``{name, shape, dtype, start_idx, end_idx, numel}``, where ``start_idx``/``end_idx`` are *byte*
-offsets into the buffer (``end_idx - start_idx == numel * dtype.itemsize``).
+``{name, shape, dtype, start_idx, end_idx, numel}`` in SGLang's meanings
+(``sglang.srt.weight_sync.tensor_bucket``): ``start_idx``/``end_idx`` are *byte* offsets into the
+buffer and ``numel`` is the tensor's **byte** count, not its element count::
 
-Layout rules (the planner, :func:`plan_buckets`):
+    numel == end_idx - start_idx == prod(shape) * dtype.itemsize
+
+Buckets cross both ways with SGLang's own ``FlattenedTensorBucket``: its
+``FlattenedTensorBucket(flattened_tensor=bucket.buffer, metadata=bucket.metadata)`` rebuilds an
+rlperf bucket, and ``FlattenedBucket(sglang_bucket.get_flattened_tensor(),
+sglang_bucket.get_metadata())`` takes an SGLang one (its metadata objects are converted and
+checked; :meth:`FlattenedTensorMetadata.of`).
+
+Layout rules of the buckets rlperf writes (the planner, :func:`plan_buckets`):
 
 * tensors are placed in the order given, greedily: a tensor goes into the current bucket if its
   16-byte-aligned start plus its bytes fit in ``bucket_bytes``, else a new bucket starts;
@@ -14,6 +23,12 @@ Layout rules (the planner, :func:`plan_buckets`):
 * every ``start_idx`` is a multiple of :data:`ALIGNMENT` (16 bytes), so the copy kernel moves
   16-byte vectors and every unflattened view is aligned for its dtype;
 * a buffer is exactly as long as the end of its last tensor; alignment gaps are zero bytes.
+
+Buckets rlperf *reads* need not follow these rules: SGLang flattens unpadded (tensors back to back,
+so e.g. a float32 after 3 int8 bytes starts at byte 3). Any non-overlapping ranges inside the
+buffer are accepted. :meth:`FlattenedBucket.unflatten` gives zero-copy views of tensors whose
+start is aligned for their dtype and copies of the others (one launch for all of them), and
+:meth:`FlattenedBucket.load_into` copies bytes, so it loads aligned and misaligned tensors alike.
 
 Copies (:func:`flatten_buckets` packs, :meth:`FlattenedBucket.load_into` unpacks) are one launch
 per bucket of the ``rlperf._C`` multi-tensor copy (``torch.ops.rlperf.multi_tensor_pack`` /
@@ -35,8 +50,9 @@ swaps change it (the index is mixed in), and integer sums are order-free, so a p
 reduction gives the same bits every time. It detects corruption; it is not cryptographic.
 
 Descriptions (:meth:`FlattenedBucket.to_dict` / :meth:`FlattenedBucket.from_dict`): plain JSON
-data (format tag, byte size, checksum as 16 hex digits, per-tensor metadata with dtype names from
-an allowlist), so a server can rebuild views over a received buffer without unpickling anything.
+data (format tag, byte size, checksum as 16 hex digits, per-tensor metadata ``{name, shape, dtype,
+start_idx, end_idx, numel}`` with ``numel`` the byte count as above and dtype names from an
+allowlist), so a server can rebuild views over a received buffer without unpickling anything.
 """
 from __future__ import annotations
 
@@ -239,12 +255,18 @@ def _check_buffer(buffer: torch.Tensor) -> None:
 # Metadata and planning
 
 
+_METADATA_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+
+
 @dataclasses.dataclass(frozen=True)
 class FlattenedTensorMetadata:
-    """Where one tensor lives in a bucket (SGLang's ``FlattenedTensorMetadata`` fields).
+    """Where one tensor lives in a bucket: SGLang's ``FlattenedTensorMetadata``, same fields, same meanings.
 
-    ``start_idx``/``end_idx``: byte offsets into the bucket's uint8 buffer, ``end_idx - start_idx
-    == numel * dtype.itemsize``; ``start_idx`` is a multiple of :data:`ALIGNMENT`.
+    ``start_idx``/``end_idx``: byte offsets into the bucket's uint8 buffer. ``numel``: the tensor's
+    **byte** count, as SGLang writes it (``end_idx - start_idx``), so
+    ``numel == end_idx - start_idx == prod(shape) * dtype.itemsize``; the element count is
+    :attr:`nelements`. Buckets rlperf packs start every tensor at a multiple of :data:`ALIGNMENT`;
+    received metadata may start anywhere (SGLang's flattening is unpadded).
     """
 
     name: str
@@ -256,7 +278,13 @@ class FlattenedTensorMetadata:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensor in the buffer (``end_idx - start_idx``, equal to :attr:`numel`)."""
         return self.end_idx - self.start_idx
+
+    @property
+    def nelements(self) -> int:
+        """Number of elements (``prod(shape)``); ``numel`` is a byte count, this is not."""
+        return math.prod(self.shape)
 
     def to_dict(self) -> dict:
         return {
@@ -270,10 +298,14 @@ class FlattenedTensorMetadata:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "FlattenedTensorMetadata":
-        """Rebuild from :meth:`to_dict` output, checking every field's type and consistency."""
+        """Rebuild from :meth:`to_dict` output, checking every field's type and consistency.
+
+        ``dtype`` is a name from :data:`DTYPES` (``"bfloat16"`` or ``"torch.bfloat16"``); ``numel``
+        is the byte count (module docstring).
+        """
         if not isinstance(d, Mapping):
             raise ValueError(f"tensor metadata must be a mapping, got {type(d).__name__}")
-        missing = {"name", "shape", "dtype", "start_idx", "end_idx", "numel"} - set(d)
+        missing = set(_METADATA_FIELDS) - set(d)
         if missing:
             raise ValueError(f"tensor metadata {d.get('name', '?')!r} lacks fields {sorted(missing)}")
         name = d["name"]
@@ -289,10 +321,14 @@ class FlattenedTensorMetadata:
         if not isinstance(shape, (list, tuple)):
             raise ValueError(f"tensor {name!r}: shape must be a list of ints, got {shape!r}")
         shape = tuple(nonneg_int("shape", s) for s in shape)
+        try:
+            dtype = dtype_from_name(d["dtype"])
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: dtype: {exc}") from None
         meta = cls(
             name=name,
             shape=shape,
-            dtype=dtype_from_name(d["dtype"]),
+            dtype=dtype,
             start_idx=nonneg_int("start_idx", d["start_idx"]),
             end_idx=nonneg_int("end_idx", d["end_idx"]),
             numel=nonneg_int("numel", d["numel"]),
@@ -300,17 +336,43 @@ class FlattenedTensorMetadata:
         meta._check_consistent()
         return meta
 
+    @classmethod
+    def of(cls, meta) -> "FlattenedTensorMetadata":
+        """This class's metadata for ``meta``: returned as is, a mapping (:meth:`from_dict`), or any
+        object with the six attributes, such as SGLang's own ``FlattenedTensorMetadata`` (``shape``
+        a ``torch.Size``, ``dtype`` a ``torch.dtype``). Checked like :meth:`from_dict`."""
+        if isinstance(meta, cls):
+            return meta
+        if isinstance(meta, Mapping):
+            return cls.from_dict(meta)
+        missing = [f for f in _METADATA_FIELDS if not hasattr(meta, f)]
+        if missing:
+            raise ValueError(f"tensor metadata {type(meta).__name__} lacks attributes {missing}")
+        d = {f: getattr(meta, f) for f in _METADATA_FIELDS}
+        if isinstance(d["dtype"], torch.dtype):
+            try:
+                d["dtype"] = dtype_name(d["dtype"])
+            except ValueError as exc:
+                raise ValueError(f"tensor {d['name']!r}: dtype: {exc}") from None
+        if isinstance(d["shape"], torch.Size):
+            d["shape"] = list(d["shape"])
+        return cls.from_dict(d)
+
     def _check_consistent(self) -> None:
-        if math.prod(self.shape) != self.numel:
-            raise ValueError(f"tensor {self.name!r}: numel {self.numel} != product of shape {list(self.shape)}")
         itemsize = self.dtype.itemsize
-        if self.end_idx - self.start_idx != self.numel * itemsize:
+        nbytes = self.end_idx - self.start_idx
+        if nbytes != self.numel:
             raise ValueError(
-                f"tensor {self.name!r}: bytes [{self.start_idx}, {self.end_idx}) do not hold {self.numel} "
-                f"elements of {dtype_name(self.dtype)}"
+                f"tensor {self.name!r}: bytes [{self.start_idx}, {self.end_idx}) do not hold numel {self.numel}: "
+                f"end_idx - start_idx = {nbytes} != numel (numel is the byte count, as in SGLang's "
+                "FlattenedTensorMetadata)"
             )
-        if self.start_idx % itemsize:
-            raise ValueError(f"tensor {self.name!r}: start_idx {self.start_idx} is not aligned to its dtype")
+        expected = math.prod(self.shape) * itemsize
+        if self.numel != expected:
+            raise ValueError(
+                f"tensor {self.name!r}: numel {self.numel} != the bytes of shape {list(self.shape)} of "
+                f"{dtype_name(self.dtype)} ({math.prod(self.shape)} elements x {itemsize} bytes = {expected})"
+            )
 
 
 def _named_items(named_tensors) -> Iterable[tuple[str, torch.Tensor]]:
@@ -366,7 +428,7 @@ def _iter_planned(
         if metas and start + nbytes > bucket_bytes:
             yield metas, srcs, end
             metas, srcs, start = [], [], 0
-        metas.append(FlattenedTensorMetadata(name, tuple(t.shape), t.dtype, start, start + nbytes, t.numel()))
+        metas.append(FlattenedTensorMetadata(name, tuple(t.shape), t.dtype, start, start + nbytes, nbytes))  # numel: bytes
         srcs.append(t)
         end = start + nbytes
     if metas:
@@ -401,14 +463,18 @@ class FlattenedBucket:
     ----------
     buffer : Tensor
         1-D contiguous ``torch.uint8``; every metadata byte range lies inside it.
-    metadata : sequence of FlattenedTensorMetadata
-        Non-overlapping byte ranges with unique names.
+    metadata : sequence of FlattenedTensorMetadata (or SGLang's ``FlattenedTensorMetadata``, or dicts)
+        Non-overlapping byte ranges with unique names, at any byte offsets (SGLang's unpadded
+        layout included); foreign entries are converted by :meth:`FlattenedTensorMetadata.of`.
+        ``numel`` is the byte count (module docstring).
     """
 
     def __init__(self, buffer: torch.Tensor, metadata: Sequence[FlattenedTensorMetadata], *, _checked: bool = False):
         _check_buffer(buffer)
         self.buffer = buffer
-        self.metadata: tuple[FlattenedTensorMetadata, ...] = tuple(metadata)
+        self.metadata: tuple[FlattenedTensorMetadata, ...] = (
+            tuple(metadata) if _checked else tuple(FlattenedTensorMetadata.of(m) for m in metadata)
+        )
         self._checksum: int | None = None
         if not _checked:
             self._validate()
@@ -461,23 +527,51 @@ class FlattenedBucket:
         self._checksum = bucket_checksum(self.buffer)
         return self._checksum
 
-    def unflatten(self) -> dict[str, torch.Tensor]:
-        """Zero-copy views: name -> ``buffer[start_idx:end_idx]`` viewed as ``dtype`` and ``shape``.
+    def _viewable(self, m: FlattenedTensorMetadata) -> bool:
+        """Whether ``buffer[m.start_idx:m.end_idx]`` can be viewed as ``m.dtype`` in place: its
+        address and its storage offset (torch's condition for ``view(dtype)``) are multiples of
+        the item size."""
+        itemsize = m.dtype.itemsize
+        return (
+            (self.buffer.storage_offset() + m.start_idx) % itemsize == 0
+            and (self.buffer.data_ptr() + m.start_idx) % itemsize == 0
+        )
 
-        The views share the buffer's memory (writing one writes the bucket).
+    def unflatten(self) -> dict[str, torch.Tensor]:
+        """name -> the tensor, ``buffer[start_idx:end_idx]`` as ``dtype`` and ``shape``, in metadata order.
+
+        Zero-copy where the tensor's start is aligned for its dtype (always, for buckets rlperf
+        packs): the view shares the buffer's memory, so writing it writes the bucket. Where it is
+        not (SGLang's unpadded layout puts e.g. a float32 at byte 3), a view is impossible and the
+        tensor is a contiguous copy on the bucket's device, made for all such tensors of the
+        bucket with one multi-tensor copy launch; writing a copy does not write the bucket.
         """
-        return {
-            m.name: self.buffer[m.start_idx : m.end_idx].view(m.dtype).view(m.shape) for m in self.metadata
-        }
+        out: dict[str, torch.Tensor] = {}
+        copies: list[torch.Tensor] = []
+        offsets: list[int] = []
+        for m in self.metadata:
+            if self._viewable(m):
+                out[m.name] = self.buffer[m.start_idx : m.end_idx].view(m.dtype).view(m.shape)
+            else:
+                t = torch.empty(m.shape, dtype=m.dtype, device=self.buffer.device)
+                out[m.name] = t
+                if m.nbytes:
+                    copies.append(t)
+                    offsets.append(m.start_idx)
+        if copies:
+            _unpack(self.buffer, copies, offsets)
+        return out
 
     def load_into(self, params: Mapping[str, torch.Tensor]) -> None:
         """Copy every tensor of the bucket into ``params[name]`` with one launch.
 
-        ``params`` maps names to destination tensors (e.g. ``dict(model.named_parameters())``); it may
-        hold more names than the bucket. Each destination must exist and match the metadata's shape
-        and dtype, be contiguous and be on the bucket's device; otherwise ValueError naming the
-        tensor, before anything is copied. Runs under ``torch.no_grad()`` (parameters that require
-        grad are written in place, as an optimizer step does).
+        A byte copy from each tensor's ``start_idx``, so aligned and misaligned tensors (SGLang's
+        unpadded buckets) load alike. ``params`` maps names to destination tensors (e.g.
+        ``dict(model.named_parameters())``); it may hold more names than the bucket. Each
+        destination must exist and match the metadata's shape and dtype, be contiguous and be on
+        the bucket's device; otherwise ValueError naming the tensor, before anything is copied.
+        Runs under ``torch.no_grad()`` (parameters that require grad are written in place, as an
+        optimizer step does).
         """
         if not isinstance(params, Mapping):
             raise TypeError(f"load_into: params must be a mapping name -> tensor, got {type(params).__name__}")

@@ -5,6 +5,9 @@ same bytes); ``gpu`` tests run the CUDA kernels on larger, bf16-heavy inputs.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -143,7 +146,10 @@ def test_plan_layout_by_hand():
         [("f", 0, 120)],
         [("g", 0, 2)],
     ]
-    assert plan[1][0].shape == (7,) and plan[1][0].dtype == torch.bfloat16 and plan[1][0].numel == 7
+    # numel is SGLang's: the byte count end_idx - start_idx, not the element count
+    assert plan[1][0].shape == (7,) and plan[1][0].dtype == torch.bfloat16 and plan[1][0].numel == 14
+    assert plan[1][0].nelements == 7 and plan[0][0].numel == 60 and plan[2][1].numel == 0
+    assert all(m.numel == m.end_idx - m.start_idx == m.nbytes for bucket in plan for m in bucket)
 
 
 @pytest.mark.parametrize("bucket_bytes", [16, 100, 1000, 4096])
@@ -562,10 +568,15 @@ def test_description_rejects_bad_input():
         B.FlattenedBucket.from_dict(desc(dtype="__import__('os')"), buf)
     with pytest.raises(ValueError, match="unknown dtype name"):
         B.FlattenedBucket.from_dict(desc(dtype="float128"), buf)
-    with pytest.raises(ValueError, match="numel 4 != product of shape"):
+    with pytest.raises(ValueError, match=r"tensor 'w': numel 16 != the bytes of shape \[5\] of float32 \(5 elements x 4 bytes = 20\)"):
         B.FlattenedBucket.from_dict(desc(shape=[5]), buf)
-    with pytest.raises(ValueError, match="do not hold 4 elements of float32"):
+    with pytest.raises(ValueError, match=r"tensor 'w': bytes \[0, 20\) do not hold numel 16: end_idx - start_idx = 20"):
         B.FlattenedBucket.from_dict(desc(end_idx=20), buf)
+    # numel as an element count (the meaning rlperf once wrote) is refused, naming tensor and field
+    with pytest.raises(ValueError, match=r"tensor 'w': bytes \[0, 16\) do not hold numel 4: .*numel is the byte count"):
+        B.FlattenedBucket.from_dict(desc(numel=4), buf)
+    with pytest.raises(ValueError, match="tensor 'w': numel must be a non-negative int"):
+        B.FlattenedBucket.from_dict(desc(numel="16"), buf)
     with pytest.raises(ValueError, match="start_idx must be a non-negative int"):
         B.FlattenedBucket.from_dict(desc(start_idx=-4, end_idx=12), buf)
     with pytest.raises(ValueError, match="overlaps"):
@@ -581,6 +592,247 @@ def test_description_rejects_bad_input():
     assert B.dtype_from_name("torch.bfloat16") is torch.bfloat16
     with pytest.raises(ValueError, match="not supported in a flattened bucket"):
         B.dtype_name(torch.quint8)
+
+
+@needs_extension
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unflatten_copies_where_a_view_is_impossible(backend):
+    """A buffer whose start is misaligned (storage offset 1, odd address): values still come out
+    right, as copies; load_into copies bytes and does not care."""
+    named = {"f32": torch.randn(3, 5), "i64": torch.arange(7), "u8": torch.arange(5, dtype=torch.uint8)}
+    (bucket,) = B.flatten_buckets(named)
+    holder = torch.zeros(bucket.nbytes + 1, dtype=torch.uint8)
+    holder[1:] = bucket.buffer
+    shifted = B.FlattenedBucket(holder[1:], bucket.metadata)
+    with backend_context(backend):
+        views = shifted.unflatten()
+        dsts = {n: poisoned_like(t) for n, t in named.items()}
+        shifted.load_into(dsts)
+    for n, t in named.items():
+        assert same_bits(views[n], t) and same_bits(dsts[n], t), n
+    assert views["f32"].untyped_storage().data_ptr() != holder.untyped_storage().data_ptr()  # a copy
+    assert views["u8"].data_ptr() == holder.data_ptr() + 1 + bucket.metadata[2].start_idx  # bytes always view
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang's own FlattenedTensorBucket (sglang.srt.weight_sync.tensor_bucket), both directions
+
+
+def _load_sglang_tensor_bucket():
+    """SGLang's ``sglang.srt.weight_sync.tensor_bucket`` module, from the installed sglang package.
+
+    Executed from its file instead of ``import sglang.srt...``: importing runs ``sglang/__init__.py``,
+    which needs about ten packages beyond torch (psutil, pybase64, requests, pillow, msgspec, pyzmq,
+    ipython, ...) and, once run, sets TRITON_CACHE_DIR and other cache variables in os.environ and
+    patches transformers for the rest of the test session. The module itself imports only the
+    standard library and torch, so this is SGLang's class exactly as SGLang runs it. CI installs
+    sglang with ``pip install --no-deps sglang``; only a missing sglang skips these tests.
+    """
+    spec = importlib.util.find_spec("sglang")  # finds the top-level package without running it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sglang is not installed (`pip install --no-deps sglang`): the SGLang interop tests need "
+                    "its FlattenedTensorBucket")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    path = root / "srt" / "weight_sync" / "tensor_bucket.py"
+    assert path.is_file(), f"sglang at {root} has no srt/weight_sync/tensor_bucket.py: did SGLang move it?"
+    module_spec = importlib.util.spec_from_file_location("_sglang_tensor_bucket", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def sgl():
+    return _load_sglang_tensor_bucket()
+
+
+# Back to back in SGLang's unpadded layout, most of these start at byte offsets that are not a
+# multiple of their item size (a float32 at byte 27, an int64 at byte 228, ...).
+SGLANG_SPECS = [
+    ("a.fp32", (2, 3), torch.float32),
+    ("b.int8", (3,), torch.int8),
+    ("c.fp32", (1, 13, 3), torch.float32),
+    ("d.bf16", (7,), torch.bfloat16),
+    ("e.int8", (1,), torch.int8),
+    ("f.fp16", (5, 3), torch.float16),
+    ("g.int64", (11,), torch.int64),
+    ("h.fp32", (), torch.float32),
+    ("i.bf16", (0, 4), torch.bfloat16),
+    ("j.int8", (2, 3), torch.int8),
+    ("k.int64", (1, 13), torch.int64),
+    ("l.fp16", (33,), torch.float16),
+    ("m.bf16", (2, 2, 2), torch.bfloat16),
+    ("n.int8", (5,), torch.int8),
+    ("o.fp32", (4, 4), torch.float32),
+    ("p.int64", (2,), torch.int64),
+    ("q.bf16", (1, 127), torch.bfloat16),
+]
+
+
+def sglang_named(device="cpu"):
+    gen = torch.Generator().manual_seed(99)
+    return {name: random_tensor(shape, dtype, device, gen) for name, shape, dtype in SGLANG_SPECS}
+
+
+def backend_context(backend):
+    return contextlib.nullcontext() if backend == "extension" else B.use_torch_fallback()
+
+
+def _sglang_fields(m) -> tuple:
+    return (m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel)
+
+
+@needs_extension
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sglang_bucket_unflattens_and_loads_in_rlperf(sgl, backend):
+    named = sglang_named()
+    sb = sgl.FlattenedTensorBucket(named_tensors=list(named.items()))
+    metas = sb.get_metadata()
+    for m in metas:  # SGLang's numel is the byte count
+        t = named[m.name]
+        assert m.numel == m.end_idx - m.start_idx == t.numel() * t.element_size(), m
+    misaligned = {m.name for m in metas if m.start_idx % m.dtype.itemsize}
+    assert {named[n].dtype for n in misaligned} == {torch.float32, torch.bfloat16, torch.int64}, misaligned
+    assert {named[n].dtype for n in set(named) - misaligned} >= {torch.float32, torch.float16, torch.bfloat16, torch.int8}
+
+    bucket = B.FlattenedBucket(sb.get_flattened_tensor(), metas)  # SGLang's metadata objects, as they are
+    assert [_sglang_fields(m) for m in bucket.metadata] == [_sglang_fields(m) for m in metas]
+    assert all(isinstance(m, B.FlattenedTensorMetadata) for m in bucket.metadata)
+    with backend_context(backend):
+        views = bucket.unflatten()
+    assert list(views) == list(named)
+    base = bucket.buffer.data_ptr()
+    for m in bucket.metadata:
+        v = views[m.name]
+        assert same_bits(v, named[m.name]), m.name
+        if m.nbytes and m.name in misaligned:  # a copy: no view of a misaligned float32 exists
+            assert v.untyped_storage().data_ptr() != bucket.buffer.untyped_storage().data_ptr(), m.name
+        elif m.nbytes:  # zero-copy
+            assert v.data_ptr() == base + m.start_idx, m.name
+
+    dsts = {n: poisoned_like(t) for n, t in named.items()}
+    with backend_context(backend):
+        bucket.load_into(dsts)
+    for n, t in named.items():
+        assert same_bits(dsts[n], t), n
+
+    # rlperf's own description of the SGLang bucket survives JSON and a fresh buffer
+    desc = json.loads(json.dumps(bucket.to_dict()))
+    assert [d["numel"] for d in desc["tensors"]] == [m.numel for m in metas]
+    received = B.FlattenedBucket.from_dict(desc, sb.get_flattened_tensor().clone(), verify_checksum=True)
+    dsts = {n: poisoned_like(t) for n, t in named.items()}
+    with backend_context(backend):
+        received.load_into(dsts)
+        got = received.unflatten()
+    for n, t in named.items():
+        assert same_bits(dsts[n], t) and same_bits(got[n], t), n
+
+
+def test_sglang_metadata_round_trips_through_dicts(sgl):
+    named = sglang_named()
+    metas = sgl.FlattenedTensorBucket(named_tensors=list(named.items())).get_metadata()
+    for m in metas:
+        # SGLang's dataclass as JSON data (it has no to_dict of its own): torch.Size -> list, dtype -> name
+        d = {**dataclasses.asdict(m), "shape": list(m.shape), "dtype": str(m.dtype)}
+        ours = B.FlattenedTensorMetadata.from_dict(json.loads(json.dumps(d)))
+        assert ours == B.FlattenedTensorMetadata.of(m)
+        assert ours.nelements == named[m.name].numel() and ours.numel == m.numel
+        back = ours.to_dict()
+        assert back == {**d, "dtype": B.dtype_name(m.dtype)}
+        again = sgl.FlattenedTensorMetadata(
+            name=back["name"], shape=torch.Size(back["shape"]), dtype=B.dtype_from_name(back["dtype"]),
+            start_idx=back["start_idx"], end_idx=back["end_idx"], numel=back["numel"],
+        )
+        assert again == m
+
+
+def test_foreign_metadata_is_checked_by_name(sgl):
+    meta = sgl.FlattenedTensorMetadata
+    buf = torch.zeros(400, dtype=torch.uint8)
+    # numel as an element count: what the issue saw the other way round, now a clear error
+    with pytest.raises(ValueError, match=r"tensor 'w': bytes \[0, 312\) do not hold numel 39: .*numel is the byte count"):
+        B.FlattenedBucket(buf, [meta("w", torch.Size([1, 13, 3]), torch.float64, 0, 312, 39)])
+    with pytest.raises(ValueError, match=r"tensor 'w': numel 312 != the bytes of shape \[1, 13, 3\] of float32 \(39 elements x 4 bytes = 156\)"):
+        B.FlattenedBucket(buf, [meta("w", torch.Size([1, 13, 3]), torch.float32, 0, 312, 312)])
+    with pytest.raises(ValueError, match=r"tensor 'q': dtype: dtype torch.quint8 is not supported"):
+        B.FlattenedBucket(buf, [meta("q", torch.Size([4]), torch.quint8, 0, 4, 4)])
+    with pytest.raises(ValueError, match=r"tensor 'v' overlaps tensor 'u'"):
+        B.FlattenedBucket(buf, [meta("u", torch.Size([3]), torch.int8, 0, 3, 3), meta("v", torch.Size([1]), torch.float32, 2, 6, 4)])
+    with pytest.raises(ValueError, match=r"tensor 'x': bytes \[397, 401\) exceed the 400-byte buffer"):
+        B.FlattenedBucket(buf, [meta("x", torch.Size([]), torch.float32, 397, 401, 4)])
+    with pytest.raises(ValueError, match="lacks attributes"):
+        B.FlattenedBucket(buf, [object()])
+    ok = B.FlattenedBucket(buf, [meta("w", torch.Size([1, 13, 3]), torch.float32, 3, 159, 156)])  # misaligned: fine
+    assert ok.unflatten()["w"].shape == (1, 13, 3)
+
+
+@needs_extension
+@pytest.mark.parametrize("bucket_bytes", [64, 1000, B.DEFAULT_BUCKET_BYTES])
+def test_rlperf_buckets_reconstruct_in_sglang(sgl, bucket_bytes):
+    named = {**mixed_tensors(), **sglang_named()}
+    buckets = B.flatten_buckets(named, bucket_bytes)
+    assert sorted(n for b in buckets for n in b.names) == sorted(named)
+    for bucket in buckets:
+        # rlperf's metadata objects handed to SGLang's class as they are
+        rebuilt = sgl.FlattenedTensorBucket(flattened_tensor=bucket.buffer, metadata=list(bucket.metadata)).reconstruct_tensors()
+        assert [n for n, _ in rebuilt] == bucket.names
+        for n, t in rebuilt:
+            assert same_bits(t, named[n]), n
+        # and through rlperf's JSON description, rebuilt as SGLang's own metadata objects
+        desc = json.loads(json.dumps(bucket.to_dict()))
+        sgl_metas = [
+            sgl.FlattenedTensorMetadata(
+                name=d["name"], shape=torch.Size(d["shape"]), dtype=B.dtype_from_name(d["dtype"]),
+                start_idx=d["start_idx"], end_idx=d["end_idx"], numel=d["numel"],
+            )
+            for d in desc["tensors"]
+        ]
+        received = bucket.buffer.clone()
+        for n, t in sgl.FlattenedTensorBucket(flattened_tensor=received, metadata=sgl_metas).reconstruct_tensors():
+            assert same_bits(t, named[n]), n
+            assert t.numel() == 0 or t.untyped_storage().data_ptr() == received.untyped_storage().data_ptr()
+        # numel means what SGLang's own flattening writes for the same tensor
+        for m in bucket.metadata:
+            (theirs,) = sgl.FlattenedTensorBucket(named_tensors=[(m.name, named[m.name])]).get_metadata()
+            assert m.numel == theirs.numel == m.end_idx - m.start_idx, m.name
+
+
+@needs_extension
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_sglang_bucket_through_the_weight_transports(sgl, transport):
+    from rlperf.rollout.weights import bucket_payload, receive_bucket, release
+
+    named = sglang_named()
+    sb = sgl.FlattenedTensorBucket(named_tensors=list(named.items()))
+    payload, handle = bucket_payload(B.FlattenedBucket(sb.get_flattened_tensor(), sb.get_metadata()), transport)
+    try:
+        bucket = receive_bucket(json.dumps(payload), "cpu")
+    finally:
+        release(handle)
+    dsts = {n: poisoned_like(t) for n, t in named.items()}
+    bucket.load_into(dsts)
+    for n, t in named.items():
+        assert same_bits(dsts[n], t), n
+
+
+@pytest.mark.gpu
+def test_gpu_sglang_bucket_unflattens_and_loads(sgl):
+    assert B.extension_available("cuda"), "rlperf._C has no CUDA kernels: was it built with nvcc?"
+    named = sglang_named("cuda")
+    gen = torch.Generator().manual_seed(5)
+    named["z.big.bf16"] = random_tensor((1001, 777), torch.bfloat16, "cuda", gen)  # after an odd end: many chunks, misaligned
+    named["z.tail.int8"] = random_tensor((3,), torch.int8, "cuda", gen)
+    named["z.big.fp32"] = random_tensor((513, 129), torch.float32, "cuda", gen)
+    sb = sgl.FlattenedTensorBucket(named_tensors=list(named.items()))
+    bucket = B.FlattenedBucket(sb.get_flattened_tensor(), sb.get_metadata())
+    assert bucket.device.type == "cuda"
+    assert any(m.start_idx % m.dtype.itemsize for m in bucket.metadata if m.name.startswith("z.big"))
+    views = bucket.unflatten()
+    dsts = {n: poisoned_like(t) for n, t in named.items()}
+    bucket.load_into(dsts)
+    torch.cuda.synchronize()
+    for n, t in named.items():
+        assert same_bits(views[n], t) and same_bits(dsts[n], t), n
 
 
 # ---------------------------------------------------------------------------------------------
