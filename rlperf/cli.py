@@ -15,9 +15,22 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rlperf.model.config import PRESETS, read_hf_config
     from rlperf.rollout.args import server_args_from
 
     server_args = server_args_from(args)
+    if server_args.model_path not in PRESETS:
+        # a checkpoint's config.json is read before any server starts (with --router N too): a missing
+        # directory or config.json, or a model rlperf does not implement (scaled RoPE, ...), is bad usage
+        try:
+            if not Path(server_args.model_path).is_dir():
+                raise ValueError(f"neither a preset ({sorted(PRESETS)}) nor a directory")
+            read_hf_config(server_args.model_path)
+        except (OSError, ValueError) as exc:
+            print(f"rlperf serve: --model-path {server_args.model_path}: {exc}", file=sys.stderr)
+            return 2
     if args.router:
         from rlperf.rollout.router import serve_cluster
 

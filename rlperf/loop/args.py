@@ -6,7 +6,8 @@ task's when ``--prompt-data`` is absent, see :data:`rlperf.data.embedded.EMBEDDE
 raises :class:`UsageError` for anything that would fail later: the batch relation
 ``rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout``, an
 unknown estimator, conflicting modes, an unwritable ``--save``, a bad ``--profile-step-*`` window
-(:mod:`rlperf.profiles.trainer_trace`).
+(:mod:`rlperf.profiles.trainer_trace`), a model directory whose ``config.json`` is missing or
+describes a model rlperf does not implement (:func:`rlperf.model.config.read_hf_config`).
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-debug-rollout-data", default=None, help="path template with {rollout_id}")
     g.add_argument("--load-debug-rollout-data", default=None, help="path template with {rollout_id}")
     g.add_argument("--num-threads", type=int, default=1, help="CPU intra-op threads (1 is fastest on shared cores)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar (summary lines still print)")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (summary lines still print; there is none when stderr is not a terminal)")
     add_profile_arguments(p)
     add_train_arguments(p)
     p.set_defaults(lr=None, n_samples_per_prompt=None, rollout_temperature=None)
@@ -97,6 +99,27 @@ def check_writable_dir(path, flag: str) -> None:
         os.unlink(tmp)
     except OSError as exc:
         raise UsageError(f"{flag} {path}: not writable ({exc.strerror or exc})") from None
+
+
+def check_model_dir(path, flag: str, save_dir: bool = True) -> Path:
+    """The HF directory behind ``flag path`` (itself, or with ``save_dir`` the latest model of a directory
+    written by --save) once its ``config.json`` reads as a supported model config; :class:`UsageError`
+    naming the flag otherwise."""
+    from rlperf.model.config import read_hf_config
+
+    from .checkpoint import LATEST, model_dir
+
+    p = Path(path)
+    if not (p / "config.json").is_file() and not (save_dir and (p / LATEST).is_file()):
+        raise UsageError(f"{flag} {path}: no config.json" + (
+            f" and no {LATEST} (neither an HF checkpoint directory nor a directory written by --save)"
+            if save_dir else " (not an HF checkpoint directory)"))
+    try:
+        directory = model_dir(p) if save_dir else p
+        read_hf_config(directory)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag} {path}: {exc}") from None
+    return directory
 
 
 def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
@@ -147,6 +170,13 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
 
     if ns.load is not None and not (Path(ns.load) / LATEST).is_file():
         raise UsageError(f"--load {ns.load}: no {LATEST} (not a checkpoint directory written by --save)")
+    # the model's config.json, read now: a missing or unsupported one (scaled RoPE, ...) is a usage error
+    if ns.load is not None:
+        check_model_dir(ns.load, "--load")
+    elif ns.hf_checkpoint is not None:  # with --load it only names the tokenizer
+        check_model_dir(ns.hf_checkpoint, "--hf-checkpoint", save_dir=False)
+    if ns.ref_load is not None:
+        check_model_dir(ns.ref_load, "--ref-load")
     if ns.save:
         check_writable_dir(ns.save, "--save")
     check_writable_dir(ns.output_dir, "--output-dir")

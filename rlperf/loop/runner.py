@@ -21,6 +21,8 @@ checksums). In async mode the rollout thread's phase overlaps training, so its m
 timeline slices overlap the train phase's.
 
 ``rlperf train`` (the CLI) runs the first-step gates before this loop; :func:`train` does not.
+On stderr each step prints one summary line (:func:`summary_line`); a tqdm bar runs below them
+only when stderr is a terminal (a log file or a pipe gets the plain lines alone).
 
 Embedded default (measured on the shared 2-core CI box, 1 thread): mean reward 0.25 (chance) at
 rollout 1, ~0.98 at rollout 80, in about 35 s.
@@ -100,6 +102,16 @@ class PhaseMeter:
         self.times, self.peaks = {}, {}
 
 
+@contextlib.contextmanager
+def _usage_errors(flag: str, path):
+    """A checkpoint that cannot be loaded (missing files, an unsupported config.json, mismatched
+    tensors) is bad input: :class:`UsageError` naming the flag (the CLI exits 2 with it)."""
+    try:
+        yield
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag} {path}: {exc}") from None
+
+
 def _mean_over_tokens(tensors) -> float:
     ts = [t for t in tensors if t is not None]
     return float(torch.cat(ts).double().mean()) if ts else float("nan")
@@ -137,7 +149,8 @@ class Run:
             # model: --load > --hf-checkpoint > a preset at random init (+ the embedded task's format warm-up)
             init_path = ckpt.model_dir(ns.load) if ns.load else ns.hf_checkpoint
             if init_path:
-                self.model = Qwen3ForCausalLM.from_pretrained(init_path, dtype=torch.float32, device=self.device)
+                with _usage_errors("--load" if ns.load else "--hf-checkpoint", ns.load or init_path):
+                    self.model = Qwen3ForCausalLM.from_pretrained(init_path, dtype=torch.float32, device=self.device)
             else:
                 self.model = Qwen3ForCausalLM.random(preset(ns.model), seed=ns.seed, device=self.device)
             self.tokenizer = load_tokenizer(ns.hf_checkpoint, self.model.cfg.vocab_size)
@@ -160,8 +173,9 @@ class Run:
             ta = ns.train_args
             ref = None
             if ns.ref_load:
-                ref = Qwen3ForCausalLM.from_pretrained(ckpt.model_dir(ns.ref_load), dtype=torch.float32,
-                                                       device=self.device)
+                with _usage_errors("--ref-load", ns.ref_load):
+                    ref = Qwen3ForCausalLM.from_pretrained(ckpt.model_dir(ns.ref_load), dtype=torch.float32,
+                                                           device=self.device)
             elif ta.use_kl_loss or ta.kl_coef:
                 ref = frozen_copy(self.model)  # the actor as it starts (slime asks for --ref-load)
             self.trainer = Trainer(self.model, ta, ref)
@@ -243,7 +257,10 @@ class Run:
               f"{ns.rollout_batch_size}x{ns.n_samples_per_prompt} samples per rollout, "
               f"{'async' if ns.async_mode else 'sync'} mode; metrics -> {self.out / METRICS_FILE}", file=sys.stderr)
         self.sync(self.start - 1)  # the engines start from the trainer's weights (a router's servers loaded their own)
-        bar = tqdm(total=ns.num_rollout, initial=self.start, disable=ns.no_progress, desc="rlperf train",
+        # the bar redraws its line with carriage returns: on a terminal the step lines go above it
+        # (tqdm.write); in a log file or a pipe there is no bar, only one plain line per step
+        show_bar = not ns.no_progress and _isatty(sys.stderr)
+        bar = tqdm(total=ns.num_rollout, initial=self.start, disable=not show_bar, desc="rlperf train",
                    unit="rollout", file=sys.stderr)
         pool = ThreadPoolExecutor(1) if ns.async_mode else None
         self.meter.trace = self.trace
@@ -288,7 +305,10 @@ class Run:
                     mf.flush()
                     history.append(m)
                     bar.update(1)
-                    bar.write(summary_line(m, ns.num_rollout), file=sys.stderr)
+                    if show_bar:
+                        bar.write(summary_line(m, ns.num_rollout), file=sys.stderr)
+                    else:
+                        print(summary_line(m, ns.num_rollout), file=sys.stderr, flush=True)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True)
@@ -296,6 +316,13 @@ class Run:
             self.trace.close()
             self.timeline.save()
         return history
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
 
 
 class _Done:

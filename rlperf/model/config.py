@@ -1,7 +1,16 @@
-"""Qwen3-style model shapes, with Hugging Face ``config.json`` field names."""
+"""Qwen3-style model shapes, with Hugging Face ``config.json`` field names.
+
+:func:`read_hf_config` reads a checkpoint's ``config.json`` as written by transformers 4 (top-level
+``rope_theta``, legacy ``rope_scaling``, ``torch_dtype``) or transformers 5 (``rope_parameters``,
+``dtype``, ``null`` for fields it moved) and refuses, with a ``ValueError`` naming the field, any
+setting this model does not implement (scaled RoPE, sliding-window layers, ...) instead of
+ignoring it and computing different logits. Light to import (no torch).
+"""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,3 +66,133 @@ def preset(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}") from None
+
+
+# ---- Hugging Face config.json ----------------------------------------------------------------------
+HF_DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_HF_DTYPE = "bfloat16"  # the dtype of a checkpoint whose config.json names none
+SUPPORTED_ROPE = ("rlperf implements only rope_type 'default' (plain RoPE with one rope_theta; "
+                  "rope_scaling null or {'rope_type': 'default'})")
+
+
+def read_hf_config(path: str | Path, has_lm_head: bool | None = None) -> tuple[ModelConfig, str]:
+    """The :class:`ModelConfig` and the saved dtype name of an HF ``config.json`` (a file or its directory).
+
+    FileNotFoundError without the file; ValueError for a malformed or unsupported config (the message
+    names the file, the field and the value)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a checkpoint directory needs config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    return config_from_hf_dict(raw, str(path), has_lm_head)
+
+
+def config_from_hf_dict(raw: dict, where: str = "config.json",
+                        has_lm_head: bool | None = None) -> tuple[ModelConfig, str]:
+    """:class:`ModelConfig` and dtype name from a parsed HF ``config.json`` (transformers 4 or 5 layout).
+
+    A ``null`` field counts as absent. Without ``tie_word_embeddings``, ``has_lm_head`` (whether the
+    checkpoint holds ``lm_head.weight``) decides; when that is unknown too the result is untied,
+    transformers' ``Qwen3Config`` default.
+    """
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    present = {k: v for k, v in raw.items() if v is not None}
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"rope_theta"}
+    kwargs = {k: present[k] for k in names if k in present}
+    if "num_key_value_heads" not in kwargs and "num_attention_heads" in kwargs:
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # transformers: no GQA when absent
+    if "head_dim" not in kwargs and "hidden_size" in kwargs and "num_attention_heads" in kwargs:
+        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    if "tie_word_embeddings" not in kwargs:
+        kwargs["tie_word_embeddings"] = False if has_lm_head is None else not has_lm_head
+    missing = [f.name for f in dataclasses.fields(ModelConfig)
+               if f.default is dataclasses.MISSING and f.name not in kwargs]
+    if missing:
+        raise ValueError(f"{where}: missing (or null) fields {missing}")
+    _check_supported(present, where)
+    kwargs["rope_theta"] = _rope_theta(present, where)
+    return ModelConfig(**kwargs), _dtype_name(present, where)
+
+
+def _rope_theta(raw: dict, where: str) -> float:
+    """rope_theta from the top level (transformers 4), ``rope_parameters`` (5) or legacy ``rope_scaling``;
+    every RoPE parameter set found must be plain RoPE and every theta given must agree."""
+    found = []  # (field, theta)
+    if "rope_theta" in raw:
+        found.append(("rope_theta", raw["rope_theta"]))
+    for field in ("rope_scaling", "rope_parameters"):
+        if field not in raw:
+            continue
+        value = raw[field]
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: {field} {value!r} is not supported: expected an object or null; "
+                             f"{SUPPORTED_ROPE}")
+        # transformers 5 may nest the parameters per layer type: {"full_attention": {...}, ...}
+        nested = {k: v for k, v in value.items() if isinstance(v, dict)}
+        groups = [(f"{field}.{k}", v) for k, v in nested.items()] if nested else [(field, value)]
+        for name, params in groups:
+            rope_type = params.get("rope_type") or params.get("type") or "default"
+            if rope_type != "default":
+                raise ValueError(f"{where}: {name} with rope_type {rope_type!r} is not supported "
+                                 f"({name} = {json.dumps(params)}); {SUPPORTED_ROPE}")
+            for key in ("mrope_section", "partial_rotary_factor"):
+                if params.get(key) is not None and not (key == "partial_rotary_factor" and params[key] == 1):
+                    raise ValueError(f"{where}: {name}.{key} = {params[key]!r} is not supported; {SUPPORTED_ROPE} "
+                                     f"over the whole head_dim")
+            if params.get("rope_theta") is not None:
+                found.append((f"{name}.rope_theta", params["rope_theta"]))
+    if not found:
+        raise ValueError(f"{where}: no rope_theta (neither at the top level nor in rope_parameters or rope_scaling); "
+                         f"transformers would assume 10000.0, rlperf's presets use {ModelConfig.rope_theta}: "
+                         f"write the checkpoint's value into config.json")
+    for name, theta in found:
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise ValueError(f"{where}: {name} = {theta!r} is not a positive number")
+    if len({float(t) for _, t in found}) > 1:
+        raise ValueError(f"{where}: conflicting RoPE bases: " + ", ".join(f"{n} = {t!r}" for n, t in found))
+    return float(found[0][1])
+
+
+def _check_supported(raw: dict, where: str) -> None:
+    """Refuse settings that change the computation but that the model does not implement."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{where}: hidden_act {act!r} is not supported (rlperf's MLP is SwiGLU: 'silu')")
+    if raw.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias true is not supported (rlperf's attention projections have no bias)")
+    prf = raw.get("partial_rotary_factor")
+    if prf is not None and prf != 1:
+        raise ValueError(f"{where}: partial_rotary_factor = {prf!r} is not supported; {SUPPORTED_ROPE} over the "
+                         f"whole head_dim")
+    layer_types = raw.get("layer_types") if isinstance(raw.get("layer_types"), list) else None
+    unknown = sorted({str(t) for t in layer_types or () if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        raise ValueError(f"{where}: layer_types {unknown} are not supported (rlperf implements only "
+                         f"'full_attention' layers)")
+    # transformers' Qwen3: a layer attends through a window only with use_sliding_window true
+    if raw.get("use_sliding_window") and raw.get("sliding_window") is not None:
+        if layer_types is not None:
+            sliding = "sliding_attention" in layer_types
+        else:
+            sliding = raw.get("num_hidden_layers", 0) > raw.get("max_window_layers", 28)
+        if sliding:
+            raise ValueError(f"{where}: use_sliding_window true with sliding_window {raw['sliding_window']} is not "
+                             f"supported (rlperf implements only full attention)")
+
+
+def _dtype_name(raw: dict, where: str) -> str:
+    """The saved dtype: ``dtype`` (transformers 5) or ``torch_dtype`` (transformers 4), default bfloat16."""
+    for field in ("dtype", "torch_dtype"):
+        if field in raw:
+            name = raw[field]
+            name = name.removeprefix("torch.") if isinstance(name, str) else name
+            if name not in HF_DTYPES:
+                raise ValueError(f"{where}: {field} {raw[field]!r} is not supported; choose one of {list(HF_DTYPES)}")
+            return name
+    return DEFAULT_HF_DTYPE

@@ -13,6 +13,7 @@ Two forwards share every op:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from torch import nn
 
 from rlperf import kernels as K
 
-from .config import ModelConfig
+from .config import ModelConfig, read_hf_config
 from .layer import DecoderLayerWeights, RopeTable, decoder_layer_paged, decoder_layer_prefill
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -185,9 +186,12 @@ class Qwen3ForCausalLM(nn.Module):
     def from_pretrained(cls, path: str | Path, dtype=None, device="cpu") -> "Qwen3ForCausalLM":
         """Load ``config.json`` and the safetensors weights (single file or sharded index) from ``path``."""
         path = Path(path)
-        cfg, saved_dtype = config_from_hf(path / CONFIG_FILE)
+        config_from_hf(path / CONFIG_FILE)  # an unsupported config is refused before any weight is read
+        tensors = read_safetensors_dir(path)
+        # without tie_word_embeddings in config.json the weights decide: tied when there is no lm_head.weight
+        cfg, saved_dtype = config_from_hf(path / CONFIG_FILE, has_lm_head="lm_head.weight" in tensors)
         model = cls(cfg, dtype or saved_dtype, device)
-        model.load_hf_state_dict(read_safetensors_dir(path))
+        model.load_hf_state_dict(tensors)
         return model
 
 
@@ -212,29 +216,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    """An HF ``Qwen3Config``-compatible dict."""
-    import dataclasses
-
+    """An HF ``Qwen3Config``-compatible dict (transformers 4 layout, which transformers 5 reads too)."""
     d = dataclasses.asdict(cfg)
     d.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
              torch_dtype=str(dtype).removeprefix("torch."), attention_bias=False)
     return d
 
 
-def config_from_hf(path: Path) -> tuple[ModelConfig, torch.dtype]:
-    """Read an HF ``config.json`` into a :class:`ModelConfig` (and the saved dtype)."""
-    import dataclasses
+def config_from_hf(path: Path, has_lm_head: bool | None = None) -> tuple[ModelConfig, torch.dtype]:
+    """Read an HF ``config.json`` (transformers 4 or 5 layout) into a :class:`ModelConfig` and the saved dtype.
 
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: a checkpoint directory needs config.json")
-    raw = json.loads(path.read_text())
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    kwargs = {k: raw[k] for k in fields if k in raw}
-    if "head_dim" not in kwargs and "hidden_size" in raw and "num_attention_heads" in raw:
-        kwargs["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
-    missing = [f.name for f in dataclasses.fields(ModelConfig)
-               if f.default is dataclasses.MISSING and f.name not in kwargs]
-    if missing:
-        raise ValueError(f"{path}: missing fields {missing}")
-    dtype = _DTYPES.get(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16", torch.bfloat16)
-    return ModelConfig(**kwargs), dtype
+    ValueError for a setting the model does not implement (see :func:`rlperf.model.config.read_hf_config`).
+    """
+    cfg, dtype_name = read_hf_config(path, has_lm_head)
+    return cfg, _DTYPES[dtype_name]
