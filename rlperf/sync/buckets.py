@@ -66,7 +66,8 @@ import torch
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 ALIGNMENT = 16
-DESCRIPTION_FORMAT = "rlperf.flattened_bucket.v1"
+# v2: metadata numel is the byte count (SGLang's meaning); a v1 sender (element counts) is refused by name
+DESCRIPTION_FORMAT = "rlperf.flattened_bucket.v2"
 
 _U64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
