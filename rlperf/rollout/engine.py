@@ -181,6 +181,7 @@ class Request:
         self.order = next(Request._counter)
         self.aborted: str | None = None
         self.on_finish = None            # callback(request), set by the caller
+        self.on_token = None             # callback(request) after each token that does not finish it
 
     @property
     def seq_len(self) -> int:
@@ -226,10 +227,11 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, rid: str | None = None,
-                    on_finish=None) -> Request:
+                    on_finish=None, on_token=None) -> Request:
         """Queue a request (validated here; BadRequest with a message when it cannot run).
 
-        ``on_finish(request)`` is called once, from the engine's thread, when it finishes.
+        ``on_finish(request)`` is called once, from the engine's thread, when it finishes;
+        ``on_token(request)`` after each new token that does not finish it (streaming).
         """
         params = params or SamplingParams()
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
@@ -249,7 +251,7 @@ class Engine:
         if seed is None:
             seed = int(torch.randint(0, 1 << 62, (1,), generator=self._seed_gen))
         req = Request(rid, list(prompt_ids), params, seed)
-        req.on_finish = on_finish
+        req.on_finish, req.on_token = on_finish, on_token
         self.requests[rid] = req
         if params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
@@ -318,6 +320,8 @@ class Engine:
                     reason = self._check_finished(r, t)
                     if reason is not None:
                         self._finish(r, reason)
+                    elif r.on_token is not None:
+                        r.on_token(r)
         return finished
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:

@@ -4,21 +4,34 @@ Each server is a subprocess ``python -m rlperf serve --port PORT+i ...``; once e
 ``GET /health``, the router starts as ``python -m sglang_router.launch_router --worker-urls ...``
 (the workers are registered through ``--worker-urls``) and the cluster is ready when the router's
 ``GET /workers`` lists all N. Closing the cluster terminates the router, then the servers.
+
+Each child writes its stdout and stderr to a file (``log_dir``'s ``server-i.log`` / ``router.log``,
+else an anonymous temporary file), never to a pipe nobody reads; when a child exits while we wait
+for it, the error quotes the last lines of its own output (:class:`ProcessExited`), and a router
+that cannot import a module says what to install.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 
 from .args import ServerArgs, server_argv
+
+ROUTER_MODULE = "sglang_router.launch_router"
+ROUTER_INSTALL_HINT = ("sglang-router is missing or incomplete: install it with `pip install sglang-router` "
+                       "(or install rlperf with its serve extra, `pip install -e \".[serve]\"` in a checkout)")
+_IMPORT_FAILED = re.compile(r"\b(ModuleNotFoundError|ImportError)\b|No module named")
+TAIL_LINES = 20
 
 
 def http_json(url: str, body=None, timeout: float = 30.0, headers: dict | None = None):
@@ -44,19 +57,59 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class ProcessExited(RuntimeError):
+    """A child exited while we waited for it; ``output`` is the tail of its stdout and stderr."""
+
+    def __init__(self, message: str, output: str = ""):
+        super().__init__(message)
+        self.output = output
+
+
+def spawn(cmd: list[str], env=None, log_path: str | None = None) -> subprocess.Popen:
+    """Start ``cmd`` with stdout and stderr into ``log_path`` (else an anonymous temporary file),
+    kept open as ``proc.output`` so :func:`output_tail` can quote it later."""
+    out = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    except BaseException:
+        out.close()
+        raise
+    proc.output = out
+    return proc
+
+
+def output_tail(proc: subprocess.Popen, lines: int = TAIL_LINES, max_bytes: int = 64 * 1024) -> str:
+    """The last ``lines`` lines a :func:`spawn` child wrote (read without moving its file offset)."""
+    out = getattr(proc, "output", None)
+    if out is None or out.closed:
+        return ""
+    fd = out.fileno()
+    size = os.fstat(fd).st_size
+    data = os.pread(fd, min(size, max_bytes), max(0, size - max_bytes))
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+
+
+def _quote(output: str) -> str:
+    return "".join(f"\n  | {line}" for line in output.splitlines()) if output.strip() else " (no output)"
+
+
 def wait_until(check, timeout: float, what: str, procs=()) -> None:
+    """Poll ``check()`` until true; :class:`ProcessExited` (with its output's tail) if one of ``procs`` exits."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         for p in procs:
             if p.poll() is not None:
-                raise RuntimeError(f"{what}: process {p.args[:4]} exited with {p.returncode}")
+                tail = output_tail(p)
+                raise ProcessExited(f"{what}: process {p.args[:4]} exited with {p.returncode}; its last output:"
+                                    + _quote(tail), tail)
         try:
             if check():
                 return
         except (OSError, urllib.error.URLError):
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"{what}: not ready after {timeout:.0f} s")
+    tails = "".join(f"\nlast output of {p.args[:4]}:" + _quote(output_tail(p)) for p in procs if getattr(p, "output", None))
+    raise TimeoutError(f"{what}: not ready after {timeout:.0f} s" + tails)
 
 
 @dataclasses.dataclass
@@ -76,12 +129,27 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+            _close_output(p)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _close_output(proc: subprocess.Popen) -> None:
+    out = getattr(proc, "output", None)
+    if out is not None:
+        out.close()
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait()
+        _close_output(p)
 
 
 def start_servers(args: ServerArgs, n: int, env=None, log_dir: str | None = None, ports: list[int] | None = None,
@@ -92,15 +160,13 @@ def start_servers(args: ServerArgs, n: int, env=None, log_dir: str | None = None
     try:
         for i in range(n):
             a = dataclasses.replace(args, port=ports[i])
-            out = open(os.path.join(log_dir, f"server-{i}.log"), "wb") if log_dir else subprocess.DEVNULL
-            procs.append(subprocess.Popen([sys.executable, "-m", "rlperf", "serve", *server_argv(a)], env=env,
-                                          stdout=out, stderr=subprocess.STDOUT))
+            log = os.path.join(log_dir, f"server-{i}.log") if log_dir else None
+            procs.append(spawn([sys.executable, "-m", "rlperf", "serve", *server_argv(a)], env=env, log_path=log))
             urls.append(f"http://{args.host}:{a.port}")
         for url in urls:
             wait_until(lambda: http_json(url + "/health", timeout=2)[0] == 200, timeout, f"server {url}", procs)
     except BaseException:
-        for p in procs:
-            p.kill()
+        _kill(procs)
         raise
     return procs, urls
 
@@ -110,11 +176,10 @@ def start_router(worker_urls: list[str], host: str, port: int, policy: str = "ro
     """Start sglang-router with ``worker_urls``; return it once ``GET /workers`` lists them all."""
     # the router also serves Prometheus metrics, on a fixed default port unless told: give it a free one
     # so two clusters (or another program) on one host do not collide
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+    cmd = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port),
            "--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn",
            "--prometheus-host", host, "--prometheus-port", str(free_port(host))]
-    out = open(os.path.join(log_dir, "router.log"), "wb") if log_dir else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc = spawn(cmd, env=env, log_path=os.path.join(log_dir, "router.log") if log_dir else None)
 
     def registered():
         status, body = http_json(f"http://{host}:{port}/workers", timeout=2)
@@ -123,8 +188,13 @@ def start_router(worker_urls: list[str], host: str, port: int, policy: str = "ro
 
     try:
         wait_until(registered, timeout, f"sglang-router on port {port}", [proc])
+    except ProcessExited as exc:
+        _kill([proc])
+        if _IMPORT_FAILED.search(exc.output):
+            raise ProcessExited(f"{exc}\n{ROUTER_INSTALL_HINT}", exc.output) from None
+        raise
     except BaseException:
-        proc.kill()
+        _kill([proc])
         raise
     return proc
 
@@ -135,8 +205,7 @@ def launch_cluster(args: ServerArgs, n: int, router_port: int, policy: str = "ro
     try:
         router = start_router(urls, args.host, router_port, policy, env=env, log_dir=log_dir)
     except BaseException:
-        for p in servers:
-            p.kill()
+        _kill(servers)
         raise
     return Cluster(servers, router, urls, f"http://{args.host}:{router_port}")
 
@@ -151,10 +220,17 @@ def serve_cluster(args: ServerArgs, n: int, router_port: int, policy: str) -> in
         cluster = launch_cluster(args, n, router_port, policy)  # cleans up after itself when interrupted
     except KeyboardInterrupt:
         return 130
+    except (RuntimeError, TimeoutError) as exc:  # a child exited or never came up: its output says why
+        print(f"rlperf serve: {exc}", file=sys.stderr)
+        return 1
     print(f"rlperf serve: sglang-router at {cluster.router_url} in front of {', '.join(cluster.worker_urls)}", flush=True)
     try:
         while all(p.poll() is None for p in cluster.servers + [cluster.router]):
             time.sleep(1.0)
+        for p in cluster.servers + [cluster.router]:
+            if p.poll() is not None:
+                print(f"rlperf serve: process {p.args[:4]} exited with {p.returncode}; its last output:"
+                      + _quote(output_tail(p)), file=sys.stderr)
         print("rlperf serve: a server or the router exited; shutting the rest down", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -8,20 +8,29 @@ and our validation — FastAPI/pydantic would coerce ``"5"`` into ``5`` and answ
 422 in its own shape, whereas every malformed request here gets a 400 with one readable message
 (``{"error": {"message": ..., "code": 400}}``) from the same checks the engine uses.
 
-Endpoints (SGLang's names and reply fields; DESIGN.md "Rollout server"):
+Endpoints (SGLang's names and reply fields; docs/ARCHITECTURE.md, "Rollout server"):
 
 * ``GET /health``, ``/health_generate``; ``GET /model_info``, ``/get_model_info``,
   ``/server_info``, ``/get_server_info``, ``/get_weight_version``.
+* ``GET /v1/models``: the OpenAI model list (one card: ``id`` and ``root`` are ``--model-path``).
 * ``POST /generate``: ``text`` or ``input_ids``, single or batched; ``sampling_params`` (one object
-  or one per prompt), ``return_logprob``, ``rid``. Reply ``{text, output_ids, meta_info: {id,
-  finish_reason, prompt_tokens, completion_tokens, cached_tokens, weight_version, e2e_latency,
-  output_token_logprobs: [[logprob, token_id, null], ...]}}`` (a list for a batch). Streaming is
-  not implemented (400).
+  or one per prompt), ``return_logprob``, ``rid``, ``stream`` (parsed by
+  :meth:`GenerateRequest.from_json`). Reply ``{text, output_ids, meta_info: {id, finish_reason,
+  prompt_tokens, completion_tokens, cached_tokens, weight_version, e2e_latency,
+  output_token_logprobs: [[logprob, token_id, null], ...]}}`` (a list for a batch).
+  With ``"stream": true`` the reply is server-sent events, as SGLang sends them by default (no
+  ``--incremental-streaming-output``): one ``data: {json}\n\n`` per new token or group of tokens,
+  each *cumulative* — ``text`` and ``output_ids`` so far, ``meta_info`` with ``finish_reason: null``,
+  ``completion_tokens`` so far and (``return_logprob``) every ``output_token_logprobs`` triple so far;
+  the last chunk is the non-streamed reply itself (``finish_reason``, ``e2e_latency``), then
+  ``data: [DONE]\n\n``. A batch streams its requests interleaved, each chunk with ``index`` (its
+  position in the batch). A client that disconnects has its requests aborted in the engine.
 * admin (``Authorization: Bearer <api-key>`` when the server has ``--api-key``):
   ``/pause_generation`` (``mode``: ``abort`` (SGLang's default) aborts what is in flight,
   ``retract`` and ``in_place`` keep it), ``/continue_generation``, ``/flush_cache`` (only when idle),
-  ``/abort_request`` (``rid`` or ``abort_all``), ``/start_profile``, ``/stop_profile``, ``/profile_trace``,
-  ``/update_weights_from_tensor`` (``load_format: "flattened_bucket"``; :mod:`rlperf.rollout.weights`).
+  ``/abort_request`` (``rid`` or ``abort_all``), ``/start_profile`` and ``/stop_profile`` (GET or
+  POST, as SGLang), ``/profile_trace``, ``/update_weights_from_tensor`` (``load_format:
+  "flattened_bucket"``; :mod:`rlperf.rollout.weights`).
 """
 from __future__ import annotations
 
@@ -101,6 +110,94 @@ async def _json_body(request: web.Request, allow_empty: bool = False) -> dict:
     return body
 
 
+@dataclasses.dataclass
+class GenerateRequest:
+    """A ``/generate`` body, checked and normalised to one entry per prompt (SGLang's ``GenerateReqInput``).
+
+    Exactly one of ``text`` and ``input_ids`` is set. ``is_batch`` says whether the body was a batch
+    (the reply is then a list, or stream chunks carry ``index``). Other fields SGLang clients send
+    (``lora_path: null``, ``logprob_start_len``, ``return_text_in_logprobs``, ...) are ignored.
+    """
+
+    text: list[str] | None
+    input_ids: list[list[int]] | None
+    sampling_params: list[SamplingParams]
+    return_logprob: list[bool]
+    rid: list[str | None]
+    stream: bool = False
+    is_batch: bool = False
+
+    def __len__(self) -> int:
+        return len(self.sampling_params)
+
+    @classmethod
+    def from_json(cls, body: dict) -> "GenerateRequest":
+        """Parse a decoded JSON body; :class:`BadRequest` naming the field on anything wrong."""
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise BadRequest("give exactly one of 'text' and 'input_ids'")
+        if text is not None:
+            if isinstance(text, str):
+                batch, text = False, [text]
+            elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+                batch, text = True, list(text)
+            else:
+                raise BadRequest("'text' must be a string or a non-empty list of strings")
+            n = len(text)
+        else:
+            if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+                batch, input_ids = True, [list(p) for p in input_ids]
+            elif isinstance(input_ids, list):
+                batch, input_ids = False, [list(input_ids)]
+            else:
+                raise BadRequest("'input_ids' must be a list of token ids or a non-empty list of such lists")
+            for p in input_ids:
+                if not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                    raise BadRequest("'input_ids' must hold non-empty lists of integers")
+            n = len(input_ids)
+
+        def per_prompt(key, default, check, what):
+            v = body.get(key, default)
+            if v is None:
+                v = default
+            if batch and isinstance(v, list):
+                if len(v) != n:
+                    raise BadRequest(f"'{key}' has {len(v)} entries for {n} prompts")
+                vals = v
+            else:
+                vals = [v] * n
+            for x in vals:
+                if not check(x):
+                    raise BadRequest(f"'{key}' must be {what}, got {x!r}")
+            return vals
+
+        sps = [SamplingParams.from_dict(d) for d in per_prompt("sampling_params", {}, lambda x: isinstance(x, dict), "an object")]
+        lps = per_prompt("return_logprob", False, lambda x: isinstance(x, bool), "a boolean")
+        rid = body.get("rid")
+        if rid is None:
+            rids = [None] * n
+        elif batch and isinstance(rid, list) and len(rid) == n and all(isinstance(x, str) for x in rid):
+            rids = list(rid)
+        elif isinstance(rid, str):
+            rids = [rid] if not batch else [f"{rid}-{i}" for i in range(n)]
+        else:
+            raise BadRequest("'rid' must be a string (or a list of strings, one per prompt)")
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise BadRequest(f"'stream' must be a boolean, got {stream!r}")
+        return cls(text=text, input_ids=input_ids, sampling_params=sps, return_logprob=lps, rid=rids,
+                   stream=bool(stream), is_batch=batch)
+
+    def prompt_ids(self, tokenizer) -> list[list[int]]:
+        """The prompts as token ids (``text`` encoded with ``tokenizer``)."""
+        return self.input_ids if self.input_ids is not None else [tokenizer.encode(t) for t in self.text]
+
+
+def _sse(chunk) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
 def default_cuda_graph_max_bs(args: ServerArgs, model) -> int:
     """``--cuda-graph-max-bs`` as given, else 256 on a CUDA device and 0 on CPU."""
     if args.cuda_graph_max_bs is not None:
@@ -132,13 +229,15 @@ class RolloutServer:
         for path in ("/server_info", "/get_server_info"):
             r.add_get(path, self.server_info)
         r.add_get("/get_weight_version", self.weight_version)
+        r.add_get("/v1/models", self.models)
         r.add_post("/generate", self.generate)
         admin = {"/pause_generation": self.pause, "/continue_generation": self.resume, "/flush_cache": self.flush,
                  "/abort_request": self.abort, "/start_profile": self.start_profile, "/stop_profile": self.stop_profile,
                  "/update_weights_from_tensor": self.update_weights}
         for path, handler in admin.items():
             r.add_post(path, self._admin(handler))
-        r.add_get("/flush_cache", self._admin(self.flush))
+        for path in ("/flush_cache", "/start_profile", "/stop_profile"):  # SGLang takes GET there too
+            r.add_get(path, self._admin(admin[path]))
         r.add_get("/profile_trace", self._admin(self.profile_trace))
 
     async def _startup(self, app):
@@ -195,17 +294,29 @@ class RolloutServer:
         return web.json_response({"weight_version": self.engine.weight_version})
 
     # ---- generate -----------------------------------------------------------------------------
-    def _result(self, r: Request, return_logprob: bool, t0: float) -> dict:
-        meta = {"id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": len(r.prompt_ids),
-                "completion_tokens": len(r.output_ids), "cached_tokens": 0, "weight_version": self.engine.weight_version,
-                "e2e_latency": time.time() - t0}
-        if return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
-        return {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
+    def _reply(self, r: Request, return_logprob: bool, t0: float, n: int | None = None, text: str | None = None) -> dict:
+        """SGLang's reply for ``r``: the final one, or (``n``) a stream chunk of its first ``n`` tokens.
 
-    async def _submit(self, prompts, params, rids, return_logprob) -> list[dict]:
+        A chunk is read on the event loop while the engine thread appends to ``r``: tokens before
+        ``n`` (and their log-probs) are already written and never change.
+        """
+        final = n is None
+        ids = list(r.output_ids) if final else r.output_ids[:n]
+        meta = {"id": r.rid, "finish_reason": r.finish_reason if final else None, "prompt_tokens": len(r.prompt_ids),
+                "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.engine.weight_version}
+        if final:
+            meta["e2e_latency"] = time.time() - t0
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, ids)]
+        return {"text": r.text if final else text, "output_ids": ids, "meta_info": meta}
+
+    async def _start(self, prompts, params, rids, return_logprob, on_finish, on_token=None) -> tuple[list[Request], float]:
+        """Queue the requests (all or none) and return them with their start time.
+
+        On the event loop: ``on_finish(i, reply)`` once when request ``i`` finishes, and
+        ``on_token(i, n)`` when it has ``n`` tokens and goes on (streaming only).
+        """
         aio = asyncio.get_running_loop()
-        futures = [aio.create_future() for _ in prompts]
         t0 = time.time()
 
         def add_all(engine: Engine):
@@ -213,78 +324,98 @@ class RolloutServer:
             try:
                 for i, (p, sp, rid, lp) in enumerate(zip(prompts, params, rids, return_logprob)):
                     def done(r, i=i, lp=lp):
-                        res = self._result(r, lp, t0)
-                        aio.call_soon_threadsafe(lambda: futures[i].done() or futures[i].set_result(res))
-                    added.append(engine.add_request(p, sp, rid, on_finish=done))
+                        aio.call_soon_threadsafe(on_finish, i, self._reply(r, lp, t0))
+
+                    def token(r, i=i):
+                        aio.call_soon_threadsafe(on_token, i, len(r.output_ids))
+                    added.append(engine.add_request(p, sp, rid, on_finish=done, on_token=token if on_token else None))
             except BaseException:
                 for r in added:  # all or nothing: a bad prompt in a batch runs none of it
-                    r.on_finish = None
+                    r.on_finish = r.on_token = None
                     engine.abort(r.rid)
                 raise
-            return [r.rid for r in added]
+            return added
 
-        ids = await self._on_engine(add_all)
+        return await self._on_engine(add_all), t0
+
+    def _abort_later(self, reqs: list[Request], message: str = "client disconnected") -> None:
+        """Abort those of ``reqs`` still in the engine (between steps; nobody waits for it)."""
+        def abort(engine: Engine):
+            for r in reqs:
+                if engine.requests.get(r.rid) is r:
+                    engine.abort(r.rid, message)
+        self.loop.call(abort)
+
+    async def _submit(self, prompts, params, rids, return_logprob) -> list[dict]:
+        futures = [asyncio.get_running_loop().create_future() for _ in prompts]
+
+        def finished(i, reply):
+            if not futures[i].done():
+                futures[i].set_result(reply)
+
+        reqs, _ = await self._start(prompts, params, rids, return_logprob, finished)
         try:
             return list(await asyncio.gather(*futures))
         except asyncio.CancelledError:  # the client went away: stop spending steps on it
-            self.loop.call(lambda engine: [engine.abort(rid, "client disconnected") for rid in ids])
+            self._abort_later(reqs)
             raise
 
+    def _chunk(self, r: Request, return_logprob: bool, t0: float, n: int, prev_text: str) -> dict:
+        """A stream chunk of ``r``'s first ``n`` tokens; its text is ``prev_text`` while the new text
+        ends in a character cut in the middle (U+FFFD), as SGLang holds it back."""
+        text = self.tokenizer.decode(r.output_ids[:n], skip_special_tokens=r.params.skip_special_tokens)
+        return self._reply(r, return_logprob, t0, n=n, text=prev_text if text.endswith("\ufffd") else text)
+
+    async def _stream(self, request: web.Request, req: GenerateRequest, prompts) -> web.StreamResponse:
+        """Server-sent events of ``req`` (module docstring): cumulative chunks, then ``[DONE]``."""
+        updates: asyncio.Queue = asyncio.Queue()  # (i, n tokens so far) or (i, final reply), in engine order
+        reqs, t0 = await self._start(prompts, req.sampling_params, req.rid, req.return_logprob,
+                                     on_finish=lambda i, reply: updates.put_nowait((i, reply)),
+                                     on_token=lambda i, n: updates.put_nowait((i, n)))
+        finished, texts = [False] * len(reqs), [""] * len(reqs)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+            try:
+                while not all(finished):
+                    latest = dict([await updates.get()])
+                    while not updates.empty():  # the engine ran ahead of the client: one chunk per request
+                        i, u = updates.get_nowait()
+                        latest[i] = u
+                    out = []
+                    for i, u in sorted(latest.items()):
+                        if isinstance(u, dict):
+                            chunk, finished[i] = u, True
+                        else:
+                            chunk = self._chunk(reqs[i], req.return_logprob[i], t0, u, texts[i])
+                            texts[i] = chunk["text"]
+                        out.append(_sse({**chunk, "index": i} if req.is_batch else chunk))
+                    await resp.write(b"".join(out))
+            except ConnectionError:
+                raise
+            except Exception as exc:  # the headers are out: the error goes as an event, as SGLang sends it
+                await resp.write(_sse({"error": {"message": f"{type(exc).__name__}: {exc}", "code": 500}}))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:  # cancelled (the client went away), a write to a closed connection, or an error above
+            if not all(finished):
+                self._abort_later([r for r, f in zip(reqs, finished) if not f], "the stream ended early")
+
     async def generate(self, request):
-        body = await _json_body(request)
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by rlperf serve")
-        text, input_ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (input_ids is None):
-            raise BadRequest("give exactly one of 'text' and 'input_ids'")
-        if text is not None:
-            if isinstance(text, str):
-                batch, prompts = False, [text]
-            elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-                batch, prompts = True, list(text)
-            else:
-                raise BadRequest("'text' must be a string or a non-empty list of strings")
-            prompts = [self.tokenizer.encode(t) for t in prompts]
-        else:
-            if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
-                batch, prompts = True, input_ids
-            elif isinstance(input_ids, list):
-                batch, prompts = False, [input_ids]
-            else:
-                raise BadRequest("'input_ids' must be a list of token ids or a non-empty list of such lists")
-            for p in prompts:
-                if not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                    raise BadRequest("'input_ids' must hold non-empty lists of integers")
-        n = len(prompts)
+        req = GenerateRequest.from_json(await _json_body(request))
+        prompts = req.prompt_ids(self.tokenizer)
+        if req.stream:
+            return await self._stream(request, req, prompts)
+        results = await self._submit(prompts, req.sampling_params, req.rid, req.return_logprob)
+        return web.json_response(results if req.is_batch else results[0])
 
-        def per_prompt(key, default, check, what):
-            v = body.get(key, default)
-            if v is None:
-                v = default
-            if batch and isinstance(v, list):
-                if len(v) != n:
-                    raise BadRequest(f"'{key}' has {len(v)} entries for {n} prompts")
-                vals = v
-            else:
-                vals = [v] * n
-            for x in vals:
-                if not check(x):
-                    raise BadRequest(f"'{key}' must be {what}, got {x!r}")
-            return vals
-
-        sps = [SamplingParams.from_dict(d) for d in per_prompt("sampling_params", {}, lambda x: isinstance(x, dict), "an object")]
-        lps = per_prompt("return_logprob", False, lambda x: isinstance(x, bool), "a boolean")
-        rid = body.get("rid")
-        if rid is None:
-            rids = [None] * n
-        elif batch and isinstance(rid, list) and len(rid) == n and all(isinstance(x, str) for x in rid):
-            rids = rid
-        elif isinstance(rid, str):
-            rids = [rid] if not batch else [f"{rid}-{i}" for i in range(n)]
-        else:
-            raise BadRequest("'rid' must be a string (or a list of strings, one per prompt)")
-        results = await self._submit(prompts, sps, rids, lps)
-        return web.json_response(results if batch else results[0])
+    async def models(self, request):
+        """``GET /v1/models``: OpenAI's model list, one card (what ``sglang.bench_serving`` reads)."""
+        name = self.args.model_path
+        return web.json_response({"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(self.started), "owned_by": "rlperf", "root": name,
+            "max_model_len": self.engine.context_length}]})
 
     # ---- admin --------------------------------------------------------------------------------
     async def pause(self, request):

@@ -184,6 +184,20 @@ def test_abort_frees_pages_and_others_go_on(model):
         engine.add_request([1, 2], PARAMS[0], rid="c")
 
 
+def test_on_token_reports_every_token_but_the_last_one_through_retractions(model):
+    P = K.PAGE_SIZE  # as in the preemption test: 6 requests that never fit in 2 pages at once
+    prompts, params = _prompts(6, seed=6, lo=P // 2, hi=P), dataclasses.replace(PARAMS[0], max_new_tokens=50)
+    engine = _engine(model, max_total_tokens=2 * P, chunked_prefill_size=24)
+    seen, finished = {}, []
+    reqs = [engine.add_request(p, params, rid=str(i), on_finish=finished.append,
+                               on_token=lambda r: seen.setdefault(r.rid, []).append(len(r.output_ids)))
+            for i, p in enumerate(prompts)]
+    engine.run_until_done()
+    assert engine.num_retractions > 0 and sorted(r.rid for r in finished) == [str(i) for i in range(6)]
+    for r in reqs:  # once per token, in order; the last one comes with on_finish instead
+        assert len(r.output_ids) == 50 and seen[r.rid] == list(range(1, 50))
+
+
 def test_a_request_longer_than_the_whole_cache_is_aborted_with_a_message(model):
     P = K.PAGE_SIZE
     engine = _engine(model, max_total_tokens=P)

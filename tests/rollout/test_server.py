@@ -7,6 +7,7 @@ the router, batching with strangers and preemption changed nothing.
 """
 import concurrent.futures
 import gzip
+import http.client
 import json
 import os
 import re
@@ -73,6 +74,40 @@ def _sp(n, seed, **kw):
     return {"max_new_tokens": n, "sampling_seed": seed, "temperature": 1.0, "ignore_eos": True, **kw}
 
 
+def _stream(url, body, timeout=60):
+    """POST a streamed /generate; (Content-Type, the decoded events: JSON chunks, then the string "[DONE]")."""
+    req = urllib.request.Request(url + "/generate", data=json.dumps({**body, "stream": True}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        ctype, raw = resp.headers.get("Content-Type", ""), resp.read().decode()
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    events = []
+    for block in raw.split("\n\n")[:-1]:
+        assert block.startswith("data: ") and "\n" not in block, block
+        events.append(block[6:] if block == "data: [DONE]" else json.loads(block[6:]))
+    return ctype, events
+
+
+def _check_cumulative(chunks):
+    """Every chunk holds all tokens so far (SGLang's default streaming); only the last one has a finish_reason."""
+    prev = []
+    for c in chunks:
+        m = c["meta_info"]
+        assert c["output_ids"][:len(prev)] == prev and len(c["output_ids"]) > len(prev)
+        assert m["completion_tokens"] == len(c["output_ids"]) and m["id"] == chunks[0]["meta_info"]["id"]
+        if "output_token_logprobs" in m:
+            assert [t for _, t, _ in m["output_token_logprobs"]] == c["output_ids"]
+        assert (m["finish_reason"] is None) == (c is not chunks[-1])
+        prev = c["output_ids"]
+
+
+def _same_reply(a, b):
+    """Equal replies but for the request id and the latency."""
+    def strip(r):
+        return {**r, "meta_info": {k: v for k, v in r["meta_info"].items() if k not in ("id", "e2e_latency")}}
+    return strip(a) == strip(b)
+
+
 def test_router_lists_both_workers(cluster):
     status, body = http_json(cluster.router_url + "/workers")
     assert status == 200 and {w["url"] for w in body["workers"]} == set(cluster.worker_urls)
@@ -113,6 +148,102 @@ def test_generate_single_and_batched_with_logprobs(cluster, model):
     assert [r["meta_info"]["prompt_tokens"] for r in batch] == [3, 70, 1]
     status, no_lp = http_json(cluster.worker_urls[1] + "/generate", {"input_ids": prompts[1], "sampling_params": params[1]})
     assert status == 200 and "output_token_logprobs" not in no_lp["meta_info"] and no_lp["output_ids"] == expect[1][0]
+
+
+@pytest.mark.parametrize("via", ["router", "worker"])
+def test_stream_sends_cumulative_chunks_ending_in_the_non_streamed_reply(cluster, model, via):
+    url = cluster.router_url if via == "router" else cluster.worker_urls[0]
+    body = {"text": "stream me", "sampling_params": _sp(20, 11, top_k=50), "return_logprob": True}
+    status, whole = http_json(url + "/generate", body)
+    assert status == 200, whole
+    ctype, events = _stream(url, body)
+    assert ctype.startswith("text/event-stream") and events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) > 1 and all("index" not in c for c in chunks)
+    _check_cumulative(chunks)
+    assert _same_reply(chunks[-1], whole) and "e2e_latency" in chunks[-1]["meta_info"]
+    assert _got(chunks[-1]) == _expected(model, [ByteTokenizer(512).encode("stream me")],
+                                         SamplingParams.from_dict(body["sampling_params"]))[0]
+    _, events = _stream(url, {"input_ids": [5, 6, 7], "sampling_params": _sp(4, 2)})
+    assert all("output_token_logprobs" not in c["meta_info"] for c in events[:-1])
+
+
+def test_stream_of_a_batch_interleaves_chunks_with_their_index(cluster, model):
+    prompts = [[1, 2, 3], list(range(40, 70)), [7]]
+    body = {"input_ids": prompts, "sampling_params": _sp(6, 3), "return_logprob": True}
+    status, whole = http_json(cluster.router_url + "/generate", body)
+    assert status == 200 and len(whole) == 3, whole
+    _, events = _stream(cluster.router_url, body)
+    assert events[-1] == "[DONE]" and sorted({c["index"] for c in events[:-1]}) == [0, 1, 2]
+    for i in range(3):
+        chunks = [c for c in events[:-1] if c["index"] == i]
+        _check_cumulative(chunks)
+        assert _same_reply({k: v for k, v in chunks[-1].items() if k != "index"}, whole[i])
+    assert [_got(r) for r in whole] == _expected(model, prompts, SamplingParams.from_dict(_sp(6, 3)))
+
+
+def test_a_stream_whose_client_disconnects_is_aborted_and_others_are_unharmed(cluster, model):
+    from rlperf.rollout.router import wait_until
+
+    url = cluster.worker_urls[1]
+
+    def in_engine():
+        state = http_json(url + "/get_server_info")[1]["internal_states"][0]
+        return state["num_running_reqs"] + state["num_waiting_reqs"]
+
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/generate", json.dumps({"input_ids": [1, 2, 3], "sampling_params": _sp(400, 5), "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: {")  # mid-stream now
+    other = {"input_ids": [9, 8, 7], "sampling_params": _sp(30, 6), "return_logprob": True}
+    # paused, nothing can finish by itself: the request that leaves the engine is the one aborted
+    assert http_json(url + "/pause_generation", {"mode": "in_place"}, headers=AUTH)[0] == 200
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(http_json, url + "/generate", other)
+            wait_until(lambda: in_engine() == 2, 10, "the second request to arrive")
+            conn.close()  # the client hangs up mid-stream
+            wait_until(lambda: in_engine() == 1, 10, "the abort of the disconnected stream")
+            assert http_json(url + "/continue_generation", {}, headers=AUTH)[0] == 200
+            status, reply = fut.result(timeout=60)
+    finally:
+        http_json(url + "/continue_generation", {}, headers=AUTH)
+    assert status == 200 and _got(reply) == _expected(model, [other["input_ids"]], SamplingParams.from_dict(other["sampling_params"]))[0]
+    wait_until(lambda: in_engine() == 0, 10, "an empty engine")
+    _, events = _stream(url, {"input_ids": [4], "sampling_params": _sp(3, 1)})
+    assert events[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+
+def test_a_stream_dropped_behind_the_router_is_aborted_on_the_worker(cluster):
+    from rlperf.rollout.router import wait_until
+
+    def states():
+        return [http_json(u + "/get_server_info")[1]["internal_states"][0] for u in cluster.worker_urls]
+
+    steps = sum(s["num_steps"] for s in states())
+    host, port = cluster.router_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/generate", json.dumps({"input_ids": [1, 2, 3], "sampling_params": _sp(500, 5), "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: {")
+    conn.close()  # sglang-router notices at its next write and drops its own connection to the worker
+    wait_until(lambda: all(s["num_running_reqs"] + s["num_waiting_reqs"] == 0 for s in states()), 60, "an empty engine")
+    assert sum(s["num_steps"] for s in states()) - steps < 250  # far from the 500 steps of a finished request
+
+
+def test_v1_models_lists_the_served_model(cluster):
+    for url in cluster.worker_urls:
+        status, body = http_json(url + "/v1/models")
+        assert status == 200 and body["object"] == "list", body
+        (card,) = body["data"]
+        assert card["id"] == card["root"] == "tiny" and card["object"] == "model" and card["owned_by"] == "rlperf"
+        assert isinstance(card["created"], int) and card["max_model_len"] == 1024
+    # sglang-router answers /v1/models itself from its workers' model path; sglang.bench_serving reads data[0].id
+    status, body = http_json(cluster.router_url + "/v1/models")
+    assert status == 200 and body["data"][0]["id"] == "tiny", body
 
 
 def test_rollout_logprobs_equal_training_forward_through_the_router(cluster, model):
@@ -162,6 +293,8 @@ def test_64_concurrent_requests_with_preemption_match_the_roomy_engine(cluster, 
     (json.dumps({"text": "a", "sampling_params": {"temperature": "hot"}}).encode(), "temperature must be a number"),
     (json.dumps({"input_ids": list(range(256)) * 4}).encode(), "context length is 1024"),
     (json.dumps({"input_ids": [[1], [2]], "sampling_params": [{}]}).encode(), "1 entries for 2 prompts"),
+    (json.dumps({"text": "a", "stream": "yes"}).encode(), "'stream' must be a boolean"),
+    (json.dumps({"input_ids": [1, 600], "stream": True}).encode(), "in [0, 512)"),  # a 400, before any event
 ])
 def test_bad_generate_requests_get_400_and_the_server_keeps_serving(cluster, body, message):
     url = cluster.worker_urls[0]
@@ -256,6 +389,17 @@ def test_start_and_stop_profile_write_an_sglang_named_trace(cluster, tmp_path):
     assert any(e.get("name", "").startswith("aten::") for e in events)
     assert http_json(url + "/stop_profile", {}, headers=AUTH)[0] == 400  # nothing running now
     assert http_json(url + "/start_profile", {"num_steps": "two"}, headers=AUTH)[0] == 400
+
+
+def test_profile_endpoints_take_get_as_sglang_does(cluster, tmp_path):
+    url = cluster.worker_urls[0]
+    assert http_json(url + "/stop_profile")[0] == 401  # GET, and still behind the API key
+    status, reply = http_json(url + "/stop_profile", headers=AUTH)
+    assert status == 400 and "profil" in reply["error"]["message"]  # nothing to stop (was 405 Method Not Allowed)
+    assert http_json(url + "/start_profile", {"output_dir": str(tmp_path), "activities": ["CPU"]}, headers=AUTH)[0] == 200
+    assert http_json(url + "/generate", {"input_ids": [1, 2], "sampling_params": _sp(2, 1)})[0] == 200
+    status, reply = http_json(url + "/stop_profile", headers=AUTH)
+    assert status == 200 and os.path.exists(reply["trace_path"]), reply
 
 
 def test_profile_with_num_steps_stops_by_itself(cluster, tmp_path):

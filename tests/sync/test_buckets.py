@@ -626,12 +626,12 @@ def _load_sglang_tensor_bucket():
     ipython, ...) and, once run, sets TRITON_CACHE_DIR and other cache variables in os.environ and
     patches transformers for the rest of the test session. The module itself imports only the
     standard library and torch, so this is SGLang's class exactly as SGLang runs it. CI installs
-    sglang with ``pip install --no-deps sglang``; only a missing sglang skips these tests.
+    sglang with ``pip install --no-deps sglang==0.5.9``; a missing sglang fails these tests (never a silent skip).
     """
     spec = importlib.util.find_spec("sglang")  # finds the top-level package without running it
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("sglang is not installed (`pip install --no-deps sglang`): the SGLang interop tests need "
-                    "its FlattenedTensorBucket")
+        pytest.fail("sglang is not installed (`pip install --no-deps sglang==0.5.9`, part of the README's test "
+                    "install): the SGLang interop tests need its FlattenedTensorBucket", pytrace=False)
     root = Path(next(iter(spec.submodule_search_locations)))
     path = root / "srt" / "weight_sync" / "tensor_bucket.py"
     assert path.is_file(), f"sglang at {root} has no srt/weight_sync/tensor_bucket.py: did SGLang move it?"

@@ -1,0 +1,86 @@
+"""A router (or server) that exits while ``rlperf serve --router`` waits for it: the error quotes the
+tail of the child's own output, and a router that cannot import a module says what to install."""
+import os
+import signal
+import sys
+import textwrap
+import urllib.request
+
+import pytest
+
+from rlperf.rollout import router as R
+from rlperf.rollout.args import ServerArgs
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def test_a_router_module_that_is_not_installed_says_what_to_install(monkeypatch, free_ports):
+    monkeypatch.setattr(R, "ROUTER_MODULE", "rlperf_no_such_router.launch_router")
+    (port,) = free_ports(1)
+    with pytest.raises(R.ProcessExited) as info:
+        R.start_router(["http://127.0.0.1:1"], "127.0.0.1", port, env=_env(), timeout=30)
+    msg = str(info.value)
+    assert "exited with 1; its last output:" in msg
+    assert "No module named 'rlperf_no_such_router'" in msg  # python's own words, quoted from the child
+    assert "pip install sglang-router" in msg and "[serve]" in msg
+
+
+def test_the_error_quotes_the_last_lines_of_the_router_output(monkeypatch, free_ports, tmp_path):
+    # a stand-in router that talks a lot, then fails on a missing dependency
+    (tmp_path / "chatty_router.py").write_text(textwrap.dedent("""
+        import sys
+        for i in range(40):
+            print(f"router line {i:02d}", file=sys.stderr if i % 2 else sys.stdout, flush=True)
+        import rlperf_missing_dependency
+    """))
+    monkeypatch.setattr(R, "ROUTER_MODULE", "chatty_router")
+    (port,) = free_ports(1)
+    with pytest.raises(R.ProcessExited) as info:
+        R.start_router(["http://127.0.0.1:1"], "127.0.0.1", port, env=_env(PYTHONPATH=str(tmp_path)), timeout=30)
+    msg, tail = str(info.value), info.value.output
+    assert len(tail.splitlines()) == R.TAIL_LINES and tail.splitlines()[-1].startswith("ModuleNotFoundError")
+    assert "router line 39" in msg and "router line 38" in msg and "router line 10" not in msg
+    assert "pip install sglang-router" in msg
+
+
+def test_a_real_router_that_refuses_its_arguments_shows_why_without_an_install_hint(free_ports, tmp_path):
+    pytest.importorskip("sglang_router")
+    (port,) = free_ports(1)
+    with pytest.raises(R.ProcessExited) as info:
+        R.start_router(["http://127.0.0.1:1"], "127.0.0.1", port, policy="no-such-policy", env=_env(),
+                       log_dir=str(tmp_path), timeout=30)
+    msg = str(info.value)
+    assert "exited with 2" in msg and "invalid choice: 'no-such-policy'" in msg
+    assert "pip install" not in msg
+    assert "invalid choice" in (tmp_path / "router.log").read_text()  # with log_dir the log file is the source
+
+
+def test_cli_serve_router_reports_the_router_failure_and_stops_its_servers(monkeypatch, free_ports, capsys):
+    monkeypatch.setattr(R, "ROUTER_MODULE", "rlperf_no_such_router.launch_router")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    port, router_port = free_ports(2)
+    args = ServerArgs(kernel_backend="reference", device="cpu", num_threads=1, port=port, max_total_tokens=1024)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert R.serve_cluster(args, 1, router_port, "round_robin") == 1
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    err = capsys.readouterr().err
+    assert err.startswith("rlperf serve: sglang-router on port") and "exited with 1" in err, err
+    assert "No module named 'rlperf_no_such_router'" in err and "pip install sglang-router" in err
+    assert "Traceback (most recent call last)" not in err.split("its last output:")[0]
+    with pytest.raises(OSError):  # the server it had started is gone
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_a_server_that_exits_at_start_is_quoted_too(free_ports, tmp_path):
+    (port,) = free_ports(1)
+    args = ServerArgs(model_path=str(tmp_path / "missing"), device="cpu", port=port)
+    with pytest.raises(R.ProcessExited) as info:
+        R.start_servers(args, 1, env=_env(), timeout=60)
+    assert "exited with" in str(info.value) and "neither a preset" in str(info.value), str(info.value)
+    assert sys.executable in str(info.value)
