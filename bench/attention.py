@@ -218,18 +218,18 @@ def _config(bm: int, bn: int, w: int, s: int, tma: bool) -> dict:
 
 def _bits_check(cfg: dict, gen: torch.Generator) -> bool:
     """Rows of a 1500-token prefill vs decode of its last 3 tokens and 200-token chunks, one config."""
-    from rlperf.kernels.attention import _attention_forward
+    from rlperf.kernels.attention import attention_forward
 
     L, page = 1500, cfg["BLOCK_N"]
     q = torch.randn(L, HQ, D, device=DEVICE, generator=gen).bfloat16()
     k = torch.randn(L, HKV, D, device=DEVICE, generator=gen).bfloat16()
     v = torch.randn(L, HKV, D, device=DEVICE, generator=gen).bfloat16()
-    full = _attention_forward(q, k, v, torch.tensor([0, L], dtype=torch.int32, device=DEVICE), None, None, None, cfg)
+    full = attention_forward(q, k, v, torch.tensor([0, L], dtype=torch.int32, device=DEVICE), config=cfg)
     kc, vc, table = _paged_cache(k, v, 1, L, page, gen)
     ok = True
     for n_q, kv in ((1, L), (1, L - 1), (1, L - 2), (200, L), (200, 700)):
-        o = _attention_forward(q[kv - n_q:kv], kc, vc, torch.tensor([0, n_q], dtype=torch.int32, device=DEVICE),
-                               torch.tensor([kv], dtype=torch.int32, device=DEVICE), table, None, cfg)
+        o = attention_forward(q[kv - n_q:kv], kc, vc, torch.tensor([0, n_q], dtype=torch.int32, device=DEVICE),
+                              torch.tensor([kv], dtype=torch.int32, device=DEVICE), table, config=cfg)
         ok &= bool(torch.equal(o, full[kv - n_q:kv]))
     return ok
 
@@ -239,7 +239,7 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
     KV=4096, next to cuDNN prefill and SDPA flash decode. Among the configs whose bits check
     passes, return the one that meets the most targets (prefill >= 0.75 cuDNN at both lengths,
     decode <= flash decode), ties broken by the geometric mean of the three target ratios."""
-    from rlperf.kernels.attention import _attention_forward
+    from rlperf.kernels.attention import attention_forward
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     B, L = PREFILL_CASES[0]
@@ -287,10 +287,10 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
                 torch.cuda.empty_cache()
                 caches[bn] = (_paged_cache(k, v, B, L, bn, gen), _paged_cache(kd, vd, Bd, S, bn, gen))
             (kc, vc, table), (kcd, vcd, table_d) = caches[bn]
-            tp = cuda_time(lambda: _attention_forward(q, k, v, cu, None, None, None, cfg), warmup=2, reps=reps)
-            tp2 = cuda_time(lambda: _attention_forward(q, k, v, cu2, None, None, None, cfg), warmup=2, reps=reps)
-            tpp = cuda_time(lambda: _attention_forward(q, kc, vc, cu, lens_p, table, None, cfg), warmup=2, reps=reps)
-            td = cuda_time(lambda: _attention_forward(qd, kcd, vcd, cu_d, lens_d, table_d, None, cfg),
+            tp = cuda_time(lambda: attention_forward(q, k, v, cu, config=cfg), warmup=2, reps=reps)
+            tp2 = cuda_time(lambda: attention_forward(q, k, v, cu2, config=cfg), warmup=2, reps=reps)
+            tpp = cuda_time(lambda: attention_forward(q, kc, vc, cu, lens_p, table, config=cfg), warmup=2, reps=reps)
+            td = cuda_time(lambda: attention_forward(qd, kcd, vcd, cu_d, lens_d, table_d, config=cfg),
                            warmup=3, reps=reps * 2)
             row.update(prefill_ms=tp.median_ms, prefill_tflops=flops / tp.median_ms / 1e9,
                        prefill2_tflops=flops2 / tp2.median_ms / 1e9,

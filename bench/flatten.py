@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import torch
 
+from rlperf.sync import SYNC_BUCKET_BYTES
+
 from .harness import BenchRow, cuda_time
 
 BENCH = "flatten"
-BUCKET_BYTES = 512 * 1024 * 1024
+BUCKET_BYTES = SYNC_BUCKET_BYTES  # the loop's weight-sync bucket size (512 MiB)
 CHUNK_SWEEP = (4 * 1024, 8 * 1024, 16 * 1024, 32 * 1024, 64 * 1024)
 
 # Qwen3-4B (config.json): hidden 2560, 36 layers, 32 query heads and 8 KV heads of dim 128,
@@ -64,7 +66,7 @@ def _assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def run(quick: bool = False) -> list[BenchRow]:
-    from rlperf.sync import buckets as B
+    from rlperf import sync as B
 
     if not B.extension_available("cuda"):
         raise RuntimeError("flatten bench: rlperf._C has no CUDA kernels (build it with nvcc: pip install -e .)")
@@ -75,7 +77,7 @@ def run(quick: bool = False) -> list[BenchRow]:
 
 def measure(shapes, device: torch.device, timer, bucket_bytes: int = BUCKET_BYTES) -> list[BenchRow]:
     """Build the parameters, check every path's bytes, time each with ``timer(fn) -> Timing``."""
-    from rlperf.sync import buckets as B
+    from rlperf import sync as B
 
     gen = torch.Generator(device=device).manual_seed(0)
     params = {n: torch.randn(s, generator=gen, dtype=torch.bfloat16, device=device) for n, s in shapes}

@@ -21,7 +21,6 @@ minus the gradients of hidden and weight (outputs every method must produce: 0.8
 from __future__ import annotations
 
 import gc
-import importlib
 
 import torch
 
@@ -65,7 +64,7 @@ def _third_party_losses() -> dict:
 def run(quick: bool = False) -> list[BenchRow]:
     import rlperf.kernels as K
 
-    FL = importlib.import_module("rlperf.kernels.fused_logprob")
+    from rlperf.kernels import fused_lm_head as FL
     n = 2048 if quick else N
     warmup, reps, heavy_reps = (2, 5, 3) if quick else (3, 20, 10)
     dev = torch.device("cuda")
@@ -187,10 +186,10 @@ def run(quick: bool = False) -> list[BenchRow]:
     # ---- the backward alone (and its parts), and tile-config sweeps (the op keeps one config per dtype)
     inv_t = 1.0
     with torch.no_grad():
-        logp, ent, lse, _ = FL._local_stats(hidden, weight, targets, inv_t, 0, V, False, True)
-    bwd = lambda cfg=None: FL._backward(hidden, weight, targets, lse, ent, g_out, g_out, inv_t, 0, False, True, True, cfg=cfg)  # noqa: E731
+        logp, ent, lse = FL.fused_logprob_forward(hidden, weight, targets, inv_t)
+    bwd = lambda cfg=None: FL.fused_logprob_backward(hidden, weight, targets, lse, ent, g_out, g_out, inv_t, config=cfg)  # noqa: E731
     t_bwd = timer(bwd, heavy_reps).median_ms
-    row("backward alone", t_bwd, "3 x lm-head matmul", 3 * t_mm, work=3 * flop, mm_out_dtype=FL._MM_OUT_DTYPE)
+    row("backward alone", t_bwd, "3 x lm-head matmul", 3 * t_mm, work=3 * flop, mm_out_dtype=FL.mm_f32_uses_out_dtype())
     default = FL.fused_config(torch.bfloat16)
     chunk = max(default.BLOCK_N, FL.BWD_CHUNK_BYTES // (n * 2) // default.BLOCK_N * default.BLOCK_N)
     dl = torch.randn(n, chunk, device=dev, generator=gen).to(torch.bfloat16)
@@ -206,7 +205,7 @@ def run(quick: bool = False) -> list[BenchRow]:
         acc = torch.zeros(n, H, device=dev)
         for v0 in range(0, V, chunk):
             v1 = min(V, v0 + chunk)
-            acc += FL._mm_f32(dl[:, : v1 - v0], weight[v0:v1])
+            acc += FL.mm_f32(dl[:, : v1 - v0], weight[v0:v1])
 
     row("bwd part: d weight mm", timer(mm_w, heavy_reps).median_ms, "lm-head matmul", t_mm, chunks=n_chunks)
     row("bwd part: d hidden mm", timer(mm_h, heavy_reps).median_ms, "lm-head matmul", t_mm, chunks=n_chunks)
@@ -231,7 +230,7 @@ def run(quick: bool = False) -> list[BenchRow]:
                 + (" fl" if cfg.flatten else "") + (" tma" if cfg.tma else ""))
 
     for i, cfg in enumerate([] if quick else sweep):
-        fn = lambda cfg=cfg: FL._local_stats(hidden, weight, targets, inv_t, 0, V, False, True, cfg=cfg)  # noqa: E731
+        fn = lambda cfg=cfg: FL.fused_logprob_forward(hidden, weight, targets, inv_t, config=cfg)  # noqa: E731
         try:
             bits = torch.equal(fn()[0], logp)
             t_cfg = timer(fn).median_ms

@@ -6,7 +6,7 @@ Times every candidate :class:`MatmulConfig` on every (N, K) of ``bench/matmul.py
 next to cuBLAS, and prints per (N, K) and config the geometric-mean ratio (cuBLAS / kernel) over
 small (M <= 64), middle (M = 256) and large (M >= 1024) batches. A config is then chosen per
 (N, K) for *all* M (the invariance contract: never a function of M) and written into
-``_TUNED_16BIT`` in ``kernels/matmul.py`` by hand, with the numbers in ``bench/NOTES-matmul.md``.
+``_TUNED_16BIT`` in ``kernels/gemm.py`` by hand, with the numbers in ``bench/NOTES-matmul.md``.
 
 It also records whether different configs give the same bits on one input (which config knobs
 change the reduction order on this GPU): evidence, not a license to vary configs with M.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch
@@ -68,7 +67,7 @@ def diagnose(mm, reps: int) -> list[dict]:
         for name in ("m128n128k64w8s4", "m128n256k64w8s3p", "m64n128k64w4s6", "m128n256k64w8s3"):
             c = CANDIDATES[name]
             cfg = mm.MatmulConfig(*c[:3], 8, *c[3:6])
-            fns[name] = (lambda cfg=cfg, tma=c[6]: mm._launch(x, w, None, torch.bfloat16, cfg, tma=tma))
+            fns[name] = (lambda cfg=cfg, tma=c[6]: mm.launch(x, w, None, torch.bfloat16, config=cfg, tma=tma))
         fns["matmul()"] = lambda: mm.matmul(x, w)
         for name, fn in fns.items():
             event = cuda_time(fn, warmup=3, reps=reps)
@@ -105,10 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--diag", action="store_true", help="first time host overhead vs graph replay on four cases")
     args = p.parse_args(argv)
 
-    import rlperf.kernels as K
-
-    K.matmul  # resolve the op first, so importing the module below cannot shadow it
-    mm = sys.modules["rlperf.kernels.matmul"]
+    from rlperf.kernels import gemm as mm
     names = [n for n in CANDIDATES if not args.configs or n in args.configs.split(",")]
     configs = {n: mm.MatmulConfig(*CANDIDATES[n][:3], 8, *CANDIDATES[n][3:6]) for n in names}
     use_tma = {n: CANDIDATES[n][6] for n in names}
@@ -133,7 +129,7 @@ def main(argv=None) -> int:
                     if name in failed:
                         continue
                     try:
-                        t = graph_time(lambda: mm._launch(x, w, None, torch.bfloat16, cfg, tma=use_tma[name]),
+                        t = graph_time(lambda: mm.launch(x, w, None, torch.bfloat16, config=cfg, tma=use_tma[name]),
                                        warmup=3, reps=args.reps)
                         ms = t.median_ms
                     except Exception as e:  # out of shared memory, compile error: record, skip config
@@ -148,7 +144,7 @@ def main(argv=None) -> int:
                 for name, cfg in configs.items():
                     if name in failed:
                         continue
-                    y = mm._launch(x, w, None, torch.bfloat16, cfg, tma=use_tma[name])
+                    y = mm.launch(x, w, None, torch.bfloat16, config=cfg, tma=use_tma[name])
                     if base is None:
                         base = (name, y)
                     bits[f"{model} {layer} {name} == {base[0]}"] = bool(torch.equal(y, base[1]))

@@ -20,7 +20,7 @@ BENCHES = {
     "flatten": "rlperf.bench.flatten",
     "sync": "rlperf.bench.sync",
     "logprob": "rlperf.bench.logprob",
-    "rollout": "rlperf.rollout.benchmark",
+    "rollout": "rlperf.bench.rollout",
 }
 
 

@@ -3,7 +3,7 @@
 Workload: the Qwen3-4B parameter list of :func:`rlperf.bench.flatten.qwen3_4b_shapes` in bf16
 (398 tensors, 8,044,936,192 bytes; ``--quick``: 4 layers, 46 tensors, 1.59 GB), synchronized into
 a second, separate set of parameters of the same shapes (the rollout engine's copy). Bucket sizes:
-the loop's (:data:`rlperf.loop.rollout.SYNC_BUCKET_BYTES`, 512 MiB: 16 buckets) and 64 MiB (145), which
+the loop's (:data:`rlperf.sync.SYNC_BUCKET_BYTES`, 512 MiB: 16 buckets) and 64 MiB (145), which
 shows what each extra bucket costs.
 
 Rows (``work`` = bytes of parameters synchronized, so the rate is parameter GB per second of sync;
@@ -11,9 +11,10 @@ anchor = one device-to-device copy of the same number of bytes, ``dst.copy_(src)
 in the same run; ``ratio = anchor_ms / kernel_ms`` = the fraction of one plain copy's speed the
 sync reaches; a sync moves at least 2x the copy's bytes, flatten then load, so <= ~0.5 is expected):
 
-* ``sync in-process (B MiB buckets)``: what ``EngineClient.update_weights`` does on one GPU:
-  ``flatten_buckets(trainer params, B)``, then ``FlattenedBucket.load_into`` the engine's
-  parameters, one bucket at a time (:func:`sync_in_process`).
+* ``sync in-process (B MiB buckets)``: what ``EngineClient.update_weights`` does on one GPU, through
+  the same entry point, :func:`rlperf.sync.sync_weights` (no transport): ``flatten_buckets(trainer
+  params, B)``, then ``FlattenedBucket.load_into`` the engine's parameters, one bucket at a time
+  (:func:`sync_in_process`).
 * ``sync cuda_ipc (B MiB buckets)``: the colocated ``rlperf serve`` path: trainer and rollout
   server are separate processes on one GPU. One spawned child (:class:`SyncChild`) owns the
   destination parameters. Per sync the parent flattens, sends each bucket's
@@ -105,16 +106,12 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def sync_in_process(named_tensors, dst_params: dict[str, torch.Tensor], bucket_bytes: int) -> int:
-    """``EngineClient.update_weights`` on one GPU: flatten into buckets, load each into ``dst_params``.
-
-    Returns the number of buckets.
+    """``EngineClient.update_weights`` on one GPU (:func:`rlperf.sync.sync_weights`, no transport):
+    flatten into buckets, load each into ``dst_params``. Returns the number of buckets.
     """
-    from rlperf.sync.buckets import flatten_buckets
+    from rlperf.sync import SyncConfig, sync_weights
 
-    buckets = flatten_buckets(named_tensors, bucket_bytes)
-    for b in buckets:
-        b.load_into(dst_params)
-    return len(buckets)
+    return sync_weights(named_tensors, dst_params, config=SyncConfig(bucket_bytes=bucket_bytes)).buckets
 
 
 def _child_main(conn, specs: list[tuple[str, list[int], str]], device: str) -> None:
@@ -126,9 +123,7 @@ def _child_main(conn, specs: list[tuple[str, list[int], str]], device: str) -> N
     parent closes the pipe (EOF), or after reporting an error.
     """
     try:
-        from rlperf.loop.rollout import weights_checksum
-        from rlperf.rollout.weights import receive_bucket
-        from rlperf.sync.buckets import dtype_from_name
+        from rlperf.sync import dtype_from_name, receive_bucket, weights_checksum
 
         dev = torch.device(device)
         if dev.type == "cuda":
@@ -190,7 +185,7 @@ class SyncChild:
     device : str or torch.device
         Where the child's parameters live ("cuda:0" for the cuda_ipc transport, "cpu" for shm).
     transport : "cuda_ipc" | "shm" | "inline"
-        How :func:`rlperf.rollout.weights.bucket_payload` ships each bucket.
+        How :func:`rlperf.sync.bucket_payload` ships each bucket.
 
     Use as a context manager (or call :meth:`close`): the child is always joined, or terminated.
     """
@@ -214,7 +209,7 @@ class SyncChild:
 
     @staticmethod
     def specs_of(named_tensors) -> list[tuple[str, list[int], str]]:
-        from rlperf.sync.buckets import dtype_name
+        from rlperf.sync import dtype_name
 
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
         return [(n, list(t.shape), dtype_name(t.dtype)) for n, t in items]
@@ -262,8 +257,7 @@ class SyncChild:
         (``push_weights``' protocol) and is released after it; otherwise all are sent, the child acks
         once, and all are released then. Returns when the child's device has finished loading.
         """
-        from rlperf.rollout.weights import bucket_payload, release
-        from rlperf.sync.buckets import flatten_buckets
+        from rlperf.sync import bucket_payload, flatten_buckets, release
 
         buckets = flatten_buckets(named_tensors, bucket_bytes)
         pending = []  # handles that must outlive the child's read of their bucket
@@ -291,7 +285,7 @@ class SyncChild:
         self._recv("ack")
 
     def checksum(self) -> str:
-        """``rlperf.loop.rollout.weights_checksum`` of the child's parameters."""
+        """:func:`rlperf.sync.weights_checksum` of the child's parameters."""
         self._send(("checksum",))
         return self._recv("checksum")
 
@@ -341,8 +335,7 @@ def measure(shapes, device: torch.device, timer, *, transport: str = "cuda_ipc",
     ``SYNC_BUCKET_BYTES`` then :data:`EXTRA_BUCKET_BYTES`. ``transport``: of the cross-process rows
     ("cuda_ipc" on a GPU; "shm" lets the whole measurement run on CPU in the tests).
     """
-    from rlperf.loop.rollout import SYNC_BUCKET_BYTES, weights_checksum
-    from rlperf.sync import buckets as B
+    from rlperf.sync import SYNC_BUCKET_BYTES, backend as flatten_backend, weights_checksum
 
     device = _indexed(torch.device(device))
     if bucket_sizes is None:
@@ -351,7 +344,7 @@ def measure(shapes, device: torch.device, timer, *, transport: str = "cuda_ipc",
     params = {n: torch.randn(s, generator=gen, dtype=torch.bfloat16, device=device) for n, s in shapes}
     named = list(params.items())
     total = sum(t.numel() * t.element_size() for t in params.values())
-    backend = B.backend(device)
+    backend = flatten_backend(device)
     case = f"qwen3-4b {len(params)}x bf16 {total / 1e9:.2f} GB" + ("" if backend == "extension" else " (torch fallback)")
     print(f"sync: {len(params)} tensors, {total:,} bytes ({total / 1e9:.2f} GB) bf16 on {device}, "
           f"buckets of {[b / 2**20 for b in bucket_sizes]} MiB, flatten backend {backend}, transport {transport}", flush=True)

@@ -24,13 +24,17 @@ COLUMNS = ("rollout", "step s", "rollout s", "log-prob s", "train s", "sync ms",
 
 
 def load_metrics(path: str | Path) -> list[dict]:
-    """The metrics of each rollout, in order; a line that is not a JSON object is an error naming it."""
+    """The metrics of each rollout, in order; a line that is not a JSON object is an error naming it.
+
+    A rollout id that appears more than once (a file written by a resumed run before resumes
+    truncated it) counts once: its last line, the resumed run's."""
     from rlperf.data.jsonl import iter_json_objects
 
     rows = [m for _, m in iter_json_objects(Path(path), error=ValueError)]
     if not rows:
         raise ValueError(f"{path}: no metrics (did the run reach step 1?)")
-    return rows
+    last = {m["rollout_id"]: i for i, m in enumerate(rows) if "rollout_id" in m}
+    return [m for i, m in enumerate(rows) if "rollout_id" not in m or last[m["rollout_id"]] == i]
 
 
 def step_row(m: dict) -> dict:

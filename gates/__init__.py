@@ -1,25 +1,26 @@
 """rlperf.gates — the first-step gates (kl_zero, logprob_abs_diff, oom_headroom, sanity) behind `rlperf gate`.
 
-* :mod:`~rlperf.gates.record` — :class:`FirstStepRecord`, :class:`PhaseMemory`, :data:`PHASES`: what the
-  loop's first step hands over (the gates read nothing else);
+The gates consume what the loop's first step produces, and never the reverse: the record
+(:class:`FirstStepRecord`, :class:`PhaseMemory`, :data:`PHASES`, defined in :mod:`rlperf.loop.record`
+and re-exported here as the gates' input type), its per-phase peaks (measured by
+:class:`rlperf.telemetry.PhaseMeter`) and the worst-case probe (:mod:`rlperf.loop.probe`).
+
 * :mod:`~rlperf.gates.checks` — the four gates, :class:`GateOptions`, :class:`GateResult`;
-* :mod:`~rlperf.gates.memory` — ``--memory-limit`` parsing and per-phase peak measurement (CUDA / RSS);
-* :mod:`~rlperf.gates.probe` — the worst-case probe: forward + backward at the largest micro-batch;
+* :mod:`~rlperf.gates.memory` — ``--memory-limit`` parsing, byte formatting, the CPU capacity;
 * :mod:`~rlperf.gates.report` — :class:`GateReport`: console table, JSON, JUnit XML;
 * :mod:`~rlperf.gates.runner` — :class:`FirstStepGate` and the ``rlperf gate`` command (flags, exit codes).
 
 Usage: ``report = FirstStepGate(GateOptions()).check(record); print(report.table()); report.exit_code``.
 """
+from rlperf.loop.record import PHASES, FirstStepRecord, PhaseMemory
+
 from .checks import GATES, GateOptions, GateResult, kl_zero, logprob_abs_diff, oom_headroom, sanity
-from .memory import format_bytes, measure_phase, parse_memory_size, system_memory_bytes
-from .probe import worst_case_probe
-from .record import PHASES, FirstStepRecord, PhaseMemory
+from .memory import format_bytes, parse_memory_size, system_memory_bytes
 from .report import GateReport
 from .runner import FirstStepGate, add_gate_arguments, gate_options_from, run_gate
 
 __all__ = [
     "FirstStepRecord", "PhaseMemory", "PHASES", "GATES", "GateOptions", "GateResult", "GateReport", "FirstStepGate",
-    "kl_zero", "logprob_abs_diff", "oom_headroom", "sanity", "parse_memory_size", "format_bytes", "measure_phase",
-    "system_memory_bytes", "worst_case_probe",
-    "add_gate_arguments", "gate_options_from", "run_gate",
+    "kl_zero", "logprob_abs_diff", "oom_headroom", "sanity", "parse_memory_size", "format_bytes",
+    "system_memory_bytes", "add_gate_arguments", "gate_options_from", "run_gate",
 ]

@@ -20,8 +20,9 @@ import math
 
 import torch
 
+from rlperf.loop.record import PHASES, FirstStepRecord
+
 from .memory import format_bytes
-from .record import PHASES, FirstStepRecord
 
 DEFAULT_OOM_HEADROOM = 0.10
 """Fraction of capacity kept free: a first step at 90% leaves no room for longer samples later."""
@@ -89,7 +90,7 @@ def _first_diff(a: torch.Tensor, b: torch.Tensor) -> int | None:
 def _token(record: FirstStepRecord, i: int, t: int) -> str:
     """``sample i, response token t (position p, id x)``: position in the full sequence, for the report."""
     s = record.samples[i]
-    pos = s.tokens.numel() - s.response_length + t
+    pos = s.total_length - s.response_length + t
     return f"sample {i}, response token {t} (position {pos}, token id {int(s.tokens[pos])})"
 
 
@@ -176,15 +177,16 @@ def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None
             return GateResult(name, False, {"sample": i}, threshold, f"sample {i} has no {missing}",
                               "the rollout must return per-token log-probs (return_logprob) and the trainer "
                               "must recompute them before the gates run")
-        mask = s.loss_mask > 0
-        d = (s.log_probs.double() - s.rollout_log_probs.double()).abs()
+        mask = s.loss_mask_tensor() > 0
+        rollout = s.rollout_log_probs_tensor()
+        d = (s.log_probs.double() - rollout.double()).abs()
         d = torch.where(mask, d.nan_to_num(math.inf), torch.zeros_like(d))  # a NaN is the worst token
         total += float(d.sum())
         count += int(mask.sum())
         if bool(mask.any()):
             t = int(d.argmax())
             if worst is None or float(d[t]) > worst[0]:
-                worst = (float(d[t]), i, t, float(s.log_probs[t]), float(s.rollout_log_probs[t]))
+                worst = (float(d[t]), i, t, float(s.log_probs[t]), float(rollout[t]))
     mean = total / count if count else 0.0
     metric = record.step_metrics.get("train/train_rollout_logprob_abs_diff",
                                      record.first_micro_step.get("train/train_rollout_logprob_abs_diff"))
@@ -248,7 +250,7 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
     if missing:
         return GateResult(name, False, measured, threshold,
                           f"phase(s) {', '.join(missing)} not measured: cannot vouch for their peak",
-                          "the loop must wrap every phase in rlperf.gates.memory.measure_phase")
+                          "the loop must measure every phase with rlperf.telemetry.PhaseMeter")
     max_tokens = record.config.get("max_tokens_per_gpu")
     remedies = list(OOM_REMEDIES)
     if max_tokens:
@@ -304,8 +306,8 @@ def sanity(record: FirstStepRecord, options: GateOptions | None = None) -> GateR
         if not math.isfinite(s.reward):
             return GateResult(name, False, {"sample": i, "reward": s.reward}, threshold,
                               f"sample {i} reward is {s.reward!r}", fail_hint["reward"])
-        for field in ("log_probs", "rollout_log_probs", "ref_log_probs"):
-            v = getattr(s, field)
+        for field, v in (("log_probs", s.log_probs), ("rollout_log_probs", s.rollout_log_probs_tensor()),
+                         ("ref_log_probs", s.ref_log_probs)):
             if v is None:
                 continue
             n_lp += v.numel()

@@ -1,16 +1,14 @@
-"""Memory sizes and peak measurement for the ``oom_headroom`` gate.
+"""Memory sizes and capacity for the ``oom_headroom`` gate: the gate's side of memory, never a measurement.
 
 One place for: parsing ``--memory-limit`` ("8GiB", "512MiB", "1.5GB", "1000000"), printing byte
-counts, and measuring a phase's peak — CUDA allocator peaks on a GPU, the process's resident set
-(VmHWM) on the CPU. The loop wraps each phase in :func:`measure_phase` and puts the result in
-:class:`rlperf.gates.record.PhaseMemory`.
+counts, and the capacity a CPU run is held to (:func:`system_memory_bytes`). The peaks themselves
+are measured by the loop's phase meter (:class:`rlperf.telemetry.PhaseMeter`) and reach the gate in
+:class:`rlperf.loop.record.FirstStepRecord`; :func:`rlperf.gates.checks.oom_headroom` compares them
+with ``(1 - headroom) x capacity``.
 """
 from __future__ import annotations
 
-import contextlib
 import re
-
-from .record import PhaseMemory
 
 _UNITS = {
     "": 1, "b": 1,
@@ -52,84 +50,6 @@ def format_bytes(n: int | float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
     return f"{n:.3g} TiB"
-
-
-def _proc_status_bytes(field: str) -> int | None:
-    """A ``kB`` field of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes; None where there is no procfs."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def current_rss_bytes() -> int | None:
-    """The process's resident set now (VmRSS), bytes; None where unavailable."""
-    return _proc_status_bytes("VmRSS")
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident set (VmHWM since the last :func:`reset_peak_rss`), bytes.
-
-    Falls back to ``getrusage``'s ``ru_maxrss`` (peak over the process's life: an over-estimate,
-    which errs on the safe side for a headroom gate).
-    """
-    hwm = _proc_status_bytes("VmHWM")
-    if hwm is not None:
-        return hwm
-    import resource
-    import sys
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # macOS reports bytes, Linux kB
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0: write ``5`` to /proc/self/clear_refs); False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class _PhaseBox:
-    """What :func:`measure_phase` yields; ``.record`` is filled when the block exits."""
-
-    record: PhaseMemory | None = None
-
-
-@contextlib.contextmanager
-def measure_phase(phase: str, device=None):
-    """Measure the peak memory of the enclosed block as ``PhaseMemory(phase, peak_bytes)``.
-
-    ``device`` CUDA: ``torch.cuda.max_memory_allocated`` after a reset at entry (the allocator's
-    peak; add ``max_memory_reserved`` headroom yourself if fragmentation matters). Otherwise the
-    process's peak RSS (VmHWM, reset at entry where the kernel allows, else the lifetime peak).
-    Usage: ``with measure_phase("train", dev) as m: ...; phases.append(m.record)``.
-    """
-    import torch
-
-    box = _PhaseBox()
-    cuda = device is not None and torch.device(device).type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        reset_peak_rss()
-    try:
-        yield box
-    finally:
-        if cuda:
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device)
-        else:
-            peak = peak_rss_bytes()
-        box.record = PhaseMemory(phase, int(peak))
 
 
 def system_memory_bytes() -> int | None:

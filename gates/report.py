@@ -88,6 +88,27 @@ class GateReport:
         _write(path, self.junit_xml())
 
 
+def check_report_path(path: str, flag: str) -> None:
+    """Prove a report can be written at ``path`` before any step runs: its folder is created and a
+    temporary file made and removed there, as :func:`_write` will. ValueError naming ``flag`` if not."""
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(21, "is a directory")
+        d = os.path.dirname(os.path.abspath(path))
+        existing = d
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(20, f"{existing} is not a directory")
+        os.makedirs(d, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w"):
+            pass
+        os.unlink(tmp)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write the report there ({exc.strerror or exc})") from None
+
+
 def _write(path: str, text: str) -> None:
     """Write whole or not at all (a CI reader never sees half a report)."""
     d = os.path.dirname(os.path.abspath(path))

@@ -1,7 +1,8 @@
 """``FirstStepGate`` (run every gate on a :class:`FirstStepRecord`) and the ``rlperf gate`` command.
 
 The command: parse the gate and training flags, run one rollout and one train step through the
-loop's first-step hook (``rlperf.loop.first_step(args) -> FirstStepRecord``), run the gates, print
+loop's first-step hook (:func:`rlperf.loop.first_step` ``(args) -> FirstStepRecord``; the gates sit
+above the loop and import it, the loop never imports the gates), run the gates, print
 the table, write ``--report-json`` / ``--junit-xml``, and exit 0 (all passed), 1 (a gate failed, or
 the first step itself crashed or ran out of memory) or 2 (bad usage, or no loop to run).
 ``rlperf train`` uses :class:`FirstStepGate` and :func:`add_gate_arguments` the same way before step 1.
@@ -14,11 +15,14 @@ import time
 import traceback
 from collections.abc import Callable
 
+from rlperf import loop
+from rlperf.loop.record import FirstStepRecord
+from rlperf.train import add_train_arguments, train_args_from
+
 from .checks import (DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD, DEFAULT_OOM_HEADROOM, GATES, OOM_REMEDIES, GateOptions,
                      GateResult)
 from .memory import parse_memory_size, system_memory_bytes
-from .record import FirstStepRecord
-from .report import GateReport
+from .report import GateReport, check_report_path
 
 FirstStepFn = Callable[[argparse.Namespace], FirstStepRecord]
 
@@ -129,20 +133,11 @@ def gate_options_from(ns: argparse.Namespace) -> GateOptions:
 def add_gate_command_arguments(p: argparse.ArgumentParser, with_loop: bool = True) -> None:
     """Everything ``rlperf gate`` takes: the gate flags, then the loop's (``rlperf train``'s, which include
     the training core's) with ``with_loop``, else the training core's alone (a hand-made first step)."""
-    from rlperf.train import add_train_arguments
-
     add_gate_arguments(p)
     if with_loop:
-        _loop_attr("add_loop_arguments")(p)
+        loop.add_loop_arguments(p)
     else:
         add_train_arguments(p)
-
-
-def _loop_attr(name: str):
-    """``rlperf.loop.<name>``, imported on use (the loop pulls in the engine and the trainer)."""
-    import rlperf.loop as loop
-
-    return getattr(loop, name)
 
 
 def build_gate_parser(prog: str = "rlperf gate", with_loop: bool = True) -> argparse.ArgumentParser:
@@ -155,9 +150,7 @@ def _resolve_flags(args: argparse.Namespace, with_loop: bool) -> argparse.Namesp
     """Check the non-gate flags before any step: the loop's :func:`resolve_args` (which fills the task's
     defaults) when its flags were parsed, else :func:`rlperf.train.train_args_from`. ValueError if bad."""
     if with_loop and hasattr(args, "true_on_policy_mode"):
-        return _loop_attr("resolve_args")(args)
-    from rlperf.train import train_args_from
-
+        return loop.resolve_args(args)
     train_args_from(args)
     return args
 
@@ -171,9 +164,13 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) ->
     """
     with_loop = first_step is None
     if with_loop:
-        first_step = _loop_attr("first_step")
+        first_step = loop.first_step
     try:
         options = gate_options_from(args)
+        for flag, path in (("--report-json", getattr(args, "report_json", None)),
+                           ("--junit-xml", getattr(args, "junit_xml", None))):
+            if path:  # checked before the step: a report that cannot be written is bad usage, not a crash after it
+                check_report_path(path, flag)
         if getattr(args, "memory_limit", None) is not None:
             args.memory_limit = parse_memory_size(args.memory_limit)
         args = _resolve_flags(args, with_loop)
@@ -193,15 +190,19 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) ->
         return record
 
     try:
-        report = FirstStepGate(options).run(step, usage_errors=(_loop_attr("UsageError"),) if with_loop else ())
+        report = FirstStepGate(options).run(step, usage_errors=(loop.UsageError,) if with_loop else ())
     except ValueError as e:  # only the loop's UsageError gets here: bad inputs found before any step
         print(f"rlperf gate: {e}", file=sys.stderr)
         return 2
     print(report.table())
-    if getattr(args, "report_json", None):
-        report.write_json(args.report_json)
-    if getattr(args, "junit_xml", None):
-        report.write_junit(args.junit_xml)
+    for flag, path, write in (("--report-json", getattr(args, "report_json", None), report.write_json),
+                              ("--junit-xml", getattr(args, "junit_xml", None), report.write_junit)):
+        if path:
+            try:
+                write(path)
+            except OSError as e:  # it could be written before the step; not any more
+                print(f"rlperf gate: {flag} {path}: cannot write the report ({e.strerror or e})", file=sys.stderr)
+                return 2
     return report.exit_code
 
 

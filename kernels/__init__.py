@@ -1,28 +1,34 @@
 """rlperf.kernels — batch-invariant kernels for train/rollout bit-identity, with torch references.
 
 Every op has a Triton kernel and a torch reference (``rlperf.kernels.reference``). Which one runs
-is explicit: :func:`backend` (triton on CUDA; reference, or the Triton interpreter when
-``TRITON_INTERPRET=1``, on CPU) and :func:`mode` (``"invariant"`` or ``"fast"``). See
-``rlperf.kernels.dispatch``.
+is explicit: one :class:`KernelPolicy` (``mode``: ``"invariant"`` or ``"fast"``; ``backend``:
+triton on CUDA; reference, or the Triton interpreter when ``TRITON_INTERPRET=1``, on CPU), set for
+a block with :func:`use_policy` / :func:`use_mode` / :func:`use_backend`, and one routing function
+that every op calls. See ``rlperf.kernels.dispatch``.
 
 Triton reads ``TRITON_INTERPRET`` when the kernel modules are imported, i.e. at
 ``import rlperf.kernels``: set it before that to run the kernels on the CPU.
 
-The ops are bound here by name after their submodules load, so ``rlperf.kernels.matmul`` is the
-function even when the submodule of the same name was imported first.
+No submodule shares a name with an op: the matmul kernel lives in ``gemm``, the fused lm-head
+log-prob in ``fused_lm_head``, so ``rlperf.kernels.matmul`` is always the function. Those modules
+also hold the launchers that tuning sweeps call with a config of their own
+(``gemm.launch``, ``fused_lm_head.fused_logprob_forward`` / ``fused_logprob_backward``,
+``attention.attention_forward``).
 """
-from .dispatch import BACKENDS, MODES, backend, mode, refresh_environment, set_mode, use_backend, use_mode
+from .dispatch import (BACKENDS, MODES, KernelPolicy, backend, current_policy, default_policy, mode,
+                       refresh_environment, set_mode, use_backend, use_mode, use_policy)
 
 from .activation import silu_mul
 from .attention import PAGE_SIZE, paged_attention, varlen_attention, write_kv_cache
-from .fused_logprob import fused_logprob
+from .fused_lm_head import fused_logprob
+from .gemm import linear, matmul, matmul_config
 from .logprob import log_softmax, token_logprobs
-from .matmul import linear, matmul, matmul_config
 from .norm import add_rmsnorm, rmsnorm
 from .sampling import sample
 
 __all__ = [
-    "BACKENDS", "MODES", "backend", "mode", "refresh_environment", "set_mode", "use_backend", "use_mode",
+    "BACKENDS", "MODES", "KernelPolicy", "backend", "current_policy", "default_policy", "mode", "refresh_environment",
+    "set_mode", "use_backend", "use_mode", "use_policy",
     "matmul", "linear", "matmul_config", "rmsnorm", "add_rmsnorm", "PAGE_SIZE", "write_kv_cache",
     "paged_attention", "varlen_attention", "log_softmax", "token_logprobs", "fused_logprob", "sample", "silu_mul",
 ]

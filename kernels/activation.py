@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .autograd import needs_grad, with_recompute_backward
-from .dispatch import use_stock_op, use_triton
+from .autograd import with_recompute_backward
+from .dispatch import route
 from .reference.activation import silu_mul_ref
 
 BLOCK = 1024
@@ -47,11 +47,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.shape[-1] % 2:
         raise ValueError(f"silu_mul: last dim of gate_up must be even (gate and up halves), got {tuple(gate_up.shape)}")
     inter = gate_up.shape[-1] // 2
-    if needs_grad(gate_up):
+    how = route("silu_mul", gate_up.device, (gate_up,))
+    if how == "autograd":
         return with_recompute_backward(silu_mul, _torch_silu_mul, gate_up)
-    if use_stock_op(gate_up.device, stock_wins_on_cuda=False):
+    if how == "stock":
         return _torch_silu_mul(gate_up)
-    if not use_triton(gate_up.device):
+    if how == "reference":
         return silu_mul_ref(gate_up).to(gate_up.dtype)
     x = gate_up.reshape(-1, 2 * inter)
     if x.stride(-1) != 1:

@@ -9,7 +9,7 @@ positions, so query ``i`` sits at position ``pos = L_b - n_b + i``), query head 
 
 Decode is ``n_b = 1``, chunked prefill ``n_b`` = a chunk, full prefill ``n_b = L_b``.
 
-Invariance contract (DESIGN.md "Prefill ≡ decode"): the output row of (sequence, position, head)
+Invariance contract (docs/ARCHITECTURE.md, "Prefill ≡ decode"): the output row of (sequence, position, head)
 has the same bits in every mode and every batch composition, because every mode runs
 
 * the same kernel body with ONE launch config (``_CONFIG``: BLOCK_M, BLOCK_N, warps, stages) —
@@ -46,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .autograd import needs_grad, with_recompute_backward
-from .dispatch import mode, use_stock_op, use_triton
+from .autograd import with_recompute_backward
+from .dispatch import route
 from .pipeline import launch_with_fitting_stages
 from .tile_dot import dot_acc, dot_fresh
 from .reference import attention as _ref
@@ -242,19 +242,25 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _attention_forward(
+def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
-    kv_lens: torch.Tensor | None,
-    page_table: torch.Tensor | None,
-    scale: float | None,
+    kv_lens: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    scale: float | None = None,
+    *,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """Launch the kernel: paged when ``page_table`` is given (k, v = caches), varlen otherwise.
+    """Launch the kernel directly: paged when ``page_table`` is given (k, v = the caches, with
+    ``kv_lens``; :func:`paged_attention`'s layout), varlen otherwise (:func:`varlen_attention`'s).
+    No routing and no autograd; index tensors are not checked (the ops do that). CUDA tensors run
+    compiled, CPU tensors under the interpreter (``TRITON_INTERPRET=1``).
 
-    ``config`` overrides ``_CONFIG`` for tuning sweeps only; production calls never pass it.
+    ``config`` (keys ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``TMA``) replaces the
+    one launch config for tuning sweeps (``bench/attention.py``); the ops never pass it, and another
+    config may give other bits.
     """
     cfg = _CONFIG if config is None else config
     G = _check_qkv(q, k, v, cfg["BLOCK_M"])
@@ -435,16 +441,17 @@ def varlen_attention(
     Differentiable in q, k, v: the backward recomputes the fast path (flash varlen or SDPA, in q's
     dtype) and differentiates it.
     """
-    if needs_grad(q, k, v):
+    how = route("varlen_attention", q.device, (q, k, v))
+    if how == "autograd":
         return with_recompute_backward(lambda q, k, v: varlen_attention(q, k, v, cu_seqlens, scale),
                                        lambda q, k, v: _varlen_fast(q, k, v, cu_seqlens, scale), q, k, v, upcast=False)
-    if mode() == "fast":
+    if how == "stock":
         return _varlen_fast(q, k, v, cu_seqlens, scale)
     _check_index("cu_seqlens", cu_seqlens, q.device)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k has {k.shape[0]} tokens, q {q.shape[0]}")
-    if use_triton(q.device):
-        return _attention_forward(q, k, v, cu_seqlens, None, None, scale)
+    if how != "reference":
+        return attention_forward(q, k, v, cu_seqlens, None, None, scale)
     return _ref.attention_ref(q, k, v, cu_seqlens, cu_seqlens, scale).to(q.dtype)
 
 
@@ -471,10 +478,12 @@ def paged_attention(
     Returns ``[T, Hq, D]`` in q's dtype; row (b, position, head) has the same bits whatever the mode
     (decode, chunk, full prefill) and whatever else is in the batch.
     """
-    if mode() == "fast":
+    how = route("paged_attention", q.device)
+    if how == "stock":
         out = _paged_fast(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale)
         if out is not None:
             return out
+        how = route("paged_attention", q.device, stock_ok=False)
     for name, x in (("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q), ("kv_lens", kv_lens)):
         _check_index(name, x, q.device)
     if k_cache.dim() != 4 or kv_lens.numel() != cu_seqlens_q.numel() - 1 or page_table.shape[0] != kv_lens.numel():
@@ -482,10 +491,10 @@ def paged_attention(
             f"expected k_cache [pages, page, Hkv, D], page_table [B, max_pages], cu_seqlens_q [B+1], kv_lens [B]; got "
             f"{tuple(k_cache.shape)}, {tuple(page_table.shape)}, {tuple(cu_seqlens_q.shape)}, {tuple(kv_lens.shape)}"
         )
-    if use_triton(q.device):
+    if how != "reference":
         if page_table.stride(1) != 1:
             page_table = page_table.contiguous()
-        return _attention_forward(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, scale)
+        return attention_forward(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, scale)
     return _ref.paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale).to(q.dtype)
 
 
@@ -533,7 +542,7 @@ def write_kv_cache(
     if T == 0:
         return
     D = k.shape[2]
-    if (use_stock_op(k.device, stock_wins_on_cuda=False) or not use_triton(k.device) or D & (D - 1)
+    if (route("write_kv_cache", k.device) in ("stock", "reference") or D & (D - 1)
             or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
         # a copy has no bits to keep invariant; the torch path is exact too (but syncs the host for
         # the negative-slot filter, so on CUDA fast mode keeps the kernel)

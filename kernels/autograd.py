@@ -13,26 +13,16 @@ need not be batch-invariant. Two kinds:
   (``upcast=True``); attention recomputes in its input dtype through SDPA / flash varlen, whose
   backward never materializes the [L, L] scores.
 
-Both engage only when grad mode is on and an input requires grad, so the rollout engine, the
-CUDA-graph captures and every ``torch.no_grad`` log-prob pass run the bare kernels; and not on the
-reference backend, whose float64 torch code autograd differentiates as it is.
+An op wraps itself only when :func:`rlperf.kernels.dispatch.route` answers ``"autograd"``: grad
+mode is on and an input requires grad, so the rollout engine, the CUDA-graph captures and every
+``torch.no_grad`` log-prob pass run the bare kernels; and never on the reference backend, whose
+float64 torch code autograd differentiates as it is.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-
-from .dispatch import backend
-
-
-def needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Grad mode is on, one of ``tensors`` (None allowed; the first is not) requires grad, and the
-    op will run a kernel. The reference backend's float64 torch code needs no wrapper: autograd
-    differentiates it directly, in float64."""
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
-        return False
-    return backend(tensors[0].device) != "reference"
 
 
 class _MatmulWithGrad(torch.autograd.Function):

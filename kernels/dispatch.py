@@ -1,6 +1,14 @@
-"""Which implementation an op runs: the backend (where and how) and the mode (invariant or fast).
+"""The kernel policy: which implementation every rlperf op runs, and the one function that decides.
 
-Backend, chosen per call from the input's device:
+A :class:`KernelPolicy` is two choices.
+
+Mode:
+
+* ``"invariant"`` (default) — batch-invariant kernels: a row's bits never depend on the batch.
+* ``"fast"``               — the fastest path, invariance not required, so the price of
+  invariance can be measured: stock torch where it beats rlperf's kernel (:data:`FAST_MODE_STOCK`).
+
+Backend, chosen per call from the input's device unless the policy names one:
 
 * ``"triton"``       — CUDA tensors: the Triton kernels, compiled for the GPU.
 * ``"interpreter"``  — CPU tensors with ``TRITON_INTERPRET=1`` in the environment: the same Triton
@@ -8,126 +16,212 @@ Backend, chosen per call from the input's device:
 * ``"reference"``    — CPU tensors otherwise: the torch references of ``rlperf.kernels.reference``
   (float64 math, result cast to the input dtype).
 
-``RLPERF_BACKEND`` (or :func:`use_backend`) overrides the choice; asking for ``"triton"`` on CPU
-tensors or ``"interpreter"`` without ``TRITON_INTERPRET=1`` is an error, never a silent fallback.
-Triton reads ``TRITON_INTERPRET`` when a kernel module is imported, so it has to be set before
-the first op runs.
+Naming a backend that cannot run on the input's device (``"triton"`` for CPU tensors,
+``"interpreter"`` for CUDA tensors or without ``TRITON_INTERPRET=1``) is an error, never a silent
+fallback. Triton reads ``TRITON_INTERPRET`` when a kernel module is imported, so it has to be set
+before ``import rlperf.kernels``.
 
-Mode, global:
+Where the policy lives. :func:`use_policy` (and its shorthands :func:`use_mode`,
+:func:`use_backend`) sets it for a block, in a :class:`contextvars.ContextVar`: it holds for the
+current thread or asyncio task and for what is started from a copy of its context (asyncio tasks,
+``asyncio.to_thread``, ``contextvars.copy_context().run``). A ``threading.Thread`` starts from an
+empty context, so a thread that must run under a policy enters :func:`use_policy` itself. Outside
+every block the process default applies: ``RLPERF_MODE`` (read at import) and :func:`set_mode`
+for the mode; ``RLPERF_BACKEND`` for the backend (read with ``TRITON_INTERPRET`` when the first op
+runs, or by :func:`refresh_environment`).
 
-* ``"invariant"`` (default) — batch-invariant kernels: a row's bits never depend on the batch.
-* ``"fast"``               — the fastest path, invariance not required, so the price of
-  invariance can be measured: cuBLAS (``F.linear``) for matmul and SDPA (flash/cuDNN) for
-  prefill attention. On CUDA, ops whose rlperf kernel beats the stock torch code (RMSNorm,
-  SwiGLU, log-softmax; paged decode, which torch lacks) keep the kernel in fast mode too: there
-  invariance costs nothing. On CPU fast mode runs the stock torch ops (see :func:`use_stock_op`).
+Routing. Every public op calls :func:`route` once and follows its answer:
+
+* ``"autograd"``  — grad is on, an input requires grad, and the op will run a kernel: the op wraps
+  itself in its backward (:mod:`rlperf.kernels.autograd`). The reference backend's float64 torch
+  code needs no wrapper: autograd differentiates it as it is.
+* ``"stock"``     — fast mode, and the stock torch op is the faster path here (:data:`FAST_MODE_STOCK`).
+* ``"triton"`` / ``"interpreter"`` — launch the Triton kernel (compiled, or under the interpreter).
+* ``"reference"`` — the torch reference.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import os
-import threading
 
 import torch
 
 BACKENDS = ("triton", "interpreter", "reference")
 MODES = ("invariant", "fast")
+ROUTES = ("autograd", "stock", *BACKENDS)
 
-_state = threading.local()
+FAST_MODE_STOCK = {
+    # op: where fast mode runs the stock torch op instead of rlperf's ("everywhere", "cpu" or None).
+    # "everywhere": stock beats the kernel on CUDA too (bench/BENCHMARKS.md): cuBLAS, SDPA / flash.
+    "matmul": "everywhere",
+    "varlen_attention": "everywhere",
+    "paged_attention": "everywhere",  # decode-only batches keep the kernel: torch has no paged decode
+    "fused_logprob": "everywhere",    # not with a tp_group: the vocabulary split needs the kernels
+    # "cpu": on CUDA rlperf's kernel is at least as fast, so there invariance costs nothing
+    "rmsnorm": "cpu",
+    "add_rmsnorm": "cpu",
+    "silu_mul": "cpu",
+    "log_softmax": "cpu",
+    "token_logprobs": "cpu",
+    "write_kv_cache": "cpu",          # a copy: the torch path syncs the host (negative-slot filter)
+    # None: the kernel in both modes (a sampler that changed with the batch would break seeded runs)
+    "sample": None,
+}
 
+
+@dataclasses.dataclass(frozen=True)
+class KernelPolicy:
+    """Which implementation the ops run (module docstring)."""
+
+    mode: str = "invariant"
+    """``"invariant"`` (batch-invariant kernels) or ``"fast"`` (stock torch where it is faster)."""
+    backend: str | None = None
+    """``"triton"``, ``"interpreter"``, ``"reference"``, or None: chosen from each input's device."""
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r}: expected one of {MODES}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r}: expected one of {BACKENDS}")
+
+    def backend_for(self, device: torch.device | str | None) -> str:
+        """The backend an op on ``device`` runs under this policy; RuntimeError if the named one cannot."""
+        interpret = _environment()["interpret"]
+        is_cuda = _is_cuda(device)
+        if self.backend is None:
+            if is_cuda:
+                return "triton"
+            return "interpreter" if interpret else "reference"
+        if self.backend == "triton" and not is_cuda:
+            raise RuntimeError(f"backend 'triton' needs CUDA tensors, got a tensor on {device or 'cpu'}")
+        if self.backend == "interpreter":
+            if is_cuda:
+                raise RuntimeError("backend 'interpreter' runs on CPU tensors only")
+            if not interpret:
+                raise RuntimeError("backend 'interpreter' needs TRITON_INTERPRET=1 set before rlperf.kernels runs an op")
+        return self.backend
+
+
+def _is_cuda(device: torch.device | str | None) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return device is not None and str(device).startswith("cuda")
+
+
+# ---- the process default ----------------------------------------------------------------------
 
 _env: dict | None = None
+_default_mode = os.environ.get("RLPERF_MODE", "invariant")
+if _default_mode not in MODES:
+    raise ValueError(f"RLPERF_MODE={_default_mode!r}: expected one of {MODES}")
+_default: KernelPolicy | None = None  # built with the environment, on the first op
 
 
 def refresh_environment() -> None:
     """Re-read ``TRITON_INTERPRET`` and ``RLPERF_BACKEND`` (they are read once, on the first op).
 
-    Reading them once keeps the per-op dispatch cost to a few attribute lookups (it sits on the
-    decode hot path), and matches Triton, which reads ``TRITON_INTERPRET`` when a kernel module
-    is imported: changing it later does not change how already-imported kernels run.
+    Reading them once keeps the per-op routing cost to a few lookups (it sits on the decode hot
+    path), and matches Triton, which reads ``TRITON_INTERPRET`` when a kernel module is imported:
+    changing it later does not change how already-imported kernels run.
     """
-    global _env
+    global _env, _default
     forced = os.environ.get("RLPERF_BACKEND") or None
     if forced is not None and forced not in BACKENDS:
         raise ValueError(f"RLPERF_BACKEND={forced!r}: expected one of {BACKENDS}")
     _env = {"interpret": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), "forced": forced}
+    _default = KernelPolicy(_default_mode, forced)
 
 
-def backend(device: torch.device | str | None = None) -> str:
-    """The backend an op on ``device`` runs now: ``"triton"``, ``"interpreter"`` or ``"reference"``."""
+def _environment() -> dict:
     if _env is None:
         refresh_environment()
-    forced = getattr(_state, "backend", None) or _env["forced"]
-    if isinstance(device, torch.device):
-        is_cuda = device.type == "cuda"
-    else:
-        is_cuda = device is not None and str(device).startswith("cuda")
-    if forced is None:
-        if is_cuda:
-            return "triton"
-        return "interpreter" if _env["interpret"] else "reference"
-    if forced == "triton" and not is_cuda:
-        raise RuntimeError(f"backend 'triton' needs CUDA tensors, got a tensor on {device or 'cpu'}")
-    if forced == "interpreter":
-        if is_cuda:
-            raise RuntimeError("backend 'interpreter' runs on CPU tensors only")
-        if not _env["interpret"]:
-            raise RuntimeError("backend 'interpreter' needs TRITON_INTERPRET=1 set before rlperf.kernels runs an op")
-    return forced
+    return _env
 
 
-@contextlib.contextmanager
-def use_backend(name: str | None):
-    """Force a backend inside the block (``None`` restores automatic choice)."""
-    if name is not None and name not in BACKENDS:
-        raise ValueError(f"backend {name!r}: expected one of {BACKENDS}")
-    previous = getattr(_state, "backend", None)
-    _state.backend = name
-    try:
-        yield
-    finally:
-        _state.backend = previous
-
-
-_mode = os.environ.get("RLPERF_MODE", "invariant")
-if _mode not in MODES:
-    raise ValueError(f"RLPERF_MODE={_mode!r}: expected one of {MODES}")
-
-
-def mode() -> str:
-    """``"invariant"`` (batch-invariant kernels) or ``"fast"`` (cuBLAS/SDPA/torch)."""
-    return _mode
+def default_policy() -> KernelPolicy:
+    """The process default: :func:`set_mode` / ``RLPERF_MODE``, and ``RLPERF_BACKEND`` (or automatic)."""
+    if _default is None:
+        refresh_environment()
+    return _default
 
 
 def set_mode(name: str) -> None:
-    """Switch every op between ``"invariant"`` and ``"fast"``."""
-    global _mode
-    if name not in MODES:
-        raise ValueError(f"mode {name!r}: expected one of {MODES}")
-    _mode = name
+    """Set the process default mode (``"invariant"`` or ``"fast"``): every thread and task outside a
+    :func:`use_policy` / :func:`use_mode` / :func:`use_backend` block follows it; a block keeps its own."""
+    global _default_mode, _default
+    KernelPolicy(name)  # validates
+    _default_mode = name
+    if _default is not None:
+        _default = dataclasses.replace(_default, mode=name)
+
+
+# ---- the current policy -----------------------------------------------------------------------
+
+_policy: contextvars.ContextVar[KernelPolicy | None] = contextvars.ContextVar("rlperf_kernel_policy", default=None)
+
+
+def current_policy() -> KernelPolicy:
+    """The policy ops run under here: the innermost :func:`use_policy` block's, else the process default."""
+    policy = _policy.get()
+    return policy if policy is not None else default_policy()
 
 
 @contextlib.contextmanager
-def use_mode(name: str):
-    """Run the block in mode ``name``, then restore the previous mode."""
-    previous = mode()
-    set_mode(name)
+def use_policy(policy: KernelPolicy | None):
+    """Run the block (in this context: thread or task) under ``policy``; None: the process default."""
+    if policy is not None and not isinstance(policy, KernelPolicy):
+        raise TypeError(f"use_policy: expected a KernelPolicy or None, got {type(policy).__name__}")
+    token = _policy.set(policy)
     try:
-        yield
+        yield policy
     finally:
-        set_mode(previous)
+        _policy.reset(token)
 
 
-def use_stock_op(device: torch.device | str, stock_wins_on_cuda: bool) -> bool:
-    """Whether an op runs its stock torch implementation: only in fast mode; there always on CPU,
-    and on CUDA only where the stock op is faster than rlperf's kernel (``stock_wins_on_cuda``;
-    measured in bench/BENCHMARKS.md: True for matmul and prefill attention, False for the row ops)."""
-    if _mode != "fast":
-        return False
-    is_cuda = device.type == "cuda" if isinstance(device, torch.device) else str(device).startswith("cuda")
-    return stock_wins_on_cuda or not is_cuda
+def use_mode(name: str):
+    """Run the block in mode ``name``, the backend as it is (a context manager)."""
+    return use_policy(dataclasses.replace(current_policy(), mode=name))
 
 
-def use_triton(device: torch.device | str) -> bool:
-    """True when an invariant-mode op on ``device`` should launch its Triton kernel (GPU or interpreter)."""
-    return backend(device) in ("triton", "interpreter")
+def use_backend(name: str | None):
+    """Run the block on backend ``name``, the mode as it is (a context manager); None: the process
+    default's backend (``RLPERF_BACKEND``, else automatic)."""
+    if name is None:
+        name = default_policy().backend
+    return use_policy(dataclasses.replace(current_policy(), backend=name))
+
+
+def mode() -> str:
+    """``"invariant"`` (batch-invariant kernels) or ``"fast"`` (cuBLAS/SDPA/torch), as ops run here now."""
+    return current_policy().mode
+
+
+def backend(device: torch.device | str | None = None) -> str:
+    """The backend an op on ``device`` runs here now: ``"triton"``, ``"interpreter"`` or ``"reference"``."""
+    return current_policy().backend_for(device)
+
+
+# ---- routing ----------------------------------------------------------------------------------
+
+
+def route(op: str, device: torch.device, grad_inputs: tuple = (), stock_ok: bool = True) -> str:
+    """How op ``op`` runs on ``device`` under the current policy: one of :data:`ROUTES` (module docstring).
+
+    ``grad_inputs``: the tensors (None allowed) a gradient may flow to; ``"autograd"`` needs one of
+    them to require grad while grad mode is on. ``stock_ok=False``: this call cannot take the stock
+    op (``fused_logprob`` with a ``tp_group``; a ``paged_attention`` batch the stock path declined).
+    The backend is resolved only when the answer depends on it, so a fast-mode stock op never fails
+    on a backend that could not have run it.
+    """
+    stock = FAST_MODE_STOCK[op]
+    policy = current_policy()
+    where = None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grad_inputs):
+        where = policy.backend_for(device)
+        if where != "reference":
+            return "autograd"
+    if policy.mode == "fast" and stock_ok and (stock == "everywhere" or (stock == "cpu" and not _is_cuda(device))):
+        return "stock"
+    return where if where is not None else policy.backend_for(device)

@@ -8,7 +8,7 @@ Formulas (logits [..., V] of any float dtype, temperature T > 0, math in float32
     logp     = z_target - lse
     entropy  = -sum_j p_j log p_j = lse - sum_j p_j z_j
 
-Reduction order (the contract :mod:`rlperf.kernels.fused_logprob` follows too): one program owns a
+Reduction order (the contract :mod:`rlperf.kernels.fused_lm_head` follows too): one program owns a
 row and walks V in chunks of ``BLOCK_V`` columns, in increasing column order, keeping float32
 running values in *raw logit units* (before the temperature): ``m`` (max), ``s`` (sum of exp) and
 ``t`` (exp-weighted sum of shifted logits). With ``c = float32(log2(e) / T)``::
@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .autograd import needs_grad, with_recompute_backward
-from .dispatch import use_stock_op, use_triton
+from .autograd import with_recompute_backward
+from .dispatch import route
 from .reference import logprob as _ref
 
 BLOCK_V = 4096   # vocabulary chunk of the online update (fixed: batch invariance)
@@ -148,13 +148,14 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         [..., V] float32.
     """
     T = _check_temperature(temperature)
-    if needs_grad(logits):  # the kernel call inside checks the logits
+    how = route("log_softmax", logits.device, (logits,))
+    if how == "autograd":  # the kernel call inside checks the logits
         return with_recompute_backward(lambda x: log_softmax(x, T), lambda x: torch.log_softmax(x.float() / T, dim=-1),
                                        logits)
     x = _rows(logits)
-    if use_stock_op(logits.device, stock_wins_on_cuda=False):
+    if how == "stock":
         return torch.log_softmax(logits.float() / T, dim=-1)
-    if not use_triton(logits.device):
+    if how == "reference":
         return _ref.log_softmax(logits, T)
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if x.shape[0] > 0:
@@ -187,7 +188,8 @@ def token_logprobs(
         logp [...] float32, and entropy [...] float32 when ``return_entropy``.
     """
     T = _check_temperature(temperature)
-    if needs_grad(logits):  # the kernel call inside checks logits and targets
+    how = route("token_logprobs", logits.device, (logits,))
+    if how == "autograd":  # the kernel call inside checks logits and targets
         return with_recompute_backward(lambda x: token_logprobs(x, targets, T, return_entropy),
                                        lambda x: _torch_token_logprobs(x, targets, T, return_entropy), logits)
     x = _rows(logits)
@@ -197,9 +199,9 @@ def token_logprobs(
         raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
     if targets.device != logits.device:
         raise ValueError(f"targets on {targets.device}, logits on {logits.device}")
-    if use_stock_op(logits.device, stock_wins_on_cuda=False):
+    if how == "stock":
         return _torch_token_logprobs(logits, targets, T, return_entropy)
-    if not use_triton(logits.device):
+    if how == "reference":
         return _ref.token_logprobs(logits, targets, T, return_entropy)
     n = x.shape[0]
     tgt = targets.reshape(-1).to(torch.int64).contiguous()

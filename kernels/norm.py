@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .autograd import needs_grad, with_recompute_backward
-from .dispatch import use_stock_op, use_triton
+from .autograd import with_recompute_backward
+from .dispatch import route
 from .reference import norm as _ref
 
 MAX_BLOCK = 8192  # rows up to this width are read once and kept in registers
@@ -138,14 +138,15 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
         ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``.
     """
     _check(x, weight, eps)
-    if needs_grad(x, weight):
+    how = route("rmsnorm", x.device, (x, weight))
+    if how == "autograd":
         return with_recompute_backward(lambda x, w: rmsnorm(x, w, eps), lambda x, w: _torch_rmsnorm(x, w, eps),
                                        x, weight)
-    if use_stock_op(x.device, stock_wins_on_cuda=False):
+    if how == "stock":
         return _torch_rmsnorm(x, weight, eps)
-    if use_triton(x.device):
-        return _launch(x, None, weight, eps)
-    return _ref.rmsnorm(x, weight, eps)
+    if how == "reference":
+        return _ref.rmsnorm(x, weight, eps)
+    return _launch(x, None, weight, eps)
 
 
 def add_rmsnorm(
@@ -170,11 +171,12 @@ def add_rmsnorm(
             f"add_rmsnorm: residual {list(residual.shape)} {residual.dtype} {residual.device} must match "
             f"x {list(x.shape)} {x.dtype} {x.device}"
         )
-    if needs_grad(x, residual, weight):
+    how = route("add_rmsnorm", x.device, (x, residual, weight))
+    if how == "autograd":
         return with_recompute_backward(lambda x, r, w: add_rmsnorm(x, r, w, eps),
                                        lambda x, r, w: _torch_add_rmsnorm(x, r, w, eps), x, residual, weight)
-    if use_stock_op(x.device, stock_wins_on_cuda=False):
+    if how == "stock":
         return _torch_add_rmsnorm(x, residual, weight, eps)
-    if use_triton(x.device):
-        return _launch(x, residual, weight, eps)
-    return _ref.add_rmsnorm(x, residual, weight, eps)
+    if how == "reference":
+        return _ref.add_rmsnorm(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import use_triton
+from .dispatch import route
 from .logprob import _row_stats
 from .reference import sampling as _ref
 
@@ -227,7 +227,7 @@ def sample(
     if B == 0:
         return torch.empty(0, dtype=torch.int64, device=dev)
     seeds, positions = seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
-    if not use_triton(dev):
+    if route("sample", dev) == "reference":
         return _ref.sample(logits, temp, tp, tk, seeds, positions)
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     thr = _thresholds(x, temp, tp, tk, V, True)

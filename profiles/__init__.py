@@ -5,5 +5,6 @@
 ``traces``: read Chrome traces (SGLang's ``*.trace.json.gz`` too), put them on one clock, merge them
 into one Perfetto-loadable trace. ``summary``: top kernels, prefill vs decode, throughput and latency.
 ``harness``: ``rlperf profile run`` end to end, collecting traces locally or over HTTP.
-``timeline``: the phase timeline a training run writes. ``cli``: the ``rlperf profile`` arguments.
+``cli``: the ``rlperf profile`` arguments. The training loop's own phase timeline and torch traces
+are not here: they are the loop's telemetry (:mod:`rlperf.telemetry`), which this harness may read.
 """

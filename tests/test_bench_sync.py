@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlperf.bench import sync as S
-from rlperf.loop.rollout import weights_checksum
+from rlperf.sync import weights_checksum
 
 # odd sizes, mixed dtypes, a 0-dim and an empty tensor
 SPECS = [

@@ -30,3 +30,13 @@ def test_bad_metrics_file_is_named(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     assert train_run.main([str(tmp_path / "empty.jsonl")]) == 2
     assert "no metrics" in capsys.readouterr().err
+
+
+def test_a_rollout_id_counts_once(tmp_path):
+    """A file a resumed run wrote before resumes truncated it (issue #12): rollouts 1 and 2 twice."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"rollout_id": i, "perf/step_time": t} for i, t in ((0, 1.0), (1, 9.0), (2, 9.0), (1, 2.0), (2, 3.0))]
+    path.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    rows = [train_run.step_row(m) for m in train_run.load_metrics(path)]
+    assert [(r["rollout"], r["step s"]) for r in rows] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+    assert train_run.mean_row(rows)["step s"] == 2.0

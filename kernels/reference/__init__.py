@@ -1,5 +1,6 @@
 """Torch references of every rlperf kernel: float64 math, obvious code, one module per op.
 
-Tests compare the Triton kernels against these; benchmarks import them as the naive baseline; on
-CPU without the Triton interpreter the op layer runs them (result cast to the input dtype).
+Tests compare the Triton kernels against these; on CPU without the Triton interpreter (or with
+``backend="reference"``) the ops run them, result cast to the input dtype. The benchmarks do not:
+their anchors are the stock torch ops (cuBLAS, SDPA, plain torch), timed on the GPU.
 """

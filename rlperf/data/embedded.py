@@ -50,7 +50,7 @@ EMBEDDED_DEFAULTS = dict(
 def format_warmup(model, task: EmbeddedTask, tokenizer, steps: int = 60, lr: float = 1e-2) -> float:
     """Supervised format steps (module docstring): each prompt followed by each letter then EOS, so
     the cross-entropy is minimal for a uniform letter; returns the last loss. Deterministic."""
-    from rlperf.train.batching import Sample, pack_micro_batches
+    from rlperf.train import Sample, pack_micro_batches
 
     eos = tokenizer.eos_token_ids[0]
     samples = [Sample(tokenizer.encode(task.prompt(k)) + tokenizer.encode(a) + [eos], 2)

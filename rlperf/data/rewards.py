@@ -1,8 +1,8 @@
 """Rule rewards and ``--custom-rm-path``.
 
 A reward function takes ``(args, sample)`` — slime's signature for ``--custom-rm-path``; ``sample``
-is a :class:`rlperf.loop.rollout.RolloutSample` with ``prompt``, ``response`` (text), ``label`` and
-``metadata`` — and returns a float.
+is a :class:`rlperf.train.Sample` with ``prompt``, ``response`` (text), ``label``, ``metadata``,
+``tokens``, ``response_length`` and ``status`` filled — and returns a float.
 
 Built-ins (``--rm-type``):
 

@@ -5,9 +5,14 @@
 task's when ``--prompt-data`` is absent, see :data:`rlperf.data.embedded.EMBEDDED_DEFAULTS`) and
 raises :class:`UsageError` for anything that would fail later: the batch relation
 ``rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout``, an
-unknown estimator, conflicting modes, an unwritable ``--save``, a bad ``--profile-step-*`` window
-(:mod:`rlperf.profiles.trainer_trace`), a model directory whose ``config.json`` is missing or
-describes a model rlperf does not implement (:func:`rlperf.model.config.read_hf_config`).
+unknown estimator, conflicting modes, a ``--kernel-backend`` that cannot run on ``--device``, an
+unwritable ``--save``, a bad ``--profile-step-*`` window
+(:mod:`rlperf.telemetry.trainer_trace`), a model directory whose ``config.json`` is missing or
+describes a model rlperf does not implement (:func:`rlperf.model.config.read_hf_config`), sampling
+values the kernels cannot take (:func:`rlperf.rollout.sampling_params.check_sampling_values`, the
+server's check too), an unknown ``--model`` preset, ``--device cuda`` without a GPU, a ``--load`` /
+``--ref-load`` whose pointer or files are broken (:mod:`rlperf.loop.checkpoint`), a fresh run into a
+``--save`` that holds checkpoints (without ``--overwrite-save``). Every message names the flag.
 """
 from __future__ import annotations
 
@@ -17,8 +22,10 @@ import tempfile
 from pathlib import Path
 
 from rlperf.data.embedded import EMBEDDED_DEFAULTS
-from rlperf.loop.rollout import TRAIN_MEM_FRACTION_STATIC
-from rlperf.profiles.trainer_trace import add_profile_arguments, check_profile_args
+from rlperf.loop.clients import TRAIN_MEM_FRACTION_STATIC
+from rlperf.rollout.args import add_kernel_arguments
+from rlperf.rollout.sampling_params import check_sampling_values
+from rlperf.telemetry.trainer_trace import add_profile_arguments, check_profile_args
 from rlperf.train.args import TrainArgs, add_train_arguments, train_args_from
 
 
@@ -68,7 +75,11 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ref-load", default=None, help="reference model (HF directory or a --save directory)")
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=int, default=None, help="save every N rollouts (and after the last)")
+    g.add_argument("--overwrite-save", action="store_true",
+                   help="let a run that does not resume from --save write into it although it holds checkpoints "
+                        "(its pointer moves to this run's checkpoints)")
     g.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda")
+    add_kernel_arguments(p.add_argument_group("kernels"), auto_cpu="the torch reference (the trainer's CPU path)")
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--output-dir", default="rlperf-train", help="metrics.jsonl and the timeline go here")
@@ -101,13 +112,14 @@ def check_writable_dir(path, flag: str) -> None:
         raise UsageError(f"{flag} {path}: not writable ({exc.strerror or exc})") from None
 
 
-def check_model_dir(path, flag: str, save_dir: bool = True) -> Path:
+def check_model_dir(path, flag: str, save_dir: bool = True, trainer_state: bool = False) -> Path:
     """The HF directory behind ``flag path`` (itself, or with ``save_dir`` the latest model of a directory
-    written by --save) once its ``config.json`` reads as a supported model config; :class:`UsageError`
+    written by --save) once its ``config.json`` reads as a supported model config and its safetensors
+    files (and with ``trainer_state`` the checkpoint's ``trainer.pt``) are complete; :class:`UsageError`
     naming the flag otherwise."""
     from rlperf.model.config import read_hf_config
 
-    from .checkpoint import LATEST, model_dir
+    from .checkpoint import LATEST, check_trainer_state, check_weights, model_dir
 
     p = Path(path)
     if not (p / "config.json").is_file() and not (save_dir and (p / LATEST).is_file()):
@@ -117,9 +129,50 @@ def check_model_dir(path, flag: str, save_dir: bool = True) -> Path:
     try:
         directory = model_dir(p) if save_dir else p
         read_hf_config(directory)
+        check_weights(directory)  # truncated or unreadable safetensors: refused now, not at load time
+        if trainer_state:
+            check_trainer_state(p)
     except (OSError, ValueError) as exc:
         raise UsageError(f"{flag} {path}: {exc}") from None
     return directory
+
+
+def run_device(ns: argparse.Namespace):
+    """``--device`` as a ``torch.device`` (``auto``: cuda when present); :class:`UsageError` if unreadable."""
+    import torch
+
+    try:
+        device = torch.device(ns.device if ns.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(f"--device {ns.device}: {exc}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(f"--device {ns.device}: no CUDA device is available (torch.cuda.is_available() is False)")
+        if device.index is not None and device.index >= count:
+            raise UsageError(f"--device {ns.device}: only {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    return device
+
+
+def kernel_policy(ns: argparse.Namespace, device):
+    """The run's :class:`rlperf.kernels.KernelPolicy` from ``--mode`` and ``--kernel-backend`` on
+    ``device``; :class:`UsageError` naming the flag when that backend cannot run there.
+
+    ``auto`` on CPU is the torch reference, not the Triton interpreter even under
+    ``TRITON_INTERPRET=1``: the references are differentiable as they are, and a training step under
+    the interpreter takes minutes (``--kernel-backend interpreter`` asks for it).
+    """
+    import rlperf.kernels as K
+
+    backend = ns.kernel_backend
+    if backend == "auto":
+        backend = None if device.type == "cuda" else "reference"
+    policy = K.KernelPolicy(mode=ns.mode, backend=backend)
+    try:
+        policy.backend_for(device)
+    except RuntimeError as exc:
+        raise UsageError(f"--kernel-backend {ns.kernel_backend} on {device}: {exc}") from None
+    return policy
 
 
 def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
@@ -134,6 +187,19 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
     for flag in ("rollout_batch_size", "num_steps_per_rollout", "num_rollout", "rollout_max_response_len"):
         if getattr(ns, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
+    if ns.num_threads is not None and ns.num_threads < 0:
+        raise UsageError(f"--num-threads must be >= 1 (or 0: torch's default), got {ns.num_threads}")
+    if not ns.load and not ns.hf_checkpoint:  # the model is the preset
+        from rlperf.model import preset
+
+        try:
+            preset(ns.model)
+        except ValueError as exc:
+            raise UsageError(f"--model {ns.model}: {exc}") from None
+    # the sampling kernel's types; the rollout server checks its sampling_params with the same function
+    check_sampling_values(ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k, positive_temperature=True,
+                          error=UsageError, names={"temperature": "--rollout-temperature",
+                                                   "top_p": "--rollout-top-p", "top_k": "--rollout-top-k"})
     if ns.rollout_batch_size * ns.n_samples_per_prompt != ns.global_batch_size * ns.num_steps_per_rollout:
         raise UsageError(
             f"batch relation broken: --rollout-batch-size {ns.rollout_batch_size} x --n-samples-per-prompt "
@@ -158,6 +224,7 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
     if ns.save_interval is not None and not ns.save:
         raise UsageError("--save-interval needs --save")
     check_profile_args(ns, error=UsageError)
+    kernel_policy(ns, run_device(ns))  # checked now; the run applies it (rlperf.loop.runner.Run.kernels)
     ns.logprob_impl = "engine" if ns.true_on_policy_mode else "fused"
     try:
         ns.train_args = train_args_from(ns)
@@ -172,11 +239,18 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(f"--load {ns.load}: no {LATEST} (not a checkpoint directory written by --save)")
     # the model's config.json, read now: a missing or unsupported one (scaled RoPE, ...) is a usage error
     if ns.load is not None:
-        check_model_dir(ns.load, "--load")
+        check_model_dir(ns.load, "--load", trainer_state=True)
     elif ns.hf_checkpoint is not None:  # with --load it only names the tokenizer
         check_model_dir(ns.hf_checkpoint, "--hf-checkpoint", save_dir=False)
     if ns.ref_load is not None:
         check_model_dir(ns.ref_load, "--ref-load")
+    if ns.save and not ns.debug_rollout_only:  # a fresh run into a --save holding checkpoints: only when told
+        from .checkpoint import CheckpointError, check_save_dir
+
+        try:
+            check_save_dir(ns.save, ns.load, getattr(ns, "overwrite_save", False))
+        except CheckpointError as exc:
+            raise UsageError(f"--save {ns.save}: {exc}") from None
     if ns.save:
         check_writable_dir(ns.save, "--save")
     check_writable_dir(ns.output_dir, "--output-dir")

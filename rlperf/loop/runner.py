@@ -15,7 +15,8 @@ Per step the metrics line holds ``rollout/*`` (raw_reward, response_length, log_
 ref_log_probs, rollout_log_probs), ``train/*`` (the trainer's, averaged over the rollout's
 optimizer steps), ``perf/*`` (rollout_time, log_prob_time, train_time, update_weights_time,
 longest_sample_tokens_per_sec), ``memory/{phase}_peak_bytes`` (CUDA: the allocator's peak within
-the phase; CPU: the resident set at the phase's edges, ``memory/kind`` says which) and
+the phase; CPU: the process's peak resident set within the phase; ``memory/kind`` says which; both
+measured by :class:`rlperf.telemetry.PhaseMeter`) and
 ``sync/weights_checksum`` (one 64-bit hash of all weights after the update: equal runs have equal
 checksums). In async mode the rollout thread's phase overlaps training, so its memory and
 timeline slices overlap the train phase's.
@@ -27,20 +28,23 @@ only when stderr is a terminal (a log file or a pipe gets the plain lines alone)
 Embedded default (measured on the shared 2-core CI box, 1 thread): mean reward 0.25 (chance) at
 rollout 1, ~0.98 at rollout 80, in about 35 s.
 
-On CPU every op runs on the reference backend (the Triton interpreter has no backward passes) with
+``--mode`` and ``--kernel-backend`` set the kernel policy every phase runs under
+(:func:`rlperf.loop.args.kernel_policy`); on CPU the ops run on the reference backend by default, with
 ``--num-threads`` intra-op threads (1 by default: fastest on shared cores). Every run writes
-``OUTPUT_DIR/metrics.jsonl`` (one JSON object per rollout, DESIGN.md's names) and a phase timeline
-(``profiles.timeline.PhaseTimeline``) with memory counters; ``--profile-step-start/-end`` and
-``--profile-target`` add torch.profiler traces of a window of steps
-(:mod:`rlperf.profiles.trainer_trace`).
+``OUTPUT_DIR/metrics.jsonl`` (one JSON object per rollout, slime's metric names; see
+docs/ARCHITECTURE.md) and a phase timeline (:class:`rlperf.telemetry.PhaseTimeline`) with memory
+counters; ``--profile-step-start/-end`` and ``--profile-target`` add torch.profiler traces of a
+window of steps (:mod:`rlperf.telemetry.trainer_trace`).
 
 :func:`first_step` is the hook of the first-step gates: one rollout and one train step, returned
-as a :class:`rlperf.gates.record.FirstStepRecord`.
+as a :class:`rlperf.loop.record.FirstStepRecord` (the gates import it from the loop, never the reverse).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,57 +53,17 @@ from pathlib import Path
 import torch
 
 from rlperf import kernels as K
+from rlperf.sync import weights_checksum
+from rlperf.telemetry import PhaseMeter, PhaseTimeline, TrainerTrace, default_path
 
 from . import checkpoint as ckpt
-from .args import UsageError, parse_train_args, resolve_args
-from .rollout import (DataSource, EngineClient, RouterClient, generate_rollout, load_rollout_data, save_rollout_data,
-                      to_train_samples, weights_checksum)
+from .args import UsageError, kernel_policy, parse_train_args, resolve_args, run_device
+from .probe import worst_case_probe
+from .record import PHASES, FirstStepRecord, PhaseMemory
+from .clients import EngineClient, RouterClient
+from .generation import DataSource, generate_rollout, load_rollout_data, save_rollout_data
 
 METRICS_FILE = "metrics.jsonl"
-
-
-def _rss_bytes() -> int:
-    import os
-
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PhaseMeter:
-    """Wall time and peak memory of named phases (CUDA: allocator peak; CPU: resident set at the phase's edges)."""
-
-    def __init__(self, device: torch.device, timeline):
-        self.device, self.timeline = device, timeline
-        self.kind = "cuda" if device.type == "cuda" else "cpu_rss"
-        self.times: dict[str, float] = {}
-        self.peaks: dict[str, int] = {}
-        self.trace = None  # a TrainerTrace once Run.run arms it (the gates' first_step never does)
-
-    @contextlib.contextmanager
-    def phase(self, name: str, step: int):
-        # the torch trace (when armed) wraps the measurement: its start and export stay out of the phase's time
-        with self.trace.phase(name, step) if self.trace is not None else contextlib.nullcontext(), \
-                self._measure(name, step):
-            yield
-
-    @contextlib.contextmanager
-    def _measure(self, name: str, step: int):
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        before = 0 if cuda else _rss_bytes()
-        t = time.perf_counter()
-        with self.timeline.phase(name, step=step):
-            yield
-            if cuda:
-                torch.cuda.synchronize(self.device)
-        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t
-        peak = torch.cuda.max_memory_allocated(self.device) if cuda else max(before, _rss_bytes())
-        self.peaks[name] = max(self.peaks.get(name, 0), peak)
-
-    def reset(self):
-        self.times, self.peaks = {}, {}
 
 
 @contextlib.contextmanager
@@ -118,12 +82,13 @@ def _mean_over_tokens(tensors) -> float:
 
 
 class Run:
-    """Everything a training run holds; building it runs no step (all input errors surface here)."""
+    """Everything a training run holds; building it runs no step (all input errors surface here).
 
-    def __init__(self, ns):
-        from rlperf.profiles.timeline import PhaseTimeline, default_path
-        from rlperf.profiles.trainer_trace import TrainerTrace
+    ``train_args``: the trainer's :class:`rlperf.train.TrainArgs`, when not ``ns.train_args`` (the
+    first step asks for reference log-probs without changing the shared namespace).
+    """
 
+    def __init__(self, ns, train_args=None):
         from rlperf.data.embedded import EMBEDDED_TASK, format_warmup
         from rlperf.data.jsonl import DataError, PromptDataset, load_prompt_data
         from rlperf.data.rewards import load_python_path, reward_fn_for
@@ -142,9 +107,8 @@ class Run:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(ns.seed)
-        dev = ns.device if ns.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(dev)
-        self.backend = None if self.device.type == "cuda" else "reference"
+        self.device = run_device(ns)
+        self.policy = kernel_policy(ns, self.device)  # --mode, --kernel-backend
         with self.kernels():
             # model: --load > --hf-checkpoint > a preset at random init (+ the embedded task's format warm-up)
             init_path = ckpt.model_dir(ns.load) if ns.load else ns.hf_checkpoint
@@ -170,7 +134,7 @@ class Run:
                 raise UsageError(str(exc)) from None
             if ns.embedded and not init_path:
                 self.warmup_loss = format_warmup(self.model, EMBEDDED_TASK, self.tokenizer)
-            ta = ns.train_args
+            ta = train_args or ns.train_args
             ref = None
             if ns.ref_load:
                 with _usage_errors("--ref-load", ns.ref_load):
@@ -179,7 +143,8 @@ class Run:
             elif ta.use_kl_loss or ta.kl_coef:
                 ref = frozen_copy(self.model)  # the actor as it starts (slime asks for --ref-load)
             self.trainer = Trainer(self.model, ta, ref)
-            self.start = ckpt.load_trainer_state(ns.load, self.trainer) if ns.load else 0
+            with _usage_errors("--load", ns.load):
+                self.start = ckpt.load_trainer_state(ns.load, self.trainer) if ns.load else 0
         if ns.sglang_router_ip:
             self.client = RouterClient(ns.sglang_router_ip, ns.sglang_router_port, self.tokenizer, ns.colocate)
         else:
@@ -191,7 +156,8 @@ class Run:
         self.trace = TrainerTrace(ns, self.out, self.start, self.device, error=UsageError)  # --profile-step-*
 
     def kernels(self):
-        return K.use_backend(self.backend)
+        """The run's kernel policy, for a block (every phase enters it; the async rollout thread too)."""
+        return K.use_policy(self.policy)
 
     # ---- phases ---------------------------------------------------------------------------------
     def rollout(self, k: int):
@@ -210,28 +176,23 @@ class Run:
                                f"{ns.rollout_batch_size} x {ns.n_samples_per_prompt}")
         return samples, time.perf_counter() - t
 
-    def train(self, k: int, samples, micro_hook=None) -> dict:
-        ns, tr = self.ns, self.trainer
-        gbs = ns.global_batch_size
+    def train(self, k: int, samples, on_first_micro_step=None) -> dict:
+        """Rollout ``k``'s training (:meth:`rlperf.train.Trainer.train`: its log-prob and train phases
+        measured); the metrics averaged over its optimizer steps, and the rollout's log-prob means."""
         with self.kernels():
-            train_samples = to_train_samples(samples)
-            with self.meter.phase("log_prob", k):
-                tr.prepare(train_samples)
-            steps = []
-            with self.meter.phase("train", k):
-                for i in range(0, len(train_samples), gbs):
-                    tr.micro_step_hook = micro_hook if i == 0 else None
-                    steps.append(tr.train_step(train_samples[i:i + gbs]))
-                tr.micro_step_hook = None
+            steps = self.trainer.train(samples, on_first_micro_step=on_first_micro_step,
+                                       phase=lambda name: self.meter.phase(name, k))
         m = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
-        m["rollout/log_probs"] = _mean_over_tokens(s.log_probs for s in train_samples)
-        m["rollout/rollout_log_probs"] = _mean_over_tokens(s.rollout_log_probs for s in train_samples)
-        if any(s.ref_log_probs is not None for s in train_samples):
-            m["rollout/ref_log_probs"] = _mean_over_tokens(s.ref_log_probs for s in train_samples)
-        self.last_train_samples = train_samples
+        m["rollout/log_probs"] = _mean_over_tokens(s.log_probs for s in samples)
+        m["rollout/rollout_log_probs"] = _mean_over_tokens(s.rollout_log_probs_tensor() for s in samples)
+        if any(s.ref_log_probs is not None for s in samples):
+            m["rollout/ref_log_probs"] = _mean_over_tokens(s.ref_log_probs for s in samples)
+        self.last_train_samples = samples
         return m
 
-    def sync(self, k: int) -> dict:
+    def sync(self, k: int):
+        """Weight sync after rollout ``k``'s training: the engines get version ``k + 1``; the client's
+        :class:`rlperf.sync.SyncStats`."""
         with self.kernels(), self.meter.phase("weight_sync", k), torch.no_grad():
             named = {n: t.detach() for n, t in self.model.hf_state_dict().items()}
             stats = self.client.update_weights(named, version=str(k + 1))
@@ -250,7 +211,6 @@ class Run:
 
         ns = self.ns
         self.out.mkdir(parents=True, exist_ok=True)
-        mode = "a" if ns.load else "w"
         history = []
         print(f"rlperf train: {'embedded task' if ns.embedded else ns.prompt_data} on {self.device} "
               f"({self.client.kind}), rollouts {self.start}..{ns.num_rollout - 1}, "
@@ -265,7 +225,7 @@ class Run:
         pool = ThreadPoolExecutor(1) if ns.async_mode else None
         self.meter.trace = self.trace
         try:
-            with open(self.out / METRICS_FILE, mode) as mf:
+            with open_metrics(self.out / METRICS_FILE, self.start if ns.load else None) as mf:
                 pending = None
                 for k in range(self.start, ns.num_rollout):
                     self.trace.step(k)
@@ -288,7 +248,7 @@ class Run:
                     m["perf/rollout_time"] = rollout_time
                     # step = rollout (or waiting for the overlapped one) + train + weight sync
                     m["perf/step_time"] = time.perf_counter() - step_start
-                    tokens = sum(len(s.prompt_ids) + s.response_length for s in samples)
+                    tokens = sum(s.total_length for s in samples)
                     m["rollout/total_tokens"] = tokens
                     m["perf/tokens_per_sec"] = tokens / m["perf/step_time"]
                     for phase, key in (("train", "perf/train_time"), ("log_prob", "perf/log_prob_time"),
@@ -298,11 +258,14 @@ class Run:
                     for phase, peak in self.meter.peaks.items():
                         m[f"memory/{phase}_peak_bytes"] = peak
                     m["memory/kind"] = self.meter.kind
-                    if ns.save and not ns.debug_rollout_only and (
-                            k + 1 == ns.num_rollout or (ns.save_interval and (k + 1) % ns.save_interval == 0)):
-                        ckpt.save_checkpoint(ns.save, k + 1, self.model, self.trainer)
+                    # the line before the checkpoint: a kill in between leaves it ahead of the pointer, and
+                    # the resume drops it (open_metrics); after it, never a rollout the metrics lack
                     mf.write(json.dumps(m) + "\n")
                     mf.flush()
+                    if ns.save and not ns.debug_rollout_only and (
+                            k + 1 == ns.num_rollout or (ns.save_interval and (k + 1) % ns.save_interval == 0)):
+                        os.fsync(mf.fileno())
+                        ckpt.save_checkpoint(ns.save, k + 1, self.model, self.trainer)
                     history.append(m)
                     bar.update(1)
                     if show_bar:
@@ -316,6 +279,36 @@ class Run:
             self.trace.close()
             self.timeline.save()
         return history
+
+
+def open_metrics(path: Path, resume_from: int | None):
+    """``metrics.jsonl`` opened for the run's lines. A fresh run (``resume_from`` None) starts it empty;
+    a run resuming from the checkpoint of iteration ``resume_from`` keeps only the lines of rollouts
+    before it: lines a killed run wrote after its last checkpoint (and a torn last line) go, so every
+    rollout is in the file exactly once."""
+    if resume_from is None:
+        return open(path, "w")
+    if path.exists():
+        kept, dropped = [], 0
+        for line in path.read_text().splitlines():
+            try:
+                rid = json.loads(line).get("rollout_id")
+            except (ValueError, AttributeError):
+                rid = None
+            if isinstance(rid, int) and rid < resume_from:
+                kept.append(line + "\n")
+            elif line.strip():
+                dropped += 1
+        if dropped:
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            print(f"rlperf train: {path}: dropped {dropped} line(s) of rollouts >= {resume_from} (written after "
+                  f"the checkpoint this run resumes from)", file=sys.stderr)
+    return open(path, "a")
 
 
 def _isatty(stream) -> bool:
@@ -365,34 +358,26 @@ def first_step(args=None):
 
     ``args``: argv list (``rlperf train`` flags) or a parsed namespace. The reference model is
     ``--ref-load``, else a frozen copy of the actor at step 0, and reference log-probs are always
-    computed. Returns :class:`rlperf.gates.record.FirstStepRecord`.
+    computed. Returns :class:`rlperf.loop.record.FirstStepRecord`.
     """
-    from rlperf.gates.record import FirstStepRecord, PhaseMemory
-    from rlperf.train import frozen_copy
-
     ns = _resolve(args)
-    run = Run(ns)
-    if run.trainer.ref_model is None:
-        run.trainer.ref_model = frozen_copy(run.model)
-    ta = run.trainer.args
-    forced = not (ta.use_kl_loss or ta.kl_coef)
-    if forced:  # prepare computes ref log-probs only when the loss needs them: ask with kl_coef 0 + use_kl_loss 0 coef
-        ta.use_kl_loss, ta.kl_loss_coef = True, 0.0
+    ta = ns.train_args
+    if not (ta.use_kl_loss or ta.kl_coef):
+        # the trainer computes reference log-probs (and builds the reference, a frozen copy of the
+        # actor) only when the loss needs them: this step's trainer asks for a KL loss of
+        # coefficient 0, which leaves the loss as it is; ns.train_args stays untouched
+        ta = dataclasses.replace(ta, use_kl_loss=True, kl_loss_coef=0.0)
+    run = Run(ns, train_args=ta)
     first: dict = {}
     run.sync(-1)
     run.meter.reset()
     samples, rollout_time = run.rollout(0)
     m = run.rollout_metrics(samples, rollout_time)
-    m.update(run.train(0, samples, micro_hook=lambda x: first.update(x) if not first else None))
-    with run.kernels(), run.meter.phase("weight_sync", 0), torch.no_grad():
-        run.client.update_weights({n: t.detach() for n, t in run.model.hf_state_dict().items()}, version="1")
-    if forced:
-        ta.use_kl_loss, ta.kl_loss_coef = False, 0.0
+    m.update(run.train(0, samples, on_first_micro_step=first.update))
+    run.sync(0)
     # worst case: the longest prompt of this step plus a full-length response, packed as densely as
     # the run packs (max_tokens_per_gpu or micro_batch_size samples); weights and grads untouched
-    from rlperf.gates.probe import worst_case_probe
-
-    longest_prompt = max(len(s.tokens) - s.response_length for s in run.last_train_samples)
+    longest_prompt = max(s.prompt_length for s in run.last_train_samples)
     with run.kernels():
         probe = worst_case_probe(run.trainer, longest_prompt + int(ns.rollout_max_response_len))
     run.timeline.save()
@@ -404,6 +389,6 @@ def first_step(args=None):
     config = {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, type(None)))}
     return FirstStepRecord(
         samples=run.last_train_samples, first_micro_step=first, step_metrics=m,
-        phases=[PhaseMemory(p, run.meter.peaks[p]) for p in ("rollout", "log_prob", "train", "weight_sync")],
+        phases=[PhaseMemory(p, run.meter.peaks[p]) for p in PHASES],
         capacity_bytes=cap, memory_kind=run.meter.kind, probe=probe, true_on_policy=bool(ns.true_on_policy_mode),
         config=config)

@@ -36,6 +36,25 @@ class ServerArgs:
     CUDA device (the GPU tests prove replayed steps give the eager bits), 0 on CPU (nothing to capture)."""
 
 
+KERNEL_BACKENDS = ("auto", "triton", "interpreter", "reference")
+"""``--kernel-backend`` values: ``auto`` and :data:`rlperf.kernels.BACKENDS` (kept equal by a test;
+this module stays light to import, so it does not import the kernels)."""
+KERNEL_MODES = ("invariant", "fast")
+"""``--mode`` values: :data:`rlperf.kernels.MODES`."""
+
+
+def add_kernel_arguments(p, auto_cpu: str) -> None:
+    """``--mode`` and ``--kernel-backend``, the kernel policy of a command: one definition for
+    ``rlperf serve``, ``rlperf train`` and ``rlperf gate``. ``p``: a parser or an argument group;
+    ``auto_cpu``: what ``--kernel-backend auto`` runs on CPU in this command."""
+    p.add_argument("--mode", default="invariant", choices=KERNEL_MODES,
+                   help="invariant: batch-invariant kernels (a row's bits never depend on its batch); fast: stock "
+                        "torch where it is faster (cuBLAS, SDPA), not batch-invariant (default: invariant)")
+    p.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
+                   help=f"auto: triton on CUDA, on CPU {auto_cpu}; triton (CUDA only); interpreter (Triton's "
+                        "interpreter on CPU, needs TRITON_INTERPRET=1); reference (float64 torch) (default: auto)")
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = ServerArgs()
     p.add_argument("--model-path", default=d.model_path,
@@ -47,9 +66,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, help="auto (cuda when present), cpu, cuda, cuda:N")
-    p.add_argument("--kernel-backend", default=d.kernel_backend, choices=["auto", "triton", "interpreter", "reference"])
-    p.add_argument("--mode", default=d.mode, choices=["invariant", "fast"],
-                   help="invariant: batch-invariant kernels (rollout log-probs == training log-probs); fast: stock torch")
+    add_kernel_arguments(p, auto_cpu="the torch reference, or the Triton interpreter when TRITON_INTERPRET=1")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="CUDA: fraction of GPU memory for weights + KV cache (default 0.85)")
     p.add_argument("--max-total-tokens", type=int, default=None,

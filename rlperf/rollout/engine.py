@@ -32,8 +32,8 @@ Finish reasons (SGLang's): ``{"type": "stop", "matched": token_id | stop_string}
 ``{"type": "length", "length": n}`` (``max_new_tokens`` or the context length), ``{"type": "abort",
 "message": ...}``.
 
-The engine is single-threaded: :class:`rlperf.rollout.loop.EngineLoop` drives it from one thread
-and is the only thing that touches it while it runs.
+The engine is single-threaded: :class:`rlperf.rollout.engine_loop.EngineLoop` drives it from one
+thread and is the only thing that touches it while it runs.
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ import torch
 from rlperf import kernels as K
 
 from .kv_cache import PagedKVCache, plan_num_pages
+from .sampling_params import check_sampling_values
 from .tokenizer import Tokenizer
 
 # sampling_params keys SGLang clients (slime) send that need no work here, with the value that is
@@ -131,13 +132,17 @@ class SamplingParams:
         seed = d.get("seed", d.get("sampling_seed"))
         if seed is not None:
             seed = _number({"seed": seed}, "seed", None, integer=True, lo=-(1 << 63), hi=(1 << 63) - 1)
-        return cls(
+        params = cls(
             max_new_tokens=_number(d, "max_new_tokens", cls.max_new_tokens, integer=True, lo=0),
             temperature=_number(d, "temperature", cls.temperature, lo=0),
             top_p=_number(d, "top_p", cls.top_p, lo=0, hi=1, lo_open=True),
             top_k=_number(d, "top_k", cls.top_k, integer=True, lo=-1),
             stop=tuple(stop), stop_token_ids=tuple(stop_ids), seed=seed, **flags,
         )
+        # the sampling kernel's types (float32 temperature and top_p, int32 top_k): rlperf train checks the same
+        check_sampling_values(params.temperature, params.top_p, params.top_k, error=BadRequest,
+                              names={k: f"sampling_params.{k}" for k in ("temperature", "top_p", "top_k")})
+        return params
 
 
 @dataclasses.dataclass
@@ -162,6 +167,26 @@ class EngineConfig:
     """Replay decode steps of up to this many sequences from CUDA graphs (``rlperf.rollout.cuda_graph``);
     0 disables (the engine's default; ``rlperf serve`` uses 256 on CUDA). The GPU tests show the
     replayed steps give the eager bits."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """What one finished request gives back: SGLang's ``/generate`` reply fields, typed.
+
+    ``output_ids`` and ``output_logprobs`` (one per output token: the log-prob of the token drawn,
+    module docstring), the decoded ``text``, and SGLang's ``finish_reason``
+    (``{"type": "stop" | "length" | "abort", ...}``).
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    text: str
+    finish_reason: dict
+
+    @property
+    def finish_type(self) -> str:
+        """``"stop"``, ``"length"`` or ``"abort"``."""
+        return self.finish_reason["type"]
 
 
 class Request:
@@ -194,6 +219,12 @@ class Request:
     def tokens(self, start: int, stop: int) -> list[int]:
         p = len(self.prompt_ids)
         return (self.prompt_ids[start:min(stop, p)] if start < p else []) + self.output_ids[max(start - p, 0):max(stop - p, 0)]
+
+    def result(self) -> GenerationResult:
+        """The finished request's :class:`GenerationResult` (copies of its lists)."""
+        if self.finish_reason is None:
+            raise RuntimeError(f"request {self.rid!r} has not finished")
+        return GenerationResult(list(self.output_ids), list(self.output_logprobs), self.text, dict(self.finish_reason))
 
 
 class Engine:
@@ -392,7 +423,9 @@ class Engine:
         if need > 0:
             r.pages.extend(self.kv.allocate(need))
 
-    def _retract(self, r: Request) -> None:
+    def retract(self, r: Request) -> None:
+        """Take running request ``r`` off its pages (freed) to the front of the waiting queue; its
+        tokens so far are kept and re-prefilled when it is admitted again (module docstring)."""
         self.kv.free(r.pages)
         r.pages, r.num_cached = [], 0
         r.num_retractions += 1
@@ -416,14 +449,14 @@ class Engine:
                 newer = [x for x in self.running if x.order > r.order]
                 if not newer:
                     break
-                self._retract(max(newer, key=lambda x: x.order))
+                self.retract(max(newer, key=lambda x: x.order))
             cap = self._capacity(r)
             if cap < 1:
                 if len(self.running) == 1 and not batch:
                     self._finish(r, {"type": "abort", "message": f"the KV cache ({self.kv.max_total_tokens} tokens) "
                                                                  "cannot hold this request"})
                 else:
-                    self._retract(r)
+                    self.retract(r)
                 continue
             n = min(n, cap)
             self._grow(r, n)
@@ -458,12 +491,19 @@ class Engine:
             self.step()
         raise RuntimeError(f"engine still busy after {max_steps} steps")
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
-        """Run ``prompts`` to completion together; returns the finished requests in order."""
+    def retract_all(self) -> int:
+        """:meth:`retract` every running request, newest first; returns how many (between steps)."""
+        running = sorted(self.running, key=lambda x: -x.order)
+        for r in running:
+            self.retract(r)
+        return len(running)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+        """Run ``prompts`` to completion together; returns their results in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         self.run_until_done()
-        return reqs
+        return [r.result() for r in reqs]
 
     def flush(self) -> None:
         """Free every page; only when idle (nothing running or waiting)."""

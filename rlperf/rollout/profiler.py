@@ -32,10 +32,6 @@ class TraceProfiler:
         self._steps_left: int | None = None
         self.last_trace: Path | None = None
 
-    @property
-    def active(self) -> bool:
-        return self._prof is not None
-
     def start(self, output_dir: str | None = None, num_steps: int | None = None, activities=None,
               with_stack: bool = False, record_shapes: bool = False, profile_id: str | None = None) -> Path:
         """Start profiling; returns the trace path that :meth:`stop` will write. ValueError on bad input."""

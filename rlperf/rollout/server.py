@@ -1,7 +1,7 @@
 """``rlperf serve``: the SGLang-compatible HTTP server in front of one rollout engine.
 
-Web stack: **aiohttp**. The engine runs on its own thread (:mod:`rlperf.rollout.loop`), so the
-server only needs an asyncio loop that parses JSON, hands work to that thread and awaits futures.
+Web stack: **aiohttp**. The engine runs on its own thread (:mod:`rlperf.rollout.engine_loop`), so
+the server only needs an asyncio loop that parses JSON, hands work to that thread and awaits futures.
 aiohttp is that and nothing more: one package that is both the server and the client (the router
 launcher and the tools use its client side), no ASGI layer, and no schema layer between the wire
 and our validation — FastAPI/pydantic would coerce ``"5"`` into ``5`` and answer type errors with
@@ -30,7 +30,7 @@ Endpoints (SGLang's names and reply fields; docs/ARCHITECTURE.md, "Rollout serve
   ``retract`` and ``in_place`` keep it), ``/continue_generation``, ``/flush_cache`` (only when idle),
   ``/abort_request`` (``rid`` or ``abort_all``), ``/start_profile`` and ``/stop_profile`` (GET or
   POST, as SGLang), ``/profile_trace``, ``/update_weights_from_tensor`` (``load_format:
-  "flattened_bucket"``; :mod:`rlperf.rollout.weights`).
+  "flattened_bucket"``; received and checked by :mod:`rlperf.sync.transports`).
 """
 from __future__ import annotations
 
@@ -45,12 +45,12 @@ import torch
 from aiohttp import web
 
 from rlperf import kernels as K
+from rlperf.sync import PayloadError, load_bucket, receive_bucket
 
 from .args import ServerArgs
 from .engine import BadRequest, Engine, EngineConfig, Request, SamplingParams
-from .loop import EngineLoop
+from .engine_loop import PAUSE_MODES, EngineLoop
 from .tokenizer import has_hf_tokenizer, load_tokenizer
-from .weights import load_bucket, receive_bucket
 
 VERSION = "rlperf-0.1.0"
 MAX_BODY_BYTES = 1 << 30  # inline weight buckets arrive base64-encoded in the body
@@ -89,7 +89,7 @@ async def _errors(request: web.Request, handler):
         return await handler(request)
     except web.HTTPException:
         raise
-    except BadRequest as exc:
+    except (BadRequest, PayloadError) as exc:  # a refused request, or a refused weight bucket
         return _error(400, str(exc))
     except Exception as exc:  # the server keeps serving; the client learns what went wrong
         return _error(500, f"{type(exc).__name__}: {exc}")
@@ -421,21 +421,13 @@ class RolloutServer:
     async def pause(self, request):
         body = await _json_body(request, allow_empty=True)
         mode = body.get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
+        if mode not in PAUSE_MODES:
             raise BadRequest(f"mode must be abort, retract or in_place, got {mode!r}")
-
-        def apply(engine: Engine):
-            self.loop._paused = True
-            if mode == "abort":
-                engine.abort(None, "generation paused (mode=abort)")
-            elif mode == "retract":
-                for r in sorted(engine.running, key=lambda x: -x.order):
-                    engine._retract(r)
-        await self._on_engine(apply)
+        await asyncio.wrap_future(self.loop.pause(mode))
         return web.json_response({"success": True, "message": f"generation paused (mode={mode})"})
 
     async def resume(self, request):
-        await asyncio.wrap_future(self.loop.set_paused(False))
+        await asyncio.wrap_future(self.loop.resume())
         return web.json_response({"success": True, "message": "generation continues"})
 
     async def flush(self, request):
@@ -511,7 +503,7 @@ class RolloutServer:
         def apply(engine: Engine):
             if abort_all:
                 engine.abort(None, "aborted for a weight update")
-            names = load_bucket(engine.model, bucket)
+            names = load_bucket(bucket, engine.model.hf_state_dict())
             if version is not None:
                 engine.weight_version = version
             if flush and not engine.has_work():

@@ -1,11 +1,10 @@
-"""Bucketed weight flatten/unflatten: many named tensors <-> a few contiguous uint8 buffers.
+"""Flattened buckets: many named tensors in one contiguous uint8 buffer, and the metadata that finds them.
 
 Weight sync (trainer -> rollout servers) moves parameters as *buckets*: each bucket is one
-contiguous ``torch.uint8`` buffer of at most ``bucket_bytes`` bytes holding many tensors of any
-dtypes, plus per-tensor metadata with SGLang's ``FlattenedTensorMetadata`` fields
-``{name, shape, dtype, start_idx, end_idx, numel}`` in SGLang's meanings
-(``sglang.srt.weight_sync.tensor_bucket``): ``start_idx``/``end_idx`` are *byte* offsets into the
-buffer and ``numel`` is the tensor's **byte** count, not its element count::
+contiguous ``torch.uint8`` buffer holding many tensors of any dtypes, plus per-tensor metadata with
+SGLang's ``FlattenedTensorMetadata`` fields ``{name, shape, dtype, start_idx, end_idx, numel}`` in
+SGLang's meanings (``sglang.srt.weight_sync.tensor_bucket``): ``start_idx``/``end_idx`` are *byte*
+offsets into the buffer and ``numel`` is the tensor's **byte** count, not its element count::
 
     numel == end_idx - start_idx == prod(shape) * dtype.itemsize
 
@@ -15,245 +14,38 @@ rlperf bucket, and ``FlattenedBucket(sglang_bucket.get_flattened_tensor(),
 sglang_bucket.get_metadata())`` takes an SGLang one (its metadata objects are converted and
 checked; :meth:`FlattenedTensorMetadata.of`).
 
-Layout rules of the buckets rlperf writes (the planner, :func:`plan_buckets`):
+rlperf packs buckets with :func:`rlperf.sync.flatten.flatten_buckets` (its layout rules: aligned
+starts, zero gaps). Buckets rlperf *reads* need not follow those rules: SGLang flattens unpadded
+(tensors back to back, so e.g. a float32 after 3 int8 bytes starts at byte 3). Any non-overlapping
+ranges inside the buffer are accepted. :meth:`FlattenedBucket.unflatten` gives zero-copy views of
+tensors whose start is aligned for their dtype and copies of the others (one launch for all of
+them), and :meth:`FlattenedBucket.load_into` copies bytes, so it loads aligned and misaligned
+tensors alike. Both are one launch of the ``rlperf._C`` multi-tensor copy (:mod:`rlperf.sync.extension`).
 
-* tensors are placed in the order given, greedily: a tensor goes into the current bucket if its
-  16-byte-aligned start plus its bytes fit in ``bucket_bytes``, else a new bucket starts;
-* a tensor larger than ``bucket_bytes`` gets a bucket of its own (never split);
-* every ``start_idx`` is a multiple of :data:`ALIGNMENT` (16 bytes), so the copy kernel moves
-  16-byte vectors and every unflattened view is aligned for its dtype;
-* a buffer is exactly as long as the end of its last tensor; alignment gaps are zero bytes.
-
-Buckets rlperf *reads* need not follow these rules: SGLang flattens unpadded (tensors back to back,
-so e.g. a float32 after 3 int8 bytes starts at byte 3). Any non-overlapping ranges inside the
-buffer are accepted. :meth:`FlattenedBucket.unflatten` gives zero-copy views of tensors whose
-start is aligned for their dtype and copies of the others (one launch for all of them), and
-:meth:`FlattenedBucket.load_into` copies bytes, so it loads aligned and misaligned tensors alike.
-
-Copies (:func:`flatten_buckets` packs, :meth:`FlattenedBucket.load_into` unpacks) are one launch
-per bucket of the ``rlperf._C`` multi-tensor copy (``torch.ops.rlperf.multi_tensor_pack`` /
-``multi_tensor_unpack``; CUDA: 16-byte vectorized chunks spread over all SMs; CPU: threads over
-chunks). Without the extension a pure-torch fallback (one copy per tensor) runs and warns once.
-
-Inputs: sources may be non-contiguous; they are made contiguous first (one extra copy of that
-tensor) because the bucket holds a tensor's elements in row-major order. Destinations of
-:meth:`FlattenedBucket.load_into` must be contiguous (a byte copy cannot write through strides);
-a non-contiguous destination is rejected with an error that names it. All tensors of one call
-must share one device, the bucket's.
-
-Checksum (:func:`bucket_checksum`): a deterministic 64-bit hash of a buffer's bytes, the same on
-CPU, CUDA and the fallback. Read the ``n`` bytes as little-endian uint64 words ``w_i``
-(``i = 0 .. ceil(n/8) - 1``, the last one zero-padded); ``S = sum_i mix64(w_i + (i+1)*G) mod 2^64``
-with ``G = 0x9E3779B97F4A7C15`` and ``mix64`` the splitmix64 finalizer; checksum
-``= mix64(S + n) mod 2^64``. Any change of one byte changes it (``mix64`` is a bijection), word
-swaps change it (the index is mixed in), and integer sums are order-free, so a parallel
-reduction gives the same bits every time. It detects corruption; it is not cryptographic.
+Destinations of :meth:`FlattenedBucket.load_into` must be contiguous (a byte copy cannot write
+through strides); a non-contiguous destination is rejected with an error that names it. All tensors
+of one call must share one device, the bucket's.
 
 Descriptions (:meth:`FlattenedBucket.to_dict` / :meth:`FlattenedBucket.from_dict`): plain JSON
-data (format tag, byte size, checksum as 16 hex digits, per-tensor metadata ``{name, shape, dtype,
-start_idx, end_idx, numel}`` with ``numel`` the byte count as above and dtype names from an
-allowlist), so a server can rebuild views over a received buffer without unpickling anything.
+data (format tag, byte size, checksum as 16 hex digits (:mod:`rlperf.sync.checksum`), per-tensor
+metadata ``{name, shape, dtype, start_idx, end_idx, numel}`` with ``numel`` the byte count as above
+and dtype names from an allowlist (:mod:`rlperf.sync.dtypes`)), so a server can rebuild views over a
+received buffer without unpickling anything.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
-ALIGNMENT = 16
+from .checksum import bucket_checksum, check_buffer
+from .dtypes import dtype_from_name, dtype_name
+from .extension import multi_tensor_unpack
+
 # v2: metadata numel is the byte count (SGLang's meaning); a v1 sender (element counts) is refused by name
 DESCRIPTION_FORMAT = "rlperf.flattened_bucket.v2"
-
-_U64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
-
-# dtype names a description may carry: looked up in this table, never through getattr on input.
-_DTYPE_NAMES = (
-    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-    "float8_e5m2fnuz", "complex64", "complex128", "int64", "int32", "int16", "int8", "uint64", "uint32",
-    "uint16", "uint8", "bool",
-)
-DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
-_DTYPE_TO_NAME = {d: n for n, d in DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``; ValueError for a dtype outside :data:`DTYPES`."""
-    try:
-        return _DTYPE_TO_NAME[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} is not supported in a flattened bucket; supported: {sorted(DTYPES)}") from None
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16`` (also accepts ``"torch.bfloat16"``); ValueError otherwise."""
-    key = name[len("torch."):] if isinstance(name, str) and name.startswith("torch.") else name
-    try:
-        return DTYPES[key]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown dtype name {name!r}; supported: {sorted(DTYPES)}") from None
-
-
-def _align_up(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-
-
-# ---------------------------------------------------------------------------------------------
-# Backend: the rlperf._C extension, or the pure-torch fallback.
-
-try:
-    from rlperf import _C as _extension  # noqa: F401  (importing it registers torch.ops.rlperf.*)
-
-    _EXTENSION_ERROR: BaseException | None = None
-except ImportError as exc:  # built without the extension (RLPERF_NO_EXTENSION=1, no compiler, ...)
-    _extension = None
-    _EXTENSION_ERROR = exc
-
-_force_torch = False
-_warned_fallback = False
-
-
-def extension_available(device: torch.device | str = "cpu") -> bool:
-    """True when ``rlperf._C`` is importable and has kernels for ``device``'s type."""
-    if _extension is None:
-        return False
-    key = "CUDA" if torch.device(device).type == "cuda" else "CPU"
-    return torch._C._dispatch_has_kernel_for_dispatch_key("rlperf::multi_tensor_pack", key)
-
-
-def backend(device: torch.device | str = "cpu") -> str:
-    """``"extension"`` (rlperf._C) or ``"torch"`` (the fallback) for tensors on ``device``."""
-    return "extension" if not _force_torch and extension_available(device) else "torch"
-
-
-@contextlib.contextmanager
-def use_torch_fallback() -> Iterator[None]:
-    """Force the pure-torch fallback inside the block (for tests and comparisons; no warning)."""
-    global _force_torch
-    previous, _force_torch = _force_torch, True
-    try:
-        yield
-    finally:
-        _force_torch = previous
-
-
-def _use_extension(device: torch.device) -> bool:
-    global _warned_fallback
-    if _force_torch:
-        return False
-    if extension_available(device):
-        return True
-    if not _warned_fallback:
-        _warned_fallback = True
-        reason = f"import failed: {_EXTENSION_ERROR}" if _extension is None else f"built without {device.type} kernels"
-        warnings.warn(
-            f"rlperf._C is not usable ({reason}); rlperf.sync.buckets falls back to pure torch "
-            "(one copy per tensor, slower). Rebuild with `pip install --no-build-isolation -e .`.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return False
-
-
-def _pack(srcs: list[torch.Tensor], buffer: torch.Tensor, offsets: list[int], chunk_bytes: int = 0) -> None:
-    """buffer[offsets[i] : offsets[i] + nbytes(srcs[i])] = bytes of srcs[i]; every other byte = 0."""
-    if _use_extension(buffer.device):
-        torch.ops.rlperf.multi_tensor_pack(srcs, buffer, offsets, chunk_bytes)
-        return
-    buffer.zero_()
-    for t, off in zip(srcs, offsets):
-        nbytes = t.numel() * t.element_size()
-        if nbytes:
-            buffer[off : off + nbytes].copy_(t.reshape(-1).view(torch.uint8))
-
-
-def _unpack(buffer: torch.Tensor, dsts: list[torch.Tensor], offsets: list[int], chunk_bytes: int = 0) -> None:
-    """bytes of dsts[i] = buffer[offsets[i] : offsets[i] + nbytes(dsts[i])]."""
-    if _use_extension(buffer.device):
-        torch.ops.rlperf.multi_tensor_unpack(buffer, dsts, offsets, chunk_bytes)
-        return
-    for t, off in zip(dsts, offsets):
-        nbytes = t.numel() * t.element_size()
-        if nbytes:
-            t.view(-1).view(torch.uint8).copy_(buffer[off : off + nbytes])
-
-
-# ---------------------------------------------------------------------------------------------
-# Checksum
-
-
-def _mix64_int(z: int) -> int:
-    z &= _U64
-    z = ((z ^ (z >> 30)) * _MIX1) & _U64
-    z = ((z ^ (z >> 27)) * _MIX2) & _U64
-    return z ^ (z >> 31)
-
-
-def _signed64(x: int) -> int:
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
-    # int64 tensors wrap mod 2^64 on + and *; >> is arithmetic, so mask to make it logical.
-    def lsr(x: torch.Tensor, s: int) -> torch.Tensor:
-        return (x >> s) & ((1 << (64 - s)) - 1)
-
-    z = (z ^ lsr(z, 30)) * _signed64(_MIX1)
-    z = (z ^ lsr(z, 27)) * _signed64(_MIX2)
-    return z ^ lsr(z, 31)
-
-
-_CHECKSUM_WORDS_PER_STEP = 1 << 22  # fallback: 32 MiB of the buffer per step bounds its temporaries
-
-
-def _checksum_torch(buffer: torch.Tensor) -> int:
-    n = buffer.numel()
-    nwords = (n + 7) // 8
-    total = 0
-    for first in range(0, nwords, _CHECKSUM_WORDS_PER_STEP):
-        last = min(nwords, first + _CHECKSUM_WORDS_PER_STEP)
-        raw = buffer[first * 8 : min(n, last * 8)]
-        if raw.numel() % 8 or raw.storage_offset() % 8:
-            padded = torch.zeros((last - first) * 8, dtype=torch.uint8, device=buffer.device)
-            padded[: raw.numel()] = raw
-            raw = padded
-        words = raw.view(torch.int64)
-        index = torch.arange(first + 1, last + 1, dtype=torch.int64, device=buffer.device)
-        terms = _mix64_tensor(words + index * _signed64(_GOLDEN))
-        total = (total + int(terms.sum().item())) & _U64
-    return _mix64_int(total + n)
-
-
-def bucket_checksum(buffer: torch.Tensor) -> int:
-    """The 64-bit checksum (module docstring) of a 1-D contiguous uint8 ``buffer``, as an int in [0, 2^64).
-
-    One read of the buffer (CUDA: one reduction kernel and a device-to-host sync; CPU: threads).
-    """
-    _check_buffer(buffer)
-    if _use_extension(buffer.device):
-        return torch.ops.rlperf.bucket_checksum(buffer) & _U64
-    return _checksum_torch(buffer)
-
-
-def _check_buffer(buffer: torch.Tensor) -> None:
-    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
-        raise ValueError(
-            "a bucket buffer must be a 1-D torch.uint8 tensor, got "
-            + (f"{buffer.dtype} of shape {tuple(buffer.shape)}" if isinstance(buffer, torch.Tensor) else type(buffer).__name__)
-        )
-    if not buffer.is_contiguous():
-        raise ValueError("a bucket buffer must be contiguous")
-
-
-# ---------------------------------------------------------------------------------------------
-# Metadata and planning
 
 
 _METADATA_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
@@ -266,8 +58,9 @@ class FlattenedTensorMetadata:
     ``start_idx``/``end_idx``: byte offsets into the bucket's uint8 buffer. ``numel``: the tensor's
     **byte** count, as SGLang writes it (``end_idx - start_idx``), so
     ``numel == end_idx - start_idx == prod(shape) * dtype.itemsize``; the element count is
-    :attr:`nelements`. Buckets rlperf packs start every tensor at a multiple of :data:`ALIGNMENT`;
-    received metadata may start anywhere (SGLang's flattening is unpadded).
+    :attr:`nelements`. Buckets rlperf packs start every tensor at a multiple of
+    :data:`rlperf.sync.flatten.ALIGNMENT`; received metadata may start anywhere (SGLang's flattening
+    is unpadded).
     """
 
     name: str
@@ -376,86 +169,6 @@ class FlattenedTensorMetadata:
             )
 
 
-def _named_items(named_tensors) -> Iterable[tuple[str, torch.Tensor]]:
-    if isinstance(named_tensors, Mapping):
-        return named_tensors.items()
-    return named_tensors
-
-
-def _check_bucket_bytes(bucket_bytes: int) -> None:
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-
-
-def _iter_planned(
-    named_tensors, bucket_bytes: int
-) -> Iterator[tuple[list[FlattenedTensorMetadata], list[torch.Tensor], int]]:
-    """Yield (metadata, contiguous sources, buffer bytes) per bucket, as soon as each bucket closes.
-
-    A generator, so :func:`flatten_buckets` launches bucket k's copy before planning bucket k+1
-    (the host plans while the device copies).
-    """
-    _check_bucket_bytes(bucket_bytes)
-    seen: set[str] = set()
-    device: torch.device | None = None
-    first_name = ""
-    metas: list[FlattenedTensorMetadata] = []
-    srcs: list[torch.Tensor] = []
-    end = 0
-    for item in _named_items(named_tensors):
-        try:
-            name, tensor = item
-        except (TypeError, ValueError):
-            raise ValueError(f"expected (name, tensor) pairs, got {item!r}") from None
-        if not isinstance(name, str):
-            raise ValueError(f"tensor names must be strings, got {name!r}")
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        if name in seen:
-            raise ValueError(f"tensor name {name!r} appears twice")
-        seen.add(name)
-        if tensor.layout != torch.strided:
-            raise ValueError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) tensors flatten")
-        if device is None:
-            device, first_name = tensor.device, name
-        elif tensor.device != device:
-            raise ValueError(f"tensor {name!r} is on {tensor.device} but {first_name!r} is on {device}: one device per call")
-        dtype_name(tensor.dtype)  # rejects dtypes a description could not name
-        t = tensor.detach()
-        if not t.is_contiguous():
-            t = t.contiguous()  # the bucket holds row-major elements; one extra copy of this tensor
-        nbytes = t.numel() * t.element_size()
-        start = _align_up(end)
-        if metas and start + nbytes > bucket_bytes:
-            yield metas, srcs, end
-            metas, srcs, start = [], [], 0
-        metas.append(FlattenedTensorMetadata(name, tuple(t.shape), t.dtype, start, start + nbytes, nbytes))  # numel: bytes
-        srcs.append(t)
-        end = start + nbytes
-    if metas:
-        yield metas, srcs, end
-
-
-def plan_buckets(named_tensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[FlattenedTensorMetadata]]:
-    """The bucket layout :func:`flatten_buckets` would use, without copying anything.
-
-    Parameters
-    ----------
-    named_tensors : iterable of (str, Tensor) or mapping str -> Tensor
-    bucket_bytes : int
-        Upper bound of a bucket's buffer length in bytes (alignment padding included), except for
-        a single tensor larger than it, which gets a bucket of its own.
-
-    Returns
-    -------
-    list of buckets, each a list of :class:`FlattenedTensorMetadata` in placement order.
-    """
-    return [metas for metas, _, _ in _iter_planned(named_tensors, bucket_bytes)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Buckets
-
 
 class FlattenedBucket:
     """One uint8 buffer and the metadata of the tensors packed in it.
@@ -471,7 +184,7 @@ class FlattenedBucket:
     """
 
     def __init__(self, buffer: torch.Tensor, metadata: Sequence[FlattenedTensorMetadata], *, _checked: bool = False):
-        _check_buffer(buffer)
+        check_buffer(buffer)
         self.buffer = buffer
         self.metadata: tuple[FlattenedTensorMetadata, ...] = (
             tuple(metadata) if _checked else tuple(FlattenedTensorMetadata.of(m) for m in metadata)
@@ -560,7 +273,7 @@ class FlattenedBucket:
                     copies.append(t)
                     offsets.append(m.start_idx)
         if copies:
-            _unpack(self.buffer, copies, offsets)
+            multi_tensor_unpack(self.buffer, copies, offsets)
         return out
 
     def load_into(self, params: Mapping[str, torch.Tensor]) -> None:
@@ -599,7 +312,7 @@ class FlattenedBucket:
             offsets.append(m.start_idx)
         if dsts:
             with torch.no_grad():
-                _unpack(self.buffer, dsts, offsets)
+                multi_tensor_unpack(self.buffer, dsts, offsets)
 
     def to_dict(self, *, with_checksum: bool = True) -> dict:
         """JSON-serializable description: format, nbytes, checksum (16 hex digits or None), tensors."""
@@ -621,7 +334,7 @@ class FlattenedBucket:
         if not isinstance(description, Mapping) or description.get("format") != DESCRIPTION_FORMAT:
             got = description.get("format") if isinstance(description, Mapping) else type(description).__name__
             raise ValueError(f"not a flattened-bucket description: format {got!r}, expected {DESCRIPTION_FORMAT!r}")
-        _check_buffer(buffer)
+        check_buffer(buffer)
         if description.get("nbytes") != buffer.numel():
             raise ValueError(f"description says {description.get('nbytes')!r} bytes but the buffer has {buffer.numel()}")
         tensors = description.get("tensors")
@@ -642,27 +355,3 @@ class FlattenedBucket:
                 bucket._checksum = expected
         return bucket
 
-
-def flatten_buckets(named_tensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[FlattenedBucket]:
-    """Pack named tensors into uint8 buckets, one multi-tensor copy launch per bucket.
-
-    Parameters
-    ----------
-    named_tensors : iterable of (str, Tensor) or mapping str -> Tensor
-        Any dtypes in :data:`DTYPES`, any shapes (zero-size included), one device; non-contiguous
-        tensors are made contiguous first. Names must be unique.
-    bucket_bytes : int
-        Bucket size limit in bytes (default 512 MiB); see :func:`plan_buckets`.
-
-    Returns
-    -------
-    list of :class:`FlattenedBucket` (empty for an empty input), buffers on the tensors' device.
-    The checksum is not computed here (it would read every bucket again); ask
-    :attr:`FlattenedBucket.checksum` when it is needed.
-    """
-    buckets = []
-    for metas, srcs, nbytes in _iter_planned(named_tensors, bucket_bytes):
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=srcs[0].device)
-        _pack(srcs, buffer, [m.start_idx for m in metas])
-        buckets.append(FlattenedBucket(buffer, metas, _checked=True))
-    return buckets

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -71,6 +72,19 @@ class TrainArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for an option slime would reject."""
+        for f in dataclasses.fields(self):  # nan/inf in any number would only surface steps later
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {v}")
+        if self.lr < 0:
+            raise ValueError(f"--lr must be >= 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps < 0:
+            raise ValueError(f"--adam-eps must be >= 0, got {self.adam_eps}")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"--advantage-estimator {self.advantage_estimator!r} is not supported; "
                              f"choose from {', '.join(ADVANTAGE_ESTIMATORS)}")

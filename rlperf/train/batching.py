@@ -1,10 +1,10 @@
-"""Samples, packed varlen micro-batches, and per-token log-probs of response tokens.
+"""Packed varlen micro-batches of samples, and per-token log-probs of response tokens.
 
-A :class:`Sample` is one prompt + response: ``tokens`` [L] (prompt then response),
-``response_length`` R (<= L - 1: the first response token needs a token before it), a
-``loss_mask`` [R] (1 = train on this token; 0 e.g. for tool output), the scalar ``reward``, and
-per response token the rollout engine's ``rollout_log_probs`` [R]. The trainer fills in
-``log_probs`` (old actor), ``ref_log_probs`` and ``advantages`` ([R] float32 each).
+A :class:`rlperf.train.sample.Sample` is one prompt + response: ``tokens`` [L] (prompt then
+response), ``response_length`` R (<= L - 1: the first response token needs a token before it), a
+``loss_mask`` [R], the scalar ``reward``, and the rollout engine's ``rollout_log_probs`` [R]; the
+trainer fills in ``log_probs`` (old actor), ``ref_log_probs`` and ``advantages``. Packing checks
+each sample (:meth:`~rlperf.train.sample.Sample.validate`).
 
 Response token j sits at position ``p = L - R + j``; its log-prob is read from the final hidden
 state at ``p - 1`` with target ``tokens[p]``, through :func:`rlperf.kernels.fused_logprob` — only
@@ -25,40 +25,7 @@ import torch
 
 from rlperf import kernels as K
 
-
-@dataclasses.dataclass
-class Sample:
-    """One trajectory (field names as slime's ``Sample``); see the module docstring for shapes."""
-
-    tokens: torch.Tensor
-    response_length: int
-    reward: float = 0.0
-    loss_mask: torch.Tensor | None = None
-    rollout_log_probs: torch.Tensor | None = None
-    log_probs: torch.Tensor | None = None
-    ref_log_probs: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-
-    def __post_init__(self):
-        self.tokens = torch.as_tensor(self.tokens, dtype=torch.int64)
-        self.response_length = int(self.response_length)
-        L, R = self.tokens.numel(), self.response_length
-        if self.tokens.dim() != 1 or not 0 < R < L:
-            raise ValueError(f"Sample: need tokens [L] with 0 < response_length < L (a prompt token first), "
-                             f"got tokens {list(self.tokens.shape)} and response_length {R}")
-        if self.loss_mask is None:
-            self.loss_mask = torch.ones(R, dtype=torch.float32)
-        for name in ("loss_mask", "rollout_log_probs", "log_probs", "ref_log_probs", "advantages"):
-            v = getattr(self, name)
-            if v is not None:
-                v = torch.as_tensor(v, dtype=torch.float32)
-                setattr(self, name, v)
-                if v.shape != (R,):
-                    raise ValueError(f"Sample: {name} must have shape [{R}] (response_length), got {list(v.shape)}")
-
-    @property
-    def total_length(self) -> int:
-        return self.tokens.numel()
+from .sample import Sample
 
 
 @dataclasses.dataclass
@@ -118,11 +85,12 @@ def make_micro_batch(samples: Sequence[Sample], indices: Sequence[int], device=N
     ids, pos, rows, tgts, cu, rl = [], [], [], [], [0], []
     for i in indices:
         s = samples[i]
-        L, R = s.total_length, s.response_length
-        ids.append(s.tokens)
+        tokens = s.token_ids()
+        L, R = tokens.numel(), s.response_length
+        ids.append(tokens)
         pos.append(torch.arange(L))
         rows.append(torch.arange(cu[-1] + L - R - 1, cu[-1] + L - 1))
-        tgts.append(s.tokens[L - R:])
+        tgts.append(tokens[L - R:])
         cu.append(cu[-1] + L)
         rl.append(R)
     mb = MicroBatch(list(indices), torch.cat(ids), torch.cat(pos), torch.tensor(cu, dtype=torch.int32),
@@ -132,7 +100,9 @@ def make_micro_batch(samples: Sequence[Sample], indices: Sequence[int], device=N
 
 def pack_micro_batches(samples: Sequence[Sample], max_tokens_per_gpu: int | None = None,
                        micro_batch_size: int | None = None, device=None) -> list[MicroBatch]:
-    """Micro-batches covering every sample once (see :func:`partition`)."""
+    """Micro-batches covering every sample once (see :func:`partition`); each sample is checked first."""
+    for s in samples:
+        s.validate()
     groups = partition([s.total_length for s in samples], max_tokens_per_gpu, micro_batch_size)
     return [make_micro_batch(samples, g, device) for g in groups]
 

@@ -11,6 +11,8 @@ parameters are the master weights, so train a float32 model or accept bf16 updat
    divided by the global batch's sample count (per-sample loss) or loss-token count (per-token),
    so the accumulated gradient is that of the whole batch's loss, whatever the packing.
 
+:meth:`Trainer.train` runs both for one rollout: prepare, then one step per global batch.
+
 Metrics use slime's names (``train/loss``, ``train/pg_loss``, ``train/pg_clipfrac``, ``train/ppo_kl``,
 ``train/kl_loss``, ``train/entropy_loss``, ``train/grad_norm`` (before clipping),
 ``train/train_rollout_logprob_abs_diff``, with TIS ``train/tis``, ``train/ois``,
@@ -24,6 +26,7 @@ part of the model.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Sequence
@@ -32,8 +35,9 @@ import torch
 
 from .advantages import compute_advantages
 from .args import TrainArgs
-from .batching import Sample, compute_log_probs, micro_batch_log_probs, pack_micro_batches
+from .batching import compute_log_probs, micro_batch_log_probs, pack_micro_batches
 from .losses import compute_approx_kl, policy_loss
+from .sample import Sample
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -63,10 +67,6 @@ class Trainer:
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr,
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         self.step_count = 0
-        self.micro_step_hook = None
-        """Called once per :meth:`train_step` with the first micro-batch's metrics (slime names, each
-        averaged over that micro-batch's samples, or loss tokens with ``calculate_per_token_loss``):
-        the first-step gates read ``train/ppo_kl`` and ``train/pg_clipfrac`` of step 0's first micro-step."""
 
     @property
     def device(self) -> torch.device:
@@ -92,12 +92,19 @@ class Trainer:
                 s.ref_log_probs = lp
             kl = [compute_approx_kl(s.log_probs, s.ref_log_probs, a.kl_loss_type) for s in samples]
         rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
-        adv = compute_advantages(a, rewards, [s.response_length for s in samples], [s.loss_mask for s in samples], kl)
+        adv = compute_advantages(a, rewards, [s.response_length for s in samples], [s.loss_mask_tensor() for s in samples],
+                                kl)
         for s, ad in zip(samples, adv):
             s.advantages = ad
 
-    def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
-        """One optimizer step over ``samples`` (prepared); returns the step's metrics."""
+    def train_step(self, samples: Sequence[Sample], micro_step_hook=None) -> dict[str, float]:
+        """One optimizer step over ``samples`` (prepared); returns the step's metrics.
+
+        ``micro_step_hook`` (optional) is called with the first micro-batch's metrics (slime names,
+        each averaged over that micro-batch's samples, or loss tokens with
+        ``calculate_per_token_loss``): the first-step gates read ``train/ppo_kl`` and
+        ``train/pg_clipfrac`` of step 0's first micro-step.
+        """
         a = self.args
         if not samples:
             raise ValueError("train_step needs at least one sample")
@@ -110,7 +117,7 @@ class Trainer:
         if a.use_tis and not with_rollout:
             raise ValueError("--use-tis needs rollout_log_probs on every sample")
         if a.calculate_per_token_loss:
-            denom = max(float(sum(s.loss_mask.sum() for s in samples)), 1.0)
+            denom = max(float(sum(s.loss_mask_tensor().sum() for s in samples)), 1.0)
         else:
             denom = float(len(samples))
 
@@ -126,20 +133,21 @@ class Trainer:
             def flat(name):
                 return torch.cat([getattr(s, name) for s in group]).to(dev)
 
+            masks = [s.loss_mask_tensor() for s in group]
+            rollout = torch.cat([s.rollout_log_probs_tensor() for s in group]).to(dev) if with_rollout else None
             log_probs, entropy = micro_batch_log_probs(self.model, mb, a.rollout_temperature, with_entropy=True,
                                                        impl=a.logprob_impl)
             if a.entropy_coef == 0:
                 entropy = entropy.detach()  # a metric only: no backward through the entropy
             loss, metrics = policy_loss(
                 a, log_probs, entropy, flat("log_probs"), flat("advantages"),
-                [s.loss_mask.to(dev) for s in group], mb.response_lengths,
-                ref_log_probs=flat("ref_log_probs") if a.use_kl_loss else None,
-                rollout_log_probs=flat("rollout_log_probs") if with_rollout else None)
+                [m.to(dev) for m in masks], mb.response_lengths,
+                ref_log_probs=flat("ref_log_probs") if a.use_kl_loss else None, rollout_log_probs=rollout)
             (loss / denom).backward()
-            if self.micro_step_hook is not None and mb is first_mb:
-                count = (float(sum(s.loss_mask.sum() for s in group)) if a.calculate_per_token_loss
+            if micro_step_hook is not None and mb is first_mb:
+                count = (float(sum(m.sum() for m in masks)) if a.calculate_per_token_loss
                          else float(len(group)))
-                self.micro_step_hook({f"train/{k}": float(v) / max(count, 1.0) for k, v in metrics.items()})
+                micro_step_hook({f"train/{k}": float(v) / max(count, 1.0) for k, v in metrics.items()})
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / denom
 
@@ -166,10 +174,20 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
 
-    def train(self, samples: Sequence[Sample]) -> list[dict[str, float]]:
-        """Prepare one rollout's samples, then one step per global batch (``num_steps_per_rollout`` steps)."""
+    def train(self, samples: Sequence[Sample], *, on_first_micro_step=None, phase=None) -> list[dict[str, float]]:
+        """One rollout's training: :meth:`prepare`, then one :meth:`train_step` per global batch
+        (``num_steps_per_rollout`` steps); returns each step's metrics.
+
+        ``phase(name)`` (optional) gives a context manager entered around ``"log_prob"`` (prepare)
+        and around ``"train"`` (the steps): the loop measures its phases with it.
+        ``on_first_micro_step``: the first step's ``micro_step_hook`` (:meth:`train_step`).
+        """
         gbs = self.args.global_batch_size or len(samples)
         if len(samples) % gbs:
             raise ValueError(f"{len(samples)} samples do not split into global batches of {gbs}")
-        self.prepare(samples)
-        return [self.train_step(samples[i:i + gbs]) for i in range(0, len(samples), gbs)]
+        phase = phase or (lambda name: contextlib.nullcontext())
+        with phase("log_prob"):
+            self.prepare(samples)
+        with phase("train"):
+            return [self.train_step(samples[i:i + gbs], on_first_micro_step if i == 0 else None)
+                    for i in range(0, len(samples), gbs)]

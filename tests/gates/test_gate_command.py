@@ -15,10 +15,11 @@ import torch
 
 import rlperf.kernels as K
 from gate_records import healthy_record
-from rlperf.gates import FirstStepGate, FirstStepRecord, GateOptions, measure_phase
+from rlperf.gates import FirstStepGate, FirstStepRecord, GateOptions, PhaseMemory
 from rlperf.gates.runner import main
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
+from rlperf.telemetry import PhaseMeter
 from rlperf.train import Sample, Trainer, compute_log_probs, frozen_copy, train_args_from
 
 GATE_NAMES = ["kl_zero", "logprob_abs_diff", "oom_headroom", "sanity"]
@@ -147,12 +148,11 @@ def tiny_first_step(perturb_reference=False, fast_rollout=False):
             g = torch.Generator().manual_seed(1)
             samples = [Sample(torch.randint(0, CFG.vocab_size, (n,), generator=g), r, reward=float(i % 2))
                        for i, (n, r) in enumerate(SHAPES)]
-            phases = []
-            with measure_phase("rollout") as m:
+            meter = PhaseMeter()
+            with meter.phase("rollout"):
                 # a non-invariant rollout engine: the fast (stock torch) path instead of the invariant kernels
                 with K.use_mode("fast") if fast_rollout else contextlib.nullcontext():
                     rollout = compute_log_probs(model, samples)
-            phases.append(m.record)
             for s, lp in zip(samples, rollout):
                 s.rollout_log_probs = lp
             ref = frozen_copy(model)
@@ -160,16 +160,14 @@ def tiny_first_step(perturb_reference=False, fast_rollout=False):
                 with torch.no_grad():
                     next(ref.parameters()).mul_(1.001)
             trainer = Trainer(model, targs, ref_model=ref)
-            with measure_phase("log_prob") as m:
+            with meter.phase("log_prob"):
                 trainer.prepare(samples)
-            phases.append(m.record)
-            with measure_phase("train") as m:
+            with meter.phase("train"):
                 metrics = trainer.train_step(samples)  # one micro-batch: the first micro-step is the step
-            phases.append(m.record)
-            with measure_phase("weight_sync") as m:
+            with meter.phase("weight_sync"):
                 {k: v.clone() for k, v in model.state_dict().items()}
-            phases.append(m.record)
-        return FirstStepRecord(samples, dict(metrics), metrics, phases, capacity_bytes=None, memory_kind="cpu_rss",
+            phases = [PhaseMemory(name, peak) for name, peak in meter.peaks.items()]
+        return FirstStepRecord(samples, dict(metrics), metrics, phases, capacity_bytes=None, memory_kind=meter.kind,
                                true_on_policy=True, config={"max_tokens_per_gpu": args.max_tokens_per_gpu})
 
     return first_step

@@ -253,10 +253,10 @@ def _check_load_paths(tokens, lens):
     for tma in (False, True):
         cfg = dict(A._CONFIG, TMA=tma)
         assert A._tma_views_ok(k, v, False) and A._tma_views_ok(cache.k, cache.v, True)
-        outs.append(A._attention_forward(q, k, v, cu, None, None, None, cfg))
-        outs.append(A._attention_forward(q, cache.k, cache.v, cu, kv_lens, cache.page_table, None, cfg))
-        outs.append(A._attention_forward(q[-1:], cache.k, cache.v, cu_of([1], q.device), kv_lens[-1:],
-                                         cache.page_table[-1:], None, cfg))
+        outs.append(A.attention_forward(q, k, v, cu, config=cfg))
+        outs.append(A.attention_forward(q, cache.k, cache.v, cu, kv_lens, cache.page_table, config=cfg))
+        outs.append(A.attention_forward(q[-1:], cache.k, cache.v, cu_of([1], q.device), kv_lens[-1:],
+                                        cache.page_table[-1:], config=cfg))
     assert not outs[0].isnan().any()
     for o in outs[1:]:
         assert torch.equal(o, outs[0][-o.shape[0]:] if o.shape[0] == 1 else outs[0])

@@ -6,7 +6,6 @@ Tolerances vs float64 (inputs exactly representable, float32 accumulation):
   gradients: dlogits are rounded to the input dtype before the two matmuls, so relative to the
   largest gradient entry: fp32 1e-4, fp16 4e-3 (2^-11 ulp x a few), bf16 2e-2 (GPU).
 """
-import importlib
 import math
 import os
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 import rlperf.kernels as K
-FL = importlib.import_module("rlperf.kernels.fused_logprob")  # the module (the package attribute is the op)
+from rlperf.kernels import fused_lm_head as FL
 from rlperf.kernels.reference.fused_logprob import fused_logprob as ref
 
 CPU_DTYPES = [(torch.float32, 1e-4), (torch.float16, 4e-3)]

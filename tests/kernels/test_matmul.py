@@ -11,10 +11,8 @@ errors of O(1) numbers:
 CPU tests run the Triton kernel in the interpreter (fp32/fp16; its bf16 dot is wrong), with small
 N, K that are not multiples of the tiles; K = 96 takes the TMA-descriptor path, K = 33/130 (rows
 not 16-byte aligned in fp16) the masked pointer path. GPU tests (marker ``gpu``) repeat them with
-bf16 and real Qwen3 shapes, where the invariance bits actually matter.
-
-(Import ops through ``rlperf.kernels``, never ``from rlperf.kernels.matmul import ...`` here: a
-first import of the submodule binds the package attribute ``matmul`` to the module.)
+bf16 and real Qwen3 shapes, where the invariance bits actually matter. (The kernel's module is
+``rlperf.kernels.gemm``.)
 """
 import pytest
 import torch

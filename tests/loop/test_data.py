@@ -10,11 +10,11 @@ from rlperf.data import (DataError, PromptDataset, boxed_answer, boxed_math_rewa
                          load_prompt_data)
 from rlperf.data.jsonl import PromptRecord
 from rlperf.loop import train
-from rlperf.loop.rollout import RolloutSample
+from rlperf.train import Sample
 
 
 def _sample(response, label):
-    return RolloutSample(index=0, group=0, prompt="p", prompt_ids=[1], label=label, response=response)
+    return Sample([1], 0, index=0, group_index=0, prompt="p", label=label, response=response)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -71,9 +71,11 @@ def test_dataset_batches_wrap_and_depend_only_on_seed_and_rollout():
 
 
 CUSTOM = textwrap.dedent('''
-    from rlperf.loop.rollout import generate_rollout
+    from rlperf.loop.generation import generate_rollout
+    from rlperf.train import Sample
 
     CALLS = []
+    SEEDS = []
 
     def reward(args, sample):
         return float(sample.response.startswith(sample.metadata["want"]))
@@ -83,10 +85,14 @@ CUSTOM = textwrap.dedent('''
         return generate_rollout(args, rollout_id, data_source)
 
     def generate(args, sample, sampling_params):
-        # a deterministic "model": answer the label's first character, log-prob 0
-        sample.response_ids = [ord(sample.label[0])]
+        # a deterministic "model": answer the label's first character, log-prob 0 (slime's fields)
+        assert sample.status is Sample.Status.PENDING and sample.response_length == 0
+        SEEDS.append(sampling_params.seed)
+        sample.tokens = sample.tokens + [ord(sample.label[0])]
+        sample.response_length = 1
         sample.rollout_log_probs = [0.0]
         sample.response = sample.label[0]
+        sample.status = Sample.Status.COMPLETED
         return sample
 ''')
 
@@ -105,6 +111,7 @@ def test_jsonl_task_with_custom_rollout_generate_and_reward(tmp_path, monkeypatc
     import my_custom
 
     assert my_custom.CALLS == [0, 1]
+    assert len(set(my_custom.SEEDS)) == len(my_custom.SEEDS) == 8  # one seed per sample and rollout
     assert [m["rollout/raw_reward"] for m in hist] == [0.5, 0.5]
     assert [m["rollout/rollout_log_probs"] for m in hist] == [0.0, 0.0]
     # the default generate + boxed_math on the same file: a random model earns nothing, but it runs

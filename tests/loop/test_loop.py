@@ -9,7 +9,7 @@ import torch
 
 from rlperf.cli import main
 from rlperf.loop import METRICS_FILE, first_step, train
-from rlperf.loop.rollout import load_rollout_data
+from rlperf.loop.generation import load_rollout_data
 
 # keys that depend on time or memory, not on the computation
 VOLATILE = ("perf/", "memory/")
@@ -94,7 +94,7 @@ def test_async_rollout_is_one_step_off_policy(tmp_path):
     _run(tmp_path / "r", "--debug-rollout-only", "--num-rollout", "2", "--save-debug-rollout-data", tpl.format("ro"))
     _run(tmp_path / "s", "--num-rollout", "2", "--save-debug-rollout-data", tpl.format("sync"))
     load = lambda kind: load_rollout_data(tmp_path / kind / "r1.jsonl")  # noqa: E731
-    key = lambda ss: [(s.response_ids, s.rollout_log_probs) for s in ss]  # noqa: E731
+    key = lambda ss: [(s.tokens, s.rollout_log_probs) for s in ss]  # noqa: E731
     assert key(load("async")) == key(load("ro"))
     assert key(load("sync")) != key(load("ro"))
 
@@ -117,7 +117,7 @@ def test_first_step_record_for_the_gates(tmp_path):
     assert all(p.peak_bytes > 0 for p in rec.phases)
     assert len(rec.samples) == 64
     for s in rec.samples:
-        assert torch.equal(s.log_probs, s.ref_log_probs) and torch.equal(s.log_probs, s.rollout_log_probs)
+        assert torch.equal(s.log_probs, s.ref_log_probs) and torch.equal(s.log_probs, s.rollout_log_probs_tensor())
 
 
 # ---- bad inputs: a clear error, exit 2, no step, existing checkpoints untouched ----------------------------
@@ -130,7 +130,8 @@ def checkpoint(tmp_path_factory):
 
 def _bad(tmp_path, checkpoint, capsys, *flags):
     before = _tree_digest(checkpoint)
-    code = main(["train", "--output-dir", str(tmp_path / "out"), "--no-progress", "--save", str(checkpoint), *flags])
+    code = main(["train", "--output-dir", str(tmp_path / "out"), "--no-progress", "--save", str(checkpoint),
+                 "--overwrite-save", *flags])  # even when allowed to overwrite it, a bad input leaves it untouched
     assert code == 2
     assert not (tmp_path / "out" / METRICS_FILE).exists()  # no step ran
     assert _tree_digest(checkpoint) == before

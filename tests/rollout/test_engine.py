@@ -8,7 +8,7 @@ import torch
 import rlperf.kernels as K
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
-from rlperf.rollout.engine import BadRequest, Engine, EngineConfig, SamplingParams
+from rlperf.rollout.engine import BadRequest, Engine, EngineConfig, GenerationResult, SamplingParams
 from rlperf.rollout.tokenizer import ByteTokenizer
 
 CFG = preset("tiny")
@@ -101,6 +101,21 @@ def test_preemption_under_a_tiny_kv_cache_returns_the_same_tokens(model):
     assert tight.num_retractions > 0
     assert got == roomy
     assert tight.kv.num_free_pages == tight.kv.num_pages and not tight.running and not tight.waiting
+
+
+def test_retract_all_mid_flight_returns_the_same_typed_results(model):
+    prompts, params = _prompts(4, seed=8), [PARAMS[i % 3] for i in range(4)]
+    want = _engine(model).generate(prompts, params)
+    assert all(isinstance(r, GenerationResult) and r.finish_type == "length" for r in want)
+    engine = _engine(model)
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    for _ in range(5):
+        engine.step()
+    running = len(engine.running)
+    assert running > 0 and engine.retract_all() == running
+    assert not engine.running and engine.kv.num_free_pages == engine.kv.num_pages
+    engine.run_until_done()
+    assert [r.result() for r in reqs] == want
 
 
 def test_running_cap_is_respected(model):

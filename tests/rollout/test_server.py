@@ -24,8 +24,8 @@ from rlperf.rollout.args import ServerArgs
 from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
 from rlperf.rollout.router import http_json
 from rlperf.rollout.tokenizer import ByteTokenizer
-from rlperf.rollout.weights import bucket_payload, push_weights
-from rlperf.sync import flatten_buckets
+from rlperf.loop.clients import push_weights
+from rlperf.sync import SyncConfig, bucket_payload, flatten_buckets
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("sglang_router")
@@ -422,7 +422,8 @@ def _update(url, payload, version=None):
 
 
 def _push(url, named, version, transport):
-    n = push_weights(url, named, transport=transport, bucket_bytes=64 * 1024, weight_version=version, api_key=KEY)
+    n = push_weights(url, named, config=SyncConfig(transport=transport, bucket_bytes=64 * 1024), weight_version=version,
+                     api_key=KEY)
     assert n > 1  # several buckets, so a multi-request update is exercised
 
 

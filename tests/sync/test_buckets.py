@@ -1,4 +1,5 @@
-"""rlperf.sync.buckets and the rlperf._C multi-tensor copy: layout, exact round trips, checks, checksum.
+"""rlperf.sync (flatten, buckets, checksum) and the rlperf._C multi-tensor copy: layout, exact round trips,
+checks, checksum.
 
 CPU tests run the C++ CPU path of the extension (and the pure-torch fallback, which must give the
 same bytes); ``gpu`` tests run the CUDA kernels on larger, bf16-heavy inputs.
@@ -21,7 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlperf.sync import buckets as B
+from rlperf import sync as B
+from rlperf.sync import extension as E
+from rlperf.sync.flatten import align_up
 
 REPO = Path(__file__).resolve().parents[2]
 U64 = (1 << 64) - 1
@@ -117,7 +120,7 @@ def ref_checksum(data: bytes) -> int:
 def test_extension_is_built():
     if os.environ.get("RLPERF_NO_EXTENSION") == "1":
         pytest.skip("RLPERF_NO_EXTENSION=1: installed without rlperf._C")
-    assert B.extension_available("cpu"), f"rlperf._C did not load: {B._EXTENSION_ERROR}"
+    assert B.extension_available("cpu"), f"rlperf._C did not load: {E._EXTENSION_ERROR}"
 
 
 needs_extension = pytest.mark.skipif(not B.extension_available("cpu"), reason="rlperf._C not built (RLPERF_NO_EXTENSION=1?)")
@@ -173,7 +176,7 @@ def test_plan_limits_alignment_and_order(bucket_bytes):
     # greedy: the first tensor of each bucket after the first did not fit in the previous one
     for prev, cur in zip(plan, plan[1:]):
         first = cur[0]
-        assert B._align_up(prev[-1].end_idx) + first.nbytes > bucket_bytes
+        assert align_up(prev[-1].end_idx) + first.nbytes > bucket_bytes
 
 
 def test_oversized_tensor_gets_its_own_bucket():
@@ -209,12 +212,12 @@ def test_bad_inputs_are_named():
 
 @needs_extension
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("bucket_bytes", [64, 1000, B.DEFAULT_BUCKET_BYTES])
+@pytest.mark.parametrize("bucket_bytes", [64, 1000, B.SYNC_BUCKET_BYTES])
 def test_round_trip_mixed_dtypes_exact(backend, bucket_bytes):
     named = mixed_tensors()
     buckets = flatten_with(backend, named, bucket_bytes)
     assert sorted(n for b in buckets for n in b.names) == sorted(named)
-    if bucket_bytes == B.DEFAULT_BUCKET_BYTES:
+    if bucket_bytes == B.SYNC_BUCKET_BYTES:
         assert len(buckets) == 1
     for bucket in buckets:
         views = bucket.unflatten()
@@ -291,7 +294,7 @@ def test_gap_bytes_are_zero_not_garbage():
             torch.ops.rlperf.multi_tensor_pack(srcs, buffer, [16, 2])
         else:
             with B.use_torch_fallback():
-                B._pack(srcs, buffer, [16, 2])
+                E.multi_tensor_pack(srcs, buffer, [16, 2])
         expected = torch.zeros(40, dtype=torch.uint8)
         expected[16:19] = 7
         expected[2:7] = 9
@@ -428,7 +431,7 @@ def test_small_chunks_and_misaligned_sources(chunk_bytes):
     torch.ops.rlperf.multi_tensor_pack(srcs, bucket, offsets, chunk_bytes)
     with B.use_torch_fallback():
         expected = torch.full((1334,), 0x11, dtype=torch.uint8)
-        B._pack(srcs, expected, offsets)
+        E.multi_tensor_pack(srcs, expected, offsets)
     assert torch.equal(bucket, expected)
     outs = [poisoned_like(s) for s in srcs]
     outs[0] = torch.empty(1001, dtype=torch.uint8)[1:]  # misaligned destination too
@@ -508,9 +511,9 @@ def test_fallback_equals_extension():
 
 
 def test_missing_extension_warns_once_and_still_works(monkeypatch):
-    monkeypatch.setattr(B, "_extension", None)
-    monkeypatch.setattr(B, "_EXTENSION_ERROR", ImportError("no module named rlperf._C"))
-    monkeypatch.setattr(B, "_warned_fallback", False)
+    monkeypatch.setattr(E, "_extension", None)
+    monkeypatch.setattr(E, "_EXTENSION_ERROR", ImportError("no module named rlperf._C"))
+    monkeypatch.setattr(E, "_warned_fallback", False)
     assert B.backend("cpu") == "torch" and not B.extension_available("cpu")
     named = mixed_tensors()
     with pytest.warns(RuntimeWarning, match="falls back to pure torch"):
@@ -767,7 +770,7 @@ def test_foreign_metadata_is_checked_by_name(sgl):
 
 
 @needs_extension
-@pytest.mark.parametrize("bucket_bytes", [64, 1000, B.DEFAULT_BUCKET_BYTES])
+@pytest.mark.parametrize("bucket_bytes", [64, 1000, B.SYNC_BUCKET_BYTES])
 def test_rlperf_buckets_reconstruct_in_sglang(sgl, bucket_bytes):
     named = {**mixed_tensors(), **sglang_named()}
     buckets = B.flatten_buckets(named, bucket_bytes)
@@ -800,7 +803,7 @@ def test_rlperf_buckets_reconstruct_in_sglang(sgl, bucket_bytes):
 @needs_extension
 @pytest.mark.parametrize("transport", ["inline", "shm"])
 def test_sglang_bucket_through_the_weight_transports(sgl, transport):
-    from rlperf.rollout.weights import bucket_payload, receive_bucket, release
+    from rlperf.sync import bucket_payload, receive_bucket, release
 
     named = sglang_named()
     sb = sgl.FlattenedTensorBucket(named_tensors=list(named.items()))
@@ -945,7 +948,7 @@ def test_gpu_ops_misaligned_and_chunk_sizes(chunk_bytes):
     ]
     offsets, end = [], 0
     for s in srcs:
-        offsets.append(B._align_up(end))
+        offsets.append(align_up(end))
         end = offsets[-1] + s.numel() * s.element_size()
     bucket = torch.full((end + 5,), 0xFF, dtype=torch.uint8, device="cuda")
     torch.ops.rlperf.multi_tensor_pack(srcs, bucket, offsets, chunk_bytes)

@@ -58,11 +58,29 @@ def test_micro_batch_layout_and_no_token_lost():
 
 def test_sample_validation():
     with pytest.raises(ValueError, match="0 < response_length < L"):
-        Sample(torch.arange(4), 4)
+        Sample(torch.arange(4), 4).validate()
+    with pytest.raises(ValueError, match="0 < response_length < L"):
+        pack_micro_batches([Sample([5, 6, 7], 0)])  # a pending sample (no response) does not train
     with pytest.raises(ValueError, match=r"loss_mask must have shape \[2\]"):
-        Sample(torch.arange(4), 2, loss_mask=torch.ones(3))
+        Sample(torch.arange(4), 2, loss_mask=torch.ones(3)).validate()
+    with pytest.raises(ValueError, match=r"rollout_log_probs must have shape \[2\]"):
+        pack_micro_batches([Sample([1, 2, 3], 2, rollout_log_probs=[-0.5])])
     s = Sample([1, 2, 3], 2, rollout_log_probs=[-0.5, -1.0])
-    assert s.loss_mask.tolist() == [1.0, 1.0] and s.rollout_log_probs.dtype == torch.float32
+    s.validate()
+    assert s.loss_mask_tensor().tolist() == [1.0, 1.0] and s.rollout_log_probs_tensor().dtype == torch.float32
+    assert s.token_ids().dtype == torch.int64 and (s.total_length, s.prompt_length) == (3, 1)
+
+
+def test_sample_round_trips_through_json():
+    import json
+
+    s = Sample([1, 2, 3], 2, group_index=0, index=1, prompt="p", response="ab", label="b", reward=0.5,
+               rollout_log_probs=[-0.1, -1e-8], loss_mask=[1, 0], status=Sample.Status.TRUNCATED, metadata={"k": 1})
+    back = Sample.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert back.to_dict() == s.to_dict() and back.status is Sample.Status.TRUNCATED
+    assert Sample.Status.of_finish_reason("stop") is Sample.Status.COMPLETED
+    s.log_probs = torch.zeros(2)  # the trainer's fields are not rollout data
+    assert "log_probs" not in s.to_dict()
 
 
 def test_response_log_probs_match_full_logits_and_do_not_depend_on_packing():
@@ -120,7 +138,7 @@ def test_gpu_bf16_response_log_probs_are_packing_invariant_and_equal_with_grad()
         old = torch.cat([packed[i] for i in mb.indices]).cuda()
         assert torch.equal(logp.detach(), old)
         args = TrainArgs(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
-        masks = [samples[i].loss_mask.cuda() for i in mb.indices]
+        masks = [samples[i].loss_mask_tensor().cuda() for i in mb.indices]
         loss, m = policy_loss(args, logp, ent, old, torch.ones_like(old), masks, mb.response_lengths,
                               ref_log_probs=torch.cat([ref[i] for i in mb.indices]).cuda(), rollout_log_probs=old)
         for key in ("ppo_kl", "pg_clipfrac", "kl_loss", "train_rollout_logprob_abs_diff"):

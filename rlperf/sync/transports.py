@@ -1,7 +1,7 @@
-"""Weight updates for the rollout server: flattened buckets described as JSON, never pickles.
+"""Weight-bucket transports: a bucket as a JSON payload, its bytes by value or by handle, never a pickle.
 
-A ``/update_weights_from_tensor`` request with ``load_format: "flattened_bucket"`` carries, per
-tensor-parallel rank (one here), a *bucket payload* — a JSON object (or a string holding one)::
+A server's ``/update_weights_from_tensor`` request with ``load_format: "flattened_bucket"`` carries,
+per tensor-parallel rank (one here), a *bucket payload* — a JSON object (or a string holding one)::
 
     {"description": FlattenedBucket.to_dict(),            # rlperf.sync.buckets: names, shapes, dtypes, byte ranges
      "transport": {"kind": "inline", "data": "<base64 of the buffer>"}         # any host
@@ -13,25 +13,33 @@ The receiver rebuilds a uint8 buffer from the transport — base64 decoding, a c
 fields ``storage._share_cuda_()`` gave the sender (the one allowlisted rebuild step; no code or
 class name ever comes from the request) — then ``FlattenedBucket.from_dict`` checks the
 description against the buffer (sizes, ranges, dtypes, checksum) and ``load_into`` checks every
-destination before one byte is copied. Anything that disagrees is a :class:`BadRequest`.
+destination before one byte is copied. Anything that disagrees is a :class:`PayloadError` (a
+server answers 400 with its message).
 
-The sender side is :func:`bucket_payload` (and :func:`release` for the shared-memory segment);
-:func:`push_weights` flattens named tensors and posts every bucket to a server.
+Sender: :func:`bucket_payload` (and :func:`release` for the shared-memory segment). Receiver:
+:func:`receive_bucket`, :func:`load_bucket`. :func:`sync_weights` runs the whole path in one
+process (flatten, then each bucket straight into the destination or through a transport), as the
+loop's in-process engine and the sync benchmark do; the HTTP side (pause, push every bucket, flush,
+continue) is the loop's router client (:mod:`rlperf.loop.clients`).
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
+from collections.abc import Mapping
 from multiprocessing import shared_memory
 
 import torch
 
-from rlperf.sync.buckets import DEFAULT_BUCKET_BYTES, FlattenedBucket, flatten_buckets
+from .buckets import FlattenedBucket
+from .config import TRANSPORTS, SyncConfig
+from .flatten import flatten_buckets
 
-from .engine import BadRequest
 
-TRANSPORTS = ("inline", "shm", "cuda_ipc")
+class PayloadError(ValueError):
+    """A bucket payload, or a bucket's destinations, that the receiver refuses; the message says why."""
 
 
 def bucket_payload(bucket: FlattenedBucket, transport: str = "inline"):
@@ -59,6 +67,8 @@ def bucket_payload(bucket: FlattenedBucket, transport: str = "inline"):
 
 
 def release(handle) -> None:
+    """Free what a :func:`bucket_payload` handle holds once the receiver has answered (the
+    shared-memory segment; other handles need nothing)."""
     if isinstance(handle, shared_memory.SharedMemory):
         handle.close()
         handle.unlink()
@@ -67,9 +77,9 @@ def release(handle) -> None:
 def _field(d: dict, key: str, kind, what: str):
     v = d.get(key)
     if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
-        raise BadRequest(f"{what}.{key} must be an integer, got {v!r}")
+        raise PayloadError(f"{what}.{key} must be an integer, got {v!r}")
     if kind is not int and not isinstance(v, kind):
-        raise BadRequest(f"{what}.{key} must be a {kind.__name__}, got {type(v).__name__}")
+        raise PayloadError(f"{what}.{key} must be a {kind.__name__}, got {type(v).__name__}")
     return v
 
 
@@ -77,12 +87,12 @@ def _b64(d: dict, key: str, what: str) -> bytes:
     try:
         return base64.b64decode(_field(d, key, str, what), validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise BadRequest(f"{what}.{key} is not valid base64: {exc}") from None
+        raise PayloadError(f"{what}.{key} is not valid base64: {exc}") from None
 
 
 def _buffer(transport, nbytes: int) -> torch.Tensor:
     if not isinstance(transport, dict):
-        raise BadRequest(f"transport must be an object, got {type(transport).__name__}")
+        raise PayloadError(f"transport must be an object, got {type(transport).__name__}")
     kind = transport.get("kind")
     if kind == "inline":
         raw = _b64(transport, "data", "transport")
@@ -92,16 +102,16 @@ def _buffer(transport, nbytes: int) -> torch.Tensor:
         try:
             shm = shared_memory.SharedMemory(name=name)
         except (FileNotFoundError, ValueError, OSError) as exc:
-            raise BadRequest(f"shared-memory segment {name!r} cannot be opened: {exc}") from None
+            raise PayloadError(f"shared-memory segment {name!r} cannot be opened: {exc}") from None
         try:
             if shm.size < nbytes:
-                raise BadRequest(f"shared-memory segment {name!r} has {shm.size} bytes, the description says {nbytes}")
+                raise PayloadError(f"shared-memory segment {name!r} has {shm.size} bytes, the description says {nbytes}")
             return torch.frombuffer(bytearray(shm.buf[:nbytes]), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
         finally:
             shm.close()
     if kind == "cuda_ipc":
         if not torch.cuda.is_available():
-            raise BadRequest("transport cuda_ipc needs a CUDA server")
+            raise PayloadError("transport cuda_ipc needs a CUDA server")
         from torch.multiprocessing import reductions
 
         what = "transport"
@@ -117,7 +127,7 @@ def _buffer(transport, nbytes: int) -> torch.Tensor:
                     _b64(transport, "ref_counter_handle", what), _field(transport, "ref_counter_offset", int, what),
                     _b64(transport, "event_handle", what), bool(transport.get("event_sync_required", True)))
             except RuntimeError as exc:
-                raise BadRequest(f"cuda_ipc handle cannot be opened: {exc}") from None
+                raise PayloadError(f"cuda_ipc handle cannot be opened: {exc}") from None
             reductions.shared_cache[(handle, offset)] = reductions.StorageWeakRef(storage)
         else:
             # already open here: the sender still incremented its reference counter for this
@@ -129,67 +139,77 @@ def _buffer(transport, nbytes: int) -> torch.Tensor:
                 storage = storage._untyped_storage
         off = _field(transport, "tensor_offset", int, what)
         if off + nbytes > storage.nbytes():
-            raise BadRequest(f"cuda_ipc storage has {storage.nbytes()} bytes, the description needs {off + nbytes}")
+            raise PayloadError(f"cuda_ipc storage has {storage.nbytes()} bytes, the description needs {off + nbytes}")
         t = torch.empty(0, dtype=torch.uint8, device=storage.device)
         return t.set_(storage, off, (nbytes,))
-    raise BadRequest(f"transport.kind must be one of {list(TRANSPORTS)}, got {kind!r}")
+    raise PayloadError(f"transport.kind must be one of {list(TRANSPORTS)}, got {kind!r}")
 
 
 def receive_bucket(payload, device) -> FlattenedBucket:
-    """Rebuild and check one bucket payload (module docstring) on ``device``; BadRequest when anything disagrees."""
+    """Rebuild and check one bucket payload (module docstring) on ``device``; PayloadError when anything disagrees."""
     if isinstance(payload, str):
         try:
             payload = json.loads(payload)
         except json.JSONDecodeError as exc:
-            raise BadRequest(f"bucket payload is not JSON: {exc}") from None
+            raise PayloadError(f"bucket payload is not JSON: {exc}") from None
     if not isinstance(payload, dict):
-        raise BadRequest(f"a bucket payload must be an object with description and transport, got {type(payload).__name__}")
+        raise PayloadError(f"a bucket payload must be an object with description and transport, got {type(payload).__name__}")
     desc = payload.get("description")
     if not isinstance(desc, dict):
-        raise BadRequest("bucket payload field 'description' must be an object (FlattenedBucket.to_dict())")
+        raise PayloadError("bucket payload field 'description' must be an object (FlattenedBucket.to_dict())")
     nbytes = desc.get("nbytes")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise BadRequest(f"description.nbytes must be a non-negative integer, got {nbytes!r}")
+        raise PayloadError(f"description.nbytes must be a non-negative integer, got {nbytes!r}")
     buffer = _buffer(payload.get("transport"), nbytes)
     try:
         bucket = FlattenedBucket.from_dict(desc, buffer, verify_checksum=True)
     except ValueError as exc:
-        raise BadRequest(f"bucket rejected: {exc}") from None
+        raise PayloadError(f"bucket rejected: {exc}") from None
     if bucket.device != torch.device(device):
         bucket = FlattenedBucket(bucket.buffer.to(device), bucket.metadata)
     return bucket
 
 
-def load_bucket(model, bucket: FlattenedBucket) -> list[str]:
-    """Copy the bucket's tensors into the model's parameters (HF names); returns the names loaded."""
+def load_bucket(bucket: FlattenedBucket, params: Mapping[str, torch.Tensor]) -> list[str]:
+    """Copy the bucket's tensors into ``params`` (name -> destination, e.g. a model's
+    ``hf_state_dict()``); returns the names loaded. PayloadError when a destination disagrees."""
     try:
-        bucket.load_into(model.hf_state_dict())
+        bucket.load_into(params)
     except ValueError as exc:
-        raise BadRequest(str(exc)) from None
+        raise PayloadError(str(exc)) from None
     return bucket.names
 
 
-def push_weights(url: str, named_tensors, *, transport: str = "inline", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 weight_version: str | None = None, api_key: str | None = None, timeout: float = 600.0) -> int:
-    """Send ``named_tensors`` (HF names -> tensors) to the server at ``url`` through
-    ``/update_weights_from_tensor``, one bucket per request; returns the number of buckets.
+@dataclasses.dataclass(frozen=True)
+class SyncStats:
+    """What one :func:`sync_weights` moved."""
 
-    RuntimeError with the server's message when a bucket is refused (earlier buckets stay loaded).
+    buckets: int
+    bytes: int
+    """Bytes of the bucket buffers (alignment gaps included)."""
+
+
+def sync_weights(named_tensors, params: Mapping[str, torch.Tensor], *, config: SyncConfig | None = None) -> SyncStats:
+    """Flatten ``named_tensors`` into buckets and load every bucket into ``params``, in this process.
+
+    ``params`` maps names to destination tensors (contiguous, the buckets' shapes and dtypes; it may
+    hold more names). ``config.transport`` None copies each bucket's tensors straight into the
+    destinations (one launch per bucket; same device); a transport sends each bucket as that payload
+    and receives it as a server does (:func:`receive_bucket`: description and checksum checked),
+    onto the destinations' device. The bucket size is ``config.bucket_bytes``.
     """
-    from .router import http_json
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    buckets = flatten_buckets(named_tensors, bucket_bytes=bucket_bytes)
-    for i, bucket in enumerate(buckets):
-        payload, handle = bucket_payload(bucket, transport)
-        body = {"load_format": "flattened_bucket", "serialized_named_tensors": [payload]}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        try:
-            status, reply = http_json(url.rstrip("/") + "/update_weights_from_tensor", body, timeout=timeout, headers=headers)
-        finally:
-            release(handle)
-        if status != 200:
-            msg = reply.get("error", {}).get("message") if isinstance(reply, dict) else reply
-            raise RuntimeError(f"{url}: bucket {i + 1}/{len(buckets)} refused ({status}): {msg}")
-    return len(buckets)
+    config = config or SyncConfig()
+    buckets = flatten_buckets(named_tensors, bucket_bytes=config.bucket_bytes)
+    device = next(iter(params.values())).device if params else None
+    nbytes = 0
+    for b in buckets:
+        if config.transport is None:
+            b.load_into(params)
+        else:
+            payload, handle = bucket_payload(b, config.transport)
+            try:
+                load_bucket(receive_bucket(payload, device or b.device), params)
+            finally:
+                release(handle)
+        nbytes += b.nbytes
+    return SyncStats(buckets=len(buckets), bytes=nbytes)

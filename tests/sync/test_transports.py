@@ -1,4 +1,5 @@
-"""Weight-update payloads: JSON descriptions + inline / shared-memory / CUDA IPC buffers, exact round trips."""
+"""rlperf.sync.transports: JSON descriptions + inline / shared-memory / CUDA IPC buffers, exact round trips;
+sync_weights, the whole path in one process."""
 import json
 import multiprocessing as mp
 
@@ -7,9 +8,8 @@ import torch
 
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
-from rlperf.rollout.engine import BadRequest
-from rlperf.rollout.weights import bucket_payload, load_bucket, receive_bucket, release
-from rlperf.sync import flatten_buckets
+from rlperf.sync import (INLINE_BUCKET_BYTES, SYNC_BUCKET_BYTES, PayloadError, SyncConfig, bucket_payload,
+                         flatten_buckets, load_bucket, receive_bucket, release, sync_weights, weights_checksum)
 
 
 def _named(device="cpu"):
@@ -34,13 +34,13 @@ def test_payload_round_trip_is_exact_and_pure_json(transport):
 
 
 def test_receive_rejects_non_objects_and_bad_json():
-    with pytest.raises(BadRequest, match="not JSON"):
+    with pytest.raises(PayloadError, match="not JSON"):
         receive_bucket("{oops", "cpu")
-    with pytest.raises(BadRequest, match="must be an object"):
+    with pytest.raises(PayloadError, match="must be an object"):
         receive_bucket([1, 2], "cpu")
-    with pytest.raises(BadRequest, match="description"):
+    with pytest.raises(PayloadError, match="description"):
         receive_bucket({"transport": {"kind": "inline", "data": ""}}, "cpu")
-    with pytest.raises(BadRequest, match="nbytes"):
+    with pytest.raises(PayloadError, match="nbytes"):
         receive_bucket({"description": {"nbytes": -1}, "transport": {"kind": "inline", "data": ""}}, "cpu")
 
 
@@ -48,12 +48,42 @@ def test_load_bucket_writes_model_parameters_and_checks_dtypes():
     model = Qwen3ForCausalLM.random(preset("tiny"), seed=0)
     new = Qwen3ForCausalLM.random(preset("tiny"), seed=1)
     for bucket in flatten_buckets(new.hf_state_dict(), bucket_bytes=32 * 1024):
-        load_bucket(model, receive_bucket(bucket_payload(bucket)[0], "cpu"))
+        assert load_bucket(receive_bucket(bucket_payload(bucket)[0], "cpu"), model.hf_state_dict()) == bucket.names
     for (name, a), b in zip(model.hf_state_dict().items(), new.hf_state_dict().values()):
         assert torch.equal(a, b), name
     (bad,) = flatten_buckets({"model.norm.weight": torch.ones(64, dtype=torch.float16)})
-    with pytest.raises(BadRequest, match="float16"):
-        load_bucket(model, bad)
+    with pytest.raises(PayloadError, match="float16"):
+        load_bucket(bad, model.hf_state_dict())
+
+
+@pytest.mark.parametrize("transport", [None, "inline", "shm"])
+def test_sync_weights_loads_every_tensor_exactly(transport):
+    model = Qwen3ForCausalLM.random(preset("tiny"), seed=0)
+    new = Qwen3ForCausalLM.random(preset("tiny"), seed=1)
+    config = SyncConfig(transport=transport, bucket_bytes=32 * 1024)
+    stats = sync_weights(new.hf_state_dict(), model.hf_state_dict(), config=config)
+    assert stats.buckets == len(flatten_buckets(new.hf_state_dict(), bucket_bytes=32 * 1024)) > 1
+    assert weights_checksum(model.hf_state_dict()) == weights_checksum(new.hf_state_dict())
+    for (name, a), b in zip(model.hf_state_dict().items(), new.hf_state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_sync_config_bucket_sizes_and_transports():
+    assert SyncConfig().bucket_bytes == SyncConfig(transport="shm").bucket_bytes == SYNC_BUCKET_BYTES
+    assert SyncConfig(transport="inline").bucket_bytes == INLINE_BUCKET_BYTES
+    assert SyncConfig(transport="inline", bucket_bytes=4096).bucket_bytes == 4096
+    with pytest.raises(ValueError, match="transport must be one of"):
+        SyncConfig(transport="pickle")
+
+
+def test_weights_checksum_sees_every_byte_and_the_order():
+    named = _named()
+    base = weights_checksum(named)
+    assert weights_checksum({k: v.clone() for k, v in named.items()}) == base
+    changed = dict(named, b=named["b"].clone())
+    changed["b"].view(torch.int16)[3] ^= 1
+    assert weights_checksum(changed) != base
+    assert weights_checksum(dict(reversed(named.items()))) != base
 
 
 def _share_from_child(queue, done):

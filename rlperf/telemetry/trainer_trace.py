@@ -31,7 +31,7 @@ session would have to nest theirs, and torch runs one profiler at a time.
 The sessions record CPU ops (plus CUDA kernels on a CUDA device) with shapes, memory and FLOPs;
 no Python stacks (they multiply the trace size and the export time). Traces are Chrome JSON
 (gzip), timestamps ``baseTimeNanoseconds + ts * 1000`` on the wall clock of the phase timeline
-(:mod:`rlperf.profiles.timeline`), so the two line up in Perfetto.
+(:mod:`rlperf.telemetry.timeline`), so the two line up in Perfetto.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 TARGETS = ("train_overall", "train_actor", "train_log_probs")
 TARGET_PHASE = {"train_actor": "train", "train_log_probs": "log_prob"}
-"""The loop phase (``rlperf.loop.runner`` PhaseMeter name) each phase target records."""
+"""The loop phase (its :class:`rlperf.telemetry.meter.PhaseMeter` name) each phase target records."""
 
 TRACE_PREFIX = "torch_trace_"
 TRACE_SUFFIX = ".json.gz"

@@ -1,7 +1,7 @@
 """The phase timeline writer: nested phases and memory counters, as Chrome JSON and as Perfetto protobuf.
 
-The training loop that will call it does not exist yet (issue #5); these tests drive it the way
-the loop will, with a counter sampler that returns known values so every counter can be checked."""
+These tests drive it the way the loop does (through :class:`rlperf.telemetry.PhaseMeter`), with a
+counter sampler that returns known values so every counter can be checked."""
 import gzip
 import itertools
 import json
@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from rlperf.profiles.timeline import PHASES, PhaseTimeline, default_path, memory_counters, perfetto_available
+from rlperf.telemetry.memory import memory_counters
+from rlperf.telemetry.timeline import PHASES, PhaseTimeline, default_path, perfetto_available
 
 
 def _timeline(path):

@@ -12,8 +12,8 @@ The loop wraps each phase of a step::
     timeline.save()
 
 Standard phase names are :data:`PHASES` (any name is accepted). At the start and end of every phase
-the memory counters are sampled: host RSS, and per CUDA device the allocated, reserved and peak
-allocated bytes of torch's caching allocator (MiB).
+the memory counters are sampled (:func:`rlperf.telemetry.memory.memory_counters`): host RSS, and per
+CUDA device the allocated, reserved and peak allocated bytes of torch's caching allocator (MiB).
 
 Timestamps are wall-clock (``time.time_ns``), the clock of the rollout servers' traces and of
 ``rlperf profile run``'s merged trace, so the files line up when opened together.
@@ -34,10 +34,11 @@ import threading
 import time
 from pathlib import Path
 
+from .memory import memory_counters
+
 PHASES = ("rollout", "reward", "ref_log_probs", "actor_log_probs", "train", "weight_sync", "gate")
 """The phases of one RL step, in order (``gate``: the first-step gates)."""
 
-MIB = 1 << 20
 _SEQUENCE_ID = 0x5E7  # one writer: every packet of the trace is on this one packet sequence
 
 
@@ -51,28 +52,6 @@ def perfetto_available() -> bool:
 
 def default_path(directory: str | os.PathLike, name: str = "timeline") -> Path:
     return Path(directory) / (f"{name}.pftrace" if perfetto_available() else f"{name}.json.gz")
-
-
-def memory_counters() -> dict[str, float]:
-    """Host RSS and, per CUDA device torch has initialised, allocated/reserved/peak MiB."""
-    out = {}
-    try:
-        with open("/proc/self/statm") as f:  # resident pages are the second field
-            out["host rss MiB"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        out["host peak rss MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    try:
-        import torch
-    except ImportError:
-        return out
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # never initialise CUDA just to sample it
-        for d in range(torch.cuda.device_count()):
-            out[f"cuda:{d} allocated MiB"] = torch.cuda.memory_allocated(d) / MIB
-            out[f"cuda:{d} reserved MiB"] = torch.cuda.memory_reserved(d) / MIB
-            out[f"cuda:{d} peak allocated MiB"] = torch.cuda.max_memory_allocated(d) / MIB
-    return out
 
 
 @dataclasses.dataclass

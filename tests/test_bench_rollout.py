@@ -1,14 +1,26 @@
-"""The rollout benchmark's measuring logic, on the tiny model on CPU (the timings themselves mean nothing here)."""
+"""The rollout benchmark's (``rlperf bench rollout``) measuring logic, on the tiny model on CPU (the
+timings themselves mean nothing here)."""
+import pytest
 import torch
 
 import rlperf.kernels as K
+from rlperf.bench.harness import BenchRow
+from rlperf.bench.rollout import decode_case, floor_ms, prefill_case, summarize
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
-from rlperf.rollout.benchmark import decode_case, floor_ms, prefill_case, summarize
 from rlperf.rollout.kv_cache import bytes_per_token
 
 
-def test_decode_and_prefill_cases_run_the_engine_as_described():
+@pytest.fixture
+def one_thread():
+    """Many tiny engine ops: one intra-op thread is far faster than threads fighting over shared cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_decode_and_prefill_cases_run_the_engine_as_described(one_thread):
     model = Qwen3ForCausalLM.random(preset("tiny"), seed=0)
     with K.use_backend("reference"):
         d = decode_case(model, batch=3, prompt_len=20, new_tokens=12, steps=4, warmup=2, graph_bs=4)
@@ -22,8 +34,6 @@ def test_decode_and_prefill_cases_run_the_engine_as_described():
 
 
 def test_summarize_names_the_targets():
-    from rlperf.bench.harness import BenchRow
-
     rows = [BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "memory floor", 1.5, extra={"tokens_per_s": 32000.0}),
             BenchRow("rollout", "prefill 16x512", "invariant step", 10.0, "fast step", 8.0, extra={"tokens_per_s": 819200.0}),
             BenchRow("rollout", "decode B=64 invariance cost", "invariant step", 2.0, "fast step", 3.0)]

@@ -1,4 +1,5 @@
-"""Batch-invariant matmul: ``out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])`` (nn.Linear layout).
+"""Batch-invariant matmul (the GEMM behind ``rlperf.kernels.matmul`` and ``linear``):
+``out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])`` (nn.Linear layout).
 
 Shapes and dtypes: ``x`` [M, K] and ``w`` [N, K] of one dtype (bfloat16, float16 or float32),
 ``bias`` [N] (any float dtype, read as float32) or None -> ``out`` [M, N] of ``out_dtype``
@@ -38,8 +39,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .autograd import matmul_with_grad, needs_grad
-from .dispatch import backend, mode
+from .autograd import matmul_with_grad
+from .dispatch import route
 from .pipeline import launch_with_fitting_stages
 from .tile_dot import dot_acc
 from .reference.matmul import matmul_ref
@@ -264,7 +265,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     """
     _check(x, w, bias, out_dtype)
     out_dtype = out_dtype or x.dtype
-    if needs_grad(x, w, bias):
+    how = route("matmul", x.device, (x, w, bias))
+    if how == "autograd":
         if out is not None:
             raise ValueError("matmul: out= does not support autograd (an input requires grad)")
         return matmul_with_grad(lambda x, w, b: matmul(x, w, b, out_dtype), x, w, bias)
@@ -272,29 +274,32 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if out is not None and (out.shape != (M, N) or out.dtype != out_dtype or out.device != x.device):
         raise ValueError(f"matmul: out must be [M, N] = ({M}, {N}) of {out_dtype} on {x.device}, "
                          f"got {tuple(out.shape)} of {out.dtype} on {out.device}")
-    if mode() == "fast":
+    if how == "stock":
         y = F.linear(x, w, bias).to(out_dtype)
+    elif how == "reference":
+        y = matmul_ref(x, w, bias).to(out_dtype)
     else:
-        where = backend(x.device)  # once per call: it reads the environment
-        if where == "reference":
-            y = matmul_ref(x, w, bias).to(out_dtype)
-        else:
-            return _launch(x, w, bias, out_dtype, matmul_config(x.dtype, N, x.shape[1]), out,
-                           interpreted=where == "interpreter")
+        return launch(x, w, bias, out_dtype, out=out)
     if out is None:
         return y
     return out.copy_(y)
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-            cfg: MatmulConfig, out: torch.Tensor | None = None, tma: bool | None = None,
-            interpreted: bool | None = None) -> torch.Tensor:
-    """Launch the kernel with ``cfg`` (always :func:`matmul_config`'s, except in the tuning sweep,
-    which also passes ``tma=False`` to time the pointer path)."""
+def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+           *, config: MatmulConfig | None = None, tma: bool | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the Triton kernel directly: no routing, no autograd, no input checks (:func:`matmul`
+    does those). CUDA tensors run compiled, CPU tensors under the interpreter (``TRITON_INTERPRET=1``).
+
+    ``config``: the tile config (default :func:`matmul_config`'s, the one :func:`matmul` uses);
+    ``tma=False`` forces the pointer path where TMA would be used. Both exist for tuning sweeps
+    (``bench/matmul_sweep.py``): another config may give other bits.
+    """
     M, K = x.shape
     N = w.shape[0]
-    if interpreted is None:
-        interpreted = backend(x.device) == "interpreter"
+    out_dtype = out_dtype or x.dtype
+    cfg = config if config is not None else matmul_config(x.dtype, N, K)
+    interpreted = x.device.type != "cuda"
     # The interpreter's bf16 casts round differently from torch: write float32 there and let
     # torch round (never taken on the GPU); its tile products go through tile_dot.dot_acc.
     kernel_out_dtype = torch.float32 if interpreted and out_dtype == torch.bfloat16 else out_dtype
@@ -316,7 +321,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dty
         programs = min(programs, num_tiles)
         # A wider output (float32 logits from a bf16 lm-head) needs a larger epilogue buffer in
         # shared memory: fewer stages then (kernels/pipeline.py; the bits stay).
-        def launch(stages):
+        def run(stages):
             _matmul_kernel[(programs,)](
                 x_arg, w_arg, dst, bias,
                 M, N, K,
@@ -327,7 +332,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dty
                 num_warps=cfg.num_warps, num_stages=stages,
             )
 
-        launch_with_fitting_stages(launch, ("matmul", cfg, dst.dtype), cfg.num_stages)
+        launch_with_fitting_stages(run, ("matmul", cfg, dst.dtype), cfg.num_stages)
     if dst is out:
         return out
     if out is not None:

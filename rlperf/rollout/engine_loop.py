@@ -1,12 +1,15 @@
 """The engine thread: the one thread that touches the :class:`~rlperf.rollout.engine.Engine`.
 
 Everything else (the HTTP handlers on the asyncio loop) talks to it through a queue of commands
-run between steps: ``submit`` (a new request), ``call`` (any function of the engine — abort,
-weight loads, flush, profiling — whose result comes back as a ``concurrent.futures.Future``).
-Pausing stops the steps but keeps serving commands, so weights can be loaded while paused.
+run between steps: :meth:`EngineLoop.call` runs any function of the engine (adding requests, abort,
+weight loads, flush, profiling) and hands its result back as a ``concurrent.futures.Future``.
+:meth:`EngineLoop.pause` stops the steps (SGLang's ``/pause_generation`` modes: abort what is in
+flight, retract it, or keep it in place) but keeps serving commands, so weights can be loaded while
+paused; :meth:`EngineLoop.resume` starts the steps again.
 
-``rlperf.kernels`` picks its backend per thread (``use_backend`` is thread-local), so the thread
-enters ``use_backend(backend)`` itself.
+A kernel policy set with ``rlperf.kernels.use_backend`` lives in a context variable, which a new
+thread does not inherit, so the thread enters ``use_backend(backend)`` itself; the mode is the
+process default (``rlperf.kernels.set_mode``, which ``rlperf serve --mode`` calls).
 """
 from __future__ import annotations
 
@@ -20,8 +23,13 @@ from rlperf import kernels as K
 from .engine import Engine
 from .profiler import TraceProfiler
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+"""What :meth:`EngineLoop.pause` does with requests in flight (SGLang's ``/pause_generation`` modes)."""
+
 
 class EngineLoop:
+    """The engine's thread and its command queue (module docstring)."""
+
     def __init__(self, engine: Engine, backend: str | None = None):
         self.engine, self.backend = engine, backend
         self.profiler = TraceProfiler()
@@ -54,9 +62,25 @@ class EngineLoop:
         self._inbox.put((fn, fut))
         return fut
 
-    def set_paused(self, paused: bool) -> concurrent.futures.Future:
-        def apply(engine):
-            self._paused = paused
+    def pause(self, mode: str = "abort") -> concurrent.futures.Future:
+        """Stop stepping after the current step, and per ``mode`` (:data:`PAUSE_MODES`, SGLang's):
+        ``abort`` every request in flight, ``retract`` the running ones (pages freed, tokens kept:
+        they re-prefill and go on after :meth:`resume`), or leave them ``in_place``."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+
+        def apply(engine: Engine):
+            self._paused = True
+            if mode == "abort":
+                engine.abort(None, "generation paused (mode=abort)")
+            elif mode == "retract":
+                engine.retract_all()
+        return self.call(apply)
+
+    def resume(self) -> concurrent.futures.Future:
+        """Step again (after :meth:`pause`)."""
+        def apply(engine: Engine):
+            self._paused = False
         return self.call(apply)
 
     def _drain(self, block: bool) -> None:

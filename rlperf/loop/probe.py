@@ -1,5 +1,8 @@
 """The worst-case probe of the ``oom_headroom`` gate: one training forward + backward at the largest
-micro-batch the run can see, measured like a phase.
+micro-batch the run can see, measured like a phase (:class:`rlperf.telemetry.PhaseMeter`).
+
+The loop runs it after the first step (:func:`rlperf.loop.first_step`) and puts its peak in
+:attr:`rlperf.loop.record.FirstStepRecord.probe`; the gate only compares that number with the capacity.
 
 The first step's batch is whatever the rollout happened to produce; a run OOMs later, on the
 longest samples. The largest micro-batch is:
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .memory import measure_phase
+from rlperf.telemetry import PhaseMeter
+
 from .record import PhaseMemory
 
 
@@ -68,7 +72,7 @@ def worst_case_probe(trainer, sample_length: int, phase: str = "train") -> Phase
         p.grad = None
     model.train()
     try:
-        with measure_phase(phase, trainer.device) as m:
+        with PhaseMeter(trainer.device).phase(phase) as m:
             log_probs, entropy = micro_batch_log_probs(model, mb, a.rollout_temperature, with_entropy=True, **kw)
             # a loss of the policy loss's shape: per-token ratio against the old log-probs, times advantages
             old = torch.full_like(log_probs, -1.0)
@@ -79,4 +83,4 @@ def worst_case_probe(trainer, sample_length: int, phase: str = "train") -> Phase
         for p, gr in zip(params, saved):
             p.grad = gr
         model.train(was_training)
-    return PhaseMemory(m.record.phase, m.record.peak_bytes, tokens=int(mb.input_ids.numel()))
+    return PhaseMemory(phase, m.peak_bytes, tokens=int(mb.input_ids.numel()))

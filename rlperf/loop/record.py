@@ -1,8 +1,10 @@
 """What the first step hands to the gates: :class:`FirstStepRecord`.
 
-The loop (``rlperf.loop``) runs one rollout and one train step and fills this record; the gates
-(``rlperf.gates``) read only this record, so they can be tested on hand-made records and run on
-any backend that can fill it.
+The loop produces it (:func:`rlperf.loop.first_step`: one rollout and one train step, each phase
+measured by :class:`rlperf.telemetry.PhaseMeter`, plus the worst-case probe of
+:mod:`rlperf.loop.probe`); the gates (``rlperf.gates``) read only this record, so they can be tested
+on hand-made records and run on any backend that can fill it. The record lives with its producer:
+the gates import it from here, the loop never imports the gates.
 """
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ class FirstStepRecord:
     """One rollout + one train step, as the gates see it.
 
     ``samples``: the step's :class:`rlperf.train.Sample` objects with ``rollout_log_probs`` (from the
-    rollout engine), ``log_probs`` (the actor recomputed before training), ``ref_log_probs`` (the
-    frozen reference), ``loss_mask`` and ``reward`` filled, each [response_length] float32.
+    rollout engine, as the rollout returned them: read them with ``rollout_log_probs_tensor()``),
+    ``log_probs`` (the actor recomputed before training), ``ref_log_probs`` (the frozen reference)
+    and ``reward`` filled, the log-probs [response_length] float32; ``loss_mask_tensor()`` gives the mask.
     ``first_micro_step``: metrics of the first micro-step with slime's names (``train/ppo_kl``,
     ``train/pg_clipfrac``, ``train/loss``, ``train/grad_norm``, ...). ``step_metrics``: the whole
     step's metrics. ``phases``: measured peak per phase (:data:`PHASES`); ``probe``: the peak of a

@@ -1,11 +1,10 @@
-"""The worst-case probe: the largest micro-batch's shape, a measured peak, and no trace left on the trainer."""
+"""The worst-case probe (the loop's, read by the oom_headroom gate): the largest micro-batch's shape, a
+measured peak, and no trace left on the trainer."""
 import pytest
 import torch
 
 import rlperf.kernels as K
-from gate_records import GiB, healthy_record
-from rlperf.gates import PhaseMemory, measure_phase, oom_headroom
-from rlperf.gates.probe import probe_samples, worst_case_probe
+from rlperf.loop.probe import probe_samples, worst_case_probe
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.train import TrainArgs, Trainer
@@ -47,24 +46,3 @@ def test_worst_case_probe_measures_and_leaves_the_trainer_as_it_was():
     assert torch.equal(params[0].grad, torch.full_like(params[0], 0.5))
     assert all(p.grad is None for p in params[1:])
     assert not model.training and trainer.optimizer.state_dict()["state"] == {}
-
-
-def test_a_probe_over_the_limit_fails_the_gate_naming_its_tokens():
-    record = healthy_record()
-    record.probe = PhaseMemory("train", 15 * GiB, tokens=8192)
-    r = oom_headroom(record)
-    assert not r.passed and r.message.startswith("phase probe:train (worst-case micro-batch of 8192 tokens)")
-    assert r.measured["probe_tokens"] == 8192
-
-
-@pytest.mark.gpu
-def test_measure_phase_on_cuda_sees_an_allocation_inside_the_block():
-    dev = torch.device("cuda")
-    keep = torch.ones(2**20, device=dev)  # allocated before: not part of the phase's growth
-    with measure_phase("rollout", dev) as m:
-        x = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
-        del x
-    assert m.record.peak_bytes >= 256 * 2**20 + keep.numel() * 4
-    with measure_phase("log_prob", dev) as m2:
-        pass
-    assert m2.record.peak_bytes < 256 * 2**20  # the peak was reset at the phase's start

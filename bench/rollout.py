@@ -1,8 +1,8 @@
 """Rollout-engine benchmark: decode step time against the memory floor, prefill throughput, invariance cost.
 
 A benchmark module in the ``rlperf bench`` protocol (``run(quick) -> list[BenchRow]``,
-``summarize(rows) -> dict``); it lives next to the engine it measures. To run it as
-``rlperf bench rollout``, ``bench/run.py`` registers ``"rollout": "rlperf.rollout.benchmark"``.
+``summarize(rows) -> dict``), run as ``rlperf bench rollout``. It measures the engine
+(:mod:`rlperf.rollout.engine`) from outside, as a tool: the product never imports it.
 
 Cases (qwen3-0.6b shape, random bf16 weights, byte prompts, ``ignore_eos``):
 
@@ -27,10 +27,11 @@ import torch
 from rlperf import kernels as K
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
+from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
+from rlperf.rollout.kv_cache import bytes_per_token
+from rlperf.rollout.tokenizer import ByteTokenizer
 
-from .engine import Engine, EngineConfig, SamplingParams
-from .kv_cache import bytes_per_token
-from .tokenizer import ByteTokenizer
+from .harness import BenchRow, cuda_time
 
 MODEL = "qwen3-0.6b"
 PROMPT, NEW = 512, 256
@@ -95,8 +96,6 @@ def prefill_case(model, batch: int, prompt_len: int, reps: int) -> float:
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write), CUDA events, median."""
-    from rlperf.bench.harness import cuda_time
-
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     t = cuda_time(lambda: dst.copy_(src), warmup=3, reps=20, flush_l2=False)
@@ -112,8 +111,6 @@ def floor_ms(model, batch: int, kv_mean: float, bandwidth: float) -> tuple[float
 
 
 def run(quick: bool = False) -> list:
-    from rlperf.bench.harness import BenchRow
-
     if not torch.cuda.is_available():
         raise RuntimeError("the rollout benchmark needs a CUDA GPU")
     cfg = preset(MODEL)

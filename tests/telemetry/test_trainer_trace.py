@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlperf.cli import main
-from rlperf.profiles.trainer_trace import TARGETS, check_profile_args, trace_name
+from rlperf.telemetry.trainer_trace import TARGETS, check_profile_args, trace_name
 
 SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--num-threads", "1",
          "--no-progress"]

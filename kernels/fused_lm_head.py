@@ -1,4 +1,6 @@
-"""Fused lm-head + log-prob (+ entropy) from hidden states, without [N, V] float32 logits.
+"""Fused lm-head + log-prob (+ entropy) from hidden states, without [N, V] float32 logits: the op
+``rlperf.kernels.fused_logprob``, and its launchers for tuning (:func:`fused_logprob_forward`,
+:func:`fused_logprob_backward`).
 
 Formula (hidden [N, H], weight [V, H] = the lm head, targets [N], temperature T > 0)::
 
@@ -26,11 +28,14 @@ per dtype, never a function of N; a token's logits depend only on its own hidden
 tile never mix; rows past N are clamped duplicates, never stored); the tile order and the split
 merge order are fixed. So a token's log-prob bits are the same alone, in any batch, in any row.
 
-Train/rollout bit identity: the rollout engine computes its sampled-token log-probs with this same
-function (same hidden state, same weight, same config) in invariant mode, so rollout and training
-log-probs agree bit for bit by construction. ``token_logprobs(matmul(hidden, weight, float32))``
-gives the same values to float32 rounding, not bit for bit: the matmul kernel's tile config and the
-single-level chunk order of ``token_logprobs`` differ from this kernel's two-level split order.
+Train/rollout log-probs: the rollout engine does not call this function. It computes a sampled
+token's log-prob as ``token_logprobs(linear(hidden, weight, out_dtype=float32), token, T)``
+(``rlperf/rollout/engine.py``), and this kernel gives the same values to float32 rounding, not bit
+for bit: the matmul kernel's tile config and the single-level chunk order of ``token_logprobs``
+differ from this kernel's two-level split order. The trainer uses this function by default
+(``train/train_rollout_logprob_abs_diff`` is then small, not 0); ``--true-on-policy-mode`` makes
+the trainer take the engine's path instead (:data:`rlperf.train.batching.LOGPROB_IMPLS`), so the
+two agree bit for bit.
 
 Backward: the vocabulary is walked in chunks of at most ``BWD_CHUNK_BYTES`` of dlogits; per chunk a
 Triton kernel recomputes the logit tiles (same config as the forward) and writes ``dz / T`` in the
@@ -53,7 +58,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .dispatch import backend, mode
+from .dispatch import route
 from .logprob import LOG2E, _check_temperature, online_lse_update
 from .reference import fused_logprob as _ref
 from .tile_dot import dot_acc
@@ -348,8 +353,10 @@ def _tp_finalize(m, s, t, tz, targets, inv_t, v_total, group):
 _MM_OUT_DTYPE: bool | None = None
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with a float32 result (cuBLAS float32 output where torch has it)."""
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with a float32 result: for 16-bit CUDA inputs cuBLAS's float32 output where this
+    torch has ``torch.mm(..., out_dtype=)`` (:func:`mm_f32_uses_out_dtype`), else the product cast up.
+    The backward's d hidden term, per vocabulary chunk."""
     global _MM_OUT_DTYPE
     if a.is_cuda and a.dtype != torch.float32:
         if _MM_OUT_DTYPE is not False:
@@ -392,8 +399,40 @@ def _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, w
             else:
                 grad_w[v0:v1] = torch.mm(d.t().float(), hidden.float())
         if need_h:
-            grad_h += _mm_f32(d, weight[v0:v1])
+            grad_h += mm_f32(d, weight[v0:v1])
     return grad_h, grad_w
+
+
+def mm_f32_uses_out_dtype() -> bool | None:
+    """Whether :func:`mm_f32` gets cuBLAS's float32 output on this torch: None until a 16-bit CUDA
+    call has tried ``torch.mm(..., out_dtype=torch.float32)``, then True or False."""
+    return _MM_OUT_DTYPE
+
+
+def fused_logprob_forward(hidden, weight, targets, inv_t: float, with_entropy: bool = False, *,
+                          config: FusedConfig | None = None):
+    """Launch the forward kernels over the whole vocabulary of ``weight``: no routing, no autograd,
+    no input checks (:func:`fused_logprob` does those).
+
+    ``hidden`` [N, H] and ``weight`` [V, H] with unit inner stride, ``targets`` [N] int64 contiguous,
+    ``inv_t`` = 1 / temperature. Returns ``(logp, entropy, lse)``, each [N] float32 (entropy
+    unwritten unless ``with_entropy``); ``lse`` is what :func:`fused_logprob_backward` takes.
+    ``config`` (default :func:`fused_config`'s, the one the op uses) exists for tuning sweeps
+    (``bench/logprob.py``); another config may give other bits.
+    """
+    logp, ent, lse, _ = _local_stats(hidden, weight, targets, inv_t, 0, weight.shape[0], with_entropy, True, config)
+    return logp, ent, lse
+
+
+def fused_logprob_backward(hidden, weight, targets, lse, entropy, grad_logp, grad_entropy, inv_t: float,
+                           with_entropy: bool = False, *, need_hidden: bool = True, need_weight: bool = True,
+                           config: FusedConfig | None = None):
+    """The backward of :func:`fused_logprob_forward`'s outputs: ``(d hidden [N, H] float32 or None,
+    d weight [V, H] in weight's dtype or None)`` for upstream grads ``grad_logp`` and ``grad_entropy``
+    ([N] float32 contiguous; ``grad_entropy`` is read only with ``with_entropy``). Same launch
+    contract as the forward; ``config`` for tuning sweeps."""
+    return _backward(hidden, weight, targets, lse, entropy, grad_logp, grad_entropy, inv_t, 0, with_entropy,
+                     need_hidden, need_weight, config)
 
 
 class _FusedLogprob(torch.autograd.Function):
@@ -476,7 +515,8 @@ def fused_logprob(
     """
     T = _check_temperature(temperature)
     _check(hidden, weight, targets)
-    if mode() == "fast" and tp_group is None:
+    how = route("fused_logprob", hidden.device, stock_ok=tp_group is None)
+    if how == "stock":
         # stock torch: cuBLAS logits, then float32 log-softmax (materializes [N, V] float32)
         logp_all = torch.log_softmax(F.linear(hidden, weight).float() / T, dim=-1)
         logp = logp_all.gather(-1, targets.long().clamp(0, weight.shape[0] - 1)[:, None]).squeeze(-1)
@@ -484,8 +524,7 @@ def fused_logprob(
         if not return_entropy:
             return logp
         return logp, -(logp_all.exp() * logp_all).nan_to_num(0.0).sum(-1)
-    where = backend(hidden.device)
-    if where == "reference":
+    if how == "reference":
         if tp_group is not None:
             raise RuntimeError("fused_logprob: tp_group needs the Triton kernels (CUDA, or TRITON_INTERPRET=1 on CPU)")
         return _ref.fused_logprob(hidden, weight, targets, T, return_entropy)

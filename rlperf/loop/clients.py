@@ -1,0 +1,146 @@
+"""Where the loop's rollouts are generated, and how the weights get there: the two engine clients.
+
+Both have ``generate(prompts, params) -> list[GenerationResult]`` (one typed result per prompt,
+:class:`rlperf.rollout.engine.GenerationResult`) and ``update_weights(named_tensors, version)``:
+
+* :class:`EngineClient` — an in-process :class:`rlperf.rollout.engine.Engine` over its **own copy**
+  of the model (the default when no ``--sglang-router-ip`` is given, e.g. the embedded CPU run).
+  Weight sync is :func:`rlperf.sync.sync_weights`: on CPU through the path a server takes
+  (``flatten_buckets`` -> a shared-memory bucket payload -> ``receive_bucket``, which checks sizes
+  and checksum -> ``load_bucket`` into the engine's model); on one GPU the buckets are loaded
+  directly (one copy launch per bucket). Then the KV cache is flushed.
+* :class:`RouterClient` — ``POST /generate`` through a running sglang-router, one request per
+  sample; weight sync pauses every worker the router lists (``/pause_generation``), pushes the
+  buckets to each (:func:`push_weights`, ``/update_weights_from_tensor``), flushes their caches and
+  continues them. The router answers 404 for those admin endpoints (DESIGN, "Measured facts"), so
+  the client finds the workers with ``GET /workers`` and calls them directly, as slime does.
+
+Bucket sizes and transports are :class:`rlperf.sync.SyncConfig`'s.
+"""
+from __future__ import annotations
+
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+from rlperf.rollout.engine import Engine, EngineConfig, GenerationResult, SamplingParams
+from rlperf.rollout.router import http_json
+from rlperf.sync import SyncConfig, SyncStats, bucket_payload, flatten_buckets, release, sync_weights
+
+TRAIN_MEM_FRACTION_STATIC = 0.3
+"""The in-process engine shares the device with the trainer (weights, grads, AdamW state,
+activations): its KV cache may fill device memory up to this fraction (a server's default, 0.85,
+left the trainer too little at qwen3-0.6b: the oom_headroom gate failed at 96% of the card)."""
+
+
+class EngineClient:
+    """In-process engine over a private copy of the model (module docstring)."""
+
+    kind = "in-process engine"
+
+    def __init__(self, model, tokenizer, max_total_tokens: int | None = None, mem_fraction_static: float | None = None):
+        self.model = copy.deepcopy(model)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        if mem_fraction_static is None and self.model.device.type == "cuda":
+            mem_fraction_static = TRAIN_MEM_FRACTION_STATIC
+        self.engine = Engine(self.model, tokenizer, EngineConfig(
+            max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static, cuda_graph_max_bs=0))
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+        return self.engine.generate(prompts, params)
+
+    def update_weights(self, named_tensors, version: str) -> SyncStats:
+        """Buckets -> (CPU: a shared-memory payload -> receive, checksum verified) -> load; flush."""
+        # same process, same GPU: CUDA cannot open a process's own IPC handle, and none is needed;
+        # the bucket's views are copied straight into the engine's parameters
+        transport = None if self.model.device.type == "cuda" else "shm"
+        stats = sync_weights(named_tensors, self.model.hf_state_dict(), config=SyncConfig(transport=transport))
+        self.engine.flush()
+        self.engine.weight_version = version
+        return stats
+
+
+def push_weights(url: str, named_tensors, *, config: SyncConfig | None = None, weight_version: str | None = None,
+                 api_key: str | None = None, timeout: float = 600.0) -> int:
+    """Send ``named_tensors`` (HF names -> tensors) to the server at ``url`` through
+    ``/update_weights_from_tensor``, one bucket per request (``config``: transport and bucket size,
+    default inline); returns the number of buckets.
+
+    RuntimeError with the server's message when a bucket is refused (earlier buckets stay loaded).
+    """
+    config = config or SyncConfig(transport="inline")
+    if config.transport is None:
+        raise ValueError("push_weights needs a transport (inline, shm or cuda_ipc): the server is another process")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    buckets = flatten_buckets(named_tensors, bucket_bytes=config.bucket_bytes)
+    for i, bucket in enumerate(buckets):
+        payload, handle = bucket_payload(bucket, config.transport)
+        body = {"load_format": "flattened_bucket", "serialized_named_tensors": [payload]}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        try:
+            status, reply = http_json(url.rstrip("/") + "/update_weights_from_tensor", body, timeout=timeout, headers=headers)
+        finally:
+            release(handle)
+        if status != 200:
+            msg = reply.get("error", {}).get("message") if isinstance(reply, dict) else reply
+            raise RuntimeError(f"{url}: bucket {i + 1}/{len(buckets)} refused ({status}): {msg}")
+    return len(buckets)
+
+
+class RouterClient:
+    """Rollout servers behind a running sglang-router (module docstring)."""
+
+    kind = "sglang-router"
+
+    def __init__(self, ip: str, port: int, tokenizer, colocate: bool = False, timeout: float = 600.0):
+        self.url, self.tokenizer, self.colocate, self.timeout = f"http://{ip}:{port}", tokenizer, colocate, timeout
+        self.max_inflight = 32
+        status, reply = http_json(self.url + "/workers", timeout=30)
+        if status != 200 or not isinstance(reply, dict) or not reply.get("workers"):
+            raise RuntimeError(f"router {self.url}: GET /workers answered {status}: {reply!r}")
+
+    def workers(self) -> list[str]:
+        status, reply = http_json(self.url + "/workers", timeout=30)
+        return [w["url"] for w in reply["workers"]]
+
+    def _generate_one(self, ids: list[int], sp: SamplingParams) -> GenerationResult:
+        body = {"input_ids": ids, "return_logprob": True, "sampling_params": {
+            "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+            "top_k": sp.top_k, "sampling_seed": sp.seed, "no_stop_trim": True}}
+        status, reply = http_json(self.url + "/generate", body, timeout=self.timeout)
+        if status != 200:
+            raise RuntimeError(f"router {self.url}: /generate answered {status}: {reply!r}")
+        meta = reply["meta_info"]
+        triples = meta.get("output_token_logprobs") or []
+        return GenerationResult(output_ids=reply.get("output_ids") or [t[1] for t in triples],
+                                output_logprobs=[t[0] for t in triples], text=reply.get("text", ""),
+                                finish_reason=meta["finish_reason"])
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+        # one request per sample, many in flight: the router spreads them over the workers, and each
+        # sample's tokens depend only on its seed (batch-invariant engines), not on who served it
+        with ThreadPoolExecutor(self.max_inflight) as pool:
+            return list(pool.map(self._generate_one, prompts, params))
+
+    def update_weights(self, named_tensors, version: str) -> SyncStats:
+        first = next(iter(named_tensors.values()))
+        transport = "cuda_ipc" if (self.colocate and first.device.type == "cuda") else (
+            "shm" if first.device.type == "cpu" else "inline")
+        config = SyncConfig(transport=transport)
+
+        def admin(url, endpoint):
+            status, reply = http_json(url + endpoint, {}, timeout=60)
+            if status != 200:
+                raise RuntimeError(f"{url}{endpoint} answered {status}: {reply!r}")
+
+        n = 0
+        for url in self.workers():
+            admin(url, "/pause_generation")
+            try:
+                n += push_weights(url, named_tensors, config=config, weight_version=version)
+                admin(url, "/flush_cache")
+            finally:
+                admin(url, "/continue_generation")
+        return SyncStats(buckets=n, bytes=sum(t.numel() * t.element_size() for t in named_tensors.values()))

@@ -1,0 +1,280 @@
+"""One direction of imports across rlperf, checked on the syntax tree of every module.
+
+    kernels (+ _C) -> model -> {rollout, train, sync, data} -> loop (+ telemetry) -> gates -> cli
+
+``bench`` and ``profiles`` are tools on top: they import the product, and nothing in the product
+imports them except the CLI (``rlperf.cli``). Every ``import`` / ``from`` statement counts, including
+those inside functions and under ``if TYPE_CHECKING:`` (a lazy import is still a dependency), and so
+does ``importlib.import_module("...")`` / ``__import__("...")`` with a literal name. Relative imports
+are resolved, and so is the package_dir mapping of setup.py (``kernels/x.py`` is ``rlperf.kernels.x``).
+
+A module's unit is its top-level subpackage under ``rlperf`` (``rlperf.kernels.reference.norm`` is in
+``kernels``). An import is allowed when the target's layer is lower, or when both are in the same
+unit; between two units of the same layer only the pairs of :data:`PEER_EDGES` are allowed, each
+with its reason. A unit missing from :data:`LAYERS` fails, so the table stays complete.
+See docs/ARCHITECTURE.md for what each unit holds.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "rlperf"
+
+TOP_LEVEL_SUBPACKAGES = ("kernels", "gates", "profiles", "bench")
+"""Folders at the repository's top that import as ``rlperf.<name>`` (setup.py's package_dir)."""
+
+LAYERS = {
+    "": 0,  # rlperf/__init__.py: the version string, nothing else
+    "kernels": 0,
+    "_C": 0,  # the C++/CUDA extension, the kernels' peer
+    "model": 1,
+    "rollout": 2, "train": 2, "sync": 2, "data": 2,
+    "loop": 3, "telemetry": 3,
+    "gates": 4,
+    "cli": 5, "__main__": 5,
+    "profiles": 6, "bench": 6,
+}
+"""Layer of each unit: an import must point to a lower layer (or stay inside its unit)."""
+
+TOOLS = {"profiles", "bench"}
+"""Tools on top of the product: they import it; only :data:`TOOL_USERS` import them."""
+TOOL_USERS = {"cli"}
+"""The product units that may import a tool: the CLI wires ``rlperf bench`` and ``rlperf profile``."""
+
+PEER_EDGES = {
+    ("rollout", "sync"): "the server receives and loads weight buckets through sync's transports",
+    ("data", "train"): "the embedded task's format warm-up packs its samples with the trainer's micro-batching",
+    ("loop", "telemetry"): "the loop measures its phases and writes its timeline and torch traces with telemetry",
+    ("__main__", "cli"): "python -m rlperf runs the CLI's main",
+}
+"""Allowed imports between different units of one layer: (importer, imported) -> why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    """``importer`` (defined in ``path``) imports ``target`` at ``line``."""
+
+    path: str
+    line: int
+    importer: str
+    target: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    edge: Edge
+    rule: str
+
+    def __str__(self) -> str:
+        e = self.edge
+        return f"{e.path}:{e.line}: {e.importer} imports {e.target}: {self.rule}"
+
+
+def module_name(relpath: str) -> str:
+    """``kernels/reference/norm.py`` -> ``rlperf.kernels.reference.norm``; ``rlperf/loop/__init__.py`` -> ``rlperf.loop``."""
+    parts = list(Path(relpath).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    if parts[0] in TOP_LEVEL_SUBPACKAGES:
+        parts.insert(0, PACKAGE)
+    return ".".join(parts)
+
+
+def _resolve_relative(importer: str, is_package: bool, level: int, module: str | None) -> str:
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def _literal_import_call(node: ast.Call) -> str | None:
+    """The module named by ``importlib.import_module("x")`` or ``__import__("x")`` (a literal first argument)."""
+    f = node.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    arg = node.args[0]
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+
+
+def import_edges(relpath: str, source: str, modules: set[str] = frozenset()) -> list[Edge]:
+    """Every import of an ``rlperf`` module in ``source`` (the file ``relpath``), anywhere in the tree.
+
+    ``from P import x`` is an import of ``P.x`` when that is a module (one of ``modules``, or a unit
+    of :data:`LAYERS` directly under ``rlperf``: ``from rlperf import kernels as K``), else of ``P``.
+    """
+    importer = module_name(relpath)
+    is_package = Path(relpath).name == "__init__.py"
+    edges = []
+
+    def add(node, target):
+        edge = Edge(relpath, node.lineno, importer, target)
+        if (target == PACKAGE or target.startswith(PACKAGE + ".")) and edge not in edges:
+            edges.append(edge)  # `from P import a, b` is one edge
+
+    for node in ast.walk(ast.parse(source, filename=relpath)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(node, alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_relative(importer, is_package, node.level, node.module) if node.level else node.module
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                is_module = sub in modules or (base == PACKAGE and alias.name in LAYERS)
+                add(node, sub if is_module else base)
+        elif isinstance(node, ast.Call):
+            target = _literal_import_call(node)
+            if target:
+                add(node, target)
+    return edges
+
+
+def unit(module: str) -> str:
+    """``rlperf.loop.runner`` -> ``loop``; the package itself -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def check_edge(edge: Edge) -> str | None:
+    """The rule ``edge`` breaks, or None."""
+    src, dst = unit(edge.importer), unit(edge.target)
+    for u, who in ((src, "importing module"), (dst, "imported module")):
+        if u not in LAYERS:
+            return (f"unknown unit {PACKAGE}.{u} ({who}): add it to LAYERS in tests/test_layering.py "
+                    f"with its layer, and to docs/ARCHITECTURE.md")
+    if src == dst:
+        return None
+    if dst in TOOLS and src not in TOOLS:
+        if src in TOOL_USERS:
+            return None
+        return (f"{PACKAGE}.{dst} is a tool: nothing in the product imports it except "
+                f"{', '.join(PACKAGE + '.' + u for u in sorted(TOOL_USERS))}")
+    ls, ld = LAYERS[src], LAYERS[dst]
+    if ld > ls:
+        return (f"upward import: {src or PACKAGE} (layer {ls}) may not import {dst or PACKAGE} (layer {ld}); "
+                f"imports point down: kernels -> model -> rollout/train/sync/data -> loop/telemetry -> gates -> cli")
+    if ld == ls and (src, dst) not in PEER_EDGES:
+        return (f"{src or PACKAGE} and {dst or PACKAGE} are peers (layer {ls}): a peer import must be listed in "
+                f"PEER_EDGES with its reason")
+    return None
+
+
+def check_sources(sources: dict[str, str]) -> list[Violation]:
+    """Violations of every import in ``sources`` (relative path -> source text)."""
+    modules = {module_name(p) for p in sources}
+    out = []
+    for path in sorted(sources):
+        for edge in import_edges(path, sources[path], modules):
+            rule = check_edge(edge)
+            if rule is not None:
+                out.append(Violation(edge, rule))
+    return out
+
+
+def repository_sources(root: Path = ROOT) -> dict[str, str]:
+    sources = {}
+    for top in (PACKAGE, *TOP_LEVEL_SUBPACKAGES):
+        for f in sorted((root / top).rglob("*.py")):
+            sources[f.relative_to(root).as_posix()] = f.read_text()
+    return sources
+
+
+# ---- the repository --------------------------------------------------------------------------------
+
+
+def test_imports_point_one_way():
+    violations = check_sources(repository_sources())
+    assert not violations, "imports against the layering:\n" + "\n".join(map(str, violations))
+
+
+def test_every_module_is_in_a_known_unit():
+    unknown = sorted({unit(module_name(p)) for p in repository_sources()} - set(LAYERS))
+    assert not unknown, (f"units without a layer: {unknown}; add them to LAYERS in tests/test_layering.py "
+                         f"and to docs/ARCHITECTURE.md")
+
+
+def test_top_level_subpackages_match_setup_py():
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "TOP_LEVEL_SUBPACKAGES" for t in node.targets):
+            assert tuple(ast.literal_eval(node.value)) == TOP_LEVEL_SUBPACKAGES
+            return
+    pytest.fail("setup.py no longer defines TOP_LEVEL_SUBPACKAGES")
+
+
+def test_peer_edges_are_used():
+    """A listed peer import that nothing makes any more is stale: drop it from PEER_EDGES."""
+    sources = repository_sources()
+    modules = {module_name(p) for p in sources}
+    used = {(unit(e.importer), unit(e.target)) for p, s in sources.items() for e in import_edges(p, s, modules)}
+    assert not set(PEER_EDGES) - used, f"unused PEER_EDGES: {sorted(set(PEER_EDGES) - used)}"
+
+
+# ---- the checker itself: it must be able to fail ----------------------------------------------------
+
+
+def _one(sources: dict[str, str]) -> Violation:
+    violations = check_sources(sources)
+    assert len(violations) == 1, violations
+    return violations[0]
+
+
+def test_an_upward_import_inside_a_function_is_reported_with_file_and_line():
+    v = _one({"rlperf/loop/runner.py": "import torch\n\n\ndef first_step():\n    from rlperf.gates.record import R\n"})
+    assert str(v).startswith("rlperf/loop/runner.py:5: rlperf.loop.runner imports rlperf.gates.record: upward import")
+    assert "loop (layer 3) may not import gates (layer 4)" in v.rule
+
+
+def test_type_checking_and_relative_imports_count():
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..loop import Run\n"
+    v = _one({"rlperf/train/trainer.py": src})
+    assert (v.edge.line, v.edge.target) == (3, "rlperf.loop") and "upward import" in v.rule
+    v = _one({"kernels/reference/norm.py": "from ... import model\n", "rlperf/model/__init__.py": ""})
+    assert (v.edge.importer, v.edge.target) == ("rlperf.kernels.reference.norm", "rlperf.model")
+
+
+def test_from_package_import_unit_is_an_edge_to_that_unit():
+    v = _one({"kernels/matmul.py": "from rlperf import gates as G\n"})
+    assert v.edge.target == "rlperf.gates" and str(v).startswith("kernels/matmul.py:1:")
+    assert check_sources({"rlperf/model/qwen3.py": "from rlperf import kernels as K\nfrom rlperf import __version__\n"}) == []
+
+
+def test_tools_are_imported_only_by_the_cli():
+    v = _one({"rlperf/rollout/benchmark.py": "def f():\n    from rlperf.bench.harness import cuda_time\n"})
+    assert str(v).startswith("rlperf/rollout/benchmark.py:2:") and "rlperf.bench is a tool" in v.rule
+    v = _one({"gates/runner.py": "import importlib\nimportlib.import_module('rlperf.profiles.timeline')\n"})
+    assert v.edge.line == 2 and "rlperf.profiles is a tool" in v.rule
+    assert check_sources({"rlperf/cli.py": "from rlperf.bench.run import add_bench_arguments\n",
+                          "bench/rollout.py": "from rlperf.rollout.engine import Engine\n"}) == []
+
+
+def test_peers_need_a_listed_reason():
+    v = _one({"rlperf/train/trainer.py": "from rlperf.rollout.engine import Engine\n"})
+    assert "peers (layer 2)" in v.rule and "PEER_EDGES" in v.rule
+    v = _one({"rlperf/telemetry/memory.py": "from rlperf.loop import Run\n"})  # listed one way only
+    assert "peers (layer 3)" in v.rule
+    assert check_sources({"rlperf/loop/runner.py": "from rlperf.telemetry import PhaseMeter\n"}) == []
+
+
+def test_an_unknown_unit_fails_with_a_clear_message():
+    v = _one({"rlperf/metrics/store.py": "from rlperf.kernels import matmul\n"})
+    assert "unknown unit rlperf.metrics (importing module)" in v.rule and "LAYERS" in v.rule
+    v = _one({"rlperf/loop/runner.py": "import rlperf.plugins.x\n"})
+    assert "unknown unit rlperf.plugins (imported module)" in v.rule
+
+
+def test_a_planted_upward_import_in_a_copy_of_the_tree_fails(tmp_path):
+    sources = repository_sources()
+    path = "rlperf/model/qwen3.py"
+    sources[path] += "\n\ndef _planted():\n    import rlperf.loop.runner  # noqa\n"
+    line = sources[path].splitlines().index("    import rlperf.loop.runner  # noqa") + 1
+    for rel, text in sources.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    violations = check_sources(repository_sources(tmp_path))
+    assert [str(v).split(": upward")[0] for v in violations] == [f"{path}:{line}: rlperf.model.qwen3 imports rlperf.loop.runner"]
