@@ -15,6 +15,7 @@ Shapes (Qwen3-8B-like heads): 32 query heads, 8 KV heads, head_dim 128, bf16.
 
 ``summarize`` gives the ratios the targets are stated in: prefill vs cuDNN (>= 0.75) and decode
 vs SDPA flash decode (>= 1.0).
+``cases(quick)`` lists these kernel-anchor pairs for ``bench/test_microbench.py`` (pytest-benchmark).
 
 ``python -m rlperf.bench.attention --sweep`` times candidate launch configs (BLOCK_M, BLOCK_N,
 warps, stages, TMA loads) on both workloads and checks, per config, that decode and chunked rows
@@ -25,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 
 import torch
 
-from .harness import BenchRow, cuda_time, geomean
+from .harness import BenchCase, BenchRow, Workload, by_workload, call_names, cuda_time, geomean, time_calls
 
 BENCH = "attention"
 DEVICE = "cuda"  # a CPU dry run of the plumbing (tests) may point this elsewhere
@@ -95,53 +97,58 @@ def _paged_cache(k: torch.Tensor, v: torch.Tensor, B: int, L: int, page: int, ge
     return kc, vc, table
 
 
-def _prefill_rows(B: int, L: int, reps: int, warmup: int, gen: torch.Generator, paged_row: bool) -> list[BenchRow]:
+def cases(quick: bool = False) -> list[BenchCase]:
+    """Prefill: each kernel (varlen; paged too for the first shape) against SDPA flash and cuDNN;
+    decode: paged against SDPA flash on dense K/V."""
+    out = []
+    for i, (B, L) in enumerate(PREFILL_CASES[:1] if quick else PREFILL_CASES):
+        setup = functools.partial(_prefill_workload, B, L, paged=i == 0)
+        kernels = ("rlperf.varlen", "rlperf.paged") if i == 0 else ("rlperf.varlen",)
+        for backend in ("flash", "cudnn"):
+            for kernel in kernels:
+                out.append(BenchCase(BENCH, f"prefill causal B={B} L={L}", kernel, f"sdpa-{backend}", setup=setup,
+                                     work=4.0 * B * HQ * L * L * D / 2, unit="TFLOP/s",
+                                     params={"B": B, "L": L, "phase": "prefill", "anchor_backend": backend}))
+    B, S = DECODE_CASE
+    out.append(BenchCase(BENCH, f"decode paged B={B} KV={S}", "rlperf.paged", "sdpa-flash-dense",
+                         setup=functools.partial(_decode_workload, B, S), work=2.0 * B * S * HKV * D * 2, unit="GB/s",
+                         params={"B": B, "S": S, "phase": "decode", "anchor_backend": "flash"}))
+    return out
+
+
+def _add_sdpa(w: Workload, name: str, backend: str, q4, k4, v4, causal: bool) -> None:
+    fn, gqa = _sdpa_fn(backend, q4, k4, v4, causal=causal)
+    if fn is None:
+        w.unavailable[name] = f"SDPA {backend} unavailable: {gqa}"
+    else:
+        w.calls[name] = fn
+        w.info[name] = {"gqa": gqa}
+
+
+def _prefill_workload(B: int, L: int, paged: bool) -> Workload:
     import rlperf.kernels as K
 
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     T = B * L
     q = torch.randn(T, HQ, D, device=DEVICE, generator=gen).bfloat16()
     k = torch.randn(T, HKV, D, device=DEVICE, generator=gen).bfloat16()
     v = torch.randn(T, HKV, D, device=DEVICE, generator=gen).bfloat16()
     cu = torch.arange(0, T + 1, L, dtype=torch.int32, device=DEVICE)
-    q4, k4, v4 = (x.view(B, L, -1, D).transpose(1, 2) for x in (q, k, v))
-    flops = 4.0 * B * HQ * L * L * D / 2
-    case = f"prefill causal B={B} L={L}"
-
-    ours = K.varlen_attention(q, k, v, cu)
-    t_ours = cuda_time(lambda: K.varlen_attention(q, k, v, cu), warmup=warmup, reps=reps)
-    kernels = [("rlperf.varlen", t_ours, ours)]
-    if paged_row:
+    w = Workload({"rlperf.varlen": lambda: K.varlen_attention(q, k, v, cu)})
+    if paged:
         kc, vc, table = _paged_cache(k, v, B, L, K.PAGE_SIZE, gen)
         kv_lens = torch.full((B,), L, dtype=torch.int32, device=DEVICE)
-        out_p = K.paged_attention(q, kc, vc, table, cu, kv_lens)
-        t_p = cuda_time(lambda: K.paged_attention(q, kc, vc, table, cu, kv_lens), warmup=warmup, reps=reps)
-        kernels.append(("rlperf.paged", t_p, out_p))
-        paged_bits_equal = bool(torch.equal(out_p, ours))
-        del kc, vc
-    rows = []
-    for backend_name in ("flash", "cudnn"):
-        fn, gqa = _sdpa_fn(backend_name, q4, k4, v4, causal=True)
-        if fn is None:
-            print(f"[attention] {case}: SDPA {backend_name} unavailable: {gqa}")
-            continue
-        ref = fn().transpose(1, 2).reshape(T, HQ, D)
-        t_ref = cuda_time(fn, warmup=warmup, reps=reps)
-        for name, t, out in kernels:
-            extra = {"B": B, "L": L, "phase": "prefill", "anchor_backend": backend_name, "gqa": gqa,
-                     "rel_err_vs_anchor": _rel_err(out, ref),
-                     "kernel_p20_p80_ms": [t.p20_ms, t.p80_ms], "anchor_p20_p80_ms": [t_ref.p20_ms, t_ref.p80_ms]}
-            if name == "rlperf.paged":
-                extra["bits_equal_varlen"] = paged_bits_equal
-            rows.append(BenchRow(bench=BENCH, case=case, kernel=name, kernel_ms=t.median_ms,
-                                 anchor=f"sdpa-{backend_name}", anchor_ms=t_ref.median_ms, work=flops,
-                                 unit="TFLOP/s", extra=extra))
-        del ref
-    return rows
+        w.calls["rlperf.paged"] = lambda: K.paged_attention(q, kc, vc, table, cu, kv_lens)
+    q4, k4, v4 = (x.view(B, L, -1, D).transpose(1, 2) for x in (q, k, v))
+    for backend in ("flash", "cudnn"):
+        _add_sdpa(w, f"sdpa-{backend}", backend, q4, k4, v4, causal=True)
+    return w
 
 
-def _decode_rows(B: int, S: int, reps: int, warmup: int, gen: torch.Generator) -> list[BenchRow]:
+def _decode_workload(B: int, S: int) -> Workload:
     import rlperf.kernels as K
 
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     q = torch.randn(B, HQ, D, device=DEVICE, generator=gen).bfloat16()
     k = torch.randn(B * S, HKV, D, device=DEVICE, generator=gen).bfloat16()
     v = torch.randn(B * S, HKV, D, device=DEVICE, generator=gen).bfloat16()
@@ -150,35 +157,41 @@ def _decode_rows(B: int, S: int, reps: int, warmup: int, gen: torch.Generator) -
     kv_lens = torch.full((B,), S, dtype=torch.int32, device=DEVICE)
     k4, v4 = (x.view(B, S, HKV, D).transpose(1, 2).contiguous() for x in (k, v))  # dense [B, Hkv, S, D]
     del k, v
-    q4 = q[:, :, None, :]
-    nbytes = 2.0 * B * S * HKV * D * 2
-    ours = K.paged_attention(q, kc, vc, table, cu_q, kv_lens)
-    t_ours = cuda_time(lambda: K.paged_attention(q, kc, vc, table, cu_q, kv_lens), warmup=warmup, reps=reps)
-    fn, gqa = _sdpa_fn("flash", q4, k4, v4, causal=False)
-    if fn is None:
-        print(f"[attention] decode: SDPA flash unavailable: {gqa}")
-        return []
-    ref = fn()[:, :, 0, :]
-    t_ref = cuda_time(fn, warmup=warmup, reps=reps)
-    hbm = _hbm_tbs() * 1e12
-    return [BenchRow(
-        bench=BENCH, case=f"decode paged B={B} KV={S}", kernel="rlperf.paged", kernel_ms=t_ours.median_ms,
-        anchor="sdpa-flash-dense", anchor_ms=t_ref.median_ms, work=nbytes, unit="GB/s",
-        extra={"B": B, "S": S, "phase": "decode", "anchor_backend": "flash", "gqa": gqa,
-               "rel_err_vs_anchor": _rel_err(ours, ref),
-               "hbm_fraction": nbytes / (t_ours.median_ms * 1e-3) / hbm,
-               "kernel_p20_p80_ms": [t_ours.p20_ms, t_ours.p80_ms], "anchor_p20_p80_ms": [t_ref.p20_ms, t_ref.p80_ms]},
-    )]
+    w = Workload({"rlperf.paged": lambda: K.paged_attention(q, kc, vc, table, cu_q, kv_lens)})
+    _add_sdpa(w, "sdpa-flash-dense", "flash", q[:, :, None, :], k4, v4, causal=False)
+    return w
+
+
+def _packed(out: torch.Tensor) -> torch.Tensor:
+    """An SDPA output [B, H, Lq, D] as packed tokens [B*Lq, H, D] (rlperf's layout); others as they are."""
+    return out.transpose(1, 2).reshape(-1, HQ, D) if out.dim() == 4 else out
 
 
 def run(quick: bool = False) -> list[BenchRow]:
     reps, warmup = (10, 3) if quick else (30, 5)
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
     rows: list[BenchRow] = []
-    for i, (B, L) in enumerate(PREFILL_CASES[:1] if quick else PREFILL_CASES):
-        rows += _prefill_rows(B, L, reps, warmup, gen, paged_row=(i == 0))
+    for setup, group in by_workload(cases(quick)):
+        w = setup()
+        phase = group[0].params["phase"]
+        n_reps = reps * 2 if phase == "decode" else reps
+        times = time_calls(w, call_names(group), lambda fn: cuda_time(fn, warmup=warmup, reps=n_reps), BENCH)
+        outs = {name: _packed(w.calls[name]()) for name in times}
+        paged_bits_equal = None  # prefill from the paged cache vs varlen: the prefill = decode contract
+        if "rlperf.varlen" in outs and "rlperf.paged" in outs:
+            paged_bits_equal = bool(torch.equal(outs["rlperf.paged"], outs["rlperf.varlen"]))
+        for c in group:
+            if c.kernel not in times or c.anchor not in times:
+                continue
+            t, t_ref = times[c.kernel], times[c.anchor]
+            extra = {**w.info[c.anchor], "rel_err_vs_anchor": _rel_err(outs[c.kernel], outs[c.anchor])}
+            if phase == "decode":
+                extra["hbm_fraction"] = c.work / (t.median_ms * 1e-3) / (_hbm_tbs() * 1e12)
+            extra.update(kernel_p20_p80_ms=[t.p20_ms, t.p80_ms], anchor_p20_p80_ms=[t_ref.p20_ms, t_ref.p80_ms])
+            if c.kernel == "rlperf.paged" and paged_bits_equal is not None:
+                extra["bits_equal_varlen"] = paged_bits_equal
+            rows.append(c.row(t.median_ms, t_ref.median_ms, **extra))
+        del w, outs
         torch.cuda.empty_cache()
-    rows += _decode_rows(*DECODE_CASE, reps=reps * 2, warmup=warmup, gen=gen)
     return rows
 
 

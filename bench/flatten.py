@@ -19,15 +19,20 @@ kernel ms, so against the single copy it is the fraction of copy bandwidth reach
 * ``bucket_checksum`` over every bucket vs ``torch.sum`` of the same buffers viewed as int64 (both
   read every byte once; these two rates count bytes read).
 
-Timing: ``cuda_time`` with ``flush_l2=False`` (gigabytes of data; L2 is 50-60 MB).
+Timing: ``cuda_time`` with ``flush_l2=False`` (gigabytes of data; L2 is 50-60 MB). ``cases(quick)``
+lists these kernel-anchor pairs for ``bench/test_microbench.py`` (pytest-benchmark).
 """
 from __future__ import annotations
+
+import dataclasses
+import functools
+import math
 
 import torch
 
 from rlperf.sync import SYNC_BUCKET_BYTES
 
-from .harness import BenchRow, cuda_time
+from .harness import BenchCase, BenchRow, Workload, call_names, cuda_time, time_calls
 
 BENCH = "flatten"
 BUCKET_BYTES = SYNC_BUCKET_BYTES  # the loop's weight-sync bucket size (512 MiB)
@@ -65,107 +70,137 @@ def _assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         raise AssertionError(f"flatten bench: {what} differs")
 
 
-def run(quick: bool = False) -> list[BenchRow]:
+COPY = "d2d copy"  # the ceiling every path is held against
+FLUSH_L2 = False  # every call moves gigabytes: L2 (50-60 MB) holds none of it anyway
+
+
+def cases(quick: bool = False) -> list[BenchCase]:
+    return _cases(qwen3_4b_shapes(4 if quick else LAYERS), torch.device("cuda"), BUCKET_BYTES)
+
+
+def _cases(shapes, device: torch.device, bucket_bytes: int) -> list[BenchCase]:
+    """Every row's kernel-anchor pair on one workload (``shapes`` in bf16, built by :func:`_build`)."""
+    total = sum(2 * math.prod(s) for _, s in shapes)
+    case = f"qwen3-4b {len(shapes)}x bf16 {total / 1e9:.2f} GB"
+    setup = functools.partial(_setup, shapes, device, bucket_bytes)
+
+    def pair(kernel, anchor, work=2 * total, **more):
+        return BenchCase(BENCH, case, kernel, anchor, setup=setup, work=work, unit="GB/s", flush_l2=FLUSH_L2,
+                         params={"tensors": len(shapes), "bytes": total, **more})
+
+    out = [pair("flatten_buckets", COPY), pair("torch.cat", COPY), pair("flatten_buckets", "torch.cat"),
+           pair("load_into", COPY), pair("foreach_copy_", COPY), pair("load_into", "foreach_copy_")]
+    out += [pair(f"pack kernel {c >> 10}K", COPY, chunk_bytes=c) for c in CHUNK_SWEEP]
+    out.append(pair("bucket_checksum", "int64 sum", work=total, note="reads only: rates count bytes read"))
+    return out
+
+
+@dataclasses.dataclass
+class _Buckets:
+    """The parameters, their buckets, and the copy ceiling's buffers of the same byte count."""
+
+    params: dict[str, torch.Tensor]
+    buckets: list
+    src: torch.Tensor
+    dst: torch.Tensor
+    bucket_bytes: int
+
+    def calls(self) -> dict:
+        from rlperf import sync as B
+
+        named, params, buckets = list(self.params.items()), self.params, self.buckets
+        groups = [[params[m.name] for m in b.metadata] for b in buckets]
+        packs = [([params[m.name] for m in b.metadata], b.buffer, [m.start_idx for m in b.metadata]) for b in buckets]
+
+        def flatten_cat():  # SGLang's FlattenedTensorBucket way
+            return [torch.cat([t.view(-1).view(torch.uint8) for t in g]) for g in groups]
+
+        def load_all():
+            for b in buckets:
+                b.load_into(params)
+
+        def load_foreach():
+            for b in buckets:
+                views = b.unflatten()
+                torch._foreach_copy_([params[n] for n in views], list(views.values()))
+
+        def pack_all(chunk):  # the pack kernel alone: sources and offsets prepared once
+            for srcs, buf, offs in packs:
+                torch.ops.rlperf.multi_tensor_pack(srcs, buf, offs, chunk)
+
+        calls = {
+            COPY: lambda: self.dst.copy_(self.src),
+            "flatten_buckets": lambda: B.flatten_buckets(named, self.bucket_bytes),
+            "torch.cat": flatten_cat,
+            "load_into": load_all,
+            "foreach_copy_": load_foreach,
+            "bucket_checksum": lambda: [B.bucket_checksum(b.buffer) for b in buckets],
+            "int64 sum": lambda: [b.buffer.view(torch.int64).sum() for b in buckets],
+        }
+        calls.update({f"pack kernel {c >> 10}K": functools.partial(pack_all, c) for c in CHUNK_SWEEP})
+        return calls
+
+
+def _build(shapes, device: torch.device, bucket_bytes: int) -> _Buckets:
     from rlperf import sync as B
 
-    if not B.extension_available("cuda"):
+    if device.type == "cuda" and not B.extension_available("cuda"):
         raise RuntimeError("flatten bench: rlperf._C has no CUDA kernels (build it with nvcc: pip install -e .)")
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = {n: torch.randn(s, generator=gen, dtype=torch.bfloat16, device=device) for n, s in shapes}
+    total = sum(t.numel() * t.element_size() for t in params.values())
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device, generator=gen)
+    buckets = B.flatten_buckets(list(params.items()), bucket_bytes)
+    return _Buckets(params, buckets, src, torch.empty_like(src), bucket_bytes)
+
+
+def _setup(shapes, device: torch.device, bucket_bytes: int) -> Workload:
+    return Workload(_build(shapes, device, bucket_bytes).calls())
+
+
+def _check(data: _Buckets, calls: dict) -> None:
+    """Every timed path moves the right bytes, on the measured data."""
+    params, buckets = data.params, data.buckets
+    for b in buckets:  # bucket views equal the parameters
+        for n, v in b.unflatten().items():
+            _assert_bits_equal(v, params[n], f"bucket view of {n}")
+    # no padding, so torch.cat of the same tensors is comparable, and gives the same bytes
+    assert all(m.start_idx % 16 == 0 and m.nbytes % 16 == 0 for b in buckets for m in b.metadata)
+    for b, c in zip(buckets, calls["torch.cat"]()):
+        _assert_bits_equal(b.buffer, c, "torch.cat bucket")
+    # load_into: poison every parameter, load, compare with the bucket views
+    for t in params.values():
+        t.fill_(float("nan"))
+    calls["load_into"]()
+    for b in buckets:
+        for n, v in b.unflatten().items():
+            _assert_bits_equal(params[n], v, f"loaded {n}")
+    assert all(b.nbytes % 8 == 0 for b in buckets)  # the int64 sum reads whole buckets
+
+
+def run(quick: bool = False) -> list[BenchRow]:
     warmup, reps = (2, 5) if quick else (3, 20)
-    timer = lambda fn: cuda_time(fn, warmup=warmup, reps=reps, flush_l2=False)  # noqa: E731
+    timer = lambda fn: cuda_time(fn, warmup=warmup, reps=reps, flush_l2=FLUSH_L2)  # noqa: E731
     return measure(qwen3_4b_shapes(4 if quick else LAYERS), torch.device("cuda"), timer)
 
 
 def measure(shapes, device: torch.device, timer, bucket_bytes: int = BUCKET_BYTES) -> list[BenchRow]:
     """Build the parameters, check every path's bytes, time each with ``timer(fn) -> Timing``."""
-    from rlperf import sync as B
-
-    gen = torch.Generator(device=device).manual_seed(0)
-    params = {n: torch.randn(s, generator=gen, dtype=torch.bfloat16, device=device) for n, s in shapes}
-    total = sum(t.numel() * t.element_size() for t in params.values())
-    moved = 2 * total
-    print(f"flatten: {len(params)} tensors, {total:,} bytes ({total / 1e9:.2f} GB) bf16, buckets of {bucket_bytes / 2**20:g} MiB")
-    case = f"qwen3-4b {len(params)}x bf16 {total / 1e9:.2f} GB"
-    named = list(params.items())
-
-    # The ceiling: one device-to-device copy of the same number of bytes.
-    src = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device, generator=gen)
-    dst = torch.empty_like(src)
-    copy_fn = lambda: dst.copy_(src)  # noqa: E731
-    t_copy = timer(copy_fn)
-
-    # Correctness on the measured data: bucket views equal the parameters; torch.cat gives the same bytes.
-    buckets = B.flatten_buckets(named, bucket_bytes)
-    print(f"flatten: {len(buckets)} buckets, sizes (MiB) {[round(b.nbytes / 2**20, 1) for b in buckets]}")
-    for b in buckets:
-        for n, v in b.unflatten().items():
-            _assert_bits_equal(v, params[n], f"bucket view of {n}")
-    groups = [[params[m.name] for m in b.metadata] for b in buckets]
-    assert all(m.start_idx % 16 == 0 and m.nbytes % 16 == 0 for b in buckets for m in b.metadata)  # no padding: cat is comparable
-
-    def flatten_cat():
-        return [torch.cat([t.view(-1).view(torch.uint8) for t in g]) for g in groups]
-
-    for b, c in zip(buckets, flatten_cat()):
-        _assert_bits_equal(b.buffer, c, "torch.cat bucket")
-
-    t_flat = timer(lambda: B.flatten_buckets(named, bucket_bytes))
-    t_cat = timer(flatten_cat)
-
-    # load_into: poison every parameter, load, compare with the bucket views.
-    for t in params.values():
-        t.fill_(float("nan"))
-    for b in buckets:
-        b.load_into(params)
-    for b in buckets:
-        for n, v in b.unflatten().items():
-            _assert_bits_equal(params[n], v, f"loaded {n}")
-
-    def load_all():
-        for b in buckets:
-            b.load_into(params)
-
-    def load_foreach():
-        for b in buckets:
-            views = b.unflatten()
-            torch._foreach_copy_([params[n] for n in views], list(views.values()))
-
-    t_load = timer(load_all)
-    t_foreach = timer(load_foreach)
-
-    # The pack kernel alone, per chunk size: sources and offsets prepared once.
-    packs = [([params[m.name] for m in b.metadata], b.buffer, [m.start_idx for m in b.metadata]) for b in buckets]
-    t_chunks = {}
-    for chunk in CHUNK_SWEEP:
-        def pack_all(chunk=chunk):
-            for srcs, buf, offs in packs:
-                torch.ops.rlperf.multi_tensor_pack(srcs, buf, offs, chunk)
-
-        t_chunks[chunk] = timer(pack_all)
-    t_checksum = timer(lambda: [B.bucket_checksum(b.buffer) for b in buckets])
-    assert all(b.nbytes % 8 == 0 for b in buckets)
-    t_sum = timer(lambda: [b.buffer.view(torch.int64).sum() for b in buckets])
-    t_copy2 = timer(copy_fn)  # repeat: the spread of the ceiling
-
-    copy_name = "d2d copy"
-    extra = {"tensors": len(params), "bytes": total, "buckets": len(buckets), "copy_ms_repeat": t_copy2.median_ms}
-
-    def row(kernel, t, anchor, t_anchor, work=moved, **more):
-        return BenchRow(
-            BENCH, case, kernel, t.median_ms, anchor, t_anchor.median_ms, work=work, unit="GB/s",
-            extra={**extra, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, **more},
-        )
-
-    rows = [
-        row("flatten_buckets", t_flat, copy_name, t_copy),
-        row("torch.cat", t_cat, copy_name, t_copy),
-        row("flatten_buckets", t_flat, "torch.cat", t_cat),
-        row("load_into", t_load, copy_name, t_copy),
-        row("foreach_copy_", t_foreach, copy_name, t_copy),
-        row("load_into", t_load, "foreach_copy_", t_foreach),
+    data = _build(shapes, device, bucket_bytes)
+    total = data.src.numel()
+    print(f"flatten: {len(data.params)} tensors, {total:,} bytes ({total / 1e9:.2f} GB) bf16, "
+          f"buckets of {bucket_bytes / 2**20:g} MiB")
+    print(f"flatten: {len(data.buckets)} buckets, sizes (MiB) {[round(b.nbytes / 2**20, 1) for b in data.buckets]}")
+    w = Workload(data.calls())
+    _check(data, w.calls)
+    group = _cases(shapes, device, bucket_bytes)
+    times = time_calls(w, call_names(group), timer, BENCH)
+    copy_repeat = timer(w.calls[COPY])  # the spread of the ceiling
+    return [
+        c.row(times[c.kernel].median_ms, times[c.anchor].median_ms, buckets=len(data.buckets),
+              copy_ms_repeat=copy_repeat.median_ms, p20_ms=times[c.kernel].p20_ms, p80_ms=times[c.kernel].p80_ms)
+        for c in group
     ]
-    rows += [row(f"pack kernel {c >> 10}K", t_chunks[c], copy_name, t_copy, chunk_bytes=c) for c in CHUNK_SWEEP]
-    rows.append(row("bucket_checksum", t_checksum, "int64 sum", t_sum, work=total, note="reads only: rates count bytes read"))
-    return rows
 
 
 def summarize(rows: list[BenchRow]) -> dict:

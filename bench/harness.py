@@ -5,6 +5,12 @@ caches, cuBLAS handles stay out), the L2 cache flushed before every timed call b
 buffer larger than it (so inputs come from HBM, as they do inside a model), and the median of many
 repetitions. Reporting (:class:`BenchRow`): every row carries its anchor measured in the same run
 and the ratio ``anchor_ms / kernel_ms`` (> 1 means faster than the anchor), never a lone time.
+
+Cases as data (:class:`BenchCase`, :class:`Workload`): a kernel microbenchmark lists its
+kernel-anchor pairs with ``cases(quick)`` (names, work, unit, no device memory) and builds their
+inputs only when a case's ``setup`` runs. Its ``run(quick)`` times those cases with
+:func:`cuda_time` (plus whatever else it reports: graph replays, memory, bit checks), and
+``bench/test_microbench.py`` times the same kernel and anchor calls under pytest-benchmark.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import platform
 import statistics
 import subprocess
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -56,10 +62,7 @@ class BenchRow:
         return self.anchor_ms / self.kernel_ms if self.kernel_ms > 0 else float("nan")
 
     def rate(self, ms: float) -> float:
-        if not self.work or ms <= 0:
-            return float("nan")
-        scale = 1e12 if self.unit == "TFLOP/s" else 1e9
-        return self.work / (ms * 1e-3) / scale
+        return rate(self.work, self.unit, ms)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -69,10 +72,110 @@ class BenchRow:
         return d
 
 
+def rate(work: float, unit: str, ms: float) -> float:
+    """``work`` (FLOPs for ``unit='TFLOP/s'``, else bytes for GB/s) done in ``ms`` milliseconds."""
+    if not work or ms <= 0:
+        return float("nan")
+    scale = 1e12 if unit == "TFLOP/s" else 1e9
+    return work / (ms * 1e-3) / scale
+
+
+@dataclasses.dataclass
+class Workload:
+    """The device inputs of one or more benchmark cases, built once, as named calls.
+
+    ``calls`` maps a kernel or anchor name to a zero-argument call on inputs already built (it may
+    hold more calls than the cases time: checks use them). ``unavailable`` maps a name to why it
+    cannot run on this machine (an SDPA backend or a third-party package missing): its rows are
+    left out and its pytest case skips. ``fallible`` names third-party or tuning calls that may fail
+    on this stack (a config that does not fit shared memory): a failure moves them to
+    ``unavailable`` instead of stopping the benchmark. ``info`` holds what the build found out,
+    per name, for the rows' ``extra``.
+    """
+
+    calls: dict[str, Callable[[], object]]
+    unavailable: dict[str, str] = dataclasses.field(default_factory=dict)
+    fallible: set[str] = dataclasses.field(default_factory=set)
+    info: dict[str, dict] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchCase:
+    """One kernel-anchor pair of a benchmark, as data: names and work now, device inputs on demand.
+
+    ``setup()`` builds the inputs on the device and returns the :class:`Workload` whose calls named
+    ``kernel`` and ``anchor`` are timed. Cases that time calls on the same inputs share one
+    ``setup`` object (:func:`by_workload` builds it once for all of them); nothing touches the
+    device before ``setup`` runs, so listing cases costs nothing (CPU tests, pytest collection).
+    ``case`` is the workload as :class:`BenchRow` shows it; :attr:`name` is unique in a benchmark.
+    ``params`` (shape, phase, ...) go into the row's ``extra``.
+    """
+
+    bench: str
+    case: str
+    kernel: str
+    anchor: str
+    setup: Callable[[], Workload] = dataclasses.field(repr=False, compare=False)
+    work: float = 0.0
+    unit: str = "TFLOP/s"
+    flush_l2: bool = True
+    params: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.case}: {self.kernel} vs {self.anchor}"
+
+    def test_id(self, side: str) -> str:
+        """The pytest-benchmark test id of one side ('kernel' or 'anchor') of this case."""
+        return f"{self.bench}:{self.name}:{side}"
+
+    def row(self, kernel_ms: float, anchor_ms: float, *, kernel: str | None = None, anchor: str | None = None,
+            **extra) -> BenchRow:
+        """This case's :class:`BenchRow` (``kernel``/``anchor`` rename a side, e.g. a graph replay of it)."""
+        return BenchRow(self.bench, self.case, kernel or self.kernel, kernel_ms, anchor or self.anchor, anchor_ms,
+                        self.work, self.unit, {**self.params, **extra})
+
+
+def by_workload(cases: Iterable[BenchCase]) -> list[tuple[Callable[[], Workload], list[BenchCase]]]:
+    """``cases`` grouped by their shared ``setup``, in order of first appearance."""
+    groups: dict[int, tuple[Callable[[], Workload], list[BenchCase]]] = {}
+    for c in cases:
+        groups.setdefault(id(c.setup), (c.setup, []))[1].append(c)
+    return list(groups.values())
+
+
+def call_names(cases: Iterable[BenchCase]) -> list[str]:
+    """The kernel and anchor names of ``cases``, each once, in order."""
+    return list(dict.fromkeys(n for c in cases for n in (c.kernel, c.anchor)))
+
+
+def time_calls(workload: Workload, names: Iterable[str], timer: Callable[[Callable], Timing],
+               bench: str = "bench") -> dict[str, Timing]:
+    """``timer`` of each named call, once per name (rows that share a call share its timing).
+
+    A name in ``workload.unavailable`` is left out; a ``fallible`` one that raises joins it. Each
+    left-out name is printed once, with its reason.
+    """
+    times = {}
+    for name in names:
+        if name not in workload.unavailable:
+            try:
+                times[name] = timer(workload.calls[name])
+                continue
+            except Exception as exc:
+                if name not in workload.fallible:
+                    raise
+                first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
+                workload.unavailable[name] = f"{type(exc).__name__}: {first_line}"
+        print(f"{bench}: {name} left out: {workload.unavailable[name]}")
+    return times
+
+
 _flush_buffer: torch.Tensor | None = None
 
 
-def _flush_l2() -> None:
+def flush_l2_cache() -> None:
+    """Write a buffer larger than any current GPU's L2, so the next call reads its inputs from HBM."""
     global _flush_buffer
     if _flush_buffer is None:
         _flush_buffer = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
@@ -94,7 +197,7 @@ def cuda_time(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50, flus
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         if flush_l2:
-            _flush_l2()
+            flush_l2_cache()
         starts[i].record()
         fn()
         ends[i].record()

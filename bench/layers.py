@@ -9,17 +9,24 @@ Kernel = ``invariant`` mode (rlperf's Triton kernels); anchor = ``fast`` mode (c
 ops) in the same run, same weights and inputs. Both are captured in a CUDA graph when capture
 works (as an engine would run them), else timed eagerly; ``extra['graph']`` says which. Target:
 invariant mode costs <= 15% over the fast path, i.e. ratio (fast_ms / invariant_ms) >= 0.87.
+``cases(quick)`` lists both for ``bench/test_microbench.py``, which times the eager calls.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from rlperf import kernels as K
 from rlperf.model import RopeTable, decoder_layer_paged, decoder_layer_prefill, init_layer_weights, preset
 
-from .harness import BenchRow, cuda_time, geomean
+from .harness import BenchCase, BenchRow, Workload, by_workload, cuda_time, geomean
 
+BENCH = "layers"
 MODEL = "qwen3-0.6b"
+DECODE = (64, 1024)  # sequences, cached tokens each (one new token each)
+PREFILL = (8, 1024)  # sequences, tokens each (packed varlen)
+KERNEL, ANCHOR = "invariant", "fast path"
 
 
 def _graphed(fn):
@@ -52,21 +59,50 @@ def _stack(cfg, layers, hidden, layer_fn):
     return hidden
 
 
-def run(quick: bool = False) -> list[BenchRow]:
+def cases(quick: bool = False) -> list[BenchCase]:
+    """Decode first: a failed capture (fast-mode prefill syncs on some torch builds) can leave the
+    device in a state where the next capture fails too."""
     cfg = preset(MODEL)
-    dtype, dev = torch.bfloat16, "cuda"
     n_layers = 4 if quick else cfg.num_hidden_layers
-    gen = torch.Generator().manual_seed(0)
-    layers = [init_layer_weights(cfg, dtype, dev, generator=gen) for _ in range(n_layers)]
-    rope = RopeTable(cfg.head_dim, 8192, cfg.rope_theta, dev)
-    rows = []
     # weights read once per step + KV read, per layer: for the decode GB/s column
-    w_bytes = sum(t.numel() * t.element_size() for w in layers for t in vars(w).values())
+    with torch.device("meta"):  # the layer's real shapes, no memory
+        w_bytes = n_layers * sum(t.numel() * t.element_size()
+                                 for t in vars(init_layer_weights(cfg, torch.bfloat16, "meta")).values())
+    b, ctx = DECODE
+    kv_bytes = n_layers * 2 * b * (ctx + 1) * cfg.kv_size * 2
+    b_p, seq = PREFILL
+    t = b_p * seq
+    flops = 2 * t * n_layers * (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+                                + 3 * cfg.hidden_size * cfg.intermediate_size)
+    flops += n_layers * 4 * b_p * cfg.num_attention_heads * seq * seq * cfg.head_dim // 2
+    return [
+        BenchCase(BENCH, f"decode b={b} kv={ctx} L={n_layers}", KERNEL, ANCHOR,
+                  setup=functools.partial(_decode_workload, n_layers), work=w_bytes + kv_bytes, unit="GB/s"),
+        BenchCase(BENCH, f"prefill {b_p}x{seq} L={n_layers}", KERNEL, ANCHOR,
+                  setup=functools.partial(_prefill_workload, n_layers), work=flops, unit="TFLOP/s"),
+    ]
 
-    # decode first: a failed capture (fast-mode prefill syncs on some torch builds) can leave the
-    # device in a state where the next capture fails too
-    # decode: 64 sequences, 1024 cached tokens each, one new token
-    b, ctx = 64, 1024
+
+def _model(n_layers: int):
+    cfg = preset(MODEL)
+    gen = torch.Generator().manual_seed(0)
+    layers = [init_layer_weights(cfg, torch.bfloat16, "cuda", generator=gen) for _ in range(n_layers)]
+    return cfg, layers, RopeTable(cfg.head_dim, 8192, cfg.rope_theta, "cuda")
+
+
+def _modes(fn) -> Workload:
+    """``fn`` in invariant mode (the kernel) and in fast mode (the anchor)."""
+    def in_mode(mode):
+        with K.use_mode(mode):
+            return fn()
+
+    return Workload({KERNEL: functools.partial(in_mode, "invariant"), ANCHOR: functools.partial(in_mode, "fast")})
+
+
+def _decode_workload(n_layers: int) -> Workload:
+    cfg, layers, rope = _model(n_layers)
+    dtype, dev = torch.bfloat16, "cuda"
+    b, ctx = DECODE
     pages_per_seq = ctx // K.PAGE_SIZE + 1
     num_pages = b * pages_per_seq
     caches = [
@@ -88,33 +124,37 @@ def run(quick: bool = False) -> list[BenchRow]:
                                               page_table, cu_q, kv_lens)
         return h
 
-    kv_bytes = n_layers * 2 * b * (ctx + 1) * cfg.kv_size * 2
-    rows.append(_compare(f"decode b={b} kv={ctx} L={n_layers}", decode, w_bytes + kv_bytes, "GB/s"))
-    # prefill: 8 x 1024, packed
-    b, seq = 8, 1024
-    t = b * seq
-    hidden = torch.randn(t, cfg.hidden_size, dtype=dtype, device=dev)
-    positions = torch.arange(seq, device=dev).repeat(b)
-    cu = torch.arange(0, t + 1, seq, dtype=torch.int32, device=dev)
-    prefill = lambda: _stack(cfg, layers, hidden, lambda h, r, w: decoder_layer_prefill(h, r, w, cfg, rope, positions, cu))
-    flops = 2 * t * n_layers * (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
-                                + 3 * cfg.hidden_size * cfg.intermediate_size)
-    flops += n_layers * 4 * b * cfg.num_attention_heads * seq * seq * cfg.head_dim // 2
-    rows.append(_compare(f"prefill {b}x{seq} L={n_layers}", prefill, flops, "TFLOP/s"))
+    return _modes(decode)
 
+
+def _prefill_workload(n_layers: int) -> Workload:
+    cfg, layers, rope = _model(n_layers)
+    b, seq = PREFILL
+    t = b * seq
+    hidden = torch.randn(t, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+    positions = torch.arange(seq, device="cuda").repeat(b)
+    cu = torch.arange(0, t + 1, seq, dtype=torch.int32, device="cuda")
+    return _modes(lambda: _stack(cfg, layers, hidden,
+                                 lambda h, r, w: decoder_layer_prefill(h, r, w, cfg, rope, positions, cu)))
+
+
+def run(quick: bool = False) -> list[BenchRow]:
+    rows = []
+    for setup, group in by_workload(cases(quick)):
+        w = setup()
+        rows += [_compare(c, w) for c in group]
+        del w
+        torch.cuda.empty_cache()
     return rows
 
 
-def _compare(case: str, fn, work: float, unit: str) -> BenchRow:
+def _compare(case: BenchCase, w: Workload) -> BenchRow:
     times, graphs = {}, {}
-    for m in ("invariant", "fast"):
-        with K.use_mode(m):
-            step, graphs[m] = _graphed(fn)
-            times[m] = cuda_time(step, warmup=3, reps=20).median_ms
-    return BenchRow(bench="layers", case=case, kernel="invariant", kernel_ms=times["invariant"], anchor="fast path",
-                    anchor_ms=times["fast"], work=work, unit=unit,
-                    extra={"graph_invariant": graphs["invariant"], "graph_fast": graphs["fast"],
-                           "overhead_pct": 100.0 * (times["invariant"] / times["fast"] - 1.0)})
+    for side, name in (("invariant", case.kernel), ("fast", case.anchor)):
+        step, graphs[side] = _graphed(w.calls[name])
+        times[side] = cuda_time(step, warmup=3, reps=20).median_ms
+    return case.row(times["invariant"], times["fast"], graph_invariant=graphs["invariant"], graph_fast=graphs["fast"],
+                    overhead_pct=100.0 * (times["invariant"] / times["fast"] - 1.0))
 
 
 def summarize(rows: list[BenchRow]) -> dict:

@@ -25,14 +25,17 @@ fraction of it reached.
 ``summarize`` gives the geometric-mean ratio (cuBLAS ms / kernel ms) for M >= 1024 and for
 M <= 64 (the targets: >= 0.90 and >= 0.75), per model, and one measured fact: whether cuBLAS itself
 is batch-invariant (row 0 alone vs inside M = 2048).
+``cases(quick)`` lists the (model, layer, M) pairs for ``bench/test_microbench.py``
+(pytest-benchmark), which times the eager calls.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
-from .harness import BenchRow, cuda_time, geomean
+from .harness import BenchCase, BenchRow, Workload, cuda_time, geomean
 
 BENCH = "matmul"
 
@@ -121,43 +124,56 @@ def host_us(fn, calls: int = 50) -> float:
     return elapsed / calls * 1e6
 
 
-def run(quick: bool = False) -> list[BenchRow]:
-    import rlperf.kernels as K
-
-    peak_tflops, hbm_tbs = _peaks()
-    reps, warmup = (10, 3) if quick else (30, 5)
-    rows: list[BenchRow] = []
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def cases(quick: bool = False) -> list[BenchCase]:
+    """One case per (model, layer, M): ``rlperf.matmul`` vs cuBLAS on the same bf16 inputs."""
+    out = []
     for model in MODELS:
         for layer, n, k in linear_shapes(model):
             if quick and (model, layer) not in QUICK_CASES:
                 continue
-            w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
-            x_all = torch.randn(max(M_VALUES), k, device="cuda", generator=gen).bfloat16()
             for m in QUICK_M if quick else M_VALUES:
-                x = x_all[:m]
-                kernel_fn, anchor_fn = (lambda: K.matmul(x, w)), (lambda: torch.matmul(x, w.T))
-                eager_k = cuda_time(kernel_fn, warmup=warmup, reps=reps)
-                eager_a = cuda_time(anchor_fn, warmup=warmup, reps=reps)
-                kernel = graph_time(kernel_fn, warmup=warmup, reps=reps)
-                anchor = graph_time(anchor_fn, warmup=warmup, reps=reps)
-                flops = 2.0 * m * n * k
-                nbytes = 2.0 * (m * k + n * k + m * n)
-                floor_ms = max(flops / (peak_tflops * 1e12), nbytes / (hbm_tbs * 1e12)) * 1e3
-                rows.append(BenchRow(
-                    bench=BENCH, case=f"{model} {layer} M={m} N={n} K={k}", kernel="rlperf.matmul/graph",
-                    kernel_ms=kernel.median_ms, anchor="cublas/graph", anchor_ms=anchor.median_ms, work=flops,
-                    unit="TFLOP/s",
-                    extra={"model": model, "layer": layer, "M": m, "N": n, "K": k,
-                           "bound": "compute" if flops / (peak_tflops * 1e12) > nbytes / (hbm_tbs * 1e12) else "memory",
-                           "floor_ms": floor_ms, "roofline_fraction": floor_ms / kernel.median_ms,
-                           "kernel_p20_p80_ms": [kernel.p20_ms, kernel.p80_ms],
-                           "anchor_p20_p80_ms": [anchor.p20_ms, anchor.p80_ms],
-                           "eager_kernel_ms": eager_k.median_ms, "eager_anchor_ms": eager_a.median_ms,
-                           "eager_ratio": eager_a.median_ms / eager_k.median_ms,
-                           "host_us_kernel": host_us(kernel_fn), "host_us_anchor": host_us(anchor_fn)},
+                out.append(BenchCase(
+                    BENCH, f"{model} {layer} M={m} N={n} K={k}", "rlperf.matmul", "cublas",
+                    setup=functools.partial(_workload, m, n, k), work=2.0 * m * n * k, unit="TFLOP/s",
+                    params={"model": model, "layer": layer, "M": m, "N": n, "K": k},
                 ))
-            del w, x_all
+    return out
+
+
+def _workload(m: int, n: int, k: int) -> Workload:
+    import rlperf.kernels as K
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    return Workload({"rlperf.matmul": lambda: K.matmul(x, w), "cublas": lambda: torch.matmul(x, w.T)})
+
+
+def run(quick: bool = False) -> list[BenchRow]:
+    peak_tflops, hbm_tbs = _peaks()
+    reps, warmup = (10, 3) if quick else (30, 5)
+    rows: list[BenchRow] = []
+    for case in cases(quick):
+        calls = case.setup().calls
+        kernel_fn, anchor_fn = calls[case.kernel], calls[case.anchor]
+        eager_k = cuda_time(kernel_fn, warmup=warmup, reps=reps)
+        eager_a = cuda_time(anchor_fn, warmup=warmup, reps=reps)
+        kernel = graph_time(kernel_fn, warmup=warmup, reps=reps)
+        anchor = graph_time(anchor_fn, warmup=warmup, reps=reps)
+        m, n, k = (case.params[d] for d in "MNK")
+        flops = case.work
+        nbytes = 2.0 * (m * k + n * k + m * n)
+        floor_ms = max(flops / (peak_tflops * 1e12), nbytes / (hbm_tbs * 1e12)) * 1e3
+        rows.append(case.row(
+            kernel.median_ms, anchor.median_ms, kernel=f"{case.kernel}/graph", anchor=f"{case.anchor}/graph",
+            bound="compute" if flops / (peak_tflops * 1e12) > nbytes / (hbm_tbs * 1e12) else "memory",
+            floor_ms=floor_ms, roofline_fraction=floor_ms / kernel.median_ms,
+            kernel_p20_p80_ms=[kernel.p20_ms, kernel.p80_ms], anchor_p20_p80_ms=[anchor.p20_ms, anchor.p80_ms],
+            eager_kernel_ms=eager_k.median_ms, eager_anchor_ms=eager_a.median_ms,
+            eager_ratio=eager_a.median_ms / eager_k.median_ms,
+            host_us_kernel=host_us(kernel_fn), host_us_anchor=host_us(anchor_fn),
+        ))
+        del calls, kernel_fn, anchor_fn
     if rows:
         rows[0].extra["batch_invariance"] = cublas_invariance_fact()
     return rows

@@ -54,9 +54,9 @@ CANDIDATES = {
 def diagnose(mm, reps: int) -> list[dict]:
     """Where small-M time goes: event time with L2 flush (the harness), the same launch replayed from
     a CUDA graph (no host overhead), and host microseconds per call (launch overhead alone)."""
-    from .harness import _flush_l2
+    from .harness import flush_l2_cache
 
-    flush = cuda_time(_flush_l2, warmup=3, reps=reps, flush_l2=False)
+    flush = cuda_time(flush_l2_cache, warmup=3, reps=reps, flush_l2=False)
     print(f"L2 flush itself: {flush.median_ms * 1e3:.1f} us", flush=True)
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -1,7 +1,9 @@
 """``rlperf bench``: run benchmark modules, print their tables, write JSON and BENCHMARKS.md sections.
 
 Each benchmark module in this package exposes ``run(quick: bool) -> list[BenchRow]`` and
-``summarize(rows) -> dict`` (the ratios that the targets are stated in).
+``summarize(rows) -> dict`` (the ratios that the targets are stated in). The kernel
+microbenchmarks (:data:`MICROBENCHES`) also list their kernel-anchor pairs as data,
+``cases(quick) -> list[BenchCase]``, which ``bench/test_microbench.py`` times under pytest-benchmark.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from .harness import BenchRow, environment, format_table, write_json
+from .harness import BenchCase, BenchRow, environment, format_table, write_json
 
 BENCHES = {
     "matmul": "rlperf.bench.matmul",
@@ -22,6 +24,14 @@ BENCHES = {
     "logprob": "rlperf.bench.logprob",
     "rollout": "rlperf.bench.rollout",
 }
+MICROBENCHES = ("matmul", "attention", "layers", "flatten", "logprob")
+"""The benchmarks whose modules expose ``cases(quick)``: one kernel call against one anchor call per
+case (sync and rollout time whole processes and engine steps, not a pair of calls)."""
+
+
+def microbench_cases(quick: bool) -> list[BenchCase]:
+    """Every case of every microbenchmark, in :data:`MICROBENCHES` order; builds no device inputs."""
+    return [c for name in MICROBENCHES for c in importlib.import_module(BENCHES[name]).cases(quick)]
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:

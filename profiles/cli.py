@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+from rlperf.rollout.args import API_KEY_ENV
 
 from .control import ACTIVITIES
 
 
 def _add_target(p: argparse.ArgumentParser, required_url: bool) -> None:
     p.add_argument("--router-url", required=required_url, help="the sglang-router, e.g. http://127.0.0.1:30000")
-    p.add_argument("--api-key", default=None, help="Bearer key of the workers' admin endpoints (rlperf serve --api-key)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help="Bearer key of the router and the workers' admin endpoints (rlperf serve --api-key; default: "
+                        f"the {API_KEY_ENV} environment variable, which, unlike this flag, ps does not show)")
     p.add_argument("--output-dir", default=None,
                    help="where the workers write their traces (a path on each worker's host; SGLang's default: "
                         "$SGLANG_TORCH_PROFILER_DIR); run mode also writes the merged trace, summary and request log "

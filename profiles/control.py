@@ -90,6 +90,9 @@ def list_workers(router_url: str, api_key: str | None = None, timeout: float = 1
     """Worker URLs the router lists at ``GET /workers``, sorted; ProfileError if none or unreachable."""
     router_url = router_url.rstrip("/")
     status, body = request(router_url + "/workers", timeout=timeout, api_key=api_key)
+    if status == 401:  # a router started with a key (rlperf serve --router N --api-key) asks for it here too
+        raise ProfileError(f"{router_url}/workers answered HTTP 401: " + (
+            "the router refused the API key" if api_key else "the router needs the API key (--api-key or RLPERF_API_KEY)"))
     if status != 200:
         raise ProfileError(f"{router_url}/workers answered HTTP {status}: {_message(body)}")
     workers = body.get("workers") if isinstance(body, dict) else None

@@ -7,7 +7,8 @@ from the worker's ``GET /profile_trace`` (so remote workers work). A worker that
 run: files that share a profile id (the name before ``-TP-``) are one worker's (SGLang's
 ``--profile-by-stage`` writes an ``-EXTEND`` and a ``-DECODE`` file), and the ids are given to the
 workers in the router's order by time written; if the count of ids is not the count of workers, the
-run says so instead of guessing.
+run says so instead of guessing. Without ``--output-dir`` the workers write in their own default
+directory (an rlperf server: its ``--profile-root``), and only reported paths can be collected.
 """
 from __future__ import annotations
 
@@ -115,8 +116,9 @@ def profile_run(router_url: str, options: StartOptions, spec: LoadSpec, output_d
     run_id = time.strftime("%Y%m%d-%H%M%S")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if options.output_dir is None:
-        options = dataclasses.replace(options, output_dir=str(out.resolve()))
+    # without --output-dir the workers write where they write by default (an rlperf server: under its
+    # --profile-root, which refuses any other directory) and report the path, read here or over HTTP;
+    # a path of this host is not theirs to write to
     since = time.time()
     starts = control.start(workers, options, api_key)
     try:

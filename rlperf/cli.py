@@ -20,7 +20,11 @@ def _serve(args: argparse.Namespace) -> int:
     from rlperf.model.config import PRESETS, read_hf_config
     from rlperf.rollout.args import server_args_from
 
-    server_args = server_args_from(args)
+    try:
+        server_args = server_args_from(args)
+    except ValueError as exc:  # an --api-key-file that cannot be read
+        print(f"rlperf serve: {exc}", file=sys.stderr)
+        return 2
     if server_args.model_path not in PRESETS:
         # a checkpoint's config.json is read before any server starts (with --router N too): a missing
         # directory or config.json, or a model rlperf does not implement (scaled RoPE, ...), is bad usage

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rlperf.data.embedded import EMBEDDED_DEFAULTS
 from rlperf.loop.clients import TRAIN_MEM_FRACTION_STATIC
-from rlperf.rollout.args import add_kernel_arguments
+from rlperf.rollout.args import API_KEY_ENV, add_kernel_arguments, resolve_api_key
 from rlperf.rollout.sampling_params import check_sampling_values
 from rlperf.telemetry.trainer_trace import add_profile_arguments, check_profile_args
 from rlperf.train.args import TrainArgs, add_train_arguments, train_args_from
@@ -63,6 +63,12 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-router-ip", default=None,
                    help="rollout through this sglang-router (default: an in-process engine)")
     g.add_argument("--sglang-router-port", type=int, default=None)
+    g.add_argument("--sglang-api-key", default=None, metavar="KEY",
+                   help="API key of the router and its rlperf serve workers (their --api-key), sent as 'Authorization: "
+                        f"Bearer KEY' on every request. On the command line it shows in ps: prefer --sglang-api-key-file "
+                        f"or the {API_KEY_ENV} environment variable (default: {API_KEY_ENV}, else no key)")
+    g.add_argument("--sglang-api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (surrounding whitespace stripped)")
     g.add_argument("--colocate", action="store_true", help="trainer and engines share the GPU (weights by CUDA IPC)")
     g.add_argument("--sglang-mem-fraction-static", type=float, default=None,
                    help="in-process engine on CUDA: the fraction of device memory that everything allocated "
@@ -216,6 +222,11 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
         raise UsageError("--debug-train-only needs --load-debug-rollout-data")
     if (ns.sglang_router_ip is None) != (ns.sglang_router_port is None):
         raise UsageError("give both --sglang-router-ip and --sglang-router-port (or neither: in-process engine)")
+    try:
+        ns.sglang_api_key = resolve_api_key(getattr(ns, "sglang_api_key", None), getattr(ns, "sglang_api_key_file", None),
+                                            "--sglang-api-key")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     frac = ns.sglang_mem_fraction_static
     if frac is not None and not 0 < frac < 1:
         raise UsageError(f"--sglang-mem-fraction-static must be in (0, 1), got {frac}")

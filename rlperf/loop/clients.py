@@ -13,7 +13,10 @@ Both have ``generate(prompts, params) -> list[GenerationResult]`` (one typed res
   sample; weight sync pauses every worker the router lists (``/pause_generation``), pushes the
   buckets to each (:func:`push_weights`, ``/update_weights_from_tensor``), flushes their caches and
   continues them. The router answers 404 for those admin endpoints (DESIGN, "Measured facts"), so
-  the client finds the workers with ``GET /workers`` and calls them directly, as slime does.
+  the client finds the workers with ``GET /workers`` and calls them directly, as slime does. With
+  an API key (``--sglang-api-key``, ``--sglang-api-key-file`` or ``RLPERF_API_KEY``) every request,
+  to the router and to the workers, carries ``Authorization: Bearer <key>``; a 401 is a
+  :class:`ServerAuthError` that says how to pass the key.
 
 Bucket sizes and transports are :class:`rlperf.sync.SyncConfig`'s.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import copy
 from concurrent.futures import ThreadPoolExecutor
 
+from rlperf.rollout.args import API_KEY_ENV
 from rlperf.rollout.engine import Engine, EngineConfig, GenerationResult, SamplingParams
 from rlperf.rollout.router import http_json
 from rlperf.sync import SyncConfig, SyncStats, bucket_payload, flatten_buckets, release, sync_weights
@@ -61,18 +65,37 @@ class EngineClient:
         return stats
 
 
+class ServerAuthError(RuntimeError):
+    """A router or server answered 401: the request carried no API key, or the wrong one."""
+
+
+def _check_auth(what: str, status: int, reply, api_key: str | None) -> None:
+    """:class:`ServerAuthError` when ``status`` is 401 (``what``: the request), saying how to pass the key."""
+    if status != 401:
+        return
+    msg = reply.get("error", {}).get("message") if isinstance(reply, dict) and isinstance(reply.get("error"), dict) else reply
+    how = ("the key given was refused" if api_key else
+           f"it needs an API key: pass --sglang-api-key-file PATH (or --sglang-api-key KEY), or set {API_KEY_ENV}")
+    raise ServerAuthError(f"{what} answered 401 ({msg or 'unauthorized'}): {how}")
+
+
+def _auth_headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def push_weights(url: str, named_tensors, *, config: SyncConfig | None = None, weight_version: str | None = None,
                  api_key: str | None = None, timeout: float = 600.0) -> int:
     """Send ``named_tensors`` (HF names -> tensors) to the server at ``url`` through
     ``/update_weights_from_tensor``, one bucket per request (``config``: transport and bucket size,
     default inline); returns the number of buckets.
 
-    RuntimeError with the server's message when a bucket is refused (earlier buckets stay loaded).
+    RuntimeError with the server's message when a bucket is refused (earlier buckets stay loaded);
+    :class:`ServerAuthError` (a RuntimeError) when it answers 401.
     """
     config = config or SyncConfig(transport="inline")
     if config.transport is None:
         raise ValueError("push_weights needs a transport (inline, shm or cuda_ipc): the server is another process")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth_headers(api_key)
     buckets = flatten_buckets(named_tensors, bucket_bytes=config.bucket_bytes)
     for i, bucket in enumerate(buckets):
         payload, handle = bucket_payload(bucket, config.transport)
@@ -85,6 +108,9 @@ def push_weights(url: str, named_tensors, *, config: SyncConfig | None = None, w
             release(handle)
         if status != 200:
             msg = reply.get("error", {}).get("message") if isinstance(reply, dict) else reply
+            if status == 401:
+                raise ServerAuthError(f"{url}: bucket {i + 1}/{len(buckets)} refused (401): {msg}"
+                                      + ("" if api_key else f"; pass --sglang-api-key-file, --sglang-api-key or {API_KEY_ENV}"))
             raise RuntimeError(f"{url}: bucket {i + 1}/{len(buckets)} refused ({status}): {msg}")
     return len(buckets)
 
@@ -94,22 +120,26 @@ class RouterClient:
 
     kind = "sglang-router"
 
-    def __init__(self, ip: str, port: int, tokenizer, colocate: bool = False, timeout: float = 600.0):
+    def __init__(self, ip: str, port: int, tokenizer, colocate: bool = False, timeout: float = 600.0,
+                 api_key: str | None = None):
         self.url, self.tokenizer, self.colocate, self.timeout = f"http://{ip}:{port}", tokenizer, colocate, timeout
+        self.api_key, self.headers = api_key, _auth_headers(api_key)
         self.max_inflight = 32
-        status, reply = http_json(self.url + "/workers", timeout=30)
-        if status != 200 or not isinstance(reply, dict) or not reply.get("workers"):
-            raise RuntimeError(f"router {self.url}: GET /workers answered {status}: {reply!r}")
+        self.workers()
 
     def workers(self) -> list[str]:
-        status, reply = http_json(self.url + "/workers", timeout=30)
+        status, reply = http_json(self.url + "/workers", timeout=30, headers=self.headers)
+        _check_auth(f"router {self.url}: GET /workers", status, reply, self.api_key)
+        if status != 200 or not isinstance(reply, dict) or not reply.get("workers"):
+            raise RuntimeError(f"router {self.url}: GET /workers answered {status}: {reply!r}")
         return [w["url"] for w in reply["workers"]]
 
     def _generate_one(self, ids: list[int], sp: SamplingParams) -> GenerationResult:
         body = {"input_ids": ids, "return_logprob": True, "sampling_params": {
             "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
             "top_k": sp.top_k, "sampling_seed": sp.seed, "no_stop_trim": True}}
-        status, reply = http_json(self.url + "/generate", body, timeout=self.timeout)
+        status, reply = http_json(self.url + "/generate", body, timeout=self.timeout, headers=self.headers)
+        _check_auth(f"router {self.url}: /generate", status, reply, self.api_key)
         if status != 200:
             raise RuntimeError(f"router {self.url}: /generate answered {status}: {reply!r}")
         meta = reply["meta_info"]
@@ -131,7 +161,8 @@ class RouterClient:
         config = SyncConfig(transport=transport)
 
         def admin(url, endpoint):
-            status, reply = http_json(url + endpoint, {}, timeout=60)
+            status, reply = http_json(url + endpoint, {}, timeout=60, headers=self.headers)
+            _check_auth(f"{url}{endpoint}", status, reply, self.api_key)
             if status != 200:
                 raise RuntimeError(f"{url}{endpoint} answered {status}: {reply!r}")
 
@@ -139,7 +170,7 @@ class RouterClient:
         for url in self.workers():
             admin(url, "/pause_generation")
             try:
-                n += push_weights(url, named_tensors, config=config, weight_version=version)
+                n += push_weights(url, named_tensors, config=config, weight_version=version, api_key=self.api_key)
                 admin(url, "/flush_cache")
             finally:
                 admin(url, "/continue_generation")

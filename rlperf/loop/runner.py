@@ -60,10 +60,12 @@ from . import checkpoint as ckpt
 from .args import UsageError, kernel_policy, parse_train_args, resolve_args, run_device
 from .probe import worst_case_probe
 from .record import PHASES, FirstStepRecord, PhaseMemory
-from .clients import EngineClient, RouterClient
+from .clients import EngineClient, RouterClient, ServerAuthError
 from .generation import DataSource, generate_rollout, load_rollout_data, save_rollout_data
 
 METRICS_FILE = "metrics.jsonl"
+SECRET_FLAGS = ("sglang_api_key",)
+"""Flags no record, report or log of the run may show."""
 
 
 @contextlib.contextmanager
@@ -74,6 +76,16 @@ def _usage_errors(flag: str, path):
         yield
     except (OSError, ValueError) as exc:
         raise UsageError(f"{flag} {path}: {exc}") from None
+
+
+@contextlib.contextmanager
+def _auth_errors():
+    """A router or server that refuses the run's API key (or its lack of one) is bad usage: the
+    :class:`UsageError` says which flag passes the key (the CLI exits 2 with it)."""
+    try:
+        yield
+    except ServerAuthError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _mean_over_tokens(tensors) -> float:
@@ -146,7 +158,9 @@ class Run:
             with _usage_errors("--load", ns.load):
                 self.start = ckpt.load_trainer_state(ns.load, self.trainer) if ns.load else 0
         if ns.sglang_router_ip:
-            self.client = RouterClient(ns.sglang_router_ip, ns.sglang_router_port, self.tokenizer, ns.colocate)
+            with _auth_errors():
+                self.client = RouterClient(ns.sglang_router_ip, ns.sglang_router_port, self.tokenizer, ns.colocate,
+                                           api_key=getattr(ns, "sglang_api_key", None))
         else:
             self.client = EngineClient(self.model, self.tokenizer, mem_fraction_static=ns.sglang_mem_fraction_static)
         self.data_source = DataSource(self.dataset, self.client, self.tokenizer, self.reward_fn, custom_gen)
@@ -195,7 +209,8 @@ class Run:
         :class:`rlperf.sync.SyncStats`."""
         with self.kernels(), self.meter.phase("weight_sync", k), torch.no_grad():
             named = {n: t.detach() for n, t in self.model.hf_state_dict().items()}
-            stats = self.client.update_weights(named, version=str(k + 1))
+            with _auth_errors():
+                stats = self.client.update_weights(named, version=str(k + 1))
         return stats
 
     def rollout_metrics(self, samples, rollout_time: float) -> dict:
@@ -386,7 +401,8 @@ def first_step(args=None):
         cap = torch.cuda.get_device_properties(run.device).total_memory
     elif getattr(ns, "memory_limit", None):
         cap = int(ns.memory_limit)
-    config = {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    config = {k: v for k, v in vars(ns).items()  # the gates' reports show it: never the API key
+              if isinstance(v, (str, int, float, bool, type(None))) and k not in SECRET_FLAGS}
     return FirstStepRecord(
         samples=run.last_train_samples, first_micro_step=first, step_metrics=m,
         phases=[PhaseMemory(p, run.meter.peaks[p]) for p in PHASES],

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 
 @dataclasses.dataclass
@@ -29,11 +30,48 @@ class ServerArgs:
     context_length: int | None = None
     random_seed: int = 0
     api_key: str | None = None
+    """Bearer key of the admin endpoints (:func:`resolve_api_key`: ``--api-key``, ``--api-key-file`` or
+    :data:`API_KEY_ENV`); a launcher hands it to its children in that variable, never on their argv."""
     num_threads: int | None = None
     """CPU intra-op threads (1 is fastest for the tiny model on a shared machine)."""
     cuda_graph_max_bs: int | None = None
     """Replay decode steps of up to this many sequences from CUDA graphs; 0 disables. Default: 256 on a
     CUDA device (the GPU tests prove replayed steps give the eager bits), 0 on CPU (nothing to capture)."""
+    max_generate_body_bytes: int | None = None
+    """Largest ``/generate`` body; default 1 MiB + 64 bytes per token of the context length
+    (:func:`rlperf.rollout.server.generate_body_limit`). A larger one is refused (413) by its
+    Content-Length before it is read."""
+    max_weights_body_bytes: int | None = None
+    """Largest ``/update_weights_from_tensor`` body (an inline bucket, base64); default 1 GiB."""
+    profile_root: str | None = None
+    """``/start_profile`` writes traces only below this directory; default the system temporary
+    directory (:mod:`rlperf.rollout.profiler`)."""
+
+
+API_KEY_ENV = "RLPERF_API_KEY"
+"""The API key of ``rlperf serve`` (its admin endpoints) and of ``rlperf train`` / ``rlperf profile``
+(what they send): one variable for both sides, and the way a key reaches child processes (a key on
+the command line shows in ``ps`` to every user of the host; a process's environment does not)."""
+
+
+def resolve_api_key(key: str | None, key_file: str | None, flag: str = "--api-key") -> str | None:
+    """The API key from ``flag KEY``, else ``flag-file PATH`` (the file's text without surrounding
+    whitespace), else :data:`API_KEY_ENV`; None (no key) when none is set or it is empty.
+    ValueError naming the flag when both flags are given or the file cannot be read or holds no key."""
+    if key and key_file:
+        raise ValueError(f"{flag} and {flag}-file exclude each other")
+    if key:
+        return key
+    if key_file:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{flag}-file {key_file}: cannot read the key ({getattr(exc, 'strerror', None) or exc})") from None
+        if not key:
+            raise ValueError(f"{flag}-file {key_file}: the file is empty")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
 
 
 KERNEL_BACKENDS = ("auto", "triton", "interpreter", "reference")
@@ -76,11 +114,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill tokens per engine step; <= 0 disables chunked prefill")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--random-seed", type=int, default=d.random_seed)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on admin endpoints")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on admin endpoints (weights, pause, flush, abort, profile); "
+                        f"with --router N the router requires it too. A key on the command line shows in ps: prefer "
+                        f"--api-key-file or the {API_KEY_ENV} environment variable (default: {API_KEY_ENV}, else no key)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (surrounding whitespace stripped)")
     p.add_argument("--num-threads", type=int, default=None, help="CPU intra-op threads")
     p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
                    help="replay decode steps of up to N sequences from CUDA graphs; 0 disables "
                         "(default: 256 on CUDA, 0 on CPU)")
+    p.add_argument("--max-generate-body-bytes", type=int, default=None, metavar="N",
+                   help="largest /generate request body; a larger one gets 413 before it is read "
+                        "(default: 1 MiB + 64 bytes per token of the context length)")
+    p.add_argument("--max-weights-body-bytes", type=int, default=None, metavar="N",
+                   help="largest /update_weights_from_tensor body (an inline weight bucket, base64) (default: 1 GiB)")
+    p.add_argument("--profile-root", default=None, metavar="DIR",
+                   help="/start_profile writes traces only below DIR: an output_dir elsewhere, a '..' or a symbolic "
+                        "link is refused (default: the system temporary directory)")
     p.add_argument("--router", type=int, default=0, metavar="N",
                    help="start N servers (ports --port, --port+1, ...) and the sglang-router in front of them")
     p.add_argument("--router-port", type=int, default=30080, help="port of the sglang-router (with --router)")
@@ -89,14 +140,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:
-    return ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
+    """``ServerArgs`` of parsed ``rlperf serve`` flags; ValueError when ``--api-key-file`` cannot be read."""
+    args = ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
+    return dataclasses.replace(args, api_key=resolve_api_key(args.api_key, getattr(ns, "api_key_file", None)))
 
 
 def server_argv(args: ServerArgs) -> list[str]:
-    """Command-line flags that reproduce ``args`` (for starting servers as subprocesses)."""
+    """Command-line flags that reproduce ``args`` (for starting servers as subprocesses), all but the
+    API key: the launcher passes ``args.api_key`` in :data:`API_KEY_ENV` (``ps`` shows argv to everyone)."""
     argv = []
     for f in dataclasses.fields(ServerArgs):
         v = getattr(args, f.name)
-        if v is not None:
+        if v is not None and f.name != "api_key":
             argv += [f"--{f.name.replace('_', '-')}", str(v)]
     return argv

@@ -64,16 +64,36 @@ class BadRequest(ValueError):
     """A request the engine refuses; the message says why (the server answers 400 with it)."""
 
 
+def _short(v, limit: int = 60) -> str:
+    """``repr(v)`` cut to ``limit`` characters (a client's value echoed in an error message)."""
+    r = repr(v) if not isinstance(v, int) or v.bit_length() < 200 else f"an integer of {len(str(abs(v)))} digits"
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
 def _number(d, key, default, *, integer=False, lo=None, hi=None, lo_open=False):
     v = d.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or (integer and not float(v).is_integer()):
-        raise BadRequest(f"sampling_params.{key} must be {'an integer' if integer else 'a number'}, got {v!r}")
-    v = int(v) if integer else float(v)
-    if not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+    kind = "an integer" if integer else "a number"
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise BadRequest(f"sampling_params.{key} must be {kind}, got {_short(v)}")
+    if isinstance(v, numbers.Integral):
+        v = int(v)  # exact, however many digits: compared with the bounds as an integer, never through float
+        if not integer:
+            try:
+                v = float(v)
+            except OverflowError:
+                raise BadRequest(f"sampling_params.{key}={_short(v)} is not finite as a float") from None
+    else:
+        v = float(v)
+        if integer:
+            if not v.is_integer():
+                raise BadRequest(f"sampling_params.{key} must be {kind}, got {_short(v)}")
+            v = int(v)
+    if (isinstance(v, float) and not math.isfinite(v)) or (lo is not None and (v <= lo if lo_open else v < lo)) \
+            or (hi is not None and v > hi):
         rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
-        raise BadRequest(f"sampling_params.{key}={v} is outside {rng}")
+        raise BadRequest(f"sampling_params.{key}={_short(v)} is outside {rng}")
     return v
 
 
@@ -114,21 +134,21 @@ class SamplingParams:
             raise BadRequest(f"sampling_params: unsupported keys {unknown}")
         for key, neutral in _NEUTRAL_PARAMS.items():
             if key in d and neutral is not None and d[key] is not None and d[key] != neutral:
-                raise BadRequest(f"sampling_params.{key}={d[key]!r} is not supported (only {neutral!r})")
+                raise BadRequest(f"sampling_params.{key}={_short(d[key])} is not supported (only {neutral!r})")
         stop = d.get("stop") or ()
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise BadRequest(f"sampling_params.stop must be a non-empty string or a list of them, got {stop!r}")
+            raise BadRequest(f"sampling_params.stop must be a non-empty string or a list of them, got {_short(stop)}")
         stop_ids = d.get("stop_token_ids") or ()
         if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                               for t in stop_ids):
-            raise BadRequest(f"sampling_params.stop_token_ids must be a list of integers, got {stop_ids!r}")
+            raise BadRequest(f"sampling_params.stop_token_ids must be a list of integers, got {_short(stop_ids)}")
         flags = {}
         for key in ("ignore_eos", "no_stop_trim", "skip_special_tokens"):
             flags[key] = d.get(key, getattr(cls, key))
             if not isinstance(flags[key], bool):
-                raise BadRequest(f"sampling_params.{key} must be a boolean, got {flags[key]!r}")
+                raise BadRequest(f"sampling_params.{key} must be a boolean, got {_short(flags[key])}")
         seed = d.get("seed", d.get("sampling_seed"))
         if seed is not None:
             seed = _number({"seed": seed}, "seed", None, integer=True, lo=-(1 << 63), hi=(1 << 63) - 1)
@@ -255,6 +275,9 @@ class Engine:
         self.num_retractions = 0
         self.weight_version = "default"
         self._finished: list[Request] = []
+        self._batch: list[Request] | None = None   # the requests of the step in progress
+        self._suspects: collections.deque[Request] = collections.deque()  # see recover()
+        self.num_failed_steps = 0
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, rid: str | None = None,
@@ -305,8 +328,13 @@ class Engine:
     def step(self) -> list[Request]:
         """Schedule, run one forward, sample; returns the requests that finished in this step."""
         self._finished = finished = []  # _finish appends: aborts, cache-too-small, stops, lengths
+        self._batch = None
         self._reap_aborted()
-        batch = self._schedule()
+        while self._suspects and self._suspects[0].finished:  # aborted while it waited for its solo steps
+            self._suspects.popleft()
+        suspect = self._suspects[0] if self._suspects else None
+        batch = self._schedule() if suspect is None else self._schedule_alone(suspect)
+        self._batch = [r for r, _ in batch]
         if not batch:
             return finished
         self.num_steps += 1
@@ -353,7 +381,66 @@ class Engine:
                         self._finish(r, reason)
                     elif r.on_token is not None:
                         r.on_token(r)
+        self._batch = None
+        if suspect is not None and (suspect.finished or suspect in sample_reqs):
+            # a whole step of its own went through: not a culprit; off the pages, so the next suspect
+            # (or, when none is left, the normal schedule) has the cache to itself
+            self._suspects.popleft()
+            if suspect in self.running:
+                self.retract(suspect)
         return finished
+
+    def recover(self, exc: BaseException) -> list[Request]:
+        """After :meth:`step` raised ``exc``: fail only the requests that make a step fail, not the batch.
+
+        Which request of a failed batch broke it is not known, so the batch's requests become
+        *suspects*: every running request is retracted (pages freed, tokens kept; the failed step
+        left nothing else behind) and the following steps run one suspect at a time, alone, until it
+        has sampled a token. A suspect whose step of its own fails is the culprit: it finishes with
+        ``{"type": "abort", "message": ..., "status_code": 500}`` (SGLang's abort with a status, which
+        the server answers as an HTTP error). The others go on with exactly the tokens they would
+        have produced (retraction and re-prefill change no bits: module docstring); requests that
+        arrive meanwhile wait. Returns the requests failed now (empty: suspects still to try).
+        """
+        self.num_failed_steps += 1
+        batch, self._batch = self._batch, None
+        if self._suspects:  # a suspect's solo step failed: it is the culprit
+            culprit = self._suspects.popleft()
+            if not culprit.finished:
+                self._fail(culprit, exc)
+                return [culprit]
+            return []
+        # a failure outside any batch (a bug in scheduling) makes every request in flight a suspect
+        suspects = [r for r in (batch if batch is not None else sorted(self.running, key=lambda x: x.order))
+                    if not r.finished]
+        if len(suspects) == 1 and batch is not None and len(self.running) <= 1:
+            self._fail(suspects[0], exc)  # it ran alone: no need to try it again
+            return suspects
+        self.retract_all()
+        self._suspects.extend(suspects)
+        return []
+
+    def _fail(self, r: Request, exc: BaseException) -> None:
+        self._finish(r, {"type": "abort", "status_code": 500,
+                         "message": f"the engine step failed on this request: {type(exc).__name__}: {exc}"})
+
+    def _schedule_alone(self, r: Request) -> list[tuple[Request, int]]:
+        """One step of suspect ``r`` alone (:meth:`recover`); nothing else holds pages meanwhile."""
+        if r in self.waiting:
+            self.waiting.remove(r)
+            self.running.append(r)
+        need = r.seq_len - r.num_cached
+        chunk = self.config.chunked_prefill_size
+        n = need if need == 1 or chunk <= 0 else min(need, chunk)
+        cap = self._capacity(r)
+        if cap < 1:
+            self._suspects.popleft()
+            self._finish(r, {"type": "abort", "message": f"the KV cache ({self.kv.max_total_tokens} tokens) "
+                                                         "cannot hold this request"})
+            return []
+        n = min(n, cap)
+        self._grow(r, n)
+        return [(r, n)]
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
         dev, B = logits.device, len(reqs)

@@ -7,6 +7,10 @@ weight loads, flush, profiling) and hands its result back as a ``concurrent.futu
 flight, retract it, or keep it in place) but keeps serving commands, so weights can be loaded while
 paused; :meth:`EngineLoop.resume` starts the steps again.
 
+A step that raises fails only the requests that make it fail: :meth:`Engine.recover` retries the
+failed batch's requests one at a time (bit-exact, through retraction) and fails the ones that break
+a step of their own, with an error their clients receive; every other request goes on.
+
 A kernel policy set with ``rlperf.kernels.use_backend`` lives in a context variable, which a new
 thread does not inherit, so the thread enters ``use_backend(backend)`` itself; the mode is the
 process default (``rlperf.kernels.set_mode``, which ``rlperf serve --mode`` calls).
@@ -30,9 +34,9 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 class EngineLoop:
     """The engine's thread and its command queue (module docstring)."""
 
-    def __init__(self, engine: Engine, backend: str | None = None):
+    def __init__(self, engine: Engine, backend: str | None = None, profile_root: str | None = None):
         self.engine, self.backend = engine, backend
-        self.profiler = TraceProfiler()
+        self.profiler = TraceProfiler(root=profile_root)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._paused = False
         self._stop = False
@@ -109,12 +113,17 @@ class EngineLoop:
                     continue
                 try:
                     self.engine.step()
-                except Exception:  # a failed step aborts what was in flight; the server keeps serving
+                except Exception as exc:  # only the requests that make a step fail fail (Engine.recover)
                     self.error = traceback.format_exc()
-                    self.engine.abort(None, message="engine step failed: " + self.error.strip().splitlines()[-1])
-                    self.engine.running.clear()
-                    self.engine.waiting.clear()
-                    self.engine.kv.reset()
+                    try:
+                        self.engine.recover(exc)
+                    except Exception:  # the last resort: abort what was in flight; the server keeps serving
+                        self.error = traceback.format_exc()
+                        self.engine.abort(None, message="engine step failed: " + self.error.strip().splitlines()[-1])
+                        self.engine.running.clear()
+                        self.engine.waiting.clear()
+                        self.engine._suspects.clear()
+                        self.engine.kv.reset()
                 try:
                     self.profiler.on_step()
                 except Exception:  # a trace that cannot be written is lost; serving goes on

@@ -1,9 +1,16 @@
 """``rlperf serve --router N``: N rollout servers behind the real ``sglang-router``.
 
 Each server is a subprocess ``python -m rlperf serve --port PORT+i ...``; once every one answers
-``GET /health``, the router starts as ``python -m sglang_router.launch_router --worker-urls ...``
-(the workers are registered through ``--worker-urls``) and the cluster is ready when the router's
-``GET /workers`` lists all N. Closing the cluster terminates the router, then the servers.
+``GET /health``, the router starts with ``sglang_router.launch_router``'s arguments (``--worker-urls
+...``: the workers are registered at start) and the cluster is ready when the router's ``GET /workers``
+lists all N. Closing the cluster terminates the router, then the servers.
+
+With an API key, every child gets it in its environment (:data:`API_KEY_ENV`), never on its command
+line, which ``ps`` shows to every user of the host: the servers read the variable, and the router runs
+through :data:`ROUTER_BOOTSTRAP`, which parses the router's own arguments, sets the key as its
+``api_key`` and starts it, as ``--api-key`` would. The router then asks for the key on everything but
+its health and info routes (``/generate``, ``GET /workers``, ``DELETE /workers/{id}``,
+``/flush_cache``, ...) and sends it to the workers, so its ``/flush_cache`` reaches their admin routes.
 
 Each child writes its stdout and stderr to a file (``log_dir``'s ``server-i.log`` / ``router.log``,
 else an anonymous temporary file), never to a pipe nobody reads; when a child exits while we wait
@@ -25,9 +32,19 @@ import time
 import urllib.error
 import urllib.request
 
-from .args import ServerArgs, server_argv
+from .args import API_KEY_ENV, ServerArgs, server_argv
 
 ROUTER_MODULE = "sglang_router.launch_router"
+ROUTER_BOOTSTRAP = f"""\
+import importlib, os, sys
+module = importlib.import_module(sys.argv[1])  # sglang_router.launch_router
+sys.argv = sys.argv[1:]
+args = module.parse_router_args(sys.argv[1:])
+args.api_key = os.environ.pop({API_KEY_ENV!r}, None) or args.api_key
+module.launch_router(args)
+"""
+"""``python -c ROUTER_BOOTSTRAP MODULE ARGS...``: ``python -m MODULE ARGS...`` (the module's own
+``main``), but with the API key from the environment rather than from ``--api-key`` on argv."""
 ROUTER_INSTALL_HINT = ("sglang-router is missing or incomplete: install it with `pip install sglang-router` "
                        "(or install rlperf with its serve extra, `pip install -e \".[serve]\"` in a checkout)")
 _IMPORT_FAILED = re.compile(r"\b(ModuleNotFoundError|ImportError)\b|No module named")
@@ -93,6 +110,14 @@ def _quote(output: str) -> str:
     return "".join(f"\n  | {line}" for line in output.splitlines()) if output.strip() else " (no output)"
 
 
+def describe(proc: subprocess.Popen) -> list[str]:
+    """The first words of a child's command line (the router's bootstrap shown as ``-m MODULE``)."""
+    args = [str(a) for a in proc.args]
+    if args[1:3] == ["-c", ROUTER_BOOTSTRAP]:
+        args[1:3] = ["-m"]
+    return args[:4]
+
+
 def wait_until(check, timeout: float, what: str, procs=()) -> None:
     """Poll ``check()`` until true; :class:`ProcessExited` (with its output's tail) if one of ``procs`` exits."""
     deadline = time.time() + timeout
@@ -100,7 +125,7 @@ def wait_until(check, timeout: float, what: str, procs=()) -> None:
         for p in procs:
             if p.poll() is not None:
                 tail = output_tail(p)
-                raise ProcessExited(f"{what}: process {p.args[:4]} exited with {p.returncode}; its last output:"
+                raise ProcessExited(f"{what}: process {describe(p)} exited with {p.returncode}; its last output:"
                                     + _quote(tail), tail)
         try:
             if check():
@@ -108,7 +133,7 @@ def wait_until(check, timeout: float, what: str, procs=()) -> None:
         except (OSError, urllib.error.URLError):
             pass
         time.sleep(0.2)
-    tails = "".join(f"\nlast output of {p.args[:4]}:" + _quote(output_tail(p)) for p in procs if getattr(p, "output", None))
+    tails = "".join(f"\nlast output of {describe(p)}:" + _quote(output_tail(p)) for p in procs if getattr(p, "output", None))
     raise TimeoutError(f"{what}: not ready after {timeout:.0f} s" + tails)
 
 
@@ -152,11 +177,22 @@ def _kill(procs) -> None:
         _close_output(p)
 
 
+def child_env(env, api_key: str | None) -> dict:
+    """``env`` (default: this process's) with :data:`API_KEY_ENV` set to ``api_key``, or removed without one."""
+    env = dict(os.environ if env is None else env)
+    env.pop(API_KEY_ENV, None)
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    return env
+
+
 def start_servers(args: ServerArgs, n: int, env=None, log_dir: str | None = None, ports: list[int] | None = None,
                   timeout: float = 120.0) -> tuple[list[subprocess.Popen], list[str]]:
-    """Start ``n`` servers on ``ports`` (default ``args.port + i``); return them once all answer /health."""
+    """Start ``n`` servers on ``ports`` (default ``args.port + i``); return them once all answer /health.
+    ``args.api_key`` reaches them in their environment, not their argv."""
     procs, urls = [], []
     ports = ports or [args.port + i for i in range(n)]
+    env = child_env(env, args.api_key)
     try:
         for i in range(n):
             a = dataclasses.replace(args, port=ports[i])
@@ -172,17 +208,19 @@ def start_servers(args: ServerArgs, n: int, env=None, log_dir: str | None = None
 
 
 def start_router(worker_urls: list[str], host: str, port: int, policy: str = "round_robin", env=None,
-                 log_dir: str | None = None, timeout: float = 60.0) -> subprocess.Popen:
-    """Start sglang-router with ``worker_urls``; return it once ``GET /workers`` lists them all."""
+                 log_dir: str | None = None, timeout: float = 60.0, api_key: str | None = None) -> subprocess.Popen:
+    """Start sglang-router with ``worker_urls``; return it once ``GET /workers`` lists them all.
+    ``api_key``: the router's ``api_key`` (module docstring), passed in its environment."""
     # the router also serves Prometheus metrics, on a fixed default port unless told: give it a free one
     # so two clusters (or another program) on one host do not collide
-    cmd = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port),
+    cmd = [sys.executable, "-c", ROUTER_BOOTSTRAP, ROUTER_MODULE, "--host", host, "--port", str(port),
            "--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn",
            "--prometheus-host", host, "--prometheus-port", str(free_port(host))]
-    proc = spawn(cmd, env=env, log_path=os.path.join(log_dir, "router.log") if log_dir else None)
+    proc = spawn(cmd, env=child_env(env, api_key), log_path=os.path.join(log_dir, "router.log") if log_dir else None)
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
 
     def registered():
-        status, body = http_json(f"http://{host}:{port}/workers", timeout=2)
+        status, body = http_json(f"http://{host}:{port}/workers", timeout=2, headers=auth)
         urls = {w.get("url") for w in body.get("workers", [])} if status == 200 and isinstance(body, dict) else set()
         return set(worker_urls) <= urls
 
@@ -203,7 +241,7 @@ def launch_cluster(args: ServerArgs, n: int, router_port: int, policy: str = "ro
                    log_dir: str | None = None, ports: list[int] | None = None) -> Cluster:
     servers, urls = start_servers(args, n, env=env, log_dir=log_dir, ports=ports)
     try:
-        router = start_router(urls, args.host, router_port, policy, env=env, log_dir=log_dir)
+        router = start_router(urls, args.host, router_port, policy, env=env, log_dir=log_dir, api_key=args.api_key)
     except BaseException:
         _kill(servers)
         raise
@@ -229,7 +267,7 @@ def serve_cluster(args: ServerArgs, n: int, router_port: int, policy: str) -> in
             time.sleep(1.0)
         for p in cluster.servers + [cluster.router]:
             if p.poll() is not None:
-                print(f"rlperf serve: process {p.args[:4]} exited with {p.returncode}; its last output:"
+                print(f"rlperf serve: process {describe(p)} exited with {p.returncode}; its last output:"
                       + _quote(output_tail(p)), file=sys.stderr)
         print("rlperf serve: a server or the router exited; shutting the rest down", file=sys.stderr)
         return 1

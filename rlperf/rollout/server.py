@@ -31,6 +31,15 @@ Endpoints (SGLang's names and reply fields; docs/ARCHITECTURE.md, "Rollout serve
   ``/abort_request`` (``rid`` or ``abort_all``), ``/start_profile`` and ``/stop_profile`` (GET or
   POST, as SGLang), ``/profile_trace``, ``/update_weights_from_tensor`` (``load_format:
   "flattened_bucket"``; received and checked by :mod:`rlperf.sync.transports`).
+
+Client errors are 4xx with a message, never 500 (README "Security"): a body over its route's limit
+is 413 by its Content-Length before it is read (:data:`GENERATE_BODY_BASE_BYTES` and the flags
+``--max-generate-body-bytes``, ``--max-weights-body-bytes``); a body that is not UTF-8 JSON, holds
+a lone surrogate or nests deeper than :data:`MAX_JSON_DEPTH` is 400, as is any value the engine or
+the sampling kernel cannot take. A request that still makes an engine step fail fails alone: its
+reply is an HTTP error with the engine's message (a stream: an error event), and the other
+requests go on (:meth:`rlperf.rollout.engine.Engine.recover`). Profile traces go only below
+``--profile-root`` (:mod:`rlperf.rollout.profiler`). No request body is ever unpickled.
 """
 from __future__ import annotations
 
@@ -38,6 +47,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import re
 import time
 from pathlib import Path
 
@@ -53,7 +63,21 @@ from .engine_loop import PAUSE_MODES, EngineLoop
 from .tokenizer import has_hf_tokenizer, load_tokenizer
 
 VERSION = "rlperf-0.1.0"
-MAX_BODY_BYTES = 1 << 30  # inline weight buckets arrive base64-encoded in the body
+
+# Request-body limits, checked against Content-Length before a byte is read (413), and while reading
+# a body without one (chunked). /generate: sized to the context length (--max-generate-body-bytes);
+# /update_weights_from_tensor: inline weight buckets arrive base64-encoded (--max-weights-body-bytes);
+# every other route takes a small JSON object.
+GENERATE_BODY_BASE_BYTES = 1 << 20
+GENERATE_BODY_BYTES_PER_TOKEN = 64
+"""Default /generate limit: 1 MiB plus 64 bytes per token of the context length (a token id, or a
+token's text escaped as JSON, takes far less; a batch of prompts shares it)."""
+WEIGHTS_BODY_BYTES = 1 << 30
+"""Default limit of ``/update_weights_from_tensor`` (one inline bucket, base64: 4/3 of its bytes)."""
+OTHER_BODY_BYTES = 64 << 10
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of objects and arrays a body may have (a /generate batch needs 3)."""
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,8 +103,38 @@ def load_model(args: ServerArgs):
     return model, load_tokenizer(tok_path, model.cfg.vocab_size)
 
 
+def generate_body_limit(context_length: int) -> int:
+    """The default ``/generate`` body limit for a context length (:data:`GENERATE_BODY_BASE_BYTES`)."""
+    return GENERATE_BODY_BASE_BYTES + GENERATE_BODY_BYTES_PER_TOKEN * context_length
+
+
+_MAX_MESSAGE = 2000
+
+
 def _error(status: int, message: str) -> web.Response:
+    if len(message) > _MAX_MESSAGE:  # a message that quotes a client's value stays short
+        message = message[:_MAX_MESSAGE - 3] + "..."
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+class BodyTooLarge(BadRequest):
+    """A request body over its route's limit: 413."""
+
+
+class RequestFailed(Exception):
+    """A request the engine failed (SGLang's abort with a ``status_code``): answered with that status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+BODY_LIMITS = web.AppKey("rlperf_body_limits", dict)
+"""The application's ``{path: (limit in bytes, the flag that sets it)}``; other paths: OTHER_BODY_BYTES."""
+
+
+def _body_limit(request: web.Request) -> tuple[int, str | None]:
+    return request.app.get(BODY_LIMITS, {}).get(request.path, (OTHER_BODY_BYTES, None))
 
 
 @web.middleware
@@ -89,24 +143,81 @@ async def _errors(request: web.Request, handler):
         return await handler(request)
     except web.HTTPException:
         raise
+    except BodyTooLarge as exc:  # the rest of the body is not read: the connection closes after the reply
+        resp = _error(413, str(exc))
+        resp.force_close()
+        return resp
+    except RequestFailed as exc:
+        return _error(exc.status, str(exc))
     except (BadRequest, PayloadError) as exc:  # a refused request, or a refused weight bucket
         return _error(400, str(exc))
     except Exception as exc:  # the server keeps serving; the client learns what went wrong
         return _error(500, f"{type(exc).__name__}: {exc}")
 
 
+def _too_large(request: web.Request, size: str) -> BodyTooLarge:
+    limit, flag = _body_limit(request)
+    how = f" (rlperf serve {flag})" if flag else ""
+    return BodyTooLarge(f"the request body is {size} bytes; {request.path} takes at most {limit} bytes{how}")
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The body, refused (:class:`BodyTooLarge`) by its Content-Length before reading, or as soon as
+    a body without one (chunked) passes the route's limit."""
+    limit, _ = _body_limit(request)
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(request, str(request.content_length))
+    chunks, size = [], 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(request, f"more than {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _not_a_json_constant(name):
+    raise ValueError(f"{name} is not JSON (numbers must be finite)")
+
+
+def _check_tree(body, strings: bool) -> None:
+    """BadRequest for nesting deeper than :data:`MAX_JSON_DEPTH` or (``strings``) a string or key with
+    a lone surrogate (a ``\\ud800`` escape without its pair: not text, and no tokenizer takes it)."""
+    stack = [(body, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
+        values = v.values() if isinstance(v, dict) else v
+        if strings:
+            for t in (*v, *values) if isinstance(v, dict) else values:
+                if isinstance(t, str) and not t.isascii():
+                    try:
+                        t.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise BadRequest("a string in the JSON body holds a lone surrogate (an unpaired "
+                                         "\\ud800-\\udfff escape): not Unicode text") from None
+        stack.extend((x, depth + 1) for x in values if type(x) is dict or type(x) is list)
+
+
 async def _json_body(request: web.Request, allow_empty: bool = False) -> dict:
-    raw = await request.read()
+    """The body as a JSON object; BadRequest (400) or BodyTooLarge (413) with a message otherwise."""
+    raw = await _read_body(request)
     if not raw.strip():
         if allow_empty:
             return {}
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_not_a_json_constant)
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not UTF-8: {exc}") from None
+    except RecursionError:
+        raise BadRequest(f"the JSON body nests too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    except ValueError as exc:  # JSONDecodeError, an integer of more than 4300 digits, NaN
         raise BadRequest(f"malformed JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_tree(body, strings=_SURROGATE_ESCAPE.search(raw) is not None)
     return body
 
 
@@ -193,6 +304,15 @@ class GenerateRequest:
         return self.input_ids if self.input_ids is not None else [tokenizer.encode(t) for t in self.text]
 
 
+def _failure(reply: dict) -> tuple[int, str] | None:
+    """(status, message) of a reply whose request the engine failed (an abort with a ``status_code``:
+    :meth:`rlperf.rollout.engine.Engine.recover`), else None."""
+    reason = reply["meta_info"]["finish_reason"] or {}
+    if reason.get("type") == "abort" and reason.get("status_code"):
+        return reason["status_code"], reason.get("message", "the request failed")
+    return None
+
+
 def _sse(chunk) -> bytes:
     """One server-sent event: ``data: <json>`` and a blank line."""
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
@@ -216,9 +336,27 @@ class RolloutServer:
                               random_seed=args.random_seed, cuda_graph_max_bs=default_cuda_graph_max_bs(args, model))
         self.engine = Engine(model, tokenizer, config)
         backend = None if args.kernel_backend == "auto" else args.kernel_backend
-        self.loop = EngineLoop(self.engine, backend)
+        self.loop = EngineLoop(self.engine, backend, profile_root=args.profile_root)
         self.started = time.time()
-        self.app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+        # (limit, flag) per route; any other route: OTHER_BODY_BYTES (module constants)
+        self.body_limits = {
+            "/generate": (args.max_generate_body_bytes or generate_body_limit(self.engine.context_length),
+                          "--max-generate-body-bytes"),
+            "/update_weights_from_tensor": (args.max_weights_body_bytes or WEIGHTS_BODY_BYTES, "--max-weights-body-bytes")}
+        for limit, flag in self.body_limits.values():
+            if limit <= 0:
+                raise ValueError(f"{flag} must be positive, got {limit}")
+
+        @web.middleware
+        async def body_limit(request: web.Request, handler):
+            """Refuse a body by its Content-Length before anything reads it (:func:`_read_body` bounds the rest)."""
+            if request.content_length is not None and request.content_length > _body_limit(request)[0]:
+                raise _too_large(request, str(request.content_length))
+            return await handler(request)
+
+        self.app = web.Application(middlewares=[_errors, body_limit],
+                                   client_max_size=max(limit for limit, _ in self.body_limits.values()))
+        self.app[BODY_LIMITS] = self.body_limits
         self.app.on_startup.append(self._startup)
         self.app.on_cleanup.append(self._cleanup)
         r = self.app.router
@@ -249,9 +387,13 @@ class RolloutServer:
     def _admin(self, handler):
         async def wrapped(request: web.Request):
             key = self.args.api_key
-            given = request.headers.get("Authorization", "")
-            if key and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return _error(401, "this endpoint needs the server's API key (Authorization: Bearer <key>)")
+            if key:
+                # exactly one header, exactly "Bearer <key>" (SGLang's check), compared in constant time; aiohttp
+                # hands non-UTF-8 header bytes over as surrogates, which encode back to those bytes
+                given = request.headers.getall("Authorization", [])
+                raw = given[0].encode("utf-8", "surrogateescape") if len(given) == 1 else b""
+                if not hmac.compare_digest(raw, f"Bearer {key}".encode("utf-8", "surrogateescape")):
+                    return _error(401, "this endpoint needs the server's API key (Authorization: Bearer <key>)")
             return await handler(request)
         return wrapped
 
@@ -267,7 +409,10 @@ class RolloutServer:
     async def health_generate(self, request):
         if self.loop.paused:  # a paused engine would hold the probe until /continue_generation
             return _error(503, "generation is paused")
-        results = await self._submit([[0]], [SamplingParams(max_new_tokens=1, temperature=0.0)], [None], [False])
+        try:
+            results = await self._submit([[0]], [SamplingParams(max_new_tokens=1, temperature=0.0)], [None], [False])
+        except RequestFailed as exc:
+            return _error(503, f"health generate failed: {exc}")
         if results[0]["meta_info"]["finish_reason"]["type"] == "abort":
             return _error(503, "health generate was aborted: " + str(results[0]["meta_info"]["finish_reason"]))
         return web.Response(text="")
@@ -282,12 +427,16 @@ class RolloutServer:
     async def server_info(self, request):
         e = self.engine
         info = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
+        info.update(max_generate_body_bytes=self.body_limits["/generate"][0],
+                    max_weights_body_bytes=self.body_limits["/update_weights_from_tensor"][0],
+                    profile_root=str(self.loop.profiler.root))
         info.update(version=VERSION, uptime_s=time.time() - self.started, max_total_num_tokens=e.kv.max_total_tokens, page_size=e.kv.page_size,
                     context_length=e.context_length, weight_version=e.weight_version, kernel_mode=K.mode(),
                     tp_size=1, dp_size=1,
                     internal_states=[{"num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
                                       "num_free_pages": e.kv.num_free_pages, "num_steps": e.num_steps,
-                                      "num_retractions": e.num_retractions, "paused": self.loop.paused}])
+                                      "num_retractions": e.num_retractions, "num_failed_steps": e.num_failed_steps,
+                                      "paused": self.loop.paused}])
         return web.json_response(info)
 
     async def weight_version(self, request):
@@ -355,10 +504,16 @@ class RolloutServer:
 
         reqs, _ = await self._start(prompts, params, rids, return_logprob, finished)
         try:
-            return list(await asyncio.gather(*futures))
+            results = list(await asyncio.gather(*futures))
         except asyncio.CancelledError:  # the client went away: stop spending steps on it
             self._abort_later(reqs)
             raise
+        for i, reply in enumerate(results):
+            failure = _failure(reply)
+            if failure is not None:  # as SGLang answers an abort with a status code: the request's error
+                status, message = failure
+                raise RequestFailed(status, message if len(results) == 1 else f"request {i} of the batch: {message}")
+        return results
 
     def _chunk(self, r: Request, return_logprob: bool, t0: float, n: int, prev_text: str) -> dict:
         """A stream chunk of ``r``'s first ``n`` tokens; its text is ``prev_text`` while the new text
@@ -386,6 +541,9 @@ class RolloutServer:
                     for i, u in sorted(latest.items()):
                         if isinstance(u, dict):
                             chunk, finished[i] = u, True
+                            failure = _failure(u)
+                            if failure is not None:  # the request failed in the engine: its error event
+                                chunk = {"error": {"message": failure[1], "code": failure[0]}}
                         else:
                             chunk = self._chunk(reqs[i], req.return_logprob[i], t0, u, texts[i])
                             texts[i] = chunk["text"]
@@ -478,10 +636,12 @@ class RolloutServer:
     async def profile_trace(self, request):
         """The gzip trace the last profile wrote, so ``rlperf profile run`` collects it from another host;
         its path is in the ``X-Trace-Path`` header (a caller waiting for a ``num_steps`` trace compares it)."""
-        path = await self._on_engine(lambda engine: self.loop.profiler.last_trace)
-        if path is None or not path.exists():
+        last = await self._on_engine(lambda engine: self.loop.profiler.open_last_trace())
+        if last is None:
             return _error(404, "no profile trace has been written yet (POST /start_profile, then /stop_profile)")
-        data = await asyncio.to_thread(path.read_bytes)
+        path, f = last
+        with f:
+            data = await asyncio.to_thread(f.read)
         return web.Response(body=data, content_type="application/gzip", headers={"X-Trace-Path": str(path)})
 
     async def update_weights(self, request):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -49,6 +50,7 @@ DESCRIPTION_FORMAT = "rlperf.flattened_bucket.v2"
 
 
 _METADATA_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+_CHECKSUM_HEX = re.compile(r"[0-9a-fA-F]{16}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,8 +330,10 @@ class FlattenedBucket:
         """Rebuild a bucket over a received ``buffer`` from :meth:`to_dict` output.
 
         Checks the format tag, that ``buffer`` has ``nbytes`` bytes, every tensor's fields and that
-        ranges do not overlap; with ``verify_checksum`` also hashes the buffer and compares (one
-        extra read of the buffer).
+        ranges do not overlap; with ``verify_checksum`` the description must carry a checksum (16
+        hex digits), and the buffer is hashed and compared (one extra read of the buffer). A
+        mismatch says only "checksum mismatch": the buffer may be someone else's memory, and its
+        hash would tell a prober about its bytes.
         """
         if not isinstance(description, Mapping) or description.get("format") != DESCRIPTION_FORMAT:
             got = description.get("format") if isinstance(description, Mapping) else type(description).__name__
@@ -342,16 +346,17 @@ class FlattenedBucket:
             raise ValueError("description field 'tensors' must be a list")
         bucket = cls(buffer, [FlattenedTensorMetadata.from_dict(t) for t in tensors])
         checksum = description.get("checksum")
-        if checksum is not None:
-            try:
-                expected = int(checksum, 16)
-            except (TypeError, ValueError):
-                raise ValueError(f"description checksum must be hex digits, got {checksum!r}") from None
+        if checksum is None:
             if verify_checksum:
-                actual = bucket.compute_checksum()
-                if actual != expected:
-                    raise ValueError(f"bucket checksum mismatch: description {expected:016x}, buffer {actual:016x}")
-            else:
-                bucket._checksum = expected
+                raise ValueError("the description has no checksum; a receiver verifies every bucket against one")
+            return bucket
+        if not isinstance(checksum, str) or not _CHECKSUM_HEX.fullmatch(checksum):
+            raise ValueError(f"description checksum must be 16 hex digits, got {str(checksum)[:40]!r}")
+        expected = int(checksum, 16)
+        if verify_checksum:
+            if bucket.compute_checksum() != expected:
+                raise ValueError("checksum mismatch")
+        else:
+            bucket._checksum = expected
         return bucket
 

@@ -5,7 +5,7 @@ per tensor-parallel rank (one here), a *bucket payload* — a JSON object (or a 
 
     {"description": FlattenedBucket.to_dict(),            # rlperf.sync.buckets: names, shapes, dtypes, byte ranges
      "transport": {"kind": "inline", "data": "<base64 of the buffer>"}         # any host
-                | {"kind": "shm", "name": "<shared-memory segment>"}            # same host (CPU)
+                | {"kind": "shm", "name": "rlperf_bucket_<pid>_<16 hex>"}       # same host (CPU)
                 | {"kind": "cuda_ipc", "device": 0, "handle": "<b64>", ...}}    # same GPU host
 
 The receiver rebuilds a uint8 buffer from the transport — base64 decoding, a copy out of a named
@@ -15,6 +15,13 @@ class name ever comes from the request) — then ``FlattenedBucket.from_dict`` c
 description against the buffer (sizes, ranges, dtypes, checksum) and ``load_into`` checks every
 destination before one byte is copied. Anything that disagrees is a :class:`PayloadError` (a
 server answers 400 with its message).
+
+Shared memory is another process's memory, so the receiver trusts a segment name no further than this:
+it opens only names of the form :data:`SHM_NAME` (``rlperf_bucket_<pid>_<16 random hex digits>``, what
+:func:`bucket_payload` creates for one transfer) whose size is the description's ``nbytes``; it reads
+the segment read-only and never registers it with ``multiprocessing``'s resource tracker (which would
+unlink it when the receiver exits; the sender's :func:`release` unlinks it); the description must
+carry the checksum, and a mismatch says only "checksum mismatch", never a hash of what was read.
 
 Sender: :func:`bucket_payload` (and :func:`release` for the shared-memory segment). Receiver:
 :func:`receive_bucket`, :func:`load_bucket`. :func:`sync_weights` runs the whole path in one
@@ -28,8 +35,13 @@ import base64
 import binascii
 import dataclasses
 import json
+import os
+import re
+import secrets
+import stat
+import sys
 from collections.abc import Mapping
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
@@ -42,6 +54,22 @@ class PayloadError(ValueError):
     """A bucket payload, or a bucket's destinations, that the receiver refuses; the message says why."""
 
 
+SHM_PREFIX = "rlperf_bucket_"
+SHM_NAME = re.compile(r"rlperf_bucket_[0-9]{1,10}_[0-9a-f]{16}")
+"""The only shared-memory names a receiver opens: ``rlperf_bucket_<sender pid>_<64 random bits in hex>``,
+one segment per bucket transfer (:func:`bucket_payload`)."""
+_SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps POSIX segments on Linux
+_created: set[str] = set()  # segments this process created and has not released (the fallback reader needs it)
+
+
+def _new_segment(nbytes: int) -> shared_memory.SharedMemory:
+    """A fresh segment of ``max(nbytes, 1)`` bytes named ``rlperf_bucket_<pid>_<random>`` (:data:`SHM_NAME`)."""
+    name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
+    shm = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
+    _created.add(shm.name)
+    return shm
+
+
 def bucket_payload(bucket: FlattenedBucket, transport: str = "inline"):
     """JSON payload for ``bucket``; returns ``(payload, handle)`` where ``handle`` must stay alive
     (and, for ``shm``, be passed to :func:`release`) until the server has answered."""
@@ -50,7 +78,7 @@ def bucket_payload(bucket: FlattenedBucket, transport: str = "inline"):
         data = base64.b64encode(bucket.buffer.cpu().numpy().tobytes()).decode()
         return {"description": desc, "transport": {"kind": "inline", "data": data}}, None
     if transport == "shm":
-        shm = shared_memory.SharedMemory(create=True, size=max(bucket.nbytes, 1))
+        shm = _new_segment(bucket.nbytes)
         shm.buf[: bucket.nbytes] = bucket.buffer.cpu().numpy().tobytes()
         return {"description": desc, "transport": {"kind": "shm", "name": shm.name}}, shm
     if transport == "cuda_ipc":
@@ -72,6 +100,7 @@ def release(handle) -> None:
     if isinstance(handle, shared_memory.SharedMemory):
         handle.close()
         handle.unlink()
+        _created.discard(handle.name)
 
 
 def _field(d: dict, key: str, kind, what: str):
@@ -98,17 +127,7 @@ def _buffer(transport, nbytes: int) -> torch.Tensor:
         raw = _b64(transport, "data", "transport")
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     if kind == "shm":
-        name = _field(transport, "name", str, "transport")
-        try:
-            shm = shared_memory.SharedMemory(name=name)
-        except (FileNotFoundError, ValueError, OSError) as exc:
-            raise PayloadError(f"shared-memory segment {name!r} cannot be opened: {exc}") from None
-        try:
-            if shm.size < nbytes:
-                raise PayloadError(f"shared-memory segment {name!r} has {shm.size} bytes, the description says {nbytes}")
-            return torch.frombuffer(bytearray(shm.buf[:nbytes]), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-        finally:
-            shm.close()
+        return _read_segment(_field(transport, "name", str, "transport"), nbytes)
     if kind == "cuda_ipc":
         if not torch.cuda.is_available():
             raise PayloadError("transport cuda_ipc needs a CUDA server")
@@ -143,6 +162,51 @@ def _buffer(transport, nbytes: int) -> torch.Tensor:
         t = torch.empty(0, dtype=torch.uint8, device=storage.device)
         return t.set_(storage, off, (nbytes,))
     raise PayloadError(f"transport.kind must be one of {list(TRANSPORTS)}, got {kind!r}")
+
+
+def _read_segment(name: str, nbytes: int) -> torch.Tensor:
+    """A copy of the first ``nbytes`` of the sender's segment ``name`` (module docstring: which names,
+    read-only, never tracked, so never unlinked by this process)."""
+    if not SHM_NAME.fullmatch(name):
+        raise PayloadError(f"transport.name must name a segment rlperf created for this transfer "
+                           f"({SHM_PREFIX}<pid>_<16 hex digits>), got {name[:80]!r}")
+    if os.path.isdir(_SHM_DIR):
+        # Linux: the segment is a file in /dev/shm; opened read-only, nothing registers it anywhere
+        try:
+            fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise PayloadError(f"shared-memory segment {name!r} cannot be opened: {exc.strerror}") from None
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != max(nbytes, 1):
+                raise PayloadError(f"shared-memory segment {name!r} has {st.st_size} bytes, the description's "
+                                   f"nbytes is {nbytes}: not the segment of this bucket")
+            out = torch.empty(nbytes, dtype=torch.uint8)
+            view, done = memoryview(out.numpy()), 0
+            while done < nbytes:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise PayloadError(f"shared-memory segment {name!r} ended after {done} of {nbytes} bytes")
+                done += n
+        return out
+    # elsewhere (macOS): attach without leaving the segment to this process's resource tracker
+    try:
+        if sys.version_info >= (3, 13):
+            shm = shared_memory.SharedMemory(name=name, track=False)
+        else:
+            shm = shared_memory.SharedMemory(name=name)
+            if shm.name not in _created:  # registered on attach before 3.13: the tracker would unlink it at exit
+                resource_tracker.unregister(shm._name, "shared_memory")
+    except (OSError, ValueError) as exc:
+        raise PayloadError(f"shared-memory segment {name!r} cannot be opened: {exc}") from None
+    try:
+        if shm.size < nbytes:
+            raise PayloadError(f"shared-memory segment {name!r} has {shm.size} bytes, the description says {nbytes}")
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        out.numpy()[:] = memoryview(shm.buf)[:nbytes]
+    finally:
+        shm.close()
+    return out
 
 
 def receive_bucket(payload, device) -> FlattenedBucket:

@@ -40,7 +40,8 @@ def _profile(*argv):
 def _generate(url, n, seed):
     status, reply = http_json(url + "/generate", {"input_ids": [11, 12, 13, 14, 15],
                                                   "sampling_params": {"max_new_tokens": n, "sampling_seed": seed,
-                                                                      "ignore_eos": True}})
+                                                                      "ignore_eos": True}},
+                              headers={"Authorization": f"Bearer {KEY}"})  # the router asks for the key too
     assert status == 200, reply
     return reply
 
@@ -68,10 +69,17 @@ def test_stop_without_start_fails_clearly(cluster, capsys):
     assert "no profile is running" in err and all(w in err for w in cluster.worker_urls)
 
 
-def test_refusing_worker_fails_clearly(cluster, capsys):
+def test_refusing_worker_fails_clearly(cluster, capsys, monkeypatch):
+    monkeypatch.delenv("RLPERF_API_KEY", raising=False)  # --api-key's default
+    # a wrong key: the router, which has the workers' key, refuses it first; each worker would too
     assert _profile("--router-url", cluster.router_url, "--api-key", "wrong", "--action", "start") == 1
     err = capsys.readouterr().err
-    assert "refused (HTTP 401)" in err and "API key" in err
+    assert "/workers answered HTTP 401" in err and "refused the API key" in err
+    assert _profile("--router-url", cluster.router_url, "--action", "start") == 1
+    assert "needs the API key" in capsys.readouterr().err
+    with pytest.raises(control.ProfileError) as info:
+        control.start(cluster.worker_urls, control.StartOptions(activities=["CPU"]), "wrong")
+    assert str(info.value).count("refused (HTTP 401)") == 2 and "API key" in str(info.value)
     assert _profile("--router-url", cluster.router_url, "--api-key", KEY, "--action", "start",
                     "--activities", "MEM") == 1  # rlperf servers have no memory snapshot: a 400 names it
     assert "unknown profiler activities" in capsys.readouterr().err
@@ -252,3 +260,21 @@ def test_run_on_gpu_servers_ranks_gpu_kernels(tmp_path, capsys, launch_router_cl
     assert summary["top_kind"] == "gpu" and summary["top"][0]["total_ms"] > 0
     assert summary["load"]["output_tokens"] == 16 * 32
     print(capsys.readouterr().out)
+
+
+def test_run_without_output_dir_lets_the_workers_write_under_their_profile_root(cluster, tmp_path, monkeypatch, capsys):
+    # the workers are never sent a path of this host: an rlperf server writes only under its --profile-root
+    # (pytest's base temporary directory here) and reports where; the run reads those traces and merges them
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SGLANG_TORCH_PROFILER_DIR", raising=False)
+    assert _profile("run", "--router-url", cluster.router_url, "--api-key", KEY, "--num-prompts", "2",
+                    "--input-len", "4", "--output-len", "3", "--concurrency", "2", "--activities", "CPU") == 0
+    capsys.readouterr()
+    summary_path, = (tmp_path / "rlperf-profile").glob("*.summary.json")
+    sources = json.loads(summary_path.read_text())["trace_sources"]
+    assert sorted(sources) == sorted(cluster.worker_urls)
+    root = http_json(cluster.worker_urls[0] + "/get_server_info")[1]["profile_root"]
+    for path in sources.values():
+        assert Path(path).parent == Path(root) and Path(path).exists()
+        Path(path).unlink()
+    assert not list((tmp_path / "rlperf-profile").glob("*-TP-0.trace.json.gz"))

@@ -228,6 +228,65 @@ def test_a_request_longer_than_the_whole_cache_is_aborted_with_a_message(model):
         engine.add_request([i % 256 for i in range(P)], PARAMS[0])
 
 
+@pytest.mark.parametrize("where", ["forward", "sample"])
+def test_a_step_that_fails_on_one_request_fails_only_that_one_on_the_engine_thread(model, monkeypatch, where):
+    """EngineLoop + Engine.recover: the failed batch's requests are retried alone; the culprit finishes
+    with an abort carrying a status code, the others (preempting each other in 3 NaN-poisoned pages,
+    so a stale KV slot would show) get the bits they get in a roomy engine."""
+    import concurrent.futures
+
+    from rlperf.rollout.engine_loop import EngineLoop
+
+    P, POISON = K.PAGE_SIZE, 300  # the bad prompt starts with a token the others never hold at position 0
+    prompts = _prompts(6, seed=21, lo=P // 4, hi=P)
+    params = [dataclasses.replace(PARAMS[i % 3], max_new_tokens=30) for i in range(6)]
+    expect = _run(_engine(model), prompts, params)
+    if where == "forward":
+        forward = model.forward_paged
+
+        def broken(ids, pos, *args):
+            if bool(((ids == POISON) & (pos == 0)).any()):
+                raise RuntimeError("a kernel failed")
+            return forward(ids, pos, *args)
+        monkeypatch.setattr(model, "forward_paged", broken)
+    else:
+        sample = K.sample
+
+        def broken(logits, temperature, top_p, top_k, seeds, positions):
+            if bool((seeds == 999).any()):
+                raise ValueError("sample: invalid temperature [inf]")
+            return sample(logits, temperature, top_p, top_k, seeds, positions)
+        monkeypatch.setattr(K, "sample", broken)
+    bad_prompt, bad_params = [POISON, 1, 2, 3, 4], dataclasses.replace(PARAMS[0], seed=999, max_new_tokens=30)
+    engine = _engine(model, max_total_tokens=3 * P, chunked_prefill_size=24)
+    loop = EngineLoop(engine, "reference")
+    done = {i: concurrent.futures.Future() for i in range(7)}
+    everything = list(zip(prompts, params)) + [(bad_prompt, bad_params)]
+    order = [0, 1, 6, 2, 3, 4, 5]  # the bad one in the middle of the queue
+
+    def add_all(e):
+        for i in order:
+            e.add_request(everything[i][0], everything[i][1], rid=str(i),
+                          on_finish=lambda r, i=i: done[i].set_result(r.result()))
+    loop.start()
+    try:
+        loop.pause("in_place").result(10)  # all queued before the first step: one batch
+        loop.call(add_all).result(10)
+        loop.resume().result(10)
+        results = {i: f.result(60) for i, f in done.items()}
+        state = loop.call(lambda e: (e.num_failed_steps, e.num_retractions, e.has_work(), e.kv.num_free_pages,
+                                     e.kv.num_pages)).result(10)
+        assert loop.alive  # the engine thread went on after the failures
+    finally:
+        loop.close()
+    bad = results[6].finish_reason
+    assert bad["type"] == "abort" and bad["status_code"] == 500, bad
+    assert ("a kernel failed" if where == "forward" else "invalid temperature") in bad["message"]
+    assert [(r.output_ids, r.output_logprobs, r.finish_reason) for r in (results[i] for i in range(6))] == expect
+    failed, retractions, busy, free, pages = state
+    assert failed >= 2 and retractions > 0 and not busy and free == pages
+
+
 def test_fast_mode_runs_the_same_engine(model):
     prompts = _prompts(3, seed=14)
     with K.use_mode("fast"):

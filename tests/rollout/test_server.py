@@ -1,7 +1,8 @@
 """`rlperf serve` over real HTTP: two servers on the tiny model behind the real sglang-router.
 
 The servers run in subprocesses (reference kernels, float32, one thread each) with a KV cache of
-4 pages, so the concurrent test forces preemption. Expected tokens and log-probs come from an
+4 pages, so the concurrent test forces preemption. They and the router have an API key: the router
+asks for it on everything but health and info (``/generate`` too), a worker on its admin routes. Expected tokens and log-probs come from an
 in-process engine over the same model with a roomy cache: equal lists mean the server path,
 the router, batching with strangers and preemption changed nothing.
 """
@@ -36,9 +37,10 @@ KV_TOKENS = 4 * K.PAGE_SIZE
 
 
 @pytest.fixture(scope="module")
-def cluster(launch_router_cluster):
+def cluster(launch_router_cluster, tmp_path_factory):
+    # profile traces may go anywhere under pytest's base temporary directory (each test's tmp_path)
     args = ServerArgs(model_path="tiny", kernel_backend="reference", max_total_tokens=KV_TOKENS, chunked_prefill_size=64,
-                      api_key=KEY, num_threads=1, device="cpu")
+                      api_key=KEY, num_threads=1, device="cpu", profile_root=str(tmp_path_factory.getbasetemp()))
     with launch_router_cluster(args) as c:
         yield c
 
@@ -75,9 +77,10 @@ def _sp(n, seed, **kw):
 
 
 def _stream(url, body, timeout=60):
-    """POST a streamed /generate; (Content-Type, the decoded events: JSON chunks, then the string "[DONE]")."""
+    """POST a streamed /generate; (Content-Type, the decoded events: JSON chunks, then the string "[DONE]").
+    With the key: the router asks for it (a worker's /generate does not)."""
     req = urllib.request.Request(url + "/generate", data=json.dumps({**body, "stream": True}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **AUTH})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         ctype, raw = resp.headers.get("Content-Type", ""), resp.read().decode()
     assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
@@ -109,7 +112,7 @@ def _same_reply(a, b):
 
 
 def test_router_lists_both_workers(cluster):
-    status, body = http_json(cluster.router_url + "/workers")
+    status, body = http_json(cluster.router_url + "/workers", headers=AUTH)
     assert status == 200 and {w["url"] for w in body["workers"]} == set(cluster.worker_urls)
     for url in cluster.worker_urls:
         for path in ("/model_info", "/get_model_info"):
@@ -123,7 +126,7 @@ def test_router_lists_both_workers(cluster):
 def test_generate_single_and_batched_with_logprobs(cluster, model):
     tok = ByteTokenizer(512)
     status, one = http_json(cluster.router_url + "/generate",
-                            {"text": "hello rollout", "sampling_params": _sp(12, 5), "return_logprob": True})
+                            {"text": "hello rollout", "sampling_params": _sp(12, 5), "return_logprob": True}, headers=AUTH)
     assert status == 200, one
     m = one["meta_info"]
     assert m["finish_reason"] == {"type": "length", "length": 12}
@@ -136,7 +139,7 @@ def test_generate_single_and_batched_with_logprobs(cluster, model):
     prompts = [[1, 2, 3], list(range(40, 110)), [7]]
     # sglang-router takes one sampling_params object for a batch; a server also takes one per prompt
     status, batch = http_json(cluster.router_url + "/generate",
-                              {"input_ids": prompts, "sampling_params": _sp(5, 1), "return_logprob": True})
+                              {"input_ids": prompts, "sampling_params": _sp(5, 1), "return_logprob": True}, headers=AUTH)
     assert status == 200 and isinstance(batch, list) and len(batch) == 3, batch
     assert [_got(r) for r in batch] == _expected(model, prompts, SamplingParams.from_dict(_sp(5, 1)))
     params = [_sp(5, 1), _sp(9, 2, top_k=20), _sp(3, 3, temperature=0.0)]
@@ -154,7 +157,7 @@ def test_generate_single_and_batched_with_logprobs(cluster, model):
 def test_stream_sends_cumulative_chunks_ending_in_the_non_streamed_reply(cluster, model, via):
     url = cluster.router_url if via == "router" else cluster.worker_urls[0]
     body = {"text": "stream me", "sampling_params": _sp(20, 11, top_k=50), "return_logprob": True}
-    status, whole = http_json(url + "/generate", body)
+    status, whole = http_json(url + "/generate", body, headers=AUTH)
     assert status == 200, whole
     ctype, events = _stream(url, body)
     assert ctype.startswith("text/event-stream") and events[-1] == "[DONE]"
@@ -171,7 +174,7 @@ def test_stream_sends_cumulative_chunks_ending_in_the_non_streamed_reply(cluster
 def test_stream_of_a_batch_interleaves_chunks_with_their_index(cluster, model):
     prompts = [[1, 2, 3], list(range(40, 70)), [7]]
     body = {"input_ids": prompts, "sampling_params": _sp(6, 3), "return_logprob": True}
-    status, whole = http_json(cluster.router_url + "/generate", body)
+    status, whole = http_json(cluster.router_url + "/generate", body, headers=AUTH)
     assert status == 200 and len(whole) == 3, whole
     _, events = _stream(cluster.router_url, body)
     assert events[-1] == "[DONE]" and sorted({c["index"] for c in events[:-1]}) == [0, 1, 2]
@@ -226,7 +229,7 @@ def test_a_stream_dropped_behind_the_router_is_aborted_on_the_worker(cluster):
     host, port = cluster.router_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.request("POST", "/generate", json.dumps({"input_ids": [1, 2, 3], "sampling_params": _sp(500, 5), "stream": True}),
-                 {"Content-Type": "application/json"})
+                 {"Content-Type": "application/json", **AUTH})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: {")
     conn.close()  # sglang-router notices at its next write and drops its own connection to the worker
@@ -249,7 +252,8 @@ def test_v1_models_lists_the_served_model(cluster):
 def test_rollout_logprobs_equal_training_forward_through_the_router(cluster, model):
     prompt = list(range(100, 150))
     status, r = http_json(cluster.router_url + "/generate",
-                          {"input_ids": prompt, "sampling_params": _sp(16, 9, temperature=0.7), "return_logprob": True})
+                          {"input_ids": prompt, "sampling_params": _sp(16, 9, temperature=0.7), "return_logprob": True},
+                          headers=AUTH)
     assert status == 200
     seq = prompt + r["output_ids"]
     with K.use_backend("reference"), torch.no_grad():
@@ -268,7 +272,7 @@ def test_64_concurrent_requests_with_preemption_match_the_roomy_engine(cluster, 
 
     def one(i):
         return http_json(cluster.router_url + "/generate", {"input_ids": prompts[i], "sampling_params": params[i],
-                                                            "return_logprob": True}, timeout=120)
+                                                            "return_logprob": True}, timeout=120, headers=AUTH)
 
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
         replies = list(pool.map(one, range(64)))
@@ -305,7 +309,8 @@ def test_bad_generate_requests_get_400_and_the_server_keeps_serving(cluster, bod
 
 
 def test_router_passes_client_errors_through(cluster):
-    status, _ = http_json(cluster.router_url + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": -1}})
+    status, _ = http_json(cluster.router_url + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": -1}},
+                          headers=AUTH)
     assert 400 <= status < 500
 
 
@@ -470,7 +475,7 @@ def _corrupt(kind):
     elif kind == "transport":
         payload["transport"] = {"kind": "pickle", "data": ""}
     elif kind == "shm":
-        payload["transport"] = {"kind": "shm", "name": "rlperf-no-such-segment"}
+        payload["transport"] = {"kind": "shm", "name": "rlperf_bucket_1_0123456789abcdef"}  # rlperf's form, not there
     return payload
 
 
@@ -532,3 +537,299 @@ def test_cli_serve_router_starts_and_stops_the_cluster(tmp_path, free_ports):
     for url in workers:  # the servers went down with it
         with pytest.raises(OSError):
             urllib.request.urlopen(url + "/health", timeout=2)
+
+
+# ---- a careless or hostile client (issue #12, "Server"); in-process variants: test_server_hostile.py ----
+
+def _nested(depth):
+    return "[" * depth + "]" * depth
+
+
+# every one is a client error: 4xx with a message, and the server serves the next request
+MALFORMED_GENERATE = [
+    # not JSON, or not an object
+    (b"null", "must be a JSON object, got NoneType"), (b"42", "got int"), (b'"hello"', "got str"),
+    (b"[]", "got list"), (b"   ", "empty"), (b"{", "malformed JSON"), (b'{"text": "a",}', "malformed JSON"),
+    (b"{'text': 'a'}", "malformed JSON"), (b'{"text": "a"} trailing', "malformed JSON"),
+    (b'{"text": "a"}{"text": "b"}', "malformed JSON"), (b'\xff\xfe{"text": "a"}', "not UTF-8"),
+    (b'\xef\xbb\xbf{"text": "a"}', "malformed JSON"), (b'{"text": "\xc3"}', "not UTF-8"),
+    (b'{"text": "a", "sampling_params": {"temperature": NaN}}', "NaN is not JSON"),
+    (b'{"input_ids": [1, Infinity]}', "Infinity is not JSON"),
+    (b'{"input_ids": [' + b"7" * 5000 + b"]}", "malformed JSON"),  # an integer over Python's 4300 digits
+    (b'{"text": "a", "x": ' + _nested(100_000).encode() + b"}", "nests too deeply"),
+    (b'{"text": "a", "x": ' + _nested(40).encode() + b"}", "deeper than 32 levels"),
+    (b'{"text": "\\ud800"}', "lone surrogate"), (b'{"input_ids": [1], "rid": "\\udc00x"}', "lone surrogate"),
+    (b'{"text": "a", "\\ud83d": 1}', "lone surrogate"),
+    # missing or doubled fields
+    ({}, "exactly one of 'text' and 'input_ids'"), ({"sampling_params": {}}, "exactly one"),
+    ({"text": None}, "exactly one"), ({"text": "a", "input_ids": [1]}, "exactly one"),
+    # wrong types per field
+    ({"text": 5}, "'text' must be"), ({"text": 1.5}, "'text' must be"), ({"text": True}, "'text' must be"),
+    ({"text": {}}, "'text' must be"), ({"text": []}, "'text' must be"), ({"text": [1]}, "'text' must be"),
+    ({"text": ["a", None]}, "'text' must be"), ({"text": [["a"]]}, "'text' must be"), ({"text": ""}, "non-empty"),
+    ({"input_ids": "12"}, "'input_ids' must be"), ({"input_ids": 5}, "'input_ids' must be"),
+    ({"input_ids": {}}, "'input_ids' must be"), ({"input_ids": []}, "non-empty lists of integers"),
+    ({"input_ids": [[]]}, "non-empty lists of integers"), ({"input_ids": [1, None]}, "lists of integers"),
+    ({"input_ids": [1, 2.5]}, "lists of integers"), ({"input_ids": [1, True]}, "lists of integers"),
+    ({"input_ids": [[1], [2, [3]]]}, "lists of integers"), ({"input_ids": [[[1]]]}, "lists of integers"),
+    ({"input_ids": [-1]}, "in [0, 512)"), ({"input_ids": [512]}, "in [0, 512)"),
+    ({"input_ids": [[1], [600]]}, "in [0, 512)"), ({"input_ids": [10 ** 300]}, "in [0, 512)"),
+    ({"input_ids": list(range(256)) * 4}, "context length is 1024"),
+    ({"text": "a", "sampling_params": "x"}, "'sampling_params' must be an object"),
+    ({"text": "a", "sampling_params": 5}, "'sampling_params' must be an object"),
+    ({"text": "a", "sampling_params": [{}]}, "'sampling_params' must be an object"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "1 entries for 2 prompts"),
+    ({"input_ids": [[1], [2]], "return_logprob": [True]}, "1 entries for 2 prompts"),
+    ({"text": "a", "return_logprob": "yes"}, "'return_logprob' must be a boolean"),
+    ({"text": "a", "return_logprob": 1}, "'return_logprob' must be a boolean"),
+    ({"text": "a", "return_logprob": [True]}, "'return_logprob' must be a boolean"),
+    ({"text": "a", "rid": 5}, "'rid' must be a string"), ({"text": "a", "rid": ["r"]}, "'rid' must be a string"),
+    ({"input_ids": [[1], [2]], "rid": ["r"]}, "'rid' must be a string"),
+    ({"input_ids": [[1], [2]], "rid": ["same", "same"]}, "already in flight"),
+    ({"text": "a", "stream": "yes"}, "'stream' must be a boolean"),
+    ({"text": "a", "stream": 1}, "'stream' must be a boolean"),
+    ({"input_ids": [1, 600], "stream": True}, "in [0, 512)"),  # a 400, before any event
+    # sampling_params, field by field
+    ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens=-1"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": "5"}}, "max_new_tokens must be an integer"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 1.5}}, "max_new_tokens must be an integer"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": True}}, "max_new_tokens must be an integer"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": [3]}}, "max_new_tokens must be an integer"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": -10 ** 400}}, "is outside"),
+    ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature must be a number"),
+    ({"text": "a", "sampling_params": {"temperature": -0.5}}, "temperature=-0.5 is outside"),
+    ({"text": "a", "sampling_params": {"temperature": [1]}}, "temperature must be a number"),
+    ({"text": "a", "sampling_params": {"temperature": 1e300}}, "finite as a float32"),  # inf in float32
+    ({"text": "a", "sampling_params": {"temperature": 10 ** 400}}, "not finite as a float"),
+    ({"text": "a", "sampling_params": {"top_p": 0}}, "top_p=0.0 is outside"),
+    ({"text": "a", "sampling_params": {"top_p": 1.5}}, "top_p=1.5 is outside"),
+    ({"text": "a", "sampling_params": {"top_p": 1e-300}}, "> 0 as a float32"),  # 0 in float32
+    ({"text": "a", "sampling_params": {"top_p": "0.9"}}, "top_p must be a number"),
+    ({"text": "a", "sampling_params": {"top_k": -2}}, "top_k=-2 is outside"),
+    ({"text": "a", "sampling_params": {"top_k": 1.5}}, "top_k must be an integer"),
+    ({"text": "a", "sampling_params": {"top_k": 2 ** 31}}, "top_k must be an integer in [-1, 2147483647]"),
+    ({"text": "a", "sampling_params": {"top_k": 2 ** 63}}, "top_k must be an integer in [-1, 2147483647]"),
+    ({"text": "a", "sampling_params": {"top_k": 10 ** 400}}, "top_k must be an integer in [-1, 2147483647]"),
+    ({"text": "a", "sampling_params": {"sampling_seed": 2 ** 64}}, "seed=18446744073709551616 is outside"),
+    ({"text": "a", "sampling_params": {"seed": 10 ** 400}}, "seed=an integer of 401 digits is outside"),
+    ({"text": "a", "sampling_params": {"seed": "s"}}, "seed must be an integer"),
+    ({"text": "a", "sampling_params": {"stop": 5}}, "stop must be"),
+    ({"text": "a", "sampling_params": {"stop": [""]}}, "stop must be"),
+    ({"text": "a", "sampling_params": {"stop": [1]}}, "stop must be"),
+    ({"text": "a", "sampling_params": {"stop": [["a"]]}}, "stop must be"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": "1"}}, "stop_token_ids must be"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [1.5]}}, "stop_token_ids must be"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [True]}}, "stop_token_ids must be"),
+    ({"text": "a", "sampling_params": {"ignore_eos": "yes"}}, "ignore_eos must be a boolean"),
+    ({"text": "a", "sampling_params": {"no_stop_trim": 0}}, "no_stop_trim must be a boolean"),
+    ({"text": "a", "sampling_params": {"skip_special_tokens": "no"}}, "skip_special_tokens must be a boolean"),
+    ({"text": "a", "sampling_params": {"foo": 1}}, "unsupported keys ['foo']"),
+    ({"text": "a", "sampling_params": {"n": 2}}, "sampling_params.n=2 is not supported"),
+    ({"text": "a", "sampling_params": {"min_p": 0.5}}, "min_p=0.5 is not supported"),
+    ({"text": "a", "sampling_params": {"repetition_penalty": 2}}, "repetition_penalty=2 is not supported"),
+    ({"text": "a", "sampling_params": {"n": 10 ** 400}}, "n=an integer of 401 digits is not supported"),
+]
+
+
+@pytest.mark.parametrize("body, message", MALFORMED_GENERATE,
+                         ids=[f"{i}-{m[:30]}" for i, (_, m) in enumerate(MALFORMED_GENERATE)])
+def test_malformed_generate_bodies_get_4xx_with_a_message_and_the_server_is_unharmed(cluster, body, message):
+    url = cluster.worker_urls[0]
+    status, reply = _post_raw(url + "/generate", body if isinstance(body, bytes) else json.dumps(body).encode())
+    assert 400 <= status < 500 and message in reply["error"]["message"], (status, reply)
+    assert reply["error"]["code"] == status
+    status, ok = http_json(url + "/generate", {"input_ids": [1, 2], "sampling_params": _sp(2, 1)})
+    assert status == 200 and len(ok["output_ids"]) == 2
+
+
+def test_values_that_break_the_sampler_get_400_with_the_api_key_too(cluster):
+    # the issue's three: inf as a float32, 0 as a float32, an int64 overflow
+    for bad in ({"temperature": 1e300}, {"top_p": 1e-300}, {"top_k": 2 ** 63}):
+        body = {"input_ids": [1, 2], "sampling_params": {**_sp(2, 1), **bad}}
+        for headers in ({}, AUTH):
+            status, reply = http_json(cluster.worker_urls[1] + "/generate", body, headers=headers)
+            assert status == 400 and next(iter(bad)) in reply["error"]["message"], reply
+        # sglang-router 0.3 parses sampling_params in its own types first: top_k (i32) and top_p get 4xx, but a
+        # temperature of 1e300 becomes f32 inf, which it forwards as null (the default, 1.0): never a 5xx or an abort
+        status, reply = http_json(cluster.router_url + "/generate", body, headers=AUTH)
+        assert 400 <= status < 500 or (status == 200 and reply["meta_info"]["finish_reason"]["type"] == "length"), reply
+
+
+def test_other_client_errors_are_4xx_not_500(cluster, tmp_path):
+    url = cluster.worker_urls[0]
+    host, port = url.removeprefix("http://").split(":")
+    # a non-UTF-8 Authorization header
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/flush_cache")
+    conn.putheader("Authorization", b"Bearer \xff\xfe\x80")
+    conn.putheader("Content-Length", "0")
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 401 and "API key" in json.loads(resp.read())["error"]["message"]
+    conn.close()
+    # start_profile with an existing file as output_dir; GPU activities on a CPU server
+    existing = tmp_path / "a-file"
+    existing.write_text("")
+    status, reply = http_json(url + "/start_profile", {"output_dir": str(existing), "activities": ["CPU"]}, headers=AUTH)
+    assert status == 400 and "a-file" in reply["error"]["message"], reply
+    if not torch.cuda.is_available():
+        status, reply = http_json(url + "/start_profile", {"output_dir": str(tmp_path), "activities": ["GPU"]}, headers=AUTH)
+        assert status == 400 and "GPU needs CUDA" in reply["error"]["message"], reply
+    # profile output outside the profile root (pytest's base temporary directory here), or escaping it
+    for body in ({"output_dir": "/etc/rlperf-test"}, {"output_dir": str(tmp_path), "profile_id": "../../../etc/x"},
+                 {"output_dir": str(tmp_path / ".." / ".." / "..")}):
+        status, reply = http_json(url + "/start_profile", {**body, "activities": ["CPU"]}, headers=AUTH)
+        assert status == 400 and ("profile root" in reply["error"]["message"] or "plain name" in reply["error"]["message"])
+    assert not os.path.exists("/etc/rlperf-test") and list(tmp_path.iterdir()) == [existing]
+    assert http_json(url + "/stop_profile", {}, headers=AUTH)[0] == 400  # none of them started a profile
+    # the admin routes' bodies are checked the same way
+    for path, body in (("/abort_request", b'{"rid": "\\ud800"}'), ("/pause_generation", b"[1]"),
+                       ("/update_weights_from_tensor", b'{"load_format": ' + _nested(50_000).encode() + b"}")):
+        status, reply = _post_raw(url + path, body, AUTH)
+        assert status == 400 and reply["error"]["message"], (path, reply)
+
+
+def _raw_request(url, head: bytes) -> tuple[int, dict]:
+    """Send a request head (no body) on a socket; the status and JSON reply."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s, s.makefile("rb") as f:
+        s.sendall(head)
+        status = int(f.readline().split()[1])
+        headers = {}
+        while (line := f.readline().strip()):
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        return status, json.loads(f.read(int(headers["content-length"])))
+
+
+def test_a_50_mb_generate_body_is_refused_by_its_content_length_at_once(cluster):
+    import time
+
+    url = cluster.worker_urls[1]
+    limit = http_json(url + "/get_server_info")[1]["max_generate_body_bytes"]
+    assert limit == (1 << 20) + 64 * 1024  # 1 MiB + 64 bytes a token of the context length
+    t0 = time.perf_counter()
+    status, reply = _raw_request(url, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                      b"Content-Length: 50000000\r\n\r\n")  # and not one byte of it
+    assert status == 413 and time.perf_counter() - t0 < 2, reply
+    assert f"/generate takes at most {limit} bytes" in reply["error"]["message"]
+    # without a Content-Length (chunked), the reading stops at the limit
+    req = urllib.request.Request(url + "/generate", data=iter([b'{"text": "', b"a" * (2 << 20), b'"}']), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 413
+    status, ok = http_json(url + "/generate", {"input_ids": [1, 2], "sampling_params": _sp(2, 1)})
+    assert status == 200 and len(ok["output_ids"]) == 2
+
+
+class _Unpickled:
+    """Unpickling this creates the file ``path`` (pickle calls ``open(path, "w")``): proof of an unpickle."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _pickle_payloads(marker):
+    import base64
+    import pickle
+
+    raw = pickle.dumps(_Unpickled(marker))
+    b64 = base64.b64encode(raw).decode()
+    named = {"model.norm.weight": torch.full((64,), 3.0)}
+    (bucket,) = flatten_buckets(named)
+    payload, _ = bucket_payload(bucket, "inline")
+    payload["transport"]["data"] = base64.b64encode(raw.ljust(payload["description"]["nbytes"], b"\0")).decode()
+
+    def weights(tensors, load_format="flattened_bucket"):
+        return json.dumps({"load_format": load_format, "serialized_named_tensors": tensors}).encode()
+
+    return {  # path, body: SGLang's pickled forms and others
+        "sglang-default": ("/update_weights_from_tensor", weights([b64], None)),  # MultiprocessingSerializer, base64
+        "sglang-direct": ("/update_weights_from_tensor", weights([b64], "direct")),
+        "flattened-b64": ("/update_weights_from_tensor", weights([b64])),
+        "flattened-str": ("/update_weights_from_tensor", weights(b64)),
+        "latin1-string": ("/update_weights_from_tensor", weights([raw.decode("latin-1")])),
+        "transport-pickle": ("/update_weights_from_tensor", weights([{"description": payload["description"],
+                                                                      "transport": {"kind": "pickle", "data": b64}}])),
+        "description-pickle": ("/update_weights_from_tensor",
+                               weights([{"description": b64, "transport": payload["transport"]}])),
+        "inline-bytes": ("/update_weights_from_tensor", weights([payload])),  # the pickle as a bucket's bytes
+        "raw-body": ("/update_weights_from_tensor", raw),
+        "raw-body-protocol-0": ("/update_weights_from_tensor", pickle.dumps(_Unpickled(marker), protocol=0)),
+        "generate-raw-body": ("/generate", raw),
+    }
+
+
+def test_pickle_payloads_are_refused_and_never_unpickled(cluster, tmp_path):
+    import pickle
+
+    # the payloads are live: unpickling one here creates its marker
+    control = tmp_path / "control"
+    pickle.loads(_pickle_payloads(control)["raw-body"][1])
+    assert control.exists()
+    marker = tmp_path / "unpickled"
+    payloads = _pickle_payloads(marker)
+    assert len(payloads) >= 9
+    for name, (path, body) in payloads.items():
+        for url in cluster.worker_urls:
+            status, reply = _post_raw(url + path, body, {**AUTH, "Content-Type": "application/octet-stream"})
+            assert 400 <= status < 500 and reply["error"]["message"], (name, status, reply)
+            assert not marker.exists(), name
+    for url in cluster.worker_urls:  # and the weights are the ones they were
+        assert http_json(url + "/get_weight_version")[1] == {"weight_version": "default"}
+
+
+def test_router_concurrency_with_mid_flight_aborts_and_preemption_gives_the_bits_of_running_alone(cluster, model):
+    """16 requests through the router into two 4-page KV caches; 4 of them aborted mid-flight. The
+    other 12 get the tokens and log-probs they get alone (a roomy engine), bit for bit."""
+    from rlperf.rollout.router import wait_until
+
+    def states():
+        return [http_json(u + "/get_server_info")[1]["internal_states"][0] for u in cluster.worker_urls]
+
+    g = torch.Generator().manual_seed(5)
+    P = K.PAGE_SIZE
+    prompts = [torch.randint(0, 256, (int(torch.randint(P // 4, P, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(16)]
+    victims = {1, 6, 10, 13}
+    params = [_sp(P + P // 2 if i in victims else 24, 700 + i, top_k=100) for i in range(16)]
+    before = states()
+    for url in cluster.worker_urls:  # paused: all 16 are in the engines before a step runs
+        assert http_json(url + "/pause_generation", {"mode": "in_place"}, headers=AUTH)[0] == 200
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(http_json, cluster.router_url + "/generate",
+                                   {"input_ids": prompts[i], "sampling_params": params[i], "return_logprob": True,
+                                    "rid": f"rlperf-concurrency-{i}"}, 120, AUTH) for i in range(16)]
+            wait_until(lambda: sum(s["num_running_reqs"] + s["num_waiting_reqs"] for s in states()) == 16, 30,
+                       "16 requests in the engines")
+            for url in cluster.worker_urls:
+                assert http_json(url + "/continue_generation", {}, headers=AUTH)[0] == 200
+            steps = sum(s["num_steps"] for s in states())
+            wait_until(lambda: sum(s["num_steps"] for s in states()) >= steps + 20, 30, "20 steps")
+            aborted = 0
+            for i in sorted(victims):
+                for url in cluster.worker_urls:
+                    s, r = http_json(url + "/abort_request", {"rid": f"rlperf-concurrency-{i}"}, headers=AUTH)
+                    assert s == 200, r
+                    aborted += r["num_aborted"]
+            replies = [f.result(timeout=120) for f in futures]
+    finally:
+        for url in cluster.worker_urls:
+            http_json(url + "/continue_generation", {}, headers=AUTH)
+    assert aborted == len(victims)
+    assert all(s == 200 for s, _ in replies), [r for s, r in replies if s != 200][:2]
+    for i in sorted(victims):
+        m = replies[i][1]["meta_info"]
+        assert m["finish_reason"]["type"] == "abort" and m["completion_tokens"] < params[i]["max_new_tokens"], m
+    keep = [i for i in range(16) if i not in victims]
+    expect = _expected(model, [prompts[i] for i in keep], [SamplingParams.from_dict(params[i]) for i in keep])
+    assert [_got(replies[i][1]) for i in keep] == expect
+    after = states()
+    assert sum(a["num_retractions"] - b["num_retractions"] for a, b in zip(after, before)) > 0  # preemption happened

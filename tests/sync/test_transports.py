@@ -2,6 +2,9 @@
 sync_weights, the whole path in one process."""
 import json
 import multiprocessing as mp
+import os
+import re
+import sys
 
 import pytest
 import torch
@@ -109,3 +112,95 @@ def test_cuda_ipc_payload_from_another_process():
         child.join(60)
     for k, t in _named("cuda").items():
         assert torch.equal(got[k], t), k
+
+
+# ---- shared memory: only rlperf's own per-transfer segments, read-only, never unlinked by the receiver
+
+
+def _shm_payload(named=None):
+    (bucket,) = flatten_buckets(named or _named())
+    return bucket_payload(bucket, "shm")
+
+
+def test_shm_segments_are_named_for_one_transfer_and_released():
+    from rlperf.sync.transports import SHM_NAME
+
+    (p1, h1), (p2, h2) = _shm_payload(), _shm_payload()
+    try:
+        n1, n2 = p1["transport"]["name"], p2["transport"]["name"]
+        assert SHM_NAME.fullmatch(n1) and n1.startswith(f"rlperf_bucket_{os.getpid()}_") and n1 != n2
+    finally:
+        release(h1)
+        release(h2)
+    with pytest.raises(PayloadError, match="cannot be opened"):  # released: unlinked by its creator
+        receive_bucket(p1, "cpu")
+
+
+@pytest.mark.parametrize("name", ["psm_1234abcd", "rlperf-no-such-segment", "rlperf_bucket_1_xyz", "../rlperf_bucket_1_0123456789abcdef",
+                                  "rlperf_bucket_1_0123456789abcdef/../../etc/passwd", "rlperf_bucket_1_0123456789ABCDEF", ""])
+def test_shm_refuses_names_rlperf_did_not_create_for_a_transfer(name):
+    payload, handle = _shm_payload()
+    release(handle)
+    payload["transport"]["name"] = name
+    with pytest.raises(PayloadError, match="must name a segment rlperf created for this transfer"):
+        receive_bucket(payload, "cpu")
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="elsewhere segment sizes are rounded up to pages")
+def test_shm_refuses_a_segment_of_another_size():
+    payload, handle = _shm_payload()
+    try:
+        payload["description"]["nbytes"] -= 8  # a prefix of a bigger segment is not this bucket's segment
+        with pytest.raises(PayloadError, match="not the segment of this bucket"):
+            receive_bucket(payload, "cpu")
+    finally:
+        release(handle)
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_the_checksum_is_required(transport):
+    (bucket,) = flatten_buckets(_named())
+    payload, handle = bucket_payload(bucket, transport)
+    try:
+        for missing in (None, "drop"):
+            desc = dict(payload["description"])
+            if missing is None:
+                desc["checksum"] = None
+            else:
+                del desc["checksum"]
+            with pytest.raises(PayloadError, match="no checksum"):
+                receive_bucket({**payload, "description": desc}, "cpu")
+        for bad in ("0x12", "1234", "g" * 16, 12345, " " + "0" * 15):
+            with pytest.raises(PayloadError, match="16 hex digits"):
+                receive_bucket({**payload, "description": {**payload["description"], "checksum": bad}}, "cpu")
+    finally:
+        release(handle)
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_a_checksum_mismatch_reply_holds_no_hash_of_the_received_bytes(transport):
+    from rlperf.sync import bucket_checksum
+
+    (bucket,) = flatten_buckets(_named())
+    payload, handle = bucket_payload(bucket, transport)
+    try:
+        actual = f"{bucket_checksum(bucket.buffer):016x}"
+        for guess in ("0" * 16, "f" * 16):
+            desc = {**payload["description"], "checksum": guess}
+            with pytest.raises(PayloadError) as info:
+                receive_bucket({**payload, "description": desc}, "cpu")
+            msg = str(info.value)
+            assert msg == "bucket rejected: checksum mismatch", msg
+            assert actual not in msg.lower() and not re.search(r"[0-9a-f]{8}", msg)
+    finally:
+        release(handle)
+
+
+def test_receiving_leaves_the_sender_segment_to_the_sender():
+    payload, handle = _shm_payload()
+    try:
+        for _ in range(2):  # received twice: still there, and still this process's to unlink
+            receive_bucket(payload, "cpu")
+        assert os.path.exists(f"/dev/shm/{payload['transport']['name']}") or sys.platform != "linux"
+    finally:
+        release(handle)
