@@ -13,6 +13,13 @@ shift 2 2>/dev/null || shift $#
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+# Packages the device image lacks (sglang-router and its server stack, sglang for the bucket interop
+# tests, pytest-benchmark) travel as wheels in .whl/ (carry it; see README "GPU runs").
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 \
+    || { tail -30 "$OUT/wheels.log"; exit 3; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 3; }
 status=0
 if [ "$TESTS" != "none" ]; then
