@@ -23,10 +23,11 @@ BENCHES = {
     "sync": "rlperf.bench.sync",
     "logprob": "rlperf.bench.logprob",
     "rollout": "rlperf.bench.rollout",
+    "loop": "rlperf.bench.loop",
 }
 MICROBENCHES = ("matmul", "attention", "layers", "flatten", "logprob")
 """The benchmarks whose modules expose ``cases(quick)``: one kernel call against one anchor call per
-case (sync and rollout time whole processes and engine steps, not a pair of calls)."""
+case (sync, rollout and loop time whole processes, engine steps and RL steps, not a pair of calls)."""
 
 
 def microbench_cases(quick: bool) -> list[BenchCase]:

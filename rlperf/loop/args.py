@@ -70,6 +70,14 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-api-key-file", default=None, metavar="PATH",
                    help="read the API key from this file (surrounding whitespace stripped)")
     g.add_argument("--colocate", action="store_true", help="trainer and engines share the GPU (weights by CUDA IPC)")
+    g.add_argument("--sglang-cuda-graph-max-bs", type=int, default=None,
+                   help="in-process engine: replay decode steps of up to this many sequences from CUDA graphs, as "
+                        "rlperf serve --cuda-graph-max-bs (default: serve's, 256 on CUDA; 0: eager decode, the "
+                        "debuggable path; CPU is always eager)")
+    g.add_argument("--engine-weights", default="auto", choices=["auto", "buckets", "shared"],
+                   help="in-process engine's weights: its own copy loaded from flattened buckets at each sync, or "
+                        "shared: it runs on the trainer's compute weights (no copy; sync mode only); auto: shared on "
+                        "CUDA in sync mode, buckets otherwise")
     g.add_argument("--sglang-mem-fraction-static", type=float, default=None,
                    help="in-process engine on CUDA: the fraction of device memory that everything allocated "
                         f"before it plus its KV cache may fill (default {TRAIN_MEM_FRACTION_STATIC}: the trainer "
@@ -85,6 +93,13 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
                    help="let a run that does not resume from --save write into it although it holds checkpoints "
                         "(its pointer moves to this run's checkpoints)")
     g.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda")
+    g = p.add_argument_group("precision")
+    g.add_argument("--precision", default="auto", choices=list(PRECISIONS),
+                   help="compute dtype of the trainer's forward/backward and of the in-process engine: bf16 (float32 "
+                        "master weights, gradient accumulation and AdamW state, as Megatron) or fp32; auto: bf16 on "
+                        "CUDA, fp32 on CPU (bf16 on CPU runs the torch reference in bf16: a test path)")
+    g.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="--precision bf16 (slime's name)")
+    g.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="--precision fp32")
     add_kernel_arguments(p.add_argument_group("kernels"), auto_cpu="the torch reference (the trainer's CPU path)")
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=1234)
@@ -104,6 +119,17 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     add_profile_arguments(p)
     add_train_arguments(p)
     p.set_defaults(lr=None, n_samples_per_prompt=None, rollout_temperature=None)
+
+
+PRECISIONS = {"auto": None, "bf16": "bfloat16", "fp32": "float32"}
+"""``--precision`` values and their compute dtypes (:func:`compute_dtype`)."""
+
+
+def compute_dtype(ns: argparse.Namespace, precision: str | None = None):
+    """The run's compute dtype: ``precision`` (bf16 or fp32), else ``ns.precision`` (resolved)."""
+    import torch
+
+    return getattr(torch, PRECISIONS[precision or ns.precision])
 
 
 def check_writable_dir(path, flag: str) -> None:
@@ -235,7 +261,24 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
     if ns.save_interval is not None and not ns.save:
         raise UsageError("--save-interval needs --save")
     check_profile_args(ns, error=UsageError)
-    kernel_policy(ns, run_device(ns))  # checked now; the run applies it (rlperf.loop.runner.Run.kernels)
+    device = run_device(ns)
+    policy = kernel_policy(ns, device)  # checked now; the run applies it (rlperf.loop.runner.Run.kernels)
+    if getattr(ns, "precision", None) in (None, "auto"):
+        ns.precision = "bf16" if device.type == "cuda" else "fp32"
+    if ns.precision == "bf16" and device.type == "cpu" and policy.backend_for(device) == "interpreter":
+        raise UsageError("--precision bf16 on CPU needs the reference backend: the Triton interpreter's bf16 "
+                         "tl.dot and casts are wrong (DESIGN, Measured facts); use --kernel-backend reference or fp32")
+    if getattr(ns, "sglang_cuda_graph_max_bs", None) is not None and ns.sglang_cuda_graph_max_bs < 0:
+        raise UsageError(f"--sglang-cuda-graph-max-bs must be >= 0, got {ns.sglang_cuda_graph_max_bs}")
+    ew = getattr(ns, "engine_weights", "auto")
+    if ew == "auto":
+        ew = "shared" if (device.type == "cuda" and not ns.async_mode and ns.sglang_router_ip is None) else "buckets"
+    if ew == "shared" and ns.async_mode:
+        raise UsageError("--engine-weights shared needs sync mode: with --async the rollout would read weights "
+                         "the trainer is updating")
+    if ew == "shared" and ns.sglang_router_ip is not None:
+        raise UsageError("--engine-weights applies to the in-process engine, not to servers behind --sglang-router-ip")
+    ns.engine_weights = ew
     ns.logprob_impl = "engine" if ns.true_on_policy_mode else "fused"
     try:
         ns.train_args = train_args_from(ns)

@@ -3,12 +3,23 @@
 Both have ``generate(prompts, params) -> list[GenerationResult]`` (one typed result per prompt,
 :class:`rlperf.rollout.engine.GenerationResult`) and ``update_weights(named_tensors, version)``:
 
-* :class:`EngineClient` — an in-process :class:`rlperf.rollout.engine.Engine` over its **own copy**
-  of the model (the default when no ``--sglang-router-ip`` is given, e.g. the embedded CPU run).
-  Weight sync is :func:`rlperf.sync.sync_weights`: on CPU through the path a server takes
-  (``flatten_buckets`` -> a shared-memory bucket payload -> ``receive_bucket``, which checks sizes
-  and checksum -> ``load_bucket`` into the engine's model); on one GPU the buckets are loaded
-  directly (one copy launch per bucket). Then the KV cache is flushed.
+* :class:`EngineClient` — an in-process :class:`rlperf.rollout.engine.Engine` (the default when no
+  ``--sglang-router-ip`` is given, e.g. the embedded CPU run): the engine ``rlperf serve`` runs, in the
+  trainer's compute dtype (bf16 on CUDA), with CUDA-graph decode up to serve's default batch size
+  (:func:`rlperf.rollout.cuda_graph.default_max_bs`; ``--sglang-cuda-graph-max-bs 0`` keeps the eager,
+  debuggable path; on CPU it is eager). Its weights (``--engine-weights``):
+
+  - ``buckets`` — the engine runs its **own copy** of the model; weight sync is
+    :func:`rlperf.sync.sync_weights`: on CPU through the path a server takes (``flatten_buckets`` ->
+    a shared-memory bucket payload -> ``receive_bucket``, which checks sizes and checksum ->
+    ``load_bucket`` into the engine's model); on one GPU the buckets are loaded directly (one copy
+    launch per bucket).
+  - ``shared`` — the engine runs on the trainer's compute weights themselves (no copy, no second
+    set of weights in memory): the trainer updates them in place after each optimizer step (CUDA
+    graphs captured on them stay valid), and weight sync only checks that the engine still holds
+    those very tensors. Sync mode only: in ``--async`` the rollout would read weights mid-update.
+
+  Then the KV cache is flushed.
 * :class:`RouterClient` — ``POST /generate`` through a running sglang-router, one request per
   sample; weight sync pauses every worker the router lists (``/pause_generation``), pushes the
   buckets to each (:func:`push_weights`, ``/update_weights_from_tensor``), flushes their caches and
@@ -26,6 +37,7 @@ import copy
 from concurrent.futures import ThreadPoolExecutor
 
 from rlperf.rollout.args import API_KEY_ENV
+from rlperf.rollout.cuda_graph import default_max_bs
 from rlperf.rollout.engine import Engine, EngineConfig, GenerationResult, SamplingParams
 from rlperf.rollout.router import http_json
 from rlperf.sync import SyncConfig, SyncStats, bucket_payload, flatten_buckets, release, sync_weights
@@ -41,21 +53,41 @@ class EngineClient:
 
     kind = "in-process engine"
 
-    def __init__(self, model, tokenizer, max_total_tokens: int | None = None, mem_fraction_static: float | None = None):
-        self.model = copy.deepcopy(model)
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+    def __init__(self, model, tokenizer, max_total_tokens: int | None = None, mem_fraction_static: float | None = None,
+                 cuda_graph_max_bs: int | None = None, share_weights: bool = False):
+        """``model``: the trainer's compute weights (copied unless ``share_weights``);
+        ``cuda_graph_max_bs``: None is serve's default (:func:`rlperf.rollout.cuda_graph.default_max_bs`)."""
+        self.shared = share_weights
+        if share_weights:
+            self.model = model
+        else:
+            self.model = copy.deepcopy(model)
+            for p in self.model.parameters():
+                p.requires_grad_(False)
         self.tokenizer = tokenizer
         if mem_fraction_static is None and self.model.device.type == "cuda":
             mem_fraction_static = TRAIN_MEM_FRACTION_STATIC
+        if cuda_graph_max_bs is None:
+            cuda_graph_max_bs = default_max_bs(self.model.device)
         self.engine = Engine(self.model, tokenizer, EngineConfig(
-            max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static, cuda_graph_max_bs=0))
+            max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
+            cuda_graph_max_bs=cuda_graph_max_bs))
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
         return self.engine.generate(prompts, params)
 
     def update_weights(self, named_tensors, version: str) -> SyncStats:
         """Buckets -> (CPU: a shared-memory payload -> receive, checksum verified) -> load; flush."""
+        if self.shared:
+            # the engine reads the trainer's weights: nothing moves; they must still be the same tensors
+            own = self.model.hf_state_dict()
+            stale = [n for n, t in named_tensors.items() if n not in own or own[n].data_ptr() != t.data_ptr()
+                     or own[n].dtype != t.dtype]
+            if stale:
+                raise RuntimeError(f"--engine-weights shared: the engine no longer holds the trainer's {stale[:3]}")
+            self.engine.flush()
+            self.engine.weight_version = version
+            return SyncStats(buckets=0, bytes=0)
         # same process, same GPU: CUDA cannot open a process's own IPC handle, and none is needed;
         # the bucket's views are copied straight into the engine's parameters
         transport = None if self.model.device.type == "cuda" else "shm"

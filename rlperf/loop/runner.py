@@ -28,6 +28,12 @@ only when stderr is a terminal (a log file or a pipe gets the plain lines alone)
 Embedded default (measured on the shared 2-core CI box, 1 thread): mean reward 0.25 (chance) at
 rollout 1, ~0.98 at rollout 80, in about 35 s.
 
+``--precision`` (bf16 on CUDA, fp32 on CPU by default): the model is built or loaded in float32 as the
+trainer's master weights; with bf16 the trainer runs forward/backward on a bf16 copy (its compute
+weights, :class:`rlperf.train.Trainer`), which weight sync sends, the in-process engine runs (with
+CUDA-graph decode, as ``rlperf serve``) and ``sync/weights_checksum`` hashes; checkpoints hold the
+float32 masters.
+
 ``--mode`` and ``--kernel-backend`` set the kernel policy every phase runs under
 (:func:`rlperf.loop.args.kernel_policy`); on CPU the ops run on the reference backend by default, with
 ``--num-threads`` intra-op threads (1 by default: fastest on shared cores). Every run writes
@@ -57,7 +63,7 @@ from rlperf.sync import weights_checksum
 from rlperf.telemetry import PhaseMeter, PhaseTimeline, TrainerTrace, default_path
 
 from . import checkpoint as ckpt
-from .args import UsageError, kernel_policy, parse_train_args, resolve_args, run_device
+from .args import UsageError, compute_dtype, kernel_policy, parse_train_args, resolve_args, run_device
 from .probe import worst_case_probe
 from .record import PHASES, FirstStepRecord, PhaseMemory
 from .clients import EngineClient, RouterClient, ServerAuthError
@@ -154,7 +160,13 @@ class Run:
                                                            device=self.device)
             elif ta.use_kl_loss or ta.kl_coef:
                 ref = frozen_copy(self.model)  # the actor as it starts (slime asks for --ref-load)
-            self.trainer = Trainer(self.model, ta, ref)
+            # the model built above holds the float32 master weights; the trainer's compute copy (bf16 on
+            # CUDA) is what forward/backward, weight sync, the engine and the checksum see
+            self.precision = getattr(ns, "precision", "fp32") or "fp32"
+            if self.precision == "auto":
+                self.precision = "bf16" if self.device.type == "cuda" else "fp32"
+            self.trainer = Trainer(self.model, ta, ref, compute_dtype=compute_dtype(ns, self.precision))
+            self.master_model, self.model = self.model, self.trainer.model
             with _usage_errors("--load", ns.load):
                 self.start = ckpt.load_trainer_state(ns.load, self.trainer) if ns.load else 0
         if ns.sglang_router_ip:
@@ -162,7 +174,9 @@ class Run:
                 self.client = RouterClient(ns.sglang_router_ip, ns.sglang_router_port, self.tokenizer, ns.colocate,
                                            api_key=getattr(ns, "sglang_api_key", None))
         else:
-            self.client = EngineClient(self.model, self.tokenizer, mem_fraction_static=ns.sglang_mem_fraction_static)
+            self.client = EngineClient(self.model, self.tokenizer, mem_fraction_static=ns.sglang_mem_fraction_static,
+                                       cuda_graph_max_bs=getattr(ns, "sglang_cuda_graph_max_bs", None),
+                                       share_weights=getattr(ns, "engine_weights", "buckets") == "shared")
         self.data_source = DataSource(self.dataset, self.client, self.tokenizer, self.reward_fn, custom_gen)
         self.out = Path(ns.output_dir)
         self.timeline = PhaseTimeline(default_path(self.out))
@@ -228,7 +242,7 @@ class Run:
         self.out.mkdir(parents=True, exist_ok=True)
         history = []
         print(f"rlperf train: {'embedded task' if ns.embedded else ns.prompt_data} on {self.device} "
-              f"({self.client.kind}), rollouts {self.start}..{ns.num_rollout - 1}, "
+              f"({self.client.kind}, {self.precision}), rollouts {self.start}..{ns.num_rollout - 1}, "
               f"{ns.rollout_batch_size}x{ns.n_samples_per_prompt} samples per rollout, "
               f"{'async' if ns.async_mode else 'sync'} mode; metrics -> {self.out / METRICS_FILE}", file=sys.stderr)
         self.sync(self.start - 1)  # the engines start from the trainer's weights (a router's servers loaded their own)
@@ -280,7 +294,7 @@ class Run:
                     if ns.save and not ns.debug_rollout_only and (
                             k + 1 == ns.num_rollout or (ns.save_interval and (k + 1) % ns.save_interval == 0)):
                         os.fsync(mf.fileno())
-                        ckpt.save_checkpoint(ns.save, k + 1, self.model, self.trainer)
+                        ckpt.save_checkpoint(ns.save, k + 1, self.master_model, self.trainer)
                     history.append(m)
                     bar.update(1)
                     if show_bar:

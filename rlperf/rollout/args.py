@@ -46,6 +46,9 @@ class ServerArgs:
     profile_root: str | None = None
     """``/start_profile`` writes traces only below this directory; default the system temporary
     directory (:mod:`rlperf.rollout.profiler`)."""
+    skip_warmup: bool = False
+    """Answer /health 200 at once, without the start-up warm-up (debugging): the first requests then
+    pay the kernel compiles and CUDA-graph captures (:meth:`rlperf.rollout.engine.Engine.warm_up`)."""
 
 
 API_KEY_ENV = "RLPERF_API_KEY"
@@ -132,6 +135,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-root", default=None, metavar="DIR",
                    help="/start_profile writes traces only below DIR: an output_dir elsewhere, a '..' or a symbolic "
                         "link is refused (default: the system temporary directory)")
+    p.add_argument("--skip-warmup", action="store_true",
+                   help="debugging: answer /health 200 at once instead of after the warm-up (kernel compiles, a "
+                        "prefill, every CUDA-graph decode size); the first requests then pay for them")
     p.add_argument("--router", type=int, default=0, metavar="N",
                    help="start N servers (ports --port, --port+1, ...) and the sglang-router in front of them")
     p.add_argument("--router-port", type=int, default=30080, help="port of the sglang-router (with --router)")
@@ -151,6 +157,8 @@ def server_argv(args: ServerArgs) -> list[str]:
     argv = []
     for f in dataclasses.fields(ServerArgs):
         v = getattr(args, f.name)
-        if v is not None and f.name != "api_key":
+        if isinstance(v, bool):  # a store_true flag
+            argv += [f"--{f.name.replace('_', '-')}"] if v else []
+        elif v is not None and f.name != "api_key":
             argv += [f"--{f.name.replace('_', '-')}", str(v)]
     return argv

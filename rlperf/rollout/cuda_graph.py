@@ -26,11 +26,21 @@ import torch
 
 from rlperf import kernels as K
 
+DEFAULT_MAX_BS = 256
+"""``--cuda-graph-max-bs`` on a CUDA device when not given: ``rlperf serve`` and the loop's in-process engine."""
+
+
+def default_max_bs(device) -> int:
+    """:data:`DEFAULT_MAX_BS` on a CUDA device, 0 (eager, nothing to capture) elsewhere."""
+    return DEFAULT_MAX_BS if torch.device(device).type == "cuda" else 0
+
+
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 class DecodeGraphs:
-    """Static buffers and one captured graph per batch-size bucket (captured lazily, on first use)."""
+    """Static buffers and one captured graph per batch-size bucket (captured on first use, or all at
+    once by :meth:`capture_all`)."""
 
     def __init__(self, model, kv_layers, max_bs: int, max_pages: int):
         if max_bs <= 0:
@@ -72,6 +82,25 @@ class DecodeGraphs:
             out = self._forward(bs)
         self._pool = graph.pool()
         self.graphs[(K.mode(), bs)] = (graph, out)
+
+    def capture_all(self) -> int:
+        """Capture every bucket's graph for the current mode now (``rlperf serve``'s warm-up), so no
+        request pays a capture; returns how many were captured. On a CPU device: nothing to capture.
+
+        Every row of these captures is a padding row (``slot = -1``, ``kv_len = 1`` over page 0), so
+        the eager passes before each capture write no K/V.
+        """
+        if not self.capture:
+            return 0
+        self.ids.zero_()
+        self.pos.zero_()
+        self.slots.fill_(-1)
+        self.table.zero_()
+        self.kv_lens.fill_(1)
+        todo = [bs for bs in self.buckets if (K.mode(), bs) not in self.graphs]
+        for bs in reversed(todo):  # largest first: the shared pool is sized once by the biggest graph
+            self._capture(bs)
+        return len(todo)
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], table: list[list[int]], kv_lens: list[int]) -> torch.Tensor:
         """Logits [B, V] float32 of a decode step of B = len(ids) sequences (one new token each).

@@ -592,6 +592,34 @@ class Engine:
         self.run_until_done()
         return [r.result() for r in reqs]
 
+    def warm_up(self, prompt_lengths: tuple[int, ...] = ()) -> int:
+        """Compile and warm the kernels before any client comes (``rlperf serve`` runs it at start):
+        capture every CUDA-graph decode size, then run one request per entry of ``prompt_lengths``
+        (prompts cut to what the context and the cache hold) for 2 tokens: a prefill of that
+        length, chunked as a client's would be, and a decode step. Returns how many graphs were
+        captured.
+
+        Nothing a client can see changes: only when idle; the requests carry their own seed (the
+        engine's seed draw is untouched); afterwards the KV pool is as new (every page free, contents
+        refilled: :meth:`PagedKVCache.reset_contents`) and ``num_steps`` is restored. Later requests get
+        the bits they would get without it: the kernels and graphs are the ones they would compile
+        and capture themselves, and a row's bits never depend on what ran before.
+        """
+        if self.has_work():
+            raise RuntimeError("warm_up needs an idle engine")
+        num_steps, V = self.num_steps, self.model.cfg.vocab_size
+        try:
+            captured = self.graphs.capture_all() if self.graphs is not None else 0
+            params = SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True, seed=0)
+            for n in prompt_lengths:
+                n = max(1, min(n, self.context_length - 2, self.kv.max_total_tokens - 2))
+                self.generate([[(7 * i + 1) % V for i in range(n)]], params)
+        finally:
+            self.abort(None, "warm-up")
+            self.kv.reset_contents()
+            self.num_steps = num_steps
+        return captured
+
     def flush(self) -> None:
         """Free every page; only when idle (nothing running or waiting)."""
         if self.has_work():

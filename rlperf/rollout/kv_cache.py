@@ -54,7 +54,7 @@ class PagedKVCache:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.cfg, self.num_pages, self.page_size = cfg, num_pages, K.PAGE_SIZE
         shape = (num_pages, K.PAGE_SIZE, cfg.num_key_value_heads, cfg.head_dim)
-        fill = float("nan") if poison else 0.0
+        self._fill = fill = float("nan") if poison else 0.0
         self.layers = [(torch.full(shape, fill, dtype=dtype, device=device),
                         torch.full(shape, fill, dtype=dtype, device=device))
                        for _ in range(cfg.num_hidden_layers)]
@@ -85,3 +85,11 @@ class PagedKVCache:
     def reset(self) -> None:
         """Every page free again (flush); contents are left as they are and overwritten before use."""
         self._free = list(range(self.num_pages - 1, -1, -1))
+
+    def reset_contents(self) -> None:
+        """Every page free and filled as at construction (zeros, or NaN when poisoned): the pool a new
+        cache would have (the engine's warm-up leaves nothing behind)."""
+        for k, v in self.layers:
+            k.fill_(self._fill)
+            v.fill_(self._fill)
+        self.reset()

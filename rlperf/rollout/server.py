@@ -10,8 +10,12 @@ and our validation — FastAPI/pydantic would coerce ``"5"`` into ``5`` and answ
 
 Endpoints (SGLang's names and reply fields; docs/ARCHITECTURE.md, "Rollout server"):
 
-* ``GET /health``, ``/health_generate``; ``GET /model_info``, ``/get_model_info``,
-  ``/server_info``, ``/get_server_info``, ``/get_weight_version``.
+* ``GET /health``, ``/health_generate``: 503 until the start-up warm-up is over (as SGLang answers
+  before its own): the engine thread's first command compiles the kernels and captures every
+  CUDA-graph decode size (:meth:`Engine.warm_up <rlperf.rollout.engine.Engine.warm_up>`), which
+  leaves nothing a client can see; then 200 (``--skip-warmup``: at once). A request that comes
+  earlier waits behind the warm-up. ``GET /model_info``, ``/get_model_info``, ``/server_info``,
+  ``/get_server_info`` (with ``warmup_seconds``), ``/get_weight_version``.
 * ``GET /v1/models``: the OpenAI model list (one card: ``id`` and ``root`` are ``--model-path``).
 * ``POST /generate``: ``text`` or ``input_ids``, single or batched; ``sampling_params`` (one object
   or one per prompt), ``return_logprob``, ``rid``, ``stream`` (parsed by
@@ -47,8 +51,11 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import os
 import re
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -318,11 +325,25 @@ def _sse(chunk) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
+WARMUP_PROMPT_LENGTHS = (7, 1000)
+"""Prompt lengths of ``rlperf serve``'s warm-up on a GPU (:meth:`rlperf.rollout.engine.Engine.warm_up`):
+a short prefill and a long-ish one that spans two chunks of the default ``--chunked-prefill-size``.
+On CPU only the short one runs (nothing is compiled there; it only proves the path)."""
+WARMUP_DELAY_ENV = "RLPERF_TEST_WARMUP_DELAY_S"
+"""Tests only: seconds the warm-up sleeps before it ends, so a test sees /health answer 503 meanwhile."""
+
+
+def warmup_prompt_lengths(device: torch.device) -> tuple[int, ...]:
+    return WARMUP_PROMPT_LENGTHS if device.type == "cuda" else WARMUP_PROMPT_LENGTHS[:1]
+
+
 def default_cuda_graph_max_bs(args: ServerArgs, model) -> int:
     """``--cuda-graph-max-bs`` as given, else 256 on a CUDA device and 0 on CPU."""
+    from .cuda_graph import default_max_bs
+
     if args.cuda_graph_max_bs is not None:
         return args.cuda_graph_max_bs
-    return 256 if model.device.type == "cuda" else 0
+    return default_max_bs(model.device)
 
 
 class RolloutServer:
@@ -338,6 +359,10 @@ class RolloutServer:
         backend = None if args.kernel_backend == "auto" else args.kernel_backend
         self.loop = EngineLoop(self.engine, backend, profile_root=args.profile_root)
         self.started = time.time()
+        self.ready = False
+        """True once the warm-up is over (or skipped): /health and /health_generate answer 503 until then."""
+        self.warmup_seconds: float | None = None
+        self.warmup_error: str | None = None
         # (limit, flag) per route; any other route: OTHER_BODY_BYTES (module constants)
         self.body_limits = {
             "/generate": (args.max_generate_body_bytes or generate_body_limit(self.engine.context_length),
@@ -380,6 +405,43 @@ class RolloutServer:
 
     async def _startup(self, app):
         self.loop.start()
+        if self.args.skip_warmup:
+            self.ready = True
+            return
+        # the engine thread's first command, ahead of any request; HTTP answers meanwhile (/health: 503)
+        self.loop.call(self._warm_up).add_done_callback(self._warmed)
+
+    def _warm_up(self, engine: Engine) -> float:
+        t0 = time.perf_counter()
+        graphs = engine.warm_up(warmup_prompt_lengths(self.model.device))
+        if torch.cuda.is_available() and self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        delay = float(os.environ.get(WARMUP_DELAY_ENV) or 0)
+        if delay > 0:
+            time.sleep(delay)
+        seconds = time.perf_counter() - t0
+        print(f"rlperf serve: warm-up done in {seconds:.1f} s ({graphs} CUDA graphs captured)", flush=True)
+        return seconds
+
+    def _warmed(self, fut) -> None:
+        """On the engine thread: the warm-up's end. A failed warm-up keeps /health at 503 with its error."""
+        exc = fut.exception()
+        if exc is not None:
+            self.warmup_error = "".join(traceback.format_exception(exc)).strip()
+            print(f"rlperf serve: warm-up failed; /health answers 503\n{self.warmup_error}", file=sys.stderr, flush=True)
+            return
+        self.warmup_seconds = fut.result()
+        self.ready = True
+
+    def _not_ready(self) -> web.Response | None:
+        """503 while the server cannot serve yet (as SGLang answers before its warm-up is done), else None."""
+        if not self.loop.alive:
+            return _error(503, f"the engine thread is not running: {self.loop.error or 'stopped'}")
+        if self.warmup_error is not None:
+            return _error(503, "the warm-up failed: " + self.warmup_error.splitlines()[-1])
+        if not self.ready:
+            return _error(503, "warming up: compiling kernels and capturing CUDA graphs")
+        return None
 
     async def _cleanup(self, app):
         self.loop.close()
@@ -402,11 +464,12 @@ class RolloutServer:
 
     # ---- info ---------------------------------------------------------------------------------
     async def health(self, request):
-        if not self.loop.alive:
-            return _error(503, f"the engine thread is not running: {self.loop.error or 'stopped'}")
-        return web.Response(text="")
+        return self._not_ready() or web.Response(text="")
 
     async def health_generate(self, request):
+        not_ready = self._not_ready()
+        if not_ready is not None:
+            return not_ready
         if self.loop.paused:  # a paused engine would hold the probe until /continue_generation
             return _error(503, "generation is paused")
         try:
@@ -429,7 +492,7 @@ class RolloutServer:
         info = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
         info.update(max_generate_body_bytes=self.body_limits["/generate"][0],
                     max_weights_body_bytes=self.body_limits["/update_weights_from_tensor"][0],
-                    profile_root=str(self.loop.profiler.root))
+                    profile_root=str(self.loop.profiler.root), warmup_seconds=self.warmup_seconds)
         info.update(version=VERSION, uptime_s=time.time() - self.started, max_total_num_tokens=e.kv.max_total_tokens, page_size=e.kv.page_size,
                     context_length=e.context_length, weight_version=e.weight_version, kernel_mode=K.mode(),
                     tp_size=1, dp_size=1,

@@ -1,8 +1,7 @@
 """One RL optimizer step: packed micro-batches -> fused log-probs -> policy loss -> AdamW.
 
 :class:`Trainer` owns the actor, an optional frozen reference model and the optimizer
-(``torch.optim.AdamW`` on the actor's parameters, no weight decay on 1-D ones as in Megatron; the
-parameters are the master weights, so train a float32 model or accept bf16 updates; then
+(``torch.optim.AdamW``, no weight decay on 1-D parameters as in Megatron, after
 ``clip_grad_norm_``). Per rollout:
 
 1. :meth:`Trainer.prepare` — old log-probs (actor, no grad), reference log-probs (when
@@ -18,6 +17,19 @@ Metrics use slime's names (``train/loss``, ``train/pg_loss``, ``train/pg_clipfra
 ``train/train_rollout_logprob_abs_diff``, with TIS ``train/tis``, ``train/ois``,
 ``train/tis_clipfrac``), each reduced like the loss. A non-finite grad norm skips the update (the
 weights stay as they were) and is reported as is, for the sanity gate to catch.
+
+Mixed precision (Megatron's scheme; ``compute_dtype``, the loop's ``--precision``): the model handed
+to the trainer holds the **master weights** in float32 (:attr:`Trainer.master_model`). With a lower
+``compute_dtype`` (bf16 on CUDA) the trainer makes :attr:`Trainer.model`, a copy of it in that dtype:
+the **compute weights** every forward and backward runs on (and that weight sync sends to the
+engines, so trainer and rollout run the same bf16 kernels on the same bf16 bits). Per micro-batch,
+after ``backward()``, each compute parameter's bf16 ``.grad`` is added into its master's float32
+``.grad`` and freed (:meth:`Trainer._accumulate_master_grads`: gradients accumulate in float32 across
+micro-batches, not in bf16). Grad-norm clipping and AdamW (float32 ``exp_avg``/``exp_avg_sq``) run on
+the masters; after each step one pass (``torch._foreach_copy_``) rounds the masters into the compute
+weights (:meth:`Trainer._copy_master_to_compute`). Checkpoints save the float32 masters, so a resume
+starts from the exact masters and AdamW state. With ``compute_dtype`` float32 (or None) master and
+compute weights are one set of parameters and nothing is copied (the CPU path, unchanged).
 
 Every kernel the model runs has a backward (``rlperf.kernels.autograd``: the forward is the
 batch-invariant kernel, the backward an analytic or recomputed torch gradient), and
@@ -51,16 +63,32 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 class Trainer:
     """Actor + frozen reference + AdamW; ``train(samples)`` runs one rollout's optimizer steps."""
 
-    def __init__(self, model: torch.nn.Module, args: TrainArgs, ref_model: torch.nn.Module | None = None):
+    def __init__(self, model: torch.nn.Module, args: TrainArgs, ref_model: torch.nn.Module | None = None,
+                 compute_dtype: torch.dtype | None = None):
+        """``model``: the master weights (float32 when ``compute_dtype`` is lower); ``compute_dtype``:
+        the dtype forward and backward run in (None: the model's own; module docstring)."""
         args.validate()
         if (args.use_kl_loss or args.kl_coef != 0) and ref_model is None:
             raise ValueError("--use-kl-loss / --kl-coef need a reference model (--ref-load)")
-        self.model, self.args, self.ref_model = model, args, ref_model
+        self.master_model, self.args, self.ref_model = model, args, ref_model
+        master_dtype = next(model.parameters()).dtype
+        self.mixed = compute_dtype is not None and compute_dtype != master_dtype
+        if self.mixed:
+            if master_dtype != torch.float32:
+                raise ValueError(f"mixed precision needs float32 master weights, the model is {master_dtype}")
+            self.model = copy.deepcopy(model).to(compute_dtype)  # the compute weights
+        else:
+            self.model = model
         if ref_model is not None:
+            if self.mixed:
+                ref_model.to(compute_dtype)  # the reference runs the actor's kernels, in the same dtype
             for p in ref_model.parameters():
                 p.requires_grad_(False)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
+        # the optimizer's parameters are the masters; self.params the compute parameters, same order
+        self.master_params = [p for _, p in named]
+        compute = dict(self.model.named_parameters())
+        self.params = [compute[n] for n, _ in named]
         # Megatron's default: no weight decay on 1-D parameters (norm weights, biases)
         groups = [{"params": [p for _, p in named if p.dim() > 1], "weight_decay": args.weight_decay},
                   {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0}]
@@ -124,6 +152,9 @@ class Trainer:
         dev = self.device
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.mixed:
+            for p in self.params:
+                p.grad = None
         totals: dict[str, torch.Tensor] = {}
         micro_batches = pack_micro_batches(samples, device=dev, **self._packing())
         first_mb = micro_batches[0]
@@ -144,6 +175,7 @@ class Trainer:
                 [m.to(dev) for m in masks], mb.response_lengths,
                 ref_log_probs=flat("ref_log_probs") if a.use_kl_loss else None, rollout_log_probs=rollout)
             (loss / denom).backward()
+            self._accumulate_master_grads()
             if micro_step_hook is not None and mb is first_mb:
                 count = (float(sum(m.sum() for m in masks)) if a.calculate_per_token_loss
                          else float(len(group)))
@@ -151,19 +183,42 @@ class Trainer:
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / denom
 
-        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is None]
+        missing = [n for n, p in self.master_model.named_parameters() if p.requires_grad and p.grad is None]
         if missing:
             raise RuntimeError(f"no gradient reached {missing[:4]}{' ...' if len(missing) > 4 else ''}: the kernel "
                                f"backend has no backward for some op (use the reference backend to train on CPU)")
         max_norm = a.clip_grad if a.clip_grad > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master_params, max_norm))
         if math.isfinite(grad_norm):
             self.optimizer.step()
+            self._copy_master_to_compute()
         self.step_count += 1
         out = {f"train/{k}": float(v) for k, v in totals.items()}
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
+
+    @torch.no_grad()
+    def _accumulate_master_grads(self) -> None:
+        """Mixed precision: add each compute parameter's ``.grad`` (this micro-batch's, in the compute
+        dtype) into its master's float32 ``.grad`` and free it. No-op when master is compute."""
+        if not self.mixed:
+            return
+        for p, m in zip(self.params, self.master_params):
+            if p.grad is None:
+                continue
+            if m.grad is None:
+                m.grad = p.grad.to(torch.float32)
+            else:
+                m.grad.add_(p.grad)  # float32 += bf16: accumulated in float32
+            p.grad = None
+
+    @torch.no_grad()
+    def _copy_master_to_compute(self) -> None:
+        """Mixed precision: round the float32 masters into the compute weights (one pass, in place:
+        tensors that alias the compute weights, e.g. an engine's CUDA graphs, stay valid)."""
+        if self.mixed:
+            torch._foreach_copy_(self.params, self.master_params)
 
     def state_dict(self) -> dict:
         """Optimizer state and step count (the model's weights are saved by the model)."""
@@ -173,6 +228,7 @@ class Trainer:
         """Restore :meth:`state_dict` (into a Trainer built on a model with the saved weights)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
+        self._copy_master_to_compute()
 
     def train(self, samples: Sequence[Sample], *, on_first_micro_step=None, phase=None) -> list[dict[str, float]]:
         """One rollout's training: :meth:`prepare`, then one :meth:`train_step` per global batch
