@@ -795,7 +795,11 @@ def test_router_concurrency_with_mid_flight_aborts_and_preemption_gives_the_bits
 
     g = torch.Generator().manual_seed(5)
     P = K.PAGE_SIZE
-    prompts = [torch.randint(0, 256, (int(torch.randint(P // 4, P, (1,), generator=g)),), generator=g).tolist()
+    # Prompts of P-12 .. P-1 tokens: each request fills one page and crosses into a second within
+    # 12 of its 24 new tokens. Whichever 8 requests the router sends a worker, the engine admits at
+    # least three of them at once, and three requests that each need two pages while alive do not fit
+    # a 4-page cache: preemption is certain, not a matter of arrival order.
+    prompts = [torch.randint(0, 256, (int(torch.randint(P - 12, P, (1,), generator=g)),), generator=g).tolist()
                for _ in range(16)]
     victims = {1, 6, 10, 13}
     params = [_sp(P + P // 2 if i in victims else 24, 700 + i, top_k=100) for i in range(16)]
