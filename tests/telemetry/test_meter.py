@@ -1,5 +1,6 @@
 """The phase meter: wall time and peak memory per phase (the loop's perf/* and memory/* metrics, the
 gates' per-phase peaks and probe), its timeline slices, and peaks that cover overlapping phases."""
+import mmap
 import threading
 import time
 
@@ -15,8 +16,12 @@ def test_cpu_phase_sees_an_allocation_inside_the_block():
     meter = PhaseMeter()
     before = rss_bytes()
     with meter.phase("train") as s:
-        x = torch.ones(32 * MiB // 4)  # 32 MiB, touched
-        del x  # gone before the phase ends: only a peak can see it
+        # a fresh anonymous mapping, every page touched: new resident memory whatever the allocator
+        # already holds (a torch or malloc block could reuse freed pages that are still resident)
+        block = mmap.mmap(-1, 32 * MiB)
+        for offset in range(0, 32 * MiB, mmap.PAGESIZE):
+            block[offset] = 1
+        block.close()  # gone before the phase ends: only a peak can see it
     assert meter.kind == "cpu_rss"
     assert s.name == "train" and s.peak_bytes >= before + 30 * MiB and s.seconds > 0
     assert meter.peaks == {"train": s.peak_bytes} and meter.times == {"train": s.seconds}
