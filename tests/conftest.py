@@ -88,3 +88,12 @@ def launch_router_cluster(tmp_path_factory, free_ports):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Many tiny engine ops: one intra-op thread is far faster than threads fighting over shared cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

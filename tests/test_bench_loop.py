@@ -13,14 +13,6 @@ from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_matmul_params_are_the_model_weights_that_multiply_tokens():
     cfg = preset("tiny")
     model = Qwen3ForCausalLM.random(cfg, seed=0)

@@ -1,6 +1,5 @@
 """The rollout benchmark's (``rlperf bench rollout``) measuring logic, on the tiny model on CPU (the
 timings themselves mean nothing here)."""
-import pytest
 import torch
 
 import rlperf.kernels as K
@@ -9,15 +8,6 @@ from rlperf.bench.rollout import decode_case, floor_ms, prefill_case, summarize
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.rollout.kv_cache import bytes_per_token
-
-
-@pytest.fixture
-def one_thread():
-    """Many tiny engine ops: one intra-op thread is far faster than threads fighting over shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_decode_and_prefill_cases_run_the_engine_as_described(one_thread):

@@ -25,15 +25,14 @@ import rlperf.kernels as K
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.rollout import engine as engine_module
-from rlperf.rollout.args import ServerArgs
 from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
 from rlperf.rollout.tokenizer import ByteTokenizer
 
 pytest.importorskip("aiohttp")
 
-from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
+from inprocess_server import cpu_args, serve  # noqa: E402
 
-from rlperf.rollout.server import OTHER_BODY_BYTES, RolloutServer, generate_body_limit  # noqa: E402
+from rlperf.rollout.server import OTHER_BODY_BYTES, generate_body_limit  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +40,6 @@ def model():
     return Qwen3ForCausalLM.random(preset("tiny"), seed=0)
 
 
-def _args(**kw):
-    return ServerArgs(**{"kernel_backend": "reference", "device": "cpu", "max_total_tokens": 1024, **kw})
-
-
-def _serve(model, args, fn):
-    """Run ``await fn(server, client)`` against a fresh server on a real local socket; its result."""
-    server = RolloutServer(args, model, ByteTokenizer(512))
-
-    async def main():
-        async with TestClient(TestServer(server.app)) as client:
-            return await fn(server, client)
-
-    return asyncio.run(main())
 
 
 async def _json(resp):
@@ -113,8 +99,8 @@ def test_requests_that_break_a_step_fail_alone_and_the_batch_gets_its_own_bits(m
         health = (await client.get("/health_generate")).status
         return replies, (stream.status, events), after, info, health
 
-    args = _args(max_total_tokens=4 * K.PAGE_SIZE, chunked_prefill_size=32, num_threads=1)
-    replies, (sstatus, events), after, info, health = _serve(model, args, run)
+    args = cpu_args(max_total_tokens=4 * K.PAGE_SIZE, chunked_prefill_size=32, num_threads=1)
+    replies, (sstatus, events), after, info, health = serve(model, args, run)
     for body, (status, reply) in zip(bodies, replies):
         if body in bad:
             assert status == 500, reply
@@ -137,7 +123,7 @@ def test_a_batch_with_a_breaking_request_answers_the_error_naming_it(model, monk
         body = {"input_ids": [[1, 2, 3], [4, 5, 6]], "sampling_params": [_sp(4, 1), _sp(4, 2, temperature=1e300)]}
         return await _json(await client.post("/generate", json=body))
 
-    status, reply = _serve(model, _args(), run)
+    status, reply = serve(model, cpu_args(), run)
     assert status == 500 and "request 1 of the batch" in reply["error"]["message"], reply
 
 
@@ -198,7 +184,7 @@ def test_bodies_over_their_route_limit_get_413_before_they_are_read(model):
         out["after"] = await _json(await client.post("/generate", json={"input_ids": [1, 2], "sampling_params": _sp(3, 1)}))
         return out
 
-    out = _serve(model, _args(max_generate_body_bytes=limit, max_weights_body_bytes=8192), run)
+    out = serve(model, cpu_args(max_generate_body_bytes=limit, max_weights_body_bytes=8192), run)
     assert out["info"]["max_generate_body_bytes"] == limit and out["info"]["max_weights_body_bytes"] == 8192
     status, reply, seconds = out["announced"]
     assert status == 413 and seconds < 5, (status, reply, seconds)
@@ -217,7 +203,7 @@ def test_the_default_generate_limit_follows_the_context_length(model):
     async def run(server, client):
         return (await (await client.get("/server_info")).json()), server.engine.context_length
 
-    info, ctx = _serve(model, _args(context_length=512), run)
+    info, ctx = serve(model, cpu_args(context_length=512), run)
     assert ctx == 512 and info["max_generate_body_bytes"] == generate_body_limit(512) == (1 << 20) + 64 * 512
     assert info["max_weights_body_bytes"] == 1 << 30
 
@@ -237,7 +223,7 @@ def _profile_run(model, root, fn, **kw):
 
         return await fn(server, client, start, stop, generate)
 
-    return _serve(model, _args(profile_root=str(root), **kw), run)
+    return serve(model, cpu_args(profile_root=str(root), **kw), run)
 
 
 def test_traces_go_under_the_profile_root_as_slime_asks(model, tmp_path, monkeypatch):

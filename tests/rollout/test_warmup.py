@@ -21,9 +21,9 @@ from rlperf.rollout.tokenizer import ByteTokenizer
 
 pytest.importorskip("aiohttp")
 
-from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
+from inprocess_server import cpu_args, serve  # noqa: E402
 
-from rlperf.rollout.server import WARMUP_DELAY_ENV, RolloutServer  # noqa: E402
+from rlperf.rollout.server import WARMUP_DELAY_ENV  # noqa: E402
 
 DELAY_S = 1.5
 BODY = {"input_ids": [3, 1, 4, 1, 5, 9, 2, 6], "return_logprob": True,
@@ -35,18 +35,6 @@ def model():
     return Qwen3ForCausalLM.random(preset("tiny"), seed=0)
 
 
-def _args(**kw):
-    return ServerArgs(**{"kernel_backend": "reference", "device": "cpu", "max_total_tokens": 1024, **kw})
-
-
-def _serve(model, args, fn):
-    server = RolloutServer(args, model, ByteTokenizer(512))
-
-    async def main():
-        async with TestClient(TestServer(server.app)) as client:
-            return await fn(server, client)
-
-    return asyncio.run(main())
 
 
 async def _status(client, path):
@@ -74,7 +62,7 @@ def test_health_is_503_during_the_warm_up_and_200_after(model, monkeypatch):
         info_after = await (await client.get("/get_server_info")).json()
         return during, info, waited, after, info_after
 
-    during, info, waited, after, info_after = _serve(model, _args(), run)
+    during, info, waited, after, info_after = serve(model, cpu_args(), run)
     for status, body in during:
         assert status == 503 and "warming up" in body["error"]["message"]
     assert info["warmup_seconds"] is None and info["skip_warmup"] is False
@@ -100,8 +88,8 @@ def test_a_request_sent_during_the_warm_up_waits_and_gets_the_bits_of_a_server_w
         resp = await client.post("/generate", json=BODY)
         return resp.status, await resp.json()
 
-    got_early = _serve(model, _args(), early)
-    got_after = _serve(model, _args(), after)
+    got_early = serve(model, cpu_args(), early)
+    got_after = serve(model, cpu_args(), after)
     monkeypatch.delenv(WARMUP_DELAY_ENV)
 
     async def skipped(server, client):
@@ -111,7 +99,7 @@ def test_a_request_sent_during_the_warm_up_waits_and_gets_the_bits_of_a_server_w
         resp = await client.post("/generate", json=BODY)
         return resp.status, await resp.json()
 
-    want = _serve(model, _args(skip_warmup=True), skipped)
+    want = serve(model, cpu_args(skip_warmup=True), skipped)
     for status, reply in (got_early, got_after, want):
         assert status == 200 and len(reply["output_ids"]) == 6
     for status, reply in (got_early, got_after):
