@@ -167,7 +167,16 @@ class TraceProfiler:
         name = TRACE_NAME.format(profile_id=pid, rank=self.rank)
         dir_fd = self._open_dir(output_dir, parts)
         try:
-            file_fd = os.open(name, _NEW_FILE_FLAGS, 0o644, dir_fd=dir_fd)
+            try:
+                file_fd = os.open(name, _NEW_FILE_FLAGS, 0o644, dir_fd=dir_fd)
+            except FileExistsError:
+                if profile_id is not None:
+                    raise
+                # Our own default id collided: workers of one router all write TP-0 traces, and started
+                # together they can read the same clock tick. Keep the start time, add this process.
+                pid = f"{pid}-{os.getpid()}"
+                name = TRACE_NAME.format(profile_id=pid, rank=self.rank)
+                file_fd = os.open(name, _NEW_FILE_FLAGS, 0o644, dir_fd=dir_fd)
         except OSError as exc:
             os.close(dir_fd)
             if isinstance(exc, FileExistsError):

@@ -291,3 +291,22 @@ def test_profile_paths_outside_the_root_links_and_existing_files_are_refused(mod
     assert sorted(os.listdir(outside)) == ["victim"] and (outside / "victim").read_text() == "keep me"
     assert not os.path.exists("/etc/rlperf-profile-test")
     assert sorted(os.listdir(root)) == ["a_file", "fine", "taken-TP-0.trace.json.gz", "to_outside"]
+
+
+def test_workers_that_start_on_the_same_clock_tick_write_distinct_traces(tmp_path, monkeypatch):
+    # every worker of a router writes TP-0 traces; the default profile_id is the start time, so two
+    # workers started together can read the same tick: the second keeps it and adds its process id
+    # (never overwriting the first), while a profile_id the client chose still refuses to collide
+    from rlperf.rollout import profiler as P
+
+    monkeypatch.setattr(P.time, "time", lambda: 1700000000.5)
+    a, b = P.TraceProfiler(root=tmp_path), P.TraceProfiler(root=tmp_path)  # one torch profiler at a time
+    path_a = a.start(str(tmp_path), activities=["CPU"])
+    a.stop()
+    path_b = b.start(str(tmp_path), activities=["CPU"])
+    b.stop()
+    assert path_a.name == "1700000000.5-TP-0.trace.json.gz"
+    assert path_b.name == f"1700000000.5-{os.getpid()}-TP-0.trace.json.gz"
+    assert path_a.is_file() and path_b.is_file()
+    with pytest.raises(ValueError, match="already exists"):
+        P.TraceProfiler(root=tmp_path).start(str(tmp_path), activities=["CPU"], profile_id="1700000000.5")
