@@ -82,10 +82,11 @@ setup(
     install_requires=["torch>=2.6", "triton>=3.3", "numpy", "safetensors>=0.4", "aiohttp>=3.9", "tqdm", "perfetto>=0.59"],
     extras_require={
         "test": ["pytest>=8", "pytest-benchmark>=4", "sglang-router>=0.3.2", "transformers>=4.51",
-                 "perfetto>=0.59"],
+                 "perfetto>=0.59", "ray[default]>=2.40"],
         "serve": ["sglang-router>=0.3.2"],
         "hf": ["transformers>=4.51"],
         "profile": ["sglang-router>=0.3.2", "perfetto>=0.59"],
+        "ray": ["ray[default]>=2.40", "sglang-router>=0.3.2"],  # --placement ray (its engines sit behind the router)
     },
     entry_points={"console_scripts": ["rlperf=rlperf.cli:main"]},
 )

@@ -13,14 +13,22 @@ Shapes (Qwen3-8B-like heads): 32 query heads, 8 KV heads, head_dim 128, bf16.
   pages). Anchor: SDPA flash with q length 1 on dense ``[B, Hkv, 4096, D]`` K/V. Work = the KV
   bytes read (GB/s): B·4096·Hkv·D·2 tensors·2 bytes.
 
+* backward, causal (Qwen3-0.6B heads: 16 query heads, 8 KV heads, D=128, bf16): 8192 tokens in
+  sequences of 512. Kernel = the fixed-order Triton backward (``kernels/attention_backward.py``)
+  behind ``varlen_attention``'s autograd; anchor = SDPA flash's backward on the same tokens as
+  ``[B, H, L, D]``; each side times ``torch.autograd.grad`` of a forward recorded once. Work =
+  10·B·Hq·L²·D / 2 FLOPs (the backward's five [L, L]·D products, causal; FlashAttention's 2.5x the
+  forward). The row also says whether two runs gave the same gradient bits.
+
 ``summarize`` gives the ratios the targets are stated in: prefill vs cuDNN (>= 0.75) and decode
-vs SDPA flash decode (>= 1.0).
+vs SDPA flash decode (>= 1.0), and the backward vs SDPA flash's backward.
 ``cases(quick)`` lists these kernel-anchor pairs for ``bench/test_microbench.py`` (pytest-benchmark).
 
 ``python -m rlperf.bench.attention --sweep`` times candidate launch configs (BLOCK_M, BLOCK_N,
 warps, stages, TMA loads) on both workloads and checks, per config, that decode and chunked rows
 equal the prefill rows bit for bit — how ``_CONFIG`` in ``kernels/attention.py`` was chosen.
 ``--test-config cfg.json -- <pytest args>`` runs the tests with a candidate config (tuning only).
+``--sweep-backward`` times candidate backward configs (``BackwardConfig``) at the backward case.
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ DEVICE = "cuda"  # a CPU dry run of the plumbing (tests) may point this elsewher
 HQ, HKV, D = 32, 8, 128
 PREFILL_CASES = ((8, 4096), (32, 1024))
 DECODE_CASE = (64, 4096)  # (B, KV length)
+BACKWARD_CASE = (16, 512, 16, 8)  # (B, L, Hq, Hkv): Qwen3-0.6B's heads, 8192 tokens
 _HBM_TBS = {"H200": 4.8, "H100": 3.35}  # datasheet, for the roofline fraction
 
 
@@ -113,6 +122,11 @@ def cases(quick: bool = False) -> list[BenchCase]:
     out.append(BenchCase(BENCH, f"decode paged B={B} KV={S}", "rlperf.paged", "sdpa-flash-dense",
                          setup=functools.partial(_decode_workload, B, S), work=2.0 * B * S * HKV * D * 2, unit="GB/s",
                          params={"B": B, "S": S, "phase": "decode", "anchor_backend": "flash"}))
+    B, L, hq, hkv = BACKWARD_CASE
+    out.append(BenchCase(BENCH, f"backward causal B={B} L={L} Hq={hq}", "rlperf.varlen.bwd", "sdpa-flash.bwd",
+                         setup=functools.partial(_backward_workload, B, L, hq, hkv),
+                         work=10.0 * B * hq * L * L * D / 2, unit="TFLOP/s",
+                         params={"B": B, "L": L, "Hq": hq, "Hkv": hkv, "phase": "backward", "anchor_backend": "flash"}))
     return out
 
 
@@ -162,9 +176,45 @@ def _decode_workload(B: int, S: int) -> Workload:
     return w
 
 
-def _packed(out: torch.Tensor) -> torch.Tensor:
-    """An SDPA output [B, H, Lq, D] as packed tokens [B*Lq, H, D] (rlperf's layout); others as they are."""
-    return out.transpose(1, 2).reshape(-1, HQ, D) if out.dim() == 4 else out
+def _backward_inputs(B: int, L: int, hq: int, hkv: int):
+    """q, k, v [B*L, H, D] bf16 leaves that require grad, an upstream gradient and cu_seqlens."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    T = B * L
+    q, k, v, dout = (torch.randn(T, h, D, device=DEVICE, generator=gen).bfloat16() for h in (hq, hkv, hkv, hq))
+    cu = torch.arange(0, T + 1, L, dtype=torch.int32, device=DEVICE)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout, cu
+
+
+def _backward_workload(B: int, L: int, hq: int, hkv: int) -> Workload:
+    import rlperf.kernels as K
+
+    q, k, v, dout, cu = _backward_inputs(B, L, hq, hkv)
+    with K.use_mode("invariant"):
+        out = K.varlen_attention(q, k, v, cu)  # the training forward: saves the LSE for the backward
+    w = Workload({"rlperf.varlen.bwd": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)})
+    q4, k4, v4 = (x.view(B, L, -1, D).transpose(1, 2) for x in (q, k, v))
+    fn, gqa = _sdpa_fn("flash", q4, k4, v4, causal=True)
+    if fn is None:
+        w.unavailable["sdpa-flash.bwd"] = f"SDPA flash unavailable: {gqa}"
+    else:
+        out4 = fn()
+        dout4 = dout.view(B, L, hq, D).transpose(1, 2)
+        w.calls["sdpa-flash.bwd"] = lambda: torch.autograd.grad(out4, (q, k, v), dout4, retain_graph=True)
+        w.info["sdpa-flash.bwd"] = {"gqa": gqa}
+    return w
+
+
+def _packed(out):
+    """An SDPA output [B, H, Lq, D] as packed tokens [B*Lq, H, D] (rlperf's layout); others (and
+    gradient tuples, already packed) as they are."""
+    return out.transpose(1, 2).reshape(-1, HQ, D) if isinstance(out, torch.Tensor) and out.dim() == 4 else out
+
+
+def _rel_err_any(x, ref) -> float:
+    """:func:`_rel_err`, the worst over a tuple of gradients."""
+    if isinstance(x, tuple):
+        return max(_rel_err(a, b) for a, b in zip(x, ref))
+    return _rel_err(x, ref)
 
 
 def run(quick: bool = False) -> list[BenchRow]:
@@ -179,16 +229,22 @@ def run(quick: bool = False) -> list[BenchRow]:
         paged_bits_equal = None  # prefill from the paged cache vs varlen: the prefill = decode contract
         if "rlperf.varlen" in outs and "rlperf.paged" in outs:
             paged_bits_equal = bool(torch.equal(outs["rlperf.paged"], outs["rlperf.varlen"]))
+        rerun_bits_equal = None  # the backward's contract: the same gradient bits on every run
+        if "rlperf.varlen.bwd" in outs:
+            rerun_bits_equal = all(torch.equal(a, b) for a, b in zip(w.calls["rlperf.varlen.bwd"](),
+                                                                       outs["rlperf.varlen.bwd"]))
         for c in group:
             if c.kernel not in times or c.anchor not in times:
                 continue
             t, t_ref = times[c.kernel], times[c.anchor]
-            extra = {**w.info[c.anchor], "rel_err_vs_anchor": _rel_err(outs[c.kernel], outs[c.anchor])}
+            extra = {**w.info[c.anchor], "rel_err_vs_anchor": _rel_err_any(outs[c.kernel], outs[c.anchor])}
             if phase == "decode":
                 extra["hbm_fraction"] = c.work / (t.median_ms * 1e-3) / (_hbm_tbs() * 1e12)
             extra.update(kernel_p20_p80_ms=[t.p20_ms, t.p80_ms], anchor_p20_p80_ms=[t_ref.p20_ms, t_ref.p80_ms])
             if c.kernel == "rlperf.paged" and paged_bits_equal is not None:
                 extra["bits_equal_varlen"] = paged_bits_equal
+            if c.kernel == "rlperf.varlen.bwd":
+                extra["bits_equal_rerun"] = rerun_bits_equal
             rows.append(c.row(t.median_ms, t_ref.median_ms, **extra))
         del w, outs
         torch.cuda.empty_cache()
@@ -204,6 +260,7 @@ def summarize(rows: list[BenchRow]) -> dict:
         "prefill_vs_cudnn_min": min(sel("prefill", "rlperf.varlen", "cudnn"), default=float("nan")),
         "prefill_vs_flash_geomean": geomean(sel("prefill", "rlperf.varlen", "flash")),
         "decode_vs_flash": geomean(sel("decode", "rlperf.paged", "flash")),
+        "backward_vs_flash": geomean(sel("backward", "rlperf.varlen.bwd", "flash")),
     }
     dec = [r for r in rows if r.extra["phase"] == "decode"]
     if dec:
@@ -212,6 +269,9 @@ def summarize(rows: list[BenchRow]) -> dict:
     paged = [r.extra["bits_equal_varlen"] for r in rows if "bits_equal_varlen" in r.extra]
     if paged:
         summary["paged_prefill_bits_equal_varlen"] = all(paged)
+    rerun = [r.extra["bits_equal_rerun"] for r in rows if "bits_equal_rerun" in r.extra]
+    if rerun:
+        summary["backward_bits_equal_rerun"] = all(rerun)
     return summary
 
 
@@ -333,6 +393,59 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
     return best["cfg"] if best else {}
 
 
+BACKWARD_SWEEP = [  # (BLOCK_KV, STEP_Q, BLOCK_Q, STEP_KV, num_warps, num_stages); the first is the default
+    (128, 64, 128, 64, 8, 3), (128, 64, 128, 64, 8, 2), (128, 32, 128, 32, 4, 3), (128, 32, 128, 32, 8, 3),
+    (128, 64, 64, 64, 8, 3), (64, 64, 64, 64, 4, 3), (64, 32, 128, 32, 4, 4),
+]
+
+
+def sweep_backward(configs=BACKWARD_SWEEP, reps: int = 15) -> dict:
+    """Time each backward config (the launcher alone: delta, dk/dv and dq kernels) at
+    :data:`BACKWARD_CASE` next to SDPA flash's backward, with two checks per config: two runs give
+    the same bits, and the gradients stay close to the default config's. Returns the fastest config
+    that passes both, as ``BackwardConfig`` fields."""
+    import dataclasses
+
+    from rlperf.kernels.attention import attention_forward
+    from rlperf.kernels.attention_backward import BackwardConfig, attention_backward, backward_config
+
+    B, L, hq, hkv = BACKWARD_CASE
+    q, k, v, dout, cu = _backward_inputs(B, L, hq, hkv)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    out, lse = attention_forward(q, k, v, cu, return_lse=True)
+    flops = 10.0 * B * hq * L * L * D / 2
+    q4, k4, v4 = (x.view(B, L, -1, D).transpose(1, 2).requires_grad_() for x in (q.clone(), k.clone(), v.clone()))
+    fn, _ = _sdpa_fn("flash", q4, k4, v4, causal=True)
+    flash_ms = float("nan")
+    if fn is not None:
+        out4 = fn()
+        dout4 = dout.view(B, L, hq, D).transpose(1, 2)
+        flash_ms = cuda_time(lambda: torch.autograd.grad(out4, (q4, k4, v4), dout4, retain_graph=True),
+                             warmup=2, reps=reps).median_ms
+    print(f"anchor: SDPA flash backward {flash_ms:.3f} ms ({flops / flash_ms / 1e9:.1f} TFLOP/s)", flush=True)
+    base = attention_backward(q, k, v, out, lse, dout, cu, config=backward_config(q.dtype, D))
+    results = []
+    for c in configs:
+        cfg = BackwardConfig(*c)
+        row = {"config": "KV={} SQ={} Q={} SKV={} w={} s={}".format(*c), "cfg": dataclasses.asdict(cfg)}
+        try:
+            call = functools.partial(attention_backward, q, k, v, out, lse, dout, cu, config=cfg)
+            t = cuda_time(call, warmup=2, reps=reps)
+            g1, g2 = call(), call()
+            row.update(ms=t.median_ms, tflops=flops / t.median_ms / 1e9, vs_flash=flash_ms / t.median_ms,
+                       bits_rerun=all(torch.equal(a, b) for a, b in zip(g1, g2)),
+                       rel_err_vs_default=max(_rel_err(a, b) for a, b in zip(g1, base)))
+        except Exception as e:  # a config that does not compile or fit (shared memory, registers)
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+        results.append(row)
+        print({k_: v_ for k_, v_ in row.items() if k_ != "cfg"}, flush=True)
+    ok = [r for r in results if r.get("bits_rerun") and r["rel_err_vs_default"] < 1e-2]
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    if best:
+        print(f"best: {best['config']} {best['ms']:.3f} ms, {best['vs_flash']:.3f}x SDPA flash's backward")
+    return best["cfg"] if best else {}
+
+
 def _test_with_config(cfg: dict, pytest_args: list[str]) -> int:
     """Run pytest in this process with ``_CONFIG`` (and PAGE_SIZE) replaced: tuning only."""
     import pytest
@@ -349,14 +462,15 @@ def _test_with_config(cfg: dict, pytest_args: list[str]) -> int:
 def _main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true", help="time the candidate launch configs")
-    p.add_argument("--best-json", metavar="PATH", help="with --sweep: write the best config here")
+    p.add_argument("--sweep-backward", action="store_true", help="time the candidate backward configs")
+    p.add_argument("--best-json", metavar="PATH", help="with --sweep / --sweep-backward: write the best config here")
     p.add_argument("--test-config", metavar="PATH", help="run the pytest args after -- with this config (JSON)")
     p.add_argument("--quick", action="store_true")
     args, rest = p.parse_known_args()
     from .harness import format_table
 
-    if args.sweep:
-        best = sweep()
+    if args.sweep or args.sweep_backward:
+        best = sweep() if args.sweep else sweep_backward()
         if args.best_json:
             with open(args.best_json, "w") as f:
                 json.dump(best, f)

@@ -53,7 +53,7 @@ with open(sys.argv[1], "w") as f:
 PY
   python3 -m rlperf train --model "$MODEL" --device cuda --prompt-data "$OUT/synthetic.jsonl" --rm-type exact \
     --rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32 --rollout-max-response-len 256 \
-    --use-dynamic-batch-size --max-tokens-per-gpu 4096 --sglang-mem-fraction-static 0.2 \
+    --use-dynamic-batch-size --max-tokens-per-gpu 4096 \
     --true-on-policy-mode --lr 1e-6 --num-rollout 3 \
     --no-progress --output-dir "$OUT/synthetic" --report-json "$OUT/synthetic-gate.json" 2>&1 | tee "$OUT/synthetic.log" | tail -12
   [ "${PIPESTATUS[0]}" = 0 ] || status=1

@@ -10,6 +10,16 @@ ops) in the same run, same weights and inputs. Both are captured in a CUDA graph
 works (as an engine would run them), else timed eagerly; ``extra['graph']`` says which. Target:
 invariant mode costs <= 15% over the fast path, i.e. ratio (fast_ms / invariant_ms) >= 0.87.
 ``cases(quick)`` lists both for ``bench/test_microbench.py``, which times the eager calls.
+
+Row ops of one such layer (bf16, 8192 packed tokens; 2048 quick), timed eagerly as the training
+step runs them, rate in GB/s of the bytes each call must move:
+
+* ``rmsnorm`` / ``add_rmsnorm`` backward [T, 1024] and ``silu_mul`` backward [T, 2 x 3072]: the
+  Triton backward vs the path it replaced, recompute the float32 torch formula and differentiate
+  it with torch autograd (``rlperf.kernels.autograd.with_recompute_backward``);
+* ``rmsnorm_rope`` on q [T, 16, 128] (a view of the qkv output), forward and backward: the fused
+  kernel vs the unfused path (the rmsnorm kernel, then ``RopeTable.apply``'s torch formula; its
+  backward through torch autograd and the recomputed float32 norm).
 """
 from __future__ import annotations
 
@@ -80,7 +90,92 @@ def cases(quick: bool = False) -> list[BenchCase]:
                   setup=functools.partial(_decode_workload, n_layers), work=w_bytes + kv_bytes, unit="GB/s"),
         BenchCase(BENCH, f"prefill {b_p}x{seq} L={n_layers}", KERNEL, ANCHOR,
                   setup=functools.partial(_prefill_workload, n_layers), work=flops, unit="TFLOP/s"),
+    ] + _row_op_cases(quick)
+
+
+ROW_TOKENS = {False: 8192, True: 2048}  # {quick: tokens} of the row-op cases
+
+
+def _row_op_cases(quick: bool) -> list[BenchCase]:
+    """The row ops' kernel-anchor pairs (module docstring); work = bytes each call moves (bf16)."""
+    cfg = preset(MODEL)
+    t, h, i, d, hq = ROW_TOKENS[quick], cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_attention_heads
+    setup = functools.partial(_row_ops_workload, t)
+
+    def bwd(op, shape, nbytes):
+        return BenchCase(BENCH, f"{op} bwd {shape}", f"{op} Triton bwd", f"{op} recompute bwd", setup=setup,
+                         work=nbytes, unit="GB/s", params={"tokens": t})
+
+    return [
+        bwd("rmsnorm", f"[{t}, {h}]", 3 * t * h * 2),          # reads x, dy; writes dx
+        bwd("add_rmsnorm", f"[{t}, {h}]", 4 * t * h * 2),      # reads s, dy, d residual; writes dx
+        bwd("silu_mul", f"[{t}, 2x{i}]", 5 * t * i * 2),       # reads gate_up, dy; writes d gate_up
+        BenchCase(BENCH, f"q norm+rope fwd [{t}, {hq}, {d}]", "rmsnorm_rope", "rmsnorm + torch rope", setup=setup,
+                  work=2 * t * hq * d * 2, unit="GB/s", params={"tokens": t}),  # reads x; writes out
+        bwd("rmsnorm_rope", f"[{t}, {hq}, {d}]", 3 * t * hq * d * 2),  # reads x, d out; writes dx
     ]
+
+
+def _row_ops_workload(t: int) -> Workload:
+    """Inputs of the row-op cases and, per op, the graph built once both ways (the kernel's autograd
+    Function and the recompute path it replaced), so each timed call is one backward alone."""
+    from rlperf.kernels.autograd import with_recompute_backward
+
+    cfg = preset(MODEL)
+    dev, dt, eps = "cuda", torch.bfloat16, cfg.rms_norm_eps
+    h, i, d, hq = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_attention_heads
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape, grad=False):
+        return torch.randn(*shape, device=dev, generator=gen, dtype=dt).requires_grad_(grad)
+
+    def hf_rmsnorm(v, w):  # HF Qwen3RMSNorm's formula (what the recompute path differentiates in fp32)
+        f = v.float()
+        return w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(v.dtype)
+
+    x, r, dy, dres = randn(t, h, grad=True), randn(t, h, grad=True), randn(t, h), randn(t, h)
+    w = (torch.rand(h, device=dev, generator=gen) + 0.5).to(dt).requires_grad_(True)
+    gate_up, dact = (randn(t, 2 * i) * 3).requires_grad_(True), randn(t, i)
+    qkv = randn(t, (hq + 2 * cfg.num_key_value_heads) * d)
+    q = qkv[:, : hq * d].reshape(t, hq, d).requires_grad_(True)  # a strided leaf, as the model's view
+    wq = (torch.rand(d, device=dev, generator=gen) + 0.5).to(dt).requires_grad_(True)
+    dq = randn(t, hq, d)
+    rope = RopeTable(d, 8192, cfg.rope_theta, dev)
+    positions = torch.arange(t, device=dev) % 1024
+
+    with K.use_mode("invariant"):
+        graphs = {
+            "rmsnorm": ((K.rmsnorm(x, w, eps),), (with_recompute_backward(
+                lambda x, w: K.rmsnorm(x, w, eps), hf_rmsnorm, x, w),), (x, w), (dy,)),
+            "add_rmsnorm": (K.add_rmsnorm(x, r, w, eps), with_recompute_backward(
+                lambda x, r, w: K.add_rmsnorm(x, r, w, eps),
+                lambda x, r, w: (hf_rmsnorm(x + r, w), x + r), x, r, w), (x, r, w), (dy, dres)),
+            "silu_mul": ((K.silu_mul(gate_up),), (with_recompute_backward(
+                K.silu_mul, lambda g: torch.nn.functional.silu(g[:, :i]) * g[:, i:], gate_up),),
+                (gate_up,), (dact,)),
+            "rmsnorm_rope": ((K.rmsnorm_rope(q, wq, positions, rope.cos, rope.sin, eps),), (rope.apply(
+                with_recompute_backward(lambda x, w: K.rmsnorm(x, w, eps), hf_rmsnorm, q, wq), positions),),
+                (q, wq), (dq,)),
+        }
+
+    def backward(outs, inputs, grads):
+        return torch.autograd.grad(outs, inputs, grads, retain_graph=True)
+
+    calls = {}
+    for op, (new, old, inputs, grads) in graphs.items():
+        calls[f"{op} Triton bwd"] = functools.partial(backward, new, inputs, grads)
+        calls[f"{op} recompute bwd"] = functools.partial(backward, old, inputs, grads)
+
+    def fused():
+        with torch.no_grad(), K.use_mode("invariant"):
+            return K.rmsnorm_rope(q, wq, positions, rope.cos, rope.sin, eps)
+
+    def unfused():
+        with torch.no_grad(), K.use_mode("invariant"):
+            return rope.apply(K.rmsnorm(q, wq, eps), positions)
+
+    calls.update({"rmsnorm_rope": fused, "rmsnorm + torch rope": unfused})
+    return Workload(calls)
 
 
 def _model(n_layers: int):
@@ -142,7 +237,11 @@ def run(quick: bool = False) -> list[BenchRow]:
     rows = []
     for setup, group in by_workload(cases(quick)):
         w = setup()
-        rows += [_compare(c, w) for c in group]
+        for c in group:
+            if c.kernel == KERNEL:  # a layer stack: invariant vs fast mode, graphed where it captures
+                rows.append(_compare(c, w))
+            else:  # a row op: eager, as the training step runs it
+                rows.append(c.row(cuda_time(w.calls[c.kernel]).median_ms, cuda_time(w.calls[c.anchor]).median_ms))
         del w
         torch.cuda.empty_cache()
     return rows
@@ -158,6 +257,8 @@ def _compare(case: BenchCase, w: Workload) -> BenchRow:
 
 
 def summarize(rows: list[BenchRow]) -> dict:
-    out = {f"{r.case.split()[0]}_overhead_pct": r.extra["overhead_pct"] for r in rows}
-    out["geomean_ratio"] = geomean([r.ratio for r in rows])
+    stacks = [r for r in rows if r.kernel == KERNEL]
+    out = {f"{r.case.split()[0]}_overhead_pct": r.extra["overhead_pct"] for r in stacks}
+    out["geomean_ratio"] = geomean([r.ratio for r in stacks])
+    out["row_ops_geomean_ratio"] = geomean([r.ratio for r in rows if r.kernel != KERNEL])
     return out

@@ -59,7 +59,7 @@ def loop_flags(prompt_data: Path, output_dir: Path, *, model: str = MODEL, devic
     return ["--model", model, "--device", device, "--prompt-data", str(prompt_data), "--rm-type", "exact",
             "--rollout-batch-size", str(prompts), "--n-samples-per-prompt", str(samples_per_prompt),
             "--global-batch-size", str(prompts * samples_per_prompt), "--rollout-max-response-len", str(response_len),
-            "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--sglang-mem-fraction-static", "0.2",
+            "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
             "--true-on-policy-mode", "--lr", "1e-6", "--num-rollout", str(num_rollout), "--no-progress",
             "--output-dir", str(output_dir)]
 
@@ -94,16 +94,17 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def engine_alone(model, tokenizer, prompts: list[list[int]], params: list) -> dict:
+def engine_alone(model, tokenizer, prompts: list[list[int]], params: list, max_total_tokens: int) -> dict:
     """Wall time of a fresh engine with ``rlperf serve``'s settings generating ``prompts`` (after
-    serve's warm-up, which stays out of the time); seconds and response tokens."""
+    serve's warm-up, which stays out of the time); seconds and response tokens.
+
+    ``max_total_tokens``: the loop engine's KV-cache size, so both engines admit and retract alike
+    (a cache sized to the bare need makes the anchor retract and re-prefill, which the loop never does)."""
     from rlperf.rollout.cuda_graph import default_max_bs
     from rlperf.rollout.engine import Engine, EngineConfig
     from rlperf.rollout.server import warmup_prompt_lengths
 
-    P = 16  # pages hold 16 tokens; the cache holds every sequence at once, as the loop's does
-    need = sum(-(-(len(p) + sp.max_new_tokens) // P) * P for p, sp in zip(prompts, params))
-    engine = Engine(model, tokenizer, EngineConfig(max_total_tokens=need + 64 * P,
+    engine = Engine(model, tokenizer, EngineConfig(max_total_tokens=max_total_tokens,
                                                    cuda_graph_max_bs=default_max_bs(model.device)))
     engine.warm_up(warmup_prompt_lengths(model.device))
     _sync(model.device)
@@ -135,7 +136,7 @@ def measure(flags: list[str]) -> dict:
     prompts, params = last_rollout_requests(ns, samples)
     engine_model = run.client.model  # the loop engine's weights (after the last sync)
     with run.kernels():
-        anchor = engine_alone(engine_model, run.tokenizer, prompts, params)
+        anchor = engine_alone(engine_model, run.tokenizer, prompts, params, run.client.engine.kv.max_total_tokens)
     return {"history": history, "seq_lens": [s.total_length for s in samples],
             "response_tokens": sum(s.response_length for s in samples), "anchor": anchor, "cfg": run.model.cfg,
             "case": f"{len(samples)} samples x {ns.rollout_max_response_len} tokens, {ns.model}"}

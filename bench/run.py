@@ -25,6 +25,8 @@ BENCHES = {
     "rollout": "rlperf.bench.rollout",
     "loop": "rlperf.bench.loop",
 }
+DISTRIBUTED_SYNC = "sync-distributed"
+"""``rlperf bench sync --distributed`` (:mod:`rlperf.bench.sync_distributed`): its results and markdown section."""
 MICROBENCHES = ("matmul", "attention", "layers", "flatten", "logprob")
 """The benchmarks whose modules expose ``cases(quick)``: one kernel call against one anchor call per
 case (sync, rollout and loop time whole processes, engine steps and RL steps, not a pair of calls)."""
@@ -41,6 +43,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help=f"benchmarks to run: {', '.join(BENCHES)} or all (default: all)",
     )
     p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (a smoke run, not for the table)")
+    p.add_argument("--distributed", action="store_true",
+                   help="with sync: the disaggregated sync, an NCCL broadcast from GPU 0 to rlperf serve engines on the "
+                        "other GPUs (needs >= 2 GPUs; on CPU with --quick a gloo smoke run)")
     p.add_argument("--json", default="results/bench.json", metavar="PATH", help="result file (default: %(default)s)")
     p.add_argument(
         "--markdown", default=None, metavar="PATH",
@@ -55,7 +60,7 @@ def _markdown_section(name: str, rows: list[BenchRow], info: dict, summary: dict
         "",
         f"Card **{info.get('card')}**, commit `{info.get('commit')}`, {info.get('date')}, "
         f"torch {info.get('torch')}, Triton {info.get('triton')}, CUDA {info.get('cuda')}. "
-        f"Command: `rlperf bench {name} --markdown bench/BENCHMARKS.md`.",
+        f"Command: `rlperf bench {'sync --distributed' if name == DISTRIBUTED_SYNC else name} --markdown bench/BENCHMARKS.md`.",
         "",
         "| case | kernel | ms | anchor | anchor ms | ratio (anchor/kernel) | rate | anchor rate |",
         "|---|---|---:|---|---:|---:|---:|---:|",
@@ -86,7 +91,19 @@ def run_benchmarks(args: argparse.Namespace) -> int:
     if unknown:
         print(f"rlperf bench: unknown benchmark(s) {unknown}; choose from {list(BENCHES)} or all", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
+    benches = BENCHES
+    if getattr(args, "distributed", False):  # rlperf bench sync --distributed: its own module and markdown section
+        if names != ["sync"]:
+            print("rlperf bench: --distributed goes with the sync benchmark alone: rlperf bench sync --distributed",
+                  file=sys.stderr)
+            return 2
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 1 or (gpus == 0 and not args.quick):
+            print(f"rlperf bench: sync --distributed needs at least 2 GPUs, {gpus} visible (without a GPU, --quick runs "
+                  "a gloo smoke test)", file=sys.stderr)
+            return 2
+        names, benches = [DISTRIBUTED_SYNC], {DISTRIBUTED_SYNC: "rlperf.bench.sync_distributed"}
+    elif not torch.cuda.is_available():
         print("rlperf bench: needs a CUDA GPU (CPU timings are not performance results)", file=sys.stderr)
         return 2
     info = environment()
@@ -94,7 +111,7 @@ def run_benchmarks(args: argparse.Namespace) -> int:
     all_rows: list[BenchRow] = []
     summaries: dict = {}
     for name in names:
-        module = importlib.import_module(BENCHES[name])
+        module = importlib.import_module(benches[name])
         rows = module.run(quick=args.quick)
         summary = module.summarize(rows)
         all_rows += rows

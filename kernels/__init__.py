@@ -13,7 +13,7 @@ No submodule shares a name with an op: the matmul kernel lives in ``gemm``, the 
 log-prob in ``fused_lm_head``, so ``rlperf.kernels.matmul`` is always the function. Those modules
 also hold the launchers that tuning sweeps call with a config of their own
 (``gemm.launch``, ``fused_lm_head.fused_logprob_forward`` / ``fused_logprob_backward``,
-``attention.attention_forward``).
+``attention.attention_forward``, ``attention_backward.attention_backward``).
 """
 from .dispatch import (BACKENDS, MODES, KernelPolicy, backend, current_policy, default_policy, mode,
                        refresh_environment, set_mode, use_backend, use_mode, use_policy)
@@ -24,11 +24,13 @@ from .fused_lm_head import fused_logprob
 from .gemm import linear, matmul, matmul_config
 from .logprob import log_softmax, token_logprobs
 from .norm import add_rmsnorm, rmsnorm
-from .sampling import sample
+from .rope import rmsnorm_rope
+from .sampling import check_sampling_rows, sample
 
 __all__ = [
     "BACKENDS", "MODES", "KernelPolicy", "backend", "current_policy", "default_policy", "mode", "refresh_environment",
     "set_mode", "use_backend", "use_mode", "use_policy",
     "matmul", "linear", "matmul_config", "rmsnorm", "add_rmsnorm", "PAGE_SIZE", "write_kv_cache",
-    "paged_attention", "varlen_attention", "log_softmax", "token_logprobs", "fused_logprob", "sample", "silu_mul",
+    "paged_attention", "varlen_attention", "log_softmax", "token_logprobs", "fused_logprob", "sample", "check_sampling_rows", "silu_mul",
+    "rmsnorm_rope",
 ]

@@ -34,6 +34,10 @@ GQA: the ``G`` query heads of one KV head are packed into the M tile (row ``r`` 
 that is what makes decode memory-efficient. Grid: (query tiles of all sequences, KV heads), no
 split over KV: ``B * Hkv`` programs already fill the GPU in decode.
 
+Training: with grad, :func:`varlen_attention` runs this kernel with ``STORE_LSE`` (each row's
+base-2 log-sum-exp, stored after ``out`` without touching its bits) and differentiates through the
+fixed-order Triton backward of ``kernels/attention_backward.py``.
+
 Fast mode (``mode() == "fast"``) uses torch SDPA for prefill and chunks (flash / cuDNN / efficient; decode-only
 batches keep this kernel, the fastest paged decode available), not
 invariant; it exists to measure the price of invariance.
@@ -46,8 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_backward import attention_backward
 from .autograd import with_recompute_backward
-from .dispatch import route
+from .dispatch import mode, route
 from .pipeline import launch_with_fitting_stages
 from .tile_dot import dot_acc, dot_fresh
 from .reference import attention as _ref
@@ -129,18 +134,21 @@ def _attn_block(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, CU_Q, KV_LENS, PAGE_TABLE,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    Q, K, V, O, LSE, CU_Q, KV_LENS, PAGE_TABLE,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_h,
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_pt,
     qk_scale, num_seqs, search_steps,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, USE_TMA: tl.constexpr,
+    PAGED: tl.constexpr, USE_TMA: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """Program (i, kvh): query tile i of the flattened tile list, KV head kvh.
 
     Tile numbering without host sync: sequence b's tiles start at f(b) = cu_q[b] // BLOCK_Q + b,
     which is monotone and leaves at least cdiv(n_b, BLOCK_Q) slots per sequence; the grid is
     f(B) = T // BLOCK_Q + B. A binary search over f finds b; surplus slots exit.
+
+    ``STORE_LSE``: also store each row's base-2 log-sum-exp of the scaled scores,
+    ``LSE[head, token] = m + log2(l)``, for the backward (``kernels/attention_backward.py``).
     """
     BLOCK_Q: tl.constexpr = BLOCK_M // G
     pid = tl.program_id(0)
@@ -200,6 +208,10 @@ def _attn_fwd_kernel(
         out = acc / l_i[:, None] + 0.0
         tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        if STORE_LSE:
+            # computed after the loop from the final m_i and l_i, changing neither: `out` keeps its bits
+            # (the training forward must equal the engine's prefill and decode, which store no LSE)
+            tl.store(LSE + head.to(tl.int64) * stride_lse_h + q_rows, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int) -> int:
@@ -252,11 +264,17 @@ def attention_forward(
     scale: float | None = None,
     *,
     config: dict | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel directly: paged when ``page_table`` is given (k, v = the caches, with
     ``kv_lens``; :func:`paged_attention`'s layout), varlen otherwise (:func:`varlen_attention`'s).
     No routing and no autograd; index tensors are not checked (the ops do that). CUDA tensors run
     compiled, CPU tensors under the interpreter (``TRITON_INTERPRET=1``).
+
+    ``return_lse``: return ``(out, lse)``, ``lse [Hq, T]`` float32 = the base-2 log-sum-exp of each
+    row's scaled scores, ``log2 sum_p exp2(scale * log2(e) * q . k_p)`` (what
+    :func:`rlperf.kernels.attention_backward.attention_backward` takes); ``out`` has the same bits
+    either way.
 
     ``config`` (keys ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``TMA``) replaces the
     one launch config for tuning sweeps (``bench/attention.py``); the ops never pass it, and another
@@ -269,8 +287,9 @@ def attention_forward(
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     num_seqs = cu_seqlens_q.numel() - 1
     out = torch.empty_like(q)
+    lse = torch.empty(Hq, T, dtype=torch.float32, device=q.device) if return_lse else None
     if T == 0 or num_seqs <= 0:
-        return out
+        return (out, lse) if return_lse else out
     scale = D ** -0.5 if scale is None else float(scale)
     block_q = cfg["BLOCK_M"] // G
     paged = page_table is not None
@@ -307,17 +326,18 @@ def attention_forward(
     # varlen and paged launches agree whatever depth each got.
     def launch(stages):
         _attn_fwd_kernel[grid](
-            q, k_arg, v_arg, out, cu_seqlens_q, kv_lens, page_table,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            q, k_arg, v_arg, out, out if lse is None else lse, cu_seqlens_q, kv_lens, page_table,
+            # the LSE stride only when storing: a constant elsewhere adds no compiled variant per T
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), T if return_lse else 0,
             *strides_k, *strides_v, stride_pt,
             scale * math.log2(math.e), num_seqs, math.ceil(math.log2(num_seqs)) if num_seqs > 1 else 0,
             G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged, USE_TMA=use_tma,
-            num_warps=cfg["num_warps"], num_stages=stages,
+            STORE_LSE=return_lse, num_warps=cfg["num_warps"], num_stages=stages,
         )
 
-    launch_with_fitting_stages(launch, ("attention", q.dtype, D, G, paged, use_tma, tuple(sorted(cfg.items()))),
-                               cfg["num_stages"])
-    return out
+    launch_with_fitting_stages(launch, ("attention", q.dtype, D, G, paged, use_tma, return_lse,
+                                        tuple(sorted(cfg.items()))), cfg["num_stages"])
+    return (out, lse) if return_lse else out
 
 
 def _check_index(name: str, x: torch.Tensor, device: torch.device) -> None:
@@ -421,6 +441,33 @@ def _paged_fast(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale):
 
 
 # ----------------------------------------------------------------------------------------------
+# autograd: the invariant forward, the fixed-order backward
+# ----------------------------------------------------------------------------------------------
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """:func:`varlen_attention` through the kernel, saving ``q, k, v``, the output and its base-2
+    log-sum-exp; the backward is ``kernels/attention_backward.py``'s Triton kernels (fixed reduction
+    order, no atomics: the same gradient bits on every run)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        out, lse = attention_forward(q, k, v, cu_seqlens, None, None, scale, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cu_seqlens, ctx.scale = cu_seqlens, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        dq, dk, dv = attention_backward(q, k, v, out, lse, grad_out, ctx.cu_seqlens, ctx.scale,
+                                        need_dq=need_q, need_dkdv=need_k or need_v)
+        return dq, dk if need_k else None, dv if need_v else None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
 # public ops
 # ----------------------------------------------------------------------------------------------
 
@@ -438,11 +485,13 @@ def varlen_attention(
     scale : softmax scale, default ``D**-0.5``
 
     Returns ``[T, Hq, D]`` in q's dtype. Bit-identical to :func:`paged_attention` on the same tokens.
-    Differentiable in q, k, v: the backward recomputes the fast path (flash varlen or SDPA, in q's
-    dtype) and differentiates it.
+    Differentiable in q, k, v: the Triton backward of ``kernels/attention_backward.py`` (fixed
+    reduction order, no atomics: two runs give the same gradient bits), gradients in q's dtype. Fast
+    mode recomputes its stock path (flash varlen or SDPA) and differentiates that; the reference
+    backend's float64 code is differentiated by autograd as it is.
     """
     how = route("varlen_attention", q.device, (q, k, v))
-    if how == "autograd":
+    if how == "autograd" and mode() == "fast":
         return with_recompute_backward(lambda q, k, v: varlen_attention(q, k, v, cu_seqlens, scale),
                                        lambda q, k, v: _varlen_fast(q, k, v, cu_seqlens, scale), q, k, v, upcast=False)
     if how == "stock":
@@ -450,6 +499,8 @@ def varlen_attention(
     _check_index("cu_seqlens", cu_seqlens, q.device)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k has {k.shape[0]} tokens, q {q.shape[0]}")
+    if how == "autograd":
+        return _VarlenAttention.apply(q, k, v, cu_seqlens, scale)
     if how != "reference":
         return attention_forward(q, k, v, cu_seqlens, None, None, scale)
     return _ref.attention_ref(q, k, v, cu_seqlens, cu_seqlens, scale).to(q.dtype)

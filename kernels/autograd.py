@@ -6,12 +6,18 @@ need not be batch-invariant. Two kinds:
 
 * :func:`matmul_with_grad` — ``y = x @ w.T + b`` with the analytic backward in torch
   (``dx = g @ w``, ``dw = g.T @ x``, ``db = sum_rows(g)``; cuBLAS on the GPU);
-* :func:`with_recompute_backward` — the rest (RMSNorm, add+RMSNorm, SwiGLU, varlen attention,
-  token log-probs): the forward runs the kernel and saves only its inputs; the backward re-runs a
-  stock torch formula of the same op under autograd and differentiates it (``torch.autograd.grad``),
-  like activation checkpointing for one op. The formula runs in float32 for the row ops
-  (``upcast=True``); attention recomputes in its input dtype through SDPA / flash varlen, whose
-  backward never materializes the [L, L] scores.
+* :func:`with_recompute_backward` — the rest (token log-probs, log-softmax, and varlen attention
+  in fast mode): the forward runs the kernel and saves only its inputs; the
+  backward re-runs a stock torch formula of the same op under autograd and differentiates it
+  (``torch.autograd.grad``), like activation checkpointing for one op. The formula runs in float32
+  for the row ops (``upcast=True``); fast-mode attention recomputes in its input dtype through SDPA
+  / flash varlen, whose backward never materializes the [L, L] scores. (Invariant-mode varlen
+  attention has its own Triton backward: ``kernels/attention_backward.py``.)
+
+RMSNorm, add+RMSNorm, SwiGLU and the fused q/k RMSNorm + RoPE carry their own Triton backward
+next to their forward (``kernels/norm.py``, ``kernels/activation.py``, ``kernels/rope.py``: one
+``torch.autograd.Function`` each, float32 math, fixed-order partial sums for the weight gradients);
+fast mode's stock torch path of those ops is differentiated by torch itself.
 
 An op wraps itself only when :func:`rlperf.kernels.dispatch.route` answers ``"autograd"``: grad
 mode is on and an input requires grad, so the rollout engine, the CUDA-graph captures and every

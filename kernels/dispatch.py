@@ -33,8 +33,9 @@ runs, or by :func:`refresh_environment`).
 Routing. Every public op calls :func:`route` once and follows its answer:
 
 * ``"autograd"``  — grad is on, an input requires grad, and the op will run a kernel: the op wraps
-  itself in its backward (:mod:`rlperf.kernels.autograd`). The reference backend's float64 torch
-  code needs no wrapper: autograd differentiates it as it is.
+  itself in its backward (:mod:`rlperf.kernels.autograd`; varlen attention's own Triton backward is
+  :mod:`rlperf.kernels.attention_backward`). The reference backend's float64 torch code needs no
+  wrapper: autograd differentiates it as it is.
 * ``"stock"``     — fast mode, and the stock torch op is the faster path here (:data:`FAST_MODE_STOCK`).
 * ``"triton"`` / ``"interpreter"`` — launch the Triton kernel (compiled, or under the interpreter).
 * ``"reference"`` — the torch reference.
@@ -63,6 +64,7 @@ FAST_MODE_STOCK = {
     "rmsnorm": "cpu",
     "add_rmsnorm": "cpu",
     "silu_mul": "cpu",
+    "rmsnorm_rope": "cpu",
     "log_softmax": "cpu",
     "token_logprobs": "cpu",
     "write_kv_cache": "cpu",          # a copy: the torch path syncs the host (negative-slot filter)

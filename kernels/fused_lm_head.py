@@ -27,15 +27,17 @@ Batch invariance: the tile config (``BLOCK_M/N/K``, warps, stages, split width) 
 per dtype, never a function of N; a token's logits depend only on its own hidden row (rows of a
 tile never mix; rows past N are clamped duplicates, never stored); the tile order and the split
 merge order are fixed. So a token's log-prob bits are the same alone, in any batch, in any row.
+N (and what derives from it) is never specialized either (``do_not_specialize``): one compiled
+kernel serves every batch, so a training run whose micro-batches have new token counts compiles
+nothing after its first step.
 
-Train/rollout log-probs: the rollout engine does not call this function. It computes a sampled
-token's log-prob as ``token_logprobs(linear(hidden, weight, out_dtype=float32), token, T)``
-(``rlperf/rollout/engine.py``), and this kernel gives the same values to float32 rounding, not bit
-for bit: the matmul kernel's tile config and the single-level chunk order of ``token_logprobs``
-differ from this kernel's two-level split order. The trainer uses this function by default
-(``train/train_rollout_logprob_abs_diff`` is then small, not 0); ``--true-on-policy-mode`` makes
-the trainer take the engine's path instead (:data:`rlperf.train.batching.LOGPROB_IMPLS`), so the
-two agree bit for bit.
+Train/rollout log-probs: this function is the one log-prob path of both sides. The trainer calls it
+on the hidden rows that predict response tokens (``rlperf/train/batching.py``); the rollout engine
+calls it on the final hidden row of each sampled token, one call per temperature group, and draws
+the token itself from the logits (``rlperf/rollout/engine.py``). Same kernel, same config, same
+tile and split order, and a row's bits do not depend on the other rows of the launch: a token's
+rollout and training log-probs are equal bit for bit whenever its hidden rows are
+(``--true-on-policy-mode``), and neither side materialises [N, V] float32 logits for them.
 
 Backward: the vocabulary is walked in chunks of at most ``BWD_CHUNK_BYTES`` of dlogits; per chunk a
 Triton kernel recomputes the logit tiles (same config as the forward) and writes ``dz / T`` in the
@@ -145,7 +147,7 @@ def _logits_tile(h_src, w_src, off_m, off_n, rows, cols, H, stride_h, stride_w,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "num_m_tiles"])
 def _fwd_partials_kernel(
     h_src, w_src, tgt_ptr, pm_ptr, ps_ptr, pt_ptr, pz_ptr,
     N, V, H, stride_h, stride_w, v_offset, c, num_m_tiles,
@@ -186,7 +188,7 @@ def _fwd_partials_kernel(
     tl.store(pz_ptr + out, tz, mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _fwd_combine_kernel(
     pm_ptr, ps_ptr, pt_ptr, pz_ptr, tgt_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr,
     N, num_splits, v_total, inv_t, c,
@@ -234,7 +236,7 @@ def _fwd_combine_kernel(
         tl.store(o3_ptr + offs, tz, mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "v_begin", "v_end", "num_m_tiles"])
 def _bwd_dlogits_kernel(
     h_src, w_src, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dl_ptr,
     N, V, H, stride_h, stride_w, stride_dl, v_begin, v_end, v_offset, inv_t, c, num_m_tiles,

@@ -14,6 +14,19 @@ Invariance contract: a row's sum of squares is accumulated by one program, over 
 fixed ``BLOCK`` (elementwise into a [BLOCK] float32 vector, chunk after chunk), then reduced once
 by ``tl.sum``. ``BLOCK`` and ``num_warps`` depend only on H (:func:`_config`), never on the number of
 rows, so a row's bits are the same alone or inside any batch.
+
+Backward (:func:`rmsnorm_backward`, float32 math; the roundings of the forward count as identity,
+as autograd of the float32 formula has them). With ``s`` the normalized input (x, or x + residual),
+``rstd = 1 / sqrt(mean(s^2) + eps)`` (recomputed from ``s``: no per-row statistics are saved),
+``xhat = s * rstd`` and ``g = dy * weight``::
+
+    ds_norm = rstd * (g - xhat * mean(g * xhat))          # per row
+    dweight = sum_rows(dy * xhat)
+    add_rmsnorm: dx = dresidual = ds_norm + d(new_residual)
+
+Deterministic, not batch-invariant: a program owns a fixed block of rows (:func:`_bwd_config`),
+accumulates its part of ``dweight`` in registers and stores it to its own row of a partial buffer;
+:func:`sum_partials` then adds those rows in program order. No atomics, so two runs give the same bits.
 """
 from __future__ import annotations
 
@@ -21,11 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .autograd import with_recompute_backward
 from .dispatch import route
 from .reference import norm as _ref
 
 MAX_BLOCK = 8192  # rows up to this width are read once and kept in registers
+BWD_PROGRAMS = 512  # backward programs (at most): enough to fill an H100/H200 several times over
+BWD_TILE = 4096  # elements of the [rows, BLOCK] tile a backward program works on at once
 
 
 def _config(H: int) -> tuple[int, int]:
@@ -112,6 +126,194 @@ def _launch(x, residual, weight, eps):
     return (y, s.reshape(x.shape)) if residual is not None else y
 
 
+# ---- backward -------------------------------------------------------------------------------
+
+
+def _bwd_config(H: int, rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK, ROWS, rows_per_program, num_warps) of the backward.
+
+    A row of width H <= ``MAX_BLOCK`` is one chunk: ``ROWS`` rows go through the program together as
+    a [ROWS, BLOCK] tile (more loads in flight than one row at a time). Wider rows take the chunked
+    path, one row at a time. Every program owns ``rows_per_program`` consecutive rows (a multiple of
+    ``ROWS``), so there are at most about ``BWD_PROGRAMS`` partial sums of ``dweight`` to add.
+    """
+    block = min(triton.next_power_of_2(max(H, 1)), MAX_BLOCK)
+    tile_rows = max(1, min(BWD_TILE // block, 16)) if H <= block else 1
+    per_program = triton.cdiv(triton.cdiv(rows, BWD_PROGRAMS), tile_rows) * tile_rows
+    tile = block * tile_rows
+    num_warps = 4 if tile <= 2048 else (8 if tile <= 4096 else 16)
+    return block, tile_rows, per_program, num_warps
+
+
+@triton.jit(do_not_specialize=["rows", "rows_per_program"])
+def _rmsnorm_bwd_kernel(
+    dy_ptr, dr_ptr, s_ptr, w_ptr, dx_ptr, dwp_ptr,
+    rows, H, rows_per_program, stride_dy, stride_dr, stride_s, stride_dx, eps,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr, HAS_DRES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, rows)
+    cols = tl.arange(0, BLOCK)
+    tile_rows = tl.arange(0, ROWS)
+    dx_ty = dx_ptr.dtype.element_ty
+    if ONE_CHUNK:
+        cm = cols < H
+        w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        dw = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for r0 in range(row_start, row_end, ROWS):
+            r = (r0 + tile_rows).to(tl.int64)
+            m = (r < row_end)[:, None] & cm[None, :]
+            s = tl.load(s_ptr + r[:, None] * stride_s + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + r[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / H + eps)
+            xhat = s * rstd[:, None]
+            g = dy * w[None, :]
+            c = tl.sum(g * xhat, axis=1) / H
+            dx = (g - xhat * c[:, None]) * rstd[:, None]
+            if HAS_DRES:
+                dx += tl.load(dr_ptr + r[:, None] * stride_dr + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + r[:, None] * stride_dx + cols[None, :], dx.to(dx_ty), mask=m)
+            dw += dy * xhat  # masked rows and columns add 0
+        tl.store(dwp_ptr + pid * H + cols, tl.sum(dw, axis=0), mask=cm)
+    else:
+        # rows wider than MAX_BLOCK: one row at a time, two passes over its chunks; this program's
+        # row of the (zeroed) partial buffer accumulates dweight chunk by chunk (no other program
+        # touches it, so no atomics)
+        first = row_start.to(tl.int64)
+        for i in range(0, row_end - row_start):
+            row = first + i
+            ss = tl.zeros([BLOCK], dtype=tl.float32)
+            gs = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, H, BLOCK):
+                c = start + cols
+                m = c < H
+                s = tl.load(s_ptr + row * stride_s + c, mask=m, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + row * stride_dy + c, mask=m, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+                ss += s * s
+                gs += dy * w * s
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
+            c_row = tl.sum(gs, axis=0) * rstd / H  # mean(g * xhat)
+            for start in range(0, H, BLOCK):
+                c = start + cols
+                m = c < H
+                s = tl.load(s_ptr + row * stride_s + c, mask=m, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + row * stride_dy + c, mask=m, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+                xhat = s * rstd
+                dx = (dy * w - xhat * c_row) * rstd
+                if HAS_DRES:
+                    dx += tl.load(dr_ptr + row * stride_dr + c, mask=m, other=0.0).to(tl.float32)
+                tl.store(dx_ptr + row * stride_dx + c, dx.to(dx_ty), mask=m)
+                part = tl.load(dwp_ptr + pid * H + c, mask=m, other=0.0)
+                tl.store(dwp_ptr + pid * H + c, part + dy * xhat, mask=m)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _sum_partials_kernel(p_ptr, out_ptr, n, H, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # column block of the [n, H] float32 partials; rows added in a fixed order (tile by tile,
+    # elementwise, then one tl.sum over the tile's rows)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = cols < H
+    rr = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for r0 in range(0, n, BLOCK_R):
+        r = (r0 + rr).to(tl.int64)
+        acc += tl.load(p_ptr + r[:, None] * H + cols[None, :], mask=(r < n)[:, None] & cm[None, :], other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cm)
+
+
+def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``partials.sum(0)`` of a contiguous [n, H] float32 buffer, in a fixed order, rounded once to ``dtype``."""
+    n, H = partials.shape
+    out = torch.empty(H, dtype=dtype, device=partials.device)
+    if H:
+        if n == 0:
+            return out.zero_()
+        _sum_partials_kernel[(triton.cdiv(H, 64),)](partials, out, n, H, BLOCK_R=64, BLOCK_C=64, num_warps=4)
+    return out
+
+
+def _rows2d(t: torch.Tensor, H: int) -> torch.Tensor:
+    t2 = t.reshape(-1, H)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def rmsnorm_backward(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, eps: float,
+                     dresidual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``y = rmsnorm(s, weight, eps)`` (module docstring), plus ``dresidual`` when given.
+
+    Args:
+        dy: [..., H] upstream gradient of y (any float dtype).
+        s: [..., H] the normalized input (x; for add_rmsnorm the saved ``x + residual``).
+        weight: [H].
+        dresidual: [..., H] or None: the upstream gradient of add_rmsnorm's ``new_residual``, added
+            to ``ds`` in float32 before the one rounding.
+
+    Returns:
+        ``(ds [..., H] in s's dtype, dweight [H] in weight's dtype)``.
+    """
+    H = s.shape[-1]
+    s2, dy2 = _rows2d(s, H), _rows2d(dy, H)
+    rows = s2.shape[0]
+    dr2 = _rows2d(dresidual, H) if dresidual is not None else dy2
+    dx = torch.empty((rows, H), dtype=s.dtype, device=s.device)
+    block, tile_rows, per_program, num_warps = _bwd_config(H, rows)
+    programs = triton.cdiv(rows, per_program) if rows else 0
+    one_chunk = H <= block
+    alloc = torch.empty if one_chunk else torch.zeros
+    partials = alloc((programs, H), dtype=torch.float32, device=s.device)
+    if programs and H:
+        _rmsnorm_bwd_kernel[(programs,)](
+            dy2, dr2, s2, weight.contiguous(), dx, partials,
+            rows, H, per_program, dy2.stride(0), dr2.stride(0), s2.stride(0), dx.stride(0), float(eps),
+            BLOCK=block, ROWS=tile_rows, ONE_CHUNK=one_chunk, HAS_DRES=dresidual is not None, num_warps=num_warps,
+        )
+    return dx.reshape(s.shape), sum_partials(partials, weight.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """:func:`rmsnorm` through the kernel; saves x and weight only (rstd is recomputed in the backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _launch(x, None, weight, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx, dw = rmsnorm_backward(dy, x, weight, ctx.eps)
+        return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    """:func:`add_rmsnorm` through the kernel; saves its own output ``new_residual`` (which the next
+    layer keeps alive anyway) and weight, not x and residual."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        y, s = _launch(x, residual, weight, eps)
+        ctx.save_for_backward(s, weight)
+        ctx.eps = eps
+        ctx.set_materialize_grads(False)
+        return y, s
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, dres):
+        s, weight = ctx.saved_tensors
+        if dy is None:  # only new_residual was used: it is x + residual
+            dx, dw = (None if dres is None else dres.to(s.dtype)), None
+        else:
+            dx, dw = rmsnorm_backward(dy, s, weight, ctx.eps, dres)
+        need_x, need_r, need_w = ctx.needs_input_grad[:3]
+        return (dx if need_x else None), (dx if need_r else None), (dw if need_w else None), None
+
+
 def _torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # HF Qwen3RMSNorm, line for line (the fast mode)
     xf = x.to(torch.float32)
@@ -140,8 +342,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
     _check(x, weight, eps)
     how = route("rmsnorm", x.device, (x, weight))
     if how == "autograd":
-        return with_recompute_backward(lambda x, w: rmsnorm(x, w, eps), lambda x, w: _torch_rmsnorm(x, w, eps),
-                                       x, weight)
+        if route("rmsnorm", x.device) == "stock":  # fast mode's stock op: torch differentiates it
+            return _torch_rmsnorm(x, weight, eps)
+        return _RMSNorm.apply(x, weight, eps)
     if how == "stock":
         return _torch_rmsnorm(x, weight, eps)
     if how == "reference":
@@ -162,8 +365,9 @@ def add_rmsnorm(
         ``(normed, new_residual)`` with ``new_residual = (x + residual)`` in the input dtype and
         ``normed = rmsnorm(new_residual, weight, eps)``.
 
-    Both ops are differentiable: the backward recomputes the HF formula in float32
-    (:func:`rlperf.kernels.autograd.with_recompute_backward`).
+    Both ops are differentiable: the Triton backward of :func:`rmsnorm_backward` (float32 math,
+    deterministic); the reference backend's float64 code and fast mode's stock torch code are
+    differentiated by autograd as they are.
     """
     _check(x, weight, eps)
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
@@ -173,8 +377,9 @@ def add_rmsnorm(
         )
     how = route("add_rmsnorm", x.device, (x, residual, weight))
     if how == "autograd":
-        return with_recompute_backward(lambda x, r, w: add_rmsnorm(x, r, w, eps),
-                                       lambda x, r, w: _torch_add_rmsnorm(x, r, w, eps), x, residual, weight)
+        if route("add_rmsnorm", x.device) == "stock":  # fast mode's stock op: torch differentiates it
+            return _torch_add_rmsnorm(x, residual, weight, eps)
+        return _AddRMSNorm.apply(x, residual, weight, eps)
     if how == "stock":
         return _torch_add_rmsnorm(x, residual, weight, eps)
     if how == "reference":

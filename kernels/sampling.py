@@ -134,7 +134,24 @@ def _top_p_threshold_kernel(
     tl.store(thr_ptr + row + one, tl.where(p < 1.0, thr, float("-inf")))
 
 
-def _per_row(name, value, B, dtype, device, check) -> torch.Tensor:
+_VALID = {  # per-row parameter -> which values sample() accepts
+    "temperature": lambda t: torch.isfinite(t) & (t >= 0),
+    "top_p": lambda t: (t > 0) & (t <= 1),
+    "top_k": lambda t: t >= 0,
+}
+
+
+def check_sampling_rows(temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> None:
+    """Raise the ``ValueError`` :func:`sample` raises for invalid per-row values, checked where the
+    tensors are: a caller that builds them on the host checks them there (no device sync) and then
+    calls :func:`sample` with ``check_values=False`` (the rollout engine does)."""
+    B = temperature.shape[0]
+    for name, value, dtype in (("temperature", temperature, torch.float32), ("top_p", top_p, torch.float32),
+                               ("top_k", top_k, torch.int64)):
+        _per_row(name, value, B, dtype, value.device, _VALID[name])
+
+
+def _per_row(name, value, B, dtype, device, check, check_values: bool = True) -> torch.Tensor:
     """A Python scalar or a [B] tensor -> a [B] tensor of ``dtype`` on ``device``, validated."""
     if isinstance(value, torch.Tensor):
         if value.shape != (B,):
@@ -144,8 +161,8 @@ def _per_row(name, value, B, dtype, device, check) -> torch.Tensor:
         if dtype == torch.int64 and (value.is_floating_point() or value.dtype == torch.bool):
             raise TypeError(f"sample: {name} must be integer, got {value.dtype}")
         t = value.to(dtype)
-        bad = ~check(t)
-        if bool(bad.any()):
+        bad = ~check(t) if check_values else None
+        if bad is not None and bool(bad.any()):
             raise ValueError(f"sample: invalid {name} {value[bad][:4].tolist()} (row(s) {bad.nonzero()[:4, 0].tolist()})")
         return t.contiguous()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -191,6 +208,9 @@ def sample(
     top_k,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    *,
+    check_values: bool = True,
+    filtered: bool | None = None,
 ) -> torch.Tensor:
     """Draw one token per row, reproducibly per (seed, position).
 
@@ -203,6 +223,12 @@ def sample(
             logits (all tokens tied with the k-th are kept).
         seeds: [B] integer tensor, the per-request seed.
         positions: [B] integer tensor, the index of the token being drawn in its sequence.
+        check_values: validate the values of tensor ``temperature``/``top_p``/``top_k`` (a host
+            sync each). False only for a caller that validated them already (the rollout engine
+            checks every request's parameters when it is added): no sync, the same tokens.
+        filtered: whether any row has ``top_p < 1`` or ``0 < top_k < V``, when the caller knows it
+            from host values; None: find out on the device (a host sync). False skips the filters'
+            work, which would keep every token anyway (the same tokens).
 
     Returns:
         tokens [B] int64. Both filters are computed on the unfiltered distribution and
@@ -221,16 +247,17 @@ def sample(
             raise TypeError(f"sample: {name} must be integer, got {t.dtype}")
         if t.device != dev:
             raise ValueError(f"sample: {name} on {t.device}, logits on {dev}")
-    temp = _per_row("temperature", temperature, B, torch.float32, dev, lambda t: torch.isfinite(t) & (t >= 0))
-    tp = _per_row("top_p", top_p, B, torch.float32, dev, lambda t: (t > 0) & (t <= 1))
-    tk = _per_row("top_k", top_k, B, torch.int64, dev, lambda t: t >= 0)
+    temp = _per_row("temperature", temperature, B, torch.float32, dev, _VALID["temperature"], check_values)
+    tp = _per_row("top_p", top_p, B, torch.float32, dev, _VALID["top_p"], check_values)
+    tk = _per_row("top_k", top_k, B, torch.int64, dev, _VALID["top_k"], check_values)
     if B == 0:
         return torch.empty(0, dtype=torch.int64, device=dev)
     seeds, positions = seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
     if route("sample", dev) == "reference":
         return _ref.sample(logits, temp, tp, tk, seeds, positions)
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
-    thr = _thresholds(x, temp, tp, tk, V, True)
+    thr = (torch.full((B,), float("-inf"), dtype=torch.float32, device=dev) if filtered is False
+           else _thresholds(x, temp, tp, tk, V, True))
     out = torch.empty(B, dtype=torch.int64, device=dev)
     _sample_kernel[(B,)](x, temp, thr, seeds, positions, out, V, x.stride(0), BLOCK=_block(V), num_warps=NUM_WARPS)
     return out

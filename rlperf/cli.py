@@ -45,36 +45,109 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _gate(args: argparse.Namespace) -> int:
+    from rlperf.loop.placement import ActorLayout, needs_launch, placement_for
+
+    if needs_launch(args):  # --actor-num-gpus-per-node N > 1: the gates run on every rank
+        import copy
+
+        from rlperf.gates.runner import gate_options_from
+        from rlperf.loop import UsageError, resolve_args
+
+        try:  # bad flags or layouts exit 2 here, before any rank starts
+            gate_options_from(args)
+            ns = resolve_args(copy.copy(args))
+            return placement_for(ns).launch_actors(_gate_rank, args, ActorLayout.of(ns, "cpu"))
+        except (UsageError, ValueError) as exc:
+            print(f"rlperf gate: {exc}", file=sys.stderr)
+            return 2
+    return _gate_rank(args)
+
+
+def _gate_rank(args: argparse.Namespace) -> int:
+    """``rlperf gate`` in one process, or in each actor rank (:func:`_gates_on_ranks`)."""
+    from rlperf.loop.placement import actor_process_group
+
+    with actor_process_group(args) as place:
+        code = _gates_on_ranks(args, place)
+        if code and place.world_size > 1:
+            raise SystemExit(code)  # leave the ranks' group without its closing barrier (module placement)
+    return code
+
+
+def _gates_on_ranks(ns: argparse.Namespace, place) -> int:
+    """The first-step gates (:func:`rlperf.gates.runner.run_gate`) on a copy of ``ns``. With several
+    ranks every rank runs the first step (its collectives need them all); rank 0 alone prints the table
+    and writes the reports, and every rank returns rank 0's verdict (2, bad usage, returns at once: the
+    launcher stops the others)."""
+    import contextlib
+    import copy
+    import os
+
     from rlperf.gates.runner import run_gate
 
-    return run_gate(args)
+    ns = copy.copy(ns)
+    if place.world_size == 1:
+        return run_gate(ns)
+    if place.rank != 0:
+        ns.report_json = ns.junit_xml = None
+    with open(os.devnull, "w") as quiet, (contextlib.redirect_stdout(quiet) if place.rank != 0
+                                          else contextlib.nullcontext()):
+        code = run_gate(ns)
+    if code == 2:
+        return code
+    from rlperf.loop.data_parallel import broadcast_from_rank0
+
+    return int(broadcast_from_rank0(code))
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rlperf.loop import UsageError, resolve_args, train
+    from rlperf.loop import UsageError, resolve_args
+    from rlperf.loop.placement import ActorLayout, needs_launch, placement_for
 
     try:
         ns = resolve_args(args)
+        if needs_launch(ns):  # --actor-num-gpus-per-node N > 1: start N ranks here, each runs _train_rank
+            return placement_for(ns).launch_actors(_train_rank, ns, ActorLayout.of(ns, "cpu"))
     except UsageError as exc:
         print(f"rlperf train: {exc}", file=sys.stderr)
         return 2
+    return _train_rank(ns)
+
+
+def _train_rank(ns: argparse.Namespace) -> int:
+    """``rlperf train`` once its flags are resolved: in one process, or in each actor rank (a rank
+    started by the placement or by torchrun joins the ranks' process group first)."""
+    from rlperf.loop.placement import actor_process_group
+
+    with actor_process_group(ns) as place:
+        code = _train_on_rank(ns, place)
+        if code and place.world_size > 1:
+            raise SystemExit(code)  # leave the ranks' group without its closing barrier (module placement)
+    return code
+
+
+def _train_on_rank(ns: argparse.Namespace, place) -> int:
+    from rlperf.loop import UsageError, train
+
     if not (ns.skip_gates or ns.debug_rollout_only or ns.debug_train_only):
-        import copy
-
-        from rlperf.gates.runner import run_gate
-
         # the first-step gates run one rollout and one train step on a run of their own; the
         # training run then starts from the same initial state (nothing is saved by the gates)
-        code = run_gate(copy.copy(ns))
+        code = _gates_on_ranks(ns, place)
         if code != 0:
-            print(f"rlperf train: {'a first-step gate failed' if code == 1 else 'the gates could not run'}; "
-                  f"stopping before step 1 (--skip-gates trains anyway)", file=sys.stderr)
+            if place.rank == 0:
+                print(f"rlperf train: {'a first-step gate failed' if code == 1 else 'the gates could not run'}; "
+                      f"stopping before step 1 (--skip-gates trains anyway)", file=sys.stderr)
             return code
+    from rlperf.loop.engines import EngineFleetError
+
     try:
         train(ns)
     except UsageError as exc:  # input errors found while building the run, before any step
         print(f"rlperf train: {exc}", file=sys.stderr)
         return 2
+    except EngineFleetError as exc:  # --rollout-num-gpus: an engine or the router did not start (its output quoted)
+        print(f"rlperf train: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -90,6 +90,6 @@ def test_engine_alone_gives_the_loop_engines_tokens_for_the_same_weights(one_thr
     prompts = [[1, 2, 3], list(range(5, 30))]
     params = [SamplingParams(max_new_tokens=5, temperature=1.0, seed=s) for s in (3, 4)]
     with K.use_backend("reference"):
-        got = L.engine_alone(model, tok, prompts, params)
+        got = L.engine_alone(model, tok, prompts, params, max_total_tokens=1024)
         want = Engine(model, tok, EngineConfig(max_total_tokens=1024)).generate(prompts, params)
     assert got["tokens"] == sum(len(r.output_ids) for r in want) and got["seconds"] > 0

@@ -10,6 +10,13 @@
   contract), per-sample seeds, debug rollout data; samples are :class:`rlperf.train.Sample`;
 * :mod:`~rlperf.loop.clients` — where rollouts are generated: the in-process engine or the servers
   behind a router, each with its weight sync (:mod:`rlperf.sync`);
+* :mod:`~rlperf.loop.engines` — ``--rollout-num-gpus``: the run's own ``rlperf serve`` engines on their
+  own GPUs behind the sglang-router (weights by broadcast, :mod:`rlperf.sync.distributed`);
+* :mod:`~rlperf.loop.placement` — where the actor ranks run (``--actor-num-nodes``,
+  ``--actor-num-gpus-per-node``, ``--placement``): layout checks, :class:`~rlperf.loop.placement.LocalPlacement`,
+  torchrun's environment, the ranks' process group;
+* :mod:`~rlperf.loop.data_parallel` — what changes on several ranks: sharded rollout, rank 0's samples,
+  worst-rank memory peaks (the trainer side is :mod:`rlperf.train.fsdp`);
 * :func:`parse_train_args` — flags -> a checked namespace (:class:`UsageError` before any step).
 
 Phase times, memory peaks, the phase timeline and torch traces are the loop's telemetry

@@ -12,7 +12,9 @@ describes a model rlperf does not implement (:func:`rlperf.model.config.read_hf_
 values the kernels cannot take (:func:`rlperf.rollout.sampling_params.check_sampling_values`, the
 server's check too), an unknown ``--model`` preset, ``--device cuda`` without a GPU, a ``--load`` /
 ``--ref-load`` whose pointer or files are broken (:mod:`rlperf.loop.checkpoint`), a fresh run into a
-``--save`` that holds checkpoints (without ``--overwrite-save``). Every message names the flag.
+``--save`` that holds checkpoints (without ``--overwrite-save``), an engine layout that cannot run
+(:func:`resolve_engine_layout`: ``--rollout-num-gpus-per-engine`` other than 1, more GPUs than are
+visible, ``--rollout-num-gpus`` with ``--sglang-router-ip``). Every message names the flag.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ import tempfile
 from pathlib import Path
 
 from rlperf.data.embedded import EMBEDDED_DEFAULTS
-from rlperf.loop.clients import TRAIN_MEM_FRACTION_STATIC
 from rlperf.rollout.args import API_KEY_ENV, add_kernel_arguments, resolve_api_key
 from rlperf.rollout.sampling_params import check_sampling_values
 from rlperf.telemetry.trainer_trace import add_profile_arguments, check_profile_args
@@ -70,6 +71,12 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-api-key-file", default=None, metavar="PATH",
                    help="read the API key from this file (surrounding whitespace stripped)")
     g.add_argument("--colocate", action="store_true", help="trainer and engines share the GPU (weights by CUDA IPC)")
+    g.add_argument("--rollout-num-gpus", type=int, default=0, metavar="N",
+                   help="disaggregated engines (without --colocate): start N rlperf serve engines, one per GPU after the "
+                        "actor's, behind the sglang-router, and sync the weights to them by NCCL broadcast from the "
+                        "trainer; with --device cpu, N engine processes and gloo (default 0: one in-process engine)")
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1, metavar="K",
+                   help="GPUs per engine (only 1 for now: no tensor-parallel engines)")
     g.add_argument("--sglang-cuda-graph-max-bs", type=int, default=None,
                    help="in-process engine: replay decode steps of up to this many sequences from CUDA graphs, as "
                         "rlperf serve --cuda-graph-max-bs (default: serve's, 256 on CUDA; 0: eager decode, the "
@@ -80,8 +87,10 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
                         "CUDA in sync mode, buckets otherwise")
     g.add_argument("--sglang-mem-fraction-static", type=float, default=None,
                    help="in-process engine on CUDA: the fraction of device memory that everything allocated "
-                        f"before it plus its KV cache may fill (default {TRAIN_MEM_FRACTION_STATIC}: the trainer "
-                        "shares the device; servers behind a router take rlperf serve --mem-fraction-static)")
+                        "before it plus its KV cache may fill (default: no fraction; the KV cache holds one "
+                        "rollout, rollout-batch-size x n-samples-per-prompt sequences of the longest prompt plus "
+                        "--rollout-max-response-len, and the rest of the device is the trainer's; servers behind "
+                        "a router take rlperf serve --mem-fraction-static)")
     g = p.add_argument_group("model and checkpoints")
     g.add_argument("--model", default=None, help="preset when no --hf-checkpoint/--load (default tiny)")
     g.add_argument("--hf-checkpoint", default=None, help="initial weights (HF safetensors directory)")
@@ -108,7 +117,9 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
                    help="overlap rollout k+1 with training k (one step off-policy)")
     g.add_argument("--deterministic-mode", action="store_true")
     g.add_argument("--true-on-policy-mode", action="store_true",
-                   help="trainer log-probs through the engine's path: train_rollout_logprob_abs_diff exactly 0")
+                   help="train on the rollout's own policy: needs sync mode and --num-steps-per-rollout 1; the "
+                        "logprob_abs_diff gate then requires train_rollout_logprob_abs_diff exactly 0 (engine and "
+                        "trainer compute log-probs with the same fused kernel)")
     g.add_argument("--debug-rollout-only", action="store_true")
     g.add_argument("--debug-train-only", action="store_true")
     g.add_argument("--save-debug-rollout-data", default=None, help="path template with {rollout_id}")
@@ -118,6 +129,9 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
                    help="no progress bar (summary lines still print; there is none when stderr is not a terminal)")
     add_profile_arguments(p)
     add_train_arguments(p)
+    from .placement import add_placement_arguments  # placement imports this module's UsageError
+
+    add_placement_arguments(p)
     p.set_defaults(lr=None, n_samples_per_prompt=None, rollout_temperature=None)
 
 
@@ -207,6 +221,49 @@ def kernel_policy(ns: argparse.Namespace, device):
     return policy
 
 
+def actor_gpus_on_this_host(ns: argparse.Namespace) -> int:
+    """GPUs the trainer's ranks take on this host (``--actor-num-gpus-per-node``; 1 without it)."""
+    return int(getattr(ns, "actor_num_gpus_per_node", None) or 1)
+
+
+def resolve_engine_layout(ns: argparse.Namespace, device, visible_gpus: int | None = None) -> None:
+    """Check ``--rollout-num-gpus`` / ``--rollout-num-gpus-per-engine`` / ``--colocate`` before anything
+    starts and set ``ns.disaggregated`` (rlperf starts its own engines: N > 0 without ``--colocate``) and
+    ``ns.engine_gpus`` (each engine's ``CUDA_VISIBLE_DEVICES`` entry, the GPUs after the actor's; None on
+    CPU, where the engines are plain processes). ``visible_gpus``: default ``torch.cuda.device_count()``.
+    :class:`UsageError` naming the flag for a layout that cannot run."""
+    n, per = getattr(ns, "rollout_num_gpus", 0) or 0, getattr(ns, "rollout_num_gpus_per_engine", 1)
+    ns.disaggregated, ns.engine_gpus = False, None
+    if per != 1:
+        raise UsageError(f"--rollout-num-gpus-per-engine {per}: only 1 is supported for now (one GPU per engine; "
+                         "tensor-parallel engines are not built yet)")
+    if n < 0:
+        raise UsageError(f"--rollout-num-gpus must be >= 0, got {n}")
+    if n == 0 or ns.colocate:
+        return  # the in-process engine, or engines that share the trainer's GPUs
+    if ns.sglang_router_ip is not None:
+        raise UsageError(f"--rollout-num-gpus {n} starts rlperf's own engines and router; --sglang-router-ip uses "
+                         "running ones: give one of them")
+    ns.disaggregated = True
+    if device.type != "cuda":
+        return
+    import torch
+
+    actor = actor_gpus_on_this_host(ns)
+    visible = torch.cuda.device_count() if visible_gpus is None else visible_gpus
+    if device.index is not None and device.index >= actor:
+        raise UsageError(f"--device {ns.device}: with --rollout-num-gpus the actor runs on the first {actor} GPU(s) "
+                         f"(cuda:0..cuda:{actor - 1}) and the engines on the next ones; use --device cuda")
+    if actor + n * per > visible:
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UsageError(f"--rollout-num-gpus {n}: the actor takes {actor} GPU(s) and the engines {n * per} more, "
+                         f"{actor + n * per} in all, but {visible} are visible"
+                         + (f" (CUDA_VISIBLE_DEVICES={listed})" if listed is not None else ""))
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in listed.split(",")] if listed else [str(i) for i in range(visible)]
+    ns.engine_gpus = ids[actor:actor + n * per]
+
+
 def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
     """Fill task defaults, check every relation; returns ``ns`` with ``train_args`` and ``embedded`` set."""
     ns.embedded = ns.prompt_data is None
@@ -262,7 +319,11 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
         raise UsageError("--save-interval needs --save")
     check_profile_args(ns, error=UsageError)
     device = run_device(ns)
+    resolve_engine_layout(ns, device)  # --rollout-num-gpus: ns.disaggregated, ns.engine_gpus
     policy = kernel_policy(ns, device)  # checked now; the run applies it (rlperf.loop.runner.Run.kernels)
+    from .placement import check_actor_layout
+
+    actor_ranks = check_actor_layout(ns, device).world_size  # --actor-num-*: ranks, GPUs, batch split
     if getattr(ns, "precision", None) in (None, "auto"):
         ns.precision = "bf16" if device.type == "cuda" else "fp32"
     if ns.precision == "bf16" and device.type == "cpu" and policy.backend_for(device) == "interpreter":
@@ -272,14 +333,16 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(f"--sglang-cuda-graph-max-bs must be >= 0, got {ns.sglang_cuda_graph_max_bs}")
     ew = getattr(ns, "engine_weights", "auto")
     if ew == "auto":
-        ew = "shared" if (device.type == "cuda" and not ns.async_mode and ns.sglang_router_ip is None) else "buckets"
+        ew = "shared" if (device.type == "cuda" and not ns.async_mode and ns.sglang_router_ip is None
+                          and not ns.disaggregated and actor_ranks == 1) else "buckets"
     if ew == "shared" and ns.async_mode:
         raise UsageError("--engine-weights shared needs sync mode: with --async the rollout would read weights "
                          "the trainer is updating")
     if ew == "shared" and ns.sglang_router_ip is not None:
         raise UsageError("--engine-weights applies to the in-process engine, not to servers behind --sglang-router-ip")
+    if ew == "shared" and ns.disaggregated:
+        raise UsageError("--engine-weights applies to the in-process engine, not to the engines of --rollout-num-gpus")
     ns.engine_weights = ew
-    ns.logprob_impl = "engine" if ns.true_on_policy_mode else "fused"
     try:
         ns.train_args = train_args_from(ns)
     except ValueError as exc:

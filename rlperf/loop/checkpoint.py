@@ -4,6 +4,12 @@
     SAVE/iter_0000007/trainer.pt        optimizer state, step count, next rollout id
     SAVE/latest_checkpointed_iteration.txt   "7" — written last, atomically
 
+The format is consolidated, the same for any number of actor ranks, so a run resumes on another
+layout: ``model/`` holds the full float32 master weights under HF names, and ``trainer.pt`` the full
+optimizer state keyed by parameter name (:meth:`rlperf.train.Trainer.state_dict`). With data-parallel
+ranks both are gathered from the FSDP2 shards to rank 0, which alone writes; on resume every rank
+reads them and keeps its shard (:mod:`rlperf.loop.data_parallel`).
+
 ``iter`` counts rollouts done. The pointer (``latest_checkpointed_iteration.txt``) names a loadable
 checkpoint at every moment: a kill at any point of :func:`save_checkpoint` leaves it on a complete
 checkpoint (the previous one, or the new one once the pointer has moved). Its steps, in order

@@ -27,13 +27,19 @@ Both have ``generate(prompts, params) -> list[GenerationResult]`` (one typed res
   the client finds the workers with ``GET /workers`` and calls them directly, as slime does. With
   an API key (``--sglang-api-key``, ``--sglang-api-key-file`` or ``RLPERF_API_KEY``) every request,
   to the router and to the workers, carries ``Authorization: Bearer <key>``; a 401 is a
-  :class:`ServerAuthError` that says how to pass the key.
+  :class:`ServerAuthError` that says how to pass the key. With ``distributed=True`` (disaggregated
+  engines on their own GPUs, :mod:`rlperf.loop.engines`) the weights go by broadcast instead:
+  :class:`rlperf.sync.distributed.WeightBroadcaster` forms one process group with the workers at the
+  first sync (SGLang's ``/init_weights_update_group``), pauses them, broadcasts bucket by bucket
+  (``/update_weights_from_distributed``), checks every worker's ``weights_checksum`` against the
+  trainer's and continues them; :meth:`RouterClient.close` leaves the group.
 
 Bucket sizes and transports are :class:`rlperf.sync.SyncConfig`'s.
 """
 from __future__ import annotations
 
 import copy
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 
 from rlperf.rollout.args import API_KEY_ENV
@@ -41,6 +47,7 @@ from rlperf.rollout.cuda_graph import default_max_bs
 from rlperf.rollout.engine import Engine, EngineConfig, GenerationResult, SamplingParams
 from rlperf.rollout.router import http_json
 from rlperf.sync import SyncConfig, SyncStats, bucket_payload, flatten_buckets, release, sync_weights
+from rlperf.sync.distributed import WeightBroadcaster, WeightSyncError
 
 TRAIN_MEM_FRACTION_STATIC = 0.3
 """The in-process engine shares the device with the trainer (weights, grads, AdamW state,
@@ -95,6 +102,35 @@ class EngineClient:
         self.engine.flush()
         self.engine.weight_version = version
         return stats
+
+    def load_weights(self, named_tensors, version: str) -> SyncStats:
+        """Copy ``(HF name, tensor)`` pairs into the engine's model as they come, then flush its KV cache.
+
+        ``named_tensors`` may be an iterator that gathers the weights bucket by bucket (a data-parallel
+        rank's engine: :meth:`rlperf.train.fsdp.FSDPTrainer.iter_hf_weights`): each tensor is copied
+        before the next is asked for, in place (CUDA graphs captured on the weights stay valid). Every
+        weight must come; RuntimeError naming the missing ones otherwise.
+        """
+        import torch
+
+        own = self.model.hf_state_dict()
+        seen, nbytes = set(), 0
+        with torch.no_grad():
+            for name, t in named_tensors:
+                if name not in own:
+                    raise RuntimeError(f"load_weights: {name!r} is not a weight of the engine's model")
+                own[name].copy_(t)
+                seen.add(name)
+                nbytes += t.numel() * t.element_size()
+        if len(seen) != len(own):
+            missing = sorted(set(own) - seen)
+            raise RuntimeError(f"load_weights: no tensor for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+        self.engine.flush()
+        self.engine.weight_version = version
+        return SyncStats(buckets=0, bytes=nbytes)
+
+    def close(self) -> None:
+        """Nothing to release (the engine lives in this process)."""
 
 
 class ServerAuthError(RuntimeError):
@@ -153,10 +189,14 @@ class RouterClient:
     kind = "sglang-router"
 
     def __init__(self, ip: str, port: int, tokenizer, colocate: bool = False, timeout: float = 600.0,
-                 api_key: str | None = None):
+                 api_key: str | None = None, distributed: bool = False):
+        """``distributed``: weight sync by broadcast to disaggregated workers (module docstring), not
+        flattened-bucket requests."""
         self.url, self.tokenizer, self.colocate, self.timeout = f"http://{ip}:{port}", tokenizer, colocate, timeout
         self.api_key, self.headers = api_key, _auth_headers(api_key)
         self.max_inflight = 32
+        self.distributed = distributed
+        self.broadcaster: WeightBroadcaster | None = None
         self.workers()
 
     def workers(self) -> list[str]:
@@ -187,6 +227,8 @@ class RouterClient:
             return list(pool.map(self._generate_one, prompts, params))
 
     def update_weights(self, named_tensors, version: str) -> SyncStats:
+        if self.distributed:
+            return self._broadcast_weights(named_tensors, version)
         first = next(iter(named_tensors.values()))
         transport = "cuda_ipc" if (self.colocate and first.device.type == "cuda") else (
             "shm" if first.device.type == "cpu" else "inline")
@@ -207,3 +249,31 @@ class RouterClient:
             finally:
                 admin(url, "/continue_generation")
         return SyncStats(buckets=n, bytes=sum(t.numel() * t.element_size() for t in named_tensors.values()))
+
+    def _broadcast_weights(self, named_tensors, version: str) -> SyncStats:
+        """Disaggregated workers: one broadcast per bucket from this process (trainer rank 0) through
+        the weight-update group, formed with every worker the router lists at the first sync; every
+        worker's checksum is checked (:meth:`WeightBroadcaster.update_weights`). ``named_tensors``: a
+        mapping, or (name, tensor) pairs, e.g. a generator of full tensors gathered one by one from
+        FSDP shards (drawn bucket by bucket, in the engines' ``hf_state_dict()`` order)."""
+        items = iter(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        first = next(items, None)
+        if first is None:
+            raise ValueError("update_weights got no tensors")
+        items = itertools.chain([first], items)
+        try:
+            if self.broadcaster is None:
+                self.broadcaster = WeightBroadcaster(self.workers(), device=first[1].device, api_key=self.api_key,
+                                                     timeout=self.timeout)
+                self.broadcaster.connect()
+            return self.broadcaster.update_weights(items, version)
+        except WeightSyncError as exc:
+            if exc.status == 401:
+                _check_auth("weight sync", 401, str(exc), self.api_key)
+            raise
+
+    def close(self) -> None:
+        """Leave the weight-update group (distributed sync), if one was formed."""
+        if self.broadcaster is not None:
+            self.broadcaster, b = None, self.broadcaster
+            b.close()

@@ -51,6 +51,17 @@ def sampling_params_for(args, seed: int) -> SamplingParams:
                           top_p=args.rollout_top_p, top_k=args.rollout_top_k, seed=seed)
 
 
+def rollout_kv_tokens(args, records, tokenizer, page_size: int) -> int:
+    """KV-cache tokens an in-process engine needs to hold one whole rollout at once: each of the
+    ``rollout_batch_size x n_samples_per_prompt`` sequences at the longest prompt of ``records``
+    plus ``--rollout-max-response-len``, rounded up to whole pages. Sizing the cache by this (not by
+    a fraction of the device) leaves the rest of the memory to training when the engine and the
+    trainer share a device; nothing is ever retracted for lack of pages."""
+    longest = max((len(tokenizer.encode(r.prompt)) for r in records), default=1)
+    per_seq = -(-(longest + args.rollout_max_response_len) // page_size) * page_size
+    return args.rollout_batch_size * args.n_samples_per_prompt * per_seq
+
+
 def generate_rollout(args, rollout_id: int, data_source: DataSource, evaluation: bool = False) -> list[Sample]:
     """The default rollout: ``rollout_batch_size`` prompts x ``n_samples_per_prompt`` generations, rewarded."""
     n, tok = args.n_samples_per_prompt, data_source.tokenizer

@@ -57,14 +57,13 @@ def worst_case_probe(trainer, sample_length: int, phase: str = "train") -> Phase
     """Peak memory of one forward + backward of ``trainer`` (:class:`rlperf.train.Trainer`) on the
     worst-case micro-batch; ``PhaseMemory(phase, peak_bytes, tokens)``. Weights, gradients and the
     optimizer are left as they were (gradients are saved and restored)."""
-    from rlperf.train import micro_batch_log_probs, pack_micro_batches
+    from rlperf.train import pack_micro_batches
 
     a = trainer.args
     model = trainer.model
     samples = probe_samples(a, sample_length, model.head_weight.shape[0])
     # one micro-batch by construction: all samples in one group
     (mb,) = pack_micro_batches(samples, None, len(samples), device=trainer.device)
-    kw = {"impl": a.logprob_impl} if hasattr(a, "logprob_impl") else {}
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.grad for p in params]
     was_training = model.training
@@ -73,7 +72,7 @@ def worst_case_probe(trainer, sample_length: int, phase: str = "train") -> Phase
     model.train()
     try:
         with PhaseMeter(trainer.device).phase(phase) as m:
-            log_probs, entropy = micro_batch_log_probs(model, mb, a.rollout_temperature, with_entropy=True, **kw)
+            log_probs, entropy = trainer.forward_log_probs(mb, with_entropy=True)  # FSDP: through its root
             # a loss of the policy loss's shape: per-token ratio against the old log-probs, times advantages
             old = torch.full_like(log_probs, -1.0)
             loss = -(torch.exp(log_probs - old)).sum() - a.entropy_coef * entropy.sum()

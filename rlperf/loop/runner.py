@@ -42,6 +42,10 @@ docs/ARCHITECTURE.md) and a phase timeline (:class:`rlperf.telemetry.PhaseTimeli
 counters; ``--profile-step-start/-end`` and ``--profile-target`` add torch.profiler traces of a
 window of steps (:mod:`rlperf.telemetry.trainer_trace`).
 
+Data parallel (``--actor-num-gpus-per-node N > 1``): every rank runs this loop in lockstep, with an
+:class:`rlperf.train.fsdp.FSDPTrainer` and its own engine (:mod:`rlperf.loop.data_parallel`); rank 0
+alone writes ``metrics.jsonl``, the timeline, traces and checkpoints, and prints.
+
 :func:`first_step` is the hook of the first-step gates: one rollout and one train step, returned
 as a :class:`rlperf.loop.record.FirstStepRecord` (the gates import it from the loop, never the reverse).
 """
@@ -67,7 +71,8 @@ from .args import UsageError, compute_dtype, kernel_policy, parse_train_args, re
 from .probe import worst_case_probe
 from .record import PHASES, FirstStepRecord, PhaseMemory
 from .clients import EngineClient, RouterClient, ServerAuthError
-from .generation import DataSource, generate_rollout, load_rollout_data, save_rollout_data
+from .data_parallel import DataParallelEngineClient, RankFailure, broadcast_from_rank0, max_over_ranks, rank_and_world
+from .generation import DataSource, generate_rollout, load_rollout_data, rollout_kv_tokens, save_rollout_data
 
 METRICS_FILE = "metrics.jsonl"
 SECRET_FLAGS = ("sglang_api_key",)
@@ -127,6 +132,9 @@ class Run:
         torch.manual_seed(ns.seed)
         self.device = run_device(ns)
         self.policy = kernel_policy(ns, self.device)  # --mode, --kernel-backend
+        # data parallel (--actor-num-gpus-per-node > 1): this process is rank `rank` of `world_size`
+        # (rlperf.loop.data_parallel); rank 0 alone writes files and prints
+        self.rank, self.world_size = rank_and_world()
         with self.kernels():
             # model: --load > --hf-checkpoint > a preset at random init (+ the embedded task's format warm-up)
             init_path = ckpt.model_dir(ns.load) if ns.load else ns.hf_checkpoint
@@ -165,23 +173,73 @@ class Run:
             self.precision = getattr(ns, "precision", "fp32") or "fp32"
             if self.precision == "auto":
                 self.precision = "bf16" if self.device.type == "cuda" else "fp32"
-            self.trainer = Trainer(self.model, ta, ref, compute_dtype=compute_dtype(ns, self.precision))
-            self.master_model, self.model = self.model, self.trainer.model
+            if self.world_size > 1:
+                self._shard_trainer(ta, ref)
+            else:
+                self.trainer = Trainer(self.model, ta, ref, compute_dtype=compute_dtype(ns, self.precision))
+                self.master_model, self.model = self.model, self.trainer.model
             with _usage_errors("--load", ns.load):
                 self.start = ckpt.load_trainer_state(ns.load, self.trainer) if ns.load else 0
+        self.fleet = None  # --rollout-num-gpus: the engine processes this run started (rlperf.loop.engines)
         if ns.sglang_router_ip:
             with _auth_errors():
                 self.client = RouterClient(ns.sglang_router_ip, ns.sglang_router_port, self.tokenizer, ns.colocate,
                                            api_key=getattr(ns, "sglang_api_key", None))
+        elif getattr(ns, "disaggregated", False):
+            # engines on their own GPUs behind the router; weights by broadcast from this process (trainer rank 0)
+            from .engines import launch_engines
+
+            with _auth_errors():
+                self.fleet, self.client = launch_engines(ns, self.tokenizer, self.precision, self.policy.backend)
+        elif self.world_size > 1:
+            # each rank's engine runs on its own full copy (self.model), loaded from the gathered shards; its
+            # KV cache is sized as the one-rank engine's (a whole rollout: room to spare for its share)
+            kv_tokens = (None if ns.sglang_mem_fraction_static is not None else
+                         rollout_kv_tokens(ns, self.dataset.records, self.tokenizer, K.PAGE_SIZE))
+            self.client = DataParallelEngineClient(
+                EngineClient(self.model, self.tokenizer, max_total_tokens=kv_tokens,
+                             mem_fraction_static=ns.sglang_mem_fraction_static,
+                             cuda_graph_max_bs=getattr(ns, "sglang_cuda_graph_max_bs", None), share_weights=True),
+                self.rank, self.world_size)
         else:
-            self.client = EngineClient(self.model, self.tokenizer, mem_fraction_static=ns.sglang_mem_fraction_static,
+            # the KV cache holds one rollout (rollout_kv_tokens) unless --sglang-mem-fraction-static sizes it
+            kv_tokens = (None if ns.sglang_mem_fraction_static is not None else
+                         rollout_kv_tokens(ns, self.dataset.records, self.tokenizer, K.PAGE_SIZE))
+            self.client = EngineClient(self.model, self.tokenizer, max_total_tokens=kv_tokens,
+                                       mem_fraction_static=ns.sglang_mem_fraction_static,
                                        cuda_graph_max_bs=getattr(ns, "sglang_cuda_graph_max_bs", None),
                                        share_weights=getattr(ns, "engine_weights", "buckets") == "shared")
         self.data_source = DataSource(self.dataset, self.client, self.tokenizer, self.reward_fn, custom_gen)
         self.out = Path(ns.output_dir)
-        self.timeline = PhaseTimeline(default_path(self.out))
+        self.timeline = PhaseTimeline(default_path(self.out)) if self.rank == 0 else None
         self.meter = PhaseMeter(self.device, self.timeline)
-        self.trace = TrainerTrace(ns, self.out, self.start, self.device, error=UsageError)  # --profile-step-*
+        self.trace = TrainerTrace(ns if self.rank == 0 else _without_profile(ns), self.out, self.start, self.device,
+                                  error=UsageError)  # --profile-step-*
+
+    def _shard_trainer(self, train_args, ref) -> None:
+        """Data parallel: every rank starts from rank 0's weights, the actor (and reference) are
+        sharded by FSDP2 (:class:`rlperf.train.fsdp.FSDPTrainer`: its shards are the float32 masters),
+        and ``self.model`` becomes the rank's engine copy in the compute dtype (full weights, loaded
+        from the shards at every sync)."""
+        from rlperf.train.fsdp import FSDPTrainer, broadcast_parameters
+
+        dtype = compute_dtype(self.ns, self.precision)
+        broadcast_parameters(self.model)
+        if ref is not None:
+            broadcast_parameters(ref)
+        engine_model = type(self.model)(self.model.cfg, dtype, self.device)
+        engine_model.requires_grad_(False)
+        self.trainer = FSDPTrainer(self.model, train_args, ref, compute_dtype=dtype)
+        self.master_model, self.model = self.trainer.master_model, engine_model
+
+    def close(self) -> None:
+        """Release what the run started: the engines' weight-update group and, with
+        ``--rollout-num-gpus``, the engine and router processes (:mod:`rlperf.loop.engines`)."""
+        try:
+            self.client.close()
+        finally:
+            if self.fleet is not None:
+                self.fleet.close()
 
     def kernels(self):
         """The run's kernel policy, for a block (every phase enters it; the async rollout thread too)."""
@@ -197,7 +255,9 @@ class Run:
                 samples = load_rollout_data(ns.load_debug_rollout_data.format(rollout_id=k))
             else:
                 samples = self.rollout_fn(ns, k, self.data_source)
-        if ns.save_debug_rollout_data:
+            if self.world_size > 1:
+                samples = broadcast_from_rank0(samples)  # every rank trains on rank 0's rollout
+        if ns.save_debug_rollout_data and self.rank == 0:
             save_rollout_data(ns.save_debug_rollout_data.format(rollout_id=k), samples)
         if len(samples) != ns.rollout_batch_size * ns.n_samples_per_prompt:
             raise RuntimeError(f"rollout {k}: the rollout function returned {len(samples)} samples, expected "
@@ -221,11 +281,48 @@ class Run:
     def sync(self, k: int):
         """Weight sync after rollout ``k``'s training: the engines get version ``k + 1``; the client's
         :class:`rlperf.sync.SyncStats`."""
+        if self.world_size > 1:
+            with self.kernels(), self.meter.phase("weight_sync", k):
+                return self._load_rank_engine(k)
         with self.kernels(), self.meter.phase("weight_sync", k), torch.no_grad():
             named = {n: t.detach() for n, t in self.model.hf_state_dict().items()}
             with _auth_errors():
                 stats = self.client.update_weights(named, version=str(k + 1))
         return stats
+
+    def _load_rank_engine(self, k: int):
+        """Data parallel: the rank's engine loads the full weights (compute dtype) gathered from the FSDP
+        shards bucket by bucket; every rank at once (the gathers are collectives)."""
+        from rlperf.sync import SYNC_BUCKET_BYTES
+
+        named = self.trainer.iter_hf_weights(self.model.embed_tokens.dtype, SYNC_BUCKET_BYTES)
+        return self.client.load_weights(named, version=str(k + 1))
+
+    def weights_checksum(self, k: int) -> str | None:
+        """``sync/weights_checksum``: of the compute weights after update ``k`` (data parallel: of the
+        rank's engine copy, which ``--debug-train-only`` loads here since it skips the sync; None on
+        ranks other than 0)."""
+        if self.world_size > 1 and self.ns.debug_train_only:
+            with self.kernels():
+                self._load_rank_engine(k)
+        return weights_checksum(self.model.hf_state_dict()) if self.rank == 0 else None
+
+    def phase_peaks(self) -> dict[str, int]:
+        """Peak memory per phase of this step: the worst rank's in data parallel (a collective)."""
+        return max_over_ranks(self.meter.peaks) if self.world_size > 1 else dict(self.meter.peaks)
+
+    def save_checkpoint(self, iteration: int, metrics_file) -> None:
+        """Checkpoint ``iteration`` (:func:`rlperf.loop.checkpoint.save_checkpoint`), after the metrics
+        line is on disk. Data parallel: the float32 masters and the full optimizer state are gathered
+        to rank 0 (collectives), which alone writes the same consolidated checkpoint one rank writes."""
+        model, trainer = self.master_model, self.trainer
+        if self.world_size > 1:
+            model, state = self.trainer.gather_model(), self.trainer.state_dict()
+            if self.rank != 0:
+                return
+            trainer = _SavedTrainerState(state)
+        os.fsync(metrics_file.fileno())
+        ckpt.save_checkpoint(self.ns.save, iteration, model, trainer)
 
     def rollout_metrics(self, samples, rollout_time: float) -> dict:
         rewards = [s.reward for s in samples]
@@ -239,22 +336,27 @@ class Run:
         from tqdm import tqdm
 
         ns = self.ns
-        self.out.mkdir(parents=True, exist_ok=True)
+        lead = self.rank == 0  # data parallel: rank 0 alone writes the metrics and prints
+        if lead:
+            self.out.mkdir(parents=True, exist_ok=True)
         history = []
-        print(f"rlperf train: {'embedded task' if ns.embedded else ns.prompt_data} on {self.device} "
-              f"({self.client.kind}, {self.precision}), rollouts {self.start}..{ns.num_rollout - 1}, "
-              f"{ns.rollout_batch_size}x{ns.n_samples_per_prompt} samples per rollout, "
-              f"{'async' if ns.async_mode else 'sync'} mode; metrics -> {self.out / METRICS_FILE}", file=sys.stderr)
+        if lead:
+            ranks = f", {self.world_size} data-parallel ranks" if self.world_size > 1 else ""
+            print(f"rlperf train: {'embedded task' if ns.embedded else ns.prompt_data} on {self.device} "
+                  f"({self.client.kind}, {self.precision}{ranks}), rollouts {self.start}..{ns.num_rollout - 1}, "
+                  f"{ns.rollout_batch_size}x{ns.n_samples_per_prompt} samples per rollout, "
+                  f"{'async' if ns.async_mode else 'sync'} mode; metrics -> {self.out / METRICS_FILE}", file=sys.stderr)
         self.sync(self.start - 1)  # the engines start from the trainer's weights (a router's servers loaded their own)
         # the bar redraws its line with carriage returns: on a terminal the step lines go above it
         # (tqdm.write); in a log file or a pipe there is no bar, only one plain line per step
-        show_bar = not ns.no_progress and _isatty(sys.stderr)
+        show_bar = lead and not ns.no_progress and _isatty(sys.stderr)
         bar = tqdm(total=ns.num_rollout, initial=self.start, disable=not show_bar, desc="rlperf train",
                    unit="rollout", file=sys.stderr)
         pool = ThreadPoolExecutor(1) if ns.async_mode else None
         self.meter.trace = self.trace
         try:
-            with open_metrics(self.out / METRICS_FILE, self.start if ns.load else None) as mf:
+            with (open_metrics(self.out / METRICS_FILE, self.start if ns.load else None) if lead
+                  else open(os.devnull, "w")) as mf:
                 pending = None
                 for k in range(self.start, ns.num_rollout):
                     self.trace.step(k)
@@ -273,7 +375,7 @@ class Run:
                             pending = _Done(pending.result())  # the engines must be idle to take weights
                         if not ns.debug_train_only:
                             self.sync(k)
-                        m["sync/weights_checksum"] = weights_checksum(self.model.hf_state_dict())
+                        m["sync/weights_checksum"] = self.weights_checksum(k)
                     m["perf/rollout_time"] = rollout_time
                     # step = rollout (or waiting for the overlapped one) + train + weight sync
                     m["perf/step_time"] = time.perf_counter() - step_start
@@ -284,7 +386,7 @@ class Run:
                                        ("weight_sync", "perf/update_weights_time")):
                         if phase in self.meter.times:
                             m[key] = self.meter.times[phase]
-                    for phase, peak in self.meter.peaks.items():
+                    for phase, peak in self.phase_peaks().items():
                         m[f"memory/{phase}_peak_bytes"] = peak
                     m["memory/kind"] = self.meter.kind
                     # the line before the checkpoint: a kill in between leaves it ahead of the pointer, and
@@ -293,20 +395,20 @@ class Run:
                     mf.flush()
                     if ns.save and not ns.debug_rollout_only and (
                             k + 1 == ns.num_rollout or (ns.save_interval and (k + 1) % ns.save_interval == 0)):
-                        os.fsync(mf.fileno())
-                        ckpt.save_checkpoint(ns.save, k + 1, self.master_model, self.trainer)
+                        self.save_checkpoint(k + 1, mf)
                     history.append(m)
                     bar.update(1)
                     if show_bar:
                         bar.write(summary_line(m, ns.num_rollout), file=sys.stderr)
-                    else:
+                    elif lead:
                         print(summary_line(m, ns.num_rollout), file=sys.stderr, flush=True)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True)
             bar.close()
             self.trace.close()
-            self.timeline.save()
+            if self.timeline is not None:
+                self.timeline.save()
         return history
 
 
@@ -347,6 +449,25 @@ def _isatty(stream) -> bool:
         return False
 
 
+class _SavedTrainerState:
+    """A trainer state gathered before the save (data parallel), in the shape ``save_checkpoint`` asks for."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+def _without_profile(ns):
+    """``ns`` without a ``--profile-step-*`` window (ranks other than 0 write no torch traces)."""
+    import copy
+
+    ns = copy.copy(ns)
+    ns.profile_step_start = ns.profile_step_end = None
+    return ns
+
+
 class _Done:
     """A finished future's stand-in (async mode waits for rollout k+1 before the weight sync)."""
 
@@ -379,7 +500,11 @@ def _resolve(args):
 
 def train(args=None) -> list[dict]:
     """Run ``rlperf train`` with ``args`` (argv list, or a parsed namespace); returns the metrics lines."""
-    return Run(_resolve(args)).run()
+    run = Run(_resolve(args))
+    try:
+        return run.run()
+    finally:
+        run.close()
 
 
 def first_step(args=None):
@@ -396,7 +521,25 @@ def first_step(args=None):
         # actor) only when the loss needs them: this step's trainer asks for a KL loss of
         # coefficient 0, which leaves the loss as it is; ns.train_args stays untouched
         ta = dataclasses.replace(ta, use_kl_loss=True, kl_loss_coef=0.0)
-    run = Run(ns, train_args=ta)
+    try:
+        run = Run(ns, train_args=ta)
+    except UsageError:
+        raise
+    except Exception as exc:
+        if rank_and_world()[1] > 1:  # the gates cannot report it: the other ranks wait in a collective
+            raise RankFailure(f"the first step failed: {type(exc).__name__}: {exc}") from exc
+        raise
+    try:
+        return _first_step_record(run, ns)
+    except Exception as exc:
+        if run.world_size > 1:  # the gates cannot report it: the other ranks wait in a collective
+            raise RankFailure(f"rank {run.rank}: the first step failed: {type(exc).__name__}: {exc}") from exc
+        raise
+    finally:
+        run.close()
+
+
+def _first_step_record(run: Run, ns) -> FirstStepRecord:
     first: dict = {}
     run.sync(-1)
     run.meter.reset()
@@ -409,7 +552,11 @@ def first_step(args=None):
     longest_prompt = max(s.prompt_length for s in run.last_train_samples)
     with run.kernels():
         probe = worst_case_probe(run.trainer, longest_prompt + int(ns.rollout_max_response_len))
-    run.timeline.save()
+    peaks = run.phase_peaks()  # data parallel: the worst rank's
+    if run.world_size > 1:
+        probe.peak_bytes = max_over_ranks({"probe": probe.peak_bytes})["probe"]
+    if run.timeline is not None:
+        run.timeline.save()
     cap = None
     if run.device.type == "cuda":
         cap = torch.cuda.get_device_properties(run.device).total_memory
@@ -419,6 +566,6 @@ def first_step(args=None):
               if isinstance(v, (str, int, float, bool, type(None))) and k not in SECRET_FLAGS}
     return FirstStepRecord(
         samples=run.last_train_samples, first_micro_step=first, step_metrics=m,
-        phases=[PhaseMemory(p, run.meter.peaks[p]) for p in PHASES],
+        phases=[PhaseMemory(p, peaks[p]) for p in PHASES],
         capacity_bytes=cap, memory_kind=run.meter.kind, probe=probe, true_on_policy=bool(ns.true_on_policy_mode),
         config=config)

@@ -11,7 +11,7 @@ Layer (HF ``Qwen3DecoderLayer`` order), per token, T tokens, hidden size H::
 
     x, r  = add_rmsnorm(h, r, w.input_layernorm)            # r = h + r; x = rmsnorm(r)
     q,k,v = split(linear(x, w.qkv_proj))                    # [T,Hq,D], [T,Hkv,D], [T,Hkv,D]
-    q, k  = rope(rmsnorm(q, w.q_norm)), rope(rmsnorm(k, w.k_norm))
+    q, k  = rope(rmsnorm(q, w.q_norm)), rope(rmsnorm(k, w.k_norm))  # fused: K.rmsnorm_rope
     a     = attention(q, k, v)                              # causal, GQA
     x, r  = add_rmsnorm(linear(a, w.o_proj), r, w.post_attention_layernorm)
     h     = linear(silu_mul(linear(x, w.gate_up_proj)), w.down_proj)
@@ -76,10 +76,11 @@ def init_layer_weights(cfg: ModelConfig, dtype: torch.dtype, device, generator: 
 class RopeTable:
     """Rotary embedding with a cos/sin table [max_positions, D/2] in float32, computed once in float64.
 
-    ``apply(x [T, heads, D], positions [T])`` rotates the halves (HF ``rotate_half`` convention):
-    ``out = [x1 cos - x2 sin, x2 cos + x1 sin]`` in float32, rounded once to x's dtype. Looking the
-    angle up in a table (rather than calling sin/cos per batch) keeps a token's bits independent of
-    the batch: fp32 multiply and add are exact IEEE operations on every backend.
+    The layer passes ``cos``/``sin`` to :func:`rlperf.kernels.rmsnorm_rope` (q/k norm and rotation
+    in one kernel). ``apply(x [T, heads, D], positions [T])`` is the same rotation as plain torch
+    (HF ``rotate_half`` convention): ``out = [x1 cos - x2 sin, x2 cos + x1 sin]`` in float32, rounded
+    once to x's dtype — the unfused formula, kept for comparisons and benchmarks. Looking the angle up
+    in a table (rather than calling sin/cos per batch) keeps a token's bits independent of the batch.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, device):
@@ -107,10 +108,13 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
         x, residual = K.add_rmsnorm(hidden, residual, w.input_layernorm, cfg.rms_norm_eps)
     qkv = K.linear(x, w.qkv_proj)
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    q = K.rmsnorm(q.reshape(t, cfg.num_attention_heads, cfg.head_dim), w.q_norm, cfg.rms_norm_eps)
-    k = K.rmsnorm(k.reshape(t, cfg.num_key_value_heads, cfg.head_dim), w.k_norm, cfg.rms_norm_eps)
+    # q/k norm and RoPE in one kernel each, reading the strided views of qkv in place; the prefill
+    # (trainer) and the paged step (engine) both come through here, so they run the same kernel
+    q = K.rmsnorm_rope(q.reshape(t, cfg.num_attention_heads, cfg.head_dim), w.q_norm, positions, rope.cos, rope.sin,
+                       cfg.rms_norm_eps)
+    k = K.rmsnorm_rope(k.reshape(t, cfg.num_key_value_heads, cfg.head_dim), w.k_norm, positions, rope.cos, rope.sin,
+                       cfg.rms_norm_eps)
     v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
-    q, k = rope.apply(q, positions), rope.apply(k, positions)
     a = attend(q, k, v)
     x, residual = K.add_rmsnorm(K.linear(a.reshape(t, cfg.q_size), w.o_proj), residual,
                                 w.post_attention_layernorm, cfg.rms_norm_eps)

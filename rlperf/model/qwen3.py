@@ -34,6 +34,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
         super().__init__()
+        self.cfg = cfg
         h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         kw = dict(dtype=dtype, device=device)
         self.input_layernorm = nn.Parameter(torch.ones(h, **kw))
@@ -47,6 +48,16 @@ class DecoderLayer(nn.Module):
 
     def weights(self) -> DecoderLayerWeights:
         return DecoderLayerWeights(**{f: getattr(self, f) for f in DecoderLayerWeights.__dataclass_fields__})
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeTable, positions: torch.Tensor,
+                cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training forward of this layer over packed sequences (:func:`decoder_layer_prefill`).
+
+        :meth:`Qwen3ForCausalLM.forward_packed` calls each layer as a module (``layer(...)``), so
+        module hooks run around it: FSDP2 (``fully_shard`` per layer, :mod:`rlperf.train.fsdp`)
+        gathers the layer's parameters before it and frees them after.
+        """
+        return decoder_layer_prefill(hidden, residual, self.weights(), self.cfg, rope, positions, cu_seqlens)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -97,8 +108,7 @@ class Qwen3ForCausalLM(nn.Module):
         """Final hidden states [T, H] of packed sequences (input_ids [T], positions [T], cu_seqlens [B+1] int32)."""
         hidden, residual = self.embed_tokens[input_ids], None
         for layer in self.layers:
-            hidden, residual = decoder_layer_prefill(hidden, residual, layer.weights(), self.cfg, self.rope, positions,
-                                                     cu_seqlens)
+            hidden, residual = layer(hidden, residual, self.rope, positions, cu_seqlens)
         return K.add_rmsnorm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def forward_paged(self, input_ids, positions, kv_caches, slot_mapping, page_table, cu_seqlens_q, kv_lens):
@@ -118,24 +128,17 @@ class Qwen3ForCausalLM(nn.Module):
 
     # ---- Hugging Face names -------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters under HF Qwen3 names; fused tensors appear as row-slice views."""
-        cfg, out = self.cfg, {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
-        if self.lm_head is not None:
-            out["lm_head.weight"] = self.lm_head
-        q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-        for n, layer in enumerate(self.layers):
-            p = f"model.layers.{n}."
-            out[p + "input_layernorm.weight"] = layer.input_layernorm
-            out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
-            out[p + "self_attn.q_proj.weight"] = layer.qkv_proj[:q]
-            out[p + "self_attn.k_proj.weight"] = layer.qkv_proj[q : q + kv]
-            out[p + "self_attn.v_proj.weight"] = layer.qkv_proj[q + kv :]
-            out[p + "self_attn.q_norm.weight"] = layer.q_norm
-            out[p + "self_attn.k_norm.weight"] = layer.k_norm
-            out[p + "self_attn.o_proj.weight"] = layer.o_proj
-            out[p + "mlp.gate_proj.weight"] = layer.gate_up_proj[:i]
-            out[p + "mlp.up_proj.weight"] = layer.gate_up_proj[i:]
-            out[p + "mlp.down_proj.weight"] = layer.down_proj
+        """Parameters under HF Qwen3 names; fused tensors appear as row-slice views (:func:`hf_views`).
+
+        Order: embedding, final norm, lm_head (untied), then per layer the two norms, q/k/v, q/k norms,
+        o_proj, gate/up, down (the flattening order of weight sync and of ``sync/weights_checksum``).
+        """
+        params = dict(self.named_parameters())
+        names = ["embed_tokens", "norm"] + (["lm_head"] if self.lm_head is not None else [])
+        names += [f"layers.{n}.{f}" for n in range(len(self.layers)) for f in _LAYER_HF_ORDER]
+        out = {}
+        for name in names:
+            out.update(hf_views(self.cfg, name, params[name]))
         return out
 
     @torch.no_grad()
@@ -193,6 +196,40 @@ class Qwen3ForCausalLM(nn.Module):
         model = cls(cfg, dtype or saved_dtype, device)
         model.load_hf_state_dict(tensors)
         return model
+
+
+_LAYER_HF_ORDER = ("input_layernorm", "post_attention_layernorm", "qkv_proj", "q_norm", "k_norm", "o_proj",
+                   "gate_up_proj", "down_proj")
+"""A layer's parameters in the order :meth:`Qwen3ForCausalLM.hf_state_dict` lists their HF names."""
+
+_HF_LAYER_NAMES = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
+                   "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm", "o_proj": "self_attn.o_proj",
+                   "down_proj": "mlp.down_proj"}
+
+
+def hf_views(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The HF names and tensors of one in-memory parameter ``name`` (a ``named_parameters`` name of
+    :class:`Qwen3ForCausalLM`) holding ``tensor`` (the parameter itself, or a full copy of it, e.g.
+    gathered from FSDP shards): fused ``qkv_proj`` [(Hq + 2 Hkv) D, H] gives the q, k and v row
+    slices, ``gate_up_proj`` [2I, H] the gate and up slices (views, no copy); every other parameter
+    maps to one name. ValueError for a name the model does not have.
+    """
+    top = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+    if name in top:
+        return [(top[name], tensor)]
+    parts = name.split(".")
+    if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit():
+        raise ValueError(f"{name!r} is not a parameter of Qwen3ForCausalLM")
+    prefix, field = f"model.layers.{parts[1]}.", parts[2]
+    q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    if field == "qkv_proj":
+        return [(prefix + "self_attn.q_proj.weight", tensor[:q]), (prefix + "self_attn.k_proj.weight", tensor[q : q + kv]),
+                (prefix + "self_attn.v_proj.weight", tensor[q + kv :])]
+    if field == "gate_up_proj":
+        return [(prefix + "mlp.gate_proj.weight", tensor[:i]), (prefix + "mlp.up_proj.weight", tensor[i:])]
+    if field not in _HF_LAYER_NAMES:
+        raise ValueError(f"{name!r} is not a parameter of Qwen3ForCausalLM")
+    return [(prefix + _HF_LAYER_NAMES[field] + ".weight", tensor)]
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:

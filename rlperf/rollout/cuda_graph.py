@@ -2,8 +2,11 @@
 
 Why: a decode step of a 28-layer model is some 400 small kernel launches issued from Python; at
 batch 1-64 that host time is larger than the memory-bound work itself. Capturing
-``logits(forward_paged(...))`` once per batch-size bucket and replaying it removes the launch and
-dispatch cost; only the inputs are copied into static buffers per step.
+``hidden = forward_paged(...)`` and ``logits(hidden)`` once per batch-size bucket and replaying it
+removes the launch and dispatch cost; only the inputs are copied into static buffers per step. Both
+are static outputs: the logits for sampling, the final hidden rows for the sampled tokens' log-probs
+(``fused_logprob``, run after the replay: one launch per temperature group, and the temperature is
+a launch argument a graph would freeze).
 
 Bits: the graph replays the same kernels with the same launch configs as the eager step. A batch of
 B decodes runs padded to its bucket size Bp >= B; a padding row has ``slot = -1`` (its K/V are not
@@ -51,23 +54,32 @@ class DecodeGraphs:
         dev = model.device
         self.capture = dev.type == "cuda"
         i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
-        self.ids = torch.zeros(max_bs, **i64)
-        self.pos = torch.zeros(max_bs, **i64)
-        self.slots = torch.full((max_bs,), -1, **i64)
+        # the step's inputs live in two device buffers (int64 rows ids, pos, slots, kv_lens; the int32
+        # page table) filled from pinned host staging by one asynchronous copy each (run()); the
+        # graphs read views of them
+        self.rows = torch.zeros(4, max_bs, **i64)
+        self.ids, self.pos, self.slots, self.kv_lens64 = self.rows.unbind(0)
         self.table = torch.zeros(max_bs, max_pages, **i32)
-        self.cu = torch.arange(max_bs + 1, **i32)
         self.kv_lens = torch.ones(max_bs, **i32)
-        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.slots.fill_(-1)
+        self.kv_lens64.fill_(1)
+        self.cu = torch.arange(max_bs + 1, **i32)
+        pinned = self.capture
+        self._host_rows = torch.empty(4, max_bs, dtype=torch.int64, pin_memory=pinned)
+        self._host_table = torch.zeros(max_bs, max_pages, dtype=torch.int32, pin_memory=pinned)
+        self._copied = None  # CUDA event: the last step's staging copies are done
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pool = None
 
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.model
+        self.kv_lens[:bs].copy_(self.kv_lens64[:bs])  # int64 staging row -> the kernels' int32 (captured)
         hidden = m.forward_paged(self.ids[:bs], self.pos[:bs], self.kv_layers, self.slots[:bs], self.table[:bs],
                                  self.cu[: bs + 1], self.kv_lens[:bs])
-        return m.logits(hidden)
+        return hidden, m.logits(hidden)
 
     def _capture(self, bs: int) -> None:
         side = torch.cuda.Stream()
@@ -96,16 +108,18 @@ class DecodeGraphs:
         self.pos.zero_()
         self.slots.fill_(-1)
         self.table.zero_()
-        self.kv_lens.fill_(1)
+        self.kv_lens64.fill_(1)
         todo = [bs for bs in self.buckets if (K.mode(), bs) not in self.graphs]
         for bs in reversed(todo):  # largest first: the shared pool is sized once by the biggest graph
             self._capture(bs)
         return len(todo)
 
-    def run(self, ids: list[int], pos: list[int], slots: list[int], table: list[list[int]], kv_lens: list[int]) -> torch.Tensor:
-        """Logits [B, V] float32 of a decode step of B = len(ids) sequences (one new token each).
+    def run(self, ids: list[int], pos: list[int], slots: list[int], table: list[list[int]],
+            kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden [B, H], logits [B, V] float32)`` of a decode step of B = len(ids) sequences (one new
+        token each): the final hidden rows (after the final norm) and their lm-head logits.
 
-        The result is a view of a static buffer: read it before the next call.
+        The results are views of static buffers: read them before the next call.
         """
         B = len(ids)
         bs = self.bucket(B)
@@ -115,21 +129,25 @@ class DecodeGraphs:
         width = max(len(r) for r in table)
         if width > self.max_pages:
             raise ValueError(f"a sequence holds {width} pages; the graphs were sized for {self.max_pages}")
-        dev = self.ids.device
-        host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad, kv_lens + [1] * pad], dtype=torch.int64)
-        host_table = torch.zeros(bs, self.max_pages, dtype=torch.int32)
-        host_table[:B, :width] = torch.tensor([r + [0] * (width - len(r)) for r in table], dtype=torch.int32)
-        host = host.to(dev, non_blocking=True)
-        self.ids[:bs].copy_(host[0])
-        self.pos[:bs].copy_(host[1])
-        self.slots[:bs].copy_(host[2])
-        self.kv_lens[:bs].copy_(host[3])
-        self.table[:bs].copy_(host_table.to(dev, non_blocking=True))
+        # pinned staging -> device, one asynchronous copy per buffer; the staging is reused only after
+        # the previous step's copies are done (their event), never while the GPU may still read it
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._host_rows[:, :bs] = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad,
+                                                kv_lens + [1] * pad], dtype=torch.int64)
+        self._host_table[:bs].zero_()
+        self._host_table[:B, :width] = torch.tensor([r + [0] * (width - len(r)) for r in table], dtype=torch.int32)
+        self.rows.copy_(self._host_rows, non_blocking=True)  # whole buffers: contiguous, a few KiB
+        self.table.copy_(self._host_table, non_blocking=True)
+        if self.capture:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         if not self.capture:
-            return self._forward(bs)[:B]
+            hidden, logits = self._forward(bs)
+            return hidden[:B], logits[:B]
         key = (K.mode(), bs)
         if key not in self.graphs:
             self._capture(bs)
-        graph, out = self.graphs[key]
+        graph, (hidden, logits) = self.graphs[key]
         graph.replay()
-        return out[:B]
+        return hidden[:B], logits[:B]

@@ -6,8 +6,8 @@ One :meth:`Engine.step` is one ``forward_paged`` call over a mixed batch:
 * running requests still prefilling add their next chunk, and waiting requests are admitted
   (FIFO, up to ``max_running_requests``), while the step's prefill-token budget
   (``chunked_prefill_size``; <= 0 means whole prompts) lasts;
-* a request whose whole sequence is now cached gets its last row's logits, samples its next token
-  and records that token's log-prob.
+* a request whose whole sequence is now cached gets its last row's final hidden state and logits,
+  samples its next token from the logits and records that token's log-prob from the hidden state.
 
 Preemption: when a running request needs a page and none is free, the newest running request is
 retracted (its pages freed, its tokens so far kept) and put at the front of the waiting queue; when
@@ -19,13 +19,18 @@ Sampling and log-probs (per request):
 
 * token ``i`` of a sequence (prompt + output, 0-based) is drawn by ``rlperf.kernels.sample`` with
   the request's seed and ``position = i`` as the counter, so it does not depend on the batch;
-* its log-prob is ``token_logprobs(logits, token, T)`` — the log-prob under ``softmax(logits / T)``
-  with the request's temperature ``T``, *before* top-k / top-p filtering (SGLang's default, and
-  what slime's trainer recomputes: it divides logits by ``--rollout-temperature``); greedy
-  requests (``T == 0``) report the log-prob at ``T = 1``.
+* its log-prob is ``fused_logprob(hidden, model.head_weight, token, T)`` (``rlperf.kernels``) of
+  the sampled row's final hidden state [H] — the log-prob under ``softmax(hidden @ head_weight.T /
+  T)`` with the request's temperature ``T``, *before* top-k / top-p filtering (SGLang's default,
+  and what slime's trainer recomputes: it divides logits by ``--rollout-temperature``); greedy
+  requests (``T == 0``) report the log-prob at ``T = 1``. Rows are grouped by temperature, one
+  call per group (a row's bits do not depend on its group).
 
-So in ``invariant`` mode, a response's log-probs equal ``token_logprobs(model.logits(
-model.forward_packed(prompt + response)), targets, T)`` at the response positions, bit for bit.
+That is the trainer's one log-prob path (``rlperf.train.batching``): the same kernel, with the same
+vocabulary-tile order, which never materialises [N, V] float32 logits (the engine's [B, V] logits
+serve the sampling only). So in ``invariant`` mode a response's log-probs equal
+``fused_logprob(model.forward_packed(prompt + response)[rows], model.head_weight, targets, T)``
+bit for bit, ``rows`` being the positions just before the response tokens.
 
 Finish reasons (SGLang's): ``{"type": "stop", "matched": token_id | stop_string}`` (EOS unless
 ``ignore_eos``, a ``stop_token_ids`` entry, or a ``stop`` string, which is trimmed from the text),
@@ -363,16 +368,18 @@ class Engine:
         with torch.no_grad(), phase:
             if self.graphs is not None and decode_only and len(batch) <= self.graphs.max_bs:
                 # a pure decode step: replay the captured graph of its batch-size bucket
-                logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
+                hidden, logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
             else:
                 hidden = model.forward_paged(
                     torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
                     self.kv.layers, torch.tensor(slots, dtype=torch.int64, device=dev),
                     torch.tensor(table, dtype=torch.int32, device=dev), torch.tensor(cu, dtype=torch.int32, device=dev),
                     torch.tensor(kv_lens, dtype=torch.int32, device=dev))
-                logits = model.logits(hidden[torch.tensor(sample_rows, device=dev)]) if sample_reqs else None
+                if sample_reqs:
+                    hidden = hidden[torch.tensor(sample_rows, device=dev)]
+                    logits = model.logits(hidden)
             if sample_reqs:
-                tokens, logprobs = self._sample(logits, sample_reqs)
+                tokens, logprobs = self._sample(hidden, logits, sample_reqs)
                 for r, t, lp in zip(sample_reqs, tokens, logprobs):
                     r.output_ids.append(t)
                     r.output_logprobs.append(lp)
@@ -442,21 +449,36 @@ class Engine:
         self._grow(r, n)
         return [(r, n)]
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
+    def _sample(self, hidden: torch.Tensor, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
+        """Tokens drawn from ``logits`` [B, V] float32 and their log-probs [B] from ``hidden`` [B, H],
+        the final hidden rows the logits came from (module docstring)."""
         dev, B = logits.device, len(reqs)
         temps = [r.params.temperature for r in reqs]
-        tokens = K.sample(
-            logits, torch.tensor(temps, dtype=torch.float32, device=dev),
-            torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
-            torch.tensor([max(r.params.top_k, 0) for r in reqs], dtype=torch.int64, device=dev),
-            torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev),
-            torch.tensor([r.seq_len for r in reqs], dtype=torch.int64, device=dev))
-        logprobs = torch.empty(B, dtype=torch.float32, device=dev)
-        # token_logprobs takes one temperature per call; rows are independent, so grouping is exact
-        for t in sorted(set(temps)):
-            rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=dev)
-            logprobs[rows] = K.token_logprobs(logits[rows], tokens[rows], t if t > 0 else 1.0)
-        return tokens.tolist(), logprobs.tolist()
+        # the per-request parameters travel in two host tensors (one copy each), not five, and are
+        # checked on the host in the sampler's own types (no device sync): a value that would break
+        # the sampler fails this step here, as it would in the kernel
+        floats = torch.tensor([temps, [r.params.top_p for r in reqs]], dtype=torch.float32)
+        ints = torch.tensor([[max(r.params.top_k, 0) for r in reqs], [r.seed for r in reqs],
+                             [r.seq_len for r in reqs]], dtype=torch.int64)
+        K.check_sampling_rows(floats[0], floats[1], ints[0])
+        floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
+        V = logits.shape[1]
+        filtered = any(r.params.top_p < 1 or 0 < r.params.top_k < V for r in reqs)
+        tokens = K.sample(logits, floats[0], floats[1], ints[0], ints[1], ints[2], check_values=False,
+                          filtered=filtered)
+        weight, groups = self.model.head_weight, sorted(set(temps))
+        # the trainer's kernel on the same hidden bits; it takes one temperature per call, and a row's
+        # bits do not depend on the other rows of the launch, so grouping is exact
+        if len(groups) == 1:
+            logprobs = K.fused_logprob(hidden, weight, tokens, groups[0] if groups[0] > 0 else 1.0)
+        else:
+            logprobs = torch.empty(B, dtype=torch.float32, device=dev)
+            for t in groups:
+                rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=dev)
+                logprobs[rows] = K.fused_logprob(hidden[rows], weight, tokens[rows], t if t > 0 else 1.0)
+        # one device-to-host copy (and one wait) for both: token ids and float32 log-probs are exact in float64
+        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu()
+        return [int(t) for t in both[0].tolist()], both[1].tolist()
 
     def _check_finished(self, r: Request, token: int) -> dict | None:
         p = r.params

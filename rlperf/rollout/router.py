@@ -82,12 +82,32 @@ class ProcessExited(RuntimeError):
         self.output = output
 
 
-def spawn(cmd: list[str], env=None, log_path: str | None = None) -> subprocess.Popen:
+def _die_with_parent():
+    """A ``preexec_fn`` (Linux): the child gets SIGKILL when the thread that started it dies, whatever
+    way it dies (``kill -9`` included), so no child outlives it. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
+    parent = os.getpid()
+
+    def set_pdeathsig():
+        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent was already gone before the call
+            os._exit(1)
+    return set_pdeathsig
+
+
+def spawn(cmd: list[str], env=None, log_path: str | None = None, die_with_parent: bool = False) -> subprocess.Popen:
     """Start ``cmd`` with stdout and stderr into ``log_path`` (else an anonymous temporary file),
-    kept open as ``proc.output`` so :func:`output_tail` can quote it later."""
+    kept open as ``proc.output`` so :func:`output_tail` can quote it later. ``die_with_parent``
+    (Linux): the child is killed when the thread that started it dies (start it from a thread that
+    lives as long as the child should, e.g. the main thread)."""
     out = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()
     try:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent() if die_with_parent else None)
     except BaseException:
         out.close()
         raise
@@ -187,9 +207,11 @@ def child_env(env, api_key: str | None) -> dict:
 
 
 def start_servers(args: ServerArgs, n: int, env=None, log_dir: str | None = None, ports: list[int] | None = None,
-                  timeout: float = 120.0) -> tuple[list[subprocess.Popen], list[str]]:
+                  timeout: float = 120.0, envs: list[dict] | None = None,
+                  die_with_parent: bool = False) -> tuple[list[subprocess.Popen], list[str]]:
     """Start ``n`` servers on ``ports`` (default ``args.port + i``); return them once all answer /health.
-    ``args.api_key`` reaches them in their environment, not their argv."""
+    ``args.api_key`` reaches them in their environment, not their argv. ``envs``: per-server additions
+    to the environment (``CUDA_VISIBLE_DEVICES`` of each); ``die_with_parent``: :func:`spawn`'s."""
     procs, urls = [], []
     ports = ports or [args.port + i for i in range(n)]
     env = child_env(env, args.api_key)
@@ -197,7 +219,8 @@ def start_servers(args: ServerArgs, n: int, env=None, log_dir: str | None = None
         for i in range(n):
             a = dataclasses.replace(args, port=ports[i])
             log = os.path.join(log_dir, f"server-{i}.log") if log_dir else None
-            procs.append(spawn([sys.executable, "-m", "rlperf", "serve", *server_argv(a)], env=env, log_path=log))
+            procs.append(spawn([sys.executable, "-m", "rlperf", "serve", *server_argv(a)],
+                               env={**env, **envs[i]} if envs else env, log_path=log, die_with_parent=die_with_parent))
             urls.append(f"http://{args.host}:{a.port}")
         for url in urls:
             wait_until(lambda: http_json(url + "/health", timeout=2)[0] == 200, timeout, f"server {url}", procs)
@@ -208,15 +231,18 @@ def start_servers(args: ServerArgs, n: int, env=None, log_dir: str | None = None
 
 
 def start_router(worker_urls: list[str], host: str, port: int, policy: str = "round_robin", env=None,
-                 log_dir: str | None = None, timeout: float = 60.0, api_key: str | None = None) -> subprocess.Popen:
+                 log_dir: str | None = None, timeout: float = 60.0, api_key: str | None = None,
+                 die_with_parent: bool = False) -> subprocess.Popen:
     """Start sglang-router with ``worker_urls``; return it once ``GET /workers`` lists them all.
-    ``api_key``: the router's ``api_key`` (module docstring), passed in its environment."""
+    ``api_key``: the router's ``api_key`` (module docstring), passed in its environment;
+    ``die_with_parent``: :func:`spawn`'s."""
     # the router also serves Prometheus metrics, on a fixed default port unless told: give it a free one
     # so two clusters (or another program) on one host do not collide
     cmd = [sys.executable, "-c", ROUTER_BOOTSTRAP, ROUTER_MODULE, "--host", host, "--port", str(port),
            "--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn",
            "--prometheus-host", host, "--prometheus-port", str(free_port(host))]
-    proc = spawn(cmd, env=child_env(env, api_key), log_path=os.path.join(log_dir, "router.log") if log_dir else None)
+    proc = spawn(cmd, env=child_env(env, api_key), log_path=os.path.join(log_dir, "router.log") if log_dir else None,
+                 die_with_parent=die_with_parent)
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
 
     def registered():

@@ -35,6 +35,12 @@ Endpoints (SGLang's names and reply fields; docs/ARCHITECTURE.md, "Rollout serve
   ``/abort_request`` (``rid`` or ``abort_all``), ``/start_profile`` and ``/stop_profile`` (GET or
   POST, as SGLang), ``/profile_trace``, ``/update_weights_from_tensor`` (``load_format:
   "flattened_bucket"``; received and checked by :mod:`rlperf.sync.transports`).
+* admin, disaggregated weight sync (SGLang's names and fields; :mod:`rlperf.rollout.weight_groups`):
+  ``/init_weights_update_group``, ``/update_weights_from_distributed`` (a broadcast from rank 0 of
+  the group, received on the engine thread), ``/destroy_weights_update_group``; ``GET
+  /weights_checksum`` (``?bucket_bytes=``, default :data:`rlperf.sync.SYNC_BUCKET_BYTES`): the
+  :func:`rlperf.sync.weights_checksum` of the engine's weights and its ``weight_version``, what a
+  sender compares after any weight update.
 
 Client errors are 4xx with a message, never 500 (README "Security"): a body over its route's limit
 is 413 by its Content-Length before it is read (:data:`GENERATE_BODY_BASE_BYTES` and the flags
@@ -62,12 +68,13 @@ import torch
 from aiohttp import web
 
 from rlperf import kernels as K
-from rlperf.sync import PayloadError, load_bucket, receive_bucket
+from rlperf.sync import SYNC_BUCKET_BYTES, PayloadError, load_bucket, receive_bucket, weights_checksum
 
 from .args import ServerArgs
 from .engine import BadRequest, Engine, EngineConfig, Request, SamplingParams
 from .engine_loop import PAUSE_MODES, EngineLoop
 from .tokenizer import has_hf_tokenizer, load_tokenizer
+from .weight_groups import DistributedUpdateRequest, InitGroupRequest, WeightGroupError, WeightGroups, group_name_of
 
 VERSION = "rlperf-0.1.0"
 
@@ -81,6 +88,9 @@ GENERATE_BODY_BYTES_PER_TOKEN = 64
 token's text escaped as JSON, takes far less; a batch of prompts shares it)."""
 WEIGHTS_BODY_BYTES = 1 << 30
 """Default limit of ``/update_weights_from_tensor`` (one inline bucket, base64: 4/3 of its bytes)."""
+DISTRIBUTED_BODY_BYTES = 8 << 20
+"""Limit of ``/update_weights_from_distributed`` (names, dtypes and shapes of one bucket's tensors;
+the bytes travel by broadcast)."""
 OTHER_BODY_BYTES = 64 << 10
 MAX_JSON_DEPTH = 32
 """Deepest nesting of objects and arrays a body may have (a /generate batch needs 3)."""
@@ -122,6 +132,12 @@ def _error(status: int, message: str) -> web.Response:
     if len(message) > _MAX_MESSAGE:  # a message that quotes a client's value stays short
         message = message[:_MAX_MESSAGE - 3] + "..."
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+def _failed(message: str) -> web.Response:
+    """SGLang's reply to an accepted request whose operation failed (a rendezvous, a broadcast):
+    ``{"success": false, "message"}`` with status 400."""
+    return web.json_response({"success": False, "message": message[:_MAX_MESSAGE]}, status=400)
 
 
 class BodyTooLarge(BadRequest):
@@ -367,9 +383,13 @@ class RolloutServer:
         self.body_limits = {
             "/generate": (args.max_generate_body_bytes or generate_body_limit(self.engine.context_length),
                           "--max-generate-body-bytes"),
-            "/update_weights_from_tensor": (args.max_weights_body_bytes or WEIGHTS_BODY_BYTES, "--max-weights-body-bytes")}
+            "/update_weights_from_tensor": (args.max_weights_body_bytes or WEIGHTS_BODY_BYTES, "--max-weights-body-bytes"),
+            "/update_weights_from_distributed": (DISTRIBUTED_BODY_BYTES, None)}
+        self.weight_groups = WeightGroups(model.device)
+        """Disaggregated weight sync: the process groups this engine joined (SGLang's /init_weights_update_group)."""
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in model.hf_state_dict().values())
         for limit, flag in self.body_limits.values():
-            if limit <= 0:
+            if flag and limit <= 0:
                 raise ValueError(f"{flag} must be positive, got {limit}")
 
         @web.middleware
@@ -396,12 +416,16 @@ class RolloutServer:
         r.add_post("/generate", self.generate)
         admin = {"/pause_generation": self.pause, "/continue_generation": self.resume, "/flush_cache": self.flush,
                  "/abort_request": self.abort, "/start_profile": self.start_profile, "/stop_profile": self.stop_profile,
-                 "/update_weights_from_tensor": self.update_weights}
+                 "/update_weights_from_tensor": self.update_weights,
+                 "/init_weights_update_group": self.init_weights_update_group,
+                 "/update_weights_from_distributed": self.update_weights_from_distributed,
+                 "/destroy_weights_update_group": self.destroy_weights_update_group}
         for path, handler in admin.items():
             r.add_post(path, self._admin(handler))
         for path in ("/flush_cache", "/start_profile", "/stop_profile"):  # SGLang takes GET there too
             r.add_get(path, self._admin(admin[path]))
         r.add_get("/profile_trace", self._admin(self.profile_trace))
+        r.add_get("/weights_checksum", self._admin(self.weights_checksum))
 
     async def _startup(self, app):
         self.loop.start()
@@ -444,6 +468,8 @@ class RolloutServer:
         return None
 
     async def _cleanup(self, app):
+        for name in self.weight_groups.names():
+            self.weight_groups.leave(name)
         self.loop.close()
 
     def _admin(self, handler):
@@ -495,7 +521,7 @@ class RolloutServer:
                     profile_root=str(self.loop.profiler.root), warmup_seconds=self.warmup_seconds)
         info.update(version=VERSION, uptime_s=time.time() - self.started, max_total_num_tokens=e.kv.max_total_tokens, page_size=e.kv.page_size,
                     context_length=e.context_length, weight_version=e.weight_version, kernel_mode=K.mode(),
-                    tp_size=1, dp_size=1,
+                    tp_size=1, dp_size=1, weight_update_groups=self.weight_groups.names(),
                     internal_states=[{"num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
                                       "num_free_pages": e.kv.num_free_pages, "num_steps": e.num_steps,
                                       "num_retractions": e.num_retractions, "num_failed_steps": e.num_failed_steps,
@@ -727,14 +753,70 @@ class RolloutServer:
             if abort_all:
                 engine.abort(None, "aborted for a weight update")
             names = load_bucket(bucket, engine.model.hf_state_dict())
-            if version is not None:
-                engine.weight_version = version
-            if flush and not engine.has_work():
-                engine.flush()
+            self._weights_loaded(engine, version, flush)
             return names
         names = await self._on_engine(apply)
         return web.json_response({"success": True, "message": f"loaded {len(names)} tensors",
                                   "weight_version": self.engine.weight_version})
+
+    def _weights_loaded(self, engine: Engine, version: str | None, flush: bool, synchronize: bool = False) -> None:
+        """On the engine thread, after either update endpoint loaded weights: the new ``weight_version``,
+        and with ``flush`` a KV-cache flush when idle; ``synchronize`` waits for the device, so the reply
+        means the weights are in place (not only queued)."""
+        if version is not None:
+            engine.weight_version = version
+        if flush and not engine.has_work():
+            engine.flush()
+        if synchronize and engine.model.device.type == "cuda":
+            torch.cuda.synchronize(engine.model.device)
+
+    async def weights_checksum(self, request):
+        """``GET /weights_checksum``: :func:`rlperf.sync.weights_checksum` of the engine's weights (computed
+        on the engine thread, between steps), with ``weight_version``: what a sender compares after a sync."""
+        raw = request.query.get("bucket_bytes")
+        bucket_bytes = SYNC_BUCKET_BYTES
+        if raw is not None:
+            if not raw.isdigit() or not 0 < int(raw) <= 1 << 40:
+                raise BadRequest(f"'bucket_bytes' must be an integer in [1, {1 << 40}], got {raw[:40]!r}")
+            bucket_bytes = int(raw)
+        checksum, version = await self._on_engine(
+            lambda engine: (weights_checksum(engine.model.hf_state_dict(), bucket_bytes), engine.weight_version))
+        return web.json_response({"weights_checksum": checksum, "weight_version": version, "bucket_bytes": bucket_bytes})
+
+    # ---- disaggregated weight sync (rlperf.rollout.weight_groups) ------------------------------------
+    async def init_weights_update_group(self, request):
+        req = InitGroupRequest.from_json(await _json_body(request))
+        try:
+            message = await self.weight_groups.join(req)
+        except WeightGroupError as exc:
+            return _failed(str(exc))
+        return web.json_response({"success": True, "message": message})
+
+    async def update_weights_from_distributed(self, request):
+        req = DistributedUpdateRequest.from_json(await _json_body(request), self.weights_bytes)
+        self.weight_groups.require(req.group_name)
+
+        def apply(engine: Engine):
+            if req.abort_all_requests:
+                engine.abort(None, "aborted for a weight update")
+            n = self.weight_groups.receive(req, engine.model.hf_state_dict())
+            self._weights_loaded(engine, req.weight_version, req.flush_cache, synchronize=req.flush_cache)
+            return n
+        try:
+            n = await self._on_engine(apply)
+        except WeightGroupError as exc:
+            return _failed(str(exc))
+        message = "Succeeded to update parameter online."
+        if req.weight_version is not None:
+            message += f" Weight version updated to {req.weight_version}."
+        return web.json_response({"success": True, "message": message, "num_tensors": n,
+                                  "weight_version": self.engine.weight_version})
+
+    async def destroy_weights_update_group(self, request):
+        name = group_name_of(await _json_body(request, allow_empty=True))
+        if not await self._on_engine(lambda engine: self.weight_groups.leave(name)):
+            return _failed(f"The group to be destroyed does not exist: this engine is in no group named {name!r}.")
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
 
 def serve(args: ServerArgs) -> int:

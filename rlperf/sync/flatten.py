@@ -10,9 +10,11 @@ Layout rules of the buckets rlperf writes (:func:`plan_buckets`):
 * a buffer is exactly as long as the end of its last tensor; alignment gaps are zero bytes.
 
 :func:`flatten_buckets` packs each bucket with one launch of the ``rlperf._C`` multi-tensor copy
-(:mod:`rlperf.sync.extension`). Sources may be non-contiguous; they are made contiguous first (one
-extra copy of that tensor) because the bucket holds a tensor's elements in row-major order. All
-tensors of one call must share one device, the buckets'.
+(:mod:`rlperf.sync.extension`); :func:`iter_buckets` packs the same buckets one at a time, as they
+close (a sender that streams its tensors holds one bucket, not all of them). Sources may be
+non-contiguous; they are made contiguous first (one extra copy of that tensor) because the bucket
+holds a tensor's elements in row-major order. All tensors of one call must share one device, the
+buckets'.
 
 :func:`weights_checksum` is one 64-bit hash of a whole set of weights: the bucket checksums
 (:mod:`rlperf.sync.checksum`) of its flattening at :data:`rlperf.sync.config.SYNC_BUCKET_BYTES`,
@@ -53,8 +55,9 @@ def _check_bucket_bytes(bucket_bytes: int) -> None:
 
 def _iter_planned(
     named_tensors, bucket_bytes: int
-) -> Iterator[tuple[list[FlattenedTensorMetadata], list[torch.Tensor], int]]:
-    """Yield (metadata, contiguous sources, buffer bytes) per bucket, as soon as each bucket closes.
+) -> Iterator[tuple[list[FlattenedTensorMetadata], list[torch.Tensor], int, bool]]:
+    """Yield (metadata, contiguous sources, buffer bytes, is the last bucket) per bucket, as soon as
+    each bucket closes (a bucket closed by a tensor that does not fit is not the last one).
 
     A generator, so :func:`flatten_buckets` launches bucket k's copy before planning bucket k+1
     (the host plans while the device copies).
@@ -91,13 +94,13 @@ def _iter_planned(
         nbytes = t.numel() * t.element_size()
         start = align_up(end)
         if metas and start + nbytes > bucket_bytes:
-            yield metas, srcs, end
+            yield metas, srcs, end, False
             metas, srcs, start = [], [], 0
         metas.append(FlattenedTensorMetadata(name, tuple(t.shape), t.dtype, start, start + nbytes, nbytes))  # numel: bytes
         srcs.append(t)
         end = start + nbytes
     if metas:
-        yield metas, srcs, end
+        yield metas, srcs, end, True
 
 
 def plan_buckets(named_tensors, bucket_bytes: int = SYNC_BUCKET_BYTES) -> list[list[FlattenedTensorMetadata]]:
@@ -114,7 +117,7 @@ def plan_buckets(named_tensors, bucket_bytes: int = SYNC_BUCKET_BYTES) -> list[l
     -------
     list of buckets, each a list of :class:`FlattenedTensorMetadata` in placement order.
     """
-    return [metas for metas, _, _ in _iter_planned(named_tensors, bucket_bytes)]
+    return [metas for metas, _, _, _ in _iter_planned(named_tensors, bucket_bytes)]
 
 
 def flatten_buckets(named_tensors, bucket_bytes: int = SYNC_BUCKET_BYTES) -> list[FlattenedBucket]:
@@ -135,21 +138,48 @@ def flatten_buckets(named_tensors, bucket_bytes: int = SYNC_BUCKET_BYTES) -> lis
     The checksum is not computed here (it would read every bucket again); ask
     :attr:`FlattenedBucket.checksum` when it is needed.
     """
-    buckets = []
-    for metas, srcs, nbytes in _iter_planned(named_tensors, bucket_bytes):
+    return list(iter_buckets(named_tensors, bucket_bytes))
+
+
+def iter_buckets(named_tensors, bucket_bytes: int = SYNC_BUCKET_BYTES) -> Iterator[FlattenedBucket]:
+    """:func:`flatten_buckets` one bucket at a time, same layout: a bucket is packed and yielded as
+    soon as it closes (the next tensor does not fit, or the input ends).
+
+    ``named_tensors`` may be a generator that produces each tensor only when asked (an FSDP
+    trainer's parameters, gathered one by one): while a bucket is packed, only its own tensors and
+    the first tensor of the next bucket have been drawn. A consumer that drops each bucket before
+    asking for the next one holds about one bucket of memory, never the whole set.
+    """
+    for bucket, _ in iter_buckets_with_last(named_tensors, bucket_bytes):
+        yield bucket
+
+
+def iter_buckets_with_last(named_tensors, bucket_bytes: int = SYNC_BUCKET_BYTES) -> Iterator[tuple[FlattenedBucket, bool]]:
+    """:func:`iter_buckets`, each bucket paired with whether it is the last one. Known without
+    packing the next bucket: a bucket that closes because the next tensor does not fit is not the
+    last; the one that closes because the input ended is (a sender marks its final request so)."""
+    for metas, srcs, nbytes, last in _iter_planned(named_tensors, bucket_bytes):
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=srcs[0].device)
         multi_tensor_pack(srcs, buffer, [m.start_idx for m in metas])
-        buckets.append(FlattenedBucket(buffer, metas, _checked=True))
-    return buckets
+        yield FlattenedBucket(buffer, metas, _checked=True), last
+
+
+def combine_checksums(bucket_checksums: Iterable[int]) -> str:
+    """The :func:`weights_checksum` of a flattening from its buckets' checksums, in bucket order
+    (:attr:`FlattenedBucket.checksum`): a sender that hashes the buckets it sends gets the checksum
+    of what it sent without reading the weights again."""
+    h = 0
+    for c in bucket_checksums:
+        h = mix64((h + c) & U64)
+    return f"{h:016x}"
 
 
 def weights_checksum(named_tensors, bucket_bytes: int = SYNC_BUCKET_BYTES) -> str:
-    """One 64-bit hex checksum of all weights: the bucket checksums of a fixed-size flattening, mixed.
+    """One 64-bit hex checksum of all weights: the bucket checksums of a fixed-size flattening, mixed
+    (:func:`combine_checksums`).
 
     The bucket size is part of the definition (padding and bucket boundaries are hashed): compare
-    checksums taken at the same ``bucket_bytes``.
+    checksums taken at the same ``bucket_bytes``. The buckets are packed and hashed one at a time
+    (:func:`iter_buckets`), so this needs about one bucket of extra memory, not a copy of the weights.
     """
-    h = 0
-    for b in flatten_buckets(named_tensors, bucket_bytes=bucket_bytes):
-        h = mix64((h + b.checksum) & U64)
-    return f"{h:016x}"
+    return combine_checksums(b.checksum for b in iter_buckets(named_tensors, bucket_bytes))

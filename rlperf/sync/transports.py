@@ -251,6 +251,10 @@ class SyncStats:
     buckets: int
     bytes: int
     """Bytes of the bucket buffers (alignment gaps included)."""
+    weights_checksum: str | None = None
+    """The :func:`rlperf.sync.weights_checksum` every engine reported after the sync, equal to the
+    sender's (a broadcast checks it: :class:`rlperf.sync.distributed.WeightBroadcaster`); None when
+    the sync did not ask the engines."""
 
 
 def sync_weights(named_tensors, params: Mapping[str, torch.Tensor], *, config: SyncConfig | None = None) -> SyncStats:

@@ -8,6 +8,9 @@
 * :mod:`~rlperf.train.batching` — packing under ``max_tokens_per_gpu``, log-probs of response
   tokens through ``rlperf.kernels.fused_logprob``;
 * :mod:`~rlperf.train.trainer` — :class:`Trainer` (AdamW + grad clipping), metrics with slime's names.
+* :mod:`~rlperf.train.fsdp` — :class:`~rlperf.train.fsdp.FSDPTrainer`, the data-parallel trainer over
+  FSDP2 shards, and the bucket-by-bucket gather of the full weights (imported on its own: it loads
+  ``torch.distributed``).
 """
 from .advantages import compute_advantages, masked_whiten, normalize_rewards
 from .args import ADVANTAGE_ESTIMATORS, KL_LOSS_TYPES, TrainArgs, add_train_arguments, train_args_from

@@ -43,9 +43,6 @@ class TrainArgs:
     """False: mean over samples of each sample's token mean; True: sum over tokens / number of loss tokens."""
     rollout_temperature: float = 1.0
     """Log-probs are of ``softmax(logits / rollout_temperature)`` (what the rollout reported)."""
-    logprob_impl: str = "fused"
-    """``fused`` (``fused_logprob``) or ``engine`` (the rollout engine's ``token_logprobs(logits)``;
-    ``--true-on-policy-mode`` picks it): see ``rlperf.train.batching.LOGPROB_IMPLS``."""
 
     use_dynamic_batch_size: bool = False
     max_tokens_per_gpu: int | None = None
@@ -104,8 +101,6 @@ class TrainArgs:
             raise ValueError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
         if not self.rollout_temperature > 0:
             raise ValueError(f"--rollout-temperature must be > 0 for log-probs, got {self.rollout_temperature}")
-        if self.logprob_impl not in ("fused", "engine"):
-            raise ValueError(f"logprob_impl {self.logprob_impl!r}: expected 'fused' or 'engine'")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
 

@@ -107,30 +107,22 @@ def pack_micro_batches(samples: Sequence[Sample], max_tokens_per_gpu: int | None
     return [make_micro_batch(samples, g, device) for g in groups]
 
 
-LOGPROB_IMPLS = ("fused", "engine")
-"""How the trainer computes log-probs: ``fused`` — :func:`rlperf.kernels.fused_logprob` from hidden
-states (never materializes [N, V]); ``engine`` — exactly the rollout engine's path,
-``token_logprobs(model.logits(hidden), targets, T)``, so train and rollout log-probs are one
-function of the same hidden bits (``--true-on-policy-mode``; the two paths reduce in different
-orders and differ by ~1e-7). ``engine`` needs a backward of ``token_logprobs`` and ``linear``:
-the reference backend (CPU) has them."""
-
-
-def micro_batch_log_probs(model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False,
-                          impl: str = "fused"):
+def micro_batch_log_probs(model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
     """Log-probs [sum R_i] float32 (and entropy) of the micro-batch's response tokens, in sample order.
 
-    ``model`` needs ``forward_packed(input_ids, positions, cu_seqlens) -> hidden [T, H]`` and
-    ``head_weight`` [V, H] (:class:`rlperf.model.qwen3.Qwen3ForCausalLM`). Differentiable when
-    grad is enabled and the kernel backend has backward passes (the reference backend on CPU; of
-    the Triton kernels only ``fused_logprob`` has a backward so far).
+    ``fused_logprob(hidden[logit_rows], model.head_weight, targets, temperature)`` on the final hidden
+    states ``hidden`` [T, H] of ``model.forward_packed(input_ids, positions, cu_seqlens)``: only the
+    sum R_i rows that predict response tokens go into the lm head, and the kernel never materialises
+    [sum R_i, V] float32 logits (``fast`` mode's stock path does). The rollout engine computes a sampled token's log-prob with the
+    same call on the same hidden row (``rlperf.rollout.engine``), so with batch-invariant kernels the
+    two agree bit for bit (``--true-on-policy-mode``).
+
+    ``model`` needs ``forward_packed`` and ``head_weight`` [V, H]
+    (:class:`rlperf.model.qwen3.Qwen3ForCausalLM`). Differentiable when grad is enabled and the kernel
+    backend has backward passes (the reference backend on CPU; of the Triton kernels only
+    ``fused_logprob`` has a backward so far).
     """
     hidden = model.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens)
-    if impl == "engine":
-        return K.token_logprobs(model.logits(hidden[mb.logit_rows]), mb.targets, temperature,
-                                return_entropy=with_entropy)
-    if impl != "fused":
-        raise ValueError(f"log-prob impl {impl!r}: expected one of {LOGPROB_IMPLS}")
     return K.fused_logprob(hidden[mb.logit_rows], model.head_weight, mb.targets, temperature,
                            return_entropy=with_entropy)
 
@@ -138,12 +130,12 @@ def micro_batch_log_probs(model, mb: MicroBatch, temperature: float = 1.0, with_
 @torch.no_grad()
 def compute_log_probs(model, samples: Sequence[Sample], temperature: float = 1.0,
                       max_tokens_per_gpu: int | None = None, micro_batch_size: int | None = None,
-                      with_entropy: bool = False, impl: str = "fused"):
+                      with_entropy: bool = False):
     """Per-sample log-probs (list of [R_i] float32, on CPU) without grad, e.g. old or reference log-probs."""
     logps: list[torch.Tensor | None] = [None] * len(samples)
     ents: list[torch.Tensor | None] = [None] * len(samples)
     for mb in pack_micro_batches(samples, max_tokens_per_gpu, micro_batch_size, device=model.head_weight.device):
-        out = micro_batch_log_probs(model, mb, temperature, with_entropy, impl)
+        out = micro_batch_log_probs(model, mb, temperature, with_entropy)
         lp, ent = out if with_entropy else (out, None)
         for k, (i, part) in enumerate(zip(mb.indices, lp.split(mb.response_lengths))):
             logps[i] = part.float().cpu()

@@ -47,7 +47,7 @@ import torch
 
 from .advantages import compute_advantages
 from .args import TrainArgs
-from .batching import compute_log_probs, micro_batch_log_probs, pack_micro_batches
+from .batching import MicroBatch, compute_log_probs, micro_batch_log_probs, pack_micro_batches
 from .losses import compute_approx_kl, policy_loss
 from .sample import Sample
 
@@ -109,13 +109,12 @@ class Trainer:
     def prepare(self, samples: Sequence[Sample]) -> None:
         """Fill each sample's ``log_probs`` (old actor), ``ref_log_probs`` (if needed) and ``advantages``."""
         a = self.args
-        old = compute_log_probs(self.model, samples, a.rollout_temperature, impl=a.logprob_impl, **self._packing())
+        old = self.sample_log_probs(self.model, samples)
         for s, lp in zip(samples, old):
             s.log_probs = lp
         kl = None
         if self.ref_model is not None and (a.use_kl_loss or a.kl_coef != 0):
-            ref = compute_log_probs(self.ref_model, samples, a.rollout_temperature, impl=a.logprob_impl,
-                                    **self._packing())
+            ref = self.sample_log_probs(self.ref_model, samples)
             for s, lp in zip(samples, ref):
                 s.ref_log_probs = lp
             kl = [compute_approx_kl(s.log_probs, s.ref_log_probs, a.kl_loss_type) for s in samples]
@@ -124,6 +123,30 @@ class Trainer:
                                 kl)
         for s, ad in zip(samples, adv):
             s.advantages = ad
+
+    # ---- what a data-parallel trainer replaces (rlperf.train.fsdp.FSDPTrainer) ---------------------
+    def sample_log_probs(self, model: torch.nn.Module, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Log-probs of every sample's response tokens ([R_i] float32 on the CPU, sample order) under
+        ``model`` (the actor or the reference), without grad: :meth:`prepare`'s old and reference log-probs."""
+        return compute_log_probs(model, samples, self.args.rollout_temperature, **self._packing())
+
+    def micro_batches(self, samples: Sequence[Sample]) -> list[MicroBatch]:
+        """The micro-batches this process trains of one global batch ``samples`` (their ``indices``
+        index ``samples``): all of them, packed under ``max_tokens_per_gpu`` or ``micro_batch_size``."""
+        return pack_micro_batches(samples, device=self.device, **self._packing())
+
+    def forward_log_probs(self, mb: MicroBatch, with_entropy: bool = False):
+        """Log-probs [sum R_i] (and entropy) of a micro-batch's response tokens under the actor, with grad."""
+        return micro_batch_log_probs(self.model, mb, self.args.rollout_temperature, with_entropy=with_entropy)
+
+    def reduce_metric_sums(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This process's share of the step's metric sums (each already divided by the global
+        denominator) -> the global batch's: the same here; summed over the ranks in data parallel."""
+        return sums
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The global grad norm of the master gradients (before clipping), clipped to ``max_norm``."""
+        return float(torch.nn.utils.clip_grad_norm_(self.master_params, max_norm))
 
     def train_step(self, samples: Sequence[Sample], micro_step_hook=None) -> dict[str, float]:
         """One optimizer step over ``samples`` (prepared); returns the step's metrics.
@@ -156,7 +179,7 @@ class Trainer:
             for p in self.params:
                 p.grad = None
         totals: dict[str, torch.Tensor] = {}
-        micro_batches = pack_micro_batches(samples, device=dev, **self._packing())
+        micro_batches = self.micro_batches(samples)
         first_mb = micro_batches[0]
         for mb in micro_batches:
             group = [samples[i] for i in mb.indices]
@@ -166,8 +189,7 @@ class Trainer:
 
             masks = [s.loss_mask_tensor() for s in group]
             rollout = torch.cat([s.rollout_log_probs_tensor() for s in group]).to(dev) if with_rollout else None
-            log_probs, entropy = micro_batch_log_probs(self.model, mb, a.rollout_temperature, with_entropy=True,
-                                                       impl=a.logprob_impl)
+            log_probs, entropy = self.forward_log_probs(mb, with_entropy=True)
             if a.entropy_coef == 0:
                 entropy = entropy.detach()  # a metric only: no backward through the entropy
             loss, metrics = policy_loss(
@@ -183,12 +205,13 @@ class Trainer:
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / denom
 
+        totals = self.reduce_metric_sums(totals)
         missing = [n for n, p in self.master_model.named_parameters() if p.requires_grad and p.grad is None]
         if missing:
             raise RuntimeError(f"no gradient reached {missing[:4]}{' ...' if len(missing) > 4 else ''}: the kernel "
                                f"backend has no backward for some op (use the reference backend to train on CPU)")
         max_norm = a.clip_grad if a.clip_grad > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master_params, max_norm))
+        grad_norm = self.clip_grad_norm(max_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self._copy_master_to_compute()
@@ -221,14 +244,49 @@ class Trainer:
             torch._foreach_copy_(self.params, self.master_params)
 
     def state_dict(self) -> dict:
-        """Optimizer state and step count (the model's weights are saved by the model)."""
-        return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count}
+        """Optimizer state and step count (the model's weights are saved by the model).
+
+        The optimizer state is the full (unsharded) one keyed by parameter name (``layers.0.qkv_proj``,
+        the master model's ``named_parameters``), as ``torch.distributed.checkpoint.state_dict``'s
+        ``get_optimizer_state_dict(full_state_dict=True)`` gives it: the same for one process and for
+        any number of FSDP ranks, so a checkpoint resumes on another layout. Under FSDP it is a
+        collective (every rank calls it; rank 0 gets the state, the others an empty dict).
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optim = get_optimizer_state_dict(self.master_model, self.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if optim:  # hyperparameter tuples (betas) as lists: a loaded optimizer has lists, the same state saves the same
+            optim["param_groups"] = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
+                                     for g in optim["param_groups"]]
+        return {"optimizer": optim, "step_count": self.step_count}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (into a Trainer built on a model with the saved weights)."""
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore :meth:`state_dict` (into a Trainer built on a model with the saved weights); also
+        takes the optimizer state keyed by parameter index that ``torch.optim`` saves (older checkpoints).
+        Under FSDP every rank calls it with the full state and keeps its shard."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        optim = self._optimizer_state_by_name(state["optimizer"])
+        set_optimizer_state_dict(self.master_model, self.optimizer, optim_state_dict=optim,
+                                 options=StateDictOptions(full_state_dict=True))
         self.step_count = int(state["step_count"])
         self._copy_master_to_compute()
+
+    def _optimizer_state_by_name(self, optim: dict) -> dict:
+        """``optim`` keyed by parameter name: an index-keyed ``torch.optim`` state dict (parameters
+        numbered in param-group order) is renamed through this optimizer's groups, which list the same
+        parameters in the same order; a name-keyed one is returned as it is."""
+        groups = optim.get("param_groups", [])
+        if not groups or not all(isinstance(i, int) for g in groups for i in g["params"]):
+            return optim
+        names = {id(p): n for n, p in self.master_model.named_parameters()}
+        mine = self.optimizer.param_groups
+        if len(groups) != len(mine) or any(len(g["params"]) != len(m["params"]) for g, m in zip(groups, mine)):
+            raise ValueError("the saved optimizer state does not match this model's parameter groups")
+        rename = {i: names[id(p)] for g, m in zip(groups, mine) for i, p in zip(g["params"], m["params"])}
+        return {"state": {rename[i]: v for i, v in optim["state"].items()},
+                "param_groups": [dict(g, params=[rename[i] for i in g["params"]]) for g in groups]}
 
     def train(self, samples: Sequence[Sample], *, on_first_micro_step=None, phase=None) -> list[dict[str, float]]:
         """One rollout's training: :meth:`prepare`, then one :meth:`train_step` per global batch

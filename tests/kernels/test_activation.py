@@ -43,6 +43,57 @@ def test_silu_mul_reference_and_fast_paths():
         assert torch.equal(K.silu_mul(x), torch.nn.functional.silu(g) * u)
 
 
+def _silu_grads(fn, x, dy):
+    leaf = x.detach().clone().requires_grad_(True)
+    y = fn(leaf)
+    (g,) = torch.autograd.grad(y, leaf, dy.to(y.dtype))
+    return y.detach(), g
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+# relative norm error of d gate_up vs float64 autograd: fp32 math, one rounding to the dtype
+GRAD_TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,inter", [(1, 1), (7, 33), (33, 1000)])
+def test_silu_mul_backward_matches_float64(interpreter, dtype, rows, inter):
+    x = torch.randn(rows, 2 * inter, dtype=dtype) * 3
+    dy = torch.randn(rows, inter, dtype=torch.float64)
+    y, g = _silu_grads(K.silu_mul, x, dy)
+    _, want = _silu_grads(silu_mul_ref, x.double(), dy)
+    assert g.dtype == dtype and g.shape == x.shape
+    assert _rel(g, want) < GRAD_TOL[dtype], _rel(g, want)
+    assert torch.equal(y, K.silu_mul(x)) and torch.equal(_silu_grads(K.silu_mul, x, dy)[1], g)
+    assert type(K.silu_mul(x.clone().requires_grad_(True)).grad_fn).__name__ == "_SiLUMulBackward"
+
+
+def test_silu_mul_backward_strided_and_fast_mode(interpreter):
+    base = torch.randn(2, 5, 2 * 40 + 6)
+    x = base[..., 3:83]  # rows strided, last dim contiguous
+    dy = torch.randn(2, 5, 40, dtype=torch.float64)
+    _, g = _silu_grads(K.silu_mul, x, dy)
+    _, want = _silu_grads(silu_mul_ref, x.double(), dy)
+    assert _rel(g, want) < GRAD_TOL[torch.float32]
+    with K.use_mode("fast"):  # CPU: the stock op, differentiated by torch
+        assert "SiLUMul" not in type(K.silu_mul(x.clone().requires_grad_(True)).grad_fn).__name__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_gpu_qwen3_shape_backward(dtype):
+    """8192 tokens of the qwen3-0.6b MLP (I=3072): d gate_up close to float64, twice the same bits."""
+    x = torch.randn(8192, 2 * 3072, dtype=dtype, device="cuda") * 3
+    dy = torch.randn(8192, 3072, dtype=torch.float64, device="cuda")
+    y, g = _silu_grads(K.silu_mul, x, dy)
+    _, want = _silu_grads(silu_mul_ref, x.double(), dy)
+    assert _rel(g, want) < GRAD_TOL[dtype], _rel(g, want)
+    assert torch.equal(_silu_grads(K.silu_mul, x, dy)[1], g) and torch.equal(y, K.silu_mul(x))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_silu_mul_gpu(dtype):

@@ -18,6 +18,7 @@ from rlperf.kernels.reference import attention as ref_attn
 from rlperf.kernels.reference import logprob as ref_lp
 from rlperf.kernels.reference import matmul as ref_mm
 from rlperf.kernels.reference import norm as ref_norm
+from rlperf.kernels.reference import rope as ref_rope
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 
@@ -61,6 +62,10 @@ def _cases(device, dtype):
     q3 = rnd(5, 3, 64)
     xn, r, wn = rnd(9, 96), rnd(9, 96), (torch.rand(96, generator=g) + 0.5).to(device=device, dtype=dtype)
     gu = rnd(11, 90)
+    qk = rnd(6, 20, 32)[:, 5:8]  # [6, 3, 32], a strided view as the model's q/k
+    pos = torch.randint(0, 64, (6,), generator=g).to(device)
+    angles = torch.arange(64, dtype=torch.float64)[:, None] * 0.5 ** torch.arange(16, dtype=torch.float64)
+    cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
     lens = [1, 7, 20]
     T = sum(lens)
     cu = torch.tensor([0, 1, 8, 28], dtype=torch.int32, device=device)
@@ -72,6 +77,8 @@ def _cases(device, dtype):
         ("rmsnorm 3d", lambda x, w: K.rmsnorm(x, w), ref_norm.rmsnorm, [q3, wn[:64].contiguous()], [(5, 3, 64)]),
         ("add_rmsnorm", lambda x, r, w: K.add_rmsnorm(x, r, w), ref_norm.add_rmsnorm, [xn, r, wn], [(9, 96), (9, 96)]),
         ("silu_mul", K.silu_mul, ref_act.silu_mul_ref, [gu], [(11, 45)]),
+        ("rmsnorm_rope", lambda x, w: K.rmsnorm_rope(x, w, pos, cos, sin),
+         lambda x, w: ref_rope.rmsnorm_rope(x, w, pos, cos, sin), [qk, wn[:32].contiguous()], [(6, 3, 32)]),
         ("varlen_attention", lambda q, k, v: K.varlen_attention(q, k, v, cu),
          lambda q, k, v: ref_attn.attention_ref(q, k, v, cu, cu), [q, k, v], [(T, 4, 64)]),
         ("token_logprobs+entropy", lambda z: K.token_logprobs(z, tgt, 0.7, return_entropy=True),
@@ -89,7 +96,8 @@ def test_op_gradients_match_float64_reference(interpreter, name):
     _check_op(op, reference, inputs, shapes, atol=1e-4, rtol=1e-4)
 
 
-WRAPPERS = {"_MatmulWithGradBackward", "_RecomputeBackwardBackward"}
+WRAPPERS = {"_MatmulWithGradBackward", "_RecomputeBackwardBackward", "_VarlenAttentionBackward",
+            "_RMSNormBackward", "_AddRMSNormBackward", "_SiLUMulBackward", "_RMSNormRopeBackward"}
 
 
 def _grad_fns(out):

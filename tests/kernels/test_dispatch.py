@@ -12,7 +12,7 @@ from rlperf.kernels import dispatch
 from rlperf.kernels.dispatch import FAST_MODE_STOCK, KernelPolicy, route
 
 OPS = ["matmul", "linear", "rmsnorm", "add_rmsnorm", "silu_mul", "log_softmax", "token_logprobs", "fused_logprob",
-       "varlen_attention", "paged_attention", "write_kv_cache", "sample"]
+       "varlen_attention", "paged_attention", "write_kv_cache", "sample", "rmsnorm_rope"]
 
 
 @pytest.fixture(autouse=True)

@@ -131,6 +131,96 @@ def test_empty_and_errors(interpreter):
         K.add_rmsnorm(torch.randn(4, 96), torch.randn(3, 96), w)
 
 
+# ----------------------------------------------------------------------------- backward
+
+GRAD_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}  # relative norm vs float64
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _norm_grads(fn, inputs, upstream):
+    """Outputs (detached) and d(sum_i out_i * upstream_i)/d inputs; None upstream: that output unused."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    pairs = [(o, u.to(o.dtype)) for o, u in zip(outs, upstream) if u is not None]
+    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [u for _, u in pairs])
+    return [o.detach() for o in outs], grads
+
+
+def _check_backward(op, reference, inputs, upstream, dtype):
+    outs, got = _norm_grads(op, inputs, upstream)
+    _, want = _norm_grads(reference, [t.double() for t in inputs], upstream)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == inputs[i].dtype and a.shape == inputs[i].shape, i
+        assert _rel(a, b) < GRAD_TOL[dtype], (i, _rel(a, b))
+    return outs, got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,H", [(1, 33), (7, 96), (33, 1000)])
+def test_rmsnorm_backward_matches_float64(interpreter, dtype, rows, H):
+    x, w = _inputs(rows, H, dtype)
+    up = [torch.randn(rows, H, dtype=torch.float64)]
+    outs, _ = _check_backward(lambda x, w: K.rmsnorm(x, w), ref.rmsnorm, [x, w], up, dtype)
+    assert torch.equal(outs[0], K.rmsnorm(x, w)), "the forward with grad enabled is the plain kernel's bits"
+    xl = x.clone().requires_grad_(True)
+    assert type(K.rmsnorm(xl, w).grad_fn).__name__ == "_RMSNormBackward"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("used", ["both", "normed", "residual"])
+def test_add_rmsnorm_backward_matches_float64(interpreter, dtype, used):
+    rows, H = 9, 96
+    x, w = _inputs(rows, H, dtype)
+    r = torch.randn(rows, H).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    up = [torch.randn(rows, H, generator=g, dtype=torch.float64) if used in (k, "both") else None
+          for k in ("normed", "residual")]
+    op = lambda x, r, w: K.add_rmsnorm(x, r, w)
+    inputs = [x, r, w] if used != "residual" else [x, r]
+    if used == "residual":  # the norm weight gets no gradient: leave it out of the inputs
+        op = lambda x, r: K.add_rmsnorm(x, r, w)
+    reference = ref.add_rmsnorm if used != "residual" else (lambda x, r: ref.add_rmsnorm(x, r, w.double()))
+    outs, got = _check_backward(op, reference, inputs, up, dtype)
+    assert torch.equal(got[0], got[1]), "d x = d residual"
+    y, s = K.add_rmsnorm(x, r, w)
+    assert torch.equal(outs[0], y) and torch.equal(outs[1], s)
+
+
+def test_rmsnorm_backward_chunked_rows_and_program_blocks(interpreter, monkeypatch):
+    """Rows wider than MAX_BLOCK take the chunked backward; few programs own several row tiles each
+    (masked tails included). Both give the float64 gradient, and two runs give the same bits."""
+    import rlperf.kernels.norm as norm
+
+    monkeypatch.setattr(norm, "BWD_PROGRAMS", 2)
+    for max_block, (rows, H) in ((64, (5, 200)), (8192, (37, 33))):
+        monkeypatch.setattr(norm, "MAX_BLOCK", max_block)
+        x, w = _inputs(rows, H, torch.float32)
+        r = torch.randn(rows, H)
+        up = [torch.randn(rows, H, dtype=torch.float64), torch.randn(rows, H, dtype=torch.float64)]
+        op = lambda x, r, w: K.add_rmsnorm(x, r, w)
+        _, first = _check_backward(op, ref.add_rmsnorm, [x, r, w], up, torch.float32)
+        _, again = _norm_grads(op, [x, r, w], up)
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), max_block
+        _check_backward(lambda x, w: K.rmsnorm(x, w), ref.rmsnorm, [x, w], up[:1], torch.float32)
+
+
+def test_backward_weight_dtype_and_fast_mode(interpreter):
+    """Gradients come back in their inputs' dtypes (a float32 weight on fp16 rows); fast mode's stock
+    path on the CPU is differentiated by torch itself."""
+    x, _ = _inputs(4, 96, torch.float16)
+    w = torch.rand(96) + 0.5
+    _check_backward(lambda x, w: K.rmsnorm(x, w), ref.rmsnorm, [x, w], [torch.randn(4, 96, dtype=torch.float64)],
+                    torch.float16)
+    with K.use_mode("fast"):
+        xl = x.clone().requires_grad_(True)
+        assert "RMSNorm" not in type(K.rmsnorm(xl, w).grad_fn).__name__
+        assert "RMSNorm" not in type(K.add_rmsnorm(xl, xl, w)[0].grad_fn).__name__
+
+
 # ----------------------------------------------------------------------------- GPU (device)
 
 
@@ -153,3 +243,27 @@ def test_gpu_rmsnorm_accuracy(dtype, atol, rtol, rows, H):
 def test_gpu_rmsnorm_batch_invariant(H):
     _check_batch_invariance(lambda x, w: K.rmsnorm(x, w), 300, H, torch.bfloat16, "cuda")
     _check_batch_invariance(lambda x, w: K.add_rmsnorm(x, x, w)[0], 129, H, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_qwen3_shape_backward(dtype):
+    """8192 tokens of the qwen3-0.6b hidden size (H=1024): rmsnorm and add_rmsnorm gradients close to
+    float64, the forward with grad enabled is the plain kernel's bits, and two backward runs give the
+    same bits (fixed-order partial sums of dweight, no atomics)."""
+    rows, H = 8192, 1024
+    x, w = _inputs(rows, H, dtype, "cuda")
+    r = torch.randn_like(x)
+    g = torch.Generator().manual_seed(1)
+    up = [torch.randn(rows, H, generator=g, dtype=torch.float64).cuda() for _ in range(2)]
+    for op, reference, inputs, ups in (
+        (lambda x, w: K.rmsnorm(x, w), ref.rmsnorm, [x, w], up[:1]),
+        (lambda x, r, w: K.add_rmsnorm(x, r, w), ref.add_rmsnorm, [x, r, w], up),
+    ):
+        outs, first = _check_backward(op, reference, inputs, ups, dtype)
+        outs2, again = _norm_grads(op, inputs, ups)
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), "the backward must be deterministic"
+        with torch.no_grad():
+            plain = op(*inputs)
+        plain = plain if isinstance(plain, tuple) else (plain,)
+        assert all(torch.equal(a, b) for a, b in zip(outs, plain))

@@ -113,6 +113,22 @@ def test_per_row_parameters(interpreter):
         assert one.item() == tok[i].item(), i
 
 
+def test_engine_fast_path_draws_the_same_tokens(interpreter):
+    """``check_values=False`` and a host-known ``filtered`` (the engine's sync-free call) change nothing."""
+    B, V = 33, 500
+    logits = torch.randn(B, V) * 2
+    temp = torch.rand(B) * 1.5
+    temp[::4] = 0.0
+    seeds, pos = _seeds(B), torch.randint(0, 4096, (B,))
+    ones, zeros = torch.ones(B), torch.zeros(B, dtype=torch.int64)
+    plain = K.sample(logits, temp, ones, zeros, seeds, pos)
+    assert torch.equal(K.sample(logits, temp, ones, zeros, seeds, pos, check_values=False, filtered=False), plain)
+    top_p, top_k = torch.full((B,), 0.8), torch.full((B,), 40, dtype=torch.int64)
+    want = K.sample(logits, temp, top_p, top_k, seeds, pos)
+    assert torch.equal(K.sample(logits, temp, top_p, top_k, seeds, pos, check_values=False, filtered=True), want)
+    assert not torch.equal(want, plain)  # the filters do act on these rows
+
+
 def test_batch_invariance(interpreter):
     V = 50257
     logits = torch.randn(40, V) * 3

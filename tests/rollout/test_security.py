@@ -40,7 +40,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 ADMIN_ROUTES = [("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/flush_cache"),
                 ("GET", "/flush_cache"), ("POST", "/abort_request"), ("POST", "/start_profile"), ("GET", "/start_profile"),
                 ("POST", "/stop_profile"), ("GET", "/stop_profile"), ("GET", "/profile_trace"),
-                ("POST", "/update_weights_from_tensor")]
+                ("POST", "/update_weights_from_tensor"), ("POST", "/init_weights_update_group"),
+                ("POST", "/update_weights_from_distributed"), ("POST", "/destroy_weights_update_group"),
+                ("GET", "/weights_checksum")]
 PUBLIC_PATHS = {"/health", "/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info",
                 "/get_weight_version", "/v1/models", "/generate"}
 # a body each admin handler refuses (400) or answers harmlessly, so the right key is shown to reach it
@@ -138,7 +140,8 @@ def test_every_admin_route_takes_the_right_key(cluster, method, path):
     url = cluster.worker_urls[0]
     body = json.dumps(HARMLESS_BODY.get(path, {})).encode()
     status, reply = _raw(url, method, path, [("Authorization", f"Bearer {KEY}".encode())], body)
-    expected = {"/continue_generation": 200, "/flush_cache": 200, "/profile_trace": 404, "/stop_profile": 400}
+    expected = {"/continue_generation": 200, "/flush_cache": 200, "/profile_trace": 404, "/stop_profile": 400,
+                "/weights_checksum": 200}
     assert status == expected.get(path, 400), (status, reply)  # 400: the handler read the body and refused it
     assert http_json(url + "/get_server_info")[1]["internal_states"][0]["paused"] is False
 

@@ -145,3 +145,56 @@ def test_gpu_bf16_response_log_probs_are_packing_invariant_and_equal_with_grad()
             assert float(m[key]) == 0.0, key
         loss.backward()  # reaches the lm head through fused_logprob's backward
         assert model.head_weight.grad is not None and torch.isfinite(model.head_weight.grad).all()
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_8192_token_micro_batch_log_probs_and_backward_fit_at_the_0_6b_shape():
+    """``--max-tokens-per-gpu 8192`` at the qwen3-0.6b shape in bf16, true on-policy (the trainer's one
+    log-prob path, the one the engine uses): the worst-case micro-batch of 16 x 512 tokens, 8176 of them
+    response tokens. Without grad (old / ref log-probs) and with grad (the train step), the log-prob adds
+    under 64 MiB to the peak of the model's forward alone, nowhere near the 8192 x V float32 logits
+    (4.98 GB) an unfused log-prob holds; the backward fits and holds no [N, V] float32 either."""
+    from rlperf.loop.probe import probe_samples
+    from rlperf.train import TrainArgs
+
+    MiB = 2**20
+    cfg = preset("qwen3-0.6b")
+    logits_bytes = 8192 * cfg.vocab_size * 4
+    model = Qwen3ForCausalLM.random(cfg, seed=9, dtype=torch.bfloat16, device="cuda")
+    samples = probe_samples(TrainArgs(use_dynamic_batch_size=True, max_tokens_per_gpu=8192), 512, cfg.vocab_size)
+    (mb,) = pack_micro_batches(samples, max_tokens_per_gpu=8192, device="cuda")
+    assert mb.num_tokens == 8192 and mb.targets.numel() == 8176
+
+    def peak_over_baseline(fn):
+        """(fn(), CUDA peak allocated during fn minus what was allocated before it)."""
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - base
+
+    def forward():
+        return model.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens)
+
+    peaks = {}
+    with K.use_mode("invariant"):
+        with torch.no_grad():
+            forward()  # compile and warm, so the measured calls allocate what they always do
+            micro_batch_log_probs(model, mb, 1.0)
+            hidden, peaks["forward, no grad"] = peak_over_baseline(forward)
+            del hidden
+            old, peaks["log-prob, no grad"] = peak_over_baseline(lambda: micro_batch_log_probs(model, mb, 1.0))
+        hidden, peaks["forward, grad"] = peak_over_baseline(forward)
+        del hidden
+        (logp, ent), peaks["log-prob, grad"] = peak_over_baseline(
+            lambda: micro_batch_log_probs(model, mb, 1.0, with_entropy=True))
+        assert torch.equal(logp.detach(), old)  # the train step sees the old log-probs' bits
+        loss = -torch.exp(logp - old).sum() - 0.01 * ent.sum()  # the policy loss's shape
+        _, peaks["backward"] = peak_over_baseline(loss.backward)
+    print({k: f"{v / MiB:.0f} MiB" for k, v in peaks.items()}, f"[8192, V] float32: {logits_bytes / MiB:.0f} MiB")
+    assert peaks["log-prob, no grad"] - peaks["forward, no grad"] < 64 * MiB
+    assert peaks["log-prob, grad"] - peaks["forward, grad"] < 64 * MiB
+    assert peaks["log-prob, no grad"] < logits_bytes // 4
+    assert peaks["backward"] < logits_bytes
+    assert model.head_weight.grad is not None and torch.isfinite(model.head_weight.grad).all()

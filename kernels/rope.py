@@ -1,0 +1,261 @@
+"""Fused q/k RMSNorm + rotary embedding (Qwen3's ``q_norm``/``k_norm`` then RoPE), batch-invariant.
+
+Formula (x [T, heads, D] — q or k, typically a strided view of the qkv projection — weight [D],
+positions [T] int, cos/sin [max_positions, D/2] float32 tables, D even, ``D/2`` = HALF)::
+
+    xf      = x.float()                                        # one (token, head) row of D values
+    rstd    = 1 / sqrt(sum(xf^2) / D + eps)                    # float32
+    y       = (weight * (xf * rstd).to(x.dtype)).to(x.dtype)   # rmsnorm's roundings (norm.py), in x's dtype
+    c, s    = cos[positions[t]], sin[positions[t]]             # float32 table rows, looked up per token
+    out     = [y1 c - y2 s, y2 c + y1 s]  (float32)            # y1 = y[:HALF], y2 = y[HALF:] (HF rotate_half)
+    return out.to(x.dtype)                                     # [T, heads, D], contiguous, rounded once
+
+What the kernel computes exactly: every product and sum above is one IEEE float32 operation, except
+that on the GPU the compiler may contract ``a*b - c*d`` (and the sum of squares' ``x1^2 + x2^2``)
+into a fused multiply-add, and that the sum of squares is reduced by ``tl.sum`` over a [BLOCK_H,
+HALF] tile (the pairs ``x1[j]^2 + x2[j]^2`` first, then one tree over j). So a value may differ in
+the last float32 bit from the torch formula (``RopeTable.apply`` after ``rmsnorm``), and ``rstd``
+from the rmsnorm kernel's tree; it is still one fixed function of the row's inputs, and every caller
+(the engine's prefill and decode, the trainer's packed forward) runs this kernel, so they agree bit
+for bit.
+
+Invariance contract: one program per (token, block of ``BLOCK_H`` heads); it reduces each of its
+rows in the fixed order above. ``BLOCK_H``, the tile width and ``num_warps`` depend only on (heads,
+D) (:func:`_config`), never on T, and the angle comes from the table row of the token's own
+position (no sin/cos evaluated per batch), so a token's bits are the same alone, in a decode batch
+or in a packed prefill of any length. No host synchronization: CUDA-graph capturable; positions are
+validated where requests enter, not here.
+
+Backward (:func:`rmsnorm_rope_backward`, float32 math, the roundings of the forward as identity, as
+autograd of the float32 formula has them), with ``xhat = xf * rstd`` (rstd recomputed from x: the
+forward saves only its inputs)::
+
+    dy1 = do1 c + do2 s;   dy2 = do2 c - do1 s                  # the rotation's transpose
+    dx  = rstd * (dy * weight - xhat * mean(dy * weight * xhat))  per row
+    dweight = sum over tokens and heads of dy * xhat
+
+Deterministic: a program owns a fixed block of tokens, keeps its part of ``dweight`` in registers and
+stores it to its own row of a partial buffer, which :func:`rlperf.kernels.norm.sum_partials` adds in
+program order. No atomics.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dispatch import route
+from .norm import BWD_PROGRAMS, _torch_rmsnorm, sum_partials
+from .reference import rope as _ref
+
+MAX_HALF_TILE = 1024  # elements of one [BLOCK_H, HALF] half-row tile a program holds
+
+
+def _config(heads: int, D: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_HALF, num_warps) — a function of (heads, D) alone (batch invariance)."""
+    block_half = triton.next_power_of_2(max(D // 2, 1))
+    block_h = min(triton.next_power_of_2(max(heads, 1)), max(1, MAX_HALF_TILE // block_half))
+    num_warps = 4 if block_h * block_half <= 1024 else 8
+    return block_h, block_half, num_warps
+
+
+@triton.jit
+def _rmsnorm_rope_kernel(
+    x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr,
+    heads, stride_xt, stride_xh, stride_yt, stride_yh, stride_cs, eps,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    c = tl.arange(0, BLOCK_HALF)
+    cm = c < HALF
+    m = (h < heads)[:, None] & cm[None, :]
+    in_ty = x_ptr.dtype.element_ty
+    x_off = t * stride_xt + h[:, None] * stride_xh + c[None, :]
+    x1 = tl.load(x_ptr + x_off, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_off + HALF, mask=m, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)
+    w1 = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + c, mask=cm, other=0.0).to(tl.float32)
+    # rmsnorm's two roundings: the normalized value to x's dtype, then its product with weight
+    y1 = (w1[None, :] * (x1 * rstd[:, None]).to(in_ty).to(tl.float32)).to(in_ty).to(tl.float32)
+    y2 = (w2[None, :] * (x2 * rstd[:, None]).to(in_ty).to(tl.float32)).to(in_ty).to(tl.float32)
+    # the angle of this token's own position, from the table (no per-batch sin/cos)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * stride_cs + c, mask=cm, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_cs + c, mask=cm, other=0.0)[None, :]
+    y_off = t * stride_yt + h[:, None] * stride_yh + c[None, :]
+    tl.store(y_ptr + y_off, (y1 * cos - y2 * sin).to(in_ty), mask=m)
+    tl.store(y_ptr + y_off + HALF, (y2 * cos + y1 * sin).to(in_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["T", "tokens_per_program"])
+def _rmsnorm_rope_bwd_kernel(
+    x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, do_ptr, dx_ptr, dwp_ptr,
+    T, heads, tokens_per_program,
+    stride_xt, stride_xh, stride_dot, stride_doh, stride_dxt, stride_dxh, stride_cs, eps,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t_start = pid * tokens_per_program
+    t_end = tl.minimum(t_start + tokens_per_program, T)
+    c = tl.arange(0, BLOCK_HALF)
+    cm = c < HALF
+    hh = tl.arange(0, BLOCK_H)
+    w1 = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+    dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
+    dw2 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
+    dx_ty = dx_ptr.dtype.element_ty
+    first = t_start.to(tl.int64)
+    for i in range(0, t_end - t_start):
+        t = first + i
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * stride_cs + c, mask=cm, other=0.0)[None, :]
+        sin = tl.load(sin_ptr + pos * stride_cs + c, mask=cm, other=0.0)[None, :]
+        for h0 in range(0, heads, BLOCK_H):
+            h = h0 + hh
+            m = (h < heads)[:, None] & cm[None, :]
+            x_off = t * stride_xt + h[:, None] * stride_xh + c[None, :]
+            do_off = t * stride_dot + h[:, None] * stride_doh + c[None, :]
+            x1 = tl.load(x_ptr + x_off, mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptr + x_off + HALF, mask=m, other=0.0).to(tl.float32)
+            do1 = tl.load(do_ptr + do_off, mask=m, other=0.0).to(tl.float32)
+            do2 = tl.load(do_ptr + do_off + HALF, mask=m, other=0.0).to(tl.float32)
+            rstd = (1.0 / tl.sqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps))[:, None]
+            xh1 = x1 * rstd
+            xh2 = x2 * rstd
+            dy1 = do1 * cos + do2 * sin
+            dy2 = do2 * cos - do1 * sin
+            g1 = dy1 * w1
+            g2 = dy2 * w2
+            mean_gx = (tl.sum(g1 * xh1 + g2 * xh2, axis=1) / (2 * HALF))[:, None]
+            dx_off = t * stride_dxt + h[:, None] * stride_dxh + c[None, :]
+            tl.store(dx_ptr + dx_off, ((g1 - xh1 * mean_gx) * rstd).to(dx_ty), mask=m)
+            tl.store(dx_ptr + dx_off + HALF, ((g2 - xh2 * mean_gx) * rstd).to(dx_ty), mask=m)
+            dw1 += dy1 * xh1  # masked heads and columns add 0
+            dw2 += dy2 * xh2
+    tl.store(dwp_ptr + pid * (2 * HALF) + c, tl.sum(dw1, axis=0), mask=cm)
+    tl.store(dwp_ptr + pid * (2 * HALF) + HALF + c, tl.sum(dw2, axis=0), mask=cm)
+
+
+def _check(x, weight, positions, cos, sin, eps) -> None:
+    if not x.is_floating_point() or x.dim() != 3 or x.shape[-1] % 2:
+        raise ValueError(f"rmsnorm_rope: x must be a floating [T, heads, D] tensor with D even, got "
+                         f"{x.dtype} {list(x.shape)}")
+    T, _, D = x.shape
+    if weight.dim() != 1 or weight.shape[0] != D:
+        raise ValueError(f"rmsnorm_rope: weight must have shape [{D}], got {list(weight.shape)}")
+    if positions.dim() != 1 or positions.shape[0] != T or positions.is_floating_point():
+        raise ValueError(f"rmsnorm_rope: positions must be [{T}] integers, got {positions.dtype} "
+                         f"{list(positions.shape)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[1] != D // 2 or table.dtype != torch.float32:
+            raise ValueError(f"rmsnorm_rope: {name} must be a float32 [max_positions, {D // 2}] table, got "
+                             f"{table.dtype} {list(table.shape)}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"rmsnorm_rope: cos {list(cos.shape)} and sin {list(sin.shape)} differ")
+    for name, t in (("weight", weight), ("positions", positions), ("cos", cos), ("sin", sin)):
+        if t.device != x.device:
+            raise ValueError(f"rmsnorm_rope: {name} on {t.device}, x on {x.device}")
+    if not eps > 0:
+        raise ValueError(f"rmsnorm_rope: eps must be > 0, got {eps}")
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rmsnorm_rope_forward(x, weight, positions, cos, sin, eps) -> torch.Tensor:
+    """Launch the forward kernel (module docstring): [T, heads, D] -> contiguous [T, heads, D] in x's dtype."""
+    T, heads, D = x.shape
+    x = _last_dim_contiguous(x)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    y = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
+    if T and heads and D:
+        block_h, block_half, num_warps = _config(heads, D)
+        _rmsnorm_rope_kernel[(T, triton.cdiv(heads, block_h))](
+            x, weight.contiguous(), positions.contiguous(), cos, sin, y,
+            heads, x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), float(eps),
+            HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=num_warps,
+        )
+    return y
+
+
+def rmsnorm_rope_backward(dout, x, weight, positions, cos, sin, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients (module docstring): ``(dx [T, heads, D] in x's dtype, dweight [D] in weight's dtype)``."""
+    T, heads, D = x.shape
+    x, dout = _last_dim_contiguous(x), _last_dim_contiguous(dout)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    dx = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
+    per_program = triton.cdiv(T, BWD_PROGRAMS) if T else 1
+    programs = triton.cdiv(T, per_program) if heads and D else 0
+    partials = torch.empty((programs, D), dtype=torch.float32, device=x.device)
+    if programs:
+        block_h, block_half, num_warps = _config(heads, D)
+        _rmsnorm_rope_bwd_kernel[(programs,)](
+            x, weight.contiguous(), positions.contiguous(), cos, sin, dout, dx, partials,
+            T, heads, per_program, x.stride(0), x.stride(1), dout.stride(0), dout.stride(1),
+            dx.stride(0), dx.stride(1), cos.stride(0), float(eps),
+            HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=num_warps,
+        )
+    return dx, sum_partials(partials, weight.dtype)
+
+
+class _RMSNormRope(torch.autograd.Function):
+    """:func:`rmsnorm_rope` through the kernel; saves its inputs only (x is a view of the qkv
+    projection, which attention keeps alive anyway); the backward is :func:`rmsnorm_rope_backward`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, positions, cos, sin, eps):
+        ctx.save_for_backward(x, weight, positions, cos, sin)
+        ctx.eps = eps
+        return rmsnorm_rope_forward(x, weight, positions, cos, sin, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        x, weight, positions, cos, sin = ctx.saved_tensors
+        dx, dw = rmsnorm_rope_backward(dout, x, weight, positions, cos, sin, ctx.eps)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        return (dx if need_x else None), (dw if need_w else None), None, None, None, None
+
+
+def _torch_rmsnorm_rope(x, weight, positions, cos, sin, eps):
+    # the unfused formula (fast mode on CPU): HF's rmsnorm, then rotate-half RoPE in float32
+    y = _torch_rmsnorm(x, weight, eps).to(x.dtype)
+    c = cos[positions][:, None, :]
+    s = sin[positions][:, None, :]
+    y1, y2 = y.float().chunk(2, dim=-1)
+    return torch.cat([y1 * c - y2 * s, y2 * c + y1 * s], dim=-1).to(x.dtype)
+
+
+def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm of each head's row, then the rotary embedding of its token's position (module docstring).
+
+    Parameters
+    ----------
+    x : [T, heads, D] float16/bfloat16/float32, D even; any strides with the last dim contiguous
+        (the model passes a view of the qkv projection)
+    weight : [D] the norm weight (``q_norm`` / ``k_norm``)
+    positions : [T] int64 (or int32) position of each token in its sequence, < max_positions (not
+        checked here: that would synchronize the host)
+    cos, sin : [max_positions, D/2] float32 tables (:class:`rlperf.model.layer.RopeTable`)
+    eps : added to the mean square (> 0)
+
+    Returns ``[T, heads, D]`` in x's dtype, contiguous. Differentiable in x and weight: the Triton
+    backward of :func:`rmsnorm_rope_backward` (deterministic); the reference backend's float64 code
+    and fast mode's stock torch code are differentiated by autograd as they are.
+    """
+    _check(x, weight, positions, cos, sin, eps)
+    how = route("rmsnorm_rope", x.device, (x, weight))
+    if how == "autograd":
+        if route("rmsnorm_rope", x.device) == "stock":  # fast mode's stock op: torch differentiates it
+            return _torch_rmsnorm_rope(x, weight, positions, cos, sin, eps)
+        return _RMSNormRope.apply(x, weight, positions, cos, sin, eps)
+    if how == "stock":
+        return _torch_rmsnorm_rope(x, weight, positions, cos, sin, eps)
+    if how == "reference":
+        return _ref.rmsnorm_rope(x, weight, positions, cos, sin, eps)
+    return rmsnorm_rope_forward(x, weight, positions, cos, sin, eps)

@@ -1,0 +1,104 @@
+"""The RL loop on ``W > 1`` data-parallel actor ranks (``--actor-num-gpus-per-node``): what changes.
+
+Each rank is one process of the default ``torch.distributed`` group (:mod:`rlperf.loop.placement`)
+and runs the same loop (:class:`rlperf.loop.runner.Run`) in lockstep, colocated as slime's
+``--colocate``: its trainer shard (:class:`rlperf.train.fsdp.FSDPTrainer`) and its own in-process
+engine on the same device.
+
+* **Rollout**: the rollout function runs on every rank; its ``data_source.client`` is a
+  :class:`DataParallelEngineClient`, which generates prompts ``r, r + W, ...`` of each ``generate``
+  call on rank ``r``'s engine and all-gathers the results, so every rank gets every generation, in
+  order. A sample's seed is its index in the rollout (:func:`rlperf.loop.generation.sample_seed`) and
+  the engine is batch invariant, so the tokens and rollout log-probs are those of the one-rank run.
+  Rank 0's samples (rewards included) are then broadcast (:func:`broadcast_from_rank0`): every rank
+  trains on exactly rank 0's rollout, whatever a custom rollout or reward function does.
+* **Weight sync**: every rank's engine loads the full weights gathered from the FSDP shards bucket
+  by bucket (:meth:`rlperf.train.fsdp.FSDPTrainer.iter_hf_weights`), in the compute dtype.
+* **Metrics**: the trainer's sums are reduced over the ranks; ``memory/*`` peaks are the worst
+  rank's (:func:`max_over_ranks`); times are rank 0's. Rank 0 alone writes ``metrics.jsonl``, the
+  timeline, torch traces and checkpoints, and prints the step lines.
+* **Errors**: an error on one rank cannot become a failed gate or a clean stop (the others would wait
+  in a collective for ever): :class:`RankFailure` ends the process, and the launcher stops the others.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlperf.sync import SyncStats
+
+
+class RankFailure(BaseException):
+    """An error on one data-parallel rank: a ``BaseException`` so that no ``except Exception`` (the
+    gates' crash report) swallows it; the process dies and the launcher stops the other ranks."""
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group; ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class DataParallelEngineClient:
+    """Rank ``r`` of ``W``: the rank's in-process engine (``engine_client``, an
+    :class:`rlperf.loop.clients.EngineClient` over a full copy of the weights in the compute dtype)
+    generates every ``W``-th prompt; the results are all-gathered (module docstring)."""
+
+    def __init__(self, engine_client, rank: int, world_size: int):
+        self.inner, self.rank, self.world_size = engine_client, rank, world_size
+        self.kind = f"in-process engine on each of {world_size} ranks"
+
+    @property
+    def model(self):
+        return self.inner.model
+
+    @property
+    def engine(self):
+        return self.inner.engine
+
+    @property
+    def tokenizer(self):
+        return self.inner.tokenizer
+
+    def generate(self, prompts: list[list[int]], params: list) -> list:
+        """Every rank calls it with the same prompts and params (a collective); returns all results in order."""
+        mine = list(range(self.rank, len(prompts), self.world_size))
+        outs = self.inner.generate([prompts[i] for i in mine], [params[i] for i in mine]) if mine else []
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, list(zip(mine, outs)))
+        results: list = [None] * len(prompts)
+        for part in gathered:
+            for i, out in part:
+                results[i] = out
+        return results
+
+    def load_weights(self, named_tensors, version: str) -> SyncStats:
+        """Load ``(HF name, full tensor)`` pairs into this rank's engine (every rank: the iterator is a collective)."""
+        return self.inner.load_weights(named_tensors, version)
+
+    def update_weights(self, named_tensors, version: str) -> SyncStats:
+        raise RuntimeError("a data-parallel engine takes its weights from the gathered shards (load_weights)")
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+
+def broadcast_from_rank0(obj):
+    """Rank 0's ``obj`` on every rank (a pickled broadcast over the CPU group): a rollout's samples,
+    the gates' exit code."""
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def max_over_ranks(values: dict[str, int]) -> dict[str, int]:
+    """Each value's maximum over the ranks (every rank has the same keys): the worst rank's memory peaks."""
+    keys = sorted(values)
+    if not keys:
+        return values
+    t = torch.tensor([int(values[k]) for k in keys], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, (int(v) for v in t.tolist())))

@@ -1,0 +1,162 @@
+"""Disaggregated rollout engines: ``rlperf serve`` processes on their own GPUs behind the real sglang-router.
+
+With ``--rollout-num-gpus N`` and without ``--colocate``, the loop starts N engines, one GPU each
+(engine i sees only the i-th GPU after the actor's through ``CUDA_VISIBLE_DEVICES``; the layout is
+checked before anything starts, :func:`rlperf.loop.args.resolve_engine_layout`) or, with ``--device
+cpu``, N plain processes; then the sglang-router in front of them (:mod:`rlperf.rollout.router`). The
+loop talks to them as to any router (:class:`rlperf.loop.clients.RouterClient`: ``/generate`` through
+the router), and the weights reach them by broadcast from the trainer
+(:mod:`rlperf.sync.distributed`), every engine's checksum checked at each sync.
+
+The engines serve the trainer's model (``--load``'s, ``--hf-checkpoint``'s or the ``--model`` preset;
+the first weight sync replaces whatever they loaded) in the trainer's compute dtype, with its kernel
+mode and backend, so a sample's rollout log-probs are the trainer's bits (true on-policy).
+
+Lifetime: :meth:`EngineFleet.close` stops the router, then the engines (the runner calls it when the
+run ends or fails; an ``atexit`` hook calls it at the latest). Every child also dies with the thread
+that started it (``PR_SET_PDEATHSIG``, Linux), so none outlives a killed trainer. Each child writes
+its output to ``OUTPUT_DIR/engines/server-i.log`` and ``router.log``; one that exits while the fleet
+starts fails the start with its last lines (:class:`EngineFleetError`), and one that exited during
+the run is quoted when the fleet closes.
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+from pathlib import Path
+
+from rlperf.rollout.args import ServerArgs
+from rlperf.rollout.router import Cluster, describe, free_port, output_tail, start_router, start_servers
+
+from . import checkpoint as ckpt
+
+FLEET_START_TIMEOUT_S = 900.0
+"""Seconds an engine may take to answer ``/health``: on a GPU its warm-up compiles the kernels and
+captures every CUDA-graph decode size (minutes for a large model on a cold Triton cache)."""
+HOST = "127.0.0.1"
+LOG_DIR = "engines"
+"""The engines' and the router's logs, under ``--output-dir``."""
+
+
+class EngineFleetError(RuntimeError):
+    """An engine or the router did not come up; the message quotes its last output."""
+
+
+def engine_server_args(ns, precision: str, kernel_backend: str | None) -> ServerArgs:
+    """The ``rlperf serve`` options of every engine of a run (``ns``: resolved ``rlperf train`` flags;
+    ``precision``: ``bf16`` or ``fp32``; ``kernel_backend``: the run's resolved backend, None for auto)."""
+    model = str(ckpt.model_dir(ns.load)) if ns.load else (ns.hf_checkpoint or ns.model)
+    return ServerArgs(
+        model_path=model, tokenizer_path=ns.hf_checkpoint, host=HOST,
+        dtype="bfloat16" if precision == "bf16" else "float32",
+        device="cpu" if ns.engine_gpus is None else "cuda",
+        kernel_backend=kernel_backend or "auto", mode=ns.mode,
+        mem_fraction_static=ns.sglang_mem_fraction_static,
+        cuda_graph_max_bs=getattr(ns, "sglang_cuda_graph_max_bs", None),
+        random_seed=ns.seed, api_key=getattr(ns, "sglang_api_key", None), num_threads=ns.num_threads or None)
+
+
+class EngineFleet:
+    """N ``rlperf serve`` engines and the sglang-router in front of them (module docstring)."""
+
+    def __init__(self, cluster: Cluster, gpus: list[str] | None, log_dir: Path | None):
+        self.cluster, self.gpus, self.log_dir = cluster, gpus, log_dir
+        self._closed = False
+        atexit.register(self.close)
+
+    @property
+    def router_url(self) -> str:
+        return self.cluster.router_url
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return self.cluster.worker_urls
+
+    @property
+    def router_port(self) -> int:
+        return int(self.router_url.rsplit(":", 1)[1])
+
+    @classmethod
+    def start(cls, args: ServerArgs, n: int, gpus: list[str] | None = None, log_dir: str | Path | None = None,
+              timeout: float = FLEET_START_TIMEOUT_S, env=None) -> "EngineFleet":
+        """Start ``n`` engines with ``args`` (ports picked free; on ``gpus[i]`` when given) and the router;
+        return once the router lists them all. :class:`EngineFleetError` (what was started is stopped)
+        when one exits or never answers."""
+        if gpus is not None and len(gpus) != n:
+            raise ValueError(f"{n} engines need {n} GPUs, got {gpus}")
+        if log_dir is not None:
+            log_dir = Path(log_dir)
+            log_dir.mkdir(parents=True, exist_ok=True)
+        envs = [{"CUDA_VISIBLE_DEVICES": g} for g in gpus] if gpus is not None else None
+        where = f"GPUs {','.join(gpus)}" if gpus is not None else "CPU"
+        try:
+            servers, urls = start_servers(args, n, env=env, log_dir=str(log_dir) if log_dir else None,
+                                          ports=[free_port(args.host) for _ in range(n)], timeout=timeout,
+                                          envs=envs, die_with_parent=True)
+        except (RuntimeError, TimeoutError) as exc:
+            raise EngineFleetError(f"the {n} rollout engine(s) on {where} did not start: {exc}") from None
+        port = free_port(args.host)
+        try:
+            router = start_router(urls, args.host, port, env=env, log_dir=str(log_dir) if log_dir else None,
+                                  api_key=args.api_key, die_with_parent=True)
+        except BaseException as exc:
+            Cluster(servers, None, urls, "").close()
+            if isinstance(exc, (RuntimeError, TimeoutError)):
+                raise EngineFleetError(f"the sglang-router in front of the rollout engines did not start: {exc}") from None
+            raise
+        return cls(Cluster(servers, router, urls, f"http://{args.host}:{port}"), gpus, log_dir)
+
+    def exited(self) -> list[str]:
+        """Each process of the fleet that has exited, with its exit code and last output."""
+        procs = [*self.cluster.servers, *([self.cluster.router] if self.cluster.router else [])]
+        out = []
+        for p in procs:
+            if p.poll() is not None:
+                tail = output_tail(p)
+                out.append(f"{describe(p)} exited with {p.returncode}; its last output:"
+                           + "".join(f"\n  | {line}" for line in tail.splitlines()))
+        return out
+
+    def close(self) -> None:
+        """Stop the router and the engines (idempotent). An engine that had exited by itself is reported
+        on stderr with its last output."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        for report in self.exited():
+            print(f"rlperf train: a rollout engine process {report}", file=sys.stderr)
+        self.cluster.close()
+
+    def __enter__(self) -> "EngineFleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def launch_engines(ns, tokenizer, precision: str, kernel_backend: str | None):
+    """The disaggregated layout of a run: its :class:`EngineFleet` (``ns.rollout_num_gpus`` engines on
+    ``ns.engine_gpus``, or CPU processes) and a :class:`rlperf.loop.clients.RouterClient` on its router
+    whose weight sync is the broadcast. The fleet is stopped again when the client cannot be made.
+    Engines a placement started (``--placement ray``: :data:`rlperf.loop.ray_placement.ENGINE_ROUTER_ATTR`
+    names their router) are the placement's: no fleet, only the client on that router."""
+    from .clients import RouterClient
+
+    placed = getattr(ns, "engine_router_url", None)
+    if placed:
+        host, port = placed.rsplit("/", 1)[-1].rsplit(":", 1)
+        return None, RouterClient(host, int(port), tokenizer, api_key=getattr(ns, "sglang_api_key", None),
+                                  distributed=True)
+    n = ns.rollout_num_gpus // ns.rollout_num_gpus_per_engine
+    args = engine_server_args(ns, precision, kernel_backend)
+    where = f"GPUs {','.join(ns.engine_gpus)}" if ns.engine_gpus is not None else "CPU"
+    print(f"rlperf train: starting {n} rollout engine(s) ({args.model_path}, {args.dtype}) on {where} behind "
+          f"the sglang-router; logs in {Path(ns.output_dir) / LOG_DIR}", file=sys.stderr, flush=True)
+    fleet = EngineFleet.start(args, n, ns.engine_gpus, Path(ns.output_dir) / LOG_DIR)
+    try:
+        client = RouterClient(HOST, fleet.router_port, tokenizer, api_key=args.api_key, distributed=True)
+    except BaseException:
+        fleet.close()
+        raise
+    return fleet, client

@@ -1,0 +1,354 @@
+"""The engine's side of SGLang's distributed weight update: typed requests, its process groups, the receive.
+
+``rlperf serve``'s handlers (:mod:`rlperf.rollout.server`) only turn JSON into the typed requests here
+(SGLang 0.5.9's ``InitWeightsUpdateGroupReqInput`` and ``UpdateWeightsFromDistributedReqInput``, same
+field names, defaults and meanings) and back; the sender's side and the group itself are
+:mod:`rlperf.sync.distributed`.
+
+* ``POST /init_weights_update_group`` (:class:`InitGroupRequest`): join the group named
+  ``group_name`` as rank ``rank_offset`` (+ this engine's tensor-parallel rank, always 0 here) of
+  ``world_size``; rank 0 (the trainer) is the store master at ``master_address:master_port`` and the
+  root of every broadcast. ``backend`` ``nccl`` needs a CUDA engine; ``gloo`` works anywhere (a CUDA
+  engine receives into host memory, then copies).
+* ``POST /update_weights_from_distributed`` (:class:`DistributedUpdateRequest`): take part in the
+  broadcasts of one update request and load what arrives into the parameters named ``names``.
+  ``load_format`` absent: one broadcast per tensor, in order, each in its ``dtype`` and ``shape``
+  (SGLang's default). ``"flattened_bucket"``: one broadcast of one uint8 buffer holding the tensors
+  back to back (:func:`rlperf.sync.distributed.sglang_bucket_layout`), or where rlperf's
+  ``description`` says (byte offsets; its checksum, when given, is verified), unflattened and loaded
+  by :class:`rlperf.sync.FlattenedBucket`. ``flush_cache`` (default true, SGLang's) flushes the KV
+  cache when the engine is idle and, on CUDA, waits for the device, so the reply means the weights
+  are in place; otherwise the reply means the receive and load are queued on the device, ahead of
+  any later step. ``weight_version`` sets the engine's version; ``abort_all_requests`` aborts what
+  is in flight first.
+* ``POST /destroy_weights_update_group``: leave a group.
+
+Checks, before any collective is joined (a 400 naming the field, the group untouched): types, dtype
+names from :data:`rlperf.sync.DTYPES`, equal lengths, non-negative shapes, a known group, at most
+the bytes of this engine's weights. A request that passes them but names a tensor the model lacks
+(or with another shape or dtype) still receives its broadcast, so the sender and the group stay in
+step, then loads nothing and answers 400 with the mismatch. Receives and loads run on the engine
+thread between steps (:mod:`rlperf.rollout.engine_loop`); a sender pauses the engine around them.
+A broadcast that fails or times out midway (:data:`rlperf.sync.distributed.GROUP_TIMEOUT_S`) answers
+``{"success": false, "message"}`` with 400, as SGLang does; with per-tensor broadcasts the weights
+may then be partly updated.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import re
+
+import torch
+
+from rlperf.sync import DTYPES, FlattenedBucket, FlattenedTensorMetadata, PayloadError, dtype_from_name, load_bucket
+from rlperf.sync.distributed import BACKENDS, GROUP_NAME, WeightUpdateGroup, init_weight_update_group, sglang_bucket_layout
+
+from .engine import BadRequest
+
+MAX_GROUPS = 4
+"""Groups one engine may be in at once (each holds a connection to every peer)."""
+MAX_WORLD_SIZE = 65536
+_NAME = re.compile(r"[A-Za-z0-9_.:/\-]{1,128}")
+_HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]%]{1,255}")
+LOAD_FORMATS = (None, "flattened_bucket")
+
+
+class WeightGroupError(RuntimeError):
+    """A join, receive or leave that failed after its request was accepted (SGLang answers these with
+    ``{"success": false, "message"}`` and status 400)."""
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _int(body: dict, key: str, lo: int, hi: int) -> int:
+    v = body.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise BadRequest(f"'{key}' must be an integer in [{lo}, {hi}], got {_short(v)}")
+    return v
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"'{key}' must be a boolean, got {_short(v)}")
+    return v
+
+
+def group_name_of(body: dict) -> str:
+    """``group_name`` (default SGLang's ``weight_update_group``): 1-128 letters, digits, ``_.:/-``."""
+    v = body.get("group_name", GROUP_NAME)
+    if v is None:
+        return GROUP_NAME
+    if not isinstance(v, str) or not _NAME.fullmatch(v):
+        raise BadRequest(f"'group_name' must be 1-128 characters of letters, digits and _.:/-, got {_short(v)}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class InitGroupRequest:
+    """A ``/init_weights_update_group`` body (SGLang's ``InitWeightsUpdateGroupReqInput``)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = GROUP_NAME
+    backend: str = "nccl"
+
+    @property
+    def rank(self) -> int:
+        """This engine's rank in the group: ``rank_offset`` plus its tensor-parallel rank (0: one GPU per engine)."""
+        return self.rank_offset
+
+    @classmethod
+    def from_json(cls, body: dict) -> "InitGroupRequest":
+        """Check a decoded body; :class:`BadRequest` naming the field."""
+        address = body.get("master_address")
+        if not isinstance(address, str) or not _HOST.fullmatch(address):
+            raise BadRequest(f"'master_address' must be a host name or IP address, got {_short(address)}")
+        world = _int(body, "world_size", 2, MAX_WORLD_SIZE)
+        offset = body.get("rank_offset")
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 1 <= offset < world:
+            raise BadRequest(f"'rank_offset' must be an integer in [1, world_size - 1] = [1, {world - 1}] (rank 0 is "
+                             f"the sender), got {_short(offset)}")
+        backend = body.get("backend", "nccl")
+        if backend not in BACKENDS:
+            raise BadRequest(f"'backend' must be one of {list(BACKENDS)}, got {_short(backend)}")
+        return cls(address, _int(body, "master_port", 1, 65535), offset, world, group_name_of(body), backend)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedUpdateRequest:
+    """A ``/update_weights_from_distributed`` body (SGLang's ``UpdateWeightsFromDistributedReqInput``),
+    checked; ``layout`` is the bucket's byte layout for ``load_format: "flattened_bucket"``."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str = GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    layout: tuple[FlattenedTensorMetadata, ...] | None = None
+    nbytes: int = 0
+    """Bytes the request receives: the bucket's buffer, or the sum of the tensors' bytes."""
+    checksum: int | None = None
+    """The ``description``'s bucket checksum, verified after the broadcast (None: not given)."""
+
+    @classmethod
+    def from_json(cls, body: dict, max_bytes: int) -> "DistributedUpdateRequest":
+        """Check a decoded body; :class:`BadRequest` naming the field. ``max_bytes``: the most bytes
+        one request may receive (the engine's weights)."""
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise BadRequest(f"'names' must be a non-empty list of strings, got {_short(names)}")
+        if len(set(names)) != len(names):
+            raise BadRequest("'names' lists a tensor twice")
+        if not isinstance(dtypes, list) or len(dtypes) != len(names):
+            raise BadRequest(f"'dtypes' must be a list of {len(names)} dtype names (one per entry of 'names'), "
+                             f"got {_short(dtypes)}")
+        if not isinstance(shapes, list) or len(shapes) != len(names):
+            raise BadRequest(f"'shapes' must be a list of {len(names)} shapes (one per entry of 'names'), "
+                             f"got {_short(shapes)}")
+        try:
+            dts = tuple(dtype_from_name(d) for d in dtypes)
+        except ValueError:
+            bad = next(d for d in dtypes if not isinstance(d, str) or (d[6:] if d.startswith("torch.") else d) not in DTYPES)
+            raise BadRequest(f"'dtypes': {_short(bad)} is not a dtype name; one of {sorted(DTYPES)}") from None
+        shp = []
+        for s in shapes:
+            if (not isinstance(s, list) or len(s) > 8
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40 for x in s)):
+                raise BadRequest(f"'shapes' must hold lists of at most 8 non-negative integers, got {_short(s)}")
+            shp.append(tuple(s))
+        load_format = body.get("load_format")
+        if load_format not in LOAD_FORMATS:
+            raise BadRequest(f"'load_format' must be null (one broadcast per tensor) or 'flattened_bucket', "
+                             f"got {_short(load_format)}")
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            raise BadRequest(f"'weight_version' must be a string, got {_short(version)}")
+        tensor_bytes = sum(math.prod(s) * d.itemsize for s, d in zip(shp, dts))
+        if tensor_bytes > max_bytes:
+            raise BadRequest(f"'shapes' describe {tensor_bytes} bytes; this engine's weights are {max_bytes} bytes")
+        layout, nbytes, checksum = None, tensor_bytes, None
+        description = body.get("description")
+        if description is not None:
+            if load_format != "flattened_bucket":
+                raise BadRequest("'description' (rlperf's bucket layout) needs load_format 'flattened_bucket'")
+            layout, nbytes, checksum = _description_layout(description, names, dts, shp, max_bytes)
+        elif load_format == "flattened_bucket":
+            layout = tuple(sglang_bucket_layout(names, dts, shp))
+        return cls(tuple(names), dts, tuple(shp), group_name_of(body), _bool(body, "flush_cache", True),
+                   _bool(body, "abort_all_requests", False), version, load_format, layout, nbytes, checksum)
+
+
+def _description_layout(description, names, dtypes, shapes, max_bytes: int):
+    """(layout, nbytes, checksum) of rlperf's bucket description, which must list exactly the tensors
+    of ``names``/``dtypes``/``shapes`` in that order; BadRequest otherwise."""
+    if not isinstance(description, dict):
+        raise BadRequest(f"'description' must be an object (FlattenedBucket.to_dict()), got {_short(description)}")
+    nbytes = description.get("nbytes")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= max_bytes + 16 * len(names):
+        raise BadRequest(f"'description.nbytes' must be an integer in [0, {max_bytes + 16 * len(names)}], "
+                         f"got {_short(nbytes)}")
+    try:  # format, ranges inside the buffer, no overlap, byte counts: the bucket's own checks, on a meta buffer
+        bucket = FlattenedBucket.from_dict(description, torch.empty(nbytes, dtype=torch.uint8, device="meta"))
+    except ValueError as exc:
+        raise BadRequest(f"'description': {exc}") from None
+    expected = [(n, d, s) for n, d, s in zip(names, dtypes, shapes)]
+    if [(m.name, m.dtype, m.shape) for m in bucket.metadata] != expected:
+        raise BadRequest("'description' must list the tensors of 'names', 'dtypes' and 'shapes', in that order")
+    checksum = description.get("checksum")
+    return bucket.metadata, nbytes, None if checksum is None else int(checksum, 16)
+
+
+def _mismatch(req: DistributedUpdateRequest, params: dict) -> str | None:
+    """Why the request's tensors cannot load into ``params`` (the first reason and a count), or None."""
+    problems = []
+    for name, dtype, shape in zip(req.names, req.dtypes, req.shapes):
+        p = params.get(name)
+        if p is None:
+            problems.append(f"{name!r} is not a parameter of this engine's model")
+        elif p.dtype != dtype or tuple(p.shape) != shape:
+            problems.append(f"{name!r} is {list(shape)} {dtype} but the engine's parameter is {list(p.shape)} {p.dtype}")
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return f"'names': {problems[0]}{more}; the broadcast was received and dropped, no weight was loaded"
+
+
+class WeightGroups:
+    """The weight-update groups this engine is in (name -> :class:`WeightUpdateGroup`) and each
+    request's receive. :meth:`join` runs the blocking rendezvous off the event loop; :meth:`receive`
+    and :meth:`leave` run on the engine thread."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.groups: dict[str, WeightUpdateGroup] = {}
+        self._joining: set[str] = set()
+        self._streams: tuple | None = None  # CUDA: (receive, load) streams of the bucket path
+
+    def names(self) -> list[str]:
+        return sorted(self.groups)
+
+    async def join(self, req: InitGroupRequest) -> str:
+        """Join ``req``'s group (BadRequest before trying; WeightGroupError when the rendezvous fails)."""
+        name = req.group_name
+        if name in self.groups or name in self._joining:
+            raise BadRequest(f"'group_name': this engine is already in a group named {name!r} "
+                             "(POST /destroy_weights_update_group first)")
+        if len(self.groups) + len(self._joining) >= MAX_GROUPS:
+            raise BadRequest(f"'group_name': this engine is in {MAX_GROUPS} groups already, the most it joins")
+        if req.backend == "nccl" and self.device.type != "cuda":
+            raise BadRequest(f"'backend': nccl needs a CUDA engine; this one runs on {self.device.type} (use gloo)")
+        self._joining.add(name)
+        try:
+            group = await asyncio.to_thread(
+                init_weight_update_group, req.master_address, req.master_port, req.rank, req.world_size,
+                group_name=name, backend=req.backend, device=self.device if req.backend == "nccl" else "cpu")
+        except Exception as exc:  # the rendezvous failed or timed out: the sender's problem, not this engine's
+            raise WeightGroupError(f"Failed to initialize custom process group: {exc}.") from None
+        finally:
+            self._joining.discard(name)
+        self.groups[name] = group
+        return (f"Succeeded to initialize custom process group {name!r} (rank {req.rank} of {req.world_size}, "
+                f"{req.backend}).")
+
+    def leave(self, name: str) -> bool:
+        """Leave group ``name``; False when this engine is not in it."""
+        group = self.groups.pop(name, None)
+        if group is None:
+            return False
+        group.close()
+        return True
+
+    def require(self, name: str) -> None:
+        if name not in self.groups:
+            raise BadRequest(f"'group_name': this engine is in no group named {name!r} (POST /init_weights_update_group "
+                             f"first; its groups: {self.names()})")
+
+    def receive(self, req: DistributedUpdateRequest, params: dict[str, torch.Tensor]) -> int:
+        """Take part in ``req``'s broadcasts and load them into ``params`` (name -> parameter); returns
+        the number of tensors loaded. BadRequest after receiving when the tensors do not match
+        ``params`` (nothing loaded); PayloadError when a description's checksum disagrees;
+        WeightGroupError when a broadcast fails."""
+        self.require(req.group_name)
+        group = self.groups[req.group_name]
+        mismatch = _mismatch(req, params)
+        try:
+            if req.layout is None:
+                self._receive_tensors(group, req, None if mismatch else params)
+            else:
+                self._receive_bucket(group, req, None if mismatch else params)
+        except PayloadError:
+            raise
+        except Exception as exc:
+            raise WeightGroupError(f"Failed to update parameter online: {exc}. The weights of this engine may be "
+                                   "partly updated: update them all again.") from None
+        if mismatch:
+            raise BadRequest(mismatch)
+        return len(req.names)
+
+    def _receive_tensors(self, group: WeightUpdateGroup, req: DistributedUpdateRequest, params) -> None:
+        """SGLang's default format: one broadcast per tensor, all started, then waited for; straight
+        into the parameters where they can take it (same device, contiguous), else through a fresh
+        tensor. ``params`` None: receive and drop."""
+        works, copies = [], []
+        with torch.no_grad():
+            for name, dtype, shape in zip(req.names, req.dtypes, req.shapes):
+                p = params.get(name) if params is not None else None
+                if p is not None and p.device == group.device and p.is_contiguous():
+                    dst = p.data
+                else:
+                    dst = torch.empty(shape, dtype=dtype, device=group.device)
+                    if p is not None:
+                        copies.append((p, dst))
+                works.append(group.broadcast(dst))
+            for w in works:
+                group.wait(w, host=False)
+            for p, t in copies:
+                p.copy_(t)
+
+    def _receive_bucket(self, group: WeightUpdateGroup, req: DistributedUpdateRequest, params) -> None:
+        """One broadcast of the bucket's uint8 buffer, then its tensors loaded into ``params`` (None:
+        receive and drop).
+
+        NCCL: the buffer is new memory that nothing else touches, so its receive runs on a stream of
+        its own that waits for nothing; the load waits for it and for the engine's stream (a queued
+        step may still read the parameters) on a second stream, and the engine's stream waits for
+        the load. So the next bucket's receive overlaps this bucket's load, and every later step of
+        the engine sees the new weights."""
+        if group.backend != "nccl":
+            buffer = torch.empty(req.nbytes, dtype=torch.uint8, device=group.device)
+            group.wait(group.broadcast(buffer), host=True)
+            self._load(FlattenedBucket(buffer.to(self.device), req.layout), req, params)
+            return
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        receiving, loading = self._streams
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(receiving):
+            buffer = torch.empty(req.nbytes, dtype=torch.uint8, device=self.device)
+            work = group.broadcast(buffer)
+        loading.wait_stream(main)
+        with torch.cuda.stream(loading):
+            group.wait(work, host=False)
+            buffer.record_stream(loading)
+            self._load(FlattenedBucket(buffer, req.layout), req, params)
+        main.wait_stream(loading)
+
+    @staticmethod
+    def _load(bucket: FlattenedBucket, req: DistributedUpdateRequest, params) -> None:
+        if req.checksum is not None and bucket.compute_checksum() != req.checksum:
+            raise PayloadError("bucket rejected: checksum mismatch")
+        if params is not None:
+            load_bucket(bucket, params)

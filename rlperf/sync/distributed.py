@@ -1,0 +1,496 @@
+"""Weight sync to disaggregated engines: a broadcast from trainer rank 0 through a process group of their own.
+
+Engines on their own GPUs (another process, maybe another host) cannot open a CUDA IPC handle of the
+trainer's memory, so the weights travel by collective, as slime and SGLang move them: trainer rank 0
+and the N engines form one process group (NCCL on CUDA, gloo on CPU), and every bucket is one
+broadcast from rank 0. The HTTP side speaks SGLang's endpoints (field names of SGLang 0.5.9's
+``InitWeightsUpdateGroupReqInput`` and ``UpdateWeightsFromDistributedReqInput``)::
+
+    trainer rank 0 (WeightBroadcaster)                         engine i (rlperf serve, group rank i + 1)
+    TCPStore master on a free port
+    POST /init_weights_update_group  -------------------->    join the group: rank = rank_offset (+ TP rank 0)
+      {master_address, master_port, rank_offset: i + 1,
+       world_size: N + 1, group_name, backend}
+    join the group as rank 0
+    per update:
+      POST /pause_generation
+      per bucket of iter_buckets(named tensors, SYNC_BUCKET_BYTES):
+        POST /update_weights_from_distributed  ---------->    allocate the bucket's uint8 buffer, take part
+          {names, dtypes, shapes, group_name,                  in the broadcast (receive), load it into the
+           load_format: "flattened_bucket", flush_cache,       parameters (rlperf.sync's FlattenedBucket)
+           weight_version}
+        broadcast(bucket.buffer) from rank 0, then wait for every reply
+      GET /weights_checksum?bucket_bytes=B  ------------->    weights_checksum of the engine's parameters
+        (equal to combine_checksums of the buckets sent, the trainer's weights_checksum)
+      POST /continue_generation
+    close: POST /destroy_weights_update_group
+
+Layout of a bucket request (SGLang's ``load_format: "flattened_bucket"``): the tensors of ``names``
+(with ``dtypes`` and ``shapes``) lie back to back in one uint8 buffer, in that order
+(:func:`sglang_bucket_layout`, what SGLang's ``FlattenedTensorBucket`` builds). rlperf packs its
+buckets with 16-byte-aligned starts (:mod:`rlperf.sync.flatten`); for every tensor whose byte count is
+a multiple of 16 (every Qwen3 shape in bf16 and fp32) that is the same layout. A bucket with gaps
+carries rlperf's ``description`` (:meth:`FlattenedBucket.to_dict`, byte offsets, no checksum) too,
+which an rlperf engine reads instead.
+
+The process group (:func:`init_weight_update_group`) never touches ``torch.distributed``'s default
+group: a ``TCPStore`` (rank 0 is its master) wrapped in the ``PrefixStore`` chain SGLang's
+``init_custom_process_group`` and torch's group helper put around it (``group_name``, then
+``group_name/``, then the device type), and a ``ProcessGroupNCCL`` or ``ProcessGroupGloo`` built on it
+directly. With NCCL these are the store keys a slime or SGLang peer uses, so either side may be
+theirs. Collectives time out after :data:`GROUP_TIMEOUT_S`.
+
+Pipelining (NCCL): the broadcast of bucket k runs on NCCL's stream while the host waits for the
+engines' replies and packs bucket k+1; an engine replies once its receive and load are queued on its
+device (the last bucket, ``flush_cache: true``, once they are done), so the HTTP round trips overlap
+the transfers. At most ``max_inflight`` broadcasts are in flight; each bucket stays referenced until
+its broadcast has finished.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import datetime
+import http.client
+import json
+import queue
+import socket
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+
+import torch
+
+from .buckets import FlattenedTensorMetadata
+from .config import SYNC_BUCKET_BYTES
+from .dtypes import dtype_name
+from .flatten import combine_checksums, iter_buckets_with_last
+from .transports import SyncStats
+
+GROUP_NAME = "weight_update_group"
+"""SGLang's default ``group_name``."""
+BACKENDS = ("nccl", "gloo")
+"""``backend`` values: NCCL for CUDA tensors, gloo for CPU tensors."""
+GROUP_TIMEOUT_S = 300.0
+"""Seconds a rendezvous or a collective of the group may take before it fails (an 8 GB broadcast
+takes ~25 ms over NVLink; this only bounds how long a peer that never comes is waited for)."""
+CLOSE_TIMEOUT_S = 10.0
+"""How long :meth:`WeightBroadcaster.close` waits for an engine to leave the group."""
+INIT_ENDPOINT = "/init_weights_update_group"
+UPDATE_ENDPOINT = "/update_weights_from_distributed"
+DESTROY_ENDPOINT = "/destroy_weights_update_group"
+CHECKSUM_ENDPOINT = "/weights_checksum"
+
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def master_store(address: str, timeout: float = GROUP_TIMEOUT_S):
+    """Rank 0's ``TCPStore``, listening on a port the OS picks (``store.port``): the engines are told
+    that port, so no other process can take it between choosing and binding it."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(address, 0, None, True, _timedelta(timeout), wait_for_workers=False)
+
+
+@dataclasses.dataclass(eq=False)
+class WeightUpdateGroup:
+    """One process group of trainer rank 0 and the engines (module docstring); collectives root at rank 0."""
+
+    name: str
+    backend: str
+    rank: int
+    world_size: int
+    device: torch.device
+    """Where this side's tensors of the group live (CUDA for NCCL)."""
+    _pg: object = dataclasses.field(repr=False)
+    _store: object = dataclasses.field(repr=False)
+
+    def broadcast(self, tensor: torch.Tensor):
+        """Start the broadcast of ``tensor`` from rank 0 (rank 0 sends it, the others receive into it:
+        same bytes, dtype and shape on every rank); returns the work for :meth:`wait`."""
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        return self._pg.broadcast([tensor], opts)
+
+    def wait(self, work, *, host: bool) -> None:
+        """Wait for a :meth:`broadcast`. gloo: on the host. NCCL: this thread's current stream waits
+        (later kernels see the data); with ``host`` the host waits too."""
+        work.wait()
+        if host and self.backend == "nccl":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        """Leave the group; it cannot be used afterwards. NCCL: the communicator is aborted, which
+        also ends a broadcast a failed peer left waiting (a graceful shutdown would wait for it)."""
+        pg, self._pg, self._store = self._pg, None, None
+        for method in ("abort", "shutdown"):
+            if pg is not None and self.backend == "nccl" and hasattr(pg, method):
+                try:
+                    getattr(pg, method)()
+                except Exception:  # noqa: BLE001  (a communicator that never started has nothing to end)
+                    pass
+                break
+
+
+def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int, *,
+                             group_name: str = GROUP_NAME, backend: str = "gloo", device=None,
+                             timeout: float = GROUP_TIMEOUT_S, store=None) -> WeightUpdateGroup:
+    """Join the group as ``rank`` of ``world_size`` (blocks until every rank has joined: gloo connects
+    now, NCCL at the first broadcast). Rank 0 passes its :func:`master_store` as ``store``; the others
+    connect to ``master_address:master_port``. ``device``: this side's device of the group's tensors
+    (NCCL: a CUDA device; default the current one). RuntimeError when the rendezvous fails or times out."""
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore, TCPStore
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    td = _timedelta(timeout)
+    if store is None:
+        store = TCPStore(master_address, master_port, world_size, False, td)
+    # the key prefixes of SGLang's init_custom_process_group and torch's _new_process_group_helper
+    prefixed = PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
+    if backend == "nccl":
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise RuntimeError("backend nccl: this torch has no NCCL (a CPU build); use gloo")
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = td
+        pg = dist.ProcessGroupNCCL(PrefixStore("cuda/", prefixed), rank, world_size, opts)
+    else:
+        device = torch.device("cpu") if device is None else torch.device(device)
+        pg = dist.ProcessGroupGloo(PrefixStore("cpu/", prefixed), rank, world_size, td)
+    return WeightUpdateGroup(group_name, backend, rank, world_size, device, pg, store)
+
+
+def sglang_bucket_layout(names: Sequence[str], dtypes: Sequence[torch.dtype],
+                         shapes: Sequence[Sequence[int]]) -> list[FlattenedTensorMetadata]:
+    """Where SGLang's ``FlattenedTensorBucket`` puts these tensors: back to back in the given order,
+    no gaps (byte offsets; ``numel`` the byte count, SGLang's meaning)."""
+    out, start = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        nbytes = dtype.itemsize
+        for s in shape:
+            nbytes *= s
+        out.append(FlattenedTensorMetadata(name, tuple(shape), dtype, start, start + nbytes, nbytes))
+        start += nbytes
+    return out
+
+
+def is_back_to_back(metadata: Sequence[FlattenedTensorMetadata]) -> bool:
+    """Whether a bucket's layout is :func:`sglang_bucket_layout`'s (no gaps, in order)."""
+    end = 0
+    for m in metadata:
+        if m.start_idx != end:
+            return False
+        end = m.end_idx
+    return True
+
+
+# ---- trainer rank 0 ------------------------------------------------------------------------------
+
+
+class WeightSyncError(RuntimeError):
+    """An engine refused or failed a step of the sync; ``status`` is its HTTP status (0: unreachable)."""
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
+
+
+def _message(reply) -> str:
+    if isinstance(reply, dict):
+        err = reply.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if reply.get("message"):
+            return str(reply["message"])
+    return str(reply)[:500]
+
+
+def _reply(url: str, path: str, status: int, raw: bytes) -> dict:
+    """The decoded reply of a 200, else WeightSyncError naming the engine, the endpoint and its message."""
+    try:
+        reply = json.loads(raw) if raw else {}
+    except ValueError:
+        reply = raw.decode(errors="replace")
+    if status != 200:
+        raise WeightSyncError(f"{url}{path.split('?')[0]} answered {status}: {_message(reply)}", status)
+    return reply if isinstance(reply, dict) else {}
+
+
+def _in_thread(fn, *args, **kwargs) -> concurrent.futures.Future:
+    """Run ``fn(*args, **kwargs)`` in a daemon thread (one that is still waiting for a peer never holds
+    up the interpreter's exit, unlike a thread pool's); its result or exception in the future."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001  (handed to whoever waits)
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="rlperf-weight-sync").start()
+    return fut
+
+
+def _results(futures: list[concurrent.futures.Future]) -> list[dict]:
+    """Every future's reply; one WeightSyncError naming every failure if any failed."""
+    concurrent.futures.wait(futures)
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        status = next((e.status for e in errors if isinstance(e, WeightSyncError)), 0)
+        raise WeightSyncError("; ".join(str(e) for e in errors), status)
+    return [f.result() for f in futures]
+
+
+class _EngineStream:
+    """One engine's bucket requests, sent in the order they were queued, one after another on one
+    keep-alive connection, from one daemon thread: the sender queues bucket k+1 before bucket k is
+    answered, and the engine still takes them (and joins their broadcasts) in order. :meth:`close`
+    cancels what has not been sent."""
+
+    def __init__(self, url: str, headers: dict, timeout: float):
+        parts = urllib.parse.urlsplit(url)
+        self.url, self._headers, self._timeout = url, {"Content-Type": "application/json", **headers}, timeout
+        self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 80
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._conn: http.client.HTTPConnection | None = None
+        threading.Thread(target=self._run, daemon=True, name="rlperf-weight-sync-engine").start()
+
+    def submit(self, path: str, body: dict) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fut, path, json.dumps(body).encode()))
+        return fut
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                fut, path, data = item
+                if self._closed:
+                    fut.cancel()
+                elif fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(self._post(path, data))
+                    except BaseException as exc:  # noqa: BLE001  (handed to whoever waits)
+                        fut.set_exception(exc)
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+
+    def _post(self, path: str, data: bytes) -> dict:
+        try:
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+            self._conn.request("POST", path, body=data, headers=self._headers)
+            resp = self._conn.getresponse()
+            status, raw = resp.status, resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            raise WeightSyncError(f"{self.url}{path}: the engine cannot be reached ({exc})") from None
+        return _reply(self.url, path, status, raw)
+
+
+def _address_towards(url: str) -> str:
+    """This host's address as the engine at ``url`` reaches it (the interface that routes there)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, parts.port or 80))  # no packet is sent: this only picks the route
+        return s.getsockname()[0]
+
+
+class WeightBroadcaster:
+    """Trainer rank 0's side of a disaggregated weight sync (module docstring).
+
+    Parameters
+    ----------
+    engine_urls : the engines' base URLs (``GET /workers`` of their router lists them; the router does
+        not proxy admin endpoints, so each engine is called directly).
+    device : where the trainer's tensors live: CUDA -> NCCL, CPU -> gloo.
+    api_key : the engines' admin key (sent as ``Authorization: Bearer``).
+    master_address : how the engines reach this process (default: the interface that routes to the
+        first engine; 127.0.0.1 for local engines).
+    bucket_bytes : bucket size of each broadcast (default :data:`SYNC_BUCKET_BYTES`).
+    max_inflight : buckets sent but not yet confirmed (every engine answered, the broadcast done on
+        this side) before the next one is packed.
+
+    :meth:`connect` forms the group (:meth:`update_weights` does it the first time); :meth:`close`
+    leaves it. Only trainer rank 0 uses this; other trainer ranks take part in gathering the full
+    tensors it consumes, never in this group.
+    """
+
+    def __init__(self, engine_urls: Sequence[str], *, device, api_key: str | None = None,
+                 group_name: str = GROUP_NAME, master_address: str | None = None,
+                 bucket_bytes: int = SYNC_BUCKET_BYTES, timeout: float = GROUP_TIMEOUT_S, max_inflight: int = 2):
+        if not engine_urls:
+            raise ValueError("WeightBroadcaster needs at least one engine URL")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        self.urls = [u.rstrip("/") for u in engine_urls]
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.group_name, self.master_address = group_name, master_address
+        self.bucket_bytes, self.timeout, self.max_inflight = bucket_bytes, timeout, max_inflight
+        self.group: WeightUpdateGroup | None = None
+
+    # ---- HTTP ----------------------------------------------------------------------------------
+    def _call(self, url: str, path: str, body=None, timeout: float | None = None) -> dict:
+        """POST ``body`` (GET without one) to an engine on a connection of its own; its reply, or
+        WeightSyncError naming the engine, the endpoint and its message."""
+        req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
+                                     method="GET" if body is None else "POST",
+                                     headers={"Content-Type": "application/json", **self.headers})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            status, raw = exc.code, exc.read()
+        except OSError as exc:
+            raise WeightSyncError(f"{url}{path.split('?')[0]}: the engine cannot be reached ({exc})") from None
+        return _reply(url, path, status, raw)
+
+    def _all(self, path: str, body=None, timeout: float | None = None) -> list[dict]:
+        """The same request to every engine at once; their replies."""
+        return _results([_in_thread(self._call, url, path, body, timeout) for url in self.urls])
+
+    # ---- the group -----------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Form the group: ask every engine to join (concurrently), then join as rank 0. An engine
+        that refuses fails this at once with its message (not after the rendezvous timeout)."""
+        if self.group is not None:
+            return
+        address = self.master_address or _address_towards(self.urls[0])
+        store = master_store(address, self.timeout)
+        world = len(self.urls) + 1
+        engines = [_in_thread(self._call, url, INIT_ENDPOINT, {
+            "master_address": address, "master_port": store.port, "rank_offset": i + 1, "world_size": world,
+            "group_name": self.group_name, "backend": self.backend}) for i, url in enumerate(self.urls)]
+        joined = _in_thread(init_weight_update_group, address, store.port, 0, world, group_name=self.group_name,
+                            backend=self.backend, device=self.device, timeout=self.timeout, store=store)
+        pending = set(engines) | {joined}
+        while pending:
+            done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:  # a refusal: the others would wait for it until the timeout
+                exc = failed[0].exception()
+                raise WeightSyncError(f"the weight-update group {self.group_name!r} was not formed: {exc}",
+                                      getattr(exc, "status", 0))
+        self.group = joined.result()
+
+    def close(self) -> None:
+        """Ask the engines to leave the group (best effort), then leave it."""
+        if self.group is None:
+            return
+        try:
+            self._all(DESTROY_ENDPOINT, {"group_name": self.group_name}, timeout=CLOSE_TIMEOUT_S)
+        except WeightSyncError:
+            pass  # an engine that is gone has left already
+        finally:
+            self.group.close()
+            self.group = None
+
+    def __enter__(self) -> "WeightBroadcaster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- one update ----------------------------------------------------------------------------
+    def update_weights(self, named_tensors, version: str | None = None, *, check_checksum: bool = True) -> SyncStats:
+        """Broadcast ``named_tensors`` to every engine and load them there (module docstring).
+
+        ``named_tensors``: (name, tensor) pairs on :attr:`device`, or a mapping; a generator is drawn
+        bucket by bucket (about ``max_inflight + 1`` buckets of the weights are materialized at a
+        time). ``version``: the engines' new ``weight_version``. ``check_checksum``: afterwards every
+        engine's ``weights_checksum`` must equal the checksum of the buckets sent (the trainer's
+        :func:`rlperf.sync.weights_checksum` at ``bucket_bytes``; the tensors must come in the
+        engines' ``hf_state_dict()`` order). The engines are paused during the update and continued
+        after it, also when it fails. WeightSyncError when an engine refuses or differs.
+        """
+        if self.group is None:
+            self.connect()
+        if hasattr(named_tensors, "items"):
+            named_tensors = named_tensors.items()
+        self._all("/pause_generation", {})
+        ok = False
+        try:
+            stats = self._broadcast(named_tensors, version, check_checksum)
+            ok = True
+        finally:
+            try:
+                self._all("/continue_generation", {})
+            except WeightSyncError:
+                if ok:
+                    raise
+        return stats
+
+    def _broadcast(self, named_tensors, version: str | None, check_checksum: bool) -> SyncStats:
+        group, inflight = self.group, collections.deque()
+        engines = [_EngineStream(url, self.headers, self.timeout) for url in self.urls]
+        checksums, n, nbytes = [], 0, 0
+
+        def confirm():  # the oldest bucket: every engine took it, and its broadcast is done here
+            i, bucket, work, replies = inflight.popleft()
+            try:
+                _results(replies)
+            except WeightSyncError as exc:
+                raise WeightSyncError(f"bucket {i} ({len(bucket)} tensors, {bucket.nbytes} bytes): {exc}",
+                                      exc.status) from None
+            group.wait(work, host=True)
+
+        try:
+            for bucket, last in iter_buckets_with_last(named_tensors, self.bucket_bytes):
+                if bucket.device != self.device:
+                    raise ValueError(f"the tensors are on {bucket.device}; this broadcaster sends from {self.device}")
+                metas = bucket.metadata
+                body = {"names": [m.name for m in metas], "dtypes": [dtype_name(m.dtype) for m in metas],
+                        "shapes": [list(m.shape) for m in metas], "group_name": self.group_name,
+                        "load_format": "flattened_bucket", "flush_cache": last, "abort_all_requests": False}
+                if version is not None:
+                    body["weight_version"] = version
+                if not is_back_to_back(metas):
+                    body["description"] = bucket.to_dict(with_checksum=False)
+                replies = [e.submit(UPDATE_ENDPOINT, body) for e in engines]
+                n, nbytes = n + 1, nbytes + bucket.nbytes
+                inflight.append((n, bucket, group.broadcast(bucket.buffer), replies))
+                if check_checksum:
+                    checksums.append(bucket.checksum)  # a read of the buffer, beside the broadcast's
+                while len(inflight) > self.max_inflight:
+                    confirm()
+            while inflight:
+                confirm()
+        finally:
+            for e in engines:
+                e.close()
+        if n == 0:
+            raise ValueError("update_weights got no tensors")
+        checksum = None
+        if check_checksum:
+            checksum = combine_checksums(checksums)
+            query = f"{CHECKSUM_ENDPOINT}?bucket_bytes={self.bucket_bytes}"
+            got = [r.get("weights_checksum") for r in self._all(query)]
+            wrong = [f"{url}: {g}" for url, g in zip(self.urls, got) if g != checksum]
+            if wrong:
+                raise WeightSyncError(f"after weight update {version!r} the engines' weights differ from the trainer's "
+                                      f"(weights_checksum {checksum}): " + "; ".join(wrong))
+        return SyncStats(buckets=n, bytes=nbytes, weights_checksum=checksum)

@@ -1,0 +1,201 @@
+"""rmsnorm_rope (fused q/k RMSNorm + RoPE): accuracy vs float64, backward, determinism, batch invariance.
+
+Inputs are strided views of a qkv-like buffer, as the model passes them. Tolerances (vs float64;
+values ~N(0,1) times weights ~U(0.5,1.5)): the kernel rounds the normed value twice in the input
+dtype (rmsnorm's order), then rounds the rotation once, so a few ulps of the dtype at the size of
+``|y1| + |y2|`` (not of ``|out|``, which can cancel to ~0): fp32 2e-5, fp16 8e-3 (1.6e-2 absolute
+on the GPU's 16M values, whose largest inputs reach ~8), bf16 1e-1 absolute (GPU only).
+Gradients: the float32 backward against autograd of the float64 reference; fp16 gradients are
+rounded to fp16 (and get fp16-rounded upstream gradients), so they are compared by relative norm.
+"""
+import pytest
+import torch
+
+import rlperf.kernels as K
+from rlperf.kernels import rope as rope_mod
+from rlperf.kernels.reference.rope import rmsnorm_rope as ref_rope
+from rlperf.model.layer import RopeTable
+
+CPU_DTYPES = [(torch.float32, 2e-5, 2e-5), (torch.float16, 8e-3, 8e-3)]
+GRAD_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+MAX_POS = 4096
+EPS = 1e-6
+
+
+def _table(D, device="cpu"):
+    return RopeTable(D, MAX_POS, 1_000_000.0, device)
+
+
+def _inputs(T, heads, D, dtype, device="cpu", seed=0, other_heads=2):
+    """x [T, heads, D] as a strided view of a [T, (heads + other_heads) * D] projection, weight [D],
+    positions [T] (random, within the table)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, (heads + other_heads) * D, generator=g).to(device=device, dtype=dtype)
+    x = qkv[:, D : (heads + 1) * D].reshape(T, heads, D)
+    w = (torch.rand(D, generator=g) + 0.5).to(device=device, dtype=dtype)
+    pos = torch.randint(0, MAX_POS, (T,), generator=g).to(device)
+    return x, w, pos
+
+
+def _grads(fn, x, w, dout):
+    x, w = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    out = fn(x, w)
+    gx, gw = torch.autograd.grad(out, (x, w), dout.to(out.dtype))
+    return out.detach(), gx, gw
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", CPU_DTYPES)
+@pytest.mark.parametrize("T,heads,D", [(1, 3, 16), (7, 3, 32), (33, 3, 128), (5, 1, 128)])
+def test_forward_matches_float64_reference(interpreter, poison, dtype, atol, rtol, T, heads, D):
+    x, w, pos = _inputs(T, heads, D, dtype)
+    table = _table(D)
+    cos, sin = table.cos, table.sin
+    y = K.rmsnorm_rope(x, w, pos, cos, sin, EPS)
+    assert y.dtype == dtype and y.shape == (T, heads, D) and y.is_contiguous()
+    torch.testing.assert_close(y, ref_rope(x, w, pos, cos, sin, EPS), atol=atol, rtol=rtol)
+    # the unfused torch formula (rmsnorm, then RopeTable.apply) rounds the same way: within an ulp or so
+    unfused = table.apply(K.rmsnorm(x, w, EPS), pos)
+    torch.testing.assert_close(y, unfused, atol=atol, rtol=rtol)
+
+
+def test_position_zero_is_the_norm(interpreter):
+    """cos = 1, sin = 0 at position 0: the output is the normed value itself, rounded as rmsnorm rounds."""
+    x, w, _ = _inputs(9, 3, 32, torch.float16)
+    t32 = _table(32)
+    cos, sin = t32.cos, t32.sin
+    y = K.rmsnorm_rope(x, w, torch.zeros(9, dtype=torch.int64), cos, sin, EPS)
+    torch.testing.assert_close(y, K.rmsnorm(x, w, EPS), atol=1e-3, rtol=1e-3)  # rstd may differ in its last bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,heads,D", [(1, 3, 16), (7, 3, 32), (33, 3, 128)])
+def test_backward_matches_float64_reference(interpreter, dtype, T, heads, D):
+    x, w, pos = _inputs(T, heads, D, dtype, seed=1)
+    table = _table(D)
+    cos, sin = table.cos, table.sin
+    dout = torch.randn(T, heads, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    y, gx, gw = _grads(lambda x, w: K.rmsnorm_rope(x, w, pos, cos, sin, EPS), x, w, dout)
+    _, rx, rw = _grads(lambda x, w: ref_rope(x, w, pos, cos, sin, EPS), x.double(), w.double(), dout)
+    assert gx.dtype == dtype and gw.dtype == dtype and gx.shape == x.shape
+    assert _rel(gx, rx) < GRAD_TOL[dtype] and _rel(gw, rw) < GRAD_TOL[dtype], (_rel(gx, rx), _rel(gw, rw))
+    # the forward with grad enabled is the plain kernel's bits
+    with torch.no_grad():
+        assert torch.equal(y, K.rmsnorm_rope(x, w, pos, cos, sin, EPS))
+
+
+def test_backward_many_tokens_per_program_and_twice_same_bits(interpreter, monkeypatch):
+    """Few backward programs (each owns several tokens and loops over head blocks): still the float64
+    gradient, and two runs give the same bits."""
+    monkeypatch.setattr(rope_mod, "BWD_PROGRAMS", 3)
+    monkeypatch.setattr(rope_mod, "MAX_HALF_TILE", 16)  # BLOCK_H = 1 for D = 32: a loop over the 5 heads
+    x, w, pos = _inputs(11, 5, 32, torch.float32, seed=3)
+    t32 = _table(32)
+    cos, sin = t32.cos, t32.sin
+    dout = torch.randn(11, 5, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    fn = lambda x, w: K.rmsnorm_rope(x, w, pos, cos, sin, EPS)
+    y1, gx1, gw1 = _grads(fn, x, w, dout)
+    y2, gx2, gw2 = _grads(fn, x, w, dout)
+    assert torch.equal(y1, y2) and torch.equal(gx1, gx2) and torch.equal(gw1, gw2)
+    _, rx, rw = _grads(lambda x, w: ref_rope(x, w, pos, cos, sin, EPS), x.double(), w.double(), dout)
+    assert _rel(gx1, rx) < 1e-5 and _rel(gw1, rw) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_batch_invariant(interpreter, dtype):
+    """A token's bits are the same alone, in any batch, in any order (decode vs packed prefill)."""
+    x, w, pos = _inputs(33, 3, 32, dtype, seed=5)
+    t32 = _table(32)
+    cos, sin = t32.cos, t32.sin
+    full = K.rmsnorm_rope(x, w, pos, cos, sin, EPS)
+    for i in (0, 16, 32):
+        assert torch.equal(K.rmsnorm_rope(x[i : i + 1], w, pos[i : i + 1], cos, sin, EPS), full[i : i + 1]), i
+    perm = torch.randperm(33)
+    assert torch.equal(K.rmsnorm_rope(x[perm], w, pos[perm], cos, sin, EPS), full[perm])
+    assert torch.equal(K.rmsnorm_rope(x.contiguous(), w, pos, cos, sin, EPS), full)  # strides do not matter
+
+
+def test_dispatch_reference_fast_and_autograd(interpreter):
+    x, w, pos = _inputs(6, 3, 32, torch.float32, seed=6)
+    t32 = _table(32)
+    cos, sin = t32.cos, t32.sin
+    with K.use_backend("reference"):
+        assert torch.equal(K.rmsnorm_rope(x, w, pos, cos, sin, EPS), ref_rope(x, w, pos, cos, sin, EPS))
+        xl = x.detach().clone().requires_grad_(True)
+        assert "RMSNormRope" not in type(K.rmsnorm_rope(xl, w, pos, cos, sin, EPS).grad_fn).__name__
+    with K.use_mode("fast"):  # CPU: the unfused torch formula, differentiated by torch itself
+        stock = rope_mod._torch_rmsnorm_rope(x, w, pos, cos, sin, EPS)
+        assert torch.equal(K.rmsnorm_rope(x, w, pos, cos, sin, EPS), stock)
+        xl = x.detach().clone().requires_grad_(True)
+        out = K.rmsnorm_rope(xl, w, pos, cos, sin, EPS)
+        assert torch.equal(out, stock) and "RMSNormRope" not in type(out.grad_fn).__name__
+    xl = x.detach().clone().requires_grad_(True)
+    assert type(K.rmsnorm_rope(xl, w, pos, cos, sin, EPS).grad_fn).__name__ == "_RMSNormRopeBackward"
+
+
+def test_empty_and_errors(interpreter):
+    t32 = _table(32)
+    cos, sin = t32.cos, t32.sin
+    w = torch.ones(32)
+    assert K.rmsnorm_rope(torch.empty(0, 3, 32), w, torch.empty(0, dtype=torch.int64), cos, sin).shape == (0, 3, 32)
+    x = torch.randn(4, 3, 32)
+    pos = torch.arange(4)
+    with pytest.raises(ValueError, match="D even"):
+        K.rmsnorm_rope(torch.randn(4, 3, 31), torch.ones(31), pos, cos, sin)
+    with pytest.raises(ValueError, match="weight"):
+        K.rmsnorm_rope(x, torch.ones(16), pos, cos, sin)
+    with pytest.raises(ValueError, match="positions"):
+        K.rmsnorm_rope(x, w, pos.float(), cos, sin)
+    with pytest.raises(ValueError, match="float32"):
+        K.rmsnorm_rope(x, w, pos, cos.double(), sin)
+    with pytest.raises(ValueError, match="eps"):
+        K.rmsnorm_rope(x, w, pos, cos, sin, eps=0.0)
+
+
+# ----------------------------------------------------------------------------- GPU (device)
+
+QWEN3_06B = {"T": 8192, "q_heads": 16, "kv_heads": 8, "D": 128}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [QWEN3_06B["q_heads"], QWEN3_06B["kv_heads"]])
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.bfloat16, 1e-1, 5e-2), (torch.float16, 1.6e-2, 8e-3)])
+def test_gpu_qwen3_shape_forward_backward(heads, dtype, atol, rtol):
+    """8192 tokens of the qwen3-0.6b shape (a view of the [T, 4096] qkv output): forward and backward
+    close to float64, the backward twice gives the same bits, the grad-enabled forward is the plain one."""
+    T, D = QWEN3_06B["T"], QWEN3_06B["D"]
+    x, w, pos = _inputs(T, heads, D, dtype, "cuda", seed=7, other_heads=32 - heads)
+    table = _table(D, "cuda")
+    cos, sin = table.cos, table.sin
+    y = K.rmsnorm_rope(x, w, pos, cos, sin, EPS)
+    torch.testing.assert_close(y, ref_rope(x, w, pos, cos, sin, EPS), atol=atol, rtol=rtol)
+    dout = torch.randn(T, heads, D, generator=torch.Generator().manual_seed(8), dtype=torch.float64).cuda()
+    fn = lambda x, w: K.rmsnorm_rope(x, w, pos, cos, sin, EPS)
+    y1, gx1, gw1 = _grads(fn, x, w, dout)
+    y2, gx2, gw2 = _grads(fn, x, w, dout)
+    assert torch.equal(y1, y) and torch.equal(y2, y)
+    assert torch.equal(gx1, gx2) and torch.equal(gw1, gw2), "the backward must be deterministic"
+    _, rx, rw = _grads(lambda x, w: ref_rope(x, w, pos, cos, sin, EPS), x.double(), w.double(), dout)
+    assert _rel(gx1, rx) < GRAD_TOL[dtype] and _rel(gw1, rw) < GRAD_TOL[dtype], (_rel(gx1, rx), _rel(gw1, rw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [QWEN3_06B["q_heads"], QWEN3_06B["kv_heads"]])
+def test_gpu_batch_invariant_bf16(heads):
+    """A token alone (decode), in a decode batch, and inside 8192 packed tokens: the same bits."""
+    T, D = QWEN3_06B["T"], QWEN3_06B["D"]
+    x, w, pos = _inputs(T, heads, D, torch.bfloat16, "cuda", seed=9, other_heads=32 - heads)
+    table = _table(D, "cuda")
+    cos, sin = table.cos, table.sin
+    full = K.rmsnorm_rope(x, w, pos, cos, sin, EPS)
+    for i in (0, 4097, T - 1):
+        assert torch.equal(K.rmsnorm_rope(x[i : i + 1], w, pos[i : i + 1], cos, sin, EPS), full[i : i + 1]), i
+    idx = torch.randperm(T, device="cuda")[:64]
+    assert torch.equal(K.rmsnorm_rope(x[idx], w, pos[idx], cos, sin, EPS), full[idx])
+    # the unfused torch formula differs only where a last bit moved (rstd's reduction tree, FMA
+    # contraction) and flipped a bf16 rounding: rare, one bf16 ulp
+    unfused = table.apply(K.rmsnorm(x, w, EPS), pos)
+    assert _rel(full, unfused) < 5e-3 and (full != unfused).float().mean().item() < 0.05

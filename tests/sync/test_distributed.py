@@ -1,0 +1,55 @@
+"""The pieces of the disaggregated sync that need no server: buckets packed one at a time from a
+generator, the weights checksum from the buckets sent, and the weight-update group (gloo, two ranks
+in one process) with no default process group."""
+import concurrent.futures
+
+import torch
+import torch.distributed as dist
+
+from rlperf.sync import combine_checksums, flatten_buckets, iter_buckets, iter_buckets_with_last, weights_checksum
+from rlperf.sync.distributed import init_weight_update_group, is_back_to_back, master_store
+
+
+def _named(n=7):
+    g = torch.Generator().manual_seed(0)
+    return [(f"t{i}", torch.randn(5 + 3 * i, generator=g)) for i in range(n)]
+
+
+def test_buckets_are_packed_as_they_close_from_a_generator():
+    named, drawn = _named(), []
+
+    def gen():
+        for item in named:
+            drawn.append(item[0])
+            yield item
+
+    buckets = iter_buckets_with_last(gen(), bucket_bytes=48)
+    first, last = next(buckets)
+    assert (first.names, last, drawn) == (["t0"], False, ["t0", "t1"])  # t1 closed it: nothing more was drawn
+    rest = list(buckets)
+    assert [b for b, _ in rest][-1].names == ["t6"] and [is_last for _, is_last in rest] == [False] * 5 + [True]
+    expected = flatten_buckets(named, bucket_bytes=48)
+    got = [first] + [b for b, _ in rest]
+    assert [b.names for b in got] == [b.names for b in expected]
+    assert all(torch.equal(a.buffer, b.buffer) for a, b in zip(got, expected))
+    assert combine_checksums(b.checksum for b in iter_buckets(named, 48)) == weights_checksum(named, 48)
+    assert weights_checksum(named) == combine_checksums(b.checksum for b in flatten_buckets(named))
+
+
+def test_a_gloo_weight_update_group_broadcasts_from_rank_0_without_a_default_group():
+    store = master_store("127.0.0.1", timeout=30)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        joins = [pool.submit(init_weight_update_group, "127.0.0.1", store.port, rank, 2, group_name="t",
+                             timeout=30, store=store if rank == 0 else None) for rank in (0, 1)]
+        root, peer = (f.result() for f in joins)
+        bucket = flatten_buckets(_named(), 1 << 20)[0]
+        received = torch.zeros_like(bucket.buffer)
+        works = [pool.submit(lambda g, t: g.wait(g.broadcast(t), host=True), g, t)
+                 for g, t in ((root, bucket.buffer), (peer, received))]
+        for w in works:
+            w.result()
+    assert torch.equal(received, bucket.buffer)
+    assert not is_back_to_back(bucket.metadata)  # 20-byte t0: t1 starts at 32, a gap a bucket request describes
+    assert not dist.is_initialized()  # the engine's (and the trainer's) default group is left alone
+    root.close()
+    peer.close()
