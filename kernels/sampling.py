@@ -34,6 +34,9 @@ from .logprob import _row_stats
 from .reference import sampling as _ref
 
 NUM_WARPS = 4
+SPLIT_BLOCKS = 2  # BLOCK-wide chunks per program: the vocabulary of a row is spread over programs (an
+# argmax needs no fixed reduction order: max is exact and ties go to the lowest index whatever the
+# split, so the token is the same as one program's pass), which keeps a small batch off one SM
 
 
 def _block(V: int) -> int:
@@ -74,10 +77,13 @@ def uniform(j, key, key2):
 
 @triton.jit
 def _sample_kernel(
-    x_ptr, temp_ptr, thr_ptr, seed_ptr, pos_ptr, out_ptr, V, stride_x,
-    BLOCK: tl.constexpr,
+    x_ptr, temp_ptr, thr_ptr, seed_ptr, pos_ptr, best_ptr, idx_ptr, V, stride_x, num_splits,
+    BLOCK: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """Program (row, s): the best key and its lowest index over vocabulary columns
+    [s * SPLIT, (s + 1) * SPLIT) of one row, in BLOCK chunks; partials go to best/idx [B, num_splits]."""
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     one = tl.arange(0, 1)
     x_row = x_ptr + row * stride_x
     temp = tl.load(temp_ptr + row + one)
@@ -87,8 +93,8 @@ def _sample_kernel(
     key, key2 = row_keys(tl.load(seed_ptr + row + one), tl.load(pos_ptr + row + one))
     cols = tl.arange(0, BLOCK)[None, :]
     best = tl.full([1], float("-inf"), tl.float32)
-    best_i = tl.zeros([1], tl.int32)
-    for start in range(0, V, BLOCK):
+    best_i = tl.full([1], 2147483647, tl.int32)
+    for start in range(split * SPLIT, split * SPLIT + SPLIT, BLOCK):
         c = start + cols
         live = c < V
         x = tl.load(x_row + c, mask=live, other=float("-inf")).to(tl.float32)
@@ -98,10 +104,28 @@ def _sample_kernel(
         k = tl.where(live, k, float("-inf"))
         cmax = tl.max(k, axis=1)
         cidx = tl.min(tl.where(k == cmax[:, None], c, 2147483647), axis=1)
-        better = cmax > best  # strict: an earlier chunk wins ties (lowest index)
+        better = (cmax > best) | ((cmax == best) & (best_i == 2147483647))  # strict: earlier chunks win ties
         best = tl.where(better, cmax, best)
         best_i = tl.where(better, cidx, best_i)
-    tl.store(out_ptr + row + one, best_i.to(tl.int64))
+    out = row * num_splits + split
+    tl.store(best_ptr + out + one, best)
+    tl.store(idx_ptr + out + one, best_i)
+
+
+@triton.jit
+def _sample_combine_kernel(best_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.constexpr):
+    """One row: the split with the largest key, the lowest-indexed one on ties (splits hold
+    increasing columns), so the token is the argmax over the whole row with ties to the lowest index."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SPLITS)
+    live = s < num_splits
+    b = tl.load(best_ptr + row * num_splits + s, mask=live, other=float("-inf"))
+    i = tl.load(idx_ptr + row * num_splits + s, mask=live, other=2147483647)
+    m = tl.max(b, axis=0)
+    tok = tl.min(tl.where(b == m, i, 2147483647), axis=0)
+    # every key -inf (can only be a masked row): the lowest column, as one chunked pass would give
+    tok = tl.where(tok == 2147483647, 0, tok)
+    tl.store(out_ptr + row, tok.to(tl.int64))
 
 
 @triton.jit
@@ -259,5 +283,12 @@ def sample(
     thr = (torch.full((B,), float("-inf"), dtype=torch.float32, device=dev) if filtered is False
            else _thresholds(x, temp, tp, tk, V, True))
     out = torch.empty(B, dtype=torch.int64, device=dev)
-    _sample_kernel[(B,)](x, temp, thr, seeds, positions, out, V, x.stride(0), BLOCK=_block(V), num_warps=NUM_WARPS)
+    block = _block(V)
+    split = block * SPLIT_BLOCKS
+    num_splits = triton.cdiv(V, split)
+    best = torch.empty(B, num_splits, dtype=torch.float32, device=dev)
+    idx = torch.empty(B, num_splits, dtype=torch.int32, device=dev)
+    _sample_kernel[(B, num_splits)](x, temp, thr, seeds, positions, best, idx, V, x.stride(0), num_splits,
+                                    BLOCK=block, SPLIT=split, num_warps=NUM_WARPS)
+    _sample_combine_kernel[(B,)](best, idx, out, num_splits, SPLITS=triton.next_power_of_2(num_splits), num_warps=1)
     return out

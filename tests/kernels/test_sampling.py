@@ -94,6 +94,24 @@ def test_triton_matches_reference(interpreter, params, dtype):
     assert (tok == ref).float().mean() > 0.95
 
 
+def test_a_row_spread_over_programs_draws_the_one_pass_token(interpreter):
+    """A vocabulary wider than one program's share (several splits, an odd V, a ragged last split):
+    the tokens are the reference's, greedy ties go to the lowest index across splits, and an
+    all-masked row gives token 0 as one pass would."""
+    B, V = 6, 3 * S._block(20000) * S.SPLIT_BLOCKS - 77
+    logits = torch.randn(B, V) * 2
+    logits[1, :] = -5.0
+    logits[1, [9000, 3, V - 1]] = 7.0          # a greedy tie across splits: the lowest index wins
+    logits[2, :] = float("-inf")
+    temp = torch.tensor([1.0, 0.0, 1.0, 0.7, 0.0, 1.3])
+    seeds, pos = _seeds(B), torch.randint(0, 4096, (B,))
+    tok = K.sample(logits, temp, 1.0, 0, seeds, pos)
+    assert tok[1] == 3 and tok[2] == 0 and tok[4] == logits[4].argmax()
+    ref = _ref_tokens(logits, temp, 1.0, 0, seeds, pos)
+    rows = [0, 3, 5]
+    assert ((tok[rows] == ref[rows]) | _near_ties(logits, temp, 1.0, 0, seeds, pos)[rows]).all()
+
+
 def test_per_row_parameters(interpreter):
     B, V = 96, 1000
     logits = torch.randn(B, V) * 2
