@@ -173,6 +173,9 @@ def rows_from(m: dict, peak_flops: float) -> list[BenchRow]:
         BenchRow("loop", f"step {case}", "loop step", step_s * 1e3, "sum of phases",
                  (rollout_s + last["perf/train_time"] + sync_s) * 1e3, work=0.0,
                  extra={"rollout_s": rollout_s, "log_prob_s": log_prob_s, "train_s": train_s, "sync_ms": sync_s * 1e3,
+                        "peak_GiB": max((v for k, v in last.items() if k.startswith("memory/") and k.endswith("_peak_bytes")),
+                                        default=0) / 2**30,
+                        "abs_diff_max": max(h.get("train/train_rollout_logprob_abs_diff", 0.0) for h in history),
                         "tokens_per_s": last["perf/tokens_per_sec"], "mean_step_s": mean("perf/step_time"),
                         "mean_tokens_per_s": mean("perf/tokens_per_sec"), "rollouts": len(history)}),
     ]
@@ -199,5 +202,7 @@ def summarize(rows) -> dict:
         elif r.kernel == "loop step":
             out["step_s"] = r.kernel_ms / 1e3
             out["step_phase_share"] = r.ratio
+            out["peak_GiB"] = r.extra["peak_GiB"]
+            out["abs_diff_max"] = r.extra["abs_diff_max"]
             out["tokens_per_s"] = r.extra["tokens_per_s"]
     return out
