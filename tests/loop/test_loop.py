@@ -29,7 +29,7 @@ def _tree_digest(root: Path) -> dict:
 
 
 def test_embedded_default_learns(tmp_path):
-    hist = _run(tmp_path)  # the embedded defaults: 80 rollouts of 8 prompts x 8 samples
+    hist = _run(tmp_path)  # the embedded defaults: 80 rollouts of 8 prompts x 16 samples
     rewards = [m["rollout/raw_reward"] for m in hist]
     assert len(rewards) == 80
     start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
