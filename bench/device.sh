@@ -6,6 +6,9 @@
 #   BENCHES benchmark names for `rlperf bench` (default: all); "none" skips benchmarks
 #
 # Example (device tool): bash bench/device.sh tests/kernels/test_matmul.py matmul
+# The device's copy of the tree may carry stale git metadata: prefix the command with
+# RLPERF_COMMIT=$(git rev-parse --short HEAD) (expanded here, before the call) so result headers
+# name the commit measured.
 set -uo pipefail
 TESTS=${1:-tests}
 BENCHES=${2:-all}
