@@ -46,6 +46,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed", action="store_true",
                    help="with sync: the disaggregated sync, an NCCL broadcast from GPU 0 to rlperf serve engines on the "
                         "other GPUs (needs >= 2 GPUs; on CPU with --quick a gloo smoke run)")
+    p.add_argument("--bucket-mib", default=None, metavar="LIST",
+                   help="with sync --distributed: the bucket sizes to time, in MiB, comma-separated (e.g. "
+                        "256,512,1024,2048); default: the loop's (rlperf.sync.DISTRIBUTED_BUCKET_BYTES), 512 and 2048")
     p.add_argument("--json", default="results/bench.json", metavar="PATH", help="result file (default: %(default)s)")
     p.add_argument(
         "--markdown", default=None, metavar="PATH",
@@ -92,6 +95,20 @@ def run_benchmarks(args: argparse.Namespace) -> int:
         print(f"rlperf bench: unknown benchmark(s) {unknown}; choose from {list(BENCHES)} or all", file=sys.stderr)
         return 2
     benches = BENCHES
+    run_kwargs: dict = {}
+    if getattr(args, "bucket_mib", None) is not None:
+        if not getattr(args, "distributed", False):
+            print("rlperf bench: --bucket-mib goes with sync --distributed", file=sys.stderr)
+            return 2
+        try:
+            sizes = tuple(int(float(x) * 2**20) for x in args.bucket_mib.split(","))
+        except ValueError:
+            sizes = ()
+        if not sizes or min(sizes) < 1:
+            print(f"rlperf bench: --bucket-mib {args.bucket_mib}: expected positive sizes in MiB, comma-separated "
+                  "(e.g. 256,512,1024,2048)", file=sys.stderr)
+            return 2
+        run_kwargs["bucket_sizes"] = sizes
     if getattr(args, "distributed", False):  # rlperf bench sync --distributed: its own module and markdown section
         if names != ["sync"]:
             print("rlperf bench: --distributed goes with the sync benchmark alone: rlperf bench sync --distributed",
@@ -112,7 +129,7 @@ def run_benchmarks(args: argparse.Namespace) -> int:
     summaries: dict = {}
     for name in names:
         module = importlib.import_module(benches[name])
-        rows = module.run(quick=args.quick)
+        rows = module.run(quick=args.quick, **run_kwargs)
         summary = module.summarize(rows)
         all_rows += rows
         summaries[name] = summary

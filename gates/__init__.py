@@ -1,9 +1,10 @@
 """rlperf.gates — the first-step gates (kl_zero, logprob_abs_diff, oom_headroom, sanity) behind `rlperf gate`.
 
 The gates consume what the loop's first step produces, and never the reverse: the record
-(:class:`FirstStepRecord`, :class:`PhaseMemory`, :data:`PHASES`, defined in :mod:`rlperf.loop.record`
-and re-exported here as the gates' input type), its per-phase peaks (measured by
-:class:`rlperf.telemetry.PhaseMeter`) and the worst-case probe (:mod:`rlperf.loop.probe`).
+(:class:`FirstStepRecord`, :class:`PhaseMemory`, :class:`EngineMemory`, :data:`PHASES`, defined in
+:mod:`rlperf.loop.record` and re-exported here as the gates' input type), its per-phase peaks
+(measured by :class:`rlperf.telemetry.PhaseMeter`), the worst-case probe (:mod:`rlperf.loop.probe`)
+and, with rollout engines of their own, each engine's memory as it reports it.
 
 * :mod:`~rlperf.gates.checks` — the four gates, :class:`GateOptions`, :class:`GateResult`;
 * :mod:`~rlperf.gates.memory` — ``--memory-limit`` parsing, byte formatting, the CPU capacity;
@@ -12,7 +13,7 @@ and re-exported here as the gates' input type), its per-phase peaks (measured by
 
 Usage: ``report = FirstStepGate(GateOptions()).check(record); print(report.table()); report.exit_code``.
 """
-from rlperf.loop.record import PHASES, FirstStepRecord, PhaseMemory
+from rlperf.loop.record import PHASES, EngineMemory, FirstStepRecord, PhaseMemory
 
 from .checks import GATES, GateOptions, GateResult, kl_zero, logprob_abs_diff, oom_headroom, sanity
 from .memory import format_bytes, parse_memory_size, system_memory_bytes
@@ -20,7 +21,7 @@ from .report import GateReport
 from .runner import FirstStepGate, add_gate_arguments, gate_options_from, run_gate
 
 __all__ = [
-    "FirstStepRecord", "PhaseMemory", "PHASES", "GATES", "GateOptions", "GateResult", "GateReport", "FirstStepGate",
+    "FirstStepRecord", "PhaseMemory", "EngineMemory", "PHASES", "GATES", "GateOptions", "GateResult", "GateReport", "FirstStepGate",
     "kl_zero", "logprob_abs_diff", "oom_headroom", "sanity", "parse_memory_size", "format_bytes",
     "system_memory_bytes", "add_gate_arguments", "gate_options_from", "run_gate",
 ]

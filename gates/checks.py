@@ -7,7 +7,9 @@
 * :func:`logprob_abs_diff` — mean over loss-masked response tokens of ``|log_probs - rollout_log_probs|``
   (slime's ``train/train_rollout_logprob_abs_diff``): exactly 0 with ``--true-on-policy-mode``, at
   most ``--logprob-abs-diff-threshold`` otherwise.
-* :func:`oom_headroom` — every phase's peak and the worst-case probe under ``(1 - headroom) x capacity``.
+* :func:`oom_headroom` — every phase's peak and the worst-case probe under ``(1 - headroom) x capacity``
+  (several ranks: the worst rank's), and every rollout engine of the run's own under the same share of
+  its own capacity.
 * :func:`sanity` — finite losses, rewards and grad norm; every log-prob finite and ``<= 0``.
 
 Messages name the first offender (sample, token position, token id, both values) so a failure
@@ -36,6 +38,11 @@ OOM_REMEDIES = (
     "lower --sglang-mem-fraction-static (the in-process engine's share of the device; servers: --mem-fraction-static)",
 )
 """slime's order of remedies for an out-of-memory first step (its docs' OOM advice)."""
+ENGINE_OOM_REMEDIES = (
+    "lower --sglang-mem-fraction-static (on a GPU the engine's KV pool takes that share of its memory, less the weights)",
+    "lower --sglang-cuda-graph-max-bs (fewer decode batch sizes captured)",
+)
+"""What to try when a rollout engine's own peak is over the limit: its KV pool and CUDA graphs are what it sizes."""
 
 
 @dataclasses.dataclass
@@ -225,11 +232,14 @@ def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None
 
 def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) -> GateResult:
     """Every phase of :data:`PHASES` measured, and each peak (and the worst-case probe, if one ran)
-    ``<= (1 - options.oom_headroom) * record.capacity_bytes``.
+    ``<= (1 - options.oom_headroom) * record.capacity_bytes``; then every rollout engine of the run's own
+    (``record.engines``) at most the same share of its own capacity.
 
     ``capacity_bytes`` is the device's memory (``memory_kind == "cuda"``) or ``--memory-limit``
-    against the process RSS (``"cpu_rss"``). A failure names the first phase over the limit, in step
-    order, and gives slime's OOM remedies in order.
+    against the process RSS (``"cpu_rss"``); with several ranks the peaks are the worst rank's. A
+    failure names the first phase over the limit, in step order, and gives slime's OOM remedies in
+    order, or else the first engine over its limit (its URL) and what sizes an engine. A pass names the
+    highest peak relative to its capacity, of the trainer and the engines alike.
     """
     options = options or GateOptions()
     name = "oom_headroom"
@@ -239,6 +249,11 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
     measured = {"memory_kind": record.memory_kind, "capacity_bytes": record.capacity_bytes,
                 "headroom": options.oom_headroom, "peaks_bytes": peaks,
                 "probe_tokens": record.probe.tokens if record.probe is not None else None}
+    if record.ranks > 1:
+        measured["ranks"] = record.ranks  # the peaks are the worst rank's
+    engines = list(record.engines)
+    if engines:
+        measured["engines"] = [_engine_measured(e, options.oom_headroom) for e in engines]
     if record.capacity_bytes is None or record.capacity_bytes <= 0:
         return GateResult(name, False, measured, None,
                           f"no capacity to check {record.memory_kind} peaks against",
@@ -246,6 +261,8 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
     limit = int((1.0 - options.oom_headroom) * record.capacity_bytes)
     measured["limit_bytes"] = limit
     threshold = f"<= {format_bytes(limit)} ((1 - {options.oom_headroom:g}) x {format_bytes(record.capacity_bytes)})"
+    if engines:
+        threshold += f"; each engine <= (1 - {options.oom_headroom:g}) x its own capacity"
     missing = [p for p in PHASES if p not in peaks]
     if missing:
         return GateResult(name, False, measured, threshold,
@@ -263,16 +280,51 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
             frac = peak / record.capacity_bytes
             if phase.startswith("probe:") and record.probe.tokens:
                 phase = f"{phase} (worst-case micro-batch of {record.probe.tokens} tokens)"
+            ranks = f" on the worst of {record.ranks} ranks" if record.ranks > 1 else ""
             return GateResult(name, False, measured, threshold,
-                              f"phase {phase}: peak {format_bytes(peak)} ({frac:.1%} of {format_bytes(record.capacity_bytes)}"
-                              f" {record.memory_kind}) exceeds {format_bytes(limit)} (headroom {options.oom_headroom:g})",
-                              hint)
-    worst = max(peaks, key=peaks.get)
+                              f"phase {phase}: peak {format_bytes(peak)}{ranks} ({frac:.1%} of "
+                              f"{format_bytes(record.capacity_bytes)} {record.memory_kind}) exceeds {format_bytes(limit)} "
+                              f"(headroom {options.oom_headroom:g})", hint)
+    for e, m in zip(engines, measured.get("engines", [])):
+        if e.peak_bytes is None or not e.capacity_bytes or e.capacity_bytes <= 0:
+            what = "did not report its memory" if e.peak_bytes is None else "reported no capacity"
+            return GateResult(name, False, measured, threshold,
+                              f"engine {e.url} {what} (/get_server_info internal_states[0].memory): "
+                              f"cannot vouch for its peak", "the run's engines must be rlperf serve processes")
+        if e.peak_bytes > m["limit_bytes"]:
+            kv = f"; its KV pool is {format_bytes(e.kv_pool_bytes)}" if e.kv_pool_bytes is not None else ""
+            return GateResult(name, False, measured, threshold,
+                              f"engine {e.url}: peak {format_bytes(e.peak_bytes)} ({m['fraction']:.1%} of "
+                              f"{format_bytes(e.capacity_bytes)} {e.kind}) exceeds {format_bytes(m['limit_bytes'])} "
+                              f"(headroom {options.oom_headroom:g}){kv}",
+                              "in order: " + "; ".join(f"{k + 1}. {r}" for k, r in enumerate(ENGINE_OOM_REMEDIES)))
+    # the worst relative to its own capacity: the trainer's phases share one, each engine has its own
+    trainer_label = "trainer " if engines else ""
+    candidates = [(trainer_label + phase, peak, record.capacity_bytes) for phase, peak in peaks.items()]
+    candidates += [(f"engine {e.url}", e.peak_bytes, e.capacity_bytes) for e in engines]
+    worst, peak, cap = max(candidates, key=lambda c: c[1] / c[2])
+    measured["worst"] = {"name": worst, "peak_bytes": peak, "capacity_bytes": cap, "fraction": peak / cap}
+    of = ""
+    if engines:
+        trainer = f"the trainer ({record.ranks} ranks)" if record.ranks > 1 else "the trainer"
+        of = f", the worst of {trainer} and {len(engines)} engine{'s' if len(engines) > 1 else ''}"
+    elif record.ranks > 1:
+        of = f", the worst of {record.ranks} ranks"
     # without a probe the verdict covers this step's batch only, not the longest batch the run can see
     probe_note = "" if record.probe is not None else "; no worst-case probe ran"
     return GateResult(name, True, measured, threshold,
-                      f"highest peak {worst} {format_bytes(peaks[worst])} = "
-                      f"{peaks[worst] / record.capacity_bytes:.1%} of {format_bytes(record.capacity_bytes)}{probe_note}")
+                      f"highest peak {worst} {format_bytes(peak)} = {peak / cap:.1%} of {format_bytes(cap)}{of}{probe_note}")
+
+
+def _engine_measured(e, headroom: float) -> dict:
+    """One engine's line of the oom_headroom report: what it reported, and its limit and share of capacity."""
+    out = {"url": e.url, "kind": e.kind, "device": e.device, "capacity_bytes": e.capacity_bytes,
+           "peak_bytes": e.peak_bytes, "current_bytes": e.current_bytes, "kv_pool_bytes": e.kv_pool_bytes}
+    if e.capacity_bytes and e.capacity_bytes > 0:
+        out["limit_bytes"] = int((1.0 - headroom) * e.capacity_bytes)
+        if e.peak_bytes is not None:
+            out["fraction"] = e.peak_bytes / e.capacity_bytes
+    return out
 
 
 def sanity(record: FirstStepRecord, options: GateOptions | None = None) -> GateResult:

@@ -1,14 +1,17 @@
 """Memory sizes and capacity for the ``oom_headroom`` gate: the gate's side of memory, never a measurement.
 
 One place for: parsing ``--memory-limit`` ("8GiB", "512MiB", "1.5GB", "1000000"), printing byte
-counts, and the capacity a CPU run is held to (:func:`system_memory_bytes`). The peaks themselves
-are measured by the loop's phase meter (:class:`rlperf.telemetry.PhaseMeter`) and reach the gate in
-:class:`rlperf.loop.record.FirstStepRecord`; :func:`rlperf.gates.checks.oom_headroom` compares them
-with ``(1 - headroom) x capacity``.
+counts, and the capacity a CPU run is held to (:func:`system_memory_bytes`, read where every memory
+reading is: :mod:`rlperf.telemetry.memory`). The peaks themselves are measured by the loop's phase
+meter (:class:`rlperf.telemetry.PhaseMeter`) and, for rollout engines of their own, by each engine
+(``/get_server_info``); they reach the gate in :class:`rlperf.loop.record.FirstStepRecord`, and
+:func:`rlperf.gates.checks.oom_headroom` compares them with ``(1 - headroom) x capacity``.
 """
 from __future__ import annotations
 
 import re
+
+from rlperf.telemetry.memory import system_memory_bytes  # noqa: F401  (re-exported: the CPU capacity)
 
 _UNITS = {
     "": 1, "b": 1,
@@ -50,27 +53,3 @@ def format_bytes(n: int | float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
     return f"{n:.3g} TiB"
-
-
-def system_memory_bytes() -> int | None:
-    """The memory this process may use: the cgroup limit (v2 ``memory.max``, v1 ``limit_in_bytes``) when
-    one is set, else the machine's MemTotal; None where neither can be read. The CPU capacity when
-    ``--memory-limit`` is not given (a container's limit is what the OOM killer enforces)."""
-    limits = []
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < 2**60:  # "max" or a huge v1 sentinel mean: no limit
-            limits.append(int(text))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    limits.append(int(line.split()[1]) * 1024)
-                    break
-    except OSError:
-        pass
-    return min(limits) if limits else None

@@ -36,7 +36,9 @@ Run one rollout and one train step, then check the first-step gates, each report
   oom_headroom      every phase's peak memory (rollout, log_prob, train, weight_sync) and the
                     worst-case probe stay under (1 - --oom-headroom) x capacity (the GPU's memory;
                     on the CPU the process's resident memory against --memory-limit,
-                    by default the cgroup limit or the machine's memory)
+                    by default the cgroup limit or the machine's memory); several ranks: the
+                    worst rank's; with --rollout-num-gpus every engine's own peak too, against
+                    its own GPU's memory (CPU engines: as the trainer's process)
   sanity            finite losses, rewards and grad norm; log-probs finite and <= 0
 
 A failing gate names the first offending token, sample or phase, and what to try.
@@ -187,6 +189,10 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) ->
             elif record.capacity_bytes is None:  # no --memory-limit: what the OOM killer would enforce
                 record.capacity_bytes = system_memory_bytes()
                 record.config["memory_limit"] = f"{record.capacity_bytes} (cgroup limit or MemTotal)"
+        if limit is not None:  # engines on the CPU are processes of this host: held to the same limit
+            for engine in record.engines:
+                if engine.kind == "cpu_rss":
+                    engine.capacity_bytes = limit
         return record
 
     try:

@@ -3,8 +3,8 @@
 * :func:`train` — run a training loop from ``rlperf train`` flags; returns the metrics lines;
 * :func:`first_step` — one rollout + one train step as a :class:`FirstStepRecord` (the hook of the
   first-step gates, which import the record and this hook from here);
-* :mod:`~rlperf.loop.record` — :class:`FirstStepRecord`, :class:`PhaseMemory`, :data:`PHASES`: what the
-  first step hands to the gates;
+* :mod:`~rlperf.loop.record` — :class:`FirstStepRecord`, :class:`PhaseMemory`, :class:`EngineMemory`,
+  :data:`PHASES`: what the first step hands to the gates;
 * :mod:`~rlperf.loop.probe` — :func:`worst_case_probe`: forward + backward at the largest micro-batch;
 * :mod:`~rlperf.loop.generation` — the default rollout function (``--rollout-function-path``'s
   contract), per-sample seeds, debug rollout data; samples are :class:`rlperf.train.Sample`;
@@ -24,9 +24,9 @@ Phase times, memory peaks, the phase timeline and torch traces are the loop's te
 """
 from .args import UsageError, add_loop_arguments, parse_train_args, resolve_args
 from .probe import probe_samples, worst_case_probe
-from .record import PHASES, FirstStepRecord, PhaseMemory
+from .record import PHASES, EngineMemory, FirstStepRecord, PhaseMemory
 from .runner import METRICS_FILE, Run, first_step, summary_line, train
 
 __all__ = ["UsageError", "add_loop_arguments", "parse_train_args", "resolve_args", "Run", "train", "first_step",
-           "summary_line", "METRICS_FILE", "FirstStepRecord", "PhaseMemory", "PHASES", "worst_case_probe",
+           "summary_line", "METRICS_FILE", "FirstStepRecord", "PhaseMemory", "EngineMemory", "PHASES", "worst_case_probe",
            "probe_samples"]

@@ -10,11 +10,13 @@ unwritable ``--save``, a bad ``--profile-step-*`` window
 (:mod:`rlperf.telemetry.trainer_trace`), a model directory whose ``config.json`` is missing or
 describes a model rlperf does not implement (:func:`rlperf.model.config.read_hf_config`), sampling
 values the kernels cannot take (:func:`rlperf.rollout.sampling_params.check_sampling_values`, the
-server's check too), an unknown ``--model`` preset, ``--device cuda`` without a GPU, a ``--load`` /
+server's check too), an unknown ``--model`` preset, ``--device cuda`` without a GPU (on this host; a
+``--placement ray`` driver leaves that to the cluster check, :func:`run_device`), a ``--load`` /
 ``--ref-load`` whose pointer or files are broken (:mod:`rlperf.loop.checkpoint`), a fresh run into a
 ``--save`` that holds checkpoints (without ``--overwrite-save``), an engine layout that cannot run
 (:func:`resolve_engine_layout`: ``--rollout-num-gpus-per-engine`` other than 1, more GPUs than are
-visible, ``--rollout-num-gpus`` with ``--sglang-router-ip``). Every message names the flag.
+visible with ``--placement local``, ``--rollout-num-gpus`` with ``--sglang-router-ip``). Every message
+names the flag.
 """
 from __future__ import annotations
 
@@ -183,15 +185,24 @@ def check_model_dir(path, flag: str, save_dir: bool = True, trainer_state: bool 
     return directory
 
 
+def ray_driver(ns: argparse.Namespace) -> bool:
+    """Whether this process is the driver of a ``--placement ray`` run: it starts the ranks and engines
+    as Ray actors on the cluster's GPUs and computes on none itself (a rank has ``WORLD_SIZE`` set)."""
+    return getattr(ns, "placement", "local") == "ray" and "WORLD_SIZE" not in os.environ
+
+
 def run_device(ns: argparse.Namespace):
-    """``--device`` as a ``torch.device`` (``auto``: cuda when present); :class:`UsageError` if unreadable."""
+    """``--device`` as a ``torch.device`` (``auto``: cuda when present); :class:`UsageError` if unreadable,
+    or naming a CUDA device this host does not have. The driver of a ``--placement ray`` run
+    (:func:`ray_driver`) computes nothing: its ``--device cuda`` is the cluster's GPUs, which
+    :meth:`rlperf.loop.ray_placement.RayPlacement.check` counts, so this host may have none."""
     import torch
 
     try:
         device = torch.device(ns.device if ns.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, ValueError) as exc:
         raise UsageError(f"--device {ns.device}: {exc}") from None
-    if device.type == "cuda":
+    if device.type == "cuda" and not ray_driver(ns):
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             raise UsageError(f"--device {ns.device}: no CUDA device is available (torch.cuda.is_available() is False)")
@@ -229,9 +240,12 @@ def actor_gpus_on_this_host(ns: argparse.Namespace) -> int:
 def resolve_engine_layout(ns: argparse.Namespace, device, visible_gpus: int | None = None) -> None:
     """Check ``--rollout-num-gpus`` / ``--rollout-num-gpus-per-engine`` / ``--colocate`` before anything
     starts and set ``ns.disaggregated`` (rlperf starts its own engines: N > 0 without ``--colocate``) and
-    ``ns.engine_gpus`` (each engine's ``CUDA_VISIBLE_DEVICES`` entry, the GPUs after the actor's; None on
-    CPU, where the engines are plain processes). ``visible_gpus``: default ``torch.cuda.device_count()``.
-    :class:`UsageError` naming the flag for a layout that cannot run."""
+    ``ns.engine_gpus`` (each engine's ``CUDA_VISIBLE_DEVICES`` entry, the GPUs after the actor ranks'
+    ``--actor-num-gpus-per-node``; None on CPU, where the engines are plain processes, and under
+    ``--placement ray``, where each engine gets the GPU of its own bundle and the cluster's GPUs are
+    counted by :meth:`rlperf.loop.ray_placement.RayPlacement.check`, not this host's).
+    ``visible_gpus``: default ``torch.cuda.device_count()``. :class:`UsageError` naming the flag for a
+    layout that cannot run."""
     n, per = getattr(ns, "rollout_num_gpus", 0) or 0, getattr(ns, "rollout_num_gpus_per_engine", 1)
     ns.disaggregated, ns.engine_gpus = False, None
     if per != 1:
@@ -245,7 +259,7 @@ def resolve_engine_layout(ns: argparse.Namespace, device, visible_gpus: int | No
         raise UsageError(f"--rollout-num-gpus {n} starts rlperf's own engines and router; --sglang-router-ip uses "
                          "running ones: give one of them")
     ns.disaggregated = True
-    if device.type != "cuda":
+    if device.type != "cuda" or getattr(ns, "placement", "local") == "ray":
         return
     import torch
 

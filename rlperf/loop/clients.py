@@ -32,7 +32,9 @@ Both have ``generate(prompts, params) -> list[GenerationResult]`` (one typed res
   :class:`rlperf.sync.distributed.WeightBroadcaster` forms one process group with the workers at the
   first sync (SGLang's ``/init_weights_update_group``), pauses them, broadcasts bucket by bucket
   (``/update_weights_from_distributed``), checks every worker's ``weights_checksum`` against the
-  trainer's and continues them; :meth:`RouterClient.close` leaves the group.
+  trainer's and continues them; :meth:`RouterClient.load_weights` does the same from an iterator that
+  yields the full tensors as they are gathered (a data-parallel trainer's rank 0);
+  :meth:`RouterClient.close` leaves the group.
 
 Bucket sizes and transports are :class:`rlperf.sync.SyncConfig`'s.
 """
@@ -48,6 +50,8 @@ from rlperf.rollout.engine import Engine, EngineConfig, GenerationResult, Sampli
 from rlperf.rollout.router import http_json
 from rlperf.sync import SyncConfig, SyncStats, bucket_payload, flatten_buckets, release, sync_weights
 from rlperf.sync.distributed import WeightBroadcaster, WeightSyncError
+
+from .record import EngineMemory
 
 TRAIN_MEM_FRACTION_STATIC = 0.3
 """The in-process engine shares the device with the trainer (weights, grads, AdamW state,
@@ -206,6 +210,19 @@ class RouterClient:
             raise RuntimeError(f"router {self.url}: GET /workers answered {status}: {reply!r}")
         return [w["url"] for w in reply["workers"]]
 
+    def engine_memory(self) -> list[EngineMemory]:
+        """Every worker's memory as it reports it (``GET /get_server_info``, asked of each worker the
+        router lists, as the admin calls are), in the router's order; a worker that reports none
+        (an SGLang server) is listed with ``peak_bytes`` None."""
+        out = []
+        for url in self.workers():
+            status, reply = http_json(url + "/get_server_info", timeout=30, headers=self.headers)
+            _check_auth(f"{url}/get_server_info", status, reply, self.api_key)
+            if status != 200:
+                raise RuntimeError(f"{url}/get_server_info answered {status}: {reply!r}")
+            out.append(EngineMemory.from_server_info(url, reply))
+        return out
+
     def _generate_one(self, ids: list[int], sp: SamplingParams) -> GenerationResult:
         body = {"input_ids": ids, "return_logprob": True, "sampling_params": {
             "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
@@ -271,6 +288,25 @@ class RouterClient:
             if exc.status == 401:
                 _check_auth("weight sync", 401, str(exc), self.api_key)
             raise
+
+    def load_weights(self, named_tensors, version: str) -> SyncStats:
+        """Distributed sync only: broadcast ``(HF name, tensor)`` pairs as they come (a data-parallel
+        trainer's rank 0 passes the iterator that gathers the FSDP shards bucket by bucket:
+        :meth:`rlperf.train.fsdp.FSDPTrainer.iter_hf_weights`); see :meth:`_broadcast_weights`."""
+        if not self.distributed:
+            raise RuntimeError("load_weights streams the weights to disaggregated engines (distributed=True); "
+                               "servers behind a running router take update_weights")
+        return self._broadcast_weights(named_tensors, version)
+
+    def engine_checksum(self, bucket_bytes: int) -> str:
+        """Distributed sync, after one: the engines' ``weights_checksum`` at ``bucket_bytes``, which all
+        must report alike (:meth:`rlperf.sync.distributed.WeightBroadcaster.engine_checksums`)."""
+        if self.broadcaster is None:
+            raise RuntimeError("engine_checksum: no weight sync has formed the engines' group yet")
+        got = self.broadcaster.engine_checksums(bucket_bytes)
+        if len(set(got)) != 1:
+            raise WeightSyncError(f"the engines' weights differ: weights_checksum {got}")
+        return got[0]
 
     def close(self) -> None:
         """Leave the weight-update group (distributed sync), if one was formed."""

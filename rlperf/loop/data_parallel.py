@@ -14,6 +14,14 @@ engine on the same device.
   trains on exactly rank 0's rollout, whatever a custom rollout or reward function does.
 * **Weight sync**: every rank's engine loads the full weights gathered from the FSDP shards bucket
   by bucket (:meth:`rlperf.train.fsdp.FSDPTrainer.iter_hf_weights`), in the compute dtype.
+* **Disaggregated engines** (``--rollout-num-gpus N``, without ``--colocate``): the ranks have no
+  engine of their own. Rank 0 alone talks to the engines (it starts them, on the GPUs after the actor
+  ranks', or finds the router ``--placement ray`` started): it runs the rollout function through the
+  router and broadcasts the samples (:func:`broadcast_from_rank0`); the other ranks wait for them
+  (:class:`Rank0EnginesClient`). At each sync every rank walks the same gathering iterator, and
+  rank 0 feeds the full tensors it yields to the :class:`rlperf.sync.distributed.WeightBroadcaster`
+  (NCCL or gloo, a group of rank 0 and the engines only), which checks every engine's checksum; the
+  other ranks only advance the iterator (the gathers are collectives). Only rank 0 speaks HTTP.
 * **Metrics**: the trainer's sums are reduced over the ranks; ``memory/*`` peaks are the worst
   rank's (:func:`max_over_ranks`); times are rank 0's. Rank 0 alone writes ``metrics.jsonl``, the
   timeline, torch traces and checkpoints, and prints the step lines.
@@ -84,6 +92,33 @@ class DataParallelEngineClient:
         close = getattr(self.inner, "close", None)
         if close is not None:
             close()
+
+
+class Rank0EnginesClient:
+    """The engine client of ranks other than 0 when rank 0 alone talks to disaggregated engines (module
+    docstring): it generates nothing (the rollout comes from rank 0 by :func:`broadcast_from_rank0`),
+    and its weight sync only takes part in the gathers of rank 0's broadcast."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.kind = f"rank 0's engines ({world_size} data-parallel ranks)"
+
+    def generate(self, prompts: list[list[int]], params: list) -> list:
+        raise RuntimeError(f"rank {self.rank}: the disaggregated engines generate through rank 0 (the rollout "
+                           f"reaches this rank by broadcast_from_rank0)")
+
+    def load_weights(self, named_tensors, version: str) -> SyncStats:
+        """Advance ``named_tensors`` (the gathering iterator, a collective) to its end; nothing is kept."""
+        n = nbytes = 0
+        for _, t in named_tensors:
+            n, nbytes = n + 1, nbytes + t.numel() * t.element_size()
+        return SyncStats(buckets=0, bytes=nbytes)
+
+    def update_weights(self, named_tensors, version: str) -> SyncStats:
+        raise RuntimeError("a data-parallel rank takes part in the weight sync through load_weights (the gathers)")
+
+    def close(self) -> None:
+        """Nothing to release (rank 0 owns the engines' group and processes)."""
 
 
 def broadcast_from_rank0(obj):

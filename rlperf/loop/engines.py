@@ -1,12 +1,13 @@
 """Disaggregated rollout engines: ``rlperf serve`` processes on their own GPUs behind the real sglang-router.
 
-With ``--rollout-num-gpus N`` and without ``--colocate``, the loop starts N engines, one GPU each
-(engine i sees only the i-th GPU after the actor's through ``CUDA_VISIBLE_DEVICES``; the layout is
-checked before anything starts, :func:`rlperf.loop.args.resolve_engine_layout`) or, with ``--device
-cpu``, N plain processes; then the sglang-router in front of them (:mod:`rlperf.rollout.router`). The
-loop talks to them as to any router (:class:`rlperf.loop.clients.RouterClient`: ``/generate`` through
-the router), and the weights reach them by broadcast from the trainer
-(:mod:`rlperf.sync.distributed`), every engine's checksum checked at each sync.
+With ``--rollout-num-gpus N`` and without ``--colocate``, the loop (trainer rank 0 with several actor
+ranks) starts N engines, one GPU each (engine i sees only the i-th GPU after the actor ranks' through
+``CUDA_VISIBLE_DEVICES``; the layout is checked before anything starts,
+:func:`rlperf.loop.args.resolve_engine_layout`) or, with ``--device cpu``, N plain processes; then the
+sglang-router in front of them (:mod:`rlperf.rollout.router`). The loop talks to them as to any router
+(:class:`rlperf.loop.clients.RouterClient`: ``/generate`` through the router), and the weights reach
+them by broadcast from trainer rank 0 (:mod:`rlperf.sync.distributed`), every engine's checksum
+checked at each sync.
 
 The engines serve the trainer's model (``--load``'s, ``--hf-checkpoint``'s or the ``--model`` preset;
 the first weight sync replaces whatever they loaded) in the trainer's compute dtype, with its kernel
@@ -38,6 +39,12 @@ LOG_DIR = "engines"
 """The engines' and the router's logs, under ``--output-dir``."""
 
 
+ENGINE_MEM_FRACTION_STATIC = 0.8
+"""A run's engine on a GPU of its own sizes weights + KV cache to this fraction unless
+``--sglang-mem-fraction-static`` says otherwise: serve's 0.85 plus decode activations and CUDA-graph
+pools would sit at the first-step gate's default 10% headroom, which now checks every engine."""
+
+
 class EngineFleetError(RuntimeError):
     """An engine or the router did not come up; the message quotes its last output."""
 
@@ -51,7 +58,8 @@ def engine_server_args(ns, precision: str, kernel_backend: str | None) -> Server
         dtype="bfloat16" if precision == "bf16" else "float32",
         device="cpu" if ns.engine_gpus is None else "cuda",
         kernel_backend=kernel_backend or "auto", mode=ns.mode,
-        mem_fraction_static=ns.sglang_mem_fraction_static,
+        mem_fraction_static=(ns.sglang_mem_fraction_static if ns.sglang_mem_fraction_static is not None
+                             else ENGINE_MEM_FRACTION_STATIC),
         cuda_graph_max_bs=getattr(ns, "sglang_cuda_graph_max_bs", None),
         random_seed=ns.seed, api_key=getattr(ns, "sglang_api_key", None), num_threads=ns.num_threads or None)
 

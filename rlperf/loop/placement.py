@@ -9,7 +9,10 @@ One interface, :class:`Placement`, so the loop never knows where it runs:
   rank processes, each running ``entry(ns)``, wait for them, return the exit code; a rank that dies
   takes the others down (they would wait for it in a collective for ever), with its error shown.
 
-Engine processes (``--rollout-num-gpus``) will be started through the same interface.
+Engine processes (``--rollout-num-gpus``): under ``--placement local`` trainer rank 0 starts them
+(:func:`rlperf.loop.engines.launch_engines`); ``--placement ray`` starts them as actors on bundles of
+their own and hands the ranks their router.
+
 :class:`LocalPlacement` (``--placement local``) starts the ranks on this host with
 ``multiprocessing`` (spawn), one GPU each on CUDA (``LOCAL_RANK`` picks it); :class:`rlperf.loop.ray_placement.RayPlacement`
 (``--placement ray``) implements the same two methods with Ray actors on the bundles of one placement
@@ -48,7 +51,8 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--actor-num-nodes", type=int, default=1, help="nodes of actor (trainer) ranks")
     g.add_argument("--actor-num-gpus-per-node", type=int, default=1,
                    help="actor ranks per node: data-parallel FSDP2 ranks, one GPU each on CUDA (one process each "
-                        "on the CPU, gloo); each runs its own in-process engine on its share of the rollout")
+                        "on the CPU, gloo); each runs its own in-process engine on its share of the rollout, or, with "
+                        "--rollout-num-gpus, rank 0 alone drives the disaggregated engines and shares the rollout")
     g.add_argument("--placement", default="local", choices=PLACEMENTS,
                    help="local: rlperf starts the ranks on this host (multiprocessing, spawn); a process started by "
                         "torchrun is a rank itself; ray: the ranks (and --rollout-num-gpus engines) as Ray actors on "
@@ -105,8 +109,10 @@ def check_actor_layout(ns: argparse.Namespace, device) -> ActorLayout:
 
     Checked: positive counts; under torchrun, ``WORLD_SIZE`` equal to the layout's ranks; without it,
     one node (``--placement local`` starts processes on this host only); on CUDA no more ranks per
-    node than visible GPUs; with more than one rank, a global batch that splits over the ranks and
-    what the data-parallel loop does not support yet (a router, ``--async``, shared engine weights).
+    node than visible GPUs (``--placement ray``: the cluster's, checked by the placement); with more than
+    one rank, a global batch that splits over the ranks and what the data-parallel loop does not support
+    yet (a running router, ``--async``, shared engine weights). Disaggregated engines
+    (``--rollout-num-gpus``) take any number of ranks: rank 0 drives them (:mod:`rlperf.loop.data_parallel`).
     """
     for flag in ("actor_num_nodes", "actor_num_gpus_per_node"):
         if getattr(ns, flag, 1) < 1:
@@ -143,13 +149,10 @@ def _check_data_parallel(ns: argparse.Namespace, layout: ActorLayout) -> None:
     if ns.global_batch_size % w:
         raise UsageError(f"--global-batch-size {ns.global_batch_size} does not split over {ranks}: each rank trains "
                          f"an equal share of every global batch; use a multiple of {w}")
-    if getattr(ns, "disaggregated", False):
-        raise UsageError(f"--rollout-num-gpus with {ranks}: disaggregated engines take their weights from one "
-                         f"trainer rank for now; use --actor-num-gpus-per-node 1, or --colocate (each rank's "
-                         f"in-process engine)")
     if getattr(ns, "sglang_router_ip", None) is not None:
         raise UsageError(f"--sglang-router-ip with {ranks}: a data-parallel run generates on its ranks' in-process "
-                         f"engines (colocated); rollout through a router needs one actor rank for now")
+                         f"engines (colocated) or on the engines it starts (--rollout-num-gpus); rollout through a running router needs "
+                         f"one actor rank for now")
     if getattr(ns, "async_mode", False):
         raise UsageError(f"--async with {ranks} is not supported yet (the rollout thread and the trainer would share "
                          f"the ranks' process group); use sync mode")

@@ -27,6 +27,37 @@ class PhaseMemory:
 
 
 @dataclasses.dataclass
+class EngineMemory:
+    """One rollout engine's memory after the first step's rollout and weight sync, as the engine reports
+    it (``/get_server_info``: ``internal_states[0]["memory"]``, :meth:`rlperf.rollout.server.RolloutServer.memory`).
+
+    ``url``: the engine (a worker the router lists). ``kind``: ``"cuda"`` or ``"cpu_rss"``, as
+    :attr:`FirstStepRecord.memory_kind`; ``capacity_bytes``: its own device's memory (CPU: the host's);
+    ``peak_bytes``: its peak since it started (None: the engine did not report its memory);
+    ``kv_pool_bytes``: its KV cache's page pools.
+    """
+
+    url: str
+    kind: str | None
+    capacity_bytes: int | None
+    peak_bytes: int | None
+    current_bytes: int | None = None
+    kv_pool_bytes: int | None = None
+    device: str | None = None
+
+    @classmethod
+    def from_server_info(cls, url: str, info) -> EngineMemory:
+        """From a ``/get_server_info`` reply; an engine that reports no memory (an SGLang server) gets
+        ``peak_bytes`` None, which the oom_headroom gate reports as not measured."""
+        states = info.get("internal_states") if isinstance(info, dict) else None
+        mem = states[0].get("memory") if states and isinstance(states[0], dict) else None
+        if not isinstance(mem, dict):
+            return cls(url, None, None, None)
+        return cls(url, mem.get("kind"), mem.get("capacity_bytes"), mem.get("peak_bytes"), mem.get("current_bytes"),
+                   mem.get("kv_pool_bytes"), mem.get("device"))
+
+
+@dataclasses.dataclass
 class FirstStepRecord:
     """One rollout + one train step, as the gates see it.
 
@@ -40,6 +71,9 @@ class FirstStepRecord:
     worst-case probe (the largest micro-batch the run can see), if one ran. ``capacity_bytes``: the
     device's memory, or ``--memory-limit`` on CPU. ``memory_kind``: ``"cuda"`` (allocator peaks) or
     ``"cpu_rss"`` (process resident set). ``true_on_policy``: ``--true-on-policy-mode`` was on.
+    With several data-parallel ranks (``ranks``) each phase's peak and the probe's are the worst
+    rank's. ``engines``: with rollout engines of their own (``--rollout-num-gpus``), each engine's
+    memory (:class:`EngineMemory`), checked against its own capacity; empty otherwise.
     """
 
     samples: list[Sample]
@@ -52,3 +86,6 @@ class FirstStepRecord:
     true_on_policy: bool = False
     config: dict = dataclasses.field(default_factory=dict)
     """The run's arguments (for the report, and for the gates' hints: max_tokens_per_gpu ...)."""
+    engines: list[EngineMemory] = dataclasses.field(default_factory=list)
+    ranks: int = 1
+    """Data-parallel actor ranks the phases' peaks are the worst of."""

@@ -43,8 +43,10 @@ counters; ``--profile-step-start/-end`` and ``--profile-target`` add torch.profi
 window of steps (:mod:`rlperf.telemetry.trainer_trace`).
 
 Data parallel (``--actor-num-gpus-per-node N > 1``): every rank runs this loop in lockstep, with an
-:class:`rlperf.train.fsdp.FSDPTrainer` and its own engine (:mod:`rlperf.loop.data_parallel`); rank 0
-alone writes ``metrics.jsonl``, the timeline, traces and checkpoints, and prints.
+:class:`rlperf.train.fsdp.FSDPTrainer` and its own engine (:mod:`rlperf.loop.data_parallel`), or, with
+``--rollout-num-gpus``, rank 0 alone drives the disaggregated engines (rollout through their router,
+broadcast to the other ranks; weights gathered on every rank and broadcast to the engines by rank 0);
+rank 0 alone writes ``metrics.jsonl``, the timeline, traces and checkpoints, and prints.
 
 :func:`first_step` is the hook of the first-step gates: one rollout and one train step, returned
 as a :class:`rlperf.loop.record.FirstStepRecord` (the gates import it from the loop, never the reverse).
@@ -69,9 +71,10 @@ from rlperf.telemetry import PhaseMeter, PhaseTimeline, TrainerTrace, default_pa
 from . import checkpoint as ckpt
 from .args import UsageError, compute_dtype, kernel_policy, parse_train_args, resolve_args, run_device
 from .probe import worst_case_probe
-from .record import PHASES, FirstStepRecord, PhaseMemory
+from .record import PHASES, EngineMemory, FirstStepRecord, PhaseMemory
 from .clients import EngineClient, RouterClient, ServerAuthError
-from .data_parallel import DataParallelEngineClient, RankFailure, broadcast_from_rank0, max_over_ranks, rank_and_world
+from .data_parallel import (DataParallelEngineClient, Rank0EnginesClient, RankFailure, broadcast_from_rank0,
+                            max_over_ranks, rank_and_world)
 from .generation import DataSource, generate_rollout, load_rollout_data, rollout_kv_tokens, save_rollout_data
 
 METRICS_FILE = "metrics.jsonl"
@@ -173,8 +176,11 @@ class Run:
             self.precision = getattr(ns, "precision", "fp32") or "fp32"
             if self.precision == "auto":
                 self.precision = "bf16" if self.device.type == "cuda" else "fp32"
+            # data parallel with disaggregated engines: rank 0 alone talks to them (rollout, weight broadcast)
+            self.rank0_engines = self.world_size > 1 and bool(getattr(ns, "disaggregated", False))
+            self.last_sync = None  # the SyncStats of the latest weight sync
             if self.world_size > 1:
-                self._shard_trainer(ta, ref)
+                self._shard_trainer(ta, ref, engine_copy=not self.rank0_engines)
             else:
                 self.trainer = Trainer(self.model, ta, ref, compute_dtype=compute_dtype(ns, self.precision))
                 self.master_model, self.model = self.model, self.trainer.model
@@ -189,8 +195,11 @@ class Run:
             # engines on their own GPUs behind the router; weights by broadcast from this process (trainer rank 0)
             from .engines import launch_engines
 
-            with _auth_errors():
-                self.fleet, self.client = launch_engines(ns, self.tokenizer, self.precision, self.policy.backend)
+            if self.rank == 0:
+                with _auth_errors():
+                    self.fleet, self.client = launch_engines(ns, self.tokenizer, self.precision, self.policy.backend)
+            else:  # data parallel: rank 0's engines; this rank gets the rollout by broadcast, gathers for the sync
+                self.client = Rank0EnginesClient(self.rank, self.world_size)
         elif self.world_size > 1:
             # each rank's engine runs on its own full copy (self.model), loaded from the gathered shards; its
             # KV cache is sized as the one-rank engine's (a whole rollout: room to spare for its share)
@@ -216,21 +225,26 @@ class Run:
         self.trace = TrainerTrace(ns if self.rank == 0 else _without_profile(ns), self.out, self.start, self.device,
                                   error=UsageError)  # --profile-step-*
 
-    def _shard_trainer(self, train_args, ref) -> None:
+    def _shard_trainer(self, train_args, ref, engine_copy: bool = True) -> None:
         """Data parallel: every rank starts from rank 0's weights, the actor (and reference) are
         sharded by FSDP2 (:class:`rlperf.train.fsdp.FSDPTrainer`: its shards are the float32 masters),
-        and ``self.model`` becomes the rank's engine copy in the compute dtype (full weights, loaded
-        from the shards at every sync)."""
+        and with ``engine_copy`` ``self.model`` becomes the rank's engine copy in the compute dtype (full
+        weights, loaded from the shards at every sync). Without it (disaggregated engines: the weights
+        go to them from the gathered shards) there is no full copy and ``self.model`` is the sharded
+        master model."""
         from rlperf.train.fsdp import FSDPTrainer, broadcast_parameters
 
-        dtype = compute_dtype(self.ns, self.precision)
+        dtype = self.engine_dtype = compute_dtype(self.ns, self.precision)
         broadcast_parameters(self.model)
         if ref is not None:
             broadcast_parameters(ref)
-        engine_model = type(self.model)(self.model.cfg, dtype, self.device)
-        engine_model.requires_grad_(False)
+        engine_model = None
+        if engine_copy:
+            engine_model = type(self.model)(self.model.cfg, dtype, self.device)
+            engine_model.requires_grad_(False)
         self.trainer = FSDPTrainer(self.model, train_args, ref, compute_dtype=dtype)
-        self.master_model, self.model = self.trainer.master_model, engine_model
+        self.master_model = self.trainer.master_model
+        self.model = engine_model if engine_copy else self.master_model
 
     def close(self) -> None:
         """Release what the run started: the engines' weight-update group and, with
@@ -253,8 +267,10 @@ class Run:
         with self.kernels(), self.meter.phase("rollout", k):
             if ns.load_debug_rollout_data:
                 samples = load_rollout_data(ns.load_debug_rollout_data.format(rollout_id=k))
-            else:
+            elif self.rank == 0 or not self.rank0_engines:
                 samples = self.rollout_fn(ns, k, self.data_source)
+            else:
+                samples = None  # rank 0 generates through the disaggregated engines; its samples come below
             if self.world_size > 1:
                 samples = broadcast_from_rank0(samples)  # every rank trains on rank 0's rollout
         if ns.save_debug_rollout_data and self.rank == 0:
@@ -291,17 +307,40 @@ class Run:
         return stats
 
     def _load_rank_engine(self, k: int):
-        """Data parallel: the rank's engine loads the full weights (compute dtype) gathered from the FSDP
-        shards bucket by bucket; every rank at once (the gathers are collectives)."""
+        """Data parallel: the full weights (compute dtype) gathered from the FSDP shards bucket by bucket,
+        every rank at once (the gathers are collectives), go to the rank's engine; with disaggregated
+        engines rank 0 broadcasts them to the engines as they come and the other ranks only gather."""
         from rlperf.sync import SYNC_BUCKET_BYTES
 
-        named = self.trainer.iter_hf_weights(self.model.embed_tokens.dtype, SYNC_BUCKET_BYTES)
-        return self.client.load_weights(named, version=str(k + 1))
+        named = self.trainer.iter_hf_weights(self.engine_dtype, SYNC_BUCKET_BYTES)
+        with _auth_errors():
+            self.last_sync = self.client.load_weights(named, version=str(k + 1))
+        return self.last_sync
 
     def weights_checksum(self, k: int) -> str | None:
-        """``sync/weights_checksum``: of the compute weights after update ``k`` (data parallel: of the
-        rank's engine copy, which ``--debug-train-only`` loads here since it skips the sync; None on
-        ranks other than 0)."""
+        """``sync/weights_checksum`` (:func:`rlperf.sync.weights_checksum` at ``SYNC_BUCKET_BYTES``): of the
+        compute weights after update ``k``; None on ranks other than 0. Data parallel: of the rank's
+        engine copy, which ``--debug-train-only`` loads here since it skips the sync; with disaggregated
+        engines, of the engines' weights (the sync checked them against the bytes sent; one more query
+        when its bucket size is not ``SYNC_BUCKET_BYTES``), or with ``--debug-train-only`` of the
+        weights gathered here."""
+        from rlperf.sync import SYNC_BUCKET_BYTES
+
+        if self.rank0_engines:
+            with self.kernels():
+                if self.ns.debug_train_only:  # no sync: the gathered weights (every rank gathers)
+                    named = self.trainer.iter_hf_weights(self.engine_dtype, SYNC_BUCKET_BYTES)
+                    if self.rank != 0:
+                        self.client.load_weights(named, version=str(k + 1))  # advances the gathers only
+                        return None
+                    return weights_checksum(named, SYNC_BUCKET_BYTES)
+                if self.rank != 0:
+                    return None
+                stats, b = self.last_sync, self.client.broadcaster
+                if stats is not None and stats.weights_checksum and b.bucket_bytes == SYNC_BUCKET_BYTES:
+                    return stats.weights_checksum
+                with _auth_errors():
+                    return self.client.engine_checksum(SYNC_BUCKET_BYTES)
         if self.world_size > 1 and self.ns.debug_train_only:
             with self.kernels():
                 self._load_rank_engine(k)
@@ -547,6 +586,7 @@ def _first_step_record(run: Run, ns) -> FirstStepRecord:
     m = run.rollout_metrics(samples, rollout_time)
     m.update(run.train(0, samples, on_first_micro_step=first.update))
     run.sync(0)
+    engines = _engine_memory(run, ns)  # after the rollout and the weight sync: each engine's peak so far
     # worst case: the longest prompt of this step plus a full-length response, packed as densely as
     # the run packs (max_tokens_per_gpu or micro_batch_size samples); weights and grads untouched
     longest_prompt = max(s.prompt_length for s in run.last_train_samples)
@@ -568,4 +608,14 @@ def _first_step_record(run: Run, ns) -> FirstStepRecord:
         samples=run.last_train_samples, first_micro_step=first, step_metrics=m,
         phases=[PhaseMemory(p, peaks[p]) for p in PHASES],
         capacity_bytes=cap, memory_kind=run.meter.kind, probe=probe, true_on_policy=bool(ns.true_on_policy_mode),
-        config=config)
+        config=config, engines=engines, ranks=run.world_size)
+
+
+def _engine_memory(run: Run, ns) -> list[EngineMemory]:
+    """With engines of the run's own (``--rollout-num-gpus``): each one's memory as it reports it
+    (:meth:`RouterClient.engine_memory`), asked by rank 0 (the one that talks to them) and sent to the
+    other ranks, so every rank's gates check the same record; else nothing."""
+    if not getattr(ns, "disaggregated", False):
+        return []
+    engines = run.client.engine_memory() if run.rank == 0 else None
+    return broadcast_from_rank0(engines) if run.world_size > 1 else engines

@@ -134,12 +134,16 @@ class Qwen3ForCausalLM(nn.Module):
         o_proj, gate/up, down (the flattening order of weight sync and of ``sync/weights_checksum``).
         """
         params = dict(self.named_parameters())
-        names = ["embed_tokens", "norm"] + (["lm_head"] if self.lm_head is not None else [])
-        names += [f"layers.{n}.{f}" for n in range(len(self.layers)) for f in _LAYER_HF_ORDER]
         out = {}
-        for name in names:
+        for name in self.hf_param_order():
             out.update(hf_views(self.cfg, name, params[name]))
         return out
+
+    def hf_param_order(self) -> list[str]:
+        """``named_parameters`` names in the order :meth:`hf_state_dict` lists their HF tensors (a sender
+        that streams the weights in this order flattens them as ``hf_state_dict()`` does)."""
+        names = ["embed_tokens", "norm"] + (["lm_head"] if self.lm_head is not None else [])
+        return names + [f"layers.{n}.{f}" for n in range(len(self.layers)) for f in _LAYER_HF_ORDER]
 
     @torch.no_grad()
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:

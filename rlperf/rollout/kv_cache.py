@@ -65,6 +65,11 @@ class PagedKVCache:
         return self.num_pages * self.page_size
 
     @property
+    def pool_bytes(self) -> int:
+        """Bytes of the K and V page pools of every layer (allocated once, at construction)."""
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+    @property
     def num_free_pages(self) -> int:
         return len(self._free)
 

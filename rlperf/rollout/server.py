@@ -15,7 +15,8 @@ Endpoints (SGLang's names and reply fields; docs/ARCHITECTURE.md, "Rollout serve
   CUDA-graph decode size (:meth:`Engine.warm_up <rlperf.rollout.engine.Engine.warm_up>`), which
   leaves nothing a client can see; then 200 (``--skip-warmup``: at once). A request that comes
   earlier waits behind the warm-up. ``GET /model_info``, ``/get_model_info``, ``/server_info``,
-  ``/get_server_info`` (with ``warmup_seconds``), ``/get_weight_version``.
+  ``/get_server_info`` (with ``warmup_seconds``; ``internal_states[0]["memory"]``: the process's memory,
+  :meth:`RolloutServer.memory`), ``/get_weight_version``.
 * ``GET /v1/models``: the OpenAI model list (one card: ``id`` and ``root`` are ``--model-path``).
 * ``POST /generate``: ``text`` or ``input_ids``, single or batched; ``sampling_params`` (one object
   or one per prompt), ``return_logprob``, ``rid``, ``stream`` (parsed by
@@ -69,6 +70,7 @@ from aiohttp import web
 
 from rlperf import kernels as K
 from rlperf.sync import SYNC_BUCKET_BYTES, PayloadError, load_bucket, receive_bucket, weights_checksum
+from rlperf.telemetry.memory import process_memory
 
 from .args import ServerArgs
 from .engine import BadRequest, Engine, EngineConfig, Request, SamplingParams
@@ -525,8 +527,18 @@ class RolloutServer:
                     internal_states=[{"num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
                                       "num_free_pages": e.kv.num_free_pages, "num_steps": e.num_steps,
                                       "num_retractions": e.num_retractions, "num_failed_steps": e.num_failed_steps,
-                                      "paused": self.loop.paused}])
+                                      "paused": self.loop.paused, "memory": self.memory()}])
         return web.json_response(info)
+
+    def memory(self) -> dict:
+        """The engine process's memory, bytes (:func:`rlperf.telemetry.memory.process_memory`, as the trainer
+        measures its own): ``kind`` (``cuda``: allocator counters; ``cpu_rss``: resident set), ``device``,
+        ``capacity_bytes`` (the device's memory; CPU: the cgroup limit or MemTotal), ``current_bytes``,
+        ``peak_bytes`` (since the process started: warm-up, rollouts and weight loads included),
+        ``reserved_bytes`` (CUDA's caching allocator, else None) and ``kv_pool_bytes`` (the KV cache's
+        page pools, part of the current bytes). An rlperf key: SGLang's clients read the others."""
+        device = self.engine.model.device
+        return {**process_memory(device), "device": str(device), "kv_pool_bytes": self.engine.kv.pool_bytes}
 
     async def weight_version(self, request):
         return web.json_response({"weight_version": self.engine.weight_version})
@@ -759,6 +771,15 @@ class RolloutServer:
         return web.json_response({"success": True, "message": f"loaded {len(names)} tensors",
                                   "weight_version": self.engine.weight_version})
 
+    def _hf_weights(self, engine: Engine) -> dict:
+        """``engine.model.hf_state_dict()``, built once per model (hundreds of views: a bucket request of
+        a large model would rebuild them every time); they stay valid because every load copies into
+        the parameters in place."""
+        cached = getattr(self, "_hf_weights_cache", None)
+        if cached is None or cached[0] is not engine.model:
+            cached = self._hf_weights_cache = (engine.model, engine.model.hf_state_dict())
+        return cached[1]
+
     def _weights_loaded(self, engine: Engine, version: str | None, flush: bool, synchronize: bool = False) -> None:
         """On the engine thread, after either update endpoint loaded weights: the new ``weight_version``,
         and with ``flush`` a KV-cache flush when idle; ``synchronize`` waits for the device, so the reply
@@ -799,7 +820,7 @@ class RolloutServer:
         def apply(engine: Engine):
             if req.abort_all_requests:
                 engine.abort(None, "aborted for a weight update")
-            n = self.weight_groups.receive(req, engine.model.hf_state_dict())
+            n = self.weight_groups.receive(req, self._hf_weights(engine))
             self._weights_loaded(engine, req.weight_version, req.flush_cache, synchronize=req.flush_cache)
             return n
         try:

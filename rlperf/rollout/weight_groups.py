@@ -47,6 +47,11 @@ from rlperf.sync.distributed import BACKENDS, GROUP_NAME, WeightUpdateGroup, ini
 
 from .engine import BadRequest
 
+RECEIVE_SLOTS = 2
+"""Receive buffers of the NCCL bucket path (:meth:`WeightGroups._receive_bucket`): bucket k is received
+into slot ``k mod RECEIVE_SLOTS`` once the load of bucket ``k - RECEIVE_SLOTS`` has read it, so two
+let a receive overlap the previous load; each holds the largest bucket seen (kept between updates,
+freed when the engine leaves its last group)."""
 MAX_GROUPS = 4
 """Groups one engine may be in at once (each holds a connection to every peer)."""
 MAX_WORLD_SIZE = 65536
@@ -236,6 +241,10 @@ class WeightGroups:
         self.groups: dict[str, WeightUpdateGroup] = {}
         self._joining: set[str] = set()
         self._streams: tuple | None = None  # CUDA: (receive, load) streams of the bucket path
+        # CUDA: the bucket path's receive buffers, RECEIVE_SLOTS of them used in turn, each with the event
+        # of the load that last read it (module docstring of rlperf.sync.distributed: the pipeline)
+        self._slots: list[list] = [[None, None] for _ in range(RECEIVE_SLOTS)]
+        self._next_slot = 0
 
     def names(self) -> list[str]:
         return sorted(self.groups)
@@ -264,11 +273,14 @@ class WeightGroups:
                 f"{req.backend}).")
 
     def leave(self, name: str) -> bool:
-        """Leave group ``name``; False when this engine is not in it."""
+        """Leave group ``name``; False when this engine is not in it. The last group to go frees the
+        receive buffers."""
         group = self.groups.pop(name, None)
         if group is None:
             return False
         group.close()
+        if not self.groups:
+            self._slots = [[None, None] for _ in range(RECEIVE_SLOTS)]
         return True
 
     def require(self, name: str) -> None:
@@ -322,11 +334,14 @@ class WeightGroups:
         """One broadcast of the bucket's uint8 buffer, then its tensors loaded into ``params`` (None:
         receive and drop).
 
-        NCCL: the buffer is new memory that nothing else touches, so its receive runs on a stream of
-        its own that waits for nothing; the load waits for it and for the engine's stream (a queued
-        step may still read the parameters) on a second stream, and the engine's stream waits for
-        the load. So the next bucket's receive overlaps this bucket's load, and every later step of
-        the engine sees the new weights."""
+        NCCL: nothing here waits for the device. The receive goes into the next of
+        :data:`RECEIVE_SLOTS` buffers, kept from one request to the next (grown when a bucket is
+        larger), on a stream of its own that waits only for the load that last read that buffer; the
+        load waits for the receive and for the engine's stream (a queued step may still read the
+        parameters) on a second stream, and the engine's stream waits for the load. So a sender's
+        requests can queue up ahead of its broadcasts: the receive of the next bucket overlaps the
+        load of this one, the buffers never outnumber the slots, and every later step of the engine
+        sees the new weights."""
         if group.backend != "nccl":
             buffer = torch.empty(req.nbytes, dtype=torch.uint8, device=group.device)
             group.wait(group.broadcast(buffer), host=True)
@@ -336,15 +351,25 @@ class WeightGroups:
             self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
         receiving, loading = self._streams
         main = torch.cuda.current_stream(self.device)
+        slot = self._slots[self._next_slot]
+        self._next_slot = (self._next_slot + 1) % RECEIVE_SLOTS
+        buffer, read = slot
         with torch.cuda.stream(receiving):
-            buffer = torch.empty(req.nbytes, dtype=torch.uint8, device=self.device)
-            work = group.broadcast(buffer)
+            if read is not None:
+                receiving.wait_event(read)  # the last load from this buffer is done
+            if buffer is None or buffer.numel() < req.nbytes:
+                # a buffer allocated on this stream: its memory goes back to this stream's pool, behind the wait
+                buffer = slot[0] = torch.empty(req.nbytes, dtype=torch.uint8, device=self.device)
+            received = buffer[:req.nbytes]
+            work = group.broadcast(received)
         loading.wait_stream(main)
         with torch.cuda.stream(loading):
             group.wait(work, host=False)
-            buffer.record_stream(loading)
-            self._load(FlattenedBucket(buffer, req.layout), req, params)
+            self._load(FlattenedBucket(received, req.layout), req, params)
+            slot[1] = loading.record_event()
         main.wait_stream(loading)
+        if req.flush_cache:  # the last bucket of an update: the next update starts at slot 0 again
+            self._next_slot = 0
 
     @staticmethod
     def _load(bucket: FlattenedBucket, req: DistributedUpdateRequest, params) -> None:

@@ -1,7 +1,7 @@
 """rlperf.sync — weight sync between the trainer and the rollout engines, in one package.
 
 * :mod:`~rlperf.sync.config` — :class:`SyncConfig` (transport, bucket size) and the bucket sizes
-  :data:`SYNC_BUCKET_BYTES` / :data:`INLINE_BUCKET_BYTES`;
+  :data:`SYNC_BUCKET_BYTES` / :data:`INLINE_BUCKET_BYTES` / :data:`DISTRIBUTED_BUCKET_BYTES`;
 * :mod:`~rlperf.sync.flatten` — named parameters -> a few contiguous uint8 buckets (the planner, one
   multi-tensor copy launch per bucket; :func:`iter_buckets` one at a time) and :func:`weights_checksum`
   of a whole set of weights;
@@ -22,7 +22,7 @@ the server side is ``rlperf serve`` (:mod:`rlperf.rollout.server`), which receiv
 """
 from .buckets import DESCRIPTION_FORMAT, FlattenedBucket, FlattenedTensorMetadata
 from .checksum import bucket_checksum, mix64
-from .config import INLINE_BUCKET_BYTES, SYNC_BUCKET_BYTES, TRANSPORTS, SyncConfig
+from .config import DISTRIBUTED_BUCKET_BYTES, INLINE_BUCKET_BYTES, SYNC_BUCKET_BYTES, TRANSPORTS, SyncConfig
 from .dtypes import DTYPES, dtype_from_name, dtype_name
 from .extension import backend, extension_available, use_torch_fallback
 from .flatten import (ALIGNMENT, combine_checksums, flatten_buckets, iter_buckets, iter_buckets_with_last, plan_buckets,
@@ -30,7 +30,8 @@ from .flatten import (ALIGNMENT, combine_checksums, flatten_buckets, iter_bucket
 from .transports import PayloadError, SyncStats, bucket_payload, load_bucket, receive_bucket, release, sync_weights
 
 __all__ = [
-    "ALIGNMENT", "DESCRIPTION_FORMAT", "DTYPES", "INLINE_BUCKET_BYTES", "SYNC_BUCKET_BYTES", "TRANSPORTS",
+    "ALIGNMENT", "DESCRIPTION_FORMAT", "DISTRIBUTED_BUCKET_BYTES", "DTYPES", "INLINE_BUCKET_BYTES",
+    "SYNC_BUCKET_BYTES", "TRANSPORTS",
     "FlattenedBucket", "FlattenedTensorMetadata", "PayloadError", "SyncConfig", "SyncStats",
     "backend", "bucket_checksum", "bucket_payload", "dtype_from_name", "dtype_name", "extension_available",
     "combine_checksums", "flatten_buckets", "iter_buckets", "iter_buckets_with_last", "load_bucket", "mix64",

@@ -12,17 +12,19 @@ broadcast from rank 0. The HTTP side speaks SGLang's endpoints (field names of S
       {master_address, master_port, rank_offset: i + 1,
        world_size: N + 1, group_name, backend}
     join the group as rank 0
-    per update:
+    per update, on one HTTP/1.1 connection per engine, every request written as soon as it is known
+    (pipelined: none waits for the reply of the one before; the engine takes them in order):
       POST /pause_generation
-      per bucket of iter_buckets(named tensors, SYNC_BUCKET_BYTES):
-        POST /update_weights_from_distributed  ---------->    allocate the bucket's uint8 buffer, take part
-          {names, dtypes, shapes, group_name,                  in the broadcast (receive), load it into the
-           load_format: "flattened_bucket", flush_cache,       parameters (rlperf.sync's FlattenedBucket)
-           weight_version}
-        broadcast(bucket.buffer) from rank 0, then wait for every reply
+      per bucket of iter_buckets(named tensors, bucket_bytes = DISTRIBUTED_BUCKET_BYTES):
+        POST /update_weights_from_distributed  ---------->    receive the broadcast into one of its
+          {names, dtypes, shapes, group_name,                  preallocated slot buffers, load it into the
+           load_format: "flattened_bucket", flush_cache,       parameters on a side stream (rlperf.sync's
+           weight_version}                                     FlattenedBucket); reply once both are queued
+        broadcast(bucket.buffer) from rank 0 at once
       GET /weights_checksum?bucket_bytes=B  ------------->    weights_checksum of the engine's parameters
         (equal to combine_checksums of the buckets sent, the trainer's weights_checksum)
       POST /continue_generation
+      then wait for every reply
     close: POST /destroy_weights_update_group
 
 Layout of a bucket request (SGLang's ``load_format: "flattened_bucket"``): the tensors of ``names``
@@ -40,11 +42,18 @@ group: a ``TCPStore`` (rank 0 is its master) wrapped in the ``PrefixStore`` chai
 directly. With NCCL these are the store keys a slime or SGLang peer uses, so either side may be
 theirs. Collectives time out after :data:`GROUP_TIMEOUT_S`.
 
-Pipelining (NCCL): the broadcast of bucket k runs on NCCL's stream while the host waits for the
-engines' replies and packs bucket k+1; an engine replies once its receive and load are queued on its
-device (the last bucket, ``flush_cache: true``, once they are done), so the HTTP round trips overlap
-the transfers. At most ``max_inflight`` broadcasts are in flight; each bucket stays referenced until
-its broadcast has finished.
+Pipelining: nothing on the sender waits for an HTTP round trip between buckets. Bucket k's request
+goes out as soon as bucket k is packed, and its broadcast is issued right behind it, so the engine
+already holds the requests of the buckets to come while it receives bucket k. With NCCL, each engine
+replies once its receive and load are queued on its device (the last bucket, ``flush_cache: true``,
+once they are done) and receives into a ring of preallocated buffers
+(:class:`rlperf.rollout.weight_groups.WeightGroups`): the receive of bucket k+1 overlaps the load of
+bucket k. The sender packs bucket k+1 (on its stream) while bucket k broadcasts (on NCCL's), and waits
+on the host only for the broadcast ``max_inflight`` buckets back, whose buffer it then drops (each
+bucket stays referenced until its broadcast is done); meanwhile it watches the replies, so an engine
+that refused a bucket (and never takes its broadcast) fails the update at once instead of after
+:data:`GROUP_TIMEOUT_S`. An update that fails with a broadcast unfinished leaves the group (NCCL
+aborts it); the next update forms a new one.
 """
 from __future__ import annotations
 
@@ -52,11 +61,12 @@ import collections
 import concurrent.futures
 import dataclasses
 import datetime
-import http.client
+import gc
 import json
 import queue
 import socket
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -65,7 +75,7 @@ from collections.abc import Sequence
 import torch
 
 from .buckets import FlattenedTensorMetadata
-from .config import SYNC_BUCKET_BYTES
+from .config import DISTRIBUTED_BUCKET_BYTES
 from .dtypes import dtype_name
 from .flatten import combine_checksums, iter_buckets_with_last
 from .transports import SyncStats
@@ -127,11 +137,13 @@ class WeightUpdateGroup:
             torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
-        """Leave the group; it cannot be used afterwards. NCCL: the communicator is aborted, which
-        also ends a broadcast a failed peer left waiting (a graceful shutdown would wait for it)."""
+        """Leave the group; it cannot be used afterwards. The process group is aborted (where the torch
+        build can: NCCL, and gloo in recent torch), which also ends a broadcast a failed peer left
+        waiting (a graceful shutdown would wait for it); with gloo the peers see the connections close
+        and their own pending receives fail at once instead of at the timeout."""
         pg, self._pg, self._store = self._pg, None, None
         for method in ("abort", "shutdown"):
-            if pg is not None and self.backend == "nccl" and hasattr(pg, method):
+            if pg is not None and hasattr(pg, method):
                 try:
                     getattr(pg, method)()
                 except Exception:  # noqa: BLE001  (a communicator that never started has nothing to end)
@@ -200,6 +212,9 @@ def is_back_to_back(metadata: Sequence[FlattenedTensorMetadata]) -> bool:
 class WeightSyncError(RuntimeError):
     """An engine refused or failed a step of the sync; ``status`` is its HTTP status (0: unreachable)."""
 
+    unfinished_broadcast = False
+    """Whether a broadcast of the update was left unfinished (the sender then leaves the group)."""
+
     def __init__(self, message: str, status: int = 0):
         super().__init__(message)
         self.status = status
@@ -251,58 +266,121 @@ def _results(futures: list[concurrent.futures.Future]) -> list[dict]:
     return [f.result() for f in futures]
 
 
-class _EngineStream:
-    """One engine's bucket requests, sent in the order they were queued, one after another on one
-    keep-alive connection, from one daemon thread: the sender queues bucket k+1 before bucket k is
-    answered, and the engine still takes them (and joins their broadcasts) in order. :meth:`close`
-    cancels what has not been sent."""
+class _PipelinedConnection:
+    """One HTTP/1.1 connection to one engine on which requests are pipelined: :meth:`submit` writes a
+    request at once (from the caller's thread) without waiting for the replies of those before it, and
+    one daemon thread reads the replies in order. The engine (aiohttp, as uvicorn) handles a
+    connection's requests one after the other, in the order written, so its ``/pause_generation``, its
+    bucket requests (joining their broadcasts in order) and its ``/continue_generation`` queue up on
+    its side while the sender is busy broadcasting. A connection that fails (unreachable, closed by the
+    engine, unreadable reply) fails every request still waiting on it and takes no more."""
 
     def __init__(self, url: str, headers: dict, timeout: float):
         parts = urllib.parse.urlsplit(url)
-        self.url, self._headers, self._timeout = url, {"Content-Type": "application/json", **headers}, timeout
-        self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 80
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
-        self._conn: http.client.HTTPConnection | None = None
-        threading.Thread(target=self._run, daemon=True, name="rlperf-weight-sync-engine").start()
+        self.url, self._timeout = url, timeout
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        self._head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"{host}:{port}", **headers}.items())
+        self._lock = threading.Lock()
+        self._waiting: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: WeightSyncError | None = None
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise WeightSyncError(f"{url}: the engine cannot be reached ({exc})") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._rfile = self._sock.makefile("rb")
+        threading.Thread(target=self._read, daemon=True, name="rlperf-weight-sync-replies").start()
 
-    def submit(self, path: str, body: dict) -> concurrent.futures.Future:
+    def submit(self, method: str, path: str, body=None) -> concurrent.futures.Future:
+        """Write ``method path`` (``body`` as JSON) now; the future gets the decoded reply of a 200, or
+        :class:`WeightSyncError` naming the engine and the endpoint."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((fut, path, json.dumps(body).encode()))
+        data = b"" if body is None else json.dumps(body).encode()
+        head = (f"{method} {path} HTTP/1.1\r\n{self._head}Content-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        with self._lock:
+            if self._error is None:
+                try:
+                    self._sock.sendall(head + data)
+                except OSError as exc:
+                    self._fail(WeightSyncError(f"{self.url}{path.split('?')[0]}: the engine cannot be reached ({exc})"))
+            if self._error is not None:
+                fut.set_exception(self._error)
+            else:
+                self._waiting.put((fut, path))
         return fut
 
     def close(self) -> None:
-        self._closed = True
-        self._queue.put(None)
-
-    def _run(self) -> None:
+        """Close the connection; requests still waiting fail, and so does every later :meth:`submit`."""
+        with self._lock:
+            self._fail(WeightSyncError(f"{self.url}: the connection was closed"))
+            self._waiting.put(None)
         try:
-            while (item := self._queue.get()) is not None:
-                fut, path, data = item
-                if self._closed:
-                    fut.cancel()
-                elif fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(self._post(path, data))
-                    except BaseException as exc:  # noqa: BLE001  (handed to whoever waits)
-                        fut.set_exception(exc)
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def _fail(self, error: WeightSyncError) -> None:
+        if self._error is None:
+            self._error = error
+
+    def _read(self) -> None:
+        try:
+            while (item := self._waiting.get()) is not None:
+                fut, path = item
+                try:
+                    status, raw = _read_http_reply(self._rfile)
+                except (OSError, ValueError) as exc:
+                    with self._lock:  # nothing is queued after this: the rest fail here
+                        self._fail(WeightSyncError(f"{self.url}{path.split('?')[0]}: no reply from the engine ({exc})"))
+                    fut.set_exception(self._error)
+                    break
+                try:
+                    fut.set_result(_reply(self.url, path, status, raw))
+                except WeightSyncError as exc:
+                    fut.set_exception(exc)
+            while True:
+                try:
+                    item = self._waiting.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].set_exception(self._error)
         finally:
-            if self._conn is not None:
-                self._conn.close()
+            self._rfile.close()
 
-    def _post(self, path: str, data: bytes) -> dict:
-        try:
-            if self._conn is None:
-                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
-            self._conn.request("POST", path, body=data, headers=self._headers)
-            resp = self._conn.getresponse()
-            status, raw = resp.status, resp.read()
-        except (OSError, http.client.HTTPException) as exc:
-            if self._conn is not None:
-                self._conn.close()
-            self._conn = None
-            raise WeightSyncError(f"{self.url}{path}: the engine cannot be reached ({exc})") from None
-        return _reply(self.url, path, status, raw)
+
+def _read_http_reply(rfile) -> tuple[int, bytes]:
+    """One HTTP/1.1 response from ``rfile``: (status, body). Content-Length or chunked bodies; a reply
+    that ends the connection (no length) is read to its end. ValueError for what is not HTTP."""
+    line = rfile.readline(65537)
+    if not line:
+        raise ValueError("the engine closed the connection")
+    parts = line.split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+        raise ValueError(f"not an HTTP status line: {line[:80]!r}")
+    status, headers = int(parts[1]), {}
+    while (h := rfile.readline(65537)) not in (b"\r\n", b"\n", b""):
+        key, _, value = h.decode("latin-1").partition(":")
+        headers[key.strip().lower()] = value.strip()
+    if 100 <= status < 200:  # an interim reply (never asked for): the real one follows
+        return _read_http_reply(rfile)
+    if "content-length" in headers:
+        n = int(headers["content-length"])
+        body = rfile.read(n)
+        if len(body) != n:
+            raise ValueError("the engine closed the connection within a reply")
+        return status, body
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        chunks = []
+        while (size := int(rfile.readline(65537).split(b";")[0].strip() or b"0", 16)) > 0:
+            chunks.append(rfile.read(size))
+            rfile.readline(65537)
+        while rfile.readline(65537) not in (b"\r\n", b"\n", b""):  # trailers
+            pass
+        return status, b"".join(chunks)
+    return status, rfile.read()
 
 
 def _address_towards(url: str) -> str:
@@ -327,9 +405,9 @@ class WeightBroadcaster:
     api_key : the engines' admin key (sent as ``Authorization: Bearer``).
     master_address : how the engines reach this process (default: the interface that routes to the
         first engine; 127.0.0.1 for local engines).
-    bucket_bytes : bucket size of each broadcast (default :data:`SYNC_BUCKET_BYTES`).
-    max_inflight : buckets sent but not yet confirmed (every engine answered, the broadcast done on
-        this side) before the next one is packed.
+    bucket_bytes : bucket size of each broadcast (default :data:`rlperf.sync.DISTRIBUTED_BUCKET_BYTES`).
+    max_inflight : buckets whose broadcast may be unfinished on this side (each holds its packed buffer)
+        before the next one is packed; the replies are awaited at the end (module docstring).
 
     :meth:`connect` forms the group (:meth:`update_weights` does it the first time); :meth:`close`
     leaves it. Only trainer rank 0 uses this; other trainer ranks take part in gathering the full
@@ -338,7 +416,8 @@ class WeightBroadcaster:
 
     def __init__(self, engine_urls: Sequence[str], *, device, api_key: str | None = None,
                  group_name: str = GROUP_NAME, master_address: str | None = None,
-                 bucket_bytes: int = SYNC_BUCKET_BYTES, timeout: float = GROUP_TIMEOUT_S, max_inflight: int = 2):
+                 bucket_bytes: int = DISTRIBUTED_BUCKET_BYTES, timeout: float = GROUP_TIMEOUT_S,
+                 max_inflight: int = 2):
         if not engine_urls:
             raise ValueError("WeightBroadcaster needs at least one engine URL")
         if max_inflight < 1:
@@ -415,6 +494,12 @@ class WeightBroadcaster:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def engine_checksums(self, bucket_bytes: int | None = None) -> list[str]:
+        """Every engine's ``GET /weights_checksum`` at ``bucket_bytes`` (default :attr:`bucket_bytes`), in
+        :attr:`urls` order."""
+        query = f"{CHECKSUM_ENDPOINT}?bucket_bytes={bucket_bytes or self.bucket_bytes}"
+        return [r.get("weights_checksum") for r in self._all(query)]
+
     # ---- one update ----------------------------------------------------------------------------
     def update_weights(self, named_tensors, version: str | None = None, *, check_checksum: bool = True) -> SyncStats:
         """Broadcast ``named_tensors`` to every engine and load them there (module docstring).
@@ -425,72 +510,164 @@ class WeightBroadcaster:
         engine's ``weights_checksum`` must equal the checksum of the buckets sent (the trainer's
         :func:`rlperf.sync.weights_checksum` at ``bucket_bytes``; the tensors must come in the
         engines' ``hf_state_dict()`` order). The engines are paused during the update and continued
-        after it, also when it fails. WeightSyncError when an engine refuses or differs.
+        after it, also when it fails. WeightSyncError when an engine refuses or differs; when that
+        leaves a broadcast unfinished, the group is left (:meth:`close`) and the next update forms a
+        new one.
         """
         if self.group is None:
             self.connect()
         if hasattr(named_tensors, "items"):
             named_tensors = named_tensors.items()
-        self._all("/pause_generation", {})
-        ok = False
+        conns: list[_PipelinedConnection] = []
         try:
-            stats = self._broadcast(named_tensors, version, check_checksum)
-            ok = True
-        finally:
-            try:
-                self._all("/continue_generation", {})
+            conns = [_PipelinedConnection(url, self.headers, self.timeout) for url in self.urls]
+            return self._broadcast(conns, named_tensors, version, check_checksum)
+        except BaseException as exc:
+            for c in conns:
+                c.close()
+            conns = []
+            if getattr(exc, "unfinished_broadcast", False):
+                # a collective that cannot finish: abort this side first (gloo peers see their pending
+                # receives fail; NCCL's aborts here), then ask the engines to leave too
+                group, self.group = self.group, None
+                group.close()
+                del group
+                gc.collect()  # a work the failure's frames still reach would keep gloo's connections open
+                try:
+                    self._all(DESTROY_ENDPOINT, {"group_name": self.group_name}, timeout=CLOSE_TIMEOUT_S)
+                except WeightSyncError:
+                    pass  # an engine that cannot leave now fails the next connect, which says so
+            try:  # the pipelined /continue_generation may not have gone out: ask again on a fresh connection
+                self._all("/continue_generation", {}, timeout=CLOSE_TIMEOUT_S)
             except WeightSyncError:
-                if ok:
-                    raise
-        return stats
-
-    def _broadcast(self, named_tensors, version: str | None, check_checksum: bool) -> SyncStats:
-        group, inflight = self.group, collections.deque()
-        engines = [_EngineStream(url, self.headers, self.timeout) for url in self.urls]
-        checksums, n, nbytes = [], 0, 0
-
-        def confirm():  # the oldest bucket: every engine took it, and its broadcast is done here
-            i, bucket, work, replies = inflight.popleft()
-            try:
-                _results(replies)
-            except WeightSyncError as exc:
-                raise WeightSyncError(f"bucket {i} ({len(bucket)} tensors, {bucket.nbytes} bytes): {exc}",
-                                      exc.status) from None
-            group.wait(work, host=True)
-
-        try:
-            for bucket, last in iter_buckets_with_last(named_tensors, self.bucket_bytes):
-                if bucket.device != self.device:
-                    raise ValueError(f"the tensors are on {bucket.device}; this broadcaster sends from {self.device}")
-                metas = bucket.metadata
-                body = {"names": [m.name for m in metas], "dtypes": [dtype_name(m.dtype) for m in metas],
-                        "shapes": [list(m.shape) for m in metas], "group_name": self.group_name,
-                        "load_format": "flattened_bucket", "flush_cache": last, "abort_all_requests": False}
-                if version is not None:
-                    body["weight_version"] = version
-                if not is_back_to_back(metas):
-                    body["description"] = bucket.to_dict(with_checksum=False)
-                replies = [e.submit(UPDATE_ENDPOINT, body) for e in engines]
-                n, nbytes = n + 1, nbytes + bucket.nbytes
-                inflight.append((n, bucket, group.broadcast(bucket.buffer), replies))
-                if check_checksum:
-                    checksums.append(bucket.checksum)  # a read of the buffer, beside the broadcast's
-                while len(inflight) > self.max_inflight:
-                    confirm()
-            while inflight:
-                confirm()
+                pass
+            raise
         finally:
-            for e in engines:
-                e.close()
+            for c in conns:
+                c.close()
+
+    def _broadcast(self, conns: list[_PipelinedConnection], named_tensors, version: str | None,
+                   check_checksum: bool) -> SyncStats:
+        update = _Update(self, conns)
+        try:
+            return update.run(named_tensors, version, check_checksum)
+        except BaseException as exc:
+            if update.broken or update.inflight:
+                try:  # broadcasts not seen through: the caller leaves the group (the engines may never take them)
+                    exc.unfinished_broadcast = True
+                except AttributeError:
+                    pass
+            update.inflight.clear()  # no work of the group outlives it (its buffers with them)
+            raise
+
+
+class _Update:
+    """One pipelined update of a :class:`WeightBroadcaster` (module docstring): every request is written
+    as soon as it is known, the broadcasts are issued back to back, and the host waits only for the
+    broadcast ``max_inflight`` buckets back (whose buffer it then drops) and, at the end, for every reply."""
+
+    def __init__(self, sender: WeightBroadcaster, conns: list[_PipelinedConnection]):
+        self.sender, self.conns, self.group = sender, conns, sender.group
+        self.inflight: collections.deque = collections.deque()  # (bucket, work): broadcasts not seen done
+        self.requests: list[tuple[str, concurrent.futures.Future]] = []  # (what, reply), every engine's, in order
+        self.outstanding: list[tuple[str, concurrent.futures.Future]] = []  # not answered yet
+        self.broken = False  # a broadcast failed: the group cannot be used any more
+
+    def post(self, what: str, method: str, path: str, body=None) -> None:
+        for c in self.conns:
+            fut = c.submit(method, path, body)
+            self.requests.append((what, fut))
+            self.outstanding.append((what, fut))
+
+    def check_replies(self) -> None:
+        """A reply that failed already fails the update."""
+        still = []
+        for what, fut in self.outstanding:
+            if not fut.done():
+                still.append((what, fut))
+            elif fut.exception() is not None:
+                raise _failed_reply(what, fut.exception())
+        self.outstanding = still
+
+    def retire(self) -> None:
+        """Wait until the oldest bucket's broadcast is done on this side (looking at the replies meanwhile:
+        an engine that refused never takes it); then its buffer may go."""
+        bucket, work = self.inflight[0]
+        while not work.is_completed():
+            self.check_replies()
+            time.sleep(_POLL_S)
+        failure = None
+        try:
+            self.group.wait(work, host=False)  # later work on this stream sees the broadcast done (NCCL)
+        except Exception as exc:  # the collective failed (a peer left, or it timed out)
+            failure = str(exc)
+        if failure is not None:
+            # raised outside the except clause, with no work in this frame: the error's traceback must not
+            # keep a work, which would keep the group's connections open after the sender leaves it
+            del work
+            self.broken = True
+            deadline = time.monotonic() + CLOSE_TIMEOUT_S / 10
+            while any(not f.done() for _, f in self.outstanding) and time.monotonic() < deadline:
+                time.sleep(0.01)  # an engine's own reply says best why: give it a moment
+            self.check_replies()
+            raise WeightSyncError(f"the broadcast of a bucket of {bucket.nbytes} bytes failed: {failure}")
+        self.inflight.popleft()
+
+    def run(self, named_tensors, version: str | None, check_checksum: bool) -> SyncStats:
+        sender, engines = self.sender, len(self.conns)
+        checksums: list[int] = []
+        n = nbytes = 0
+        self.post("/pause_generation", "POST", "/pause_generation", {})
+        for bucket, last in iter_buckets_with_last(named_tensors, sender.bucket_bytes):
+            if bucket.device != sender.device:
+                raise ValueError(f"the tensors are on {bucket.device}; this broadcaster sends from {sender.device}")
+            metas = bucket.metadata
+            body = {"names": [m.name for m in metas], "dtypes": [dtype_name(m.dtype) for m in metas],
+                    "shapes": [list(m.shape) for m in metas], "group_name": sender.group_name,
+                    "load_format": "flattened_bucket", "flush_cache": last, "abort_all_requests": False}
+            if version is not None:
+                body["weight_version"] = version
+            if not is_back_to_back(metas):
+                body["description"] = bucket.to_dict(with_checksum=False)
+            n, nbytes = n + 1, nbytes + bucket.nbytes
+            self.post(f"bucket {n} ({len(metas)} tensors, {bucket.nbytes} bytes)", "POST", UPDATE_ENDPOINT, body)
+            self.inflight.append((bucket, self.group.broadcast(bucket.buffer)))
+            if check_checksum:
+                checksums.append(bucket.checksum)  # a read of the buffer, beside the broadcast's
+            self.check_replies()
+            while len(self.inflight) > sender.max_inflight:
+                self.retire()
         if n == 0:
             raise ValueError("update_weights got no tensors")
+        if check_checksum:
+            self.post(CHECKSUM_ENDPOINT, "GET", f"{CHECKSUM_ENDPOINT}?bucket_bytes={sender.bucket_bytes}")
+        self.post("/continue_generation", "POST", "/continue_generation", {})
+        while self.inflight:
+            self.retire()
+        replies = []
+        deadline = time.monotonic() + sender.timeout
+        for what, fut in self.requests:
+            try:
+                replies.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                raise WeightSyncError(f"{what}: no reply within {sender.timeout:g} s") from None
+            except WeightSyncError as exc:
+                raise _failed_reply(what, exc) from None
         checksum = None
         if check_checksum:
             checksum = combine_checksums(checksums)
-            query = f"{CHECKSUM_ENDPOINT}?bucket_bytes={self.bucket_bytes}"
-            got = [r.get("weights_checksum") for r in self._all(query)]
-            wrong = [f"{url}: {g}" for url, g in zip(self.urls, got) if g != checksum]
+            got = [r.get("weights_checksum") for r in replies[-2 * engines:-engines]]
+            wrong = [f"{url}: {g}" for url, g in zip(sender.urls, got) if g != checksum]
             if wrong:
                 raise WeightSyncError(f"after weight update {version!r} the engines' weights differ from the trainer's "
                                       f"(weights_checksum {checksum}): " + "; ".join(wrong))
         return SyncStats(buckets=n, bytes=nbytes, weights_checksum=checksum)
+
+
+_POLL_S = 50e-6
+"""How often the sender looks at a broadcast it waits for (and at the engines' replies meanwhile)."""
+
+
+def _failed_reply(what: str, exc: BaseException) -> WeightSyncError:
+    """The WeightSyncError of a failed request (``what``: the endpoint or the bucket)."""
+    return WeightSyncError(f"{what}: {exc}", getattr(exc, "status", 0))

@@ -4,6 +4,11 @@
 * :func:`peak_rss_bytes` / :func:`reset_peak_rss` — the resident set's high-water mark (``VmHWM``)
   and its reset (``/proc/self/clear_refs``), which the phase meter (:mod:`rlperf.telemetry.meter`)
   uses for a CPU phase's peak;
+* :func:`memory_kind`, :func:`capacity_bytes`, :func:`system_memory_bytes` — what a peak is held to:
+  the device's memory on CUDA, the host's (cgroup limit or MemTotal) for a ``cpu_rss`` process;
+* :func:`process_memory` — one process's memory now: kind, capacity, current and peak bytes, the
+  numbers a rollout server reports in ``/get_server_info`` (the trainer's phases measure the same
+  counters with the meter);
 * :func:`memory_counters` — the counters the phase timeline samples at phase edges (MiB).
 
 Nothing here imports torch at module level: the timeline stays importable without it, and CUDA
@@ -64,6 +69,62 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def system_memory_bytes() -> int | None:
+    """The memory this process may use: the cgroup limit (v2 ``memory.max``, v1 ``limit_in_bytes``) when
+    one is set, else the machine's MemTotal; None where neither can be read. The CPU capacity when
+    ``--memory-limit`` is not given (a container's limit is what the OOM killer enforces)."""
+    limits = []
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # "max" or a huge v1 sentinel mean: no limit
+            limits.append(int(text))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    limits.append(int(line.split()[1]) * 1024)
+                    break
+    except OSError:
+        pass
+    return min(limits) if limits else None
+
+
+def memory_kind(device) -> str:
+    """``"cuda"`` (allocator peaks) for a CUDA device, else ``"cpu_rss"`` (the process's resident set)."""
+    return "cuda" if str(device).startswith("cuda") else "cpu_rss"
+
+
+def capacity_bytes(device) -> int | None:
+    """What ``device``'s peaks are held to: the CUDA device's total memory, else :func:`system_memory_bytes`."""
+    if memory_kind(device) == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return system_memory_bytes()
+
+
+def process_memory(device) -> dict:
+    """This process's memory on ``device`` now, in bytes: ``kind`` (:func:`memory_kind`), ``capacity_bytes``
+    (:func:`capacity_bytes`), ``current_bytes`` and ``peak_bytes`` (CUDA: ``memory_allocated`` and
+    ``max_memory_allocated``, the counter the phase meter reads, plus ``reserved_bytes``,
+    ``memory_reserved``; CPU: the resident set and its high-water mark, :func:`peak_rss_bytes`)."""
+    kind = memory_kind(device)
+    out = {"kind": kind, "capacity_bytes": capacity_bytes(device)}
+    if kind == "cuda":
+        import torch
+
+        d = torch.device(device)
+        out.update(current_bytes=int(torch.cuda.memory_allocated(d)), peak_bytes=int(torch.cuda.max_memory_allocated(d)),
+                   reserved_bytes=int(torch.cuda.memory_reserved(d)))
+    else:
+        out.update(current_bytes=rss_bytes(), peak_bytes=peak_rss_bytes(), reserved_bytes=None)
+    return out
 
 
 def memory_counters() -> dict[str, float]:

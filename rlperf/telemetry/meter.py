@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from .memory import peak_rss_bytes, reset_peak_rss
+from .memory import memory_kind, peak_rss_bytes, reset_peak_rss
 
 
 @dataclasses.dataclass
@@ -59,7 +59,7 @@ class PhaseMeter:
         self.device = torch.device(device if device is not None else "cpu")
         self.timeline = timeline
         self.trace = None
-        self.kind = "cuda" if self.device.type == "cuda" else "cpu_rss"
+        self.kind = memory_kind(self.device)
         self.times: dict[str, float] = {}
         self.peaks: dict[str, int] = {}
         self._open = 0

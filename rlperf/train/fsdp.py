@@ -143,9 +143,10 @@ def _reshard_all(module: nn.Module) -> None:
 
 
 def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20,
-                     root: nn.Module | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor)`` for every parameter of ``model`` (``named_parameters`` names and order),
-    gathered from its FSDP shards one bucket at a time.
+                     root: nn.Module | None = None,
+                     order: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` for every parameter of ``model`` (``named_parameters`` names, in their
+    order or in ``order``, a permutation of them), gathered from its FSDP shards one bucket at a time.
 
     Parameters are taken in order into buckets of at most ``bucket_bytes`` bytes (in ``dtype``; a larger
     parameter is a bucket alone); a bucket's shards are cast to ``dtype`` (None: kept), each gathered
@@ -176,8 +177,14 @@ def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None, bucket_
             full.append((name, t))
         return full
 
+    params = list(model.named_parameters())
+    if order is not None:
+        by_name = dict(params)
+        if sorted(order) != sorted(by_name):
+            raise ValueError("iter_full_params: order must list every parameter of the model once")
+        params = [(name, by_name[name]) for name in order]
     bucket, size = [], 0
-    for name, p in model.named_parameters():
+    for name, p in params:
         nbytes = p.numel() * (dtype or p.dtype).itemsize
         if bucket and size + nbytes > bucket_bytes:
             yield from gather(bucket)
@@ -191,11 +198,13 @@ def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None, bucket_
 def iter_hf_weights(model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20,
                     root: nn.Module | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`iter_full_params` of a :class:`rlperf.model.qwen3.Qwen3ForCausalLM` under Hugging Face names
-    (fused q/k/v and gate/up become row views, :func:`rlperf.model.qwen3.hf_views`): what an engine
-    loads (``/update_weights_from_distributed`` names). Same collective contract."""
+    (fused q/k/v and gate/up become row views, :func:`rlperf.model.qwen3.hf_views`) and in
+    ``hf_state_dict()``'s order (:meth:`~rlperf.model.qwen3.Qwen3ForCausalLM.hf_param_order`): what an
+    engine loads (``/update_weights_from_distributed`` names), flattened into the buckets a broadcast of
+    ``hf_state_dict()`` would send (same bucket checksums). Same collective contract."""
     from rlperf.model.qwen3 import hf_views
 
-    for name, full in iter_full_params(model, dtype, bucket_bytes, root):
+    for name, full in iter_full_params(model, dtype, bucket_bytes, root, order=model.hf_param_order()):
         yield from hf_views(model.cfg, name, full)
 
 

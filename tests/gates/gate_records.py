@@ -1,7 +1,7 @@
 """Hand-built FirstStepRecords for the gate tests: a healthy one, and helpers to break it one way at a time."""
 import torch
 
-from rlperf.gates import PHASES, FirstStepRecord, PhaseMemory
+from rlperf.gates import PHASES, EngineMemory, FirstStepRecord, PhaseMemory
 from rlperf.train import Sample
 
 GiB = 2**30
@@ -31,6 +31,20 @@ def healthy_record(true_on_policy=True, noise=0.0, seed=0) -> FirstStepRecord:
     return FirstStepRecord(samples, first, step, phases, capacity_bytes=16 * GiB, memory_kind="cuda",
                            probe=PhaseMemory("train", 6 * GiB), true_on_policy=true_on_policy,
                            config={"max_tokens_per_gpu": 4096})
+
+
+ENGINE_URLS = ["http://127.0.0.1:40001", "http://127.0.0.1:40002"]
+
+
+def layout_record(engine_peaks_gib=(20, 30), ranks=2) -> FirstStepRecord:
+    """:func:`healthy_record` of a run on ``ranks`` data-parallel ranks (its peaks the worst rank's) with
+    two engines of its own on 80 GiB GPUs (:data:`ENGINE_URLS`), of the given peaks (a 16 GiB KV pool each)."""
+    record = healthy_record()
+    record.ranks = ranks
+    record.engines = [EngineMemory(url, "cuda", 80 * GiB, int(peak * GiB), current_bytes=int(peak * GiB) - GiB,
+                                   kv_pool_bytes=16 * GiB, device="cuda:0")
+                      for url, peak in zip(ENGINE_URLS, engine_peaks_gib)]
+    return record
 
 
 def next_float(x: float) -> float:

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from gate_records import GiB, healthy_record, next_float
-from rlperf.gates import (GATES, PHASES, GateOptions, PhaseMemory, kl_zero, logprob_abs_diff, oom_headroom,
-                          parse_memory_size, sanity)
+from gate_records import ENGINE_URLS, GiB, healthy_record, layout_record, next_float
+from rlperf.gates import (GATES, PHASES, EngineMemory, GateOptions, PhaseMemory, kl_zero, logprob_abs_diff,
+                          oom_headroom, parse_memory_size, sanity)
 from rlperf.gates.memory import format_bytes
 from rlperf.telemetry import rss_bytes
 
@@ -173,6 +173,48 @@ def test_oom_headroom_on_cpu_rss_of_this_process():
     assert not r.passed and r.message.startswith("phase rollout:") and "cpu_rss" in r.message
     record.capacity_bytes = parse_memory_size("1TiB")
     assert oom_headroom(record).passed
+
+
+def test_oom_headroom_checks_each_engine_against_its_own_capacity_and_names_it():
+    record = layout_record(engine_peaks_gib=(20, 73))  # 80 GiB GPUs, limit 72 GiB: the second engine is over
+    r = oom_headroom(record)
+    assert not r.passed and r.message == (f"engine {ENGINE_URLS[1]}: peak 73 GiB (91.2% of 80 GiB cuda) exceeds "
+                                          f"72 GiB (headroom 0.1); its KV pool is 16 GiB")
+    assert "1. lower --sglang-mem-fraction-static" in r.hint and "2. lower --sglang-cuda-graph-max-bs" in r.hint
+    assert [e["url"] for e in r.measured["engines"]] == ENGINE_URLS and r.measured["ranks"] == 2
+    assert r.measured["engines"][1]["limit_bytes"] == int(0.9 * 80 * GiB)
+    assert r.measured["engines"][1]["peak_bytes"] == 73 * GiB
+    assert oom_headroom(record, GateOptions(oom_headroom=0.05)).passed  # limit 76 GiB: the same rule as the trainer's
+    # the trainer's 16 GiB would not hold it: each engine is held to its own capacity, not the trainer's
+    assert record.capacity_bytes == 16 * GiB
+
+
+def test_oom_headroom_names_the_worst_of_ranks_and_engines():
+    r = oom_headroom(layout_record(engine_peaks_gib=(20, 30)))  # trainer 6/16 GiB = 37.5%, engines 25% and 37.5%+
+    assert r.passed and r.message == ("highest peak trainer probe:train 6 GiB = 37.5% of 16 GiB, "
+                                      "the worst of the trainer (2 ranks) and 2 engines")
+    r = oom_headroom(layout_record(engine_peaks_gib=(20, 31)))  # 31/80 = 38.8% > 37.5%
+    assert r.passed and r.message.startswith(f"highest peak engine {ENGINE_URLS[1]} 31 GiB = 38.8% of 80 GiB, the worst")
+    assert r.measured["worst"]["name"] == f"engine {ENGINE_URLS[1]}"
+    r = oom_headroom(layout_record(engine_peaks_gib=()))  # no engines of its own: the ranks alone
+    assert r.passed and r.message == "highest peak probe:train 6 GiB = 37.5% of 16 GiB, the worst of 2 ranks"
+    record = layout_record(engine_peaks_gib=())
+    record.capacity_bytes = 5 * GiB
+    r = oom_headroom(record)
+    assert not r.passed and r.message == ("phase weight_sync: peak 5 GiB on the worst of 2 ranks (100.0% of 5 GiB cuda) "
+                                          "exceeds 4.5 GiB (headroom 0.1)")
+
+
+def test_oom_headroom_fails_on_an_engine_that_reports_no_memory():
+    record = layout_record()
+    sglang_info = {"internal_states": [{"memory_usage": {"weight": 1.2, "kvcache": 60.0}}]}  # SGLang's own keys
+    record.engines[0] = EngineMemory.from_server_info(ENGINE_URLS[0], sglang_info)
+    r = oom_headroom(record)
+    assert not r.passed and r.message.startswith(f"engine {ENGINE_URLS[0]} did not report its memory")
+    info = {"internal_states": [{"memory": {"kind": "cpu_rss", "device": "cpu", "capacity_bytes": 8 * GiB,
+                                            "current_bytes": GiB, "peak_bytes": 2 * GiB, "reserved_bytes": None,
+                                            "kv_pool_bytes": 64 << 20}}]}
+    assert EngineMemory.from_server_info("u", info) == EngineMemory("u", "cpu_rss", 8 * GiB, 2 * GiB, GiB, 64 << 20, "cpu")
 
 
 # -- sanity --------------------------------------------------------------------------------------------

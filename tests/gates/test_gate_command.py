@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rlperf.kernels as K
-from gate_records import healthy_record
+from gate_records import ENGINE_URLS, GiB, healthy_record, layout_record
 from rlperf.gates import FirstStepGate, FirstStepRecord, GateOptions, PhaseMemory
 from rlperf.gates.runner import main
 from rlperf.model import preset
@@ -69,6 +69,40 @@ def test_reports_mark_the_failed_gates(tmp_path):
     assert "sample 1, response token 0" in msg
     table = report.table()
     assert table.count("FAIL") == 3 and "kl_zero: try:" in table and "FAILED: kl_zero, sanity" in table
+
+
+def test_the_junit_of_a_whole_layout_has_one_testcase_per_gate(tmp_path):
+    """Two ranks and two engines, one engine over its limit: still one testcase per gate (not one per rank
+    or engine); oom_headroom's failure names the engine, and its details list both engines."""
+    report = FirstStepGate().check(layout_record(engine_peaks_gib=(75, 20)))
+    report.write_junit(tmp_path / "r.xml")
+    cases, failed = _junit(tmp_path / "r.xml")  # exactly the four gates, in order
+    assert failed == ["oom_headroom"]
+    failure = cases["oom_headroom"].find("failure")
+    assert failure.get("message").startswith(f"engine {ENGINE_URLS[0]}: peak 75 GiB")
+    details = json.loads(failure.text.splitlines()[-1])
+    assert [(e["url"], e["peak_bytes"]) for e in details["measured"]["engines"]] == [(ENGINE_URLS[0], 75 * GiB),
+                                                                                    (ENGINE_URLS[1], 20 * GiB)]
+    assert all(len(c.findall("failure")) + len(c.findall("system-out")) == 1 for c in cases.values())
+
+
+def test_cpu_engines_are_held_to_the_memory_limit(tmp_path):
+    """On the CPU the engines are processes of this host: --memory-limit holds them as it holds the trainer."""
+    def cpu_record():
+        record = layout_record(engine_peaks_gib=(5.5, 1), ranks=1)
+        record.memory_kind, record.capacity_bytes, record.probe = "cpu_rss", None, None
+        record.phases = [PhaseMemory(p.phase, GiB) for p in record.phases]
+        for e in record.engines:
+            e.kind, e.capacity_bytes, e.device = "cpu_rss", 1024 * GiB, "cpu"  # as an engine reports MemTotal
+        return record
+
+    assert main([], first_step=_returns(cpu_record())) == 0  # each engine against the capacity it reported
+    record = cpu_record()
+    assert main(["--memory-limit", "6GiB", "--report-json", str(tmp_path / "g.json")], first_step=_returns(record)) == 1
+    assert [e.capacity_bytes for e in record.engines] == [6 * GiB, 6 * GiB]
+    gate = json.loads((tmp_path / "g.json").read_text())["gates"][2]
+    assert gate["message"] == (f"engine {ENGINE_URLS[0]}: peak 5.5 GiB (91.7% of 6 GiB cpu_rss) exceeds 5.4 GiB "
+                               f"(headroom 0.1); its KV pool is 16 GiB")
 
 
 def test_a_gate_that_raises_is_reported_failed_and_the_others_still_run():

@@ -140,7 +140,7 @@ def test_first_step_record_for_the_gates(tmp_path):
     assert rec.step_metrics["train/train_rollout_logprob_abs_diff"] == 0.0
     assert [p.phase for p in rec.phases] == ["rollout", "log_prob", "train", "weight_sync"]
     assert all(p.peak_bytes > 0 for p in rec.phases)
-    assert len(rec.samples) == 64
+    assert len(rec.samples) == 128
     for s in rec.samples:
         assert torch.equal(s.log_probs, s.ref_log_probs) and torch.equal(s.log_probs, s.rollout_log_probs_tensor())
 
@@ -185,7 +185,7 @@ def test_missing_input_key_named_by_line(tmp_path, checkpoint, capsys):
 
 def test_broken_batch_relation(tmp_path, checkpoint, capsys):
     err = _bad(tmp_path, checkpoint, capsys, "--global-batch-size", "48")
-    assert "batch relation broken" in err and "64" in err and "48" in err
+    assert "batch relation broken" in err and "128" in err and "48" in err
 
 
 def test_engine_memory_fraction_out_of_range(tmp_path, checkpoint, capsys):

@@ -23,10 +23,12 @@ from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.rollout.args import ServerArgs
 from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
+from rlperf.rollout.kv_cache import bytes_per_token
 from rlperf.rollout.router import http_json
 from rlperf.rollout.tokenizer import ByteTokenizer
 from rlperf.loop.clients import push_weights
 from rlperf.sync import SyncConfig, bucket_payload, flatten_buckets
+from rlperf.telemetry.memory import system_memory_bytes
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("sglang_router")
@@ -121,6 +123,12 @@ def test_router_lists_both_workers(cluster):
         s, info = http_json(url + "/get_server_info")
         assert s == 200 and info["max_total_num_tokens"] == KV_TOKENS and "api_key" not in info
         assert http_json(url + "/health_generate")[0] == 200
+        # the engine's memory (rlperf's key beside SGLang's): the KV pools of every layer, inside the resident set
+        mem = http_json(url + "/get_server_info")[1]["internal_states"][0]["memory"]
+        assert (mem["kind"], mem["device"], mem["reserved_bytes"]) == ("cpu_rss", "cpu", None)
+        assert mem["kv_pool_bytes"] == bytes_per_token(preset("tiny"), torch.float32) * KV_TOKENS
+        assert mem["kv_pool_bytes"] < mem["current_bytes"] <= mem["peak_bytes"] < mem["capacity_bytes"]
+        assert mem["capacity_bytes"] == system_memory_bytes()
 
 
 def test_generate_single_and_batched_with_logprobs(cluster, model):

@@ -178,3 +178,27 @@ def test_sglang_formats_a_mismatch_and_hostile_bodies_leave_the_group_in_step(cl
         # the group is still in step: a whole update lands on both engines
         assert b.update_weights(other, "after").weights_checksum == weights_checksum(other)
         assert _checksums(cluster) == [(weights_checksum(other), "after")] * 2
+
+
+def test_an_engine_that_refuses_a_bucket_fails_the_update_at_once_and_the_next_one_forms_a_new_group(cluster):
+    """The sender does not wait for a broadcast an engine will never take: the refusal (here the engine
+    left the group behind the sender's back) fails the update within a moment, the sender leaves the
+    group (every engine's pending receive ends with it), and the next update forms a new one."""
+    import time
+
+    from rlperf.sync.distributed import WeightSyncError
+
+    named = _weights(6)
+    with WeightBroadcaster(cluster.worker_urls, device="cpu", group_name="g5", bucket_bytes=64 << 10, timeout=60) as b:
+        b.update_weights(named, "ok")
+        assert http_json(cluster.worker_urls[1] + "/destroy_weights_update_group", {"group_name": "g5"})[0] == 200
+        t = time.perf_counter()
+        with pytest.raises(WeightSyncError) as info:
+            b.update_weights(named, "refused")
+        assert time.perf_counter() - t < 10  # not the 60 s timeout of a broadcast nobody takes
+        assert str(info.value).startswith(f"bucket 1 (1 tensors, 131072 bytes): {cluster.worker_urls[1]}"
+                                          f"/update_weights_from_distributed answered 400: 'group_name'"), info.value
+        assert b.group is None
+        assert all(http_json(u + "/get_server_info")[1]["weight_update_groups"] == [] for u in cluster.worker_urls)
+        b.update_weights(named, "again")  # a new group, both engines in it
+        assert _checksums(cluster) == [(weights_checksum(named), "again")] * 2

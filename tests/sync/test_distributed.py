@@ -53,3 +53,23 @@ def test_a_gloo_weight_update_group_broadcasts_from_rank_0_without_a_default_gro
     assert not dist.is_initialized()  # the engine's (and the trainer's) default group is left alone
     root.close()
     peer.close()
+
+
+def test_pipelined_replies_are_read_one_by_one_whatever_their_framing():
+    """The sender's reply reader (requests pipelined on one connection: the replies arrive back to back)."""
+    import io
+
+    import pytest
+
+    from rlperf.sync.distributed import _read_http_reply
+
+    stream = io.BufferedReader(io.BytesIO(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 400 Bad Request\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"4\r\n{\"a\"\r\n3;x=y\r\n: 1\r\n1\r\n}\r\n0\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n{\"b\": 2}"))
+    assert _read_http_reply(stream) == (200, b"{}")
+    assert _read_http_reply(stream) == (400, b'{"a": 1}')
+    assert _read_http_reply(stream) == (200, b'{"b": 2}')
+    with pytest.raises(ValueError, match="closed the connection"):
+        _read_http_reply(stream)

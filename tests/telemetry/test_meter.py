@@ -95,3 +95,28 @@ def test_cuda_phase_sees_an_allocation_inside_the_block():
     with meter.phase("log_prob") as m2:
         pass
     assert m2.peak_bytes < 256 * MiB  # the peak was reset at the phase's start
+
+
+def test_process_memory_on_the_cpu_is_the_resident_set_against_the_hosts_memory():
+    """What a rollout server reports in /get_server_info: the readings the meter takes, and the capacity."""
+    from rlperf.telemetry import process_memory, system_memory_bytes
+
+    buf = mmap.mmap(-1, 64 * MiB)
+    buf.write(b"\1" * (64 * MiB))  # resident now
+    m = process_memory("cpu")
+    assert (m["kind"], m["reserved_bytes"], m["capacity_bytes"]) == ("cpu_rss", None, system_memory_bytes())
+    assert 64 * MiB < m["current_bytes"] <= m["peak_bytes"] <= peak_rss_bytes()  # VmHWM, as the meter reads it
+    buf.close()
+
+
+@pytest.mark.gpu
+def test_process_memory_on_cuda_is_the_allocators_counters_against_the_devices_memory():
+    from rlperf.telemetry import process_memory
+
+    dev = torch.device("cuda")
+    x = torch.empty(256 * MiB, dtype=torch.uint8, device=dev)
+    m = process_memory(dev)
+    assert m["kind"] == "cuda" and m["capacity_bytes"] == torch.cuda.get_device_properties(dev).total_memory
+    assert 256 * MiB <= m["current_bytes"] <= m["peak_bytes"] and m["current_bytes"] <= m["reserved_bytes"]
+    assert m["peak_bytes"] == torch.cuda.max_memory_allocated(dev)
+    del x
