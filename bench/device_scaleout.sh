@@ -6,7 +6,7 @@
 # (bench/scaleout.py). Logs and metrics land in $OUT/scaleout/<layout>/, bundled in $OUT/scaleout.tar.gz.
 #
 #   bash bench/device_scaleout.sh [flags of python -m rlperf.bench.scaleout]
-#   e.g. RLPERF_COMMIT=$(git rev-parse --short HEAD) bash bench/device_scaleout.sh --prompts 16 --samples 8
+#   e.g. RLPERF_COMMIT=$(git rev-parse --short HEAD) bash bench/device_scaleout.sh --prompts 32 --samples 8
 #
 # Packages the device image lacks (sglang-router and its server stack) travel as wheels in .whl/
 # (carry it, as for bench/device.sh).

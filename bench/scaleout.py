@@ -1,6 +1,6 @@
 """Scale-out benchmark (issue #14): the synthetic loop's tokens/s on 1 GPU against DP=2 + 2 engines on 4.
 
-    python -m rlperf.bench.scaleout [--layouts 1gpu,dp2-engines2,dp2] [--prompts 16] [--samples 8]
+    python -m rlperf.bench.scaleout [--layouts 1gpu,dp2-engines2,dp2] [--prompts 32] [--samples 8]
                                     [--response-len 256] [--num-rollout 4] [--output-dir DIR]
 
 Every layout runs ``rlperf train --skip-gates`` in a process of its own on the same synthetic loop
@@ -13,6 +13,11 @@ micro-batches), one after the other on this machine:
   and 1, two ``rlperf serve`` engines on GPUs 2 and 3 behind the sglang-router, weights by NCCL
   broadcast from rank 0 (4 GPUs);
 * ``dp2``: ``--actor-num-gpus-per-node 2``: two ranks, each with its in-process engine (2 GPUs).
+
+The default size, 32 prompts x 8 samples = 256 samples of up to 256 tokens (``rlperf bench loop`` has
+32 samples), gives the engines work to share: an engine runs at most 64 sequences at once (the
+``--max-running-requests`` default of ``rlperf serve`` and of the in-process engine), so one engine
+decodes the rollout in 4 waves and two engines in 2 each; 32 samples fit one wave either way.
 
 Each layout's row: ``perf/tokens_per_sec`` (prompt + response tokens of the rollout / step wall time),
 step, rollout, train and sync times, each the mean over the rollouts after the first (the first
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rlperf.bench.scaleout", description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of: " + ", ".join(LAYOUTS))
     p.add_argument("--model", default="qwen3-0.6b")
-    p.add_argument("--prompts", type=int, default=16, help="--rollout-batch-size")
+    p.add_argument("--prompts", type=int, default=32, help="--rollout-batch-size")
     p.add_argument("--samples", type=int, default=8, help="--n-samples-per-prompt")
     p.add_argument("--response-len", type=int, default=256, help="--rollout-max-response-len")
     p.add_argument("--num-rollout", type=int, default=4, help="rollouts per layout (the first is left out of the means)")

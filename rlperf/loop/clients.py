@@ -187,6 +187,12 @@ def push_weights(url: str, named_tensors, *, config: SyncConfig | None = None, w
     return len(buckets)
 
 
+ROUTER_MAX_INFLIGHT = 1024
+"""``/generate`` requests a :class:`RouterClient` keeps in flight: a whole rollout at once, so every engine
+behind the router runs as many sequences as it admits (its ``--max-running-requests``), as the
+in-process engine does with the whole batch; 32 left two engines 16 sequences each."""
+
+
 class RouterClient:
     """Rollout servers behind a running sglang-router (module docstring)."""
 
@@ -198,7 +204,7 @@ class RouterClient:
         flattened-bucket requests."""
         self.url, self.tokenizer, self.colocate, self.timeout = f"http://{ip}:{port}", tokenizer, colocate, timeout
         self.api_key, self.headers = api_key, _auth_headers(api_key)
-        self.max_inflight = 32
+        self.max_inflight = ROUTER_MAX_INFLIGHT
         self.distributed = distributed
         self.broadcaster: WeightBroadcaster | None = None
         self.workers()
@@ -238,9 +244,10 @@ class RouterClient:
                                 finish_reason=meta["finish_reason"])
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
-        # one request per sample, many in flight: the router spreads them over the workers, and each
-        # sample's tokens depend only on its seed (batch-invariant engines), not on who served it
-        with ThreadPoolExecutor(self.max_inflight) as pool:
+        # one request per sample, all in flight at once (up to max_inflight): the router spreads them over
+        # the workers, which queue what they cannot run yet, and each sample's tokens depend only on its
+        # seed (batch-invariant engines), not on who served it
+        with ThreadPoolExecutor(max(1, min(len(prompts), self.max_inflight))) as pool:
             return list(pool.map(self._generate_one, prompts, params))
 
     def update_weights(self, named_tensors, version: str) -> SyncStats:

@@ -510,9 +510,9 @@ class WeightBroadcaster:
         engine's ``weights_checksum`` must equal the checksum of the buckets sent (the trainer's
         :func:`rlperf.sync.weights_checksum` at ``bucket_bytes``; the tensors must come in the
         engines' ``hf_state_dict()`` order). The engines are paused during the update and continued
-        after it, also when it fails. WeightSyncError when an engine refuses or differs; when that
-        leaves a broadcast unfinished, the group is left (:meth:`close`) and the next update forms a
-        new one.
+        after it, also when it fails. WeightSyncError when an engine refuses or differs; when the
+        failure leaves a broadcast unfinished, this side aborts the group, the engines are asked to
+        leave it (as :meth:`close` does), and the next update forms a new one.
         """
         if self.group is None:
             self.connect()
