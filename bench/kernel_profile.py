@@ -27,22 +27,11 @@ from rlperf import kernels as K
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 
-from .rollout import MODEL, _requests
+from .rollout import MODEL, decoding_engine
 
 
 def _engine(model, batch: int, prompt_len: int = 512, new_tokens: int = 256):
-    from rlperf.rollout.engine import Engine, EngineConfig
-    from rlperf.rollout.tokenizer import ByteTokenizer
-
-    P = K.PAGE_SIZE
-    cfg = EngineConfig(max_running_requests=batch, chunked_prefill_size=max(8192, prompt_len),
-                       max_total_tokens=batch * (-(-(prompt_len + new_tokens) // P) * P), cuda_graph_max_bs=batch)
-    engine = Engine(model, ByteTokenizer(model.cfg.vocab_size), cfg)
-    _requests(engine, batch, prompt_len, new_tokens)
-    while any(not r.output_ids for r in engine.requests.values()) or engine.waiting:
-        engine.step()
-    for _ in range(5):
-        engine.step()
+    engine = decoding_engine(model, batch, prompt_len, new_tokens, graph_bs=batch, warmup=5)
     torch.cuda.synchronize()
     return engine
 

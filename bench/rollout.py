@@ -50,20 +50,28 @@ def _requests(engine: Engine, batch: int, prompt_len: int, new_tokens: int, seed
         engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=i, ignore_eos=True))
 
 
-def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int, graph_bs: int = 0,
-                warmup: int = 3) -> dict:
-    """Mean wall ms of a decode step of ``batch`` sequences, and the mean cached tokens per sequence."""
-    if steps + warmup + 1 > new_tokens:
-        raise ValueError(f"{steps} timed + {warmup} warm-up steps need more than {new_tokens} new tokens")
+def decoding_engine(model, batch: int, prompt_len: int, new_tokens: int, graph_bs: int = 0, warmup: int = 3) -> Engine:
+    """An engine whose ``batch`` requests (byte prompts of ``prompt_len``) are all decoding: prefilled
+    until each has its first token, then ``warmup`` decode steps (graph capture and kernel compilation
+    stay out of what the caller times)."""
     P = K.PAGE_SIZE
     cfg = EngineConfig(max_running_requests=batch, chunked_prefill_size=max(8192, prompt_len),
                        max_total_tokens=batch * (-(-(prompt_len + new_tokens) // P) * P), cuda_graph_max_bs=graph_bs)
     engine = Engine(model, ByteTokenizer(model.cfg.vocab_size), cfg)
     _requests(engine, batch, prompt_len, new_tokens)
     while any(not r.output_ids for r in engine.requests.values()) or engine.waiting:
-        engine.step()  # prefill (chunked) until every request has its first token
-    for _ in range(warmup):  # graph capture and kernel compilation stay out of the timing
         engine.step()
+    for _ in range(warmup):
+        engine.step()
+    return engine
+
+
+def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int, graph_bs: int = 0,
+                warmup: int = 3) -> dict:
+    """Mean wall ms of a decode step of ``batch`` sequences, and the mean cached tokens per sequence."""
+    if steps + warmup + 1 > new_tokens:
+        raise ValueError(f"{steps} timed + {warmup} warm-up steps need more than {new_tokens} new tokens")
+    engine = decoding_engine(model, batch, prompt_len, new_tokens, graph_bs, warmup)
     kv_before = sum(r.num_cached for r in engine.running) / batch
     _sync(model.device)
     t0 = time.perf_counter()

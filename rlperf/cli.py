@@ -65,12 +65,18 @@ def _gate(args: argparse.Namespace) -> int:
 
 def _gate_rank(args: argparse.Namespace) -> int:
     """``rlperf gate`` in one process, or in each actor rank (:func:`_gates_on_ranks`)."""
+    return _in_rank_group(args, _gates_on_ranks)
+
+
+def _in_rank_group(ns: argparse.Namespace, body) -> int:
+    """``body(ns, place)`` inside the actor ranks' process group (one process: a group of one); a
+    nonzero code with several ranks leaves the group without its closing barrier (module placement)."""
     from rlperf.loop.placement import actor_process_group
 
-    with actor_process_group(args) as place:
-        code = _gates_on_ranks(args, place)
+    with actor_process_group(ns) as place:
+        code = body(ns, place)
         if code and place.world_size > 1:
-            raise SystemExit(code)  # leave the ranks' group without its closing barrier (module placement)
+            raise SystemExit(code)
     return code
 
 
@@ -117,13 +123,7 @@ def _train(args: argparse.Namespace) -> int:
 def _train_rank(ns: argparse.Namespace) -> int:
     """``rlperf train`` once its flags are resolved: in one process, or in each actor rank (a rank
     started by the placement or by torchrun joins the ranks' process group first)."""
-    from rlperf.loop.placement import actor_process_group
-
-    with actor_process_group(ns) as place:
-        code = _train_on_rank(ns, place)
-        if code and place.world_size > 1:
-            raise SystemExit(code)  # leave the ranks' group without its closing barrier (module placement)
-    return code
+    return _in_rank_group(ns, _train_on_rank)
 
 
 def _train_on_rank(ns: argparse.Namespace, place) -> int:
