@@ -91,8 +91,10 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
                    help="in-process engine on CUDA: the fraction of device memory that everything allocated "
                         "before it plus its KV cache may fill (default: no fraction; the KV cache holds one "
                         "rollout, rollout-batch-size x n-samples-per-prompt sequences of the longest prompt plus "
-                        "--rollout-max-response-len, and the rest of the device is the trainer's; servers behind "
-                        "a router take rlperf serve --mem-fraction-static)")
+                        "--rollout-max-response-len, and the rest of the device is the trainer's); engines on "
+                        "GPUs of their own (--rollout-num-gpus): the fraction of their GPU for weights + KV cache "
+                        "(default 0.8, under the first-step gate's headroom); servers behind a router you started "
+                        "take rlperf serve --mem-fraction-static")
     g = p.add_argument_group("model and checkpoints")
     g.add_argument("--model", default=None, help="preset when no --hf-checkpoint/--load (default tiny)")
     g.add_argument("--hf-checkpoint", default=None, help="initial weights (HF safetensors directory)")
