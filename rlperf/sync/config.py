@@ -13,13 +13,14 @@ SYNC_BUCKET_BYTES = 512 << 20
 (8.04 GB) over cuda_ipc to another process took 163 ms in 64 MiB buckets and 41 ms in 512 MiB ones
 (H100, bench/BENCHMARKS.md "sync")."""
 
-DISTRIBUTED_BUCKET_BYTES = 1 << 30
+DISTRIBUTED_BUCKET_BYTES = 512 << 20
 """The bucket size of a broadcast to disaggregated engines (:class:`rlperf.sync.distributed.WeightBroadcaster`,
-1 GiB): each bucket is one ``/update_weights_from_distributed`` request and one broadcast, and the
+512 MiB): each bucket is one ``/update_weights_from_distributed`` request and one broadcast, and the
 first bucket's pack and the last one's load are not overlapped with any transfer, so the best size
-sits between per-request costs (small buckets) and that fill and drain (large ones).
-``rlperf bench sync --distributed --bucket-mib 256,512,1024,2048`` measures the choice (2x H100, the
-pipeline before this one: 512 MiB 0.50x, 2048 MiB 0.66x of the one-buffer broadcast)."""
+sits between per-request costs (small buckets) and that fill and drain (large ones). Measured with
+``rlperf bench sync --distributed --bucket-mib 256,512,1024,2048`` (Qwen3-4B-shaped bf16, 8.04 GB, GPU 0
+to an engine on GPU 1, H100, bench/BENCHMARKS.md "sync-distributed"): 256 MiB 0.79x, 512 MiB 0.82x,
+1024 MiB 0.78x, 2048 MiB 0.73x of ``torch.distributed``'s broadcast of one buffer in the same run."""
 
 INLINE_BUCKET_BYTES = 64 << 20
 """The bucket size of the ``inline`` transport, which carries the bytes base64-encoded in the HTTP

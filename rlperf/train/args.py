@@ -5,6 +5,8 @@ import dataclasses
 import math
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+FSDP_GATHER_MODES = ("auto", "step", "micro-batch")
+"""When data-parallel ranks gather their FSDP2 shards (:class:`rlperf.train.fsdp.FSDPTrainer`)."""
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
@@ -51,6 +53,13 @@ class TrainArgs:
     """Samples per micro-batch without ``use_dynamic_batch_size``."""
     global_batch_size: int | None = None
     """Samples per optimizer step; None: all samples given to one ``train_step``."""
+    fsdp_gather: str = "auto"
+    """Data parallel only (:class:`rlperf.train.fsdp.FSDPTrainer`): ``step`` gathers each layer's
+    parameters once per log-prob pass and once per optimizer step, accumulates the micro-batches'
+    gradients unsharded in float32 and reduce-scatters them once, after the last micro-batch;
+    ``micro-batch`` gathers and reduce-scatters around every micro-batch (FSDP2's default, the least
+    memory); ``auto``: ``step`` when the full parameters in the compute dtype plus float32 gradients
+    take at most :data:`rlperf.train.fsdp.GATHERED_STEP_MEMORY_FRACTION` of the device's memory."""
 
     lr: float = 1e-6
     weight_decay: float = 0.01
@@ -99,6 +108,8 @@ class TrainArgs:
             raise ValueError(f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ValueError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        if self.fsdp_gather not in FSDP_GATHER_MODES:
+            raise ValueError(f"--fsdp-gather {self.fsdp_gather!r}: choose from {', '.join(FSDP_GATHER_MODES)}")
         if not self.rollout_temperature > 0:
             raise ValueError(f"--rollout-temperature must be > 0 for log-probs, got {self.rollout_temperature}")
         if self.clip_grad < 0:
@@ -143,6 +154,10 @@ def add_train_arguments(p, skip=()) -> None:
     add("--max-tokens-per-gpu", type=int, default=None)
     add("--micro-batch-size", type=int, default=d.micro_batch_size)
     add("--global-batch-size", type=int, default=None, help="samples per optimizer step")
+    add("--fsdp-gather", default=d.fsdp_gather, choices=FSDP_GATHER_MODES,
+        help="data-parallel ranks: gather the FSDP shards once per step and reduce-scatter the gradients once "
+             "after the last micro-batch (step), or around every micro-batch (micro-batch: least memory); "
+             "auto: step when full parameters + float32 gradients take at most 1/4 of the device (default: auto)")
     add("--lr", type=float, default=d.lr)
     add("--weight-decay", type=float, default=d.weight_decay)
     add("--adam-beta1", type=float, default=d.adam_beta1)

@@ -32,6 +32,21 @@ on the same bf16 bits as the one-process compute copy: ``fp32 -> bf16`` rounds e
 reduce-scatters gradients in float32, accumulated in float32 across micro-batches. On the CPU
 (float32) there is no cast.
 
+When the shards are gathered (``--fsdp-gather``, :attr:`rlperf.train.TrainArgs.fsdp_gather`):
+
+* ``micro-batch``, FSDP2's default: each decoder layer is all-gathered before its forward and again
+  before its backward, and its gradients reduce-scattered after every micro-batch's backward. The
+  least memory (one layer gathered at a time), and ``3 x layers`` collectives plus their copies per
+  micro-batch: with small micro-batches the step is bound by that host work.
+* ``step``: every layer is gathered once per log-prob pass and once per optimizer step and stays
+  gathered across its micro-batches; each micro-batch's gradient is added, unsharded, into a float32
+  accumulator, and the sum is reduce-scattered once, after the last micro-batch
+  (``set_requires_gradient_sync`` / ``set_reshard_after_backward`` on the last one only). Costs the
+  full parameters in the compute dtype plus float32 gradients for the length of a step.
+  ``grad = sum_r (sum_{mb of r} g_mb)`` either way; only the order of the float32 additions differs.
+* ``auto`` (default): ``step`` when that cost is at most :data:`GATHERED_STEP_MEMORY_FRACTION` of the
+  device's memory (the 0.6b shape on an 80 GB GPU), else ``micro-batch``. CPU: ``step``.
+
 Weights leave the shards through :func:`iter_full_params` / :func:`iter_hf_weights`: full tensors
 gathered bucket by bucket (never the whole model at once), for the in-process engines, a checkpoint
 written by rank 0, or a broadcast to engines on other GPUs (``rlperf.sync``); their docstrings state
@@ -89,6 +104,34 @@ def equal_count_micro_batches(samples: Sequence[Sample], shards: Sequence[Sequen
     for s in (samples[i] for i in mine):
         s.validate()
     return [make_micro_batch(samples, [mine[j] for j in g], device) for g in groups]
+
+
+GATHERED_STEP_MEMORY_FRACTION = 0.25
+"""``--fsdp-gather auto`` keeps a step's parameters gathered when full parameters (compute dtype) plus
+float32 gradients take at most this share of the device's memory (module docstring)."""
+
+
+def gathered_step_bytes(model: nn.Module, compute_dtype: torch.dtype | None = None) -> int:
+    """Bytes a ``step``-gathered train step holds beyond the shards: every trainable parameter in full,
+    in ``compute_dtype`` (default: its own), plus its float32 gradient accumulator."""
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            size = (compute_dtype or p.dtype).itemsize
+            total += p.numel() * (size + 4)
+    return total
+
+
+def gather_once_per_step(mode: str, model: nn.Module, device: torch.device,
+                         compute_dtype: torch.dtype | None = None) -> bool:
+    """``--fsdp-gather`` resolved for ``model`` (full, before sharding) on ``device``: True for ``step``
+    (module docstring)."""
+    if mode != "auto":
+        return mode == "step"
+    if device.type != "cuda":
+        return True
+    capacity = torch.cuda.get_device_properties(device).total_memory
+    return gathered_step_bytes(model, compute_dtype) <= GATHERED_STEP_MEMORY_FRACTION * capacity
 
 
 class PackedLogProbs(nn.Module):
@@ -225,8 +268,14 @@ class FSDPTrainer(Trainer):
         if ref_model is not None:
             for p in ref_model.parameters():
                 p.requires_grad_(False)
+        mode = getattr(args, "fsdp_gather", "auto")
+        self.gather_once_per_step = gather_once_per_step(mode, model, next(model.parameters()).device, compute_dtype)
         self.module = shard_model(model, compute_dtype)
         self.ref_module = shard_model(ref_model, compute_dtype) if ref_model is not None else None
+        if self.gather_once_per_step:  # layers stay gathered from their first forward to an explicit reshard
+            for root in (self.module, self.ref_module):
+                if root is not None:
+                    root.set_reshard_after_forward(False)
         # the shards are the masters: the base trainer keeps no second copy (no compute_dtype there)
         super().__init__(model, args, ref_model)
 
@@ -256,7 +305,7 @@ class FSDPTrainer(Trainer):
         for mb in self._micro_batches_of(samples):
             lp = root(mb, self.args.rollout_temperature)
             mine += [(i, part.float().cpu()) for i, part in zip(mb.indices, lp.split(mb.response_lengths))]
-        root.reshard()  # the root's parameters stay gathered after a forward without backward
+        _reshard_all(root)  # a forward without backward leaves the root (and, gathered per step, every layer) gathered
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, mine)
         out: list[torch.Tensor | None] = [None] * len(samples)
@@ -271,6 +320,14 @@ class FSDPTrainer(Trainer):
 
     def forward_log_probs(self, mb: MicroBatch, with_entropy: bool = False):
         return self.module(mb, self.args.rollout_temperature, with_entropy)
+
+    def before_micro_batch(self, index: int, count: int) -> None:
+        """Gathered per step (module docstring): gradients stay unsharded and the layers gathered until the
+        last micro-batch, whose backward reduce-scatters the float32 sum and reshards."""
+        if self.gather_once_per_step:
+            last = index == count - 1
+            self.module.set_requires_gradient_sync(last)
+            self.module.set_reshard_after_backward(last)
 
     def reduce_metric_sums(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Sum the ranks' metric sums (one all-reduce of all of them): the global batch's."""

@@ -144,6 +144,10 @@ class Trainer:
         denominator) -> the global batch's: the same here; summed over the ranks in data parallel."""
         return sums
 
+    def before_micro_batch(self, index: int, count: int) -> None:
+        """Called before micro-batch ``index`` of the ``count`` of a :meth:`train_step` (data-parallel
+        trainers set their gradient synchronisation here); nothing in one process."""
+
     def clip_grad_norm(self, max_norm: float) -> float:
         """The global grad norm of the master gradients (before clipping), clipped to ``max_norm``."""
         return float(torch.nn.utils.clip_grad_norm_(self.master_params, max_norm))
@@ -181,7 +185,8 @@ class Trainer:
         totals: dict[str, torch.Tensor] = {}
         micro_batches = self.micro_batches(samples)
         first_mb = micro_batches[0]
-        for mb in micro_batches:
+        for index, mb in enumerate(micro_batches):
+            self.before_micro_batch(index, len(micro_batches))
             group = [samples[i] for i in mb.indices]
 
             def flat(name):

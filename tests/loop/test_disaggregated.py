@@ -259,9 +259,10 @@ def test_nccl_broadcast_to_an_engine_on_the_second_gpu(tmp_path):
                 model = Qwen3ForCausalLM.random(preset("qwen3-0.6b"), seed=seed, dtype=torch.bfloat16, device="cuda:0")
                 named = model.hf_state_dict()
                 stats = b.update_weights(named, str(seed))
-                assert stats.weights_checksum == weights_checksum(named)
-                reply = http_json(url + "/weights_checksum")[1]
-                assert (reply["weights_checksum"], reply["weight_version"]) == (weights_checksum(named), str(seed))
+                expected = weights_checksum(named, b.bucket_bytes)  # the checksum's definition includes the bucket size
+                assert stats.weights_checksum == expected
+                reply = http_json(url + f"/weights_checksum?bucket_bytes={b.bucket_bytes}")[1]
+                assert (reply["weights_checksum"], reply["weight_version"]) == (expected, str(seed))
             # the engine on the other GPU generates the bits an in-process engine on this GPU does
             body = {"input_ids": prompts, "return_logprob": True,
                     "sampling_params": [{"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": s} for s in (1, 2)]}
