@@ -32,6 +32,7 @@ import abc
 import argparse
 import contextlib
 import dataclasses
+import logging
 import os
 import socket
 import sys
@@ -189,10 +190,18 @@ def _rank_main(local_rank: int, entry, ns, env: dict) -> None:
     """One rank process of :class:`LocalPlacement`: place it, run ``entry(ns)``, exit with its code (an
     exception prints its traceback on the rank's stderr, which is the launcher's, and exits 1)."""
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
-    code = int(entry(ns) or 0)
+    leave_process(int(entry(ns) or 0))
+
+
+def leave_process(code: int) -> None:
+    """End a rank process whose work is done with ``code``: flush Python's streams and exit without the
+    interpreter's teardown. After a gloo process group, that teardown sometimes aborts in C++ static
+    destructors (``terminate called without an active exception``, SIGABRT) although every collective
+    has completed and the group is destroyed, which turned finished ranks into failed ones."""
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    sys.exit(code)
+    os._exit(code)
 
 
 STOP_GRACE_S = 3.0

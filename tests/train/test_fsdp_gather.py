@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import rlperf.kernels as K
+from rlperf.loop.placement import leave_process
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.train import Sample, TrainArgs, Trainer
@@ -71,8 +72,10 @@ def _rank(rank: int, tmp: str, mode: str) -> None:
             full = {n: p.grad.full_tensor() for n, p in trainer.master_model.named_parameters()}
         torch.save((rank, trainer.gather_once_per_step, prepare, step, full if rank == 0 else None),
                    f"{tmp}/{mode}-{rank}.pt")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave_process(0)
 
 
 def _run(mode: str, tmp: str):
