@@ -2,6 +2,7 @@
 
     python -m rlperf.bench.scaleout [--layouts 1gpu,dp2-engines2,dp2] [--prompts 32] [--samples 8]
                                     [--response-len 256] [--num-rollout 4] [--output-dir DIR]
+                                    [--train-flags "--fsdp-gather micro-batch --num-threads 8"]
 
 Every layout runs ``rlperf train --skip-gates`` in a process of its own on the same synthetic loop
 (:func:`rlperf.bench.loop.loop_flags` and :func:`~rlperf.bench.loop.write_synthetic_prompts`: the same
@@ -19,8 +20,9 @@ The default size, 32 prompts x 8 samples = 256 samples of up to 256 tokens (``rl
 ``--max-running-requests`` default of ``rlperf serve`` and of the in-process engine), so one engine
 decodes the rollout in 4 waves and two engines in 2 each; 32 samples fit one wave either way.
 
-Each layout's row: ``perf/tokens_per_sec`` (prompt + response tokens of the rollout / step wall time),
-step, rollout, train and sync times, each the mean over the rollouts after the first (the first
+``--train-flags`` adds the same ``rlperf train`` flags to every layout (an A/B of a trainer or engine
+setting is two calls of this bench on the same machine). Each layout's row: ``perf/tokens_per_sec``
+(prompt + response tokens of the rollout / step wall time), step, rollout, train, log-prob and sync times, each the mean over the rollouts after the first (the first
 compiles kernels and captures graphs), its tokens/s over the ``1gpu`` row's (the issue's target:
 ``dp2-engines2`` at least :data:`TARGET_SPEEDUP` x), and ``train/train_rollout_logprob_abs_diff`` of
 every step (0 with ``--true-on-policy-mode``). Rollout 1 of every layout draws the same samples (same
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import subprocess
 import sys
 import time
@@ -74,6 +77,7 @@ def summarize_layout(metrics: list[dict], skip_first: int = 1) -> dict:
 
     return {"tokens_per_s": mean("perf/tokens_per_sec"), "step_s": mean("perf/step_time"),
             "rollout_s": mean("perf/rollout_time"), "train_s": mean("perf/train_time"),
+            "log_prob_s": mean("perf/log_prob_time"),
             "sync_ms": mean("perf/update_weights_time", 1e3), "tokens": mean("rollout/total_tokens"),
             "abs_diff": [m.get("train/train_rollout_logprob_abs_diff") for m in metrics], "rollouts": len(metrics)}
 
@@ -82,17 +86,18 @@ def report(rows: dict[str, dict]) -> str:
     """The markdown table of the layouts measured (``rows``: layout name -> :func:`summarize_layout`, or
     ``{"skipped": why}``) with each one's speedup over :data:`BASELINE`, then the target's verdict."""
     base = rows.get(BASELINE, {}).get("tokens_per_s")
-    lines = ["| layout | GPUs | tokens/s | vs 1gpu | step s | rollout s | train s | sync ms | tokens | abs diff per step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| layout | GPUs | tokens/s | vs 1gpu | step s | rollout s | train s | log-prob s | sync ms | tokens | "
+             "abs diff per step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in rows.items():
         layout = LAYOUTS[name]
         if "skipped" in r:
-            lines.append(f"| {name} | {layout.gpus} | skipped: {r['skipped']} | | | | | | | |")
+            lines.append(f"| {name} | {layout.gpus} | skipped: {r['skipped']} | | | | | | | | |")
             continue
         speedup = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         diffs = ", ".join("-" if d is None else f"{d:g}" for d in r["abs_diff"])
         lines.append(f"| {name} | {layout.gpus} | {r['tokens_per_s']:.0f} | {speedup} | {r['step_s']:.3f} | "
-                     f"{r['rollout_s']:.3f} | {r['train_s']:.3f} | {r['sync_ms']:.1f} | {r['tokens']:.0f} | {diffs} |")
+                     f"{r['rollout_s']:.3f} | {r['train_s']:.3f} | {r['log_prob_s']:.3f} | {r['sync_ms']:.1f} | {r['tokens']:.0f} | {diffs} |")
     target = rows.get("dp2-engines2", {})
     if base and "tokens_per_s" in target:
         speedup = target["tokens_per_s"] / base
@@ -142,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=540.0,
                    help="seconds for all layouts: one is skipped when the time left is less than the last one took")
     p.add_argument("--output-dir", default="rlperf-scaleout")
+    p.add_argument("--train-flags", default="", metavar="FLAGS",
+                   help="more rlperf train flags for every layout, one quoted string (e.g. '--fsdp-gather micro-batch')")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
     unknown = [n for n in names if n not in LAYOUTS]
@@ -152,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, flag) < 1:
             print(f"scaleout: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    try:
+        extra = shlex.split(args.train_flags)
+    except ValueError as exc:
+        print(f"scaleout: --train-flags {args.train_flags!r}: {exc}", file=sys.stderr)
+        return 2
     gpus = visible_gpus()
     if gpus == 0:
         print("scaleout: needs CUDA GPUs (4 for dp2-engines2)", file=sys.stderr)
@@ -172,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                                      f"{last_wall:.0f} s"}
             continue
         flags = loop_flags(data, out / name, model=args.model, prompts=args.prompts, samples_per_prompt=args.samples,
-                           response_len=args.response_len, num_rollout=args.num_rollout)
+                           response_len=args.response_len, num_rollout=args.num_rollout) + extra
         print(f"scaleout: {name}: {layout.what} ...", flush=True)
         row = run_layout(layout, flags, out / name, min(args.timeout, left))
         last_wall = row.get("wall_s", 0.0)
@@ -188,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     info = environment()
     print(f"\n# {gpus} x {info['card']} | commit {info['commit']} | torch {info['torch']} | {info['date']}\n"
           f"synthetic loop, {args.model}, {args.prompts}x{args.samples} samples x {args.response_len} tokens, "
-          f"{args.num_rollout} rollouts per layout (the means leave out the first)")
+          f"{args.num_rollout} rollouts per layout (the means leave out the first)"
+          + (f", every layout with {args.train_flags}" if extra else ""))
     print(report(rows))
     return status
 
