@@ -151,6 +151,8 @@ def test_fast_mode_and_reference_backend(interpreter):
 def _tp_worker(rank, world, init_file, result_dir):
     import torch.distributed as dist
 
+    from rlperf.loop.placement import leave_process
+
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -173,6 +175,7 @@ def _tp_worker(rank, world, init_file, result_dir):
         open(os.path.join(result_dir, f"ok{rank}"), "w").close()
     finally:
         dist.destroy_process_group()
+    leave_process(0)  # past the interpreter's teardown, which can abort after a gloo group (rlperf.loop.placement)
 
 
 def test_tensor_parallel_gloo_matches_unsplit(interpreter, tmp_path):
