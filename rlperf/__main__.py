@@ -1,5 +1,3 @@
-import sys
+from rlperf.cli import run
 
-from rlperf.cli import main
-
-sys.exit(main())
+run()

@@ -6,6 +6,7 @@ test), 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 def _bench(args: argparse.Namespace) -> int:
@@ -258,5 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
+def run() -> None:
+    """``python -m rlperf``: :func:`main`, then exit with its code. A rank that torchrun started
+    (``TORCHELASTIC_RUN_ID``, several ranks) leaves through :func:`rlperf.loop.placement.leave_process`,
+    as the ranks rlperf starts do: the interpreter's teardown after a gloo group can abort (SIGABRT),
+    and torchrun would report a finished rank as failed."""
+    code = main()
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("WORLD_SIZE", "1") != "1":
+        from rlperf.loop.placement import leave_process
+
+        leave_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -14,6 +14,7 @@ import torch
 from rlperf.cli import main
 from rlperf.loop import METRICS_FILE, first_step, parse_train_args, train
 from rlperf.loop.placement import ActorLayout, LocalPlacement, actor_process_group
+from rlperf.rollout.router import free_port
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.train import Sample, TrainArgs, Trainer
@@ -167,6 +168,22 @@ def test_resume_across_rank_counts(tmp_path):
         assert a["rollout/raw_reward"] == b["rollout/raw_reward"]
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
         assert a["train/entropy_loss"] == pytest.approx(b["train/entropy_loss"], rel=1e-4)
+
+
+def test_ranks_that_torchrun_starts_train_and_exit_cleanly(tmp_path):
+    """``torchrun -m rlperf train``: each process is already a rank (nothing more is started); both train
+    the step, rank 0 alone writes, and every rank exits 0 (torchrun reports any other exit as a failure)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "rlperf", "train", "--actor-num-gpus-per-node", "2",
+                           "--device", "cpu", "--num-rollout", "1", "--skip-gates", "--output-dir", str(out), *FAST],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("rollout 1/1 |") == 1  # rank 0 alone prints
+    assert [m["rollout_id"] for m in _lines(out)] == [0]
 
 
 def test_a_rank_that_dies_takes_the_others_down(tmp_path, capsys, monkeypatch):
