@@ -22,8 +22,8 @@ decodes the rollout in 4 waves and two engines in 2 each; 32 samples fit one wav
 
 ``--train-flags`` adds the same ``rlperf train`` flags to every layout (an A/B of a trainer or engine
 setting is two calls of this bench on the same machine). Each layout's row: ``perf/tokens_per_sec``
-(prompt + response tokens of the rollout / step wall time), step, rollout, train, log-prob and sync times, each the mean over the rollouts after the first (the first
-compiles kernels and captures graphs), its tokens/s over the ``1gpu`` row's (the issue's target:
+(prompt + response tokens of the rollout / step wall time), step, rollout, train, log-prob and sync
+times, each the mean over the rollouts after the first (the first compiles kernels and captures graphs), its tokens/s over the ``1gpu`` row's (the issue's target:
 ``dp2-engines2`` at least :data:`TARGET_SPEEDUP` x), and ``train/train_rollout_logprob_abs_diff`` of
 every step (0 with ``--true-on-policy-mode``). Rollout 1 of every layout draws the same samples (same
 weights, seeds by sample index, batch-invariant engines); later rollouts differ in rounding between
@@ -97,7 +97,8 @@ def report(rows: dict[str, dict]) -> str:
         speedup = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         diffs = ", ".join("-" if d is None else f"{d:g}" for d in r["abs_diff"])
         lines.append(f"| {name} | {layout.gpus} | {r['tokens_per_s']:.0f} | {speedup} | {r['step_s']:.3f} | "
-                     f"{r['rollout_s']:.3f} | {r['train_s']:.3f} | {r['log_prob_s']:.3f} | {r['sync_ms']:.1f} | {r['tokens']:.0f} | {diffs} |")
+                     f"{r['rollout_s']:.3f} | {r['train_s']:.3f} | {r['log_prob_s']:.3f} | {r['sync_ms']:.1f} | "
+                     f"{r['tokens']:.0f} | {diffs} |")
     target = rows.get("dp2-engines2", {})
     if base and "tokens_per_s" in target:
         speedup = target["tokens_per_s"] / base
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds for all layouts: one is skipped when the time left is less than the last one took")
     p.add_argument("--output-dir", default="rlperf-scaleout")
     p.add_argument("--train-flags", default="", metavar="FLAGS",
-                   help="more rlperf train flags for every layout, one quoted string (e.g. '--fsdp-gather micro-batch')")
+                   help="more rlperf train flags for every layout, one quoted string "
+                        "(e.g. '--fsdp-gather micro-batch')")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
     unknown = [n for n in names if n not in LAYOUTS]

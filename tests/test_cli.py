@@ -18,6 +18,14 @@ def test_console_script_help_lists_every_subcommand():
         assert name in out
 
 
+@pytest.mark.parametrize("command", ["train", "gate", "serve", "profile", "bench"])
+def test_every_subcommand_help_renders_and_exits_0(command, capsys):
+    with pytest.raises(SystemExit) as done:  # argparse expands every flag's help text (a bare % breaks it)
+        main([command, "--help"])
+    assert done.value.code == 0
+    assert "usage: rlperf " + command in capsys.readouterr().out
+
+
 def test_bench_without_cuda_refuses_with_exit_2():
     import torch
 

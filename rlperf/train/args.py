@@ -154,10 +154,13 @@ def add_train_arguments(p, skip=()) -> None:
     add("--max-tokens-per-gpu", type=int, default=None)
     add("--micro-batch-size", type=int, default=d.micro_batch_size)
     add("--global-batch-size", type=int, default=None, help="samples per optimizer step")
+    from .fsdp import GATHERED_STEP_MEMORY_FRACTION
+
     add("--fsdp-gather", default=d.fsdp_gather, choices=FSDP_GATHER_MODES,
         help="data-parallel ranks: gather the FSDP shards once per step and reduce-scatter the gradients once "
              "after the last micro-batch (step), or around every micro-batch (micro-batch: least memory); "
-             "auto: step when full parameters + float32 gradients take at most 1/4 of the device (default: auto)")
+             "auto: step when full parameters + float32 gradients take at most "
+             f"{GATHERED_STEP_MEMORY_FRACTION * 100:g}%% of the device (default: auto)")
     add("--lr", type=float, default=d.lr)
     add("--weight-decay", type=float, default=d.weight_decay)
     add("--adam-beta1", type=float, default=d.adam_beta1)

@@ -37,7 +37,7 @@ When the shards are gathered (``--fsdp-gather``, :attr:`rlperf.train.TrainArgs.f
 * ``micro-batch``, FSDP2's default: each decoder layer is all-gathered before its forward and again
   before its backward, and its gradients reduce-scattered after every micro-batch's backward. The
   least memory (one layer gathered at a time), and ``3 x layers`` collectives plus their copies per
-  micro-batch: with small micro-batches the step is bound by that host work.
+  micro-batch.
 * ``step``: every layer is gathered once per log-prob pass and once per optimizer step and stays
   gathered across its micro-batches; each micro-batch's gradient is added, unsharded, into a float32
   accumulator, and the sum is reduce-scattered once, after the last micro-batch
@@ -268,8 +268,8 @@ class FSDPTrainer(Trainer):
         if ref_model is not None:
             for p in ref_model.parameters():
                 p.requires_grad_(False)
-        mode = getattr(args, "fsdp_gather", "auto")
-        self.gather_once_per_step = gather_once_per_step(mode, model, next(model.parameters()).device, compute_dtype)
+        self.gather_once_per_step = gather_once_per_step(args.fsdp_gather, model, next(model.parameters()).device,
+                                                         compute_dtype)
         self.module = shard_model(model, compute_dtype)
         self.ref_module = shard_model(ref_model, compute_dtype) if ref_model is not None else None
         if self.gather_once_per_step:  # layers stay gathered from their first forward to an explicit reshard

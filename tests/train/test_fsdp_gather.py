@@ -127,15 +127,24 @@ def test_step_gathers_and_reduce_scatters_once_per_step(runs):
         assert step["gather"] > groups * micro_batches, rank  # before each forward and again before each backward
 
 
-def test_auto_keeps_a_step_gathered_only_when_it_fits():
+def test_auto_keeps_a_step_gathered_only_when_it_fits(monkeypatch):
+    import types
+
     model = Qwen3ForCausalLM.random(CFG, seed=0)
     params = sum(p.numel() for p in model.parameters())
     assert gathered_step_bytes(model) == params * 8  # float32 parameters + float32 gradients
-    assert gathered_step_bytes(model, torch.bfloat16) == params * 6
+    need = gathered_step_bytes(model, torch.bfloat16)
+    assert need == params * 6
     assert gather_once_per_step("auto", model, torch.device("cpu")) is True
     assert gather_once_per_step("micro-batch", model, torch.device("cpu")) is False
     assert gather_once_per_step("step", model, torch.device("cpu")) is True
-    assert 0 < GATHERED_STEP_MEMORY_FRACTION < 1
+    # on CUDA, auto compares the cost with the GPU's memory: a GPU just large enough, and one too small
+    fits = int(need / GATHERED_STEP_MEMORY_FRACTION) + 1
+    for total, expected in ((fits, True), (int((need - 1) / GATHERED_STEP_MEMORY_FRACTION), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device, t=total: types.SimpleNamespace(total_memory=t))
+        assert gather_once_per_step("auto", model, torch.device("cuda"), torch.bfloat16) is expected, total
+        assert gather_once_per_step("micro-batch", model, torch.device("cuda"), torch.bfloat16) is False
 
 
 def test_a_bad_mode_names_the_flag():
