@@ -13,7 +13,10 @@ import re
 import sys
 from pathlib import Path
 
-from .harness import BenchCase, BenchRow, environment, format_table, write_json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the harness imports torch: only a run needs it, not --help
+    from .harness import BenchCase, BenchRow
 
 BENCHES = {
     "matmul": "rlperf.bench.matmul",
@@ -88,6 +91,8 @@ def update_markdown(path: Path, name: str, section: str) -> None:
 
 def run_benchmarks(args: argparse.Namespace) -> int:
     import torch
+
+    from .harness import environment, format_table, write_json
 
     names = list(BENCHES) if "all" in args.names else args.names
     unknown = [n for n in names if n not in BENCHES]

@@ -13,15 +13,43 @@ and, with rollout engines of their own, each engine's memory as it reports it.
 
 Usage: ``report = FirstStepGate(GateOptions()).check(record); print(report.table()); report.exit_code``.
 """
-from rlperf.loop.record import PHASES, EngineMemory, FirstStepRecord, PhaseMemory
-
-from .checks import GATES, GateOptions, GateResult, kl_zero, logprob_abs_diff, oom_headroom, sanity
-from .memory import format_bytes, parse_memory_size, system_memory_bytes
-from .report import GateReport
-from .runner import FirstStepGate, add_gate_arguments, gate_options_from, run_gate
-
+_EXPORTS = {
+    'PHASES': 'rlperf.loop.record',
+    'EngineMemory': 'rlperf.loop.record',
+    'FirstStepRecord': 'rlperf.loop.record',
+    'PhaseMemory': 'rlperf.loop.record',
+    'GATES': '.checks',
+    'GateOptions': '.checks',
+    'GateResult': '.checks',
+    'kl_zero': '.checks',
+    'logprob_abs_diff': '.checks',
+    'oom_headroom': '.checks',
+    'sanity': '.checks',
+    'format_bytes': '.memory',
+    'parse_memory_size': '.memory',
+    'system_memory_bytes': '.memory',
+    'GateReport': '.report',
+    'FirstStepGate': '.runner',
+    'add_gate_arguments': '.runner',
+    'gate_options_from': '.runner',
+    'run_gate': '.runner',
+}
+"""Each exported name -> the submodule that defines it (imported when the name is first used)."""
 __all__ = [
     "FirstStepRecord", "PhaseMemory", "EngineMemory", "PHASES", "GATES", "GateOptions", "GateResult", "GateReport", "FirstStepGate",
     "kl_zero", "logprob_abs_diff", "oom_headroom", "sanity", "parse_memory_size", "format_bytes",
     "system_memory_bytes", "add_gate_arguments", "gate_options_from", "run_gate",
 ]
+
+
+def __getattr__(name: str):
+    """Exports load on first use (PEP 562): importing this package, or one light submodule of it
+    (its flags, for ``rlperf <command> --help``), does not import torch or the kernels."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

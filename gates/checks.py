@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from rlperf.loop.record import PHASES, FirstStepRecord
 
@@ -88,6 +90,8 @@ def _fmt(v: float) -> str:
 
 def _first_diff(a: torch.Tensor, b: torch.Tensor) -> int | None:
     """Index of the first element where ``a`` and ``b`` differ bit for bit (NaN == NaN only if same bits)."""
+    import torch
+
     same = a.view(torch.int32) == b.view(torch.int32)
     if bool(same.all()):
         return None
@@ -108,6 +112,8 @@ def kl_zero(record: FirstStepRecord, options: GateOptions | None = None) -> Gate
     Samples without ``ref_log_probs`` (no reference model: neither ``--use-kl-loss`` nor ``--kl-coef``)
     are reported and only the two metrics are checked for them.
     """
+    import torch
+
     name = "kl_zero"
     hint_ref = ("the actor and the reference must run the same weights through the same batch-invariant path: load "
                 "the reference from the actor's checkpoint (--ref-load = --load at step 0), compute both with the "
@@ -171,6 +177,8 @@ def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None
     ``train/train_rollout_logprob_abs_diff`` (when recorded) must be exactly 0 as well. The report
     names the worst token: sample, response position, token id, both values.
     """
+    import torch
+
     options = options or GateOptions()
     name = "logprob_abs_diff"
     limit = 0.0 if record.true_on_policy else options.logprob_abs_diff_threshold
@@ -330,6 +338,8 @@ def _engine_measured(e, headroom: float) -> dict:
 def sanity(record: FirstStepRecord, options: GateOptions | None = None) -> GateResult:
     """Finite losses (metrics whose name contains ``loss``), rewards and ``train/grad_norm``; every
     recorded log-prob (``log_probs``, ``rollout_log_probs``, ``ref_log_probs``) finite and ``<= 0``."""
+    import torch
+
     name = "sanity"
     threshold = "finite losses, rewards, grad norm; log-probs finite and <= 0"
     fail_hint = {

@@ -16,8 +16,9 @@ import traceback
 from collections.abc import Callable
 
 from rlperf import loop
+from rlperf.loop.args import add_loop_arguments, has_loop_flags
 from rlperf.loop.record import FirstStepRecord
-from rlperf.train import add_train_arguments, train_args_from
+from rlperf.train.args import add_train_arguments, train_args_from
 
 from .checks import (DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD, DEFAULT_OOM_HEADROOM, GATES, OOM_REMEDIES, GateOptions,
                      GateResult)
@@ -125,19 +126,18 @@ def add_gate_arguments(p: argparse.ArgumentParser) -> None:
 
 def gate_options_from(ns: argparse.Namespace) -> GateOptions:
     """:class:`GateOptions` from parsed flags; ValueError naming the flag for a bad value."""
-    if getattr(ns, "memory_limit", None) is not None:
+    if ns.memory_limit is not None:
         parse_memory_size(ns.memory_limit)  # validate early: before any step runs
-    return GateOptions(oom_headroom=getattr(ns, "oom_headroom", DEFAULT_OOM_HEADROOM),
-                       logprob_abs_diff_threshold=getattr(ns, "logprob_abs_diff_threshold",
-                                                          DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD))
+    return GateOptions(oom_headroom=ns.oom_headroom, logprob_abs_diff_threshold=ns.logprob_abs_diff_threshold)
 
 
 def add_gate_command_arguments(p: argparse.ArgumentParser, with_loop: bool = True) -> None:
     """Everything ``rlperf gate`` takes: the gate flags, then the loop's (``rlperf train``'s, which include
-    the training core's) with ``with_loop``, else the training core's alone (a hand-made first step)."""
+    the training core's; ``--output-dir`` defaults to ``rlperf-gate``) with ``with_loop``, else the
+    training core's alone (a hand-made first step)."""
     add_gate_arguments(p)
     if with_loop:
-        loop.add_loop_arguments(p)
+        add_loop_arguments(p, command="gate")
     else:
         add_train_arguments(p)
 
@@ -151,7 +151,7 @@ def build_gate_parser(prog: str = "rlperf gate", with_loop: bool = True) -> argp
 def _resolve_flags(args: argparse.Namespace, with_loop: bool) -> argparse.Namespace:
     """Check the non-gate flags before any step: the loop's :func:`resolve_args` (which fills the task's
     defaults) when its flags were parsed, else :func:`rlperf.train.train_args_from`. ValueError if bad."""
-    if with_loop and hasattr(args, "true_on_policy_mode"):
+    if with_loop and has_loop_flags(args):
         return loop.resolve_args(args)
     train_args_from(args)
     return args
@@ -169,17 +169,16 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) ->
         first_step = loop.first_step
     try:
         options = gate_options_from(args)
-        for flag, path in (("--report-json", getattr(args, "report_json", None)),
-                           ("--junit-xml", getattr(args, "junit_xml", None))):
+        for flag, path in (("--report-json", args.report_json), ("--junit-xml", args.junit_xml)):
             if path:  # checked before the step: a report that cannot be written is bad usage, not a crash after it
                 check_report_path(path, flag)
-        if getattr(args, "memory_limit", None) is not None:
+        if args.memory_limit is not None:
             args.memory_limit = parse_memory_size(args.memory_limit)
         args = _resolve_flags(args, with_loop)
     except ValueError as e:
         print(f"rlperf gate: {e}", file=sys.stderr)
         return 2
-    limit = getattr(args, "memory_limit", None)
+    limit = args.memory_limit
 
     def step() -> FirstStepRecord:
         record = first_step(args)
@@ -201,8 +200,8 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) ->
         print(f"rlperf gate: {e}", file=sys.stderr)
         return 2
     print(report.table())
-    for flag, path, write in (("--report-json", getattr(args, "report_json", None), report.write_json),
-                              ("--junit-xml", getattr(args, "junit_xml", None), report.write_junit)):
+    for flag, path, write in (("--report-json", args.report_json, report.write_json),
+                              ("--junit-xml", args.junit_xml, report.write_junit)):
         if path:
             try:
                 write(path)

@@ -46,8 +46,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _gate(args: argparse.Namespace) -> int:
-    from rlperf.loop.placement import ActorLayout, needs_launch, placement_for
+    from rlperf.loop.launch import placement_for
+    from rlperf.loop.placement import ActorLayout, needs_launch
 
+    # every file the first step writes (its timeline, engine logs) goes under --output-dir
+    print(f"rlperf gate: output directory {args.output_dir} (--output-dir)", file=sys.stderr, flush=True)
     if needs_launch(args):  # --actor-num-gpus-per-node N > 1: the gates run on every rank
         import copy
 
@@ -109,7 +112,8 @@ def _gates_on_ranks(ns: argparse.Namespace, place) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from rlperf.loop import UsageError, resolve_args
-    from rlperf.loop.placement import ActorLayout, needs_launch, placement_for
+    from rlperf.loop.launch import placement_for
+    from rlperf.loop.placement import ActorLayout, needs_launch
 
     try:
         ns = resolve_args(args)

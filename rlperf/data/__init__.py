@@ -6,9 +6,34 @@
   and ``--custom-rm-path`` loading;
 * :mod:`~rlperf.data.embedded` — the built-in task ``rlperf train`` runs with no arguments.
 """
-from .embedded import EMBEDDED_DEFAULTS, EMBEDDED_TASK, EmbeddedTask, format_warmup
-from .jsonl import DataError, PromptRecord, PromptDataset, load_prompt_data
-from .rewards import boxed_answer, boxed_math_reward, exact_match_reward, load_python_path, reward_fn_for
-
+_EXPORTS = {
+    'EMBEDDED_DEFAULTS': '.embedded',
+    'EMBEDDED_TASK': '.embedded',
+    'EmbeddedTask': '.embedded',
+    'format_warmup': '.embedded',
+    'DataError': '.jsonl',
+    'PromptRecord': '.jsonl',
+    'PromptDataset': '.jsonl',
+    'load_prompt_data': '.jsonl',
+    'boxed_answer': '.rewards',
+    'boxed_math_reward': '.rewards',
+    'exact_match_reward': '.rewards',
+    'load_python_path': '.rewards',
+    'reward_fn_for': '.rewards',
+}
+"""Each exported name -> the submodule that defines it (imported when the name is first used)."""
 __all__ = ["EMBEDDED_DEFAULTS", "EMBEDDED_TASK", "EmbeddedTask", "format_warmup", "DataError", "PromptRecord", "PromptDataset", "load_prompt_data",
            "boxed_answer", "boxed_math_reward", "exact_match_reward", "load_python_path", "reward_fn_for"]
+
+
+def __getattr__(name: str):
+    """Exports load on first use (PEP 562): importing this package, or one light submodule of it
+    (its flags, for ``rlperf <command> --help``), does not import torch or the kernels."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

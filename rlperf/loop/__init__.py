@@ -8,10 +8,15 @@
 * :mod:`~rlperf.loop.probe` — :func:`worst_case_probe`: forward + backward at the largest micro-batch;
 * :mod:`~rlperf.loop.generation` — the default rollout function (``--rollout-function-path``'s
   contract), per-sample seeds, debug rollout data; samples are :class:`rlperf.train.Sample`;
-* :mod:`~rlperf.loop.clients` — where rollouts are generated: the in-process engine or the servers
-  behind a router, each with its weight sync (:mod:`rlperf.sync`);
+* :mod:`~rlperf.loop.args`, :mod:`~rlperf.loop.device`, :mod:`~rlperf.loop.resolve`,
+  :mod:`~rlperf.loop.config` — the flags (the parser module), what the host decides, the checks that run
+  before anything starts, and the typed configuration the run reads (:class:`RunConfig`);
+* :mod:`~rlperf.loop.clients` — the seam to the engines: :class:`RolloutClient` (generate,
+  load_weights, weights_checksum, close) and :func:`client_for`, which picks the in-process engine,
+  the servers behind a router or the run's own engines from the configuration;
 * :mod:`~rlperf.loop.engines` — ``--rollout-num-gpus``: the run's own ``rlperf serve`` engines on their
   own GPUs behind the sglang-router (weights by broadcast, :mod:`rlperf.sync.distributed`);
+* :mod:`~rlperf.loop.launch` — :func:`~rlperf.loop.launch.placement_for`, the placement ``--placement`` names;
 * :mod:`~rlperf.loop.placement` — where the actor ranks run (``--actor-num-nodes``,
   ``--actor-num-gpus-per-node``, ``--placement``): layout checks, :class:`~rlperf.loop.placement.LocalPlacement`,
   torchrun's environment, the ranks' process group;
@@ -22,11 +27,40 @@
 Phase times, memory peaks, the phase timeline and torch traces are the loop's telemetry
 (:mod:`rlperf.telemetry`).
 """
-from .args import UsageError, add_loop_arguments, parse_train_args, resolve_args
-from .probe import probe_samples, worst_case_probe
-from .record import PHASES, EngineMemory, FirstStepRecord, PhaseMemory
-from .runner import METRICS_FILE, Run, first_step, summary_line, train
-
-__all__ = ["UsageError", "add_loop_arguments", "parse_train_args", "resolve_args", "Run", "train", "first_step",
+_EXPORTS = {
+    'UsageError': '.args',
+    'add_loop_arguments': '.args',
+    'parse_train_args': '.resolve',
+    'resolve_args': '.resolve',
+    'RunConfig': '.config',
+    'RolloutClient': '.clients',
+    'client_for': '.clients',
+    'probe_samples': '.probe',
+    'worst_case_probe': '.probe',
+    'PHASES': '.record',
+    'EngineMemory': '.record',
+    'FirstStepRecord': '.record',
+    'PhaseMemory': '.record',
+    'METRICS_FILE': '.runner',
+    'Run': '.runner',
+    'first_step': '.runner',
+    'summary_line': '.runner',
+    'train': '.runner',
+}
+"""Each exported name -> the submodule that defines it (imported when the name is first used)."""
+__all__ = ["RunConfig", "RolloutClient", "client_for", "UsageError", "add_loop_arguments", "parse_train_args", "resolve_args", "Run", "train", "first_step",
            "summary_line", "METRICS_FILE", "FirstStepRecord", "PhaseMemory", "EngineMemory", "PHASES", "worst_case_probe",
            "probe_samples"]
+
+
+def __getattr__(name: str):
+    """Exports load on first use (PEP 562): importing this package, or one light submodule of it
+    (its flags, for ``rlperf <command> --help``), does not import torch or the kernels."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

@@ -1,40 +1,49 @@
-"""Where the loop's rollouts are generated, and how the weights get there: the two engine clients.
+"""The seam between the loop and its rollout engines: one protocol, :class:`RolloutClient`, and the
+factory that picks its implementation from the configuration (:func:`client_for`).
 
-Both have ``generate(prompts, params) -> list[GenerationResult]`` (one typed result per prompt,
-:class:`rlperf.rollout.engine.GenerationResult`) and ``update_weights(named_tensors, version)``:
+Every client has ``generate(prompts, params) -> list[GenerationResult]`` (one typed result per prompt,
+:class:`rlperf.rollout.engine.GenerationResult`), ``load_weights(named_tensors, version) -> SyncStats``
+(``named_tensors``: ``(HF name, tensor)`` pairs, possibly an iterator that gathers them as it goes;
+the engines hold version ``version`` afterwards), ``weights_checksum()`` (of the weights the engines
+hold, :func:`rlperf.sync.weights_checksum` at ``SYNC_BUCKET_BYTES``; None on a data-parallel rank
+other than 0) and ``close()``. Implementations:
 
 * :class:`EngineClient` — an in-process :class:`rlperf.rollout.engine.Engine` (the default when no
   ``--sglang-router-ip`` is given, e.g. the embedded CPU run): the engine ``rlperf serve`` runs, in the
   trainer's compute dtype (bf16 on CUDA), with CUDA-graph decode up to serve's default batch size
   (:func:`rlperf.rollout.cuda_graph.default_max_bs`; ``--sglang-cuda-graph-max-bs 0`` keeps the eager,
-  debuggable path; on CPU it is eager). Its weights (``--engine-weights``):
+  debuggable path; on CPU it is eager). Its weights (:data:`ENGINE_WEIGHTS`):
 
-  - ``buckets`` — the engine runs its **own copy** of the model; weight sync is
-    :func:`rlperf.sync.sync_weights`: on CPU through the path a server takes (``flatten_buckets`` ->
-    a shared-memory bucket payload -> ``receive_bucket``, which checks sizes and checksum ->
-    ``load_bucket`` into the engine's model); on one GPU the buckets are loaded directly (one copy
-    launch per bucket).
-  - ``shared`` — the engine runs on the trainer's compute weights themselves (no copy, no second
-    set of weights in memory): the trainer updates them in place after each optimizer step (CUDA
-    graphs captured on them stay valid), and weight sync only checks that the engine still holds
-    those very tensors. Sync mode only: in ``--async`` the rollout would read weights mid-update.
+  - ``buckets`` (``--engine-weights buckets``) — the engine runs its **own copy** of the model; weight
+    sync is :func:`rlperf.sync.sync_weights`: on CPU through the path a server takes
+    (``flatten_buckets`` -> a shared-memory bucket payload -> ``receive_bucket``, which checks sizes and
+    checksum -> ``load_bucket`` into the engine's model); on one GPU the buckets are loaded directly
+    (one copy launch per bucket).
+  - ``shared`` (``--engine-weights shared``) — the engine runs on the trainer's compute weights
+    themselves (no copy, no second set of weights in memory): the trainer updates them in place after
+    each optimizer step (CUDA graphs captured on them stay valid), and weight sync only checks that the
+    engine still holds those very tensors. Sync mode only: in ``--async`` the rollout would read
+    weights mid-update.
+  - ``copy`` — the engine runs on the model it is given (a data-parallel rank's full copy), and each
+    tensor is copied into it as the iterator yields it (the FSDP shards gathered bucket by bucket).
 
   Then the KV cache is flushed.
 * :class:`RouterClient` — ``POST /generate`` through a running sglang-router, one request per
   sample; weight sync pauses every worker the router lists (``/pause_generation``), pushes the
   buckets to each (:func:`push_weights`, ``/update_weights_from_tensor``), flushes their caches and
-  continues them. The router answers 404 for those admin endpoints (DESIGN, "Measured facts"), so
-  the client finds the workers with ``GET /workers`` and calls them directly, as slime does. With
+  continues them. The router answers 404 for those admin endpoints (docs/ARCHITECTURE.md, "Measured
+  facts"), so the client finds the workers with ``GET /workers`` and calls them directly. With
   an API key (``--sglang-api-key``, ``--sglang-api-key-file`` or ``RLPERF_API_KEY``) every request,
   to the router and to the workers, carries ``Authorization: Bearer <key>``; a 401 is a
   :class:`ServerAuthError` that says how to pass the key. With ``distributed=True`` (disaggregated
   engines on their own GPUs, :mod:`rlperf.loop.engines`) the weights go by broadcast instead:
   :class:`rlperf.sync.distributed.WeightBroadcaster` forms one process group with the workers at the
-  first sync (SGLang's ``/init_weights_update_group``), pauses them, broadcasts bucket by bucket
-  (``/update_weights_from_distributed``), checks every worker's ``weights_checksum`` against the
-  trainer's and continues them; :meth:`RouterClient.load_weights` does the same from an iterator that
-  yields the full tensors as they are gathered (a data-parallel trainer's rank 0);
-  :meth:`RouterClient.close` leaves the group.
+  first sync (SGLang's ``/init_weights_update_group``), pauses them, broadcasts bucket by bucket as the
+  iterator yields the tensors (``/update_weights_from_distributed``), checks every worker's
+  ``weights_checksum`` against the trainer's and continues them; :meth:`RouterClient.close` leaves the
+  group.
+* On several data-parallel ranks the wrappers of :mod:`rlperf.loop.data_parallel` (each rank's engine,
+  or rank 0's engines) implement the same protocol: the loop calls the same methods on every layout.
 
 Bucket sizes and transports are :class:`rlperf.sync.SyncConfig`'s.
 """
@@ -42,39 +51,114 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, runtime_checkable
 
 from rlperf.rollout.args import API_KEY_ENV
 from rlperf.rollout.cuda_graph import default_max_bs
 from rlperf.rollout.engine import Engine, EngineConfig, GenerationResult, SamplingParams
 from rlperf.rollout.router import http_json
-from rlperf.sync import SyncConfig, SyncStats, bucket_payload, flatten_buckets, release, sync_weights
+from rlperf.sync import (SYNC_BUCKET_BYTES, SyncConfig, SyncStats, bucket_payload, flatten_buckets, release,
+                         sync_weights, weights_checksum)
 from rlperf.sync.distributed import WeightBroadcaster, WeightSyncError
 
+from .config import RunConfig
+from .data_parallel import DataParallelEngineClient, Rank0EnginesClient
+from .engines import HOST, start_engine_fleet
 from .record import EngineMemory
 
 TRAIN_MEM_FRACTION_STATIC = 0.3
 """The in-process engine shares the device with the trainer (weights, grads, AdamW state,
 activations): its KV cache may fill device memory up to this fraction (a server's default, 0.85,
 left the trainer too little at qwen3-0.6b: the oom_headroom gate failed at 96% of the card)."""
+ENGINE_WEIGHTS = ("buckets", "shared", "copy")
+"""How an :class:`EngineClient` holds and loads its weights (module docstring)."""
+
+
+def client_for(config: RunConfig, model, tokenizer, *, kv_tokens: int | None = None, kernel_backend: str | None = None,
+               rank: int = 0, world_size: int = 1):
+    """The run's :class:`RolloutClient`, chosen by ``config.rollout.engine``, and the
+    :class:`rlperf.loop.engines.EngineFleet` it started (None when it started none).
+
+    * ``router`` — a :class:`RouterClient` on ``--sglang-router-ip:--sglang-router-port``;
+    * ``disaggregated`` — rank 0 starts the engines and their router (``--placement local``; under
+      ``--placement ray`` the placement started them and names their router) and holds a
+      :class:`RouterClient` with broadcast weight sync; on several ranks every rank gets a
+      :class:`rlperf.loop.data_parallel.Rank0EnginesClient` around it (None on the others);
+    * ``in-process`` — an :class:`EngineClient` on ``model`` (``--engine-weights``; the KV cache holds
+      ``kv_tokens``); on several ranks each rank's engine runs on its own full copy (``model``),
+      loaded from the gathered shards, inside a :class:`rlperf.loop.data_parallel.DataParallelEngineClient`.
+
+    ``kernel_backend``: the run's resolved backend, which the engines it starts use too.
+    """
+    r = config.rollout
+    if r.engine == "router":
+        return RouterClient(r.router_ip, r.router_port, tokenizer, r.colocate, api_key=r.api_key), None
+    if r.engine == "disaggregated":
+        fleet = inner = None
+        if rank == 0:
+            if r.engine_router_url:  # --placement ray started the engines
+                host, port = r.engine_router_url.rsplit("/", 1)[-1].rsplit(":", 1)
+                inner = RouterClient(host, int(port), tokenizer, api_key=r.api_key, distributed=True)
+            else:
+                fleet = start_engine_fleet(config, kernel_backend)
+                try:
+                    inner = RouterClient(HOST, fleet.router_port, tokenizer, api_key=r.api_key, distributed=True)
+                except BaseException:
+                    fleet.close()
+                    raise
+        return (inner if world_size == 1 else Rank0EnginesClient(inner, rank, world_size)), fleet
+    engine = EngineClient(model, tokenizer, max_total_tokens=kv_tokens, mem_fraction_static=r.mem_fraction_static,
+                          cuda_graph_max_bs=r.cuda_graph_max_bs, weights="copy" if world_size > 1 else r.engine_weights)
+    return (engine if world_size == 1 else DataParallelEngineClient(engine, rank, world_size)), None
+
+
+@runtime_checkable
+class RolloutClient(Protocol):
+    """What the loop asks of its rollout engines, on every layout (module docstring)."""
+
+    kind: str
+    """What generates, in words (the run's first line)."""
+    runs_rollout: bool
+    """Whether this process runs the rollout function: False on a data-parallel rank whose rollout
+    comes from rank 0 (:class:`rlperf.loop.data_parallel.Rank0EnginesClient`)."""
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+        """One result per prompt, in order; ``params[i]`` samples ``prompts[i]`` (its own seed)."""
+
+    def load_weights(self, named_tensors: Iterable, version: str) -> SyncStats:
+        """Load every ``(HF name, tensor)`` pair (all the weights, each once) into the engines, which then
+        hold ``version``; an iterator is walked once, to its end."""
+
+    def weights_checksum(self) -> str | None:
+        """:func:`rlperf.sync.weights_checksum` (at ``SYNC_BUCKET_BYTES``) of the weights the engines
+        hold after the latest :meth:`load_weights`; None where this process does not report it."""
+
+    def close(self) -> None:
+        """Release what the client holds (a weight-update group); the engines' processes are not its."""
 
 
 class EngineClient:
-    """In-process engine over a private copy of the model (module docstring)."""
+    """In-process engine (module docstring); ``weights``: one of :data:`ENGINE_WEIGHTS`."""
 
     kind = "in-process engine"
+    runs_rollout = True
 
     def __init__(self, model, tokenizer, max_total_tokens: int | None = None, mem_fraction_static: float | None = None,
-                 cuda_graph_max_bs: int | None = None, share_weights: bool = False):
-        """``model``: the trainer's compute weights (copied unless ``share_weights``);
-        ``cuda_graph_max_bs``: None is serve's default (:func:`rlperf.rollout.cuda_graph.default_max_bs`)."""
-        self.shared = share_weights
-        if share_weights:
-            self.model = model
-        else:
+                 cuda_graph_max_bs: int | None = None, weights: str = "buckets"):
+        """``model``: the trainer's compute weights (``buckets``: copied; ``shared``: run as they are) or
+        the engine's own full copy (``copy``); ``cuda_graph_max_bs``: None is serve's default
+        (:func:`rlperf.rollout.cuda_graph.default_max_bs`)."""
+        if weights not in ENGINE_WEIGHTS:
+            raise ValueError(f"weights must be one of {ENGINE_WEIGHTS}, got {weights!r}")
+        self.weights = weights
+        if weights == "buckets":
             self.model = copy.deepcopy(model)
             for p in self.model.parameters():
                 p.requires_grad_(False)
+        else:
+            self.model = model
         self.tokenizer = tokenizer
         if mem_fraction_static is None and self.model.device.type == "cuda":
             mem_fraction_static = TRAIN_MEM_FRACTION_STATIC
@@ -84,37 +168,38 @@ class EngineClient:
             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
             cuda_graph_max_bs=cuda_graph_max_bs))
 
+    @property
+    def shared(self) -> bool:
+        return self.weights == "shared"
+
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
         return self.engine.generate(prompts, params)
 
-    def update_weights(self, named_tensors, version: str) -> SyncStats:
-        """Buckets -> (CPU: a shared-memory payload -> receive, checksum verified) -> load; flush."""
-        if self.shared:
+    def load_weights(self, named_tensors, version: str) -> SyncStats:
+        """``buckets``: flattened buckets -> (CPU: a shared-memory payload -> receive, checksum verified)
+        -> load; ``shared``: check the engine still holds the very tensors given; ``copy``: copy each
+        tensor in place as it comes (CUDA graphs captured on the weights stay valid). Then flush the
+        KV cache. RuntimeError naming the weights that are not the engine's or that never came."""
+        if self.weights == "shared":
             # the engine reads the trainer's weights: nothing moves; they must still be the same tensors
             own = self.model.hf_state_dict()
-            stale = [n for n, t in named_tensors.items() if n not in own or own[n].data_ptr() != t.data_ptr()
+            stale = [n for n, t in named_tensors if n not in own or own[n].data_ptr() != t.data_ptr()
                      or own[n].dtype != t.dtype]
             if stale:
                 raise RuntimeError(f"--engine-weights shared: the engine no longer holds the trainer's {stale[:3]}")
-            self.engine.flush()
-            self.engine.weight_version = version
-            return SyncStats(buckets=0, bytes=0)
-        # same process, same GPU: CUDA cannot open a process's own IPC handle, and none is needed;
-        # the bucket's views are copied straight into the engine's parameters
-        transport = None if self.model.device.type == "cuda" else "shm"
-        stats = sync_weights(named_tensors, self.model.hf_state_dict(), config=SyncConfig(transport=transport))
+            stats = SyncStats(buckets=0, bytes=0)
+        elif self.weights == "buckets":
+            # same process, same GPU: CUDA cannot open a process's own IPC handle, and none is needed;
+            # the bucket's views are copied straight into the engine's parameters
+            transport = None if self.model.device.type == "cuda" else "shm"
+            stats = sync_weights(dict(named_tensors), self.model.hf_state_dict(), config=SyncConfig(transport=transport))
+        else:
+            stats = self._copy_weights(named_tensors)
         self.engine.flush()
         self.engine.weight_version = version
         return stats
 
-    def load_weights(self, named_tensors, version: str) -> SyncStats:
-        """Copy ``(HF name, tensor)`` pairs into the engine's model as they come, then flush its KV cache.
-
-        ``named_tensors`` may be an iterator that gathers the weights bucket by bucket (a data-parallel
-        rank's engine: :meth:`rlperf.train.fsdp.FSDPTrainer.iter_hf_weights`): each tensor is copied
-        before the next is asked for, in place (CUDA graphs captured on the weights stay valid). Every
-        weight must come; RuntimeError naming the missing ones otherwise.
-        """
+    def _copy_weights(self, named_tensors) -> SyncStats:
         import torch
 
         own = self.model.hf_state_dict()
@@ -129,9 +214,11 @@ class EngineClient:
         if len(seen) != len(own):
             missing = sorted(set(own) - seen)
             raise RuntimeError(f"load_weights: no tensor for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-        self.engine.flush()
-        self.engine.weight_version = version
         return SyncStats(buckets=0, bytes=nbytes)
+
+    def weights_checksum(self) -> str:
+        """Of the engine's model (after a sync: the bits the trainer sent)."""
+        return weights_checksum(self.model.hf_state_dict(), SYNC_BUCKET_BYTES)
 
     def close(self) -> None:
         """Nothing to release (the engine lives in this process)."""
@@ -197,6 +284,7 @@ class RouterClient:
     """Rollout servers behind a running sglang-router (module docstring)."""
 
     kind = "sglang-router"
+    runs_rollout = True
 
     def __init__(self, ip: str, port: int, tokenizer, colocate: bool = False, timeout: float = 600.0,
                  api_key: str | None = None, distributed: bool = False):
@@ -207,6 +295,8 @@ class RouterClient:
         self.max_inflight = ROUTER_MAX_INFLIGHT
         self.distributed = distributed
         self.broadcaster: WeightBroadcaster | None = None
+        self._last_sync: SyncStats | None = None  # distributed: the latest broadcast's stats
+        self._sent: dict | None = None  # otherwise: the tensors the latest sync pushed
         self.workers()
 
     def workers(self) -> list[str]:
@@ -250,10 +340,17 @@ class RouterClient:
         with ThreadPoolExecutor(max(1, min(len(prompts), self.max_inflight))) as pool:
             return list(pool.map(self._generate_one, prompts, params))
 
-    def update_weights(self, named_tensors, version: str) -> SyncStats:
+    def load_weights(self, named_tensors, version: str) -> SyncStats:
+        """Distributed (disaggregated engines): broadcast the pairs bucket by bucket as they come
+        (:meth:`_broadcast_weights`). Otherwise: pause each worker, push the flattened buckets
+        (:func:`push_weights`; CUDA IPC when colocated on CUDA, shared memory from CPU tensors, else
+        inline), flush its cache and continue it."""
         if self.distributed:
             return self._broadcast_weights(named_tensors, version)
-        first = next(iter(named_tensors.values()))
+        named = dict(named_tensors)
+        if not named:
+            raise ValueError("load_weights got no tensors")
+        first = next(iter(named.values()))
         transport = "cuda_ipc" if (self.colocate and first.device.type == "cuda") else (
             "shm" if first.device.type == "cpu" else "inline")
         config = SyncConfig(transport=transport)
@@ -268,49 +365,51 @@ class RouterClient:
         for url in self.workers():
             admin(url, "/pause_generation")
             try:
-                n += push_weights(url, named_tensors, config=config, weight_version=version, api_key=self.api_key)
+                n += push_weights(url, named, config=config, weight_version=version, api_key=self.api_key)
                 admin(url, "/flush_cache")
             finally:
                 admin(url, "/continue_generation")
-        return SyncStats(buckets=n, bytes=sum(t.numel() * t.element_size() for t in named_tensors.values()))
+        self._sent = named
+        return SyncStats(buckets=n, bytes=sum(t.numel() * t.element_size() for t in named.values()))
 
     def _broadcast_weights(self, named_tensors, version: str) -> SyncStats:
         """Disaggregated workers: one broadcast per bucket from this process (trainer rank 0) through
         the weight-update group, formed with every worker the router lists at the first sync; every
-        worker's checksum is checked (:meth:`WeightBroadcaster.update_weights`). ``named_tensors``: a
-        mapping, or (name, tensor) pairs, e.g. a generator of full tensors gathered one by one from
-        FSDP shards (drawn bucket by bucket, in the engines' ``hf_state_dict()`` order)."""
-        items = iter(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        worker's checksum is checked (:meth:`WeightBroadcaster.update_weights`). ``named_tensors``:
+        (name, tensor) pairs, e.g. a generator of full tensors gathered one by one from FSDP shards
+        (drawn bucket by bucket, in the engines' ``hf_state_dict()`` order)."""
+        items = iter(named_tensors)
         first = next(items, None)
         if first is None:
-            raise ValueError("update_weights got no tensors")
+            raise ValueError("load_weights got no tensors")
         items = itertools.chain([first], items)
         try:
             if self.broadcaster is None:
                 self.broadcaster = WeightBroadcaster(self.workers(), device=first[1].device, api_key=self.api_key,
                                                      timeout=self.timeout)
                 self.broadcaster.connect()
-            return self.broadcaster.update_weights(items, version)
+            self._last_sync = self.broadcaster.update_weights(items, version)
+            return self._last_sync
         except WeightSyncError as exc:
             if exc.status == 401:
                 _check_auth("weight sync", 401, str(exc), self.api_key)
             raise
 
-    def load_weights(self, named_tensors, version: str) -> SyncStats:
-        """Distributed sync only: broadcast ``(HF name, tensor)`` pairs as they come (a data-parallel
-        trainer's rank 0 passes the iterator that gathers the FSDP shards bucket by bucket:
-        :meth:`rlperf.train.fsdp.FSDPTrainer.iter_hf_weights`); see :meth:`_broadcast_weights`."""
+    def weights_checksum(self) -> str:
+        """Distributed: the engines' ``weights_checksum`` at ``SYNC_BUCKET_BYTES``, which all must report
+        alike (the latest sync checked them against the bytes sent; asked again only when its bucket size
+        differs). Otherwise: of the tensors the latest sync pushed, as this process holds them (the
+        servers checked each bucket's checksum on receipt)."""
         if not self.distributed:
-            raise RuntimeError("load_weights streams the weights to disaggregated engines (distributed=True); "
-                               "servers behind a running router take update_weights")
-        return self._broadcast_weights(named_tensors, version)
-
-    def engine_checksum(self, bucket_bytes: int) -> str:
-        """Distributed sync, after one: the engines' ``weights_checksum`` at ``bucket_bytes``, which all
-        must report alike (:meth:`rlperf.sync.distributed.WeightBroadcaster.engine_checksums`)."""
+            if self._sent is None:
+                raise RuntimeError("weights_checksum: no weights were loaded yet")
+            return weights_checksum(self._sent, SYNC_BUCKET_BYTES)
         if self.broadcaster is None:
-            raise RuntimeError("engine_checksum: no weight sync has formed the engines' group yet")
-        got = self.broadcaster.engine_checksums(bucket_bytes)
+            raise RuntimeError("weights_checksum: no weight sync has formed the engines' group yet")
+        stats = self._last_sync
+        if stats is not None and stats.weights_checksum and self.broadcaster.bucket_bytes == SYNC_BUCKET_BYTES:
+            return stats.weights_checksum
+        got = self.broadcaster.engine_checksums(SYNC_BUCKET_BYTES)
         if len(set(got)) != 1:
             raise WeightSyncError(f"the engines' weights differ: weights_checksum {got}")
         return got[0]

@@ -51,7 +51,10 @@ def rank_and_world() -> tuple[int, int]:
 class DataParallelEngineClient:
     """Rank ``r`` of ``W``: the rank's in-process engine (``engine_client``, an
     :class:`rlperf.loop.clients.EngineClient` over a full copy of the weights in the compute dtype)
-    generates every ``W``-th prompt; the results are all-gathered (module docstring)."""
+    generates every ``W``-th prompt; the results are all-gathered (module docstring). A
+    :class:`rlperf.loop.clients.RolloutClient`: every method is called on every rank at once."""
+
+    runs_rollout = True
 
     def __init__(self, engine_client, rank: int, world_size: int):
         self.inner, self.rank, self.world_size = engine_client, rank, world_size
@@ -85,40 +88,60 @@ class DataParallelEngineClient:
         """Load ``(HF name, full tensor)`` pairs into this rank's engine (every rank: the iterator is a collective)."""
         return self.inner.load_weights(named_tensors, version)
 
-    def update_weights(self, named_tensors, version: str) -> SyncStats:
-        raise RuntimeError("a data-parallel engine takes its weights from the gathered shards (load_weights)")
+    def weights_checksum(self) -> str | None:
+        """Rank 0's engine's (every rank's engine holds the same bits); None on the others."""
+        return self.inner.weights_checksum() if self.rank == 0 else None
 
     def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
+        self.inner.close()
 
 
 class Rank0EnginesClient:
-    """The engine client of ranks other than 0 when rank 0 alone talks to disaggregated engines (module
-    docstring): it generates nothing (the rollout comes from rank 0 by :func:`broadcast_from_rank0`),
-    and its weight sync only takes part in the gathers of rank 0's broadcast."""
+    """Disaggregated engines on several data-parallel ranks (module docstring): rank 0 alone talks to
+    them through ``router_client`` (an :class:`rlperf.loop.clients.RouterClient` with distributed weight
+    sync; None on the other ranks). Every rank calls :meth:`load_weights` with the same gathering
+    iterator (a collective): rank 0 broadcasts what it yields to the engines, the others only advance
+    it. The rollout function runs on rank 0 (:attr:`runs_rollout`); the loop hands its samples to the
+    other ranks (:func:`broadcast_from_rank0`)."""
 
-    def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
-        self.kind = f"rank 0's engines ({world_size} data-parallel ranks)"
+    def __init__(self, router_client, rank: int, world_size: int):
+        if (router_client is None) != (rank != 0):
+            raise ValueError("rank 0, and only rank 0, holds the engines' client")
+        self.inner, self.rank, self.world_size = router_client, rank, world_size
+        self.runs_rollout = rank == 0
+        self.kind = (f"{router_client.kind}, " if router_client is not None else "") + \
+            f"rank 0's engines ({world_size} data-parallel ranks)"
 
     def generate(self, prompts: list[list[int]], params: list) -> list:
-        raise RuntimeError(f"rank {self.rank}: the disaggregated engines generate through rank 0 (the rollout "
-                           f"reaches this rank by broadcast_from_rank0)")
+        if self.inner is None:
+            raise RuntimeError(f"rank {self.rank}: the disaggregated engines generate through rank 0 (the rollout "
+                               f"reaches this rank by broadcast_from_rank0)")
+        return self.inner.generate(prompts, params)
 
     def load_weights(self, named_tensors, version: str) -> SyncStats:
-        """Advance ``named_tensors`` (the gathering iterator, a collective) to its end; nothing is kept."""
-        n = nbytes = 0
+        """Rank 0: broadcast the pairs to the engines as they come. The others: advance ``named_tensors``
+        (the gathering iterator, a collective) to its end; nothing is kept."""
+        if self.inner is not None:
+            return self.inner.load_weights(named_tensors, version)
+        nbytes = 0
         for _, t in named_tensors:
-            n, nbytes = n + 1, nbytes + t.numel() * t.element_size()
+            nbytes += t.numel() * t.element_size()
         return SyncStats(buckets=0, bytes=nbytes)
 
-    def update_weights(self, named_tensors, version: str) -> SyncStats:
-        raise RuntimeError("a data-parallel rank takes part in the weight sync through load_weights (the gathers)")
+    def weights_checksum(self) -> str | None:
+        """The engines' (rank 0 asks them); None on the other ranks."""
+        return self.inner.weights_checksum() if self.inner is not None else None
+
+    def engine_memory(self) -> list:
+        """Every engine's memory as it reports it (:meth:`rlperf.loop.clients.RouterClient.engine_memory`),
+        asked by rank 0 and sent to every rank (a collective)."""
+        return broadcast_from_rank0(self.inner.engine_memory() if self.inner is not None else None)
 
     def close(self) -> None:
-        """Nothing to release (rank 0 owns the engines' group and processes)."""
+        """Rank 0 leaves the engines' weight-update group (it owns the group and, with ``--placement
+        local``, the engines' processes)."""
+        if self.inner is not None:
+            self.inner.close()
 
 
 def broadcast_from_rank0(obj):

@@ -3,7 +3,7 @@
 With ``--rollout-num-gpus N`` and without ``--colocate``, the loop (trainer rank 0 with several actor
 ranks) starts N engines, one GPU each (engine i sees only the i-th GPU after the actor ranks' through
 ``CUDA_VISIBLE_DEVICES``; the layout is checked before anything starts,
-:func:`rlperf.loop.args.resolve_engine_layout`) or, with ``--device cpu``, N plain processes; then the
+:func:`rlperf.loop.device.resolve_engine_layout`) or, with ``--device cpu``, N plain processes; then the
 sglang-router in front of them (:mod:`rlperf.rollout.router`). The loop talks to them as to any router
 (:class:`rlperf.loop.clients.RouterClient`: ``/generate`` through the router), and the weights reach
 them by broadcast from trainer rank 0 (:mod:`rlperf.sync.distributed`), every engine's checksum
@@ -30,6 +30,7 @@ from rlperf.rollout.args import ServerArgs
 from rlperf.rollout.router import Cluster, describe, free_port, output_tail, start_router, start_servers
 
 from . import checkpoint as ckpt
+from .config import RunConfig
 
 FLEET_START_TIMEOUT_S = 900.0
 """Seconds an engine may take to answer ``/health``: on a GPU its warm-up compiles the kernels and
@@ -49,19 +50,19 @@ class EngineFleetError(RuntimeError):
     """An engine or the router did not come up; the message quotes its last output."""
 
 
-def engine_server_args(ns, precision: str, kernel_backend: str | None) -> ServerArgs:
-    """The ``rlperf serve`` options of every engine of a run (``ns``: resolved ``rlperf train`` flags;
-    ``precision``: ``bf16`` or ``fp32``; ``kernel_backend``: the run's resolved backend, None for auto)."""
-    model = str(ckpt.model_dir(ns.load)) if ns.load else (ns.hf_checkpoint or ns.model)
+def engine_server_args(config: RunConfig, kernel_backend: str | None) -> ServerArgs:
+    """The ``rlperf serve`` options of every engine of a run (``kernel_backend``: the run's resolved
+    backend, None for auto); the engines compute in the trainer's precision."""
+    m, r = config.model, config.rollout
+    model = str(ckpt.model_dir(m.load)) if m.load else (m.hf_checkpoint or m.preset)
     return ServerArgs(
-        model_path=model, tokenizer_path=ns.hf_checkpoint, host=HOST,
-        dtype="bfloat16" if precision == "bf16" else "float32",
-        device="cpu" if ns.engine_gpus is None else "cuda",
-        kernel_backend=kernel_backend or "auto", mode=ns.mode,
-        mem_fraction_static=(ns.sglang_mem_fraction_static if ns.sglang_mem_fraction_static is not None
-                             else ENGINE_MEM_FRACTION_STATIC),
-        cuda_graph_max_bs=getattr(ns, "sglang_cuda_graph_max_bs", None),
-        random_seed=ns.seed, api_key=getattr(ns, "sglang_api_key", None), num_threads=ns.num_threads or None)
+        model_path=model, tokenizer_path=m.hf_checkpoint, host=HOST,
+        dtype="bfloat16" if config.train.precision == "bf16" else "float32",
+        device="cpu" if r.engine_gpus is None else "cuda",
+        kernel_backend=kernel_backend or "auto", mode=config.runtime.mode,
+        mem_fraction_static=r.mem_fraction_static if r.mem_fraction_static is not None else ENGINE_MEM_FRACTION_STATIC,
+        cuda_graph_max_bs=r.cuda_graph_max_bs, random_seed=config.runtime.seed, api_key=r.api_key,
+        num_threads=config.runtime.num_threads or None)
 
 
 class EngineFleet:
@@ -143,28 +144,15 @@ class EngineFleet:
         self.close()
 
 
-def launch_engines(ns, tokenizer, precision: str, kernel_backend: str | None):
-    """The disaggregated layout of a run: its :class:`EngineFleet` (``ns.rollout_num_gpus`` engines on
-    ``ns.engine_gpus``, or CPU processes) and a :class:`rlperf.loop.clients.RouterClient` on its router
-    whose weight sync is the broadcast. The fleet is stopped again when the client cannot be made.
-    Engines a placement started (``--placement ray``: :data:`rlperf.loop.ray_placement.ENGINE_ROUTER_ATTR`
-    names their router) are the placement's: no fleet, only the client on that router."""
-    from .clients import RouterClient
-
-    placed = getattr(ns, "engine_router_url", None)
-    if placed:
-        host, port = placed.rsplit("/", 1)[-1].rsplit(":", 1)
-        return None, RouterClient(host, int(port), tokenizer, api_key=getattr(ns, "sglang_api_key", None),
-                                  distributed=True)
-    n = ns.rollout_num_gpus // ns.rollout_num_gpus_per_engine
-    args = engine_server_args(ns, precision, kernel_backend)
-    where = f"GPUs {','.join(ns.engine_gpus)}" if ns.engine_gpus is not None else "CPU"
-    print(f"rlperf train: starting {n} rollout engine(s) ({args.model_path}, {args.dtype}) on {where} behind "
-          f"the sglang-router; logs in {Path(ns.output_dir) / LOG_DIR}", file=sys.stderr, flush=True)
-    fleet = EngineFleet.start(args, n, ns.engine_gpus, Path(ns.output_dir) / LOG_DIR)
-    try:
-        client = RouterClient(HOST, fleet.router_port, tokenizer, api_key=args.api_key, distributed=True)
-    except BaseException:
-        fleet.close()
-        raise
-    return fleet, client
+def start_engine_fleet(config: RunConfig, kernel_backend: str | None) -> EngineFleet:
+    """The disaggregated engines of a run (``--rollout-num-gpus``): its :class:`EngineFleet` of
+    ``config.rollout.num_engines`` engines on ``config.rollout.engine_gpus`` (or CPU processes), logs
+    under ``--output-dir``. The client on its router is :func:`rlperf.loop.clients.client_for`'s."""
+    r = config.rollout
+    args = engine_server_args(config, kernel_backend)
+    gpus = list(r.engine_gpus) if r.engine_gpus is not None else None
+    where = f"GPUs {','.join(gpus)}" if gpus is not None else "CPU"
+    log_dir = Path(config.telemetry.output_dir) / LOG_DIR
+    print(f"rlperf train: starting {r.num_engines} rollout engine(s) ({args.model_path}, {args.dtype}) on {where} "
+          f"behind the sglang-router; logs in {log_dir}", file=sys.stderr, flush=True)
+    return EngineFleet.start(args, r.num_engines, gpus, log_dir)

@@ -26,6 +26,8 @@ from pathlib import Path
 from rlperf.rollout.engine import SamplingParams
 from rlperf.train import Sample
 
+from .config import RolloutConfig
+
 
 @dataclasses.dataclass
 class DataSource:
@@ -51,15 +53,15 @@ def sampling_params_for(args, seed: int) -> SamplingParams:
                           top_p=args.rollout_top_p, top_k=args.rollout_top_k, seed=seed)
 
 
-def rollout_kv_tokens(args, records, tokenizer, page_size: int) -> int:
+def rollout_kv_tokens(rollout: RolloutConfig, records, tokenizer, page_size: int) -> int:
     """KV-cache tokens an in-process engine needs to hold one whole rollout at once: each of the
-    ``rollout_batch_size x n_samples_per_prompt`` sequences at the longest prompt of ``records``
-    plus ``--rollout-max-response-len``, rounded up to whole pages. Sizing the cache by this (not by
+    ``rollout.batch_size x rollout.n_samples_per_prompt`` sequences at the longest prompt of ``records``
+    plus ``rollout.max_response_len``, rounded up to whole pages. Sizing the cache by this (not by
     a fraction of the device) leaves the rest of the memory to training when the engine and the
     trainer share a device; nothing is ever retracted for lack of pages."""
     longest = max((len(tokenizer.encode(r.prompt)) for r in records), default=1)
-    per_seq = -(-(longest + args.rollout_max_response_len) // page_size) * page_size
-    return args.rollout_batch_size * args.n_samples_per_prompt * per_seq
+    per_seq = -(-(longest + rollout.max_response_len) // page_size) * page_size
+    return rollout.batch_size * rollout.n_samples_per_prompt * per_seq
 
 
 def generate_rollout(args, rollout_id: int, data_source: DataSource, evaluation: bool = False) -> list[Sample]:

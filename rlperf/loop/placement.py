@@ -10,7 +10,7 @@ One interface, :class:`Placement`, so the loop never knows where it runs:
   takes the others down (they would wait for it in a collective for ever), with its error shown.
 
 Engine processes (``--rollout-num-gpus``): under ``--placement local`` trainer rank 0 starts them
-(:func:`rlperf.loop.engines.launch_engines`); ``--placement ray`` starts them as actors on bundles of
+(:func:`rlperf.loop.engines.start_engine_fleet`); ``--placement ray`` starts them as actors on bundles of
 their own and hands the ranks their router.
 
 :class:`LocalPlacement` (``--placement local``) starts the ranks on this host with
@@ -34,33 +34,16 @@ import contextlib
 import dataclasses
 import logging
 import os
-import socket
 import sys
 from collections.abc import Callable, Iterator
 
-from .args import UsageError
+from rlperf.rollout.router import free_port
 
-PLACEMENTS = ("local", "ray")
-"""``--placement`` values (``ray``: :mod:`rlperf.loop.ray_placement`)."""
+from .args import UsageError
+from .device import run_device
+
 RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """The environment variables that place a rank (torchrun's names)."""
-
-
-def add_placement_arguments(p: argparse.ArgumentParser) -> None:
-    """The placement flags (slime's names) of ``rlperf train`` and ``rlperf gate``."""
-    g = p.add_argument_group("placement")
-    g.add_argument("--actor-num-nodes", type=int, default=1, help="nodes of actor (trainer) ranks")
-    g.add_argument("--actor-num-gpus-per-node", type=int, default=1,
-                   help="actor ranks per node: data-parallel FSDP2 ranks, one GPU each on CUDA (one process each "
-                        "on the CPU, gloo); each runs its own in-process engine on its share of the rollout, or, with "
-                        "--rollout-num-gpus, rank 0 alone drives the disaggregated engines and shares the rollout")
-    g.add_argument("--placement", default="local", choices=PLACEMENTS,
-                   help="local: rlperf starts the ranks on this host (multiprocessing, spawn); a process started by "
-                        "torchrun is a rank itself; ray: the ranks (and --rollout-num-gpus engines) as Ray actors on "
-                        "a placement group of GPU bundles, on one node or several (ray start; --ray-address)")
-    from .ray_placement import add_ray_arguments  # no Ray import: that waits for --placement ray
-
-    add_ray_arguments(g)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +63,7 @@ class ActorLayout:
 
     @classmethod
     def of(cls, ns: argparse.Namespace, device_type: str) -> ActorLayout:
-        return cls(getattr(ns, "actor_num_nodes", 1), getattr(ns, "actor_num_gpus_per_node", 1), device_type)
+        return cls(ns.actor_num_nodes, ns.actor_num_gpus_per_node, device_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +98,6 @@ def check_actor_layout(ns: argparse.Namespace, device) -> ActorLayout:
     yet (a running router, ``--async``, shared engine weights). Disaggregated engines
     (``--rollout-num-gpus``) take any number of ranks: rank 0 drives them (:mod:`rlperf.loop.data_parallel`).
     """
-    for flag in ("actor_num_nodes", "actor_num_gpus_per_node"):
-        if getattr(ns, flag, 1) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
     layout = ActorLayout.of(ns, device.type)
     launched = RankEnv.from_environ()
     if launched is not None:
@@ -125,8 +105,8 @@ def check_actor_layout(ns: argparse.Namespace, device) -> ActorLayout:
             raise UsageError(f"WORLD_SIZE={launched.world_size} (torchrun or another launcher), but --actor-num-nodes "
                              f"{layout.num_nodes} x --actor-num-gpus-per-node {layout.gpus_per_node} = "
                              f"{layout.world_size} ranks: make them agree")
-    elif layout.num_nodes > 1 and getattr(ns, "placement", "local") != "ray":
-        raise UsageError(f"--actor-num-nodes {layout.num_nodes}: --placement {getattr(ns, 'placement', 'local')} starts "
+    elif layout.num_nodes > 1 and ns.placement != "ray":
+        raise UsageError(f"--actor-num-nodes {layout.num_nodes}: --placement {ns.placement} starts "
                          f"ranks on this host only; for several nodes run torchrun on each node (torchrun --nnodes "
                          f"{layout.num_nodes} --nproc-per-node {layout.gpus_per_node} --node-rank I --master-addr HOST "
                          f"-m rlperf train --actor-num-nodes {layout.num_nodes} ...), or --placement ray")
@@ -134,7 +114,7 @@ def check_actor_layout(ns: argparse.Namespace, device) -> ActorLayout:
         import torch
 
         visible = torch.cuda.device_count()
-        if layout.gpus_per_node > visible and getattr(ns, "placement", "local") != "ray":  # ray: the cluster's GPUs
+        if layout.gpus_per_node > visible and ns.placement != "ray":  # ray: the cluster's GPUs
             raise UsageError(f"--actor-num-gpus-per-node {layout.gpus_per_node}: only {visible} CUDA device(s) visible "
                              f"on this host (one GPU per rank)")
         if launched is not None and launched.local_rank >= visible:
@@ -150,14 +130,14 @@ def _check_data_parallel(ns: argparse.Namespace, layout: ActorLayout) -> None:
     if ns.global_batch_size % w:
         raise UsageError(f"--global-batch-size {ns.global_batch_size} does not split over {ranks}: each rank trains "
                          f"an equal share of every global batch; use a multiple of {w}")
-    if getattr(ns, "sglang_router_ip", None) is not None:
+    if ns.sglang_router_ip is not None:
         raise UsageError(f"--sglang-router-ip with {ranks}: a data-parallel run generates on its ranks' in-process "
                          f"engines (colocated) or on the engines it starts (--rollout-num-gpus); rollout through a running router needs "
                          f"one actor rank for now")
-    if getattr(ns, "async_mode", False):
+    if ns.async_mode:
         raise UsageError(f"--async with {ranks} is not supported yet (the rollout thread and the trainer would share "
                          f"the ranks' process group); use sync mode")
-    if getattr(ns, "engine_weights", "auto") == "shared":
+    if ns.engine_weights == "shared":
         raise UsageError(f"--engine-weights shared with {ranks}: a rank holds only a shard of the trainer's weights; "
                          f"its engine keeps a full copy (--engine-weights buckets, the default there)")
 
@@ -177,13 +157,6 @@ class Placement(abc.ABC):
         """Start ``layout.world_size`` rank processes, each running ``entry(ns)`` with :data:`RANK_ENV` set
         (``entry`` must be importable by name: it travels to the new processes); wait for all; return 0
         when every rank returned 0, else the failing rank's code (its error shown on stderr)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now (the rendezvous port of the ranks)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(local_rank: int, entry, ns, env: dict) -> None:
@@ -277,23 +250,11 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
-def placement_for(ns: argparse.Namespace) -> Placement:
-    """The :class:`Placement` that ``--placement`` names."""
-    name = getattr(ns, "placement", "local")
-    if name == "local":
-        return LocalPlacement()
-    if name == "ray":
-        from .ray_placement import RayPlacement
-
-        return RayPlacement.from_args(ns)
-    raise UsageError(f"--placement {name}: not available (choose from {', '.join(PLACEMENTS)})")
-
-
 def needs_launch(ns: argparse.Namespace) -> bool:
     """True when this process must start the ranks: more than one (or any number with ``--placement ray``,
     which runs even one rank on its bundle), and it is not a rank itself."""
     return RankEnv.from_environ() is None and (ActorLayout.of(ns, "cpu").world_size > 1
-                                               or getattr(ns, "placement", "local") == "ray")
+                                               or ns.placement == "ray")
 
 
 @contextlib.contextmanager
@@ -309,8 +270,6 @@ def actor_process_group(ns: argparse.Namespace) -> Iterator[RankEnv]:
         return
     import torch
     import torch.distributed as dist
-
-    from .args import run_device
 
     device = run_device(ns)
     if device.type == "cuda":

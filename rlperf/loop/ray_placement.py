@@ -29,7 +29,7 @@ engines (``slime/ray/placement_group.py``):
   its node (listening on the node's IP, a free port) as a child that inherits the actor's
   ``CUDA_VISIBLE_DEVICES`` and dies with it; the sglang-router runs in this process in front of them.
   The ranks find it as ``ns.engine_router_url`` (:data:`ENGINE_ROUTER_ATTR`); the loop talks to it as
-  to the engines it starts itself (:func:`rlperf.loop.engines.launch_engines`), weights by broadcast.
+  to the engines it starts itself (:func:`rlperf.loop.engines.start_engine_fleet`), weights by broadcast.
 
 Bad layouts exit 2 before any actor starts (:class:`rlperf.loop.args.UsageError`): Ray not installed,
 a ``--ray-address`` that does not answer within :data:`RAY_CONNECT_TIMEOUT_S`, a layout that needs
@@ -55,8 +55,10 @@ import time
 import traceback
 from collections.abc import Callable
 
+from rlperf.rollout.router import free_port
+
 from .args import UsageError
-from .placement import ActorLayout, Placement, free_port
+from .placement import ActorLayout, Placement
 
 RAY_INSTALL_HINT = "install it with `pip install 'ray[default]'` (on every node of the cluster)"
 RAY_CONNECT_TIMEOUT_S = 10.0
@@ -78,15 +80,6 @@ FORWARDED_ENV_PREFIXES = ("RLPERF_", "TRITON_")
 """This process's environment variables that reach every actor (a ``ray start`` cluster's workers
 inherit the environment of ``ray start``, not of the driver): rlperf's and Triton's switches. The API
 key variable is not forwarded (it would show in Ray's dashboard); the key travels in the run's flags."""
-
-
-def add_ray_arguments(group) -> None:
-    """``--ray-address`` (in the placement flags of ``rlperf train`` and ``rlperf gate``)."""
-    group.add_argument("--ray-address", default=None, metavar="ADDRESS",
-                       help="--placement ray: the Ray cluster, HOST:PORT of its head (ray start --head prints it; "
-                            "default 6379), 'auto' (the cluster ray start started on this host) or 'local' (a new "
-                            "Ray instance on this host). Default: RAY_ADDRESS, else the cluster ray start started "
-                            "on this host if it answers, else a new local instance")
 
 
 def import_ray():
@@ -241,8 +234,9 @@ class RankActor:
     def where(self) -> Slot:
         return _where("actor", self.rank, self.bundle)
 
-    def free_port(self) -> tuple[str, int]:
-        """This node's IP and a port free on it now (rank 0's: the rendezvous)."""
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it now: rank 0's, where the ranks' process group meets
+        (``MASTER_ADDR``, ``MASTER_PORT``)."""
         import ray
 
         ip = ray.util.get_node_ip_address()
@@ -362,10 +356,10 @@ def forwarded_env(environ=None) -> dict[str, str]:
 def engine_count(ns: argparse.Namespace) -> int:
     """Engines of their own this run needs bundles for: ``--rollout-num-gpus`` without ``--colocate`` (and
     without an external ``--sglang-router-ip``), one GPU each; 0 otherwise."""
-    n = getattr(ns, "rollout_num_gpus", 0) or 0
-    if n <= 0 or getattr(ns, "colocate", False) or getattr(ns, "sglang_router_ip", None) is not None:
+    n = ns.rollout_num_gpus
+    if n <= 0 or ns.colocate or ns.sglang_router_ip is not None:
         return 0
-    return n // max(1, getattr(ns, "rollout_num_gpus_per_engine", 1) or 1)
+    return n // max(1, ns.rollout_num_gpus_per_engine)
 
 
 class RayPlacement(Placement):
@@ -393,7 +387,7 @@ class RayPlacement(Placement):
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> "RayPlacement":
-        return cls(getattr(ns, "ray_address", None), engine_count(ns), str(getattr(ns, "device", "auto") or "auto"))
+        return cls(ns.ray_address, engine_count(ns), str(ns.device or "auto"))
 
     # -- checks --------------------------------------------------------------------------------------
     def connect(self):
@@ -497,13 +491,15 @@ class RayPlacement(Placement):
     def _engine_server_args(self, ns: argparse.Namespace):
         """The engines' ``rlperf serve`` options: the loop's (:func:`rlperf.loop.engines.engine_server_args`)
         on the device of the bundles."""
-        from .args import kernel_policy, resolve_args, run_device
+        from .config import RunConfig
+        from .device import kernel_policy, run_device
         from .engines import engine_server_args
+        from .resolve import resolve_args
 
         if not hasattr(ns, "train_args"):  # rlperf gate hands over its unresolved flags
             ns = resolve_args(copy.copy(ns))
         backend = kernel_policy(ns, run_device(ns)).backend
-        args = engine_server_args(ns, ns.precision, backend)
+        args = engine_server_args(RunConfig.from_args(ns), backend)
         gpu = self.gpu_bundles and not self.device.startswith("cpu")
         return dataclasses.replace(args, device="cuda" if gpu else "cpu")
 
@@ -523,7 +519,7 @@ class RayPlacement(Placement):
             if self.engines:
                 from .engines import LOG_DIR
 
-                out = getattr(ns, "output_dir", None)
+                out = ns.output_dir
                 try:
                     router = self.launch_engines(self._engine_server_args(ns), order[w:],
                                                  os.path.join(os.path.abspath(out), LOG_DIR) if out else None)
@@ -536,7 +532,7 @@ class RayPlacement(Placement):
             self._actors = [actor.options(**self._options(b)).remote(r, b) for r, b in enumerate(order[:w])]
             self.slots = list(ray.get([a.where.remote() for a in self._actors])) + self.slots
             print(self.describe(), file=sys.stderr, flush=True)
-            master_addr, master_port = ray.get(self._actors[0].free_port.remote())
+            master_addr, master_port = ray.get(self._actors[0].rendezvous_address.remote())
             env = {"WORLD_SIZE": str(w), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                    "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
             calls = {a.run.remote(entry_name, rank_ns, {**env, "RANK": str(r)}, list(sys.path), os.getcwd()): r

@@ -9,8 +9,10 @@ the gates import it from here, the loop never imports the gates.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from rlperf.train import Sample
+if TYPE_CHECKING:  # the record's type names only: the gates' flags load without torch
+    from rlperf.train.sample import Sample
 
 PHASES = ("rollout", "log_prob", "train", "weight_sync")
 """Phases whose peak memory the oom_headroom gate checks, in step order."""

@@ -65,16 +65,18 @@ from pathlib import Path
 import torch
 
 from rlperf import kernels as K
-from rlperf.sync import weights_checksum
+from rlperf.sync import SYNC_BUCKET_BYTES, weights_checksum
 from rlperf.telemetry import PhaseMeter, PhaseTimeline, TrainerTrace, default_path
 
 from . import checkpoint as ckpt
-from .args import UsageError, compute_dtype, kernel_policy, parse_train_args, resolve_args, run_device
+from .args import UsageError, memory_limit
+from .clients import ServerAuthError, client_for
+from .config import RunConfig
+from .device import compute_dtype, kernel_policy, run_device
 from .probe import worst_case_probe
 from .record import PHASES, EngineMemory, FirstStepRecord, PhaseMemory
-from .clients import EngineClient, RouterClient, ServerAuthError
-from .data_parallel import (DataParallelEngineClient, Rank0EnginesClient, RankFailure, broadcast_from_rank0,
-                            max_over_ranks, rank_and_world)
+from .resolve import parse_train_args, resolve_args
+from .data_parallel import RankFailure, broadcast_from_rank0, max_over_ranks, rank_and_world
 from .generation import DataSource, generate_rollout, load_rollout_data, rollout_kv_tokens, save_rollout_data
 
 METRICS_FILE = "metrics.jsonl"
@@ -110,120 +112,127 @@ def _mean_over_tokens(tensors) -> float:
 class Run:
     """Everything a training run holds; building it runs no step (all input errors surface here).
 
-    ``train_args``: the trainer's :class:`rlperf.train.TrainArgs`, when not ``ns.train_args`` (the
-    first step asks for reference log-probs without changing the shared namespace).
+    ``ns``: resolved ``rlperf train`` flags (:func:`rlperf.loop.resolve.resolve_args`), read once into
+    :attr:`config` (:class:`rlperf.loop.config.RunConfig`); the namespace itself goes only to custom
+    rollout, generate and reward functions (their contract: slime's ``args``). ``train_args``: the
+    trainer's :class:`rlperf.train.TrainArgs`, when not ``ns.train_args`` (the first step asks for
+    reference log-probs without changing the shared namespace).
+
+    Built in four parts, in this order: the model and tokenizer (:meth:`_build_model`), the data
+    (:meth:`_build_data`), the trainer (:meth:`_build_trainer`: the embedded task's format warm-up,
+    the reference, the precision, data parallel or not, a resumed state) and the rollout client
+    (:meth:`_build_client`, :func:`rlperf.loop.clients.client_for`).
     """
 
     def __init__(self, ns, train_args=None):
-        from rlperf.data.embedded import EMBEDDED_TASK, format_warmup
-        from rlperf.data.jsonl import DataError, PromptDataset, load_prompt_data
-        from rlperf.data.rewards import load_python_path, reward_fn_for
-        from rlperf.model import preset
-        from rlperf.model.qwen3 import Qwen3ForCausalLM
-        from rlperf.rollout.tokenizer import load_tokenizer
-        from rlperf.train import Trainer, frozen_copy
-
         self.ns = ns
-        if ns.num_threads:
-            torch.set_num_threads(ns.num_threads)
-        if ns.deterministic_mode:
-            import os
-
+        self.config = config = RunConfig.from_args(ns, train_args)
+        rt = config.runtime
+        if rt.num_threads:
+            torch.set_num_threads(rt.num_threads)
+        if rt.deterministic:
             # cuBLAS (fast mode) refuses deterministic algorithms without a fixed workspace config
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        torch.manual_seed(ns.seed)
+        torch.manual_seed(rt.seed)
         self.device = run_device(ns)
         self.policy = kernel_policy(ns, self.device)  # --mode, --kernel-backend
+        self.precision = config.train.precision
         # data parallel (--actor-num-gpus-per-node > 1): this process is rank `rank` of `world_size`
         # (rlperf.loop.data_parallel); rank 0 alone writes files and prints
         self.rank, self.world_size = rank_and_world()
+        self.last_sync = None  # the SyncStats of the latest weight sync
         with self.kernels():
-            # model: --load > --hf-checkpoint > a preset at random init (+ the embedded task's format warm-up)
-            init_path = ckpt.model_dir(ns.load) if ns.load else ns.hf_checkpoint
-            if init_path:
-                with _usage_errors("--load" if ns.load else "--hf-checkpoint", ns.load or init_path):
-                    self.model = Qwen3ForCausalLM.from_pretrained(init_path, dtype=torch.float32, device=self.device)
-            else:
-                self.model = Qwen3ForCausalLM.random(preset(ns.model), seed=ns.seed, device=self.device)
-            self.tokenizer = load_tokenizer(ns.hf_checkpoint, self.model.cfg.vocab_size)
-            try:
-                if ns.embedded:
-                    self.dataset = PromptDataset(EMBEDDED_TASK.records(), ns.seed)
-                else:
-                    self.dataset = PromptDataset(load_prompt_data(
-                        ns.prompt_data, ns.input_key, ns.label_key, ns.metadata_key, ns.apply_chat_template,
-                        self.tokenizer), ns.seed)
-                self.reward_fn = reward_fn_for(ns.rm_type, ns.custom_rm_path)
-                self.rollout_fn = (load_python_path(ns.rollout_function_path, "--rollout-function-path")
-                                   if ns.rollout_function_path else generate_rollout)
-                custom_gen = (load_python_path(ns.custom_generate_function_path, "--custom-generate-function-path")
-                              if ns.custom_generate_function_path else None)
-            except (DataError, ValueError) as exc:
-                raise UsageError(str(exc)) from None
-            if ns.embedded and not init_path:
-                self.warmup_loss = format_warmup(self.model, EMBEDDED_TASK, self.tokenizer)
-            ta = train_args or ns.train_args
-            ref = None
-            if ns.ref_load:
-                with _usage_errors("--ref-load", ns.ref_load):
-                    ref = Qwen3ForCausalLM.from_pretrained(ckpt.model_dir(ns.ref_load), dtype=torch.float32,
-                                                           device=self.device)
-            elif ta.use_kl_loss or ta.kl_coef:
-                ref = frozen_copy(self.model)  # the actor as it starts (slime asks for --ref-load)
-            # the model built above holds the float32 master weights; the trainer's compute copy (bf16 on
-            # CUDA) is what forward/backward, weight sync, the engine and the checksum see
-            self.precision = getattr(ns, "precision", "fp32") or "fp32"
-            if self.precision == "auto":
-                self.precision = "bf16" if self.device.type == "cuda" else "fp32"
-            # data parallel with disaggregated engines: rank 0 alone talks to them (rollout, weight broadcast)
-            self.rank0_engines = self.world_size > 1 and bool(getattr(ns, "disaggregated", False))
-            self.last_sync = None  # the SyncStats of the latest weight sync
-            if self.world_size > 1:
-                self._shard_trainer(ta, ref, engine_copy=not self.rank0_engines)
-            else:
-                self.trainer = Trainer(self.model, ta, ref, compute_dtype=compute_dtype(ns, self.precision))
-                self.master_model, self.model = self.model, self.trainer.model
-            with _usage_errors("--load", ns.load):
-                self.start = ckpt.load_trainer_state(ns.load, self.trainer) if ns.load else 0
-        self.fleet = None  # --rollout-num-gpus: the engine processes this run started (rlperf.loop.engines)
-        if ns.sglang_router_ip:
-            with _auth_errors():
-                self.client = RouterClient(ns.sglang_router_ip, ns.sglang_router_port, self.tokenizer, ns.colocate,
-                                           api_key=getattr(ns, "sglang_api_key", None))
-        elif getattr(ns, "disaggregated", False):
-            # engines on their own GPUs behind the router; weights by broadcast from this process (trainer rank 0)
-            from .engines import launch_engines
-
-            if self.rank == 0:
-                with _auth_errors():
-                    self.fleet, self.client = launch_engines(ns, self.tokenizer, self.precision, self.policy.backend)
-            else:  # data parallel: rank 0's engines; this rank gets the rollout by broadcast, gathers for the sync
-                self.client = Rank0EnginesClient(self.rank, self.world_size)
-        elif self.world_size > 1:
-            # each rank's engine runs on its own full copy (self.model), loaded from the gathered shards; its
-            # KV cache is sized as the one-rank engine's (a whole rollout: room to spare for its share)
-            kv_tokens = (None if ns.sglang_mem_fraction_static is not None else
-                         rollout_kv_tokens(ns, self.dataset.records, self.tokenizer, K.PAGE_SIZE))
-            self.client = DataParallelEngineClient(
-                EngineClient(self.model, self.tokenizer, max_total_tokens=kv_tokens,
-                             mem_fraction_static=ns.sglang_mem_fraction_static,
-                             cuda_graph_max_bs=getattr(ns, "sglang_cuda_graph_max_bs", None), share_weights=True),
-                self.rank, self.world_size)
-        else:
-            # the KV cache holds one rollout (rollout_kv_tokens) unless --sglang-mem-fraction-static sizes it
-            kv_tokens = (None if ns.sglang_mem_fraction_static is not None else
-                         rollout_kv_tokens(ns, self.dataset.records, self.tokenizer, K.PAGE_SIZE))
-            self.client = EngineClient(self.model, self.tokenizer, max_total_tokens=kv_tokens,
-                                       mem_fraction_static=ns.sglang_mem_fraction_static,
-                                       cuda_graph_max_bs=getattr(ns, "sglang_cuda_graph_max_bs", None),
-                                       share_weights=getattr(ns, "engine_weights", "buckets") == "shared")
-        self.data_source = DataSource(self.dataset, self.client, self.tokenizer, self.reward_fn, custom_gen)
-        self.out = Path(ns.output_dir)
+            self._build_model()
+            self._build_data()
+            self._build_trainer(config.train.args)
+        self.client, self.fleet = self._build_client()  # fleet: the engine processes this run started, if any
+        self.data_source = DataSource(self.dataset, self.client, self.tokenizer, self.reward_fn, self.custom_generate)
+        self.out = Path(config.telemetry.output_dir)
         self.timeline = PhaseTimeline(default_path(self.out)) if self.rank == 0 else None
         self.meter = PhaseMeter(self.device, self.timeline)
         self.trace = TrainerTrace(ns if self.rank == 0 else _without_profile(ns), self.out, self.start, self.device,
                                   error=UsageError)  # --profile-step-*
+
+    def _build_model(self) -> None:
+        """``self.model`` (float32): ``--load`` > ``--hf-checkpoint`` > the ``--model`` preset at random
+        init; ``self.tokenizer``."""
+        from rlperf.model import preset
+        from rlperf.model.qwen3 import Qwen3ForCausalLM
+        from rlperf.rollout.tokenizer import load_tokenizer
+
+        m = self.config.model
+        init_path = ckpt.model_dir(m.load) if m.load else m.hf_checkpoint
+        if init_path:
+            with _usage_errors("--load" if m.load else "--hf-checkpoint", m.load or init_path):
+                self.model = Qwen3ForCausalLM.from_pretrained(init_path, dtype=torch.float32, device=self.device)
+        else:
+            self.model = Qwen3ForCausalLM.random(preset(m.preset), seed=self.config.runtime.seed, device=self.device)
+        self.tokenizer = load_tokenizer(m.hf_checkpoint, self.model.cfg.vocab_size)
+
+    def _build_data(self) -> None:
+        """The prompts (``self.dataset``), the reward, the rollout function and the custom generate
+        function; a bad file or python path is a :class:`UsageError`."""
+        from rlperf.data.embedded import EMBEDDED_TASK
+        from rlperf.data.jsonl import DataError, PromptDataset, load_prompt_data
+        from rlperf.data.rewards import load_python_path, reward_fn_for
+
+        d, r, seed = self.config.data, self.config.rollout, self.config.runtime.seed
+        try:
+            if d.embedded:
+                self.dataset = PromptDataset(EMBEDDED_TASK.records(), seed)
+            else:
+                self.dataset = PromptDataset(load_prompt_data(
+                    d.prompt_data, d.input_key, d.label_key, d.metadata_key, d.apply_chat_template, self.tokenizer), seed)
+            self.reward_fn = reward_fn_for(d.rm_type, d.custom_rm_path)
+            self.rollout_fn = (load_python_path(r.rollout_function_path, "--rollout-function-path")
+                               if r.rollout_function_path else generate_rollout)
+            self.custom_generate = (load_python_path(r.custom_generate_function_path, "--custom-generate-function-path")
+                                    if r.custom_generate_function_path else None)
+        except (DataError, ValueError) as exc:
+            raise UsageError(str(exc)) from None
+
+    def _build_trainer(self, train_args) -> None:
+        """The embedded task's format warm-up (a preset model only), the reference model (``--ref-load``,
+        else a frozen copy of the actor when a KL term needs one), the trainer (data parallel:
+        :meth:`_shard_trainer`) and, with ``--load``, its state (``self.start``: the first rollout)."""
+        from rlperf.data.embedded import EMBEDDED_TASK, format_warmup
+        from rlperf.model.qwen3 import Qwen3ForCausalLM
+        from rlperf.train import Trainer, frozen_copy
+
+        m = self.config.model
+        if self.config.data.embedded and not m.init_path:
+            self.warmup_loss = format_warmup(self.model, EMBEDDED_TASK, self.tokenizer)
+        ref = None
+        if m.ref_load:
+            with _usage_errors("--ref-load", m.ref_load):
+                ref = Qwen3ForCausalLM.from_pretrained(ckpt.model_dir(m.ref_load), dtype=torch.float32,
+                                                       device=self.device)
+        elif train_args.use_kl_loss or train_args.kl_coef:
+            ref = frozen_copy(self.model)  # the actor as it starts (slime asks for --ref-load)
+        # the model built above holds the float32 master weights; the trainer's compute copy (bf16 on
+        # CUDA) is what forward/backward, weight sync, the engine and the checksum see
+        if self.world_size > 1:
+            # disaggregated engines take the weights from the gathered shards: no engine copy on the ranks
+            self._shard_trainer(train_args, ref, engine_copy=not self.config.rollout.disaggregated)
+        else:
+            self.trainer = Trainer(self.model, train_args, ref, compute_dtype=compute_dtype(self.precision))
+            self.master_model, self.model = self.model, self.trainer.model
+        with _usage_errors("--load", m.load):
+            self.start = ckpt.load_trainer_state(m.load, self.trainer) if m.load else 0
+
+    def _build_client(self):
+        """The run's :class:`rlperf.loop.clients.RolloutClient` and the engine fleet it started (or None).
+        An in-process engine's KV cache holds one rollout (:func:`rlperf.loop.generation.rollout_kv_tokens`)
+        unless ``--sglang-mem-fraction-static`` sizes it; on several ranks each rank's engine is sized as
+        the one-rank engine (a whole rollout: room to spare for its share)."""
+        r = self.config.rollout
+        kv_tokens = None
+        if r.engine == "in-process" and r.mem_fraction_static is None:
+            kv_tokens = rollout_kv_tokens(r, self.dataset.records, self.tokenizer, K.PAGE_SIZE)
+        with _auth_errors():
+            return client_for(self.config, self.model, self.tokenizer, kv_tokens=kv_tokens,
+                              kernel_backend=self.policy.backend, rank=self.rank, world_size=self.world_size)
 
     def _shard_trainer(self, train_args, ref, engine_copy: bool = True) -> None:
         """Data parallel: every rank starts from rank 0's weights, the actor (and reference) are
@@ -234,7 +243,7 @@ class Run:
         master model."""
         from rlperf.train.fsdp import FSDPTrainer, broadcast_parameters
 
-        dtype = self.engine_dtype = compute_dtype(self.ns, self.precision)
+        dtype = compute_dtype(self.precision)
         broadcast_parameters(self.model)
         if ref is not None:
             broadcast_parameters(ref)
@@ -261,23 +270,25 @@ class Run:
 
     # ---- phases ---------------------------------------------------------------------------------
     def rollout(self, k: int):
-        """Samples of rollout ``k`` and its wall time (measured here: in async mode it overlaps training)."""
-        ns = self.ns
+        """Samples of rollout ``k`` and its wall time (measured here: in async mode it overlaps training).
+        Data parallel: every rank trains on rank 0's samples (:func:`broadcast_from_rank0`); a rank whose
+        client does not run the rollout (rank 0 drives the engines) only receives them."""
+        r = self.config.rollout
         t = time.perf_counter()
         with self.kernels(), self.meter.phase("rollout", k):
-            if ns.load_debug_rollout_data:
-                samples = load_rollout_data(ns.load_debug_rollout_data.format(rollout_id=k))
-            elif self.rank == 0 or not self.rank0_engines:
-                samples = self.rollout_fn(ns, k, self.data_source)
+            if r.load_debug_data:
+                samples = load_rollout_data(r.load_debug_data.format(rollout_id=k))
+            elif self.client.runs_rollout:
+                samples = self.rollout_fn(self.ns, k, self.data_source)
             else:
-                samples = None  # rank 0 generates through the disaggregated engines; its samples come below
+                samples = None
             if self.world_size > 1:
-                samples = broadcast_from_rank0(samples)  # every rank trains on rank 0's rollout
-        if ns.save_debug_rollout_data and self.rank == 0:
-            save_rollout_data(ns.save_debug_rollout_data.format(rollout_id=k), samples)
-        if len(samples) != ns.rollout_batch_size * ns.n_samples_per_prompt:
+                samples = broadcast_from_rank0(samples)
+        if r.save_debug_data and self.rank == 0:
+            save_rollout_data(r.save_debug_data.format(rollout_id=k), samples)
+        if len(samples) != r.batch_size * r.n_samples_per_prompt:
             raise RuntimeError(f"rollout {k}: the rollout function returned {len(samples)} samples, expected "
-                               f"{ns.rollout_batch_size} x {ns.n_samples_per_prompt}")
+                               f"{r.batch_size} x {r.n_samples_per_prompt}")
         return samples, time.perf_counter() - t
 
     def train(self, k: int, samples, on_first_micro_step=None) -> dict:
@@ -295,56 +306,23 @@ class Run:
         return m
 
     def sync(self, k: int):
-        """Weight sync after rollout ``k``'s training: the engines get version ``k + 1``; the client's
-        :class:`rlperf.sync.SyncStats`."""
-        if self.world_size > 1:
-            with self.kernels(), self.meter.phase("weight_sync", k):
-                return self._load_rank_engine(k)
-        with self.kernels(), self.meter.phase("weight_sync", k), torch.no_grad():
-            named = {n: t.detach() for n, t in self.model.hf_state_dict().items()}
-            with _auth_errors():
-                stats = self.client.update_weights(named, version=str(k + 1))
-        return stats
-
-    def _load_rank_engine(self, k: int):
-        """Data parallel: the full weights (compute dtype) gathered from the FSDP shards bucket by bucket,
-        every rank at once (the gathers are collectives), go to the rank's engine; with disaggregated
-        engines rank 0 broadcasts them to the engines as they come and the other ranks only gather."""
-        from rlperf.sync import SYNC_BUCKET_BYTES
-
-        named = self.trainer.iter_hf_weights(self.engine_dtype, SYNC_BUCKET_BYTES)
-        with _auth_errors():
-            self.last_sync = self.client.load_weights(named, version=str(k + 1))
+        """Weight sync after rollout ``k``'s training: the engines get version ``k + 1`` of the trainer's
+        compute weights (:meth:`rlperf.train.Trainer.compute_weights`: on several ranks gathered from the
+        shards, every rank at once); the client's :class:`rlperf.sync.SyncStats`."""
+        with self.kernels(), self.meter.phase("weight_sync", k), torch.no_grad(), _auth_errors():
+            self.last_sync = self.client.load_weights(self.trainer.compute_weights(SYNC_BUCKET_BYTES), str(k + 1))
         return self.last_sync
 
     def weights_checksum(self, k: int) -> str | None:
-        """``sync/weights_checksum`` (:func:`rlperf.sync.weights_checksum` at ``SYNC_BUCKET_BYTES``): of the
-        compute weights after update ``k``; None on ranks other than 0. Data parallel: of the rank's
-        engine copy, which ``--debug-train-only`` loads here since it skips the sync; with disaggregated
-        engines, of the engines' weights (the sync checked them against the bytes sent; one more query
-        when its bucket size is not ``SYNC_BUCKET_BYTES``), or with ``--debug-train-only`` of the
-        weights gathered here."""
-        from rlperf.sync import SYNC_BUCKET_BYTES
-
-        if self.rank0_engines:
-            with self.kernels():
-                if self.ns.debug_train_only:  # no sync: the gathered weights (every rank gathers)
-                    named = self.trainer.iter_hf_weights(self.engine_dtype, SYNC_BUCKET_BYTES)
-                    if self.rank != 0:
-                        self.client.load_weights(named, version=str(k + 1))  # advances the gathers only
-                        return None
-                    return weights_checksum(named, SYNC_BUCKET_BYTES)
-                if self.rank != 0:
-                    return None
-                stats, b = self.last_sync, self.client.broadcaster
-                if stats is not None and stats.weights_checksum and b.bucket_bytes == SYNC_BUCKET_BYTES:
-                    return stats.weights_checksum
-                with _auth_errors():
-                    return self.client.engine_checksum(SYNC_BUCKET_BYTES)
-        if self.world_size > 1 and self.ns.debug_train_only:
-            with self.kernels():
-                self._load_rank_engine(k)
-        return weights_checksum(self.model.hf_state_dict()) if self.rank == 0 else None
+        """``sync/weights_checksum`` (:func:`rlperf.sync.weights_checksum` at ``SYNC_BUCKET_BYTES``) after
+        update ``k``: of the weights the engines hold (:meth:`rlperf.loop.clients.RolloutClient.weights_checksum`),
+        or, with ``--debug-train-only`` (no sync), of the trainer's compute weights (on several ranks
+        gathered by every rank); None on ranks other than 0."""
+        with self.kernels(), _auth_errors():
+            if not self.config.debug_train_only:
+                return self.client.weights_checksum()
+            checksum = weights_checksum(self.trainer.compute_weights(SYNC_BUCKET_BYTES), SYNC_BUCKET_BYTES)
+        return checksum if self.rank == 0 else None
 
     def phase_peaks(self) -> dict[str, int]:
         """Peak memory per phase of this step: the worst rank's in data parallel (a collective)."""
@@ -361,7 +339,7 @@ class Run:
                 return
             trainer = _SavedTrainerState(state)
         os.fsync(metrics_file.fileno())
-        ckpt.save_checkpoint(self.ns.save, iteration, model, trainer)
+        ckpt.save_checkpoint(self.config.model.save, iteration, model, trainer)
 
     def rollout_metrics(self, samples, rollout_time: float) -> dict:
         rewards = [s.reward for s in samples]
@@ -374,45 +352,45 @@ class Run:
     def run(self) -> list[dict]:
         from tqdm import tqdm
 
-        ns = self.ns
+        c = self.config
         lead = self.rank == 0  # data parallel: rank 0 alone writes the metrics and prints
         if lead:
             self.out.mkdir(parents=True, exist_ok=True)
         history = []
         if lead:
             ranks = f", {self.world_size} data-parallel ranks" if self.world_size > 1 else ""
-            print(f"rlperf train: {'embedded task' if ns.embedded else ns.prompt_data} on {self.device} "
-                  f"({self.client.kind}, {self.precision}{ranks}), rollouts {self.start}..{ns.num_rollout - 1}, "
-                  f"{ns.rollout_batch_size}x{ns.n_samples_per_prompt} samples per rollout, "
-                  f"{'async' if ns.async_mode else 'sync'} mode; metrics -> {self.out / METRICS_FILE}", file=sys.stderr)
+            print(f"rlperf train: {'embedded task' if c.data.embedded else c.data.prompt_data} on {self.device} "
+                  f"({self.client.kind}, {self.precision}{ranks}), rollouts {self.start}..{c.num_rollout - 1}, "
+                  f"{c.rollout.batch_size}x{c.rollout.n_samples_per_prompt} samples per rollout, "
+                  f"{'async' if c.async_mode else 'sync'} mode; metrics -> {self.out / METRICS_FILE}", file=sys.stderr)
         self.sync(self.start - 1)  # the engines start from the trainer's weights (a router's servers loaded their own)
         # the bar redraws its line with carriage returns: on a terminal the step lines go above it
         # (tqdm.write); in a log file or a pipe there is no bar, only one plain line per step
-        show_bar = lead and not ns.no_progress and _isatty(sys.stderr)
-        bar = tqdm(total=ns.num_rollout, initial=self.start, disable=not show_bar, desc="rlperf train",
+        show_bar = lead and not c.telemetry.no_progress and _isatty(sys.stderr)
+        bar = tqdm(total=c.num_rollout, initial=self.start, disable=not show_bar, desc="rlperf train",
                    unit="rollout", file=sys.stderr)
-        pool = ThreadPoolExecutor(1) if ns.async_mode else None
+        pool = ThreadPoolExecutor(1) if c.async_mode else None
         self.meter.trace = self.trace
         try:
-            with (open_metrics(self.out / METRICS_FILE, self.start if ns.load else None) if lead
+            with (open_metrics(self.out / METRICS_FILE, self.start if c.model.load else None) if lead
                   else open(os.devnull, "w")) as mf:
                 pending = None
-                for k in range(self.start, ns.num_rollout):
+                for k in range(self.start, c.num_rollout):
                     self.trace.step(k)
                     self.meter.reset()
                     step_start = time.perf_counter()
                     samples, rollout_time = pending.result() if pending is not None else self.rollout(k)
-                    if pool is not None and k + 1 < ns.num_rollout:
+                    if pool is not None and k + 1 < c.num_rollout:
                         pending = pool.submit(self.rollout, k + 1)  # generated by weights before update k
                     else:
                         pending = None
                     m = {"rollout_id": k}
                     m.update(self.rollout_metrics(samples, rollout_time))
-                    if not ns.debug_rollout_only:
+                    if not c.debug_rollout_only:
                         m.update(self.train(k, samples))
                         if pending is not None:
                             pending = _Done(pending.result())  # the engines must be idle to take weights
-                        if not ns.debug_train_only:
+                        if not c.debug_train_only:
                             self.sync(k)
                         m["sync/weights_checksum"] = self.weights_checksum(k)
                     m["perf/rollout_time"] = rollout_time
@@ -432,15 +410,16 @@ class Run:
                     # the resume drops it (open_metrics); after it, never a rollout the metrics lack
                     mf.write(json.dumps(m) + "\n")
                     mf.flush()
-                    if ns.save and not ns.debug_rollout_only and (
-                            k + 1 == ns.num_rollout or (ns.save_interval and (k + 1) % ns.save_interval == 0)):
+                    save, every = c.model.save, c.model.save_interval
+                    if save and not c.debug_rollout_only and (
+                            k + 1 == c.num_rollout or (every and (k + 1) % every == 0)):
                         self.save_checkpoint(k + 1, mf)
                     history.append(m)
                     bar.update(1)
                     if show_bar:
-                        bar.write(summary_line(m, ns.num_rollout), file=sys.stderr)
+                        bar.write(summary_line(m, c.num_rollout), file=sys.stderr)
                     elif lead:
-                        print(summary_line(m, ns.num_rollout), file=sys.stderr, flush=True)
+                        print(summary_line(m, c.num_rollout), file=sys.stderr, flush=True)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True)
@@ -586,12 +565,12 @@ def _first_step_record(run: Run, ns) -> FirstStepRecord:
     m = run.rollout_metrics(samples, rollout_time)
     m.update(run.train(0, samples, on_first_micro_step=first.update))
     run.sync(0)
-    engines = _engine_memory(run, ns)  # after the rollout and the weight sync: each engine's peak so far
+    engines = _engine_memory(run)  # after the rollout and the weight sync: each engine's peak so far
     # worst case: the longest prompt of this step plus a full-length response, packed as densely as
     # the run packs (max_tokens_per_gpu or micro_batch_size samples); weights and grads untouched
     longest_prompt = max(s.prompt_length for s in run.last_train_samples)
     with run.kernels():
-        probe = worst_case_probe(run.trainer, longest_prompt + int(ns.rollout_max_response_len))
+        probe = worst_case_probe(run.trainer, longest_prompt + int(run.config.rollout.max_response_len))
     peaks = run.phase_peaks()  # data parallel: the worst rank's
     if run.world_size > 1:
         probe.peak_bytes = max_over_ranks({"probe": probe.peak_bytes})["probe"]
@@ -600,22 +579,21 @@ def _first_step_record(run: Run, ns) -> FirstStepRecord:
     cap = None
     if run.device.type == "cuda":
         cap = torch.cuda.get_device_properties(run.device).total_memory
-    elif getattr(ns, "memory_limit", None):
-        cap = int(ns.memory_limit)
+    elif memory_limit(ns):
+        cap = int(memory_limit(ns))
     config = {k: v for k, v in vars(ns).items()  # the gates' reports show it: never the API key
               if isinstance(v, (str, int, float, bool, type(None))) and k not in SECRET_FLAGS}
     return FirstStepRecord(
         samples=run.last_train_samples, first_micro_step=first, step_metrics=m,
         phases=[PhaseMemory(p, peaks[p]) for p in PHASES],
-        capacity_bytes=cap, memory_kind=run.meter.kind, probe=probe, true_on_policy=bool(ns.true_on_policy_mode),
+        capacity_bytes=cap, memory_kind=run.meter.kind, probe=probe, true_on_policy=run.config.true_on_policy,
         config=config, engines=engines, ranks=run.world_size)
 
 
-def _engine_memory(run: Run, ns) -> list[EngineMemory]:
+def _engine_memory(run: Run) -> list[EngineMemory]:
     """With engines of the run's own (``--rollout-num-gpus``): each one's memory as it reports it
-    (:meth:`RouterClient.engine_memory`), asked by rank 0 (the one that talks to them) and sent to the
-    other ranks, so every rank's gates check the same record; else nothing."""
-    if not getattr(ns, "disaggregated", False):
+    (:meth:`rlperf.loop.clients.RouterClient.engine_memory`; on several ranks rank 0 asks and every rank
+    gets the answer, so every rank's gates check the same record); else nothing."""
+    if not run.config.rollout.disaggregated:
         return []
-    engines = run.client.engine_memory() if run.rank == 0 else None
-    return broadcast_from_rank0(engines) if run.world_size > 1 else engines
+    return run.client.engine_memory()

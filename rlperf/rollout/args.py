@@ -19,6 +19,7 @@ class ServerArgs:
     dtype: str = "auto"
     """``auto`` (the checkpoint's; presets: bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16."""
     device: str = "auto"
+    """``auto`` (cuda when present), ``cpu``, ``cuda``, ``cuda:N`` (:func:`add_device_arguments`)."""
     kernel_backend: str = "auto"
     """``auto`` (Triton on CUDA, the torch reference on CPU), ``triton``, ``interpreter``, ``reference``."""
     mode: str = "invariant"
@@ -32,8 +33,8 @@ class ServerArgs:
     api_key: str | None = None
     """Bearer key of the admin endpoints (:func:`resolve_api_key`: ``--api-key``, ``--api-key-file`` or
     :data:`API_KEY_ENV`); a launcher hands it to its children in that variable, never on their argv."""
-    num_threads: int | None = None
-    """CPU intra-op threads (1 is fastest for the tiny model on a shared machine)."""
+    num_threads: int = 1
+    """CPU intra-op threads (:data:`DEFAULT_NUM_THREADS`; 0 or None: torch's default)."""
     cuda_graph_max_bs: int | None = None
     """Replay decode steps of up to this many sequences from CUDA graphs; 0 disables. Default: 256 on a
     CUDA device (the GPU tests prove replayed steps give the eager bits), 0 on CPU (nothing to capture)."""
@@ -84,6 +85,20 @@ KERNEL_MODES = ("invariant", "fast")
 """``--mode`` values: :data:`rlperf.kernels.MODES`."""
 
 
+DEFAULT_NUM_THREADS = 1
+"""``--num-threads``: CPU intra-op threads of ``rlperf serve``, ``train`` and ``gate`` (one thread is the
+fastest for the tiny model on a shared machine; 0: torch's default, every core)."""
+
+
+def add_device_arguments(p) -> None:
+    """``--device`` and ``--num-threads``: one definition for ``rlperf serve``, ``rlperf train`` and
+    ``rlperf gate``. ``p``: a parser or an argument group."""
+    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:N (default: auto)")
+    p.add_argument("--num-threads", type=int, default=DEFAULT_NUM_THREADS,
+                   help=f"CPU intra-op threads; 0: torch's default (default: {DEFAULT_NUM_THREADS}, the fastest on "
+                        "shared cores)")
+
+
 def add_kernel_arguments(p, auto_cpu: str) -> None:
     """``--mode`` and ``--kernel-backend``, the kernel policy of a command: one definition for
     ``rlperf serve``, ``rlperf train`` and ``rlperf gate``. ``p``: a parser or an argument group;
@@ -106,7 +121,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d.host, help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=d.device, help="auto (cuda when present), cpu, cuda, cuda:N")
+    add_device_arguments(p)
     add_kernel_arguments(p, auto_cpu="the torch reference, or the Triton interpreter when TRITON_INTERPRET=1")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="CUDA: fraction of GPU memory for weights + KV cache (default 0.85)")
@@ -123,7 +138,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         f"--api-key-file or the {API_KEY_ENV} environment variable (default: {API_KEY_ENV}, else no key)")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read the API key from this file (surrounding whitespace stripped)")
-    p.add_argument("--num-threads", type=int, default=None, help="CPU intra-op threads")
     p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
                    help="replay decode steps of up to N sequences from CUDA graphs; 0 disables "
                         "(default: 256 on CUDA, 0 on CPU)")

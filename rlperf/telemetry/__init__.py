@@ -12,12 +12,38 @@
 
 The profile harness for rollout servers (``rlperf profile``) is a tool on top, :mod:`rlperf.profiles`.
 """
-from .memory import (capacity_bytes, memory_counters, memory_kind, peak_rss_bytes, process_memory, reset_peak_rss,
-                     rss_bytes, system_memory_bytes)
-from .meter import PhaseMeter, PhaseSample
-from .timeline import PhaseTimeline, default_path, perfetto_available
-from .trainer_trace import TrainerTrace, add_profile_arguments, check_profile_args
-
+_EXPORTS = {
+    'capacity_bytes': '.memory',
+    'memory_counters': '.memory',
+    'memory_kind': '.memory',
+    'peak_rss_bytes': '.memory',
+    'process_memory': '.memory',
+    'reset_peak_rss': '.memory',
+    'rss_bytes': '.memory',
+    'system_memory_bytes': '.memory',
+    'PhaseMeter': '.meter',
+    'PhaseSample': '.meter',
+    'PhaseTimeline': '.timeline',
+    'default_path': '.timeline',
+    'perfetto_available': '.timeline',
+    'TrainerTrace': '.trainer_trace',
+    'add_profile_arguments': '.trainer_trace',
+    'check_profile_args': '.trainer_trace',
+}
+"""Each exported name -> the submodule that defines it (imported when the name is first used)."""
 __all__ = ["PhaseMeter", "PhaseSample", "PhaseTimeline", "TrainerTrace", "default_path", "perfetto_available",
            "add_profile_arguments", "check_profile_args", "memory_counters", "rss_bytes", "peak_rss_bytes",
            "reset_peak_rss", "memory_kind", "capacity_bytes", "process_memory", "system_memory_bytes"]
+
+
+def __getattr__(name: str):
+    """Exports load on first use (PEP 562): importing this package, or one light submodule of it
+    (its flags, for ``rlperf <command> --help``), does not import torch or the kernels."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

@@ -38,9 +38,11 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+if TYPE_CHECKING:
+    from torch.profiler import profile
+
 
 TARGETS = ("train_overall", "train_actor", "train_log_probs")
 TARGET_PHASE = {"train_actor": "train", "train_log_probs": "log_prob"}
@@ -121,7 +123,7 @@ class TrainerTrace:
         self.targets = tuple(getattr(ns, "profile_target", None) or ()) if self.start is not None else ()
         self.out = Path(out_dir)
         self.first = first_step
-        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.cuda = device is not None and str(device).startswith("cuda")
         self.files: list[Path] = []
         self._overall = None  # (profiler, first rollout id) while train_overall records
         self._span = None  # the open "train_overall step k" span
@@ -131,6 +133,8 @@ class TrainerTrace:
         return self.start is not None and self.start <= k - self.first < self.end
 
     def _session(self) -> profile:
+        from torch.profiler import ProfilerActivity, profile
+
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         prof = profile(activities=acts, record_shapes=True, profile_memory=True, with_flops=True)
         prof.start()
@@ -157,6 +161,8 @@ class TrainerTrace:
         if self._overall is None:
             self._overall = (self._session(), k)
         self._last = k
+        from torch.profiler import record_function
+
         self._span = record_function(f"train_overall step {k}")
         self._span.__enter__()
 
@@ -167,6 +173,8 @@ class TrainerTrace:
         if target is None or not self._in_window(k):
             yield
             return
+        from torch.profiler import record_function
+
         prof = self._session()
         try:
             with record_function(f"{target} step {k}"):

@@ -12,15 +12,44 @@
   FSDP2 shards, and the bucket-by-bucket gather of the full weights (imported on its own: it loads
   ``torch.distributed``).
 """
-from .advantages import compute_advantages, masked_whiten, normalize_rewards
-from .args import ADVANTAGE_ESTIMATORS, KL_LOSS_TYPES, TrainArgs, add_train_arguments, train_args_from
-from .batching import MicroBatch, compute_log_probs, micro_batch_log_probs, pack_micro_batches, partition
-from .losses import compute_approx_kl, compute_policy_loss, policy_loss, sample_reducer
-from .sample import Sample
-from .trainer import Trainer, frozen_copy
-
+_EXPORTS = {
+    'compute_advantages': '.advantages',
+    'masked_whiten': '.advantages',
+    'normalize_rewards': '.advantages',
+    'ADVANTAGE_ESTIMATORS': '.args',
+    'KL_LOSS_TYPES': '.args',
+    'TrainArgs': '.args',
+    'add_train_arguments': '.args',
+    'train_args_from': '.args',
+    'MicroBatch': '.batching',
+    'compute_log_probs': '.batching',
+    'micro_batch_log_probs': '.batching',
+    'pack_micro_batches': '.batching',
+    'partition': '.batching',
+    'compute_approx_kl': '.losses',
+    'compute_policy_loss': '.losses',
+    'policy_loss': '.losses',
+    'sample_reducer': '.losses',
+    'Sample': '.sample',
+    'Trainer': '.trainer',
+    'frozen_copy': '.trainer',
+}
+"""Each exported name -> the submodule that defines it (imported when the name is first used)."""
 __all__ = [
     "TrainArgs", "add_train_arguments", "train_args_from", "ADVANTAGE_ESTIMATORS", "KL_LOSS_TYPES", "compute_advantages", "normalize_rewards", "masked_whiten",
     "Sample", "MicroBatch", "pack_micro_batches", "partition", "micro_batch_log_probs", "compute_log_probs",
     "compute_approx_kl", "compute_policy_loss", "policy_loss", "sample_reducer", "Trainer", "frozen_copy",
 ]
+
+
+def __getattr__(name: str):
+    """Exports load on first use (PEP 562): importing this package, or one light submodule of it
+    (its flags, for ``rlperf <command> --help``), does not import torch or the kernels."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

@@ -1,4 +1,5 @@
-"""Training-core options, with slime's flag names (``--eps-clip`` -> ``eps_clip``); light to import."""
+"""Training-core options, with slime's flag names (``--eps-clip`` -> ``eps_clip``); light to import (nothing
+but the standard library: ``rlperf train --help`` reads these flags without torch)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +9,9 @@ ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_p
 FSDP_GATHER_MODES = ("auto", "step", "micro-batch")
 """When data-parallel ranks gather their FSDP2 shards (:class:`rlperf.train.fsdp.FSDPTrainer`)."""
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
+GATHERED_STEP_MEMORY_FRACTION = 0.25
+"""``--fsdp-gather auto`` keeps a step's parameters gathered when full parameters (compute dtype) plus
+float32 gradients take at most this share of the device's memory (:mod:`rlperf.train.fsdp`)."""
 
 
 @dataclasses.dataclass
@@ -59,7 +63,7 @@ class TrainArgs:
     gradients unsharded in float32 and reduce-scatters them once, after the last micro-batch;
     ``micro-batch`` gathers and reduce-scatters around every micro-batch (FSDP2's default, the least
     memory); ``auto``: ``step`` when the full parameters in the compute dtype plus float32 gradients
-    take at most :data:`rlperf.train.fsdp.GATHERED_STEP_MEMORY_FRACTION` of the device's memory."""
+    take at most :data:`GATHERED_STEP_MEMORY_FRACTION` of the device's memory."""
 
     lr: float = 1e-6
     weight_decay: float = 0.01
@@ -116,18 +120,22 @@ class TrainArgs:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
 
 
-def add_train_arguments(p, skip=()) -> None:
+def add_train_arguments(p, skip=(), task_defaults=()) -> None:
     """Add the training-core flags (slime's names) to an ``argparse.ArgumentParser``.
 
-    ``skip``: flags another group of the same parser already defines (``--n-samples-per-prompt``,
-    ``--global-batch-size`` and ``--rollout-temperature`` are shared with the rollout side);
-    :func:`train_args_from` reads them from the namespace all the same.
+    ``skip``: flags another group of the same parser already defines; :func:`train_args_from` reads
+    them from the namespace all the same. ``task_defaults``: destinations (``lr``, ...) whose default
+    depends on the command's task: they parse to None and the command fills them (``rlperf train``:
+    :data:`rlperf.loop.args.TASK_DEFAULTS`), so each default is stated in one place.
     """
     d = TrainArgs()
 
     def add(flag, **kw):
-        if flag not in skip:
-            p.add_argument(flag, **kw)
+        if flag in skip:
+            return
+        if flag.lstrip("-").replace("-", "_") in task_defaults:
+            kw["default"] = None
+        p.add_argument(flag, **kw)
 
     def switch(flag, help):
         add(flag, action="store_true", help=help)
@@ -154,8 +162,6 @@ def add_train_arguments(p, skip=()) -> None:
     add("--max-tokens-per-gpu", type=int, default=None)
     add("--micro-batch-size", type=int, default=d.micro_batch_size)
     add("--global-batch-size", type=int, default=None, help="samples per optimizer step")
-    from .fsdp import GATHERED_STEP_MEMORY_FRACTION
-
     add("--fsdp-gather", default=d.fsdp_gather, choices=FSDP_GATHER_MODES,
         help="data-parallel ranks: gather the FSDP shards once per step and reduce-scatter the gradients once "
              "after the last micro-batch (step), or around every micro-batch (micro-batch: least memory); "

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .args import GATHERED_STEP_MEMORY_FRACTION
 from .batching import MicroBatch, make_micro_batch, micro_batch_log_probs, partition
 from .sample import Sample
 from .trainer import Trainer
@@ -106,9 +107,6 @@ def equal_count_micro_batches(samples: Sequence[Sample], shards: Sequence[Sequen
     return [make_micro_batch(samples, [mine[j] for j in g], device) for g in groups]
 
 
-GATHERED_STEP_MEMORY_FRACTION = 0.25
-"""``--fsdp-gather auto`` keeps a step's parameters gathered when full parameters (compute dtype) plus
-float32 gradients take at most this share of the device's memory (module docstring)."""
 
 
 def gathered_step_bytes(model: nn.Module, compute_dtype: torch.dtype | None = None) -> int:
@@ -265,6 +263,7 @@ class FSDPTrainer(Trainer):
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainer needs an initialised torch.distributed process group")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.compute_dtype = compute_dtype
         if ref_model is not None:
             for p in ref_model.parameters():
                 p.requires_grad_(False)
@@ -349,6 +348,11 @@ class FSDPTrainer(Trainer):
     def iter_hf_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20):
         """The actor's full weights under HF names, bucket by bucket (:func:`iter_hf_weights`; a collective)."""
         return iter_hf_weights(self.master_model, dtype, bucket_bytes, root=self.module)
+
+    def compute_weights(self, bucket_bytes: int = 512 << 20):
+        """The full compute weights (``compute_dtype``) under HF names, gathered bucket by bucket
+        (:meth:`iter_hf_weights`; a collective: every rank walks it to its end)."""
+        return self.iter_hf_weights(self.compute_dtype, bucket_bytes)
 
     def iter_full_params(self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20):
         """The actor's full parameters, bucket by bucket (:func:`iter_full_params`; a collective)."""

@@ -63,6 +63,12 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 class Trainer:
     """Actor + frozen reference + AdamW; ``train(samples)`` runs one rollout's optimizer steps."""
 
+    def compute_weights(self, bucket_bytes: int = 512 << 20):
+        """``(HF name, tensor)`` pairs of the compute weights, detached: what weight sync sends and the
+        engines load. One process holds them whole (``bucket_bytes`` is unused here); the data-parallel
+        trainer gathers them from its shards bucket by bucket (a collective: every rank walks it)."""
+        return ((n, t.detach()) for n, t in self.model.hf_state_dict().items())
+
     def __init__(self, model: torch.nn.Module, args: TrainArgs, ref_model: torch.nn.Module | None = None,
                  compute_dtype: torch.dtype | None = None):
         """``model``: the master weights (float32 when ``compute_dtype`` is lower); ``compute_dtype``:

@@ -17,7 +17,7 @@ import torch
 from rlperf.cli import main
 from rlperf.loop import UsageError, parse_train_args, train
 from rlperf.loop import engines as E
-from rlperf.loop.args import resolve_engine_layout
+from rlperf.loop.device import resolve_engine_layout
 from rlperf.rollout.args import ServerArgs
 
 pytest.importorskip("aiohttp")
@@ -146,7 +146,8 @@ def test_bad_layouts_exit_2_before_anything_starts(command, flags, message, tmp_
 
 def _layout(visible: int, device: str = "cuda", n: int = 2, **kw):
     ns = argparse.Namespace(**{"rollout_num_gpus": n, "rollout_num_gpus_per_engine": 1, "colocate": False,
-                               "sglang_router_ip": None, "device": device, **kw})
+                               "sglang_router_ip": None, "device": device, "placement": "local",
+                               "actor_num_gpus_per_node": 1, **kw})
     resolve_engine_layout(ns, torch.device(device), visible_gpus=visible)
     return ns
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rlperf.loop import METRICS_FILE
-from rlperf.loop.args import UsageError, parse_train_args
+from rlperf.loop.args import UsageError
+from rlperf.loop.resolve import parse_train_args
 from rlperf.loop.runner import Run
 
 VOLATILE = ("perf/", "memory/")

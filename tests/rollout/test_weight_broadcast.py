@@ -78,8 +78,9 @@ def test_a_broadcast_gives_both_engines_the_trainers_weights_and_they_generate_w
             named = _weights(seed)
             expected = weights_checksum(named)
             assert all(c != expected for c, _ in _checksums(cluster))
-            stats = client.update_weights(named, version)
+            stats = client.load_weights(iter(named.items()), version)  # the seam: (name, tensor) pairs, once
             assert (stats.weights_checksum, stats.buckets) == (expected, 1)
+            assert client.weights_checksum() == expected  # the engines' checksum, as the loop records it
             assert _checksums(cluster) == [(expected, version)] * 2
             routed = client.generate(prompts, params)  # one request per prompt: the router uses both engines
             with K.use_backend("reference"):

@@ -1,0 +1,108 @@
+"""What the host decides about a run: its device, kernel policy, compute dtype and GPU layout.
+
+The probes of ``rlperf train`` / ``rlperf gate`` that need torch (CUDA present? how many GPUs? can
+this kernel backend run here?), run once by :func:`rlperf.loop.resolve.resolve_args` after the flags'
+own checks (:mod:`rlperf.loop.args`); each raises :class:`rlperf.loop.args.UsageError` naming the flag.
+torch is imported inside the functions: importing this module stays light.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from .args import PRECISIONS, UsageError
+
+
+def compute_dtype(precision: str):
+    """The ``torch.dtype`` of a resolved ``--precision`` (``bf16`` or ``fp32``)."""
+    import torch
+
+    return getattr(torch, PRECISIONS[precision])
+
+
+def ray_driver(ns: argparse.Namespace) -> bool:
+    """Whether this process is the driver of a ``--placement ray`` run: it starts the ranks and engines
+    as Ray actors on the cluster's GPUs and computes on none itself (a rank has ``WORLD_SIZE`` set)."""
+    return ns.placement == "ray" and "WORLD_SIZE" not in os.environ
+
+
+def run_device(ns: argparse.Namespace):
+    """``--device`` as a ``torch.device`` (``auto``: cuda when present); :class:`UsageError` if unreadable,
+    or naming a CUDA device this host does not have. The driver of a ``--placement ray`` run
+    (:func:`ray_driver`) computes nothing: its ``--device cuda`` is the cluster's GPUs, which
+    :meth:`rlperf.loop.ray_placement.RayPlacement.check` counts, so this host may have none."""
+    import torch
+
+    try:
+        device = torch.device(ns.device if ns.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(f"--device {ns.device}: {exc}") from None
+    if device.type == "cuda" and not ray_driver(ns):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(f"--device {ns.device}: no CUDA device is available (torch.cuda.is_available() is False)")
+        if device.index is not None and device.index >= count:
+            raise UsageError(f"--device {ns.device}: only {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    return device
+
+
+def kernel_policy(ns: argparse.Namespace, device):
+    """The run's :class:`rlperf.kernels.KernelPolicy` from ``--mode`` and ``--kernel-backend`` on
+    ``device``; :class:`UsageError` naming the flag when that backend cannot run there.
+
+    ``auto`` on CPU is the torch reference, not the Triton interpreter even under
+    ``TRITON_INTERPRET=1``: the references are differentiable as they are, and a training step under
+    the interpreter takes minutes (``--kernel-backend interpreter`` asks for it).
+    """
+    import rlperf.kernels as K
+
+    backend = ns.kernel_backend
+    if backend == "auto":
+        backend = None if device.type == "cuda" else "reference"
+    policy = K.KernelPolicy(mode=ns.mode, backend=backend)
+    try:
+        policy.backend_for(device)
+    except RuntimeError as exc:
+        raise UsageError(f"--kernel-backend {ns.kernel_backend} on {device}: {exc}") from None
+    return policy
+
+
+def resolve_engine_layout(ns: argparse.Namespace, device, visible_gpus: int | None = None) -> None:
+    """Check ``--rollout-num-gpus`` / ``--rollout-num-gpus-per-engine`` / ``--colocate`` before anything
+    starts and set ``ns.disaggregated`` (rlperf starts its own engines: N > 0 without ``--colocate``) and
+    ``ns.engine_gpus`` (each engine's ``CUDA_VISIBLE_DEVICES`` entry, the GPUs after the actor ranks'
+    ``--actor-num-gpus-per-node``; None on CPU, where the engines are plain processes, and under
+    ``--placement ray``, where each engine gets the GPU of its own bundle and the cluster's GPUs are
+    counted by :meth:`rlperf.loop.ray_placement.RayPlacement.check`, not this host's).
+    ``visible_gpus``: default ``torch.cuda.device_count()``. :class:`UsageError` naming the flag for a
+    layout that cannot run."""
+    n, per = ns.rollout_num_gpus, ns.rollout_num_gpus_per_engine
+    ns.disaggregated, ns.engine_gpus = False, None
+    if per != 1:
+        raise UsageError(f"--rollout-num-gpus-per-engine {per}: only 1 is supported for now (one GPU per engine; "
+                         "tensor-parallel engines are not built yet)")
+    if n < 0:
+        raise UsageError(f"--rollout-num-gpus must be >= 0, got {n}")
+    if n == 0 or ns.colocate:
+        return  # the in-process engine, or engines that share the trainer's GPUs
+    if ns.sglang_router_ip is not None:
+        raise UsageError(f"--rollout-num-gpus {n} starts rlperf's own engines and router; --sglang-router-ip uses "
+                         "running ones: give one of them")
+    ns.disaggregated = True
+    if device.type != "cuda" or ns.placement == "ray":
+        return
+    import torch
+
+    actor = ns.actor_num_gpus_per_node  # the GPUs the trainer's ranks take on this host
+    visible = torch.cuda.device_count() if visible_gpus is None else visible_gpus
+    if device.index is not None and device.index >= actor:
+        raise UsageError(f"--device {ns.device}: with --rollout-num-gpus the actor runs on the first {actor} GPU(s) "
+                         f"(cuda:0..cuda:{actor - 1}) and the engines on the next ones; use --device cuda")
+    if actor + n * per > visible:
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UsageError(f"--rollout-num-gpus {n}: the actor takes {actor} GPU(s) and the engines {n * per} more, "
+                         f"{actor + n * per} in all, but {visible} are visible"
+                         + (f" (CUDA_VISIBLE_DEVICES={listed})" if listed is not None else ""))
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in listed.split(",")] if listed else [str(i) for i in range(visible)]
+    ns.engine_gpus = ids[actor:actor + n * per]

@@ -1,0 +1,164 @@
+"""Parsed ``rlperf train`` / ``rlperf gate`` flags -> a checked run, before anything starts.
+
+:func:`resolve_args` runs four stages, each its own function, in this order:
+
+1. :func:`rlperf.loop.args.fill_task_defaults` and :func:`rlperf.loop.args.check_flag_values`: the
+   flags alone (defaults, ranges, relations);
+2. :func:`probe_host`: what needs the host (``--device``, the GPUs the layout asks for, the kernel
+   backend, ``--precision auto``, ``--engine-weights auto``; :mod:`rlperf.loop.device`,
+   :func:`rlperf.loop.placement.check_actor_layout`);
+3. :func:`check_inputs`: the files the run reads (the API key file, ``--load`` / ``--ref-load`` /
+   ``--hf-checkpoint``: directories, ``config.json``, complete safetensors, the checkpoint pointer);
+4. :func:`check_outputs`: the directories it writes (``--save`` without checkpoints of another run
+   unless ``--overwrite-save``; ``--save`` and ``--output-dir`` writable: created, a file written and
+   removed).
+
+Every failure is a :class:`rlperf.loop.args.UsageError` naming the flag. The result is the parsed
+namespace completed (``embedded``, ``precision``, ``engine_weights``, ``disaggregated``,
+``engine_gpus``, ``train_args``, the API key); the run reads it once, as
+:class:`rlperf.loop.config.RunConfig`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+from rlperf.rollout.args import resolve_api_key
+from rlperf.train.args import train_args_from
+
+from .args import UsageError, add_loop_arguments, check_flag_values, fill_task_defaults
+from .device import kernel_policy, resolve_engine_layout, run_device
+from .placement import check_actor_layout
+
+
+def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
+    """Fill the task's defaults and check everything that can be checked before a step (module
+    docstring); returns ``ns``, completed."""
+    fill_task_defaults(ns)
+    check_flag_values(ns)
+    probe_host(ns)
+    try:
+        ns.train_args = train_args_from(ns)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    check_inputs(ns)
+    check_outputs(ns)
+    return ns
+
+
+def probe_host(ns: argparse.Namespace) -> None:
+    """Stage 2: the device, the engines' GPUs (``ns.disaggregated``, ``ns.engine_gpus``), the kernel
+    backend, the actor layout; ``--precision auto`` and ``--engine-weights auto`` decided for this host."""
+    if not ns.load and not ns.hf_checkpoint:  # the model is the preset
+        from rlperf.model import preset
+
+        try:
+            preset(ns.model)
+        except ValueError as exc:
+            raise UsageError(f"--model {ns.model}: {exc}") from None
+    device = run_device(ns)
+    resolve_engine_layout(ns, device)  # --rollout-num-gpus: ns.disaggregated, ns.engine_gpus
+    policy = kernel_policy(ns, device)  # checked now; the run applies it (rlperf.loop.runner.Run.kernels)
+    actor_ranks = check_actor_layout(ns, device).world_size  # --actor-num-*: ranks, GPUs, batch split
+    if ns.precision in (None, "auto"):
+        ns.precision = "bf16" if device.type == "cuda" else "fp32"
+    if ns.precision == "bf16" and device.type == "cpu" and policy.backend_for(device) == "interpreter":
+        raise UsageError("--precision bf16 on CPU needs the reference backend: the Triton interpreter's bf16 "
+                         "tl.dot and casts are wrong (docs/ARCHITECTURE.md, Measured facts); use --kernel-backend "
+                         "reference or fp32")
+    ew = ns.engine_weights
+    if ew == "auto":
+        ew = "shared" if (device.type == "cuda" and not ns.async_mode and ns.sglang_router_ip is None
+                          and not ns.disaggregated and actor_ranks == 1) else "buckets"
+    if ew == "shared" and ns.async_mode:
+        raise UsageError("--engine-weights shared needs sync mode: with --async the rollout would read weights "
+                         "the trainer is updating")
+    if ew == "shared" and ns.sglang_router_ip is not None:
+        raise UsageError("--engine-weights applies to the in-process engine, not to servers behind --sglang-router-ip")
+    if ew == "shared" and ns.disaggregated:
+        raise UsageError("--engine-weights applies to the in-process engine, not to the engines of --rollout-num-gpus")
+    ns.engine_weights = ew
+
+
+def check_inputs(ns: argparse.Namespace) -> None:
+    """Stage 3: the API key (``--sglang-api-key-file`` read, else the environment) and the model and
+    checkpoint directories the run will load."""
+    try:
+        ns.sglang_api_key = resolve_api_key(ns.sglang_api_key, ns.sglang_api_key_file, "--sglang-api-key")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for flag, path in (("--load", ns.load), ("--ref-load", ns.ref_load), ("--hf-checkpoint", ns.hf_checkpoint)):
+        if path is not None and not Path(path).is_dir():
+            raise UsageError(f"{flag} {path}: no such directory")
+    from .checkpoint import LATEST
+
+    if ns.load is not None and not (Path(ns.load) / LATEST).is_file():
+        raise UsageError(f"--load {ns.load}: no {LATEST} (not a checkpoint directory written by --save)")
+    # the model's config.json, read now: a missing or unsupported one (scaled RoPE, ...) is a usage error
+    if ns.load is not None:
+        check_model_dir(ns.load, "--load", trainer_state=True)
+    elif ns.hf_checkpoint is not None:  # with --load it only names the tokenizer
+        check_model_dir(ns.hf_checkpoint, "--hf-checkpoint", save_dir=False)
+    if ns.ref_load is not None:
+        check_model_dir(ns.ref_load, "--ref-load")
+
+
+def check_outputs(ns: argparse.Namespace) -> None:
+    """Stage 4: ``--save`` (a fresh run into one holding checkpoints only with ``--overwrite-save``) and
+    ``--output-dir``, created and proven writable."""
+    if ns.save and not ns.debug_rollout_only:
+        from .checkpoint import CheckpointError, check_save_dir
+
+        try:
+            check_save_dir(ns.save, ns.load, ns.overwrite_save)
+        except CheckpointError as exc:
+            raise UsageError(f"--save {ns.save}: {exc}") from None
+    if ns.save:
+        check_writable_dir(ns.save, "--save")
+    check_writable_dir(ns.output_dir, "--output-dir")
+
+
+def check_writable_dir(path, flag: str) -> None:
+    """Create ``path`` if needed and prove a file can be written there (removed again)."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".rlperf-write-check-", dir=p)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: not writable ({exc.strerror or exc})") from None
+
+
+def check_model_dir(path, flag: str, save_dir: bool = True, trainer_state: bool = False) -> Path:
+    """The HF directory behind ``flag path`` (itself, or with ``save_dir`` the latest model of a directory
+    written by --save) once its ``config.json`` reads as a supported model config and its safetensors
+    files (and with ``trainer_state`` the checkpoint's ``trainer.pt``) are complete; :class:`UsageError`
+    naming the flag otherwise."""
+    from rlperf.model.config import read_hf_config
+
+    from .checkpoint import LATEST, check_trainer_state, check_weights, model_dir
+
+    p = Path(path)
+    if not (p / "config.json").is_file() and not (save_dir and (p / LATEST).is_file()):
+        raise UsageError(f"{flag} {path}: no config.json" + (
+            f" and no {LATEST} (neither an HF checkpoint directory nor a directory written by --save)"
+            if save_dir else " (not an HF checkpoint directory)"))
+    try:
+        directory = model_dir(p) if save_dir else p
+        read_hf_config(directory)
+        check_weights(directory)  # truncated or unreadable safetensors: refused now, not at load time
+        if trainer_state:
+            check_trainer_state(p)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag} {path}: {exc}") from None
+    return directory
+
+
+def parse_train_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and resolve ``rlperf train`` flags (tests and :func:`rlperf.loop.first_step` callers)."""
+    p = argparse.ArgumentParser(prog="rlperf train")
+    add_loop_arguments(p)
+    return resolve_args(p.parse_args(argv or []))
