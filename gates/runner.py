@@ -157,12 +157,14 @@ def _resolve_flags(args: argparse.Namespace, with_loop: bool) -> argparse.Namesp
     return args
 
 
-def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) -> int:
+def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None, announce: bool = False) -> int:
     """``rlperf gate`` on parsed flags: 0 all gates passed, 1 a gate failed, 2 bad usage.
 
     ``first_step``: the hook that runs one rollout and one train step (default
     ``rlperf.loop.first_step``, with the loop's flags). ``args.memory_limit`` is replaced by its
     value in bytes (an int) before the hook runs; for a ``cpu_rss`` record it is the capacity.
+    ``announce``: once the flags are checked, name on stderr the directory the first step writes under
+    (``--output-dir``; ``rlperf gate`` defaults to ``rlperf-gate``).
     """
     with_loop = first_step is None
     if with_loop:
@@ -179,6 +181,8 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None) ->
         print(f"rlperf gate: {e}", file=sys.stderr)
         return 2
     limit = args.memory_limit
+    if announce and has_loop_flags(args):
+        print(f"rlperf gate: the first step writes under {args.output_dir} (--output-dir)", file=sys.stderr, flush=True)
 
     def step() -> FirstStepRecord:
         record = first_step(args)

@@ -49,8 +49,6 @@ def _gate(args: argparse.Namespace) -> int:
     from rlperf.loop.launch import placement_for
     from rlperf.loop.placement import ActorLayout, needs_launch
 
-    # every file the first step writes (its timeline, engine logs) goes under --output-dir
-    print(f"rlperf gate: output directory {args.output_dir} (--output-dir)", file=sys.stderr, flush=True)
     if needs_launch(args):  # --actor-num-gpus-per-node N > 1: the gates run on every rank
         import copy
 
@@ -68,8 +66,13 @@ def _gate(args: argparse.Namespace) -> int:
 
 
 def _gate_rank(args: argparse.Namespace) -> int:
-    """``rlperf gate`` in one process, or in each actor rank (:func:`_gates_on_ranks`)."""
-    return _in_rank_group(args, _gates_on_ranks)
+    """``rlperf gate`` in one process, or in each actor rank (:func:`_gates_on_ranks`); rank 0 names the
+    output directory once the flags are checked."""
+    return _in_rank_group(args, _announced_gates_on_ranks)
+
+
+def _announced_gates_on_ranks(ns: argparse.Namespace, place) -> int:
+    return _gates_on_ranks(ns, place, announce=True)
 
 
 def _in_rank_group(ns: argparse.Namespace, body) -> int:
@@ -84,7 +87,7 @@ def _in_rank_group(ns: argparse.Namespace, body) -> int:
     return code
 
 
-def _gates_on_ranks(ns: argparse.Namespace, place) -> int:
+def _gates_on_ranks(ns: argparse.Namespace, place, announce: bool = False) -> int:
     """The first-step gates (:func:`rlperf.gates.runner.run_gate`) on a copy of ``ns``. With several
     ranks every rank runs the first step (its collectives need them all); rank 0 alone prints the table
     and writes the reports, and every rank returns rank 0's verdict (2, bad usage, returns at once: the
@@ -96,13 +99,14 @@ def _gates_on_ranks(ns: argparse.Namespace, place) -> int:
     from rlperf.gates.runner import run_gate
 
     ns = copy.copy(ns)
+    announce = announce and place.rank == 0  # rlperf gate (not train): say where the first step writes
     if place.world_size == 1:
-        return run_gate(ns)
+        return run_gate(ns, announce=announce)
     if place.rank != 0:
         ns.report_json = ns.junit_xml = None
     with open(os.devnull, "w") as quiet, (contextlib.redirect_stdout(quiet) if place.rank != 0
                                           else contextlib.nullcontext()):
-        code = run_gate(ns)
+        code = run_gate(ns, announce=announce)
     if code == 2:
         return code
     from rlperf.loop.data_parallel import broadcast_from_rank0

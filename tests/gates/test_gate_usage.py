@@ -68,3 +68,14 @@ def test_pointer_on_a_missing_checkpoint(tmp_path, capsys, save):
     (d / ckpt.LATEST).write_text("5")
     code, out, err = _gate(tmp_path, capsys, "--load", d)
     assert code == 2 and err.startswith(f"rlperf gate: --load {d}") and "iteration 5" in err, err
+
+
+def test_gate_writes_only_under_its_named_default_output_dir(tmp_path, capsys, monkeypatch):
+    """Without --output-dir, `rlperf gate` writes into ./rlperf-gate (never ./rlperf-train) and says so."""
+    monkeypatch.chdir(tmp_path)
+    code = rlperf(["gate", "--device", "cpu", *CHEAP])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "rlperf gate: the first step writes under rlperf-gate (--output-dir)" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rlperf-gate"]
+    assert any((tmp_path / "rlperf-gate").iterdir())  # the first step's timeline
