@@ -222,6 +222,12 @@ def has_loop_flags(ns: argparse.Namespace) -> bool:
     return hasattr(ns, "true_on_policy_mode")
 
 
+def is_resolved(ns: argparse.Namespace) -> bool:
+    """Whether :func:`rlperf.loop.resolve.resolve_args` already ran on ``ns`` (``rlperf gate`` hands its
+    placement the flags unresolved)."""
+    return hasattr(ns, "train_args")
+
+
 def memory_limit(ns: argparse.Namespace):
     """``--memory-limit`` (a gate flag, in bytes once the gates parsed it), or None where the namespace
     has no gate flags (:func:`rlperf.loop.resolve.parse_train_args`)."""

@@ -491,12 +491,13 @@ class RayPlacement(Placement):
     def _engine_server_args(self, ns: argparse.Namespace):
         """The engines' ``rlperf serve`` options: the loop's (:func:`rlperf.loop.engines.engine_server_args`)
         on the device of the bundles."""
+        from .args import is_resolved
         from .config import RunConfig
         from .device import kernel_policy, run_device
         from .engines import engine_server_args
         from .resolve import resolve_args
 
-        if not hasattr(ns, "train_args"):  # rlperf gate hands over its unresolved flags
+        if not is_resolved(ns):  # rlperf gate hands over its unresolved flags
             ns = resolve_args(copy.copy(ns))
         backend = kernel_policy(ns, run_device(ns)).backend
         args = engine_server_args(RunConfig.from_args(ns), backend)

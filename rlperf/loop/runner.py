@@ -69,7 +69,7 @@ from rlperf.sync import SYNC_BUCKET_BYTES, weights_checksum
 from rlperf.telemetry import PhaseMeter, PhaseTimeline, TrainerTrace, default_path
 
 from . import checkpoint as ckpt
-from .args import UsageError, memory_limit
+from .args import UsageError, is_resolved, memory_limit
 from .clients import ServerAuthError, client_for
 from .config import RunConfig
 from .device import compute_dtype, kernel_policy, run_device
@@ -511,7 +511,7 @@ def summary_line(m: dict, total: int) -> str:
 def _resolve(args):
     if isinstance(args, (list, tuple)) or args is None:
         return parse_train_args(list(args or []))
-    if not hasattr(args, "train_args"):
+    if not is_resolved(args):
         return resolve_args(args)
     return args
 

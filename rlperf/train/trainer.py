@@ -63,12 +63,6 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 class Trainer:
     """Actor + frozen reference + AdamW; ``train(samples)`` runs one rollout's optimizer steps."""
 
-    def compute_weights(self, bucket_bytes: int = 512 << 20):
-        """``(HF name, tensor)`` pairs of the compute weights, detached: what weight sync sends and the
-        engines load. One process holds them whole (``bucket_bytes`` is unused here); the data-parallel
-        trainer gathers them from its shards bucket by bucket (a collective: every rank walks it)."""
-        return ((n, t.detach()) for n, t in self.model.hf_state_dict().items())
-
     def __init__(self, model: torch.nn.Module, args: TrainArgs, ref_model: torch.nn.Module | None = None,
                  compute_dtype: torch.dtype | None = None):
         """``model``: the master weights (float32 when ``compute_dtype`` is lower); ``compute_dtype``:
@@ -101,6 +95,13 @@ class Trainer:
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr,
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         self.step_count = 0
+
+
+    def compute_weights(self, bucket_bytes: int = 512 << 20):
+        """``(HF name, tensor)`` pairs of the compute weights, detached: what weight sync sends and the
+        engines load. One process holds them whole (``bucket_bytes`` is unused here); the data-parallel
+        trainer gathers them from its shards bucket by bucket (a collective: every rank walks it)."""
+        return ((n, t.detach()) for n, t in self.model.hf_state_dict().items())
 
     @property
     def device(self) -> torch.device:
