@@ -96,7 +96,6 @@ class Trainer:
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         self.step_count = 0
 
-
     def compute_weights(self, bucket_bytes: int = 512 << 20):
         """``(HF name, tensor)`` pairs of the compute weights, detached: what weight sync sends and the
         engines load. One process holds them whole (``bucket_bytes`` is unused here); the data-parallel
