@@ -11,7 +11,7 @@ anchor = one device-to-device copy of the same number of bytes, ``dst.copy_(src)
 in the same run; ``ratio = anchor_ms / kernel_ms`` = the fraction of one plain copy's speed the
 sync reaches; a sync moves at least 2x the copy's bytes, flatten then load, so <= ~0.5 is expected):
 
-* ``sync in-process (B MiB buckets)``: what ``EngineClient.update_weights`` does on one GPU, through
+* ``sync in-process (B MiB buckets)``: what ``EngineClient.load_weights`` (``--engine-weights buckets``) does on one GPU, through
   the same entry point, :func:`rlperf.sync.sync_weights` (no transport): ``flatten_buckets(trainer
   params, B)``, then ``FlattenedBucket.load_into`` the engine's parameters, one bucket at a time
   (:func:`sync_in_process`).
@@ -106,7 +106,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def sync_in_process(named_tensors, dst_params: dict[str, torch.Tensor], bucket_bytes: int) -> int:
-    """``EngineClient.update_weights`` on one GPU (:func:`rlperf.sync.sync_weights`, no transport):
+    """``EngineClient.load_weights`` (buckets) on one GPU (:func:`rlperf.sync.sync_weights`, no transport):
     flatten into buckets, load each into ``dst_params``. Returns the number of buckets.
     """
     from rlperf.sync import SyncConfig, sync_weights
