@@ -7,7 +7,7 @@
 #
 # Writes $OUT/gpu-tests.log, $OUT/det/metrics.jsonl and, with a baseline, $OUT/compare.txt.
 set -uo pipefail
-OUT=${OUT:-$(mktemp -d)}
+export OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 bash bench/device.sh "tests/loop tests/train tests/rollout/test_weight_broadcast.py" none
 status=$?
