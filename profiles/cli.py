@@ -36,7 +36,7 @@ def _add_target(p: argparse.ArgumentParser, required_url: bool) -> None:
     p.add_argument("--record-shapes", action="store_true", help="record input shapes of ops")
 
 
-def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+def add_profile_command_arguments(p: argparse.ArgumentParser) -> None:
     _add_target(p, required_url=False)
     p.add_argument("--action", choices=("start", "stop"), default=None,
                    help="start or stop profiling on every worker the router lists")

@@ -16,8 +16,8 @@ from .memory import (capacity_bytes, memory_counters, memory_kind, peak_rss_byte
                      rss_bytes, system_memory_bytes)
 from .meter import PhaseMeter, PhaseSample
 from .timeline import PhaseTimeline, default_path, perfetto_available
-from .trainer_trace import TrainerTrace, add_profile_arguments, check_profile_args
+from .trainer_trace import TrainerTrace, add_trace_window_arguments, check_profile_args
 
 __all__ = ["PhaseMeter", "PhaseSample", "PhaseTimeline", "TrainerTrace", "default_path", "perfetto_available",
-           "add_profile_arguments", "check_profile_args", "memory_counters", "rss_bytes", "peak_rss_bytes",
+           "add_trace_window_arguments", "check_profile_args", "memory_counters", "rss_bytes", "peak_rss_bytes",
            "reset_peak_rss", "memory_kind", "capacity_bytes", "process_memory", "system_memory_bytes"]
