@@ -77,7 +77,9 @@ if [ "$BENCHES" != "none" ]; then
 fi
 if [ -n "$GROUP" ]; then
   if [ "$GROUP" -lt "$NGROUPS" ]; then
-    echo "next: bash bench/device.sh tests $((GROUP + 1))   (group $((GROUP + 1)) of $NGROUPS)"
+    note=""
+    [ "$((GROUP + 1))" = "$NGROUPS" ] && note="; its tests need 2 and 4 GPUs: a 4-GPU machine"
+    echo "next: bash bench/device.sh tests $((GROUP + 1))   (group $((GROUP + 1)) of $NGROUPS$note)"
   else
     echo "next: none: that was the last group ($NGROUPS of $NGROUPS); benchmarks: bash bench/device.sh none all"
   fi
