@@ -335,7 +335,7 @@ def measure(shapes, device: torch.device, timer, *, transport: str = "cuda_ipc",
     ``SYNC_BUCKET_BYTES`` then :data:`EXTRA_BUCKET_BYTES`. ``transport``: of the cross-process rows
     ("cuda_ipc" on a GPU; "shm" lets the whole measurement run on CPU in the tests).
     """
-    from rlperf.sync import SYNC_BUCKET_BYTES, backend as flatten_backend, weights_checksum
+    from rlperf.sync import SYNC_BUCKET_BYTES, copy_backend, weights_checksum
 
     device = _indexed(torch.device(device))
     if bucket_sizes is None:
@@ -344,7 +344,7 @@ def measure(shapes, device: torch.device, timer, *, transport: str = "cuda_ipc",
     params = {n: torch.randn(s, generator=gen, dtype=torch.bfloat16, device=device) for n, s in shapes}
     named = list(params.items())
     total = sum(t.numel() * t.element_size() for t in params.values())
-    backend = flatten_backend(device)
+    backend = copy_backend(device)
     case = f"qwen3-4b {len(params)}x bf16 {total / 1e9:.2f} GB" + ("" if backend == "extension" else " (torch fallback)")
     print(f"sync: {len(params)} tensors, {total:,} bytes ({total / 1e9:.2f} GB) bf16 on {device}, "
           f"buckets of {[b / 2**20 for b in bucket_sizes]} MiB, flatten backend {backend}, transport {transport}", flush=True)

@@ -18,9 +18,19 @@ from rlperf.rollout.args import API_KEY_ENV
 
 from .control import ACTIVITIES
 
+ROUTER_URL_EXAMPLE = "http://127.0.0.1:30080"
+"""Where ``rlperf serve --router N`` puts the router by default (its ``--router-port``); a plain
+``rlperf serve`` has no router: its server's port (30000) answers ``/generate``, not ``GET /workers``."""
+
+USAGE = ("%(prog)s --router-url URL --action {start,stop} [options]\n"
+         "       %(prog)s run --router-url URL [options] [load options]\n"
+         "       %(prog)s summarize TRACE [TRACE ...] [--top-n N] [--json FILE]")
+"""The three forms; the mode (``run``, ``summarize``) is optional: without one, ``--action`` says what to do."""
+
 
 def _add_target(p: argparse.ArgumentParser, required_url: bool) -> None:
-    p.add_argument("--router-url", required=required_url, help="the sglang-router, e.g. http://127.0.0.1:30000")
+    p.add_argument("--router-url", required=required_url, help=f"the sglang-router's URL, e.g. {ROUTER_URL_EXAMPLE} "
+                        "(where rlperf serve --router N puts it by default)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help="Bearer key of the router and the workers' admin endpoints (rlperf serve --api-key; default: "
                         f"the {API_KEY_ENV} environment variable, which, unlike this flag, ps does not show)")
@@ -36,12 +46,17 @@ def _add_target(p: argparse.ArgumentParser, required_url: bool) -> None:
     p.add_argument("--record-shapes", action="store_true", help="record input shapes of ops")
 
 
-def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+def add_profile_command_arguments(p: argparse.ArgumentParser) -> None:
+    """``rlperf profile``'s flags and its optional modes ``run`` and ``summarize`` (not ``rlperf train``'s
+    ``--profile-step-*`` trace window, :func:`rlperf.telemetry.trainer_trace.add_trace_window_arguments`)."""
+    p.usage = USAGE
     _add_target(p, required_url=False)
     p.add_argument("--action", choices=("start", "stop"), default=None,
-                   help="start or stop profiling on every worker the router lists")
-    sub = p.add_subparsers(dest="profile_mode", metavar="{run,summarize}")
-    r = sub.add_parser("run", help="start, drive load through the router, stop, collect, merge, summarize",
+                   help="start or stop profiling on every worker the router lists (the form without a mode)")
+    sub = p.add_subparsers(dest="profile_mode", metavar="{run,summarize}", required=False,
+                           title="modes (optional: without one, --action start|stop)")
+    r = sub.add_parser("run", prog=f"{p.prog} run", help="start, drive load through the router, stop, collect, merge, summarize",
+                       usage="%(prog)s --router-url URL [options] [load options]",
                        description="Profile every worker behind the router under a built-in load, merge their traces "
                                    "into one Perfetto trace (a process per worker, plus the requests) and summarize.")
     _add_target(r, required_url=True)
@@ -54,7 +69,8 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--temperature", type=float, default=1.0)
     r.add_argument("--top-n", type=int, default=15, help="kernels (or CPU ops) listed in the summary")
-    s = sub.add_parser("summarize", help="summarize existing trace files (SGLang's *.trace.json.gz too)")
+    s = sub.add_parser("summarize", prog=f"{p.prog} summarize", help="summarize existing trace files (SGLang's *.trace.json.gz too)",
+                       usage="%(prog)s TRACE [TRACE ...] [--top-n N] [--json FILE]")
     s.add_argument("traces", nargs="+", metavar="TRACE")
     s.add_argument("--top-n", type=int, default=15)
     s.add_argument("--json", default=None, help="also write the summary as JSON to this file")

@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_loop_arguments(p)
     p.set_defaults(func=_train)
 
-    from rlperf.profiles.cli import add_profile_arguments
+    from rlperf.profiles.cli import add_profile_command_arguments
 
     p = sub.add_parser(
         "profile",
@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
             "and print a summary. rlperf profile summarize TRACE...: the summary of existing traces."
         ),
     )
-    add_profile_arguments(p)
+    add_profile_command_arguments(p)
     p.set_defaults(func=_profile)
     return parser
 

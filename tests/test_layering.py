@@ -13,6 +13,10 @@ A module's unit is its top-level subpackage under ``rlperf`` (``rlperf.kernels.r
 unit; between two units of the same layer only the pairs of :data:`PEER_EDGES` are allowed, each
 with its reason. A unit missing from :data:`LAYERS` fails, so the table stays complete.
 See docs/ARCHITECTURE.md for what each unit holds.
+
+Within and across units, modules form no circle: the graph of module-to-module imports (the same
+edges, lazy ones included) has no cycle (:func:`import_cycles`). A circle means neither module can be
+read, tested or imported without the other; break it by moving what both need into a lower module.
 """
 from __future__ import annotations
 
@@ -177,6 +181,106 @@ def check_sources(sources: dict[str, str]) -> list[Violation]:
     return out
 
 
+def _known_module(target: str, modules: set[str]) -> str | None:
+    """The module of ``modules`` that ``target`` names: itself, or its longest dotted prefix that is one
+    (``importlib.import_module("rlperf.x.y")`` of a name that is not a file); None for the extension ``_C``."""
+    parts = target.split(".")
+    while parts:
+        name = ".".join(parts)
+        if name in modules:
+            return name
+        parts.pop()
+    return None
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, dict[str, Edge]]:
+    """importer module -> {imported module: the first edge that imports it}, over ``sources``' modules.
+
+    Only the imports written in a module count: ``import rlperf.loop.runner`` is an edge to
+    ``rlperf.loop.runner``, not to ``rlperf.loop`` (whose ``__init__`` Python also runs first): a package
+    that re-exports its submodules would otherwise be a circle with each of them.
+    """
+    modules = {module_name(p) for p in sources}
+    graph: dict[str, dict[str, Edge]] = {m: {} for m in modules}
+    for path in sorted(sources):
+        for edge in import_edges(path, sources[path], modules):
+            target = _known_module(edge.target, modules)
+            if target is not None and target != edge.importer:
+                graph[edge.importer].setdefault(target, dataclasses.replace(edge, target=target))
+    return graph
+
+
+def import_tangles(graph: dict[str, dict[str, Edge]]) -> list[list[str]]:
+    """The strongly connected groups of two or more modules (Tarjan): each module of a group reaches
+    every other through imports. Sorted; empty when the graph has no cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def connect(v: str) -> None:  # recursive Tarjan; the module graph is a few hundred nodes deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(groups)
+
+
+def import_cycles(sources: dict[str, str]) -> list[list[Edge]]:
+    """One shortest circle of imports per tangle (:func:`import_tangles`), through its first module, as
+    the edges ``m0 -> m1 -> ... -> m0``; empty when the module graph has no cycle."""
+    graph = import_graph(sources)
+    cycles = []
+    for group in import_tangles(graph):
+        members, start = set(group), group[0]
+        parent: dict[str, str] = {start: start}
+        frontier, closing = [start], None
+        while frontier and closing is None:  # breadth first from start, inside the group, back to start
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v]):
+                    if w == start:
+                        closing = v
+                        break
+                    if w in members and w not in parent:
+                        parent[w] = v
+                        nxt.append(w)
+                if closing is not None:
+                    break
+            frontier = nxt
+        path = [closing]
+        while path[-1] != start:
+            path.append(parent[path[-1]])
+        path.reverse()
+        cycles.append([graph[a][b] for a, b in zip(path, path[1:] + [start])])
+    return cycles
+
+
+def format_cycle(cycle: list[Edge]) -> str:
+    """``a -> b (a.py:3) -> a (b.py:7)``: each step with the file and line of its import."""
+    return cycle[0].importer + "".join(f" -> {e.target} ({e.path}:{e.line})" for e in cycle)
+
+
 def repository_sources(root: Path = ROOT) -> dict[str, str]:
     sources = {}
     for top in (PACKAGE, *TOP_LEVEL_SUBPACKAGES):
@@ -206,6 +310,15 @@ def test_top_level_subpackages_match_setup_py():
             assert tuple(ast.literal_eval(node.value)) == TOP_LEVEL_SUBPACKAGES
             return
     pytest.fail("setup.py no longer defines TOP_LEVEL_SUBPACKAGES")
+
+
+def test_no_import_cycles_between_modules():
+    sources = repository_sources()
+    cycles = import_cycles(sources)
+    tangles = import_tangles(import_graph(sources))
+    report = [f"{len(t)} modules ({', '.join(t)}), e.g. {format_cycle(c)}" for t, c in zip(tangles, cycles)]
+    assert not cycles, ("modules that import each other (directly or around a circle); move what they share "
+                        "into a module both import:\n" + "\n".join(report))
 
 
 def test_peer_edges_are_used():
@@ -283,3 +396,76 @@ def test_a_planted_upward_import_in_a_copy_of_the_tree_fails(tmp_path):
         (tmp_path / rel).write_text(text)
     violations = check_sources(repository_sources(tmp_path))
     assert [str(v).split(": upward")[0] for v in violations] == [f"{path}:{line}: rlperf.model.qwen3 imports rlperf.loop.runner"]
+
+
+# ---- the cycle detector: it must be able to fail ----------------------------------------------------
+
+
+def _write_tree(root: Path, sources: dict[str, str]) -> Path:
+    for rel, text in sources.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+@pytest.fixture
+def planted_cycle_tree(tmp_path):
+    """A small package on disk whose modules form one circle of three, closed by a lazy import inside a
+    function and a relative import, plus modules outside the circle that import into it."""
+    return _write_tree(tmp_path, {
+        "rlperf/__init__.py": "",
+        "rlperf/loop/__init__.py": "from .runner import Run\n",  # re-exports: no circle with its submodules
+        "rlperf/loop/args.py": "from rlperf.loop.placement import needs_launch\n",
+        "rlperf/loop/placement.py": "import os\n\n\ndef launch():\n    from . import ray_placement\n",
+        "rlperf/loop/ray_placement.py": "import rlperf.loop.args as A\n",
+        "rlperf/loop/runner.py": "from rlperf.loop.args import resolve_args\nimport rlperf.loop.placement\n",
+        "kernels/__init__.py": "from rlperf.kernels.matmul import matmul\n",
+        "kernels/matmul.py": "import torch\n",
+    })
+
+
+def test_a_planted_cycle_is_reported_with_every_file_and_line(planted_cycle_tree):
+    sources = repository_sources(planted_cycle_tree)
+    assert import_tangles(import_graph(sources)) == [["rlperf.loop.args", "rlperf.loop.placement", "rlperf.loop.ray_placement"]]
+    cycles = import_cycles(sources)
+    assert [format_cycle(c) for c in cycles] == [
+        "rlperf.loop.args -> rlperf.loop.placement (rlperf/loop/args.py:1)"
+        " -> rlperf.loop.ray_placement (rlperf/loop/placement.py:5)"
+        " -> rlperf.loop.args (rlperf/loop/ray_placement.py:1)"]
+
+
+def test_breaking_the_planted_cycle_leaves_none(planted_cycle_tree):
+    (planted_cycle_tree / "rlperf/loop/ray_placement.py").write_text("import os\n")
+    assert import_cycles(repository_sources(planted_cycle_tree)) == []
+
+
+def test_two_modules_importing_each_other_through_the_package_are_a_cycle():
+    """``from rlperf.loop import X`` is an import of ``rlperf/loop/__init__.py``; a submodule that does it
+    while ``__init__`` imports that submodule is a real circle (it sees a half-initialized package)."""
+    sources = {"rlperf/__init__.py": "", "rlperf/loop/__init__.py": "from .runner import Run\nUsageError = ValueError\n",
+               "rlperf/loop/runner.py": "def f():\n    from rlperf.loop import UsageError\n"}
+    assert [format_cycle(c) for c in import_cycles(sources)] == [
+        "rlperf.loop -> rlperf.loop.runner (rlperf/loop/__init__.py:1) -> rlperf.loop (rlperf/loop/runner.py:2)"]
+
+
+def test_a_cycle_through_import_module_and_the_top_level_folders_is_found():
+    sources = {"rlperf/__init__.py": "", "kernels/__init__.py": "",
+               "kernels/dispatch.py": "import importlib\nimportlib.import_module('rlperf.kernels.matmul')\n",
+               "kernels/matmul.py": "from .dispatch import route\n"}
+    (cycle,) = import_cycles(sources)
+    assert [(e.importer, e.target, e.line) for e in cycle] == [
+        ("rlperf.kernels.dispatch", "rlperf.kernels.matmul", 2), ("rlperf.kernels.matmul", "rlperf.kernels.dispatch", 1)]
+
+
+def test_a_planted_cycle_in_a_copy_of_the_tree_is_reported(tmp_path):
+    """The real tree plus one lazy import that closes a circle (model.qwen3 -> model.config -> model.qwen3):
+    the detector names it, whatever else it finds."""
+    sources = repository_sources()
+    before = {format_cycle(c) for c in import_cycles(sources)}
+    assert "from rlperf.model.qwen3" not in sources["rlperf/model/config.py"]
+    qwen3_imports_config = any(e.target == "rlperf.model.config" for e in import_graph(sources)["rlperf.model.qwen3"].values())
+    assert qwen3_imports_config
+    sources["rlperf/model/config.py"] += "\n\ndef _planted():\n    from rlperf.model.qwen3 import Qwen3ForCausalLM  # noqa\n"
+    after = {format_cycle(c) for c in import_cycles(repository_sources(_write_tree(tmp_path, sources)))}
+    new = after - before
+    assert len(new) == 1 and "rlperf.model.qwen3" in new.pop()

@@ -43,7 +43,7 @@ Endpoints (SGLang's names and reply fields; docs/ARCHITECTURE.md, "Rollout serve
   :func:`rlperf.sync.weights_checksum` of the engine's weights and its ``weight_version``, what a
   sender compares after any weight update.
 
-Client errors are 4xx with a message, never 500 (README "Security"): a body over its route's limit
+Client errors are 4xx with a message, never 500 (docs/security.md): a body over its route's limit
 is 413 by its Content-Length before it is read (:data:`GENERATE_BODY_BASE_BYTES` and the flags
 ``--max-generate-body-bytes``, ``--max-weights-body-bytes``); a body that is not UTF-8 JSON, holds
 a lone surrogate or nests deeper than :data:`MAX_JSON_DEPTH` is 400, as is any value the engine or

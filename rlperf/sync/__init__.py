@@ -24,7 +24,7 @@ from .buckets import DESCRIPTION_FORMAT, FlattenedBucket, FlattenedTensorMetadat
 from .checksum import bucket_checksum, mix64
 from .config import DISTRIBUTED_BUCKET_BYTES, INLINE_BUCKET_BYTES, SYNC_BUCKET_BYTES, TRANSPORTS, SyncConfig
 from .dtypes import DTYPES, dtype_from_name, dtype_name
-from .extension import backend, extension_available, use_torch_fallback
+from .extension import copy_backend, extension_available, use_torch_fallback
 from .flatten import (ALIGNMENT, combine_checksums, flatten_buckets, iter_buckets, iter_buckets_with_last, plan_buckets,
                       weights_checksum)
 from .transports import PayloadError, SyncStats, bucket_payload, load_bucket, receive_bucket, release, sync_weights
@@ -33,7 +33,7 @@ __all__ = [
     "ALIGNMENT", "DESCRIPTION_FORMAT", "DISTRIBUTED_BUCKET_BYTES", "DTYPES", "INLINE_BUCKET_BYTES",
     "SYNC_BUCKET_BYTES", "TRANSPORTS",
     "FlattenedBucket", "FlattenedTensorMetadata", "PayloadError", "SyncConfig", "SyncStats",
-    "backend", "bucket_checksum", "bucket_payload", "dtype_from_name", "dtype_name", "extension_available",
+    "bucket_checksum", "bucket_payload", "copy_backend", "dtype_from_name", "dtype_name", "extension_available",
     "combine_checksums", "flatten_buckets", "iter_buckets", "iter_buckets_with_last", "load_bucket", "mix64",
     "plan_buckets", "receive_bucket", "release", "sync_weights",
     "use_torch_fallback", "weights_checksum",

@@ -34,8 +34,9 @@ def extension_available(device: torch.device | str = "cpu") -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("rlperf::multi_tensor_pack", key)
 
 
-def backend(device: torch.device | str = "cpu") -> str:
-    """``"extension"`` (rlperf._C) or ``"torch"`` (the fallback) for tensors on ``device``."""
+def copy_backend(device: torch.device | str = "cpu") -> str:
+    """What runs the bucket copies and checksums for tensors on ``device``: ``"extension"``
+    (rlperf._C) or ``"torch"`` (the fallback). Not the kernels' backend (:func:`rlperf.kernels.backend`)."""
     return "extension" if not _force_torch and extension_available(device) else "torch"
 
 

@@ -27,12 +27,12 @@ _EXPORTS = {
     'default_path': '.timeline',
     'perfetto_available': '.timeline',
     'TrainerTrace': '.trainer_trace',
-    'add_profile_arguments': '.trainer_trace',
+    'add_trace_window_arguments': '.trainer_trace',
     'check_profile_args': '.trainer_trace',
 }
 """Each exported name -> the submodule that defines it (imported when the name is first used)."""
 __all__ = ["PhaseMeter", "PhaseSample", "PhaseTimeline", "TrainerTrace", "default_path", "perfetto_available",
-           "add_profile_arguments", "check_profile_args", "memory_counters", "rss_bytes", "peak_rss_bytes",
+           "add_trace_window_arguments", "check_profile_args", "memory_counters", "rss_bytes", "peak_rss_bytes",
            "reset_peak_rss", "memory_kind", "capacity_bytes", "process_memory", "system_memory_bytes"]
 
 

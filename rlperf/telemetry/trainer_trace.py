@@ -58,7 +58,9 @@ def trace_name(target: str, first: int, last: int) -> str:
     return f"{TRACE_PREFIX}{target}_{steps}{TRACE_SUFFIX}"
 
 
-def add_profile_arguments(parser) -> None:
+def add_trace_window_arguments(parser) -> None:
+    """``rlperf train``'s torch.profiler window: ``--profile-step-start``, ``--profile-step-end``,
+    ``--profile-target`` (not ``rlperf profile``'s flags, which are the rollout servers')."""
     g = parser.add_argument_group("trainer traces (torch.profiler)")
     g.add_argument("--profile-step-start", type=int, default=None,
                    help="first step of the traced window (0: the run's first step)")

@@ -125,6 +125,31 @@ def test_usage_errors_exit_2(capsys):
     assert "--action start|stop" in capsys.readouterr().err
 
 
+def test_help_shows_the_three_forms_with_the_mode_optional_and_the_routers_default_port(capsys):
+    import argparse
+
+    from rlperf.profiles.cli import ROUTER_URL_EXAMPLE
+    from rlperf.rollout.args import add_serve_arguments
+
+    with pytest.raises(SystemExit) as done:
+        main(["profile", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    usage = out[: out.index("\n\n")].splitlines()
+    assert usage == ["usage: rlperf profile --router-url URL --action {start,stop} [options]",
+                     "       rlperf profile run --router-url URL [options] [load options]",
+                     "       rlperf profile summarize TRACE [TRACE ...] [--top-n N] [--json FILE]"]
+    assert "modes (optional: without one, --action start|stop)" in out
+    serve = argparse.ArgumentParser()
+    add_serve_arguments(serve)
+    router_port = serve.parse_args([]).router_port  # where `rlperf serve --router N` puts the router
+    assert ROUTER_URL_EXAMPLE == f"http://127.0.0.1:{router_port}" and ROUTER_URL_EXAMPLE in " ".join(out.split())
+    for mode, form in (("run", "usage: rlperf profile run --router-url URL"), ("summarize", "usage: rlperf profile summarize TRACE")):
+        with pytest.raises(SystemExit):
+            main(["profile", mode, "--help"])
+        assert capsys.readouterr().out.startswith(form)
+
+
 def test_run_merges_one_process_per_worker_and_agrees_with_the_request_log(cluster, tmp_path, capsys):
     out = tmp_path / "run"
     n, output_len = 6, 5

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import urllib.request
+import uuid
 
 import pytest
 import torch
@@ -482,7 +483,9 @@ def _corrupt(kind):
     elif kind == "transport":
         payload["transport"] = {"kind": "pickle", "data": ""}
     elif kind == "shm":
-        payload["transport"] = {"kind": "shm", "name": "rlperf_bucket_1_0123456789abcdef"}  # rlperf's form, not there
+        # rlperf's form, a name no process holds: this pid and 64 fresh random bits (a fixed name fails
+        # with another error whenever some other process on the machine holds that segment)
+        payload["transport"] = {"kind": "shm", "name": f"rlperf_bucket_{os.getpid()}_{uuid.uuid4().hex[:16]}"}
     return payload
 
 

@@ -91,7 +91,7 @@ def flatten_with(backend, named, bucket_bytes):
     if backend == "torch":
         with B.use_torch_fallback():
             return B.flatten_buckets(named, bucket_bytes)
-    assert B.backend("cpu") == "extension"
+    assert B.copy_backend("cpu") == "extension"
     return B.flatten_buckets(named, bucket_bytes)
 
 
@@ -494,7 +494,7 @@ def test_fallback_equals_extension():
     named = mixed_tensors(n_repeat=4, scale=3)
     ext = B.flatten_buckets(named, 2048)
     with B.use_torch_fallback():
-        assert B.backend("cpu") == "torch"
+        assert B.copy_backend("cpu") == "torch"
         ref = B.flatten_buckets(named, 2048)
     assert len(ext) == len(ref)
     for e, r in zip(ext, ref):
@@ -514,7 +514,7 @@ def test_missing_extension_warns_once_and_still_works(monkeypatch):
     monkeypatch.setattr(E, "_extension", None)
     monkeypatch.setattr(E, "_EXTENSION_ERROR", ImportError("no module named rlperf._C"))
     monkeypatch.setattr(E, "_warned_fallback", False)
-    assert B.backend("cpu") == "torch" and not B.extension_available("cpu")
+    assert B.copy_backend("cpu") == "torch" and not B.extension_available("cpu")
     named = mixed_tensors()
     with pytest.warns(RuntimeWarning, match="falls back to pure torch"):
         buckets = B.flatten_buckets(named, 256)
