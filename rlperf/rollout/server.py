@@ -184,9 +184,13 @@ async def _errors(request: web.Request, handler):
         resp = _error(413, str(exc))
         resp.force_close()
         return resp
-    except BodyTimeout as exc:
-        resp = _error(408, str(exc))
+    except BodyTimeout as exc:  # the reply, then the connection closes now (no lingering read of a body
+        resp = _error(408, str(exc))  # that is not coming)
         resp.force_close()
+        await resp.prepare(request)
+        await resp.write_eof()
+        if request.protocol is not None:
+            request.protocol.force_close()
         return resp
     except RequestFailed as exc:
         return _error(exc.status, str(exc))
