@@ -139,6 +139,8 @@ def profile_run(router_url: str, options: StartOptions, spec: LoadSpec, output_d
     # a path of this host is not theirs to write to
     since = time.time()
     starts = control.start(workers, options, api_key)
+    log(f"rlperf profile: profiling on {len(workers)} workers; load: {spec.num_prompts} requests, "
+        f"{spec.concurrency} at a time")
     try:
         records, load_start, load_end = run_load(router_url, spec, api_key)
     except BaseException:
