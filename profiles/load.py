@@ -68,15 +68,15 @@ def make_prompts(spec: LoadSpec) -> list[dict]:
     if not path.is_file():
         raise ProfileUsageError(f"--dataset {path}: no such file")
     rows = []
-    for n, row in iter_json_objects(path, ProfileUsageError):
+    for n, row in iter_json_objects(path, lambda message: ProfileUsageError(f"--dataset {message}")):
         text = row.get("text", row.get("prompt"))
         body = {"input_ids": row["input_ids"]} if "input_ids" in row else {"text": text}
         if body.get("text") is None and "input_ids" not in body:
-            raise ProfileUsageError(f"{path}:{n}: needs 'text', 'prompt' or 'input_ids'")
+            raise ProfileUsageError(f"--dataset {path}:{n}: needs 'text', 'prompt' or 'input_ids'")
         body["max_new_tokens"] = int(row.get("max_new_tokens", spec.output_len))
         rows.append(body)
     if not rows:
-        raise ProfileUsageError(f"{path}: no prompts")
+        raise ProfileUsageError(f"--dataset {path}: no prompts")
     # cycle through the file when asked for more prompts than it has
     return [dict(rows[i % len(rows)]) for i in range(spec.num_prompts)]
 
