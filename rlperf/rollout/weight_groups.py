@@ -313,7 +313,7 @@ class WeightGroups:
         try:
             if receiver is not None:
                 await asyncio.to_thread(receiver.join, req.master_address, req.master_port, req.rank,
-                                        req.world_size, self.join_timeout)
+                                        req.world_size, self.join_timeout, self.receive_timeout)
                 group = receiver
             else:
                 group = await asyncio.to_thread(
@@ -415,7 +415,7 @@ class WeightGroups:
         return len(req.names)
 
     def _receive_tensors(self, group: WeightUpdateGroup, req: DistributedUpdateRequest, params) -> None:
-        """SGLang's default format: one broadcast per tensor, all started, then waited for; straight
+        """NCCL, SGLang's default format: one broadcast per tensor, all started, then waited for; straight
         into the parameters where they can take it (same device, contiguous), else through a fresh
         tensor. ``params`` None: receive and drop."""
         works, copies = [], []
@@ -435,10 +435,10 @@ class WeightGroups:
                 p.copy_(t)
 
     def _receive_bucket(self, group: WeightUpdateGroup, req: DistributedUpdateRequest, params) -> None:
-        """One broadcast of the bucket's uint8 buffer, then its tensors loaded into ``params`` (None:
-        receive and drop).
+        """NCCL: one broadcast of the bucket's uint8 buffer, then its tensors loaded into ``params``
+        (None: receive and drop).
 
-        NCCL: nothing here waits for the device. The receive goes into the next of
+        Nothing here waits for the device. The receive goes into the next of
         :data:`RECEIVE_SLOTS` buffers, kept from one request to the next (grown when a bucket is
         larger), on a stream of its own that waits only for the load that last read that buffer; the
         load waits for the receive and for the engine's stream (a queued step may still read the
@@ -446,11 +446,6 @@ class WeightGroups:
         requests can queue up ahead of its broadcasts: the receive of the next bucket overlaps the
         load of this one, the buffers never outnumber the slots, and every later step of the engine
         sees the new weights."""
-        if group.backend != "nccl":
-            buffer = torch.empty(req.nbytes, dtype=torch.uint8, device=group.device)
-            group.wait(group.broadcast(buffer), host=True)
-            self._load(FlattenedBucket(buffer.to(self.device), req.layout), req, params)
-            return
         if self._streams is None:
             self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
         receiving, loading = self._streams

@@ -15,7 +15,8 @@ weights changes until the whole request has arrived and been checked (:meth:`Glo
 Protocol (one JSON object per line; the engine writes to the child's stdin, the child answers on its
 stdout)::
 
-    engine -> {"master_address", "master_port", "rank", "world_size", "group_name", "timeout"}
+    engine -> {"master_address", "master_port", "rank", "world_size", "group_name", "timeout",
+               "collective_timeout"}
     child  -> {"ok": true} | {"error": "..."}          (joined, or why not; then it exits)
     engine -> {"path": FILE, "size": BYTES, "ranges": [[offset, nbytes], ...]}
     child  -> {"ok": true} | {"error": "..."}          (one broadcast per range, in order)
@@ -83,14 +84,20 @@ class GlooReceiver:
         self.closed = False
 
     # ---- the child -----------------------------------------------------------------------------
-    def join(self, master_address: str, master_port: int, rank: int, world_size: int, timeout: float) -> None:
-        """Start the child and wait up to ``timeout`` seconds for it to join; ReceiverError if it does not."""
+    def join(self, master_address: str, master_port: int, rank: int, world_size: int, timeout: float,
+             collective_timeout: float) -> None:
+        """Start the child and wait up to ``timeout`` seconds for it to join; ReceiverError if it does not.
+        ``collective_timeout``: how long the child's gloo group waits for one broadcast."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        deadline = time.monotonic() + timeout
         self._proc = subprocess.Popen([sys.executable, "-m", "rlperf.sync.receiver"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True)
-        deadline = time.monotonic() + timeout
+        if self.closed:  # closed while it started (the server is stopping)
+            self.close()
+            raise ReceiverError(f"the group {self.name!r} was closed while joining")
         self._send({"master_address": master_address, "master_port": master_port, "rank": rank,
-                    "world_size": world_size, "group_name": self.name, "timeout": timeout})
+                    "world_size": world_size, "group_name": self.name, "timeout": timeout,
+                    "collective_timeout": collective_timeout})
         reply = self._reply(deadline, f"joining the group at {master_address}:{master_port}", timeout)
         if "error" in reply:
             self.close()
@@ -236,7 +243,8 @@ def _child_main() -> int:
         spec = json.loads(line)
         group = init_weight_update_group(spec["master_address"], int(spec["master_port"]), int(spec["rank"]),
                                          int(spec["world_size"]), group_name=spec["group_name"], backend="gloo",
-                                         timeout=float(spec["timeout"]))
+                                         timeout=float(spec["collective_timeout"]),
+                                         connect_timeout=float(spec["timeout"]))
     except Exception as exc:  # noqa: BLE001  (the engine reports it)
         answer({"error": f"{type(exc).__name__}: {exc}"})
         return 1

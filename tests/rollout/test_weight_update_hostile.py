@@ -258,3 +258,37 @@ def test_sigterm_stops_a_server_in_the_middle_of_a_join(tmp_path, free_ports):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.gpu
+def test_a_cuda_engine_over_gloo_loads_a_bucket_and_refuses_a_short_one():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cuda_model = Qwen3ForCausalLM.random(preset("tiny"), seed=0, device="cuda")
+
+    async def fn(server, client):
+        group = await _join(client)
+        name, p = _param(server)
+        assert p.device.type == "cuda"
+        new = torch.randn(p.shape, dtype=p.dtype)
+        for data, status_wanted in ((new.view(torch.uint8).reshape(-1), 200),
+                                    (torch.zeros(new.numel() * new.element_size() // 2, dtype=torch.uint8), 400)):
+            post = asyncio.create_task(client.post("/update_weights_from_distributed", json=_bucket_body(name, p)))
+            sender = _send_later(group, data)
+            status, reply = await _json(await asyncio.wait_for(post, 60))
+            sender.join(30)
+            assert status == status_wanted, reply
+            assert torch.equal(p.cpu(), new)  # loaded by the first, kept through the refused second
+        group.close()
+
+    server = RolloutServer(cpu_args(skip_warmup=True, device="cuda", kernel_backend="auto"), cuda_model,
+                           ByteTokenizer(512))
+    server.weight_groups.join_timeout = JOIN_TIMEOUT
+
+    async def main():
+        async with TestClient(TestServer(server.app)) as client:
+            try:
+                return await fn(server, client)
+            finally:
+                server.weight_groups.close_all()
+    asyncio.run(main())
