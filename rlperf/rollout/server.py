@@ -47,7 +47,9 @@ Client errors are 4xx with a message, never 500 (README "Security"): a body over
 is 413 by its Content-Length before it is read (:data:`GENERATE_BODY_BASE_BYTES` and the flags
 ``--max-generate-body-bytes``, ``--max-weights-body-bytes``); a body that is not UTF-8 JSON, holds
 a lone surrogate or nests deeper than :data:`MAX_JSON_DEPTH` is 400, as is any value the engine or
-the sampling kernel cannot take. A request that still makes an engine step fail fails alone: its
+the sampling kernel cannot take; a body that stops arriving for :data:`BODY_IDLE_TIMEOUT_S` is 408
+and its connection is closed. A stopping server (SIGTERM) first kills its weight-update children, so
+a join or receive under way ends at once, then gives the other requests :data:`SHUTDOWN_TIMEOUT_S`. A request that still makes an engine step fail fails alone: its
 reply is an HTTP error with the engine's message (a stream: an error event), and the other
 requests go on (:meth:`rlperf.rollout.engine.Engine.recover`). Profile traces go only below
 ``--profile-root`` (:mod:`rlperf.rollout.profiler`). No request body is ever unpickled.
