@@ -81,6 +81,8 @@ class GlooReceiver:
         self._path: str | None = None
         self._size = 0
         self._pending = b""
+        self._map: torch.Tensor | None = None
+        self._reading: subprocess.Popen | None = None  # the child whose output _reply is reading now
         self.closed = False
 
     # ---- the child -----------------------------------------------------------------------------
@@ -142,11 +144,14 @@ class GlooReceiver:
                 proc.wait(_EXIT_WAIT_S)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-            for f in (proc.stdin, proc.stdout):
+            # a reader in another thread sees the dead child's end of file and closes its output itself
+            # (closing it here could hand its descriptor number to another file under that reader)
+            for f in (proc.stdin,) if self._reading is proc else (proc.stdin, proc.stdout):
                 try:
                     f.close()
                 except OSError:
                     pass
+        self._map = None  # unmapped: the removed file's memory goes back
         path, self._path = self._path, None
         if path is not None:
             try:
@@ -180,6 +185,15 @@ class GlooReceiver:
     def _reply(self, deadline: float, what: str, timeout: float) -> dict:
         """The child's next line, read until ``deadline``; ReceiverError (child killed) on timeout or EOF."""
         proc = self._proc
+        self._reading = proc
+        try:
+            return self._read_line(proc, deadline, what, timeout)
+        finally:
+            self._reading = None
+            if self.closed and proc is not None:
+                proc.stdout.close()
+
+    def _read_line(self, proc, deadline: float, what: str, timeout: float) -> dict:
         fd = proc.stdout.fileno() if proc is not None else -1
         buf = self._pending
         while b"\n" not in buf:
