@@ -49,7 +49,7 @@ nonnegative_int = int_in(0, None, "an integer >= 0")
 nonnegative_int.__doc__ = "A ``type=``: an integer >= 0."
 port = int_in(1, 65535, "a TCP port in [1, 65535]")
 port.__doc__ = "A ``type=``: a TCP port, 1-65535."
-seed = int_in(0, MAX_SEED, f"an integer in [0, 2**63 - 1]")
+seed = int_in(0, MAX_SEED, "an integer in [0, 2**63 - 1]")
 seed.__doc__ = "A ``type=``: a random seed, 0 to 2**63 - 1."
 
 
