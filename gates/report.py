@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
+import stat
 import xml.etree.ElementTree as ET
 
 from .checks import GateResult
@@ -88,12 +90,33 @@ class GateReport:
         _write(path, self.junit_xml())
 
 
-def check_report_path(path: str, flag: str) -> None:
-    """Prove a report can be written at ``path`` before any step runs: its folder is created and a
-    temporary file made and removed there, as :func:`_write` will. ValueError naming ``flag`` if not."""
+def _refuse_non_regular(path: str) -> None:
+    """OSError when something other than a regular file is at ``path``: a symbolic link, a device, a
+    FIFO, a socket. The report is written by atomic rename, which would replace it (a link would not
+    be written through either); a report path is a file of the caller's, nothing else."""
     try:
-        if os.path.isdir(path):
-            raise IsADirectoryError(21, "is a directory")
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory")
+    if not stat.S_ISREG(st.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise OSError(errno.EEXIST, f"{what} is there; refusing to replace it (remove it or choose another path)")
+
+
+def _create_new(path: str):
+    """A new file at ``path`` opened for writing: never an existing one, never through a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    return os.fdopen(fd, "w")
+
+
+def check_report_path(path: str, flag: str) -> None:
+    """Prove a report can be written at ``path`` before any step runs: nothing but a regular file is
+    there (:func:`_refuse_non_regular`), its folder is created and a temporary file made and removed
+    there, as :func:`_write` will. ValueError naming ``flag`` if not."""
+    try:
+        _refuse_non_regular(path)
         d = os.path.dirname(os.path.abspath(path))
         existing = d
         while not os.path.exists(existing):
@@ -102,7 +125,7 @@ def check_report_path(path: str, flag: str) -> None:
             raise NotADirectoryError(20, f"{existing} is not a directory")
         os.makedirs(d, exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w"):
+        with _create_new(tmp):
             pass
         os.unlink(tmp)
     except OSError as exc:
@@ -110,10 +133,21 @@ def check_report_path(path: str, flag: str) -> None:
 
 
 def _write(path: str, text: str) -> None:
-    """Write whole or not at all (a CI reader never sees half a report)."""
+    """Write whole or not at all (a CI reader never sees half a report); OSError, and nothing
+    replaced, when something other than a regular file is at ``path``."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
+    _refuse_non_regular(path)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    try:
+        os.unlink(tmp)  # a leftover of this process id (never followed: unlink removes a link itself)
+    except FileNotFoundError:
+        pass
+    with _create_new(tmp) as f:
         f.write(text)
-    os.replace(tmp, path)
+    try:
+        _refuse_non_regular(path)  # again: the path may have changed while the report was written
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

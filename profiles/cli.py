@@ -5,7 +5,8 @@
 * ``rlperf profile summarize TRACE...``: the summary of existing traces (worker traces, SGLang's
   ``*.trace.json.gz``, or a merged ``rlperf profile run`` trace, whose request slices give the load numbers).
 
-Exit codes: 0 done, 1 a router/worker failed or refused (the message says which), 2 bad usage.
+Exit codes: 0 done, 1 a router/worker failed or refused (the message says which; a ``run`` that lost
+a worker still writes the merged trace and summary of the others), 2 bad usage (flags, ``--dataset``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import json
 import os
 import sys
 
+from rlperf import flags
 from rlperf.rollout.args import API_KEY_ENV
 
 from .control import ACTIVITIES
@@ -29,7 +31,7 @@ USAGE = ("%(prog)s --router-url URL --action {start,stop} [options]\n"
 
 
 def _add_target(p: argparse.ArgumentParser, required_url: bool) -> None:
-    p.add_argument("--router-url", required=required_url, help=f"the sglang-router's URL, e.g. {ROUTER_URL_EXAMPLE} "
+    p.add_argument("--router-url", type=flags.http_url, required=required_url, help=f"the sglang-router's URL, e.g. {ROUTER_URL_EXAMPLE} "
                         "(where rlperf serve --router N puts it by default)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help="Bearer key of the router and the workers' admin endpoints (rlperf serve --api-key; default: "
@@ -38,7 +40,7 @@ def _add_target(p: argparse.ArgumentParser, required_url: bool) -> None:
                    help="where the workers write their traces (a path on each worker's host; SGLang's default: "
                         "$SGLANG_TORCH_PROFILER_DIR); run mode also writes the merged trace, summary and request log "
                         "here (default ./rlperf-profile)")
-    p.add_argument("--num-steps", type=int, default=None, help="each worker stops by itself after this many engine steps")
+    p.add_argument("--num-steps", type=flags.positive_int, default=None, help="each worker stops by itself after this many engine steps")
     p.add_argument("--activities", nargs="+", choices=ACTIVITIES, default=None,
                    help="what to record (default: the worker's choice: CPU, and GPU when it has one)")
     p.add_argument("--profile-by-stage", action="store_true", help="SGLang: one trace per stage (prefill, decode)")
@@ -60,24 +62,24 @@ def add_profile_command_arguments(p: argparse.ArgumentParser) -> None:
                        description="Profile every worker behind the router under a built-in load, merge their traces "
                                    "into one Perfetto trace (a process per worker, plus the requests) and summarize.")
     _add_target(r, required_url=True)
-    r.add_argument("--num-prompts", type=int, default=16)
-    r.add_argument("--input-len", type=int, default=128, help="random prompts of this many token ids")
-    r.add_argument("--output-len", type=int, default=64, help="tokens generated per request (ignore_eos)")
-    r.add_argument("--concurrency", type=int, default=8, help="requests in flight at a time")
+    r.add_argument("--num-prompts", type=flags.positive_int, default=16)
+    r.add_argument("--input-len", type=flags.positive_int, default=128, help="random prompts of this many token ids")
+    r.add_argument("--output-len", type=flags.positive_int, default=64, help="tokens generated per request (ignore_eos)")
+    r.add_argument("--concurrency", type=flags.positive_int, default=8, help="requests in flight at a time")
     r.add_argument("--dataset", default=None,
                    help="a jsonl of prompts ({'text'|'prompt'|'input_ids', optional 'max_new_tokens'}) instead of random ones")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=flags.seed, default=0)
     r.add_argument("--temperature", type=float, default=1.0)
-    r.add_argument("--top-n", type=int, default=15, help="kernels (or CPU ops) listed in the summary")
+    r.add_argument("--top-n", type=flags.positive_int, default=15, help="kernels (or CPU ops) listed in the summary")
     s = sub.add_parser("summarize", prog=f"{p.prog} summarize", help="summarize existing trace files (SGLang's *.trace.json.gz too)",
                        usage="%(prog)s TRACE [TRACE ...] [--top-n N] [--json FILE]")
     s.add_argument("traces", nargs="+", metavar="TRACE")
-    s.add_argument("--top-n", type=int, default=15)
+    s.add_argument("--top-n", type=flags.positive_int, default=15)
     s.add_argument("--json", default=None, help="also write the summary as JSON to this file")
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from .control import ProfileError, StartOptions
+    from .control import ProfileError, ProfileUsageError, StartOptions
 
     def fail(msg: str) -> int:
         print(f"rlperf profile: error: {msg}", file=sys.stderr)
@@ -113,18 +115,30 @@ def run_profile(args: argparse.Namespace) -> int:
             print(f"{args.action}_profile {r.url}: ok{where}")
         print(f"rlperf profile: {args.action} succeeded on {len(replies)} worker(s)")
         return 0
+    except ProfileUsageError as exc:  # bad flags or input files, found before anything started
+        print(f"rlperf profile: error: {exc}", file=sys.stderr)
+        return 2
     except ProfileError as exc:
         return fail(str(exc))
 
 
 def _run(args, options) -> int:
+    from .control import ProfileUsageError
     from .harness import profile_run
-    from .load import LoadSpec
+    from .load import LoadSpec, make_prompts
 
     spec = LoadSpec(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                     concurrency=args.concurrency, dataset=args.dataset, seed=args.seed, temperature=args.temperature)
+    try:  # the prompts (--dataset) are read once before any worker is touched: a bad file is bad usage
+        make_prompts(spec)
+    except (ValueError, TypeError, KeyError, OSError) as exc:
+        raise ProfileUsageError(f"--dataset {args.dataset}: {exc}") from None
     result = profile_run(args.router_url, options, spec, args.output_dir or "rlperf-profile", args.api_key, args.top_n)
     load = result.summary["load"]
+    if result.lost_workers:
+        print(f"rlperf profile: lost {len(result.lost_workers)} worker(s) during the run: "
+              f"{', '.join(result.lost_workers)}; the merged trace and summary hold the others'", file=sys.stderr)
+        return 1
     return 0 if load and load["failed"] == 0 else 1
 
 

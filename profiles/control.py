@@ -26,6 +26,10 @@ class ProfileError(RuntimeError):
     """A router or worker that cannot be reached, lists nothing, or refuses a profile command."""
 
 
+class ProfileUsageError(ProfileError):
+    """Bad flags or input files of ``rlperf profile`` (exit 2, not 1): found before anything starts."""
+
+
 @dataclasses.dataclass
 class StartOptions:
     """The ``/start_profile`` body (SGLang's ``ProfileReqInput`` field names)."""

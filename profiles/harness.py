@@ -9,6 +9,10 @@ run: files that share a profile id (the name before ``-TP-``) are one worker's (
 workers in the router's order by time written; if the count of ids is not the count of workers, the
 run says so instead of guessing. Without ``--output-dir`` the workers write in their own default
 directory (an rlperf server: its ``--profile-root``), and only reported paths can be collected.
+
+A worker lost during the run (killed, crashed: it no longer answers when it is stopped) is named in
+the log and in the summary's ``lost_workers``; the traces of the others are still collected, merged
+and summarized (and the command exits 1).
 """
 from __future__ import annotations
 
@@ -27,6 +31,9 @@ from .traces import WorkerTrace, load_worker_trace, merge, read_json, to_epoch, 
 MERGED_NAME = "rlperf-profile-{run_id}.merged.json.gz"
 SUMMARY_NAME = "rlperf-profile-{run_id}.summary.json"
 REQUESTS_NAME = "rlperf-profile-{run_id}.requests.jsonl"
+LOST_PROBE_TIMEOUT_S = 5.0
+"""How long a worker that refused or failed ``/stop_profile`` has to answer ``GET /health`` before it
+counts as lost (killed, crashed, unreachable) rather than refusing."""
 
 
 @dataclasses.dataclass
@@ -37,6 +44,8 @@ class RunResult:
     summary: dict
     trace_sources: dict[str, str]
     """Worker URL -> where its trace came from (a local path or ``url/profile_trace``)."""
+    lost_workers: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Worker URL -> why it was lost during the run (it stopped answering); its trace is missing."""
 
 
 def _fetch(worker: str, expected: str | None, api_key: str | None, wait_s: float) -> tuple[dict, str]:
@@ -54,6 +63,15 @@ def _fetch(worker: str, expected: str | None, api_key: str | None, wait_s: float
             raise ProfileError(f"{url}: {what} not available (HTTP {status}, last trace {got}: "
                                f"{payload[:300].decode(errors='replace')})")
         time.sleep(0.5)
+
+
+def _answers(worker: str) -> bool:
+    """Whether ``worker`` still answers HTTP (``GET /health``, any status) within a few seconds."""
+    try:
+        control.http(worker.rstrip("/") + "/health", timeout=LOST_PROBE_TIMEOUT_S)
+    except ProfileError:
+        return False
+    return True
 
 
 def collect(workers: list[str], starts: list, stops: list, output_dir: str | None, since: float,
@@ -121,6 +139,8 @@ def profile_run(router_url: str, options: StartOptions, spec: LoadSpec, output_d
     # a path of this host is not theirs to write to
     since = time.time()
     starts = control.start(workers, options, api_key)
+    log(f"rlperf profile: profiling on {len(workers)} workers; load: {spec.num_prompts} requests, "
+        f"{spec.concurrency} at a time")
     try:
         records, load_start, load_end = run_load(router_url, spec, api_key)
     except BaseException:
@@ -130,20 +150,31 @@ def profile_run(router_url: str, options: StartOptions, spec: LoadSpec, output_d
             except ProfileError:
                 pass
         raise
-    if options.num_steps is None:
-        stops = control.stop(workers, api_key)
-    else:  # a worker whose num_steps ran out has stopped itself (and refuses); one that has not is stopped now
-        stops = []
-        for w in workers:
-            try:
-                stops += control.stop([w], api_key)
-            except ProfileError as exc:
+    # each worker is stopped on its own: one that was lost during the load (it no longer answers) is
+    # named and left out; the others' traces are still collected, merged and summarized
+    stops, lost, refusals = [], {}, []
+    for w in workers:
+        try:
+            stops += control.stop([w], api_key)
+        except ProfileError as exc:
+            reason = str(exc).splitlines()[0]
+            if not _answers(w):
+                lost[w] = reason
+                log(f"rlperf profile: lost worker {w} during the run ({reason}); its trace is left out")
+            elif options.num_steps is not None:  # a worker whose num_steps ran out stopped itself, and refuses
                 log(f"rlperf profile: {w} refused /stop_profile, as a worker that stopped by itself after "
-                    f"--num-steps does ({str(exc).splitlines()[0]})")
+                    f"--num-steps does ({reason})")
+            else:
+                refusals.append(str(exc))
+    if refusals:
+        raise ProfileError("\n".join(refusals))
+    survivors = [w for w in workers if w not in lost]
+    if not survivors:
+        raise ProfileError(f"every worker was lost during the run: {', '.join(lost)}")
     t_stop = time.time()
     failed = [r for r in records if not r.ok]
     log(f"rlperf profile: {len(records) - len(failed)}/{len(records)} requests succeeded in {load_end - load_start:.2f} s")
-    traces, sources = collect(workers, starts, stops, options.output_dir, since, api_key)
+    traces, sources = collect(survivors, starts, stops, options.output_dir, since, api_key)
     merged = merge(traces, records, (since, t_stop))
     merged_path = write_trace(merged, out / MERGED_NAME.format(run_id=run_id))
     requests_path = out / REQUESTS_NAME.format(run_id=run_id)
@@ -151,8 +182,9 @@ def profile_run(router_url: str, options: StartOptions, spec: LoadSpec, output_d
     summary = summarize(traces, records, top_n)
     summary["merged_trace"] = str(merged_path)
     summary["trace_sources"] = sources
+    summary["lost_workers"] = lost
     summary_path = out / SUMMARY_NAME.format(run_id=run_id)
     summary_path.write_text(json.dumps(summary, indent=2))
     log(format_summary(summary))
     log(f"merged trace (open in https://ui.perfetto.dev): {merged_path}")
-    return RunResult(merged_path, summary_path, requests_path, summary, sources)
+    return RunResult(merged_path, summary_path, requests_path, summary, sources, lost)

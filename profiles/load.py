@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rlperf.data.jsonl import iter_json_objects
 
-from .control import ProfileError, request
+from .control import ProfileError, ProfileUsageError, request
 
 TOKEN_ID_RANGE = (10, 250)  # below every real vocabulary's size, and past control ids 0..9
 
@@ -54,28 +54,29 @@ class RequestRecord:
 
 
 def make_prompts(spec: LoadSpec) -> list[dict]:
-    """One ``/generate`` body per request (without sampling params' seed, added per request)."""
+    """One ``/generate`` body per request (without sampling params' seed, added per request);
+    ProfileUsageError naming the flag when the numbers or the ``--dataset`` file are not usable."""
     if spec.num_prompts <= 0 or spec.output_len <= 0 or spec.concurrency <= 0:
-        raise ProfileError("--num-prompts, --output-len and --concurrency must be positive")
+        raise ProfileUsageError("--num-prompts, --output-len and --concurrency must be positive")
     rng = random.Random(spec.seed)
     if spec.dataset is None:
         if spec.input_len <= 0:
-            raise ProfileError("--input-len must be positive")
+            raise ProfileUsageError("--input-len must be positive")
         return [{"input_ids": [rng.randrange(*TOKEN_ID_RANGE) for _ in range(spec.input_len)],
                  "max_new_tokens": spec.output_len} for _ in range(spec.num_prompts)]
     path = Path(spec.dataset)
     if not path.is_file():
-        raise ProfileError(f"--dataset {path}: no such file")
+        raise ProfileUsageError(f"--dataset {path}: no such file")
     rows = []
-    for n, row in iter_json_objects(path, ProfileError):
+    for n, row in iter_json_objects(path, lambda message: ProfileUsageError(f"--dataset {message}")):
         text = row.get("text", row.get("prompt"))
         body = {"input_ids": row["input_ids"]} if "input_ids" in row else {"text": text}
         if body.get("text") is None and "input_ids" not in body:
-            raise ProfileError(f"{path}:{n}: needs 'text', 'prompt' or 'input_ids'")
+            raise ProfileUsageError(f"--dataset {path}:{n}: needs 'text', 'prompt' or 'input_ids'")
         body["max_new_tokens"] = int(row.get("max_new_tokens", spec.output_len))
         rows.append(body)
     if not rows:
-        raise ProfileError(f"{path}: no prompts")
+        raise ProfileUsageError(f"--dataset {path}: no prompts")
     # cycle through the file when asked for more prompts than it has
     return [dict(rows[i % len(rows)]) for i in range(spec.num_prompts)]
 

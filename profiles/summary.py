@@ -152,6 +152,8 @@ def summarize(workers: list[WorkerTrace], requests=(), top_n: int = 10) -> dict:
 def format_summary(s: dict) -> str:
     """The summary as the text ``rlperf profile`` prints."""
     lines = [f"traces: {len(s['workers'])} ({', '.join(s['workers'])})"]
+    for url, why in (s.get("lost_workers") or {}).items():
+        lines.append(f"lost worker (no trace): {url}: {why}")
     what = "GPU kernels by GPU time" if s["top_kind"] == "gpu" else "CPU ops by self time (no GPU kernels in the traces)"
     lines.append(f"top {len(s['top'])} {what}:")
     lines.append(f"  {'total ms':>10} {'%':>6} {'count':>7} {'avg us':>9}  name")

@@ -35,6 +35,7 @@ TOP_LEVEL_SUBPACKAGES = ("kernels", "gates", "profiles", "bench")
 LAYERS = {
     "": 0,  # rlperf/__init__.py: the version string, nothing else
     "kernels": 0,
+    "flags": 0,  # argparse value checks every command's flags share; imports nothing of rlperf
     "_C": 0,  # the C++/CUDA extension, the kernels' peer
     "model": 1,
     "telemetry": 1,  # process memory, phase meter, timeline: imports nothing of rlperf; the loop and the

@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 import os
 
+from rlperf import flags
+
 
 @dataclasses.dataclass
 class ServerArgs:
@@ -93,8 +95,8 @@ fastest for the tiny model on a shared machine; 0: torch's default, every core).
 def add_device_arguments(p) -> None:
     """``--device`` and ``--num-threads``: one definition for ``rlperf serve``, ``rlperf train`` and
     ``rlperf gate``. ``p``: a parser or an argument group."""
-    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:N (default: auto)")
-    p.add_argument("--num-threads", type=int, default=DEFAULT_NUM_THREADS,
+    p.add_argument("--device", type=flags.device, default="auto", help="auto (cuda when present), cpu, cuda, cuda:N (default: auto)")
+    p.add_argument("--num-threads", type=flags.nonnegative_int, default=DEFAULT_NUM_THREADS,
                    help=f"CPU intra-op threads; 0: torch's default (default: {DEFAULT_NUM_THREADS}, the fastest on "
                         "shared cores)")
 
@@ -118,43 +120,43 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: tiny, which needs no files)")
     p.add_argument("--tokenizer-path", default=None,
                    help="local HF tokenizer directory (default: the checkpoint's, else the built-in byte tokenizer)")
-    p.add_argument("--host", default=d.host, help="bind address (default 127.0.0.1: local only)")
-    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--host", type=flags.host, default=d.host, help="bind address (default 127.0.0.1: local only)")
+    p.add_argument("--port", type=flags.port, default=d.port)
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     add_device_arguments(p)
     add_kernel_arguments(p, auto_cpu="the torch reference, or the Triton interpreter when TRITON_INTERPRET=1")
-    p.add_argument("--mem-fraction-static", type=float, default=None,
+    p.add_argument("--mem-fraction-static", type=flags.fraction, default=None,
                    help="CUDA: fraction of GPU memory for weights + KV cache (default 0.85)")
-    p.add_argument("--max-total-tokens", type=int, default=None,
+    p.add_argument("--max-total-tokens", type=flags.positive_int, default=None,
                    help="KV cache size in tokens (overrides --mem-fraction-static; CPU default: a 64 MiB pool)")
-    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    p.add_argument("--max-running-requests", type=flags.positive_int, default=d.max_running_requests)
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                    help="prefill tokens per engine step; <= 0 disables chunked prefill")
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--random-seed", type=int, default=d.random_seed)
+    p.add_argument("--context-length", type=flags.positive_int, default=None)
+    p.add_argument("--random-seed", type=flags.seed, default=d.random_seed)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on admin endpoints (weights, pause, flush, abort, profile); "
                         f"with --router N the router requires it too. A key on the command line shows in ps: prefer "
                         f"--api-key-file or the {API_KEY_ENV} environment variable (default: {API_KEY_ENV}, else no key)")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read the API key from this file (surrounding whitespace stripped)")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+    p.add_argument("--cuda-graph-max-bs", type=flags.nonnegative_int, default=d.cuda_graph_max_bs,
                    help="replay decode steps of up to N sequences from CUDA graphs; 0 disables "
                         "(default: 256 on CUDA, 0 on CPU)")
-    p.add_argument("--max-generate-body-bytes", type=int, default=None, metavar="N",
+    p.add_argument("--max-generate-body-bytes", type=flags.positive_int, default=None, metavar="N",
                    help="largest /generate request body; a larger one gets 413 before it is read "
                         "(default: 1 MiB + 64 bytes per token of the context length)")
-    p.add_argument("--max-weights-body-bytes", type=int, default=None, metavar="N",
+    p.add_argument("--max-weights-body-bytes", type=flags.positive_int, default=None, metavar="N",
                    help="largest /update_weights_from_tensor body (an inline weight bucket, base64) (default: 1 GiB)")
-    p.add_argument("--profile-root", default=None, metavar="DIR",
+    p.add_argument("--profile-root", type=flags.writable_dir, default=None, metavar="DIR",
                    help="/start_profile writes traces only below DIR: an output_dir elsewhere, a '..' or a symbolic "
                         "link is refused (default: the system temporary directory)")
     p.add_argument("--skip-warmup", action="store_true",
                    help="debugging: answer /health 200 at once instead of after the warm-up (kernel compiles, a "
                         "prefill, every CUDA-graph decode size); the first requests then pay for them")
-    p.add_argument("--router", type=int, default=0, metavar="N",
+    p.add_argument("--router", type=flags.nonnegative_int, default=0, metavar="N",
                    help="start N servers (ports --port, --port+1, ...) and the sglang-router in front of them")
-    p.add_argument("--router-port", type=int, default=30080, help="port of the sglang-router (with --router)")
+    p.add_argument("--router-port", type=flags.port, default=30080, help="port of the sglang-router (with --router)")
     p.add_argument("--router-policy", default="round_robin",
                    choices=["random", "round_robin", "cache_aware", "power_of_two"])
 

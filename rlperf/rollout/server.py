@@ -47,7 +47,9 @@ Client errors are 4xx with a message, never 500 (docs/security.md): a body over 
 is 413 by its Content-Length before it is read (:data:`GENERATE_BODY_BASE_BYTES` and the flags
 ``--max-generate-body-bytes``, ``--max-weights-body-bytes``); a body that is not UTF-8 JSON, holds
 a lone surrogate or nests deeper than :data:`MAX_JSON_DEPTH` is 400, as is any value the engine or
-the sampling kernel cannot take. A request that still makes an engine step fail fails alone: its
+the sampling kernel cannot take; a body that stops arriving for :data:`BODY_IDLE_TIMEOUT_S` is 408
+and its connection is closed. A stopping server (SIGTERM) first kills its weight-update children, so
+a join or receive under way ends at once, then gives the other requests :data:`SHUTDOWN_TIMEOUT_S`. A request that still makes an engine step fail fails alone: its
 reply is an HTTP error with the engine's message (a stream: an error event), and the other
 requests go on (:meth:`rlperf.rollout.engine.Engine.recover`). Profile traces go only below
 ``--profile-root`` (:mod:`rlperf.rollout.profiler`). No request body is ever unpickled.
@@ -94,6 +96,12 @@ DISTRIBUTED_BODY_BYTES = 8 << 20
 """Limit of ``/update_weights_from_distributed`` (names, dtypes and shapes of one bucket's tensors;
 the bytes travel by broadcast)."""
 OTHER_BODY_BYTES = 64 << 10
+BODY_IDLE_TIMEOUT_S = 30.0
+"""Seconds a request body may go without a byte arriving (a client that sends its headers and then
+nothing, or stops halfway): the request gets 408 and its connection is closed."""
+SHUTDOWN_TIMEOUT_S = 5.0
+"""Seconds a stopping server (SIGTERM, SIGINT) waits for the requests still running before it cancels
+them: weight-update joins and receives end at once (their child processes are killed first)."""
 MAX_JSON_DEPTH = 32
 """Deepest nesting of objects and arrays a body may have (a /generate batch needs 3)."""
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
@@ -146,6 +154,10 @@ class BodyTooLarge(BadRequest):
     """A request body over its route's limit: 413."""
 
 
+class BodyTimeout(BadRequest):
+    """A request body that stopped arriving (:data:`BODY_IDLE_TIMEOUT_S`): 408, connection closed."""
+
+
 class RequestFailed(Exception):
     """A request the engine failed (SGLang's abort with a ``status_code``): answered with that status."""
 
@@ -156,6 +168,8 @@ class RequestFailed(Exception):
 
 BODY_LIMITS = web.AppKey("rlperf_body_limits", dict)
 """The application's ``{path: (limit in bytes, the flag that sets it)}``; other paths: OTHER_BODY_BYTES."""
+BODY_IDLE_TIMEOUT = web.AppKey("rlperf_body_idle_timeout", float)
+"""The application's body idle timeout in seconds (default :data:`BODY_IDLE_TIMEOUT_S`)."""
 
 
 def _body_limit(request: web.Request) -> tuple[int, str | None]:
@@ -171,6 +185,14 @@ async def _errors(request: web.Request, handler):
     except BodyTooLarge as exc:  # the rest of the body is not read: the connection closes after the reply
         resp = _error(413, str(exc))
         resp.force_close()
+        return resp
+    except BodyTimeout as exc:  # the reply, then the connection closes now (no lingering read of a body
+        resp = _error(408, str(exc))  # that is not coming)
+        resp.force_close()
+        await resp.prepare(request)
+        await resp.write_eof()
+        if request.protocol is not None:
+            request.protocol.force_close()
         return resp
     except RequestFailed as exc:
         return _error(exc.status, str(exc))
@@ -188,12 +210,21 @@ def _too_large(request: web.Request, size: str) -> BodyTooLarge:
 
 async def _read_body(request: web.Request) -> bytes:
     """The body, refused (:class:`BodyTooLarge`) by its Content-Length before reading, or as soon as
-    a body without one (chunked) passes the route's limit."""
+    a body without one (chunked) passes the route's limit; :class:`BodyTimeout` when no byte of it
+    arrives for :data:`BODY_IDLE_TIMEOUT_S`."""
     limit, _ = _body_limit(request)
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(request, str(request.content_length))
     chunks, size = [], 0
-    async for chunk in request.content.iter_any():
+    idle = request.app.get(BODY_IDLE_TIMEOUT, BODY_IDLE_TIMEOUT_S)
+    while True:
+        try:
+            chunk = await asyncio.wait_for(request.content.readany(), idle)
+        except asyncio.TimeoutError:
+            raise BodyTimeout(f"no byte of the request body arrived for {idle:g} s "
+                              f"({size} bytes read); the connection is closed") from None
+        if not chunk:
+            break
         size += len(chunk)
         if size > limit:
             raise _too_large(request, f"more than {limit}")
@@ -405,6 +436,7 @@ class RolloutServer:
                                    client_max_size=max(limit for limit, _ in self.body_limits.values()))
         self.app[BODY_LIMITS] = self.body_limits
         self.app.on_startup.append(self._startup)
+        self.app.on_shutdown.append(self._shutdown)
         self.app.on_cleanup.append(self._cleanup)
         r = self.app.router
         r.add_get("/health", self.health)
@@ -469,9 +501,13 @@ class RolloutServer:
             return _error(503, "warming up: compiling kernels and capturing CUDA graphs")
         return None
 
+    async def _shutdown(self, app):
+        """First step of a stop (SIGTERM, SIGINT): before aiohttp waits for the handlers still running,
+        the weight-update children die, so a join or receive under way ends now, not at its timeout."""
+        self.weight_groups.close_all()
+
     async def _cleanup(self, app):
-        for name in self.weight_groups.names():
-            self.weight_groups.leave(name)
+        self.weight_groups.close_all()
         self.loop.close()
 
     def _admin(self, handler):
@@ -797,7 +833,7 @@ class RolloutServer:
         raw = request.query.get("bucket_bytes")
         bucket_bytes = SYNC_BUCKET_BYTES
         if raw is not None:
-            if not raw.isdigit() or not 0 < int(raw) <= 1 << 40:
+            if not raw.isascii() or not raw.isdigit() or len(raw) > 14 or not 0 < int(raw) <= 1 << 40:
                 raise BadRequest(f"'bucket_bytes' must be an integer in [1, {1 << 40}], got {raw[:40]!r}")
             bucket_bytes = int(raw)
         checksum, version = await self._on_engine(
@@ -815,12 +851,22 @@ class RolloutServer:
 
     async def update_weights_from_distributed(self, request):
         req = DistributedUpdateRequest.from_json(await _json_body(request), self.weights_bytes)
-        self.weight_groups.require(req.group_name)
+        groups = self.weight_groups
+        groups.require(req.group_name)
+        received = None
+        if groups.isolated(req.group_name):  # gloo: the bytes arrive in the group's child, generation goes on
+            try:
+                received = await groups.receive_isolated(req)
+            except WeightGroupError as exc:
+                return _failed(str(exc))
 
         def apply(engine: Engine):
             if req.abort_all_requests:
                 engine.abort(None, "aborted for a weight update")
-            n = self.weight_groups.receive(req, self._hf_weights(engine))
+            if received is not None:
+                n = groups.load_received(req, received, self._hf_weights(engine))
+            else:
+                n = groups.receive(req, self._hf_weights(engine))
             self._weights_loaded(engine, req.weight_version, req.flush_cache, synchronize=req.flush_cache)
             return n
         try:
@@ -850,6 +896,7 @@ def serve(args: ServerArgs) -> int:
     print(f"rlperf serve: {args.model_path} on {model.device} ({type(tokenizer).__name__}), "
           f"KV cache {server.engine.kv.max_total_tokens} tokens, http://{args.host}:{args.port}", flush=True)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its requests
-    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
+    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True,
+                shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     return 0
 

@@ -27,11 +27,25 @@ Checks, before any collective is joined (a 400 naming the field, the group untou
 names from :data:`rlperf.sync.DTYPES`, equal lengths, non-negative shapes, a known group, at most
 the bytes of this engine's weights. A request that passes them but names a tensor the model lacks
 (or with another shape or dtype) still receives its broadcast, so the sender and the group stay in
-step, then loads nothing and answers 400 with the mismatch. Receives and loads run on the engine
-thread between steps (:mod:`rlperf.rollout.engine_loop`); a sender pauses the engine around them.
-A broadcast that fails or times out midway (:data:`rlperf.sync.distributed.GROUP_TIMEOUT_S`) answers
-``{"success": false, "message"}`` with 400, as SGLang does; with per-tensor broadcasts the weights
-may then be partly updated.
+step, then loads nothing and answers 400 with the mismatch. A sender pauses the engine around an
+update if it wants to; receiving never holds up generation for longer than the bounds below.
+
+Against a peer of the group that misbehaves (the bounds: docs/ARCHITECTURE.md, "Weight updates"):
+
+* gloo (CPU engines, and CUDA engines that ask for it): the membership is held by a child process
+  (:class:`rlperf.sync.receiver.GlooReceiver`), because gloo aborts the process that receives a
+  message longer than announced. The child receives a whole request into a file both map; only then,
+  on the engine thread between steps, is it checked (a broadcast that came short is refused) and
+  loaded. So a request loads all its tensors or none: a failed, short, overlong or stalled transfer
+  leaves the previous weights in place. Generation goes on during the receive; a receive that has
+  not finished after :data:`RECEIVE_TIMEOUT_S` fails.
+* NCCL (CUDA engines): receives and loads are queued on the engine thread between steps
+  (:mod:`rlperf.rollout.engine_loop`); NCCL carries no sizes, so a mismatch is a broadcast that never
+  completes, bounded by :data:`rlperf.sync.distributed.GROUP_TIMEOUT_S`.
+
+A join whose rendezvous does not complete within :data:`JOIN_TIMEOUT_S` (a closed port, a missing
+peer) fails. A receive that fails for any reason answers ``{"success": false, "message"}`` with 400,
+as SGLang does, and the engine leaves the group (it is no longer listed; the sender forms a new one).
 """
 from __future__ import annotations
 
@@ -39,11 +53,13 @@ import asyncio
 import dataclasses
 import math
 import re
+import threading
 
 import torch
 
 from rlperf.sync import DTYPES, FlattenedBucket, FlattenedTensorMetadata, PayloadError, dtype_from_name, load_bucket
 from rlperf.sync.distributed import BACKENDS, GROUP_NAME, WeightUpdateGroup, init_weight_update_group, sglang_bucket_layout
+from rlperf.sync.receiver import GlooReceiver, ReceiverError
 
 from .engine import BadRequest
 
@@ -55,6 +71,14 @@ freed when the engine leaves its last group)."""
 MAX_GROUPS = 4
 """Groups one engine may be in at once (each holds a connection to every peer)."""
 MAX_WORLD_SIZE = 65536
+JOIN_TIMEOUT_S = 30.0
+"""Seconds a ``/init_weights_update_group`` waits for its rendezvous (the master's store to answer and
+every rank to join) before it fails with 400; the sender starts its store before it asks the engines."""
+RECEIVE_TIMEOUT_S = 60.0
+"""Seconds one ``/update_weights_from_distributed`` request over gloo may take to receive its bytes
+before it fails with 400 and the group is left (one 512 MiB bucket takes about a second on loopback;
+this only bounds how long a sender that stalls is waited for)."""
+_RANGE_ALIGN = 16
 _NAME = re.compile(r"[A-Za-z0-9_.:/\-]{1,128}")
 _HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]%]{1,255}")
 LOAD_FORMATS = (None, "flattened_bucket")
@@ -231,15 +255,34 @@ def _mismatch(req: DistributedUpdateRequest, params: dict) -> str | None:
     return f"'names': {problems[0]}{more}; the broadcast was received and dropped, no weight was loaded"
 
 
-class WeightGroups:
-    """The weight-update groups this engine is in (name -> :class:`WeightUpdateGroup`) and each
-    request's receive. :meth:`join` runs the blocking rendezvous off the event loop; :meth:`receive`
-    and :meth:`leave` run on the engine thread."""
+def receive_ranges(req: DistributedUpdateRequest) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` of each broadcast of ``req`` in a gloo receive buffer: the bucket's one
+    buffer, or one range per tensor at 16-byte-aligned offsets (each viewable as its dtype)."""
+    if req.layout is not None:
+        return [(0, req.nbytes)]
+    out, offset = [], 0
+    for dtype, shape in zip(req.dtypes, req.shapes):
+        nbytes = math.prod(shape) * dtype.itemsize
+        out.append((offset, nbytes))
+        offset += -(-nbytes // _RANGE_ALIGN) * _RANGE_ALIGN
+    return out
 
-    def __init__(self, device: torch.device):
+
+class WeightGroups:
+    """The weight-update groups this engine is in (name -> :class:`WeightUpdateGroup` for NCCL, or the
+    :class:`GlooReceiver` child holding a gloo membership) and each request's receive. :meth:`join`
+    and :meth:`receive_isolated` run the blocking parts off the event loop; :meth:`receive` (NCCL)
+    and :meth:`load_received` run on the engine thread; :meth:`leave` from any thread.
+
+    ``join_timeout`` and ``receive_timeout``: :data:`JOIN_TIMEOUT_S` and :data:`RECEIVE_TIMEOUT_S`."""
+
+    def __init__(self, device: torch.device, join_timeout: float = JOIN_TIMEOUT_S,
+                 receive_timeout: float = RECEIVE_TIMEOUT_S):
         self.device = torch.device(device)
-        self.groups: dict[str, WeightUpdateGroup] = {}
-        self._joining: set[str] = set()
+        self.join_timeout, self.receive_timeout = join_timeout, receive_timeout
+        self.groups: dict[str, WeightUpdateGroup | GlooReceiver] = {}
+        self._joining: dict[str, GlooReceiver | None] = {}
+        self._lock = threading.Lock()
         self._streams: tuple | None = None  # CUDA: (receive, load) streams of the bucket path
         # CUDA: the bucket path's receive buffers, RECEIVE_SLOTS of them used in turn, each with the event
         # of the load that last read it (module docstring of rlperf.sync.distributed: the pipeline)
@@ -249,33 +292,52 @@ class WeightGroups:
     def names(self) -> list[str]:
         return sorted(self.groups)
 
+    def isolated(self, name: str) -> bool:
+        """Whether group ``name`` is held by a child process (gloo): receive with :meth:`receive_isolated`."""
+        return isinstance(self.groups.get(name), GlooReceiver)
+
     async def join(self, req: InitGroupRequest) -> str:
-        """Join ``req``'s group (BadRequest before trying; WeightGroupError when the rendezvous fails)."""
+        """Join ``req``'s group (BadRequest before trying; WeightGroupError when the rendezvous fails or
+        takes longer than ``join_timeout``)."""
         name = req.group_name
-        if name in self.groups or name in self._joining:
-            raise BadRequest(f"'group_name': this engine is already in a group named {name!r} "
-                             "(POST /destroy_weights_update_group first)")
-        if len(self.groups) + len(self._joining) >= MAX_GROUPS:
-            raise BadRequest(f"'group_name': this engine is in {MAX_GROUPS} groups already, the most it joins")
-        if req.backend == "nccl" and self.device.type != "cuda":
-            raise BadRequest(f"'backend': nccl needs a CUDA engine; this one runs on {self.device.type} (use gloo)")
-        self._joining.add(name)
+        with self._lock:
+            if name in self.groups or name in self._joining:
+                raise BadRequest(f"'group_name': this engine is already in a group named {name!r} "
+                                 "(POST /destroy_weights_update_group first)")
+            if len(self.groups) + len(self._joining) >= MAX_GROUPS:
+                raise BadRequest(f"'group_name': this engine is in {MAX_GROUPS} groups already, the most it joins")
+            if req.backend == "nccl" and self.device.type != "cuda":
+                raise BadRequest(f"'backend': nccl needs a CUDA engine; this one runs on {self.device.type} (use gloo)")
+            receiver = GlooReceiver(name) if req.backend == "gloo" else None
+            self._joining[name] = receiver
         try:
-            group = await asyncio.to_thread(
-                init_weight_update_group, req.master_address, req.master_port, req.rank, req.world_size,
-                group_name=name, backend=req.backend, device=self.device if req.backend == "nccl" else "cpu")
+            if receiver is not None:
+                await asyncio.to_thread(receiver.join, req.master_address, req.master_port, req.rank,
+                                        req.world_size, self.join_timeout, self.receive_timeout)
+                group = receiver
+            else:
+                group = await asyncio.to_thread(
+                    init_weight_update_group, req.master_address, req.master_port, req.rank, req.world_size,
+                    group_name=name, backend=req.backend, device=self.device, connect_timeout=self.join_timeout)
         except Exception as exc:  # the rendezvous failed or timed out: the sender's problem, not this engine's
+            if receiver is not None:
+                receiver.close()
             raise WeightGroupError(f"Failed to initialize custom process group: {exc}.") from None
         finally:
-            self._joining.discard(name)
-        self.groups[name] = group
+            with self._lock:
+                self._joining.pop(name, None)
+        with self._lock:
+            if receiver is not None and receiver.closed:  # closed meanwhile (the server is stopping)
+                raise WeightGroupError("Failed to initialize custom process group: the engine is shutting down.")
+            self.groups[name] = group
         return (f"Succeeded to initialize custom process group {name!r} (rank {req.rank} of {req.world_size}, "
                 f"{req.backend}).")
 
     def leave(self, name: str) -> bool:
         """Leave group ``name``; False when this engine is not in it. The last group to go frees the
         receive buffers."""
-        group = self.groups.pop(name, None)
+        with self._lock:
+            group = self.groups.pop(name, None)
         if group is None:
             return False
         group.close()
@@ -283,16 +345,56 @@ class WeightGroups:
             self._slots = [[None, None] for _ in range(RECEIVE_SLOTS)]
         return True
 
+    def close_all(self) -> None:
+        """Leave every group and stop every join under way (a server that stops: its children die now)."""
+        with self._lock:
+            joining = [r for r in self._joining.values() if r is not None]
+        for r in joining:
+            r.close()
+        for name in self.names():
+            self.leave(name)
+
     def require(self, name: str) -> None:
         if name not in self.groups:
             raise BadRequest(f"'group_name': this engine is in no group named {name!r} (POST /init_weights_update_group "
                              f"first; its groups: {self.names()})")
 
+    async def receive_isolated(self, req: DistributedUpdateRequest) -> torch.Tensor:
+        """A gloo group's receive of ``req`` in its child process (off the event loop, generation going
+        on): the received bytes, laid out as :func:`receive_ranges` says. WeightGroupError (and the
+        group left) when the child fails, a broadcast comes short or overlong, or ``receive_timeout``
+        passes."""
+        self.require(req.group_name)
+        receiver = self.groups[req.group_name]
+        try:
+            return await asyncio.to_thread(receiver.receive, receive_ranges(req), self.receive_timeout)
+        except ReceiverError as exc:
+            self.leave(req.group_name)
+            raise WeightGroupError(f"Failed to update parameter online: {exc}. No weight was loaded; this engine "
+                                   f"left the group {req.group_name!r} (the previous weights stay).") from None
+
+    def load_received(self, req: DistributedUpdateRequest, data: torch.Tensor, params: dict[str, torch.Tensor]) -> int:
+        """On the engine thread: load what :meth:`receive_isolated` received into ``params``; the number of
+        tensors. BadRequest when the tensors do not match ``params``, PayloadError when a description's
+        checksum disagrees (nothing loaded either way)."""
+        mismatch = _mismatch(req, params)
+        if mismatch:
+            raise BadRequest(mismatch)
+        with torch.no_grad():
+            if req.layout is not None:
+                self._load(FlattenedBucket(data[:req.nbytes].to(self.device), req.layout), req, params)
+            else:
+                for (offset, nbytes), name, dtype, shape in zip(receive_ranges(req), req.names, req.dtypes, req.shapes):
+                    src = data[offset:offset + nbytes]
+                    params[name].copy_(src.view(dtype).reshape(shape) if nbytes else
+                                       torch.empty(shape, dtype=dtype))
+        return len(req.names)
+
     def receive(self, req: DistributedUpdateRequest, params: dict[str, torch.Tensor]) -> int:
-        """Take part in ``req``'s broadcasts and load them into ``params`` (name -> parameter); returns
-        the number of tensors loaded. BadRequest after receiving when the tensors do not match
-        ``params`` (nothing loaded); PayloadError when a description's checksum disagrees;
-        WeightGroupError when a broadcast fails."""
+        """An NCCL group's receive, on the engine thread: take part in ``req``'s broadcasts and load them
+        into ``params`` (name -> parameter); returns the number of tensors loaded. BadRequest after
+        receiving when the tensors do not match ``params`` (nothing loaded); PayloadError when a
+        description's checksum disagrees; WeightGroupError (and the group left) when a broadcast fails."""
         self.require(req.group_name)
         group = self.groups[req.group_name]
         mismatch = _mismatch(req, params)
@@ -304,14 +406,16 @@ class WeightGroups:
         except PayloadError:
             raise
         except Exception as exc:
+            self.leave(req.group_name)
             raise WeightGroupError(f"Failed to update parameter online: {exc}. The weights of this engine may be "
-                                   "partly updated: update them all again.") from None
+                                   f"partly updated: update them all again; this engine left the group "
+                                   f"{req.group_name!r}.") from None
         if mismatch:
             raise BadRequest(mismatch)
         return len(req.names)
 
     def _receive_tensors(self, group: WeightUpdateGroup, req: DistributedUpdateRequest, params) -> None:
-        """SGLang's default format: one broadcast per tensor, all started, then waited for; straight
+        """NCCL, SGLang's default format: one broadcast per tensor, all started, then waited for; straight
         into the parameters where they can take it (same device, contiguous), else through a fresh
         tensor. ``params`` None: receive and drop."""
         works, copies = [], []
@@ -331,10 +435,10 @@ class WeightGroups:
                 p.copy_(t)
 
     def _receive_bucket(self, group: WeightUpdateGroup, req: DistributedUpdateRequest, params) -> None:
-        """One broadcast of the bucket's uint8 buffer, then its tensors loaded into ``params`` (None:
-        receive and drop).
+        """NCCL: one broadcast of the bucket's uint8 buffer, then its tensors loaded into ``params``
+        (None: receive and drop).
 
-        NCCL: nothing here waits for the device. The receive goes into the next of
+        Nothing here waits for the device. The receive goes into the next of
         :data:`RECEIVE_SLOTS` buffers, kept from one request to the next (grown when a bucket is
         larger), on a stream of its own that waits only for the load that last read that buffer; the
         load waits for the receive and for the engine's stream (a queued step may still read the
@@ -342,11 +446,6 @@ class WeightGroups:
         requests can queue up ahead of its broadcasts: the receive of the next bucket overlaps the
         load of this one, the buffers never outnumber the slots, and every later step of the engine
         sees the new weights."""
-        if group.backend != "nccl":
-            buffer = torch.empty(req.nbytes, dtype=torch.uint8, device=group.device)
-            group.wait(group.broadcast(buffer), host=True)
-            self._load(FlattenedBucket(buffer.to(self.device), req.layout), req, params)
-            return
         if self._streams is None:
             self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
         receiving, loading = self._streams

@@ -153,11 +153,14 @@ class WeightUpdateGroup:
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int, *,
                              group_name: str = GROUP_NAME, backend: str = "gloo", device=None,
-                             timeout: float = GROUP_TIMEOUT_S, store=None) -> WeightUpdateGroup:
+                             timeout: float = GROUP_TIMEOUT_S, store=None,
+                             connect_timeout: float | None = None) -> WeightUpdateGroup:
     """Join the group as ``rank`` of ``world_size`` (blocks until every rank has joined: gloo connects
     now, NCCL at the first broadcast). Rank 0 passes its :func:`master_store` as ``store``; the others
     connect to ``master_address:master_port``. ``device``: this side's device of the group's tensors
-    (NCCL: a CUDA device; default the current one). RuntimeError when the rendezvous fails or times out."""
+    (NCCL: a CUDA device; default the current one). ``connect_timeout``: how long a rank other than 0
+    tries to reach the master's store (default ``timeout``; a closed port is retried until then).
+    RuntimeError when the rendezvous fails or times out."""
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore
 
@@ -165,7 +168,9 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     td = _timedelta(timeout)
     if store is None:
-        store = TCPStore(master_address, master_port, world_size, False, td)
+        store = TCPStore(master_address, master_port, world_size, False,
+                         td if connect_timeout is None else _timedelta(connect_timeout))
+        store.set_timeout(td)
     # the key prefixes of SGLang's init_custom_process_group and torch's _new_process_group_helper
     prefixed = PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
     if backend == "nccl":

@@ -172,13 +172,17 @@ def _read_segment(name: str, nbytes: int) -> torch.Tensor:
                            f"({SHM_PREFIX}<pid>_<16 hex digits>), got {name[:80]!r}")
     if os.path.isdir(_SHM_DIR):
         # Linux: the segment is a file in /dev/shm; opened read-only, nothing registers it anywhere
+        # O_NONBLOCK: a FIFO (or a device) under the name must not block the open; only a regular
+        # file is read, and fstat says so before the first read
         try:
-            fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             raise PayloadError(f"shared-memory segment {name!r} cannot be opened: {exc.strerror}") from None
         with os.fdopen(fd, "rb", buffering=0) as f:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != max(nbytes, 1):
+            if not stat.S_ISREG(st.st_mode):
+                raise PayloadError(f"shared-memory segment {name!r} is not a regular file")
+            if st.st_size != max(nbytes, 1):
                 raise PayloadError(f"shared-memory segment {name!r} has {st.st_size} bytes, the description's "
                                    f"nbytes is {nbytes}: not the segment of this bucket")
             out = torch.empty(nbytes, dtype=torch.uint8)
@@ -214,8 +218,10 @@ def receive_bucket(payload, device) -> FlattenedBucket:
     if isinstance(payload, str):
         try:
             payload = json.loads(payload)
-        except json.JSONDecodeError as exc:
-            raise PayloadError(f"bucket payload is not JSON: {exc}") from None
+        except RecursionError:
+            raise PayloadError("bucket payload nests too deeply to be a bucket payload") from None
+        except ValueError as exc:  # JSONDecodeError, or an integer of more digits than Python converts
+            raise PayloadError(f"bucket payload is not JSON: {str(exc)[:200]}") from None
     if not isinstance(payload, dict):
         raise PayloadError(f"a bucket payload must be an object with description and transport, got {type(payload).__name__}")
     desc = payload.get("description")

@@ -1,0 +1,121 @@
+"""Value checks of command-line flags, shared by every command: argparse ``type=`` functions.
+
+Each one takes the flag's text and returns its value, or raises ``argparse.ArgumentTypeError`` with
+what the flag takes; argparse then prints ``error: argument --flag: <that message>`` and exits 2
+(the CLI's exit code of bad usage), so no bad value reaches a server, an engine or a trainer as a
+traceback or, worse, silently. Light to import: nothing of rlperf, torch only where a flag needs it
+(``--device cuda`` asks whether CUDA is there).
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+import tempfile
+import urllib.parse
+
+MAX_SEED = (1 << 63) - 1
+"""The largest seed a flag takes (torch's generators take 64-bit seeds)."""
+_HOSTNAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9\-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9\-]{0,61}[A-Za-z0-9])?)*\.?")
+_DEVICE = re.compile(r"(auto|cpu|cuda)(:(\d{1,4}))?")
+
+
+def _int(text: str) -> int:
+    t = text.strip()
+    if not re.fullmatch(r"[+-]?\d{1,30}", t):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer")
+    return int(t)
+
+
+def int_in(lo: int | None, hi: int | None, what: str | None = None):
+    """A ``type=`` for an integer in ``[lo, hi]`` (None: unbounded on that side)."""
+    if what is None:
+        what = (f"an integer in [{lo}, {hi}]" if lo is not None and hi is not None else
+                f"an integer >= {lo}" if lo is not None else f"an integer <= {hi}")
+
+    def check(text: str) -> int:
+        v = _int(text)
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
+        return v
+    check.__name__ = "integer"  # argparse names the type in some messages
+    return check
+
+
+positive_int = int_in(1, None, "a positive integer")
+positive_int.__doc__ = "A ``type=``: an integer >= 1."
+nonnegative_int = int_in(0, None, "an integer >= 0")
+nonnegative_int.__doc__ = "A ``type=``: an integer >= 0."
+port = int_in(1, 65535, "a TCP port in [1, 65535]")
+port.__doc__ = "A ``type=``: a TCP port, 1-65535."
+seed = int_in(0, MAX_SEED, "an integer in [0, 2**63 - 1]")
+seed.__doc__ = "A ``type=``: a random seed, 0 to 2**63 - 1."
+
+
+def fraction(text: str) -> float:
+    """A ``type=``: a number in (0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text[:40]}")
+    return v
+
+
+def host(text: str) -> str:
+    """A ``type=``: an IPv4 or IPv6 address, or a host name (RFC 1123 labels). Dotted digits must be a
+    valid IPv4 address (``999.1.1.1`` is not a name either)."""
+    t = text.strip("[]") if text.startswith("[") else text
+    if ":" in t or re.fullmatch(r"[\d.]+", t):
+        try:
+            ipaddress.ip_address(t)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a valid IP address") from None
+        return t
+    if not _HOSTNAME.fullmatch(t):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is neither an IP address nor a host name")
+    return t
+
+
+def device(text: str) -> str:
+    """A ``type=``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; a CUDA device must exist here."""
+    m = _DEVICE.fullmatch(text)
+    if not m or (m.group(2) and m.group(1) != "cuda"):
+        raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text[:40]!r}")
+    if m.group(1) == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: this machine has no CUDA device (torch sees none); use cpu or auto")
+        index = int(m.group(3) or 0)
+        if index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
+
+
+def http_url(text: str) -> str:
+    """A ``type=``: an ``http://`` or ``https://`` URL with a host (and a valid port, if any)."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018  (raises on a port that is not a number in range)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL with a host, e.g. "
+                                         f"http://127.0.0.1:30000, got {text[:80]!r}")
+    return text
+
+
+def writable_dir(text: str) -> str:
+    """A ``type=``: a directory this process can write files in, created if missing."""
+    path = os.path.abspath(text)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: not a directory this process can write in "
+                                         f"({exc.strerror or exc})") from None
+    return text
