@@ -158,6 +158,13 @@ def _profile(args: argparse.Namespace) -> int:
     return run_profile(args)
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from rlperf.bench.harness import ratio_target
+    from rlperf.plots.command import run_plot
+
+    return run_plot(args, target=ratio_target)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlperf",
@@ -247,6 +254,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_profile_arguments(p)
     p.set_defaults(func=_profile)
+
+    from rlperf.plots.command import add_plot_arguments
+
+    p = sub.add_parser(
+        "plot",
+        help="draw runs (reward, KL, abs diff, tokens/s, step split) or bench results (ratios vs targets) as PNG + HTML",
+        description=(
+            "rlperf plot RUN_DIR...: one PNG (and an HTML page embedding it) of rlperf train runs from their "
+            "metrics.jsonl: reward, KL and the train/rollout log-prob abs diff (log scale, exact zeros marked), "
+            "response length, tokens/s, peak memory and the step split (rollout, log-prob, train, weight sync) as "
+            "stacked areas; several runs overlay. rlperf plot BENCH.json...: each case's ratio to its anchor as "
+            "bars, with its target. Needs matplotlib (pip install 'rlperf[plot]')."
+        ),
+    )
+    add_plot_arguments(p)
+    p.set_defaults(func=_plot)
     return parser
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from rlperf.data.embedded import EMBEDDED_DEFAULTS
 from rlperf.rollout.args import API_KEY_ENV, add_kernel_arguments, resolve_api_key
 from rlperf.rollout.sampling_params import check_sampling_values
+from rlperf.telemetry.loggers import add_logger_arguments, logger_config_from
 from rlperf.telemetry.trainer_trace import add_profile_arguments, check_profile_args
 from rlperf.train.args import TrainArgs, add_train_arguments, train_args_from
 
@@ -132,6 +133,7 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bar (summary lines still print; there is none when stderr is not a terminal)")
     add_profile_arguments(p)
+    add_logger_arguments(p)
     add_train_arguments(p)
     from .placement import add_placement_arguments  # placement imports this module's UsageError
 
@@ -387,6 +389,7 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
     if ns.save:
         check_writable_dir(ns.save, "--save")
     check_writable_dir(ns.output_dir, "--output-dir")
+    ns.logger_config = logger_config_from(ns, error=UsageError)  # --use-tensorboard, --use-wandb, --plot
     return ns
 
 

@@ -67,6 +67,7 @@ import torch
 from rlperf import kernels as K
 from rlperf.sync import weights_checksum
 from rlperf.telemetry import PhaseMeter, PhaseTimeline, TrainerTrace, default_path
+from rlperf.telemetry.loggers import open_loggers
 
 from . import checkpoint as ckpt
 from .args import UsageError, compute_dtype, kernel_policy, parse_train_args, resolve_args, run_device
@@ -393,6 +394,7 @@ class Run:
                    unit="rollout", file=sys.stderr)
         pool = ThreadPoolExecutor(1) if ns.async_mode else None
         self.meter.trace = self.trace
+        loggers = open_loggers(ns.logger_config, self.rank)  # TensorBoard, W&B, --plot (rank 0; others: none)
         try:
             with (open_metrics(self.out / METRICS_FILE, self.start if ns.load else None) if lead
                   else open(os.devnull, "w")) as mf:
@@ -432,9 +434,11 @@ class Run:
                     # the resume drops it (open_metrics); after it, never a rollout the metrics lack
                     mf.write(json.dumps(m) + "\n")
                     mf.flush()
+                    loggers.log(m, step=k)
                     if ns.save and not ns.debug_rollout_only and (
                             k + 1 == ns.num_rollout or (ns.save_interval and (k + 1) % ns.save_interval == 0)):
                         self.save_checkpoint(k + 1, mf)
+                        loggers.checkpoint(k + 1)
                     history.append(m)
                     bar.update(1)
                     if show_bar:
@@ -448,6 +452,7 @@ class Run:
             self.trace.close()
             if self.timeline is not None:
                 self.timeline.save()
+            loggers.close()
         return history
 
 
