@@ -278,8 +278,13 @@ def open_loggers(config: LoggerConfig | None, rank: int = 0) -> FanOut:
     return FanOut(loggers)
 
 
+def package_installed(name: str) -> bool:
+    """Whether ``name`` can be imported (checked before the run, so a missing one is a usage error)."""
+    return importlib.util.find_spec(name) is not None
+
+
 def _require(package: str, flag: str, error: type[Exception]) -> None:
-    if importlib.util.find_spec(package) is None:
+    if not package_installed(package):
         raise error(f"{flag} needs the {package} package, which is not installed: {PIP_EXTRAS[package]}")
 
 
