@@ -149,7 +149,7 @@ def draw_runs(runs: dict[str, list[dict]], title: str | None = None):
                 stacks.append([x if isinstance(x, (int, float)) else 0.0 for x in v])
                 names.append(name)
         if stacks:
-            ax.stackplot(xs, *stacks, labels=names, colors=[f"C{i}" for i in range(len(stacks))], alpha=0.8)
+            ax.stackplot(xs, *stacks, labels=names, colors=[f"C{i}" for i in range(len(stacks))])
         sx, sy = _series(rows, STEP_TIME)
         if sx:
             ax.plot(sx, sy, color="black", linestyle="--", linewidth=1, label="step time")

@@ -82,7 +82,7 @@ def read_wandb_history(run_dir: Path) -> dict[int, dict[str, float]]:
     return history
 
 
-def test_tensorboard_and_offline_wandb_hold_every_metric(tmp_path, wandb_offline):
+def test_tensorboard_and_offline_wandb_hold_every_metric(tmp_path, wandb_offline, png_ink):
     out = tmp_path / "run"
     code = main(["train", "--skip-gates", "--no-progress", "--num-rollout", "3", "--output-dir", str(out),
                  "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
@@ -110,6 +110,11 @@ def test_tensorboard_and_offline_wandb_hold_every_metric(tmp_path, wandb_offline
     # --plot: the picture of the run, redrawn at the checkpoint of rollout 2 and after the last one
     png = out / "plot.png"
     assert png.stat().st_size > 20_000 and (out / "plot.html").read_text().count("data:image/png;base64,") == 1
+    # rlperf plot on the run draws the same panels: curves and areas in colour, not an empty canvas
+    again = tmp_path / "again.png"
+    assert main(["plot", str(out), "-o", str(again)]) == 0
+    stats = png_ink(again)
+    assert again.stat().st_size > 20_000 and stats["colored"] > 3000 and stats["colors"] > 200
 
 
 def test_strings_and_the_step_are_not_scalars():
