@@ -96,7 +96,7 @@ def _gates_on_ranks(ns: argparse.Namespace, place) -> int:
     if place.world_size == 1:
         return run_gate(ns)
     if place.rank != 0:
-        ns.report_json = ns.junit_xml = None
+        ns.report_json = ns.junit_xml = ns.report_png = None
     with open(os.devnull, "w") as quiet, (contextlib.redirect_stdout(quiet) if place.rank != 0
                                           else contextlib.nullcontext()):
         code = run_gate(ns)
