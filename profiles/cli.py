@@ -36,6 +36,10 @@ def _add_target(p: argparse.ArgumentParser, required_url: bool) -> None:
     p.add_argument("--record-shapes", action="store_true", help="record input shapes of ops")
 
 
+PNG_HELP = ("draw per-worker phase bars (busy time; prefill and decode) into this PNG (needs matplotlib: "
+            "pip install 'rlperf[plot]')")
+
+
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     _add_target(p, required_url=False)
     p.add_argument("--action", choices=("start", "stop"), default=None,
@@ -54,10 +58,12 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--temperature", type=float, default=1.0)
     r.add_argument("--top-n", type=int, default=15, help="kernels (or CPU ops) listed in the summary")
+    r.add_argument("--png", default=None, metavar="PATH", help=PNG_HELP)
     s = sub.add_parser("summarize", help="summarize existing trace files (SGLang's *.trace.json.gz too)")
     s.add_argument("traces", nargs="+", metavar="TRACE")
     s.add_argument("--top-n", type=int, default=15)
     s.add_argument("--json", default=None, help="also write the summary as JSON to this file")
+    s.add_argument("--png", default=None, metavar="PATH", help=PNG_HELP)
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -67,6 +73,12 @@ def run_profile(args: argparse.Namespace) -> int:
         print(f"rlperf profile: error: {msg}", file=sys.stderr)
         return 1
 
+    import importlib.util
+
+    if getattr(args, "png", None) and importlib.util.find_spec("matplotlib") is None:
+        print("rlperf profile: --png needs matplotlib, which is not installed: pip install 'rlperf[plot]' "
+              "(or: pip install matplotlib)", file=sys.stderr)
+        return 2
     try:
         if args.profile_mode == "summarize":
             return _summarize(args)
@@ -108,6 +120,10 @@ def _run(args, options) -> int:
     spec = LoadSpec(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                     concurrency=args.concurrency, dataset=args.dataset, seed=args.seed, temperature=args.temperature)
     result = profile_run(args.router_url, options, spec, args.output_dir or "rlperf-profile", args.api_key, args.top_n)
+    if args.png:
+        from .summary import write_phase_png
+
+        write_phase_png(result.summary, args.png)
     load = result.summary["load"]
     return 0 if load and load["failed"] == 0 else 1
 
@@ -135,4 +151,8 @@ def _summarize(args) -> int:
     print(format_summary(s))
     if args.json:
         Path(args.json).write_text(json.dumps(s, indent=2))
+    if args.png:
+        from .summary import write_phase_png
+
+        write_phase_png(s, args.png)
     return 0
