@@ -30,6 +30,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Protocol
 
@@ -101,11 +102,6 @@ class WandbLogger:
         self.run = wandb.init(project=project, group=group, name=name, mode=mode, dir=str(directory),
                               config=dict(config or {}), settings=settings)
 
-    @property
-    def run_dir(self) -> Path:
-        """The local run directory (offline: what ``wandb sync`` uploads)."""
-        return Path(self.run.dir).parent
-
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(scalar_metrics(metrics), step=step)
 
@@ -117,8 +113,9 @@ class WandbLogger:
 
 
 class PlotLogger:
-    """Redraws the run's picture (:func:`rlperf.plots.plot_runs` on ``output_dir``) at every checkpoint and
-    at the end, from ``metrics.jsonl`` as written so far."""
+    """Redraws the run's picture (:func:`rlperf.plots.write_run_plot` on ``output_dir``) at every checkpoint
+    and at the end, from ``metrics.jsonl`` as written so far. A picture that cannot be drawn is a warning
+    on stderr, not the end of the run: the metrics file is the record, the picture a view of it."""
 
     def __init__(self, output_dir: str | Path):
         self.output_dir = Path(output_dir)
@@ -128,7 +125,11 @@ class PlotLogger:
     def draw(self) -> None:
         from rlperf.plots import write_run_plot
 
-        write_run_plot([self.output_dir], self.output_dir / PLOT_FILE)
+        try:
+            write_run_plot([self.output_dir], self.output_dir / PLOT_FILE)
+        except Exception as exc:  # noqa: BLE001 -- see the class docstring
+            print(f"rlperf train: --plot: could not draw {self.output_dir / PLOT_FILE}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
         self.drawn_through = self.last_step
 
     def log(self, metrics: dict, step: int) -> None:

@@ -129,3 +129,14 @@ def test_plot_logger_redraws_at_a_checkpoint_and_at_the_end(tmp_path):
     drawn = png.stat().st_mtime_ns
     plot.close()  # nothing new: not redrawn
     assert png.stat().st_mtime_ns == drawn
+
+
+def test_a_picture_that_cannot_be_drawn_does_not_stop_the_run(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "metrics.jsonl").write_text("{not json\n")
+    plot = L.PlotLogger(tmp_path)
+    plot.log({"rollout_id": 0}, step=0)
+    plot.checkpoint(1)
+    err = capsys.readouterr().err
+    assert "--plot: could not draw" in err and "metrics.jsonl:1: not JSON" in err
+    assert not (tmp_path / L.PLOT_FILE).exists()
