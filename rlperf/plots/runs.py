@@ -39,6 +39,8 @@ STEP_SPLIT = (("perf/rollout_time", "rollout"), ("perf/log_prob_time", "log-prob
               ("perf/update_weights_time", "weight sync"))
 """The stacked phases of a step, bottom to top, with the metric each one reads."""
 STEP_TIME = "perf/step_time"
+MARKERS_UP_TO = 40
+"""Runs of at most this many rollouts get a dot per step; longer ones plain lines (dots would blot them)."""
 ZERO_FLOOR = 1e-12
 """The log panel's lower limit when every value is exactly 0 (nothing else sets its range)."""
 
@@ -106,12 +108,13 @@ def draw_runs(runs: dict[str, list[dict]], title: str | None = None):
     colors = [f"C{i % 10}" for i in range(n_runs)]
     gap_max = 0.0
     for (label, rows), color in zip(runs.items(), colors):
-        ax_reward.plot(*_series(rows, REWARD), color=color, marker=".", label=label)
-        ax_len.plot(*_series(rows, RESPONSE_LENGTH), color=color, marker=".", label=label)
+        dot = "." if len(rows) <= MARKERS_UP_TO else None
+        ax_reward.plot(*_series(rows, REWARD), color=color, marker=dot, label=label)
+        ax_len.plot(*_series(rows, RESPONSE_LENGTH), color=color, marker=dot, label=label)
         for key, name, style in TOKENS_PER_SEC:
             xs, ys = _series(rows, key)
             if xs:
-                ax_tps.plot(xs, ys, color=color, linestyle=style, marker=".", label=f"{label}: {name}")
+                ax_tps.plot(xs, ys, color=color, linestyle=style, marker=dot, label=f"{label}: {name}")
         for series, (key, name, style, zero_marker) in enumerate(GAP_KEYS):
             xs, ys = _series(rows, key)
             if not xs:
@@ -119,7 +122,7 @@ def draw_runs(runs: dict[str, list[dict]], title: str | None = None):
             nonzero = [(x, abs(y)) for x, y in zip(xs, ys) if y != 0.0]
             zeros = [x for x, y in zip(xs, ys) if y == 0.0]
             if nonzero:
-                ax_gap.plot(*zip(*nonzero), color=color, linestyle=style, marker=".", label=f"{label}: {name}")
+                ax_gap.plot(*zip(*nonzero), color=color, linestyle=style, marker=dot, label=f"{label}: {name}")
                 gap_max = max(gap_max, max(v for _, v in nonzero))
             if zeros:
                 # on the bottom edge (x in data, y in axes coordinates): a log axis has no 0
@@ -131,7 +134,7 @@ def draw_runs(runs: dict[str, list[dict]], title: str | None = None):
                                        and isinstance(v, (int, float))) / 2**30)
                  for r in rows if any(k.startswith("memory/") and k.endswith("_peak_bytes") for k in r)]
         if peaks:
-            ax_mem.plot(*zip(*peaks), color=color, marker=".", label=f"{label} ({rows[-1].get('memory/kind', '?')})")
+            ax_mem.plot(*zip(*peaks), color=color, marker=dot, label=f"{label} ({rows[-1].get('memory/kind', '?')})")
     ax_gap.set_yscale("log")
     if gap_max == 0.0:
         ax_gap.set_ylim(ZERO_FLOOR, 1.0)
