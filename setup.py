@@ -82,11 +82,14 @@ setup(
     install_requires=["torch>=2.6", "triton>=3.3", "numpy", "safetensors>=0.4", "aiohttp>=3.9", "tqdm", "perfetto>=0.59"],
     extras_require={
         "test": ["pytest>=8", "pytest-benchmark>=4", "sglang-router>=0.3.2", "transformers>=4.51",
-                 "perfetto>=0.59", "ray[default]>=2.40"],
+                 "perfetto>=0.59", "ray[default]>=2.40", "tensorboard>=2.14", "wandb>=0.17", "matplotlib>=3.7"],
         "serve": ["sglang-router>=0.3.2"],
         "hf": ["transformers>=4.51"],
         "profile": ["sglang-router>=0.3.2", "perfetto>=0.59"],
         "ray": ["ray[default]>=2.40", "sglang-router>=0.3.2"],  # --placement ray (its engines sit behind the router)
+        "tensorboard": ["tensorboard>=2.14"],  # rlperf train --use-tensorboard
+        "wandb": ["wandb>=0.17"],  # rlperf train --use-wandb
+        "plot": ["matplotlib>=3.7"],  # rlperf plot, rlperf train --plot, the gate's and the profile's pictures
     },
     entry_points={"console_scripts": ["rlperf=rlperf.cli:main"]},
 )

@@ -272,3 +272,32 @@ def write_json(path: str | Path, rows: list[BenchRow], info: dict, summary: dict
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"environment": info, "summary": summary, "rows": [r.to_dict() for r in rows]}
     path.write_text(json.dumps(payload, indent=2))
+
+
+def ratio_target(row: dict) -> float | None:
+    """The target a result row's ``ratio`` (anchor ms / kernel ms) is held to, or None where the row has
+    none (or its target is not a ratio: the sync's 50 ms). ``row``: a row of the JSON file
+    (:meth:`BenchRow.to_dict`). The targets are those each benchmark's docstring and BENCHMARKS.md state;
+    ``rlperf plot`` draws them next to the bars."""
+    bench, kernel, anchor, extra = row.get("bench"), row.get("kernel"), row.get("anchor"), row.get("extra") or {}
+    if bench == "matmul" and "M" in extra:  # >= 0.90x cuBLAS at M >= 1024, >= 0.75x at M <= 64
+        return 0.90 if extra["M"] >= 1024 else 0.75 if extra["M"] <= 64 else None
+    if bench == "attention":  # prefill >= 0.75x cuDNN SDPA; decode no slower than SDPA flash decode
+        phase, backend = extra.get("phase"), extra.get("anchor_backend")
+        if phase == "prefill" and backend == "cudnn":
+            return 0.75
+        if phase == "decode" and backend == "flash":
+            return 1.0
+        return None
+    if bench == "layers" and kernel == "invariant":  # invariant mode <= 15% over the fast path
+        return 1 / 1.15
+    if bench == "flatten" and kernel in ("flatten_buckets", "load_into") and anchor == "d2d copy":
+        return 0.90  # >= 0.90x one device copy's bandwidth
+    if bench == "logprob" and kernel == "fused_logprob fwd" and anchor == "lm-head matmul":
+        return 1 / 1.10  # forward <= 1.10x the lm-head matmul
+    if bench == "rollout" and anchor == "memory floor":  # decode step <= 2.5x the floor at B=64, <= 2.0x at B=256
+        case = str(row.get("case", ""))
+        return 1 / 2.5 if case.startswith("decode B=64 ") else 1 / 2.0 if case.startswith("decode B=256 ") else None
+    if bench == "sync-distributed":  # the NCCL broadcast sync >= 0.7x one broadcast of the bytes
+        return 0.7
+    return None

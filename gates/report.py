@@ -151,3 +151,50 @@ def _write(path: str, text: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def logprob_differences(record) -> tuple[list[float], list[int]]:
+    """The first step's per-token ``log_probs - rollout_log_probs`` (train minus rollout, float64) over the
+    loss-masked response tokens of every sample, in sample order, and where each sample's tokens start.
+    Samples without either log-prob are left out (the ``logprob_abs_diff`` gate reports them)."""
+    diffs, starts = [], []
+    for s in record.samples:
+        rollout = s.rollout_log_probs_tensor()
+        if s.log_probs is None or rollout is None:
+            continue
+        mask = s.loss_mask_tensor() > 0
+        starts.append(len(diffs))
+        diffs += (s.log_probs.double() - rollout.double())[mask].tolist()
+    return diffs, starts
+
+
+def write_logprob_png(record, report: GateReport, path: str) -> None:
+    """A small picture of :func:`logprob_differences`: one point per loss token, a flat line at 0 when the
+    trainer recomputes the rollout's log-probs bit for bit (``--true-on-policy-mode``), the threshold band
+    otherwise; the title holds the gate's verdict and the largest difference."""
+    from rlperf.plots import new_figure, save_png
+
+    diffs, starts = logprob_differences(record)
+    gate = next((r for r in report.results if r.name == "logprob_abs_diff"), None)
+    fig = new_figure(8, 3)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(range(len(diffs)), diffs, color="C0", marker=".", markersize=2, linewidth=0.8, zorder=2)
+    for x in starts[1:]:
+        ax.axvline(x - 0.5, color="grey", linewidth=0.3, alpha=0.5)  # sample boundaries
+    limit = gate.threshold if gate is not None and isinstance(gate.threshold, (int, float)) else None
+    if limit:
+        ax.axhspan(-limit, limit, color="C2", alpha=0.12, label=f"|diff| <= {limit:g} (threshold)")
+        ax.legend(fontsize=7, loc="upper right")
+    ax.axhline(0.0, color="black", linewidth=0.6, zorder=1)  # under the differences' line
+    worst = max((abs(d) for d in diffs), default=0.0)
+    verdict = "no gate" if gate is None else "PASS" if gate.passed else "FAIL"
+    ax.set_title(f"logprob_abs_diff {verdict}: train - rollout log-prob per loss token "
+                 f"({len(diffs)} tokens, {len(starts)} samples, max |diff| "
+                 f"{'0: bit-identical' if worst == 0.0 else f'{worst:.3g}'})", fontsize=9)
+    ax.set_xlabel("loss token (samples in order; grey lines: sample boundaries)", fontsize=8)
+    ax.set_ylabel("train - rollout", fontsize=8)
+    if worst == 0.0:
+        ax.set_ylim(-1e-6, 1e-6)  # every difference is exactly 0: a flat line on a visible axis
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    save_png(fig, path)

@@ -3,13 +3,15 @@
 The command: parse the gate and training flags, run one rollout and one train step through the
 loop's first-step hook (:func:`rlperf.loop.first_step` ``(args) -> FirstStepRecord``; the gates sit
 above the loop and import it, the loop never imports the gates), run the gates, print
-the table, write ``--report-json`` / ``--junit-xml``, and exit 0 (all passed), 1 (a gate failed, or
+the table, write ``--report-json`` / ``--junit-xml`` (and ``--report-png``, the per-token log-prob
+differences), and exit 0 (all passed), 1 (a gate failed, or
 the first step itself crashed or ran out of memory) or 2 (bad usage, or no loop to run).
 ``rlperf train`` uses :class:`FirstStepGate` and :func:`add_gate_arguments` the same way before step 1.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 import traceback
@@ -23,7 +25,7 @@ from rlperf.train.args import add_train_arguments, train_args_from
 from .checks import (DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD, DEFAULT_OOM_HEADROOM, GATES, OOM_REMEDIES, GateOptions,
                      GateResult)
 from .memory import parse_memory_size, system_memory_bytes
-from .report import GateReport, check_report_path
+from .report import GateReport, check_report_path, write_logprob_png
 
 FirstStepFn = Callable[[argparse.Namespace], FirstStepRecord]
 
@@ -43,7 +45,8 @@ Run one rollout and one train step, then check the first-step gates, each report
   sanity            finite losses, rewards and grad norm; log-probs finite and <= 0
 
 A failing gate names the first offending token, sample or phase, and what to try.
-Output: a table on stdout, --report-json PATH, --junit-xml PATH (one testcase per gate).
+Output: a table on stdout, --report-json PATH, --junit-xml PATH (one testcase per gate), --report-png PATH
+(the per-token train - rollout log-prob differences, flat at 0 when bit-identical).
 Exit codes: 0 all gates passed, 1 a gate failed (or the first step crashed), 2 bad usage.
 """
 
@@ -113,6 +116,9 @@ def add_gate_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--junit-xml", metavar="PATH", default=None, help="write JUnit XML, one testcase per gate")
     g.add_argument("--report-json", metavar="PATH", default=None,
                    help="write the JSON report (every gate's measured values, threshold, message, hint)")
+    g.add_argument("--report-png", metavar="PATH", default=None,
+                   help="draw the first step's per-token train - rollout log-prob differences (a flat line at 0 "
+                        "when they are bit-identical) into this PNG (needs matplotlib: pip install 'rlperf[plot]')")
     g.add_argument("--memory-limit", metavar="SIZE", default=None,
                    help="on the CPU: the capacity the process's resident memory is checked against, e.g. 8GiB, "
                         "512MiB, 1.5GB (binary K/M/G/T, decimal kB/MB/GB); default: the cgroup's memory limit, "
@@ -171,9 +177,13 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None, an
         first_step = loop.first_step
     try:
         options = gate_options_from(args)
-        for flag, path in (("--report-json", args.report_json), ("--junit-xml", args.junit_xml)):
+        for flag, path in (("--report-json", args.report_json), ("--junit-xml", args.junit_xml),
+                           ("--report-png", args.report_png)):
             if path:  # checked before the step: a report that cannot be written is bad usage, not a crash after it
                 check_report_path(path, flag)
+        if args.report_png and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--report-png needs matplotlib, which is not installed: pip install 'rlperf[plot]' "
+                             "(or: pip install matplotlib)")
         if args.memory_limit is not None:
             args.memory_limit = parse_memory_size(args.memory_limit)
         args = _resolve_flags(args, with_loop)
@@ -183,9 +193,11 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None, an
     limit = args.memory_limit
     if announce and has_loop_flags(args):
         print(f"rlperf gate: the first step writes under {args.output_dir} (--output-dir)", file=sys.stderr, flush=True)
+    records = []  # the step's record, for --report-png
 
     def step() -> FirstStepRecord:
         record = first_step(args)
+        records.append(record)
         if record.memory_kind == "cpu_rss":
             if limit is not None:
                 record.capacity_bytes = limit
@@ -212,6 +224,13 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None, an
             except OSError as e:  # it could be written before the step; not any more
                 print(f"rlperf gate: {flag} {path}: cannot write the report ({e.strerror or e})", file=sys.stderr)
                 return 2
+    png = getattr(args, "report_png", None)
+    if png and records:  # no record: the first step crashed, there is nothing to draw
+        try:
+            write_logprob_png(records[-1], report, png)
+        except OSError as e:
+            print(f"rlperf gate: --report-png {png}: cannot write the picture ({e.strerror or e})", file=sys.stderr)
+            return 2
     return report.exit_code
 
 

@@ -48,6 +48,10 @@ def _add_target(p: argparse.ArgumentParser, required_url: bool) -> None:
     p.add_argument("--record-shapes", action="store_true", help="record input shapes of ops")
 
 
+PNG_HELP = ("draw per-worker phase bars (busy time; prefill and decode) into this PNG (needs matplotlib: "
+            "pip install 'rlperf[plot]')")
+
+
 def add_profile_command_arguments(p: argparse.ArgumentParser) -> None:
     """``rlperf profile``'s flags and its optional modes ``run`` and ``summarize`` (not ``rlperf train``'s
     ``--profile-step-*`` trace window, :func:`rlperf.telemetry.trainer_trace.add_trace_window_arguments`)."""
@@ -71,11 +75,13 @@ def add_profile_command_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--seed", type=flags.seed, default=0)
     r.add_argument("--temperature", type=float, default=1.0)
     r.add_argument("--top-n", type=flags.positive_int, default=15, help="kernels (or CPU ops) listed in the summary")
+    r.add_argument("--png", default=None, metavar="PATH", help=PNG_HELP)
     s = sub.add_parser("summarize", prog=f"{p.prog} summarize", help="summarize existing trace files (SGLang's *.trace.json.gz too)",
                        usage="%(prog)s TRACE [TRACE ...] [--top-n N] [--json FILE]")
     s.add_argument("traces", nargs="+", metavar="TRACE")
     s.add_argument("--top-n", type=flags.positive_int, default=15)
     s.add_argument("--json", default=None, help="also write the summary as JSON to this file")
+    s.add_argument("--png", default=None, metavar="PATH", help=PNG_HELP)
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -85,6 +91,12 @@ def run_profile(args: argparse.Namespace) -> int:
         print(f"rlperf profile: error: {msg}", file=sys.stderr)
         return 1
 
+    import importlib.util
+
+    if getattr(args, "png", None) and importlib.util.find_spec("matplotlib") is None:
+        print("rlperf profile: --png needs matplotlib, which is not installed: pip install 'rlperf[plot]' "
+              "(or: pip install matplotlib)", file=sys.stderr)
+        return 2
     try:
         if args.profile_mode == "summarize":
             return _summarize(args)
@@ -134,6 +146,10 @@ def _run(args, options) -> int:
     except (ValueError, TypeError, KeyError, OSError) as exc:
         raise ProfileUsageError(f"--dataset {args.dataset}: {exc}") from None
     result = profile_run(args.router_url, options, spec, args.output_dir or "rlperf-profile", args.api_key, args.top_n)
+    if args.png:
+        from .summary import write_phase_png
+
+        write_phase_png(result.summary, args.png)
     load = result.summary["load"]
     if result.lost_workers:
         print(f"rlperf profile: lost {len(result.lost_workers)} worker(s) during the run: "
@@ -165,4 +181,8 @@ def _summarize(args) -> int:
     print(format_summary(s))
     if args.json:
         Path(args.json).write_text(json.dumps(s, indent=2))
+    if args.png:
+        from .summary import write_phase_png
+
+        write_phase_png(s, args.png)
     return 0

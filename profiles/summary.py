@@ -132,14 +132,18 @@ def request_stats(requests) -> dict | None:
 
 
 def per_worker(workers: list[WorkerTrace], kind: str) -> list[dict]:
-    """Each trace's total of the ranked time (GPU kernel time, or CPU op self time): imbalance shows here."""
+    """Each trace's total of the ranked time (GPU kernel time, or CPU op self time): imbalance shows here;
+    and its own prefill and decode time (:func:`stage_times` of that trace alone; None when it has neither)."""
     out = []
     for w in workers:
         if kind == "gpu":
             times = [float(e.get("dur", 0)) for e in _complete(w.events, GPU_CATS)]
         else:
             times = [d for _, d in _self_times(_complete(w.events, ("cpu_op",)))]
-        out.append({"name": w.name, "stage": w.stage, "events": len(times), "total_ms": sum(times) / 1e3})
+        stages = stage_times([w])
+        out.append({"name": w.name, "stage": w.stage, "events": len(times), "total_ms": sum(times) / 1e3,
+                    "prefill_ms": stages["prefill"]["total_ms"] if stages else None,
+                    "decode_ms": stages["decode"]["total_ms"] if stages else None})
     return out
 
 
@@ -187,3 +191,31 @@ def format_summary(s: dict) -> str:
             lines.append(f"longest sample: {ls['completion_tokens']} tokens in {ls['latency_ms']:.1f} ms = "
                          f"{f(ls['tokens_per_s'], '.1f')} tok/s")
     return "\n".join(lines)
+
+
+def write_phase_png(s: dict, path) -> None:
+    """Per-worker phase bars of a summary (:func:`summarize`): for each trace, its ranked busy time (GPU
+    kernel time, or CPU op self time) and, stacked on a bar of their own, its prefill and decode time
+    (where annotated). A worker whose bars are shorter than the others' is idle while they work."""
+    from rlperf.plots import new_figure, save_png
+
+    rows = s["per_worker"]
+    unit = "GPU kernel time" if s["top_kind"] == "gpu" else "CPU op self time"
+    fig = new_figure(8, 1.2 + 0.6 * len(rows))
+    ax = fig.add_subplot(1, 1, 1)
+    for i, w in enumerate(rows):
+        ax.barh(i - 0.2, w["total_ms"], height=0.36, color="C0", label=unit if i == 0 else None)
+        prefill, decode = w.get("prefill_ms"), w.get("decode_ms")
+        if prefill is not None:
+            ax.barh(i + 0.2, prefill, height=0.36, color="C1", label="prefill" if i == 0 else None)
+            ax.barh(i + 0.2, decode, left=prefill, height=0.36, color="C2", label="decode" if i == 0 else None)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([w["name"] + (f" [{w['stage']}]" if w.get("stage") else "") for w in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(f"per worker: {unit}; prefill and decode", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
+    if rows:
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    save_png(fig, path)

@@ -103,7 +103,7 @@ def _gates_on_ranks(ns: argparse.Namespace, place, announce: bool = False) -> in
     if place.world_size == 1:
         return run_gate(ns, announce=announce)
     if place.rank != 0:
-        ns.report_json = ns.junit_xml = None
+        ns.report_json = ns.junit_xml = ns.report_png = None
     with open(os.devnull, "w") as quiet, (contextlib.redirect_stdout(quiet) if place.rank != 0
                                           else contextlib.nullcontext()):
         code = run_gate(ns, announce=announce)
@@ -164,6 +164,13 @@ def _profile(args: argparse.Namespace) -> int:
     from rlperf.profiles.cli import run_profile
 
     return run_profile(args)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from rlperf.bench.harness import ratio_target
+    from rlperf.plots.command import run_plot
+
+    return run_plot(args, target=ratio_target)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,6 +262,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_profile_command_arguments(p)
     p.set_defaults(func=_profile)
+
+    from rlperf.plots.command import add_plot_arguments
+
+    p = sub.add_parser(
+        "plot",
+        help="draw runs (reward, KL, abs diff, tokens/s, step split) or bench results (ratios vs targets) as PNG + HTML",
+        description=(
+            "rlperf plot RUN_DIR...: one PNG (and an HTML page embedding it) of rlperf train runs from their "
+            "metrics.jsonl: reward, KL and the train/rollout log-prob abs diff (log scale, exact zeros marked), "
+            "response length, tokens/s, peak memory and the step split (rollout, log-prob, train, weight sync) as "
+            "stacked areas; several runs overlay. rlperf plot BENCH.json...: each case's ratio to its anchor as "
+            "bars, with its target. Needs matplotlib (pip install 'rlperf[plot]')."
+        ),
+    )
+    add_plot_arguments(p)
+    p.set_defaults(func=_plot)
     return parser
 
 

@@ -97,3 +97,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def png_ink():
+    """``png_ink(path) -> dict``: pixel statistics of a PNG that show whether curves or bars were drawn:
+    ``pixels``, ``colored`` (pixels whose channels differ by more than 0.25: the matplotlib palette's
+    lines, areas and bars; axes, text and grid are grey) and ``colors`` (distinct colours). Needs
+    matplotlib (its PNG reader)."""
+    import numpy as np
+
+    def ink(path) -> dict:
+        from matplotlib.image import imread
+
+        rgb = imread(str(path))[..., :3]
+        spread = rgb.max(axis=-1) - rgb.min(axis=-1)
+        return {"pixels": rgb.shape[0] * rgb.shape[1], "colored": int((spread > 0.25).sum()),
+                "colors": len(np.unique((rgb * 255).astype(np.uint8).reshape(-1, 3), axis=0)), "rgb": rgb}
+
+    return ink

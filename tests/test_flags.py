@@ -16,7 +16,7 @@ from rlperf.cli import main
 SERVE_CASES = [
     ("--port", "70000"), ("--port", "-1"), ("--port", "0"), ("--port", "x"),
     ("--max-total-tokens", "-5"), ("--max-running-requests", "0"), ("--num-threads", "-1"),
-    ("--num-threads", "0"), ("--host", "999.1.1.1"), ("--host", "a b"), ("--host", "1.2.3"),
+    ("--host", "999.1.1.1"), ("--host", "a b"), ("--host", "1.2.3"),
     ("--router", "-1"), ("--context-length", "0"), ("--max-generate-body-bytes", "0"),
     ("--max-weights-body-bytes", "-3"), ("--profile-root", "/proc/x"), ("--router-port", "65536"),
     ("--random-seed", "1" * 23), ("--random-seed", "-1"), ("--mem-fraction-static", "1.5"),

@@ -1,6 +1,6 @@
 """One direction of imports across rlperf, checked on the syntax tree of every module.
 
-    kernels (+ _C) -> model (+ telemetry) -> {rollout, train, sync, data} -> loop -> gates -> cli
+    kernels (+ _C, plots) -> model (+ telemetry) -> {rollout, train, sync, data} -> loop -> gates -> cli
 
 ``bench`` and ``profiles`` are tools on top: they import the product, and nothing in the product
 imports them except the CLI (``rlperf.cli``). Every ``import`` / ``from`` statement counts, including
@@ -37,6 +37,8 @@ LAYERS = {
     "kernels": 0,
     "flags": 0,  # argparse value checks every command's flags share; imports nothing of rlperf
     "_C": 0,  # the C++/CUDA extension, the kernels' peer
+    "plots": 0,  # pictures of rlperf's files (metrics.jsonl, bench JSON) with matplotlib: imports nothing of rlperf,
+                 # so the loop's --plot (through telemetry's loggers), the gates and the CLI can all draw
     "model": 1,
     "telemetry": 1,  # process memory, phase meter, timeline: imports nothing of rlperf; the loop and the
                      # rollout server (its /get_server_info memory) both measure with it

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 
 from rlperf.rollout.args import API_KEY_ENV, add_device_arguments, add_kernel_arguments
+from rlperf.telemetry.loggers import add_logger_arguments
 from rlperf.telemetry.trainer_trace import add_trace_window_arguments, check_profile_args
 from rlperf.train.args import TrainArgs, add_train_arguments
 
@@ -136,6 +137,7 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bar (summary lines still print; there is none when stderr is not a terminal)")
     add_trace_window_arguments(p)
+    add_logger_arguments(p)
     add_train_arguments(p, task_defaults=tuple(TASK_DEFAULTS))
     g = p.add_argument_group("placement")
     g.add_argument("--actor-num-nodes", type=int, default=1, help="nodes of actor (trainer) ranks")

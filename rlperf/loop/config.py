@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from rlperf.telemetry.loggers import LoggerConfig
 from rlperf.train.args import TrainArgs
 
 ROLLOUT_ENGINES = ("in-process", "router", "disaggregated")
@@ -158,6 +159,8 @@ class TelemetryConfig:
     output_dir: str
     """metrics.jsonl, the phase timeline, torch traces and engine logs go under it."""
     no_progress: bool
+    loggers: LoggerConfig
+    """Where each rollout's metrics also go (TensorBoard, W&B, ``--plot``): :mod:`rlperf.telemetry.loggers`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +205,6 @@ class RunConfig:
             runtime=RuntimeConfig(ns.device, ns.num_threads, ns.mode, ns.kernel_backend, ns.seed,
                                   ns.deterministic_mode),
             placement=PlacementConfig(ns.actor_num_nodes, ns.actor_num_gpus_per_node, ns.placement, ns.ray_address),
-            telemetry=TelemetryConfig(ns.output_dir, ns.no_progress),
+            telemetry=TelemetryConfig(ns.output_dir, ns.no_progress, ns.logger_config),
             num_rollout=ns.num_rollout, async_mode=ns.async_mode, true_on_policy=ns.true_on_policy_mode,
             debug_rollout_only=ns.debug_rollout_only, debug_train_only=ns.debug_train_only)

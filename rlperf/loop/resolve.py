@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from rlperf.rollout.args import resolve_api_key
+from rlperf.telemetry.loggers import logger_config_from
 from rlperf.train.args import train_args_from
 
 from .args import UsageError, add_loop_arguments, check_flag_values, fill_task_defaults
@@ -118,6 +119,7 @@ def check_outputs(ns: argparse.Namespace) -> None:
     if ns.save:
         check_writable_dir(ns.save, "--save")
     check_writable_dir(ns.output_dir, "--output-dir")
+    ns.logger_config = logger_config_from(ns, error=UsageError)  # a missing package is bad usage, before a step
 
 
 def check_writable_dir(path, flag: str) -> None:

@@ -67,6 +67,7 @@ import torch
 from rlperf import kernels as K
 from rlperf.sync import SYNC_BUCKET_BYTES, weights_checksum
 from rlperf.telemetry import PhaseMeter, PhaseTimeline, TrainerTrace, default_path
+from rlperf.telemetry.loggers import open_loggers
 
 from . import checkpoint as ckpt
 from .args import UsageError, is_resolved, memory_limit
@@ -371,6 +372,7 @@ class Run:
                    unit="rollout", file=sys.stderr)
         pool = ThreadPoolExecutor(1) if c.async_mode else None
         self.meter.trace = self.trace
+        loggers = open_loggers(c.telemetry.loggers, self.rank)  # TensorBoard, W&B, --plot (rank 0; others: none)
         try:
             with (open_metrics(self.out / METRICS_FILE, self.start if c.model.load else None) if lead
                   else open(os.devnull, "w")) as mf:
@@ -410,10 +412,12 @@ class Run:
                     # the resume drops it (open_metrics); after it, never a rollout the metrics lack
                     mf.write(json.dumps(m) + "\n")
                     mf.flush()
+                    loggers.log(m, step=k)
                     save, every = c.model.save, c.model.save_interval
                     if save and not c.debug_rollout_only and (
                             k + 1 == c.num_rollout or (every and (k + 1) % every == 0)):
                         self.save_checkpoint(k + 1, mf)
+                        loggers.checkpoint(k + 1)
                     history.append(m)
                     bar.update(1)
                     if show_bar:
@@ -427,6 +431,7 @@ class Run:
             self.trace.close()
             if self.timeline is not None:
                 self.timeline.save()
+            loggers.close()
         return history
 
 

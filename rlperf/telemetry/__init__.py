@@ -8,7 +8,9 @@
 * :mod:`~rlperf.telemetry.timeline` — :class:`PhaseTimeline`: the phase slices and memory counters of a
   run, as a Perfetto trace;
 * :mod:`~rlperf.telemetry.trainer_trace` — :class:`TrainerTrace`: torch.profiler traces of a window of
-  steps (``--profile-step-start/-end``, ``--profile-target``).
+  steps (``--profile-step-start/-end``, ``--profile-target``);
+* :mod:`~rlperf.telemetry.loggers` — each metrics line also to TensorBoard (``--use-tensorboard``),
+  Weights & Biases (``--use-wandb``) and the run's redrawn picture (``--plot``), rank 0 only.
 
 The profile harness for rollout servers (``rlperf profile``) is a tool on top, :mod:`rlperf.profiles`.
 """

@@ -222,3 +222,21 @@ def test_summarize_rejects_an_unreadable_file(tmp_path, capsys):
     assert main(["profile", "summarize", str(bad)]) == 1
     assert "not a readable Chrome trace" in capsys.readouterr().err
     assert read_json(write_trace({"traceEvents": []}, tmp_path / "plain.json")) == {"traceEvents": []}
+
+
+def test_per_worker_phase_bars(tmp_path, png_ink):
+    pytest.importorskip("matplotlib")
+    rng = random.Random(2)
+    annotated = _kernels(rng, 100, ["k"]) + [_x("prefill", "user_annotation", 0.0, 300.0),
+                                             _x("decode", "user_annotation", 400.0, 900.0)]
+    paths = [write_trace(_kineto(annotated), tmp_path / "1700.1-TP-0.trace.json.gz"),
+             write_trace(_kineto(_kernels(rng, 30, ["k"])), tmp_path / "1700.2-TP-0.trace.json.gz")]
+    png = tmp_path / "phases.png"
+    assert main(["profile", "summarize", *map(str, paths), "--json", str(tmp_path / "s.json"), "--png", str(png)]) == 0
+    each = json.loads((tmp_path / "s.json").read_text())["per_worker"]
+    assert (each[0]["prefill_ms"], each[0]["decode_ms"]) == (pytest.approx(0.3), pytest.approx(0.9))
+    assert each[1]["prefill_ms"] is None and each[1]["decode_ms"] is None  # the second trace has no ranges
+    stats = png_ink(png)
+    rgb = stats["rgb"]
+    for c in ((0.122, 0.467, 0.706), (1.0, 0.498, 0.055), (0.173, 0.627, 0.173)):  # busy, prefill, decode
+        assert (abs(rgb - c).max(axis=-1) < 0.1).sum() > 200, c
