@@ -18,7 +18,7 @@ def test_no_command_prints_help_and_exits_2(capsys):
     assert "COMMAND" in capsys.readouterr().out
 
 
-SUBCOMMANDS = ("bench", "serve", "gate", "train", "profile")
+SUBCOMMANDS = ("bench", "serve", "gate", "train", "profile", "plot")
 """The jobs ``rlperf`` runs, in the order ``rlperf --help`` lists them (README's table has one row each)."""
 
 

@@ -37,11 +37,21 @@ def test_report_path_that_is_a_directory(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags", [("--rollout-top-p", "1.5"), ("--rollout-temperature", "1e300"),
-                                   ("--rollout-top-k", "-5"), ("--lr", "nan"), ("--model", "bogus"),
-                                   ("--num-threads", "-1")])
+                                   ("--rollout-top-k", "-5"), ("--lr", "nan"), ("--model", "bogus")])
 def test_bad_loop_flag(tmp_path, capsys, flags):
     code, out, err = _gate(tmp_path, capsys, *flags)
     assert code == 2 and err.startswith(f"rlperf gate: {flags[0]}") and "FAIL" not in out, err
+
+
+@pytest.mark.parametrize("command", ["gate", "train"])
+def test_a_flag_refused_by_its_parser_exits_2_naming_it(tmp_path, capsys, command):
+    """Flags whose values argparse checks (rlperf.flags) stop the command while parsing: exit 2, the
+    flag named, no step run."""
+    with pytest.raises(SystemExit) as exc:
+        _gate(tmp_path, capsys, "--num-threads", "-1", command=command)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --num-threads: must be an integer >= 0, got -1" in err, err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 @pytest.fixture(scope="module")
