@@ -67,6 +67,12 @@ def _extensions():
 packages, package_dir = _packages()
 ext_modules, cmdclass = _extensions()
 
+# megatron-core 0.19 needs Python >= 3.12; the 0.16 line is the last that installs on 3.11. The
+# megatron trainer backend (rlperf/train/megatron/) uses its local (no Transformer Engine) spec,
+# which is pure Python in both lines.
+MEGATRON_CORE = ['megatron-core~=0.16.1; python_version < "3.12"',
+                 'megatron-core~=0.19.0; python_version >= "3.12"']
+
 setup(
     name="rlperf",
     version="0.1.0",
@@ -82,11 +88,12 @@ setup(
     install_requires=["torch>=2.6", "triton>=3.3", "numpy", "safetensors>=0.4", "aiohttp>=3.9", "tqdm", "perfetto>=0.59"],
     extras_require={
         "test": ["pytest>=8", "pytest-benchmark>=4", "sglang-router>=0.3.2", "transformers>=4.51",
-                 "perfetto>=0.59", "ray[default]>=2.40"],
+                 "perfetto>=0.59", "ray[default]>=2.40", *MEGATRON_CORE],
         "serve": ["sglang-router>=0.3.2"],
         "hf": ["transformers>=4.51"],
         "profile": ["sglang-router>=0.3.2", "perfetto>=0.59"],
         "ray": ["ray[default]>=2.40", "sglang-router>=0.3.2"],  # --placement ray (its engines sit behind the router)
+        "megatron": MEGATRON_CORE,  # the megatron trainer backend (rlperf.train.megatron)
     },
     entry_points={"console_scripts": ["rlperf=rlperf.cli:main"]},
 )
