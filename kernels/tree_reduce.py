@@ -141,7 +141,7 @@ def leaf_product(a: torch.Tensor, b: torch.Tensor, config_n: int | None = None) 
     and rounds once; fast mode uses stock torch (not invariant).
     """
     how = route("matmul", a.device)
-    if how == "triton":
+    if how in ("triton", "interpreter"):
         from . import gemm
 
         cfg = gemm.matmul_config(a.dtype, config_n or b.shape[0], a.shape[1])
@@ -154,7 +154,7 @@ def leaf_product(a: torch.Tensor, b: torch.Tensor, config_n: int | None = None) 
 def _matmul_out(a, b, out_dtype, config_n=None):
     """``a @ b.T`` in ``out_dtype``: rounded once from float32 (the kernel's cast on the GPU)."""
     how = route("matmul", a.device)
-    if how == "triton":
+    if how in ("triton", "interpreter"):
         from . import gemm
 
         cfg = gemm.matmul_config(a.dtype, config_n or b.shape[0], a.shape[1])
@@ -286,7 +286,7 @@ def _combine_stats(left, right, inv_t: float):
 def _leaf_stats(hidden, weight, targets, inv_t: float, v_offset: int, v_total: int):
     """(m, s, e, tz) [N] float32 of one vocabulary leaf ``weight`` [Vl, H] starting at ``v_offset``."""
     how = route("fused_logprob", hidden.device)
-    if how == "triton":
+    if how in ("triton", "interpreter"):
         from .fused_lm_head import _local_stats
 
         m, s, t, tz = _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, True, False)
@@ -329,7 +329,7 @@ def _forward_stats(hidden, weight, targets, inv_t, leaves, group):
 def _leaf_backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset):
     """(d hidden [N, H] float32, d weight [Vl, H]) of one vocabulary leaf."""
     how = route("fused_logprob", hidden.device)
-    if how == "triton":
+    if how in ("triton", "interpreter"):
         from .fused_lm_head import _backward
 
         return _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, True, True, True)

@@ -89,3 +89,25 @@ def test_tree_logprob_matches_log_softmax_and_its_gradient():
 def test_tree_logprob_out_of_range_target_is_nan():
     lp = T.tree_logprob(_rand(2, 8), _rand(16, 8, seed=1), torch.tensor([3, 16]), leaves=4)
     assert torch.isfinite(lp[0]) and torch.isnan(lp[1])
+
+
+def test_triton_path_under_the_interpreter(interpreter):
+    # the GPU path (Triton leaf products with pinned tile configs, the fused log-prob kernel's leaf
+    # statistics and backward) agrees with the float64 reference
+    with K.use_backend("interpreter"):
+        x = _rand(5, 32, seed=12).requires_grad_()
+        w = (_rand(6, 32, seed=13) * 0.3).requires_grad_()
+        y = T.row_parallel_linear(x, w, leaves=4)
+        hid = _rand(3, 16, seed=14).requires_grad_()
+        head = _rand(64, 16, seed=15).requires_grad_()
+        tgt = torch.tensor([0, 17, 63])
+        lp, ent = T.tree_logprob(hid, head, tgt, 1.3, return_entropy=True, leaves=4)
+        (lp.sum() + ent.sum()).backward()
+    with K.use_backend("reference"):
+        hr, wr = hid.detach().clone().requires_grad_(), head.detach().clone().requires_grad_()
+        lpr, entr = T.tree_logprob(hr, wr, tgt, 1.3, return_entropy=True, leaves=4)
+        (lpr.sum() + entr.sum()).backward()
+        yr = T.row_parallel_linear(x.detach(), w.detach(), leaves=4)
+    assert torch.allclose(y, yr, atol=1e-5)
+    assert torch.allclose(lp, lpr, atol=1e-5) and torch.allclose(ent, entr, atol=1e-5)
+    assert torch.allclose(hid.grad, hr.grad, atol=1e-5) and torch.allclose(head.grad, wr.grad, atol=1e-5)
