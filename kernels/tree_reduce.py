@@ -392,3 +392,32 @@ def tree_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     logp, ent = _TreeLogprob.apply(hidden, weight, targets.to(torch.int64).contiguous(), 1.0 / float(temperature),
                                    leaves, group)
     return (logp, ent) if return_entropy else logp
+
+
+# --------------------------------------------------------------------------------------------
+# A replicated weight used on each block of a split dimension
+# --------------------------------------------------------------------------------------------
+
+
+class _BlockReplicas(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, blocks, leaves, group):
+        ctx.leaves, ctx.group = leaves, group
+        return weight.detach()[None].expand(blocks, *weight.shape).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        acc = _TreeStack()
+        for g in grad.float().unbind(0):
+            acc.push(g)
+        return _gather_nodes(acc.result(), ctx.group).to(grad.dtype), None, None, None
+
+
+def block_replicas(weight: torch.Tensor, leaves: int, group=None) -> torch.Tensor:
+    """``leaves / TP`` copies [blocks, *weight.shape] of a replicated ``weight`` (e.g. the q/k RMSNorm
+    weight), one per block of a dimension split over ``group`` (e.g. attention heads); the caller
+    applies copy ``b`` to block ``b``. Backward: the blocks' weight gradients are added in the fixed
+    tree (the ranks' nodes gathered), so the weight's gradient is the same at every TP size and on
+    every rank, instead of a per-rank partial that an all-reduce would add in a TP-dependent order."""
+    blocks = _local_leaves(leaves, group, "block_replicas")
+    return _BlockReplicas.apply(weight, blocks, leaves, group)
