@@ -394,6 +394,16 @@ def tree_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     return (logp, ent) if return_entropy else logp
 
 
+def head_blocks(num_heads: int, num_kv_heads: int, leaves: int) -> int:
+    """How many blocks the heads are cut into for the q/k norm: ``min(leaves, num_kv_heads)`` (a
+    power of two dividing both head counts), so that a TP rank's heads are whole blocks."""
+    blocks = min(leaves, num_kv_heads)
+    if blocks & (blocks - 1) or num_kv_heads % blocks or num_heads % blocks:
+        raise ValueError(f"{num_heads} query / {num_kv_heads} key-value heads do not split into {blocks} blocks "
+                         f"(a power of two dividing both)")
+    return blocks
+
+
 # --------------------------------------------------------------------------------------------
 # A replicated weight used on each block of a split dimension
 # --------------------------------------------------------------------------------------------

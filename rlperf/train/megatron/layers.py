@@ -207,16 +207,6 @@ class TreeRowParallelLinear(nn.Module):
         return tree.row_parallel_linear(x, self.weight, self.tp.leaves, self.tp.group), None
 
 
-def head_blocks(num_heads: int, num_kv_heads: int, leaves: int) -> int:
-    """How many blocks the heads are cut into for the q/k norm: ``min(leaves, num_kv_heads)`` (a
-    power of two dividing both head counts), so that a TP rank's heads are whole blocks."""
-    blocks = min(leaves, num_kv_heads)
-    if blocks & (blocks - 1) or num_kv_heads % blocks or num_heads % blocks:
-        raise ValueError(f"{num_heads} query / {num_kv_heads} key-value heads do not split into {blocks} blocks "
-                         f"(a power of two dividing both)")
-    return blocks
-
-
 def rope_table(head_dim: int, max_positions: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [max_positions, D/2] float32 computed in float64: ``rlperf.model.layer.RopeTable``'s."""
     from rlperf.model.layer import RopeTable
@@ -242,7 +232,7 @@ class QKNormRopeAttention(nn.Module):
         super().__init__()
         d = config.kv_channels
         self.tp, self.eps, self.head_dim = tp, config.layernorm_epsilon, d
-        self.blocks = head_blocks(config.num_attention_heads, config.num_query_groups, tp.leaves)
+        self.blocks = tree.head_blocks(config.num_attention_heads, config.num_query_groups, tp.leaves)
         if self.blocks % tp.size:
             raise ValueError(f"{config.num_query_groups} key-value heads cannot be split over "
                              f"--tensor-model-parallel-size {tp.size}")
