@@ -76,6 +76,24 @@ def transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int, s
     )
 
 
+class _HeadGradTap(torch.autograd.Function):
+    """The tied lm head's weight: forward the weight itself; backward keeps the head's gradient apart
+    (``owner.head_grad``, float32) instead of adding it into the embedding's, so that the tied gradient
+    is ``embedding part + head part`` in every pipeline layout (the two parts live on different stages
+    when PP > 1)."""
+
+    @staticmethod
+    def forward(ctx, weight, owner):
+        ctx.owner = owner
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        owner = ctx.owner
+        owner.head_grad = g.float() if owner.head_grad is None else owner.head_grad + g.float()
+        return None, None
+
+
 class MegatronCausalLM(nn.Module):
     """This rank's stage of a megatron ``GPTModel`` on rlperf's kernels (module docstring).
 
@@ -92,6 +110,7 @@ class MegatronCausalLM(nn.Module):
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.first_stage, self.last_stage = gpt.pre_process, gpt.post_process
+        self.head_grad: torch.Tensor | None = None  # tied head's gradient, kept apart (_HeadGradTap)
         # global index of this stage's first layer
         self.layer_offset = self.gpt.decoder.layers[0].layer_number - 1 if len(self.gpt.decoder.layers) else 0
 
@@ -131,7 +150,10 @@ class MegatronCausalLM(nn.Module):
         h = hidden.reshape(hidden.shape[0], -1)
         if self.gpt.config.sequence_parallel:
             h = gather_tokens(h, self.tp)
-        return tree_logprob(h[logit_rows], self.head_weight, targets, temperature, return_entropy=with_entropy,
+        head = self.head_weight
+        if self.cfg.tie_word_embeddings and torch.is_grad_enabled() and head.requires_grad:
+            head = _HeadGradTap.apply(head, self)
+        return tree_logprob(h[logit_rows], head, targets, temperature, return_entropy=with_entropy,
                             leaves=self.leaves, group=self.tp.group)
 
     # ---- Hugging Face names --------------------------------------------------------------------------
@@ -203,7 +225,8 @@ class MegatronCausalLM(nn.Module):
             param.copy_(src.to(dtype=param.dtype, device=param.device))
 
     def _gather_tp(self, param: torch.Tensor, kind: str, dtype) -> torch.Tensor:
-        t = param.detach().to(dtype) if dtype is not None else param.detach()
+        t = self._select(param).detach()
+        t = t.to(dtype) if dtype is not None else t
         if kind == "replicated" or self.tp.size == 1:
             return t.clone() if kind != "replicated" and self.tp.size == 1 else t
         parts = [torch.empty_like(t) for _ in range(self.tp.size)]
@@ -243,8 +266,10 @@ class MegatronCausalLM(nn.Module):
         del per_stage
         return out
 
-    def iter_hf_weights(self, dtype: torch.dtype | None = None,
-                        bucket_bytes: int = 512 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+    _select = staticmethod(lambda p: p)
+
+    def iter_hf_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20,
+                        select=None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full tensor)`` for the whole model, in ``hf_state_dict()`` order, gathered over the
         tensor-parallel ranks and broadcast from the stage that holds it, one bucket (at most
         ``bucket_bytes``, a larger tensor alone) at a time. A collective over the default group: every
