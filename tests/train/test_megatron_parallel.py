@@ -62,6 +62,9 @@ def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: boo
             weights = Qwen3ForCausalLM.random(cfg, seed=0, std=0.05).hf_state_dict()
             model = build_gpt_model(cfg)
             model.load_hf_tensors(weights)
+            exported = dict(model.iter_hf_weights(bucket_bytes=4096))
+            assert list(exported) == list(weights), "HF names out in hf_state_dict() order"
+            assert all(torch.equal(exported[n], weights[n]) for n in weights), "HF weights round trip"
             trainer = MegatronTrainer(model, _args())
             samples = _samples(cfg)
             trainer.prepare(samples)

@@ -6,8 +6,9 @@ generator states. On a CPU-only rank (gloo; the CI) both would fail. This module
 paths without changing the package:
 
 * :func:`cpu_device_queries` — while active (and only where CUDA is absent), ``torch.cuda.current_device()``
-  answers ``"cpu"``, so megatron's ``torch.empty(..., device=torch.cuda.current_device())`` allocates
-  on the CPU;
+  answers ``"cpu"`` and ``Tensor.cuda()`` returns the tensor itself, so megatron's
+  ``torch.empty(..., device=torch.cuda.current_device())`` allocates on the CPU and the tied
+  embedding's first-to-last-stage copy (``weight.data.cuda()``, then an all-reduce) stays there;
 * :class:`CPURNGStatesTracker` — megatron's RNG tracker with named CPU generator states:
   ``fork(name)`` swaps the process's CPU RNG state in and out, as the CUDA tracker does with the
   CUDA state. :func:`install_rng_tracker` makes it the tracker megatron's ``get_cuda_rng_tracker()``
@@ -62,17 +63,19 @@ class ParallelLayout:
 
 @contextlib.contextmanager
 def cpu_device_queries():
-    """``torch.cuda.current_device()`` answers ``"cpu"`` inside the block when CUDA is unavailable
-    (megatron allocates on the device it names); with CUDA nothing changes."""
+    """``torch.cuda.current_device()`` answers ``"cpu"`` and ``Tensor.cuda()`` is the identity inside
+    the block when CUDA is unavailable (megatron allocates on the device it names); with CUDA nothing
+    changes."""
     if torch.cuda.is_available():
         yield
         return
-    original = torch.cuda.current_device
+    original, original_cuda = torch.cuda.current_device, torch.Tensor.cuda
     torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     try:
         yield
     finally:
-        torch.cuda.current_device = original
+        torch.cuda.current_device, torch.Tensor.cuda = original, original_cuda
 
 
 def _tracker_base():

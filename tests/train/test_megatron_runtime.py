@@ -1,0 +1,67 @@
+"""megatron-core's CPU paths and layout checks (rlperf/train/megatron/runtime.py), in one process."""
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from rlperf.train.megatron.model import RecomputeConfig  # noqa: E402
+from rlperf.train.megatron.runtime import CPURNGStatesTracker, ParallelLayout, cpu_device_queries  # noqa: E402
+
+
+def test_rng_tracker_forks_named_cpu_states():
+    tracker = CPURNGStatesTracker()
+    tracker.add("model-parallel-rng", 123)
+    torch.manual_seed(0)
+    outside_before = torch.get_rng_state()
+    with tracker.fork("model-parallel-rng"):
+        a = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outside_before)  # the outer state is untouched
+    with tracker.fork("model-parallel-rng"):
+        b = torch.rand(3)  # the named state advanced: a new draw
+    torch.manual_seed(123)
+    assert torch.equal(torch.cat([a, b]), torch.rand(6))
+    with pytest.raises(ValueError, match="already exists"):
+        tracker.add("other", 123)
+    with pytest.raises(ValueError, match="not added"):
+        with tracker.fork("missing"):
+            pass
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_cpu_device_queries_only_inside_the_block():
+    t = torch.ones(2)
+    with cpu_device_queries():
+        assert torch.empty(1, device=torch.cuda.current_device()).device.type == "cpu"
+        assert t.cuda() is t
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()
+
+
+@pytest.mark.parametrize("layout, world, message", [
+    (ParallelLayout(context_parallel_size=2), 2, "--context-parallel-size 2"),
+    (ParallelLayout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 6, "do not split"),
+    (ParallelLayout(sequence_parallel=True), 1, "--sequence-parallel needs"),
+    (ParallelLayout(tensor_model_parallel_size=0), 1, "--tensor-model-parallel-size must be"),
+])
+def test_layout_refused_with_the_flag(layout, world, message):
+    with pytest.raises(ValueError, match=message):
+        layout.check(world)
+
+
+def test_layout_data_parallel_is_what_is_left():
+    layout = ParallelLayout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    layout.check(8)
+    assert layout.data_parallel_size(8) == 2
+
+
+@pytest.mark.parametrize("recompute, message", [
+    (RecomputeConfig("full"), "--recompute-method"),
+    (RecomputeConfig("full", "uniform"), "--recompute-num-layers"),
+    (RecomputeConfig("sometimes"), "--recompute-granularity"),
+    (RecomputeConfig(None, "block", 1), "need --recompute-granularity full"),
+])
+def test_recompute_flags_checked(recompute, message):
+    with pytest.raises(ValueError, match=message):
+        recompute.check()
+    RecomputeConfig("full", "uniform", 1).check()
+    RecomputeConfig("selective").check()
