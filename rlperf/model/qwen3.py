@@ -96,9 +96,10 @@ class Qwen3ForCausalLM(nn.Module):
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu", std: float = 0.02):
+    def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu", std: float = 0.02,
+               reduction_leaves: int | None = None):
         """Random init (normal(0, std) matrices, unit norms), reproducible from ``seed`` on any device."""
-        model = cls(cfg, dtype, device)
+        model = cls(cfg, dtype, device, reduction_leaves)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():

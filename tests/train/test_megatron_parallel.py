@@ -28,17 +28,30 @@ from rlperf.train.batching import compute_log_probs  # noqa: E402
 TIED = preset("tiny")
 # untied, 2 layers: the head is a parameter of its own (on the last stage under PP)
 UNTIED = ModelConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
+                     num_key_value_heads=2, head_dim=16, vocab_size=384, max_position_embeddings=256,
                      tie_word_embeddings=False)
 LENGTHS = [(6, 3), (9, 5), (4, 1), (13, 7)]  # (total tokens, response tokens); 2 prompts x 2 samples
 
 
-def _samples(cfg):
-    g = torch.Generator().manual_seed(0)
+def _engine_samples(cfg):
+    """Four samples (2 prompts x 2) whose responses and rollout log-probs come from rlperf's engine on
+    one process, in tree mode (``reduction_leaves``): what a one-GPU engine gives a TP=2 trainer."""
+    from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
+    from rlperf.rollout.tokenizer import ByteTokenizer
+
+    with K.use_backend("reference"):
+        model = Qwen3ForCausalLM.random(cfg, seed=0, std=0.05, reduction_leaves=TREE_LEAVES)
+        engine = Engine(model, ByteTokenizer(cfg.vocab_size), EngineConfig(max_total_tokens=1024))
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
+        prompts = [p for p in prompts for _ in range(2)]
+        params = [SamplingParams(max_new_tokens=m, temperature=1.0, ignore_eos=True, seed=i)
+                  for i, m in enumerate((3, 6, 4, 2))]
+        results = engine.generate(prompts, params)
     out = []
-    for i, (n, r) in enumerate(LENGTHS):
-        s = Sample(torch.randint(0, cfg.vocab_size, (n,), generator=g), r, reward=float(i % 2))
-        s.rollout_log_probs = [-1.0] * r
+    for i, (p, r) in enumerate(zip(prompts, results)):
+        s = Sample(torch.tensor(p + r.output_ids), len(r.output_ids), reward=float(i % 2))
+        s.rollout_log_probs = list(r.output_logprobs)
         out.append(s)
     return out
 
@@ -66,7 +79,7 @@ def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: boo
             assert list(exported) == list(weights), "HF names out in hf_state_dict() order"
             assert all(torch.equal(exported[n], weights[n]) for n in weights), "HF weights round trip"
             trainer = MegatronTrainer(model, _args())
-            samples = _samples(cfg)
+            samples = torch.load(f"{tmp}/samples-{'tied' if tied else 'untied'}.pt", weights_only=False)
             trainer.prepare(samples)
             metrics = trainer.train_step(samples)
             grads = dict(trainer.iter_hf_grads(bucket_bytes=4096))
@@ -82,6 +95,9 @@ def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: boo
 
 
 def _run(tmp, tag, tp, pp, tied):
+    kind = "tied" if tied else "untied"
+    if not os.path.exists(f"{tmp}/samples-{kind}.pt"):
+        torch.save(_engine_samples(TIED if tied else UNTIED), f"{tmp}/samples-{kind}.pt")
     world = tp * pp
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, world, str(tmp), tag, tp, pp, tied)) for r in range(world)]
@@ -114,15 +130,15 @@ def test_tp1_tp2_pp2_bit_identical(tmp_path, tied):
     assert one["metrics"]["train/grad_norm"] > 0.5
     assert any(not torch.equal(one["after"][n], w) for n, w in
                Qwen3ForCausalLM.random(TIED if tied else UNTIED, seed=0, std=0.05).hf_state_dict().items())
-    # the trainer's old log-probs are the rlperf model's in tree mode, bit for bit (the engine's path)
-    cfg = TIED if tied else UNTIED
+    # true on-policy: the trainer's old log-probs at every layout are the engine's rollout log-probs
+    samples = torch.load(f"{tmp_path}/samples-{'tied' if tied else 'untied'}.pt", weights_only=False)
+    for got in (one, tp2, pp2):
+        assert got["metrics"]["train/train_rollout_logprob_abs_diff"] == 0.0
+        for x, s in zip(got["log_probs"], samples):
+            assert torch.equal(x, s.rollout_log_probs_tensor())
+    # the tree is another order than the plain kernels: the plain model's log-probs differ (the test
+    # can tell the two apart)
     with K.use_backend("reference"):
-        ref = Qwen3ForCausalLM.random(cfg, seed=0, std=0.05, )
-        ref.reduction_leaves = TREE_LEAVES
-        mine = compute_log_probs(ref, _samples(cfg), micro_batch_size=1)
-        ref.reduction_leaves = None
-        plain = compute_log_probs(ref, _samples(cfg), micro_batch_size=1)
-    for x, y in zip(one["log_probs"], mine):
-        assert torch.equal(x, y)
-    # and the tree is a different order from the plain kernels (the test can tell the two apart)
+        plain = compute_log_probs(Qwen3ForCausalLM.random(TIED if tied else UNTIED, seed=0, std=0.05), samples,
+                                  micro_batch_size=1)
     assert any(not torch.equal(x, y) for x, y in zip(one["log_probs"], plain))
