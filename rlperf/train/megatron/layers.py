@@ -149,6 +149,62 @@ def slice_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
+# Plain numerics: Megatron's own reduction order (all-reduce of rank partials), the anchor that the
+# tree is measured against. Batch-invariant per rank, not TP-invariant.
+# --------------------------------------------------------------------------------------------
+
+
+def _all_reduce(t: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    if tp.size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, group=tp.group)
+    return t
+
+
+class _PlainRowParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, tp):
+        ctx.save_for_backward(x, w)
+        ctx.tp = tp
+        return _all_reduce(K.linear(x, w), tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        return (g2 @ w).reshape(*g.shape[:-1], w.shape[1]), g2.T @ x.reshape(-1, x.shape[-1]), None
+
+
+class _PlainColumnParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, tp):
+        ctx.save_for_backward(x, w)
+        ctx.tp = tp
+        return K.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        dx = _all_reduce((g2 @ w).contiguous(), ctx.tp).reshape(*g.shape[:-1], w.shape[1])
+        return dx, g2.T @ x.reshape(-1, x.shape[-1]), None
+
+
+class _PlainReplicated(torch.autograd.Function):
+    """A replicated weight whose per-rank gradient (a partial over this rank's heads) is all-reduced."""
+
+    @staticmethod
+    def forward(ctx, w, tp):
+        ctx.tp = tp
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g.contiguous(), ctx.tp), None
+
+
+# --------------------------------------------------------------------------------------------
 # Modules
 # --------------------------------------------------------------------------------------------
 
@@ -172,9 +228,9 @@ class TreeColumnParallelLinear(nn.Module):
     (:func:`rlperf.kernels.tree_reduce.column_parallel_linear`); ``parts``: the fused parts' full row
     counts. Returns ``(y, None)`` (megatron's (output, bias))."""
 
-    def __init__(self, input_size: int, parts: tuple[int, ...], config, tp: TensorParallel):
+    def __init__(self, input_size: int, parts: tuple[int, ...], config, tp: TensorParallel, plain: bool = False):
         super().__init__()
-        self.parts, self.tp = tuple(parts), tp
+        self.parts, self.tp, self.plain = tuple(parts), tp, plain
         for n in parts:
             if n % tp.leaves:
                 raise ValueError(f"a fused part of {n} rows does not split into {tp.leaves} tree leaves")
@@ -182,6 +238,8 @@ class TreeColumnParallelLinear(nn.Module):
         _mark_tensor_parallel(self.weight, 0)
 
     def forward(self, x):
+        if self.plain:
+            return _PlainColumnParallel.apply(x, self.weight, self.tp), None
         return tree.column_parallel_linear(x, self.weight, self.tp.leaves, self.tp.group), None
 
     def split_parts(self, y: torch.Tensor) -> list[torch.Tensor]:
@@ -195,15 +253,17 @@ class TreeRowParallelLinear(nn.Module):
     """``y = x_r @ W_r.T`` summed over the ranks' K slices in the fixed tree
     (:func:`rlperf.kernels.tree_reduce.row_parallel_linear`); W_r [N, K / TP]. Every rank gets all of y."""
 
-    def __init__(self, input_size: int, output_size: int, config, tp: TensorParallel):
+    def __init__(self, input_size: int, output_size: int, config, tp: TensorParallel, plain: bool = False):
         super().__init__()
-        self.tp = tp
+        self.tp, self.plain = tp, plain
         if input_size % tp.leaves:
             raise ValueError(f"K = {input_size} does not split into {tp.leaves} tree leaves")
         self.weight = nn.Parameter(torch.empty(output_size, input_size // tp.size, dtype=config.params_dtype))
         _mark_tensor_parallel(self.weight, 1)
 
     def forward(self, x):
+        if self.plain:
+            return _PlainRowParallel.apply(x, self.weight, self.tp), None
         return tree.row_parallel_linear(x, self.weight, self.tp.leaves, self.tp.group), None
 
 
@@ -228,10 +288,10 @@ class QKNormRopeAttention(nn.Module):
     [T, 1, hkv, D] -> [T, 1, hq D]. The norm weights ``q_norm``/``k_norm`` [D] are replicated; their
     gradients are added over the head blocks in the fixed tree (``block_replicas``)."""
 
-    def __init__(self, config, tp: TensorParallel, rope_theta: float, max_positions: int):
+    def __init__(self, config, tp: TensorParallel, rope_theta: float, max_positions: int, plain: bool = False):
         super().__init__()
         d = config.kv_channels
-        self.tp, self.eps, self.head_dim = tp, config.layernorm_epsilon, d
+        self.tp, self.eps, self.head_dim, self.plain = tp, config.layernorm_epsilon, d, plain
         self.blocks = tree.head_blocks(config.num_attention_heads, config.num_query_groups, tp.leaves)
         if self.blocks % tp.size:
             raise ValueError(f"{config.num_query_groups} key-value heads cannot be split over "
@@ -243,6 +303,9 @@ class QKNormRopeAttention(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def _norm_rope(self, x, weight, positions):
+        if self.plain:  # one call over this rank's heads; the weight's gradient all-reduced
+            w = _PlainReplicated.apply(weight, self.tp) if self.tp.size > 1 else weight
+            return K.rmsnorm_rope(x, w, positions, self.rope_cos, self.rope_sin, self.eps)
         group = self.tp.group
         local_blocks = self.blocks // self.tp.size
         replicas = tree.block_replicas(weight, self.blocks, group)
@@ -273,15 +336,15 @@ class TreeSelfAttention(nn.Module):
     row-parallel ``o_proj``. ``forward(hidden [T, 1, H], packed_seq_params=...)`` -> ``(out, None)``."""
 
     def __init__(self, config, submodules: TreeSelfAttentionSubmodules, layer_number: int, leaves: int,
-                 rope_theta: float, max_positions: int, **_):
+                 rope_theta: float, max_positions: int, plain: bool = False, **_):
         super().__init__()
         tp = TensorParallel.current(leaves)
         self.tp, self.config, self.layer_number = tp, config, layer_number
         q = config.num_attention_heads * config.kv_channels
         kv = config.num_query_groups * config.kv_channels
-        self.linear_qkv = submodules.linear_qkv(config.hidden_size, (q, kv, kv), config, tp)
-        self.core_attention = submodules.core_attention(config, tp, rope_theta, max_positions)
-        self.linear_proj = submodules.linear_proj(q, config.hidden_size, config, tp)
+        self.linear_qkv = submodules.linear_qkv(config.hidden_size, (q, kv, kv), config, tp, plain)
+        self.core_attention = submodules.core_attention(config, tp, rope_theta, max_positions, plain)
+        self.linear_proj = submodules.linear_proj(q, config.hidden_size, config, tp, plain)
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **_):
         if packed_seq_params is None:
@@ -305,13 +368,13 @@ class SwiGLUMLPSubmodules:
 class SwiGLUMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``: leaf-blocked gate/up (column), ``silu_mul``, down (row tree)."""
 
-    def __init__(self, config, submodules: SwiGLUMLPSubmodules, leaves: int, **_):
+    def __init__(self, config, submodules: SwiGLUMLPSubmodules, leaves: int, plain: bool = False, **_):
         super().__init__()
         tp = TensorParallel.current(leaves)
         self.tp, self.config = tp, config
         i = config.ffn_hidden_size
-        self.linear_fc1 = submodules.linear_fc1(config.hidden_size, (i, i), config, tp)
-        self.linear_fc2 = submodules.linear_fc2(i, config.hidden_size, config, tp)
+        self.linear_fc1 = submodules.linear_fc1(config.hidden_size, (i, i), config, tp, plain)
+        self.linear_fc2 = submodules.linear_fc2(i, config.hidden_size, config, tp, plain)
 
     def forward(self, hidden_states, **_):
         x = gather_tokens(hidden_states, self.tp) if self.config.sequence_parallel else hidden_states
@@ -323,8 +386,10 @@ class SwiGLUMLP(nn.Module):
         return out, None
 
 
-def decoder_layer_spec(leaves: int, rope_theta: float, max_positions: int):
-    """megatron's ``TransformerLayer`` with rlperf's submodules (module docstring)."""
+def decoder_layer_spec(leaves: int, rope_theta: float, max_positions: int, plain: bool = False):
+    """megatron's ``TransformerLayer`` with rlperf's submodules (module docstring). ``plain``: Megatron's
+    own reduction order instead of the trees (rank partials all-reduced; not TP-invariant) — the
+    anchor the trees' cost is measured against."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -335,11 +400,12 @@ def decoder_layer_spec(leaves: int, rope_theta: float, max_positions: int):
         submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm,
             self_attention=ModuleSpec(module=TreeSelfAttention, submodules=TreeSelfAttentionSubmodules(),
-                                      params=dict(leaves=leaves, rope_theta=rope_theta, max_positions=max_positions)),
+                                      params=dict(leaves=leaves, rope_theta=rope_theta, max_positions=max_positions,
+                                                  plain=plain)),
             self_attn_bda=get_bias_dropout_add,
             pre_cross_attn_layernorm=IdentityOp,
             pre_mlp_layernorm=RMSNorm,
-            mlp=ModuleSpec(module=SwiGLUMLP, submodules=SwiGLUMLPSubmodules(), params=dict(leaves=leaves)),
+            mlp=ModuleSpec(module=SwiGLUMLP, submodules=SwiGLUMLPSubmodules(), params=dict(leaves=leaves, plain=plain)),
             mlp_bda=get_bias_dropout_add,
         ),
     )

@@ -100,9 +100,9 @@ class MegatronCausalLM(nn.Module):
     ``gpt``: the ``GPTModel``; ``cfg``: the shapes; ``leaves``: the reduction tree's leaf count.
     """
 
-    def __init__(self, gpt, cfg: ModelConfig, leaves: int):
+    def __init__(self, gpt, cfg: ModelConfig, leaves: int, plain: bool = False):
         super().__init__()
-        self.gpt, self.cfg, self.leaves = gpt, cfg, leaves
+        self.gpt, self.cfg, self.leaves, self.plain = gpt, cfg, leaves, plain
         self.tp = TensorParallel.current(leaves)
         from megatron.core import parallel_state as ps
 
@@ -151,6 +151,9 @@ class MegatronCausalLM(nn.Module):
         if self.gpt.config.sequence_parallel:
             h = gather_tokens(h, self.tp)
         head = self.head_weight
+        if self.plain:  # Megatron's order: rank statistics all-reduced (rlperf.kernels.fused_logprob's tp_group)
+            return K.fused_logprob(h[logit_rows], head, targets, temperature, return_entropy=with_entropy,
+                                   tp_group=self.tp.group)
         if self.cfg.tie_word_embeddings and torch.is_grad_enabled() and head.requires_grad:
             head = _HeadGradTap.apply(head, self)
         return tree_logprob(h[logit_rows], head, targets, temperature, return_entropy=with_entropy,
@@ -326,10 +329,11 @@ def _layers_per_stage(num_layers: int, pp: int) -> list[int]:
 
 def build_gpt_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, leaves: int = TREE_LEAVES,
                     sequence_parallel: bool = False, recompute: RecomputeConfig = RecomputeConfig(),
-                    device: str | torch.device = "cpu") -> MegatronCausalLM:
+                    device: str | torch.device = "cpu", plain: bool = False) -> MegatronCausalLM:
     """This rank's stage of the model (megatron's process groups must exist:
     :func:`rlperf.train.megatron.runtime.initialize_model_parallel`). Parameters are uninitialised:
-    load them with :meth:`MegatronCausalLM.load_hf_tensors`."""
+    load them with :meth:`MegatronCausalLM.load_hf_tensors`. ``plain``: Megatron's all-reduce order
+    instead of the trees (not TP-invariant; the benchmark's anchor)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -341,7 +345,7 @@ def build_gpt_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, leaves
     if cfg.vocab_size % (leaves):
         raise ValueError(f"vocab_size {cfg.vocab_size} does not split into {leaves} tree leaves")
     config = transformer_config(cfg, dtype, tp, pp, sequence_parallel, recompute)
-    layer = decoder_layer_spec(leaves, cfg.rope_theta, cfg.max_position_embeddings)
+    layer = decoder_layer_spec(leaves, cfg.rope_theta, cfg.max_position_embeddings, plain)
     stage = ps.get_pipeline_model_parallel_rank()
     block = TransformerBlockSubmodules(layer_specs=[layer] * counts[stage], layer_norm=ModuleSpec(module=RMSNorm))
     with cpu_device_queries():
@@ -349,4 +353,4 @@ def build_gpt_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, leaves
                        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                        share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="none")
     gpt.to(device)
-    return MegatronCausalLM(gpt, cfg, leaves)
+    return MegatronCausalLM(gpt, cfg, leaves, plain)
