@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The megatron trainer backend on 2 GPUs (NCCL): TP-invariance and the issue's three throughput targets,
+# every ratio against its anchor from this same run. Results in $OUT (one JSON per run, summary.json).
+#
+#   bash bench/device_megatron.sh
+#
+# Needs megatron-core in the image or as a wheel in .whl/ (Python 3.12 there: megatron-core 0.19.x;
+# carry .whl/ as for bench/device.sh). Runs (bench/megatron.py, one torchrun each):
+#   fsdp-0.6b-tp1        rlperf's one-GPU trainer, 0.6b                       (anchor of target 1)
+#   tree-0.6b-tp1        megatron backend, tree numerics, 1 GPU, engine samples
+#   tree-0.6b-tp2        the same on 2 GPUs (TP=2)                             (bits vs tp1; target 2's subject)
+#   plain-0.6b-tp2       megatron backend, Megatron's all-reduce order, TP=2   (anchor of target 2)
+#   tree-1.7b-tp1 / tree-1.7b-tp2                                             (target 3; bits tp1 vs tp2)
+# With --engine the responses come from rlperf's engine on GPU 0 (tree mode, bf16): the trainer's old
+# log-probs must equal the rollout log-probs exactly (train_rollout_logprob_abs_diff 0) at TP=1 and TP=2.
+set -uo pipefail
+OUT=${OUT:-$(mktemp -d)}
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 \
+    || { tail -30 "$OUT/wheels.log"; exit 3; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 3; }
+python3 -c "import megatron.core; print('megatron-core', megatron.core.__version__)" | tee "$OUT/versions.txt" \
+  || { echo "megatron-core is not importable: put its wheel in .whl/"; exit 3; }
+COMMON="--samples ${MEGATRON_SAMPLES:-8} --tokens ${MEGATRON_TOKENS:-1024} --response ${MEGATRON_RESPONSE:-256} --steps ${MEGATRON_STEPS:-3}"
+status=0
+bench() {  # name nproc args...
+  local name=$1 nproc=$2; shift 2
+  echo "== $name"
+  timeout 150 python3 -m torch.distributed.run --nproc-per-node "$nproc" -m rlperf.bench.megatron $COMMON "$@" \
+    --out "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || { echo "$name failed"; tail -20 "$OUT/$name.log"; status=1; }
+}
+bench fsdp-0.6b-tp1 1 --backend fsdp --shape qwen3-0.6b --tp 1
+bench tree-0.6b-tp1 1 --backend megatron --shape qwen3-0.6b --tp 1 --engine
+bench tree-0.6b-tp2 2 --backend megatron --shape qwen3-0.6b --tp 2 --engine
+bench plain-0.6b-tp2 2 --backend megatron-plain --shape qwen3-0.6b --tp 2
+bench tree-1.7b-tp1 1 --backend megatron --shape qwen3-1.7b --tp 1 --engine
+bench tree-1.7b-tp2 2 --backend megatron --shape qwen3-1.7b --tp 2 --engine
+python3 - "$OUT" <<'PY' | tee "$OUT/summary.json"
+import json, sys, os
+out = sys.argv[1]
+def load(n):
+    p = os.path.join(out, n + ".json")
+    return json.load(open(p)) if os.path.exists(p) else None
+r = {n: load(n) for n in ("fsdp-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp2", "plain-0.6b-tp2", "tree-1.7b-tp1", "tree-1.7b-tp2")}
+def tps(n): return r[n]["train_tokens_per_s"] if r[n] else None
+def ratio(a, b): return tps(a) / tps(b) if tps(a) and tps(b) else None
+def same(a, b, key): return bool(r[a] and r[b] and r[a][key] and r[a][key] == r[b][key])
+s = {
+  "tokens_per_s": {n: tps(n) for n in r},
+  "bits_0.6b_tp1_vs_tp2": {"log_probs": same("tree-0.6b-tp1", "tree-0.6b-tp2", "log_prob_digests"),
+                           "grads": same("tree-0.6b-tp1", "tree-0.6b-tp2", "grad_digests")},
+  "bits_1.7b_tp1_vs_tp2": {"log_probs": same("tree-1.7b-tp1", "tree-1.7b-tp2", "log_prob_digests"),
+                           "grads": same("tree-1.7b-tp1", "tree-1.7b-tp2", "grad_digests")},
+  "engine_abs_diff": {n: r[n].get("train_rollout_logprob_abs_diff") for n in r if r[n] and "train_rollout_logprob_abs_diff" in r[n]},
+  "target1_tp1_megatron_over_fsdp_0.6b (>= 1.0)": ratio("tree-0.6b-tp1", "fsdp-0.6b-tp1"),
+  "target2_tree_step_over_plain_step_tp2_0.6b (<= 1.15)": ratio("plain-0.6b-tp2", "tree-0.6b-tp2"),
+  "target3_tp2_over_tp1_1.7b (>= 1.6)": ratio("tree-1.7b-tp2", "tree-1.7b-tp1"),
+}
+print(json.dumps(s, indent=2))
+PY
+exit $status
