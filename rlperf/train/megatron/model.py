@@ -336,7 +336,6 @@ def build_gpt_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, leaves
     instead of the trees (not TP-invariant; the benchmark's anchor)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -347,7 +346,8 @@ def build_gpt_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, leaves
     config = transformer_config(cfg, dtype, tp, pp, sequence_parallel, recompute)
     layer = decoder_layer_spec(leaves, cfg.rope_theta, cfg.max_position_embeddings, plain)
     stage = ps.get_pipeline_model_parallel_rank()
-    block = TransformerBlockSubmodules(layer_specs=[layer] * counts[stage], layer_norm=ModuleSpec(module=RMSNorm))
+    # the final norm as a class: megatron-core 0.16 builds it through build_module, 0.19 calls it
+    block = TransformerBlockSubmodules(layer_specs=[layer] * counts[stage], layer_norm=RMSNorm)
     with cpu_device_queries():
         gpt = GPTModel(config, block, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
                        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
