@@ -99,56 +99,6 @@ def _mark_tensor_parallel(param: nn.Parameter, dim: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Sequence parallel: exact gathers and slices (the tree makes every reduction identical on every rank)
-# --------------------------------------------------------------------------------------------
-
-
-class _GatherTokens(torch.autograd.Function):
-    """Forward: all-gather the token shards (dim 0). Backward: this rank's rows of the gradient, which
-    the tree-reduced layers already made the full sum on every rank."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(x) for _ in range(tp.size)]
-        dist.all_gather(parts, x.contiguous(), group=tp.group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, g):
-        n = g.shape[0] // ctx.tp.size
-        return g[ctx.tp.rank * n:(ctx.tp.rank + 1) * n].contiguous(), None
-
-
-class _SliceTokens(torch.autograd.Function):
-    """Forward: this rank's token rows of a tensor every rank holds whole. Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        n = x.shape[0] // tp.size
-        return x[tp.rank * n:(tp.rank + 1) * n].contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(g) for _ in range(ctx.tp.size)]
-        dist.all_gather(parts, g.contiguous(), group=ctx.tp.group)
-        return torch.cat(parts), None
-
-
-def gather_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return x if tp.size == 1 else _GatherTokens.apply(x, tp)
-
-
-def slice_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return x if tp.size == 1 else _SliceTokens.apply(x, tp)
-
-
-# --------------------------------------------------------------------------------------------
 # Plain numerics: Megatron's own reduction order (all-reduce of rank partials), the anchor that the
 # tree is measured against. Batch-invariant per rank, not TP-invariant.
 # --------------------------------------------------------------------------------------------
@@ -216,8 +166,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        if getattr(config, "sequence_parallel", False):
-            self.weight.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return K.rmsnorm(x, self.weight, self.eps)
@@ -349,13 +297,10 @@ class TreeSelfAttention(nn.Module):
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **_):
         if packed_seq_params is None:
             raise ValueError("the megatron backend runs packed sequences: pass packed_seq_params (cu_seqlens)")
-        x = gather_tokens(hidden_states, self.tp) if self.config.sequence_parallel else hidden_states
-        qkv, _ = self.linear_qkv(x)
+        qkv, _ = self.linear_qkv(hidden_states)
         q, k, v = self.linear_qkv.split_parts(qkv)
         a = self.core_attention(q, k, v, packed_seq_params.cu_seqlens_q)
         out, _ = self.linear_proj(a)
-        if self.config.sequence_parallel:
-            out = slice_tokens(out, self.tp)
         return out, None
 
 
@@ -377,12 +322,9 @@ class SwiGLUMLP(nn.Module):
         self.linear_fc2 = submodules.linear_fc2(i, config.hidden_size, config, tp, plain)
 
     def forward(self, hidden_states, **_):
-        x = gather_tokens(hidden_states, self.tp) if self.config.sequence_parallel else hidden_states
-        y, _ = self.linear_fc1(x)
+        y, _ = self.linear_fc1(hidden_states)
         gate, up = self.linear_fc1.split_parts(y)
         out, _ = self.linear_fc2(K.silu_mul(torch.cat([gate, up], dim=-1)))
-        if self.config.sequence_parallel:
-            out = slice_tokens(out, self.tp)
         return out, None
 
 

@@ -44,6 +44,12 @@ class RecomputeConfig:
     def check(self) -> None:
         if self.granularity not in (None, "full", "selective"):
             raise ValueError(f"--recompute-granularity {self.granularity!r}: choose full or selective")
+        if self.granularity == "selective":
+            raise ValueError("--recompute-granularity selective: rlperf's layer spec has no selectively "
+                             "recomputed submodule (its attention saves no [L, L] scores); use full")
+        if self.granularity == "full" and not torch.cuda.is_available():
+            raise ValueError("--recompute-granularity full needs CUDA (megatron's activation checkpointing "
+                             "saves and restores CUDA RNG states)")
         if self.granularity == "full":
             if self.method not in ("uniform", "block"):
                 raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
@@ -53,7 +59,7 @@ class RecomputeConfig:
             raise ValueError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
 
 
-def transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int, sequence_parallel: bool = False,
+def transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int,
                        recompute: RecomputeConfig = RecomputeConfig()):
     """megatron's ``TransformerConfig`` for a Qwen3-style ``cfg``: GQA, SwiGLU, RMSNorm with q/k norm,
     no biases, no dropout (RL log-probs are deterministic)."""
@@ -68,7 +74,7 @@ def transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int, s
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=True, perform_initialization=False,
         recompute_granularity=recompute.granularity, recompute_method=recompute.method,
@@ -144,12 +150,8 @@ class MegatronCausalLM(nn.Module):
     def log_probs(self, hidden: torch.Tensor, logit_rows: torch.Tensor, targets: torch.Tensor, temperature: float,
                   with_entropy: bool = False):
         """Log-probs (and entropy) [R] float32 of ``targets`` from the rows ``logit_rows`` of the last
-        stage's hidden [T, 1, H] (token-sharded under sequence parallel): the vocabulary-parallel tree."""
-        from .layers import gather_tokens
-
+        stage's hidden [T, 1, H]: the vocabulary-parallel tree (Megatron's all-reduce order when ``plain``)."""
         h = hidden.reshape(hidden.shape[0], -1)
-        if self.gpt.config.sequence_parallel:
-            h = gather_tokens(h, self.tp)
         head = self.head_weight
         if self.plain:  # Megatron's order: rank statistics all-reduced (rlperf.kernels.fused_logprob's tp_group)
             return K.fused_logprob(h[logit_rows], head, targets, temperature, return_entropy=with_entropy,
@@ -328,7 +330,7 @@ def _layers_per_stage(num_layers: int, pp: int) -> list[int]:
 
 
 def build_gpt_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, leaves: int = TREE_LEAVES,
-                    sequence_parallel: bool = False, recompute: RecomputeConfig = RecomputeConfig(),
+                    recompute: RecomputeConfig = RecomputeConfig(),
                     device: str | torch.device = "cpu", plain: bool = False) -> MegatronCausalLM:
     """This rank's stage of the model (megatron's process groups must exist:
     :func:`rlperf.train.megatron.runtime.initialize_model_parallel`). Parameters are uninitialised:
@@ -343,7 +345,7 @@ def build_gpt_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, leaves
     counts = _layers_per_stage(cfg.num_hidden_layers, pp)
     if cfg.vocab_size % (leaves):
         raise ValueError(f"vocab_size {cfg.vocab_size} does not split into {leaves} tree leaves")
-    config = transformer_config(cfg, dtype, tp, pp, sequence_parallel, recompute)
+    config = transformer_config(cfg, dtype, tp, pp, recompute)
     layer = decoder_layer_spec(leaves, cfg.rope_theta, cfg.max_position_embeddings, plain)
     stage = ps.get_pipeline_model_parallel_rank()
     # the final norm as a class: megatron-core 0.16 builds it through build_module, 0.19 calls it

@@ -40,7 +40,7 @@ class ParallelLayout:
     context_parallel_size: int = 1
     """``--context-parallel-size``: only 1 is implemented (refused otherwise)."""
     sequence_parallel: bool = False
-    """``--sequence-parallel``: activations outside the tensor-parallel layers split by token."""
+    """``--sequence-parallel``: not implemented by the megatron backend (refused)."""
 
     def check(self, world_size: int) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
@@ -54,8 +54,11 @@ class ParallelLayout:
             raise ValueError(f"{world_size} ranks do not split into --tensor-model-parallel-size "
                              f"{self.tensor_model_parallel_size} x --pipeline-model-parallel-size "
                              f"{self.pipeline_model_parallel_size}")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.sequence_parallel:
+            # the norms' weight gradients would be per-rank partial sums over token shards: they need
+            # their own fixed tree over token blocks (at every TP size) before this is TP-invariant
+            raise ValueError("--sequence-parallel is not implemented by the megatron backend yet (its norm "
+                             "weight gradients would need a token-block tree to stay TP-invariant)")
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)

@@ -142,8 +142,7 @@ class MegatronTrainer(Trainer):
 
         inp = None
         if not model.first_stage:
-            t = mb.num_tokens // (self.tp.size if model.gpt.config.sequence_parallel else 1)
-            inp = torch.empty((t, 1, model.cfg.hidden_size), dtype=next(model.parameters()).dtype, device=self.device)
+            inp = torch.empty((mb.num_tokens, 1, model.cfg.hidden_size), dtype=next(model.parameters()).dtype, device=self.device)
             dist.recv(inp, src=ps.get_pipeline_model_parallel_prev_rank())
             if grad:
                 inp.requires_grad_()
