@@ -61,7 +61,7 @@ def _args():
     return TrainArgs(n_samples_per_prompt=2, micro_batch_size=2, lr=1e-2, clip_grad=0.5, entropy_coef=0.01)
 
 
-def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: bool) -> None:
+def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: bool, resume: str | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init-{tag}", rank=rank, world_size=world)
     from rlperf.train.megatron.model import build_gpt_model
@@ -80,13 +80,20 @@ def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: boo
             assert all(torch.equal(exported[n], weights[n]) for n in weights), "HF weights round trip"
             trainer = MegatronTrainer(model, _args())
             samples = torch.load(f"{tmp}/samples-{'tied' if tied else 'untied'}.pt", weights_only=False)
+            if resume is not None:  # a checkpoint written at another layout: weights and AdamW state
+                saved = torch.load(resume, weights_only=False)
+                model.load_hf_tensors(saved["weights"])
+                trainer.load_state_dict(saved["trainer"])
             trainer.prepare(samples)
             metrics = trainer.train_step(samples)
             grads = dict(trainer.iter_hf_grads(bucket_bytes=4096))
             after = dict(trainer.iter_hf_weights(bucket_bytes=4096))
+            checkpoint = {"weights": trainer.gather_model(bucket_bytes=4096), "trainer": trainer.state_dict(4096)}
         if rank == 0:
             torch.save({"log_probs": [s.log_probs for s in samples], "metrics": metrics, "grads": grads,
                         "after": after}, f"{tmp}/{tag}.pt")
+            checkpoint["weights"] = checkpoint["weights"].hf_state_dict()
+            torch.save(checkpoint, f"{tmp}/{tag}-checkpoint.pt")
         dist.barrier()
         destroy_model_parallel()
     finally:
@@ -94,13 +101,13 @@ def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: boo
     leave_process(0)
 
 
-def _run(tmp, tag, tp, pp, tied):
+def _run(tmp, tag, tp, pp, tied, resume=None):
     kind = "tied" if tied else "untied"
     if not os.path.exists(f"{tmp}/samples-{kind}.pt"):
         torch.save(_engine_samples(TIED if tied else UNTIED), f"{tmp}/samples-{kind}.pt")
     world = tp * pp
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, world, str(tmp), tag, tp, pp, tied)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, str(tmp), tag, tp, pp, tied, resume)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -142,3 +149,16 @@ def test_tp1_tp2_pp2_bit_identical(tmp_path, tied):
         plain = compute_log_probs(Qwen3ForCausalLM.random(TIED if tied else UNTIED, seed=0, std=0.05), samples,
                                   micro_batch_size=1)
     assert any(not torch.equal(x, y) for x, y in zip(one["log_probs"], plain))
+
+
+def test_checkpoint_resumes_across_a_layout_change(tmp_path):
+    # step 1 at TP=2, checkpoint (HF-named weights and AdamW moments), step 2 at PP=2 from it; and the
+    # same two steps at TP=1 throughout: the second step's results are the same bits
+    _run(tmp_path, "first-tp2", 2, 1, False)
+    _run(tmp_path, "first-tp1", 1, 1, False)
+    second_pp2 = _run(tmp_path, "second-pp2", 1, 2, False, resume=f"{tmp_path}/first-tp2-checkpoint.pt")
+    second_tp1 = _run(tmp_path, "second-tp1", 1, 1, False, resume=f"{tmp_path}/first-tp1-checkpoint.pt")
+    _assert_same(second_tp1, second_pp2, "resumed at PP=2 from TP=2 vs TP=1 throughout")
+    saved = torch.load(f"{tmp_path}/first-tp1-checkpoint.pt", weights_only=False)["trainer"]["optimizer"]
+    assert saved["step"] == 1.0 and set(saved["moments"]) == {"exp_avg", "exp_avg_sq"}
+    assert any(t.abs().sum() > 0 for t in saved["moments"]["exp_avg_sq"].values())

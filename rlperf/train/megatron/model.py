@@ -197,15 +197,15 @@ class MegatronCausalLM(nn.Module):
             out += self._layer_entries(local)
         return out
 
-    @torch.no_grad()
-    def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's shards out of full HF-named tensors (every name this stage needs must be
-        there; others are ignored). With tied embeddings on a pipeline's last stage, the output layer's
-        copy of the embedding loads ``model.embed_tokens.weight``."""
+    def hf_shards(self, tensors: dict[str, torch.Tensor]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, this rank's shard) for every parameter of this stage, cut out of full HF-named
+        tensors (every name this stage needs must be there; others are ignored). With tied embeddings on
+        a pipeline's last stage, the output layer's copy of the embedding takes ``model.embed_tokens.weight``."""
         tp = self.tp
         entries = self._entries()
         if self.last_stage and not self.first_stage and self.cfg.tie_word_embeddings:
             entries.append(("model.embed_tokens.weight", self.gpt.output_layer.weight, "rows", ()))
+        out = []
         for name, param, kind, info in entries:
             if kind == "blocked":
                 missing = [n for n, _ in info if n not in tensors]
@@ -227,10 +227,17 @@ class MegatronCausalLM(nn.Module):
             if tuple(src.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: this rank's shard has shape {tuple(src.shape)}, the model expects "
                                  f"{tuple(param.shape)}")
+            out.append((param, src))
+        return out
+
+    @torch.no_grad()
+    def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's shards out of full HF-named tensors (:meth:`hf_shards`)."""
+        for param, src in self.hf_shards(tensors):
             param.copy_(src.to(dtype=param.dtype, device=param.device))
 
-    def _gather_tp(self, param: torch.Tensor, kind: str, dtype) -> torch.Tensor:
-        t = self._select(param).detach()
+    def _gather_tp(self, param: torch.Tensor, kind: str, dtype, select) -> torch.Tensor:
+        t = select(param).detach()
         t = t.to(dtype) if dtype is not None else t
         if kind == "replicated" or self.tp.size == 1:
             return t.clone() if kind != "replicated" and self.tp.size == 1 else t
@@ -238,9 +245,9 @@ class MegatronCausalLM(nn.Module):
         dist.all_gather(parts, t.contiguous(), group=self.tp.group)
         return torch.cat(parts, dim=1 if kind == "columns" else 0)
 
-    def _full_tensors(self, entry, dtype) -> list[tuple[str, torch.Tensor]]:
+    def _full_tensors(self, entry, dtype, select) -> list[tuple[str, torch.Tensor]]:
         name, param, kind, info = entry
-        full = self._gather_tp(param, kind, dtype)
+        full = self._gather_tp(param, kind, dtype, select)
         if kind == "blocked":
             return list(zip([n for n, _ in info], parts_from_leaf_blocked(full, [r for _, r in info], self.leaves)))
         return [(name, full)]
@@ -271,14 +278,15 @@ class MegatronCausalLM(nn.Module):
         del per_stage
         return out
 
-    _select = staticmethod(lambda p: p)
-
     def iter_hf_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20,
                         select=None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full tensor)`` for the whole model, in ``hf_state_dict()`` order, gathered over the
         tensor-parallel ranks and broadcast from the stage that holds it, one bucket (at most
         ``bucket_bytes``, a larger tensor alone) at a time. A collective over the default group: every
-        rank iterates to the end; every rank gets every tensor (rank 0 typically consumes them)."""
+        rank iterates to the end; every rank gets every tensor (rank 0 typically consumes them).
+        ``select(parameter)`` (optional) names the tensor gathered in the parameter's place (its float32
+        master, its gradient, an AdamW moment): the same layout and names."""
+        select = select or (lambda p: p)
         mine: dict[str, tuple] = {}
         for entry in self._entries():
             names = [n for n, _ in entry[3]] if entry[2] == "blocked" else [entry[0]]
@@ -293,7 +301,7 @@ class MegatronCausalLM(nn.Module):
             produced: dict[str, torch.Tensor] = {}
             for name, shape, stage in bucket:
                 if stage == self.pp_rank and name not in produced:
-                    produced.update(self._full_tensors(mine[name], out_dtype))
+                    produced.update(self._full_tensors(mine[name], out_dtype, select))
             result = []
             for name, shape, stage in bucket:
                 if self.pp_size > 1:

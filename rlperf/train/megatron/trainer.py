@@ -383,29 +383,73 @@ class MegatronTrainer(Trainer):
         master_of = {id(p): m for p, m in zip(self.params, self.master_params)}
         return self.model.iter_hf_weights(torch.float32, bucket_bytes, select=lambda p: master_of[id(p)].grad)
 
+    def _master_of(self) -> dict[int, torch.Tensor]:
+        return {id(p): m for p, m in zip(self.params, self.master_params)}
+
     @torch.no_grad()
     def gather_model(self, bucket_bytes: int = 512 << 20):
-        """A collective: on rank 0 a CPU ``Qwen3ForCausalLM`` with the full weights (float32), on the
-        other ranks None (what a consolidated checkpoint writes)."""
+        """A collective: on rank 0 a CPU ``Qwen3ForCausalLM`` with the full float32 master weights (what
+        a consolidated checkpoint writes), on the other ranks None."""
         from rlperf.model.qwen3 import Qwen3ForCausalLM
 
+        master_of = self._master_of()
         copy = Qwen3ForCausalLM(self.model.cfg, torch.float32, "cpu") if dist.get_rank() == 0 else None
         targets = copy.hf_state_dict() if copy is not None else {}
-        for name, full in self.iter_hf_weights(torch.float32, bucket_bytes):
+        for name, full in self.model.iter_hf_weights(torch.float32, bucket_bytes, select=lambda p: master_of[id(p)]):
             if copy is not None:
                 targets[name].copy_(full)
         return copy
 
-    def state_dict(self) -> dict:
-        """This rank's optimizer state keyed by parameter name, and the step count (rank-local: resume on
-        the same layout; the weights leave through :meth:`gather_model` in HF names)."""
-        state = self.optimizer.state_dict()
-        return {"optimizer": state, "step_count": self.step_count, "param_names": self.param_names}
+    _MOMENTS = ("exp_avg", "exp_avg_sq")
 
+    def state_dict(self, bucket_bytes: int = 512 << 20) -> dict:
+        """A collective: the AdamW state as full float32 tensors under Hugging Face names (gathered like
+        the weights), the hyperparameters and the step count — the same for every layout, so a
+        checkpoint resumes at another TP / PP size (or in the fsdp backend's names). Rank 0 gets it, the
+        other ranks an empty ``optimizer``."""
+        master_of = self._master_of()
+        state = self.optimizer.state
+        moments: dict[str, dict[str, torch.Tensor]] = {}
+        step = None
+        for key in self._MOMENTS:
+            def pick(p, key=key):
+                st = state.get(master_of[id(p)], {})
+                return st[key] if key in st else torch.zeros_like(master_of[id(p)], dtype=torch.float32)
+
+            got = {n: t.cpu().clone() for n, t in self.model.iter_hf_weights(torch.float32, bucket_bytes, select=pick)}
+            if dist.get_rank() == 0:
+                moments[key] = got
+        for st in state.values():
+            if "step" in st:
+                step = float(st["step"])
+                break
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
+        optim = {"format": "hf-names", "moments": moments, "step": step, "param_groups": groups} \
+            if dist.get_rank() == 0 else {}
+        return {"optimizer": optim, "step_count": self.step_count}
+
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        if state.get("param_names") not in (None, self.param_names):
-            raise ValueError("the saved optimizer state belongs to another layout of the megatron model")
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore :meth:`state_dict` (every rank calls it with the full state and keeps its shards; the
+        model must already hold the saved weights)."""
+        optim = state["optimizer"]
+        if optim.get("format") != "hf-names":
+            raise ValueError("the saved optimizer state is not the megatron backend's (HF-named AdamW moments)")
+        if optim["step"] is not None:
+            shards = {key: self.model.hf_shards(optim["moments"][key]) for key in self._MOMENTS}
+            master_of = self._master_of()
+            for i, (param, avg) in enumerate(shards["exp_avg"]):
+                _, avg_sq = shards["exp_avg_sq"][i]
+                m = master_of.get(id(param))
+                if m is None:
+                    continue
+                self.optimizer.state[m] = {
+                    "step": torch.tensor(optim["step"], dtype=torch.float32),
+                    "exp_avg": avg.to(dtype=torch.float32, device=m.device).clone(),
+                    "exp_avg_sq": avg_sq.to(dtype=torch.float32, device=m.device).clone()}
+        for g, saved in zip(self.optimizer.param_groups, optim["param_groups"]):
+            g.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
         self.step_count = int(state["step_count"])
         self._copy_master_to_compute()
 
