@@ -101,11 +101,11 @@ def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: boo
     leave_process(0)
 
 
-def _run(tmp, tag, tp, pp, tied, resume=None):
+def _run(tmp, tag, tp, pp, tied, resume=None, dp=1):
     kind = "tied" if tied else "untied"
     if not os.path.exists(f"{tmp}/samples-{kind}.pt"):
         torch.save(_engine_samples(TIED if tied else UNTIED), f"{tmp}/samples-{kind}.pt")
-    world = tp * pp
+    world = tp * pp * dp
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, world, str(tmp), tag, tp, pp, tied, resume)) for r in range(world)]
     for p in procs:
@@ -162,3 +162,17 @@ def test_checkpoint_resumes_across_a_layout_change(tmp_path):
     saved = torch.load(f"{tmp_path}/first-tp1-checkpoint.pt", weights_only=False)["trainer"]["optimizer"]
     assert saved["step"] == 1.0 and set(saved["moments"]) == {"exp_avg", "exp_avg_sq"}
     assert any(t.abs().sum() > 0 for t in saved["moments"]["exp_avg_sq"].values())
+
+
+def test_data_parallel_replicas_train_the_global_batch(tmp_path):
+    # 2 data-parallel replicas (TP=1): each computes half of the samples; log-probs are the same bits
+    # (batch invariance), the summed gradient is the one-process gradient up to float32 rounding (the
+    # replicas' sums are added in replica order, not micro-batch by micro-batch)
+    one = _run(tmp_path, "one", 1, 1, False)
+    dp2 = _run(tmp_path, "dp2", 1, 1, False, dp=2)
+    for x, y in zip(one["log_probs"], dp2["log_probs"]):
+        assert torch.equal(x, y)
+    for k, v in one["metrics"].items():
+        assert dp2["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    for name, g in one["grads"].items():
+        assert torch.allclose(dp2["grads"][name], g, rtol=1e-4, atol=1e-7), name
