@@ -258,9 +258,6 @@ class MegatronCausalLM(nn.Module):
         from rlperf.model.qwen3 import Qwen3ForCausalLM, hf_views
 
         meta = Qwen3ForCausalLM(self.cfg, device="meta")
-        per_stage = [0] * self.pp_size
-        from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: F401
-
         counts = _layers_per_stage(self.cfg.num_hidden_layers, self.pp_size)
         first_layer = [sum(counts[:s]) for s in range(self.pp_size)]
         out = []
@@ -275,7 +272,6 @@ class MegatronCausalLM(nn.Module):
                 stage = self.pp_size - 1
             for hf_name, t in hf_views(self.cfg, pname, params[pname]):
                 out.append((hf_name, tuple(t.shape), stage))
-        del per_stage
         return out
 
     def iter_hf_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20,

@@ -25,16 +25,14 @@ step; each micro-batch's compute-dtype gradients are accumulated into float32 ma
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..advantages import compute_advantages
-from ..batching import MicroBatch, pack_micro_batches, partition, make_micro_batch
-from ..losses import compute_approx_kl, policy_loss
+from ..batching import MicroBatch, make_micro_batch, partition
+from ..losses import policy_loss
 from ..sample import Sample
 from ..trainer import Trainer
 from .model import MegatronCausalLM
