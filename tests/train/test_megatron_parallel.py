@@ -30,16 +30,15 @@ TIED = preset("tiny")
 UNTIED = ModelConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, vocab_size=384, max_position_embeddings=256,
                      tie_word_embeddings=False)
-LENGTHS = [(6, 3), (9, 5), (4, 1), (13, 7)]  # (total tokens, response tokens); 2 prompts x 2 samples
 
 
-def _engine_samples(cfg):
+def _engine_samples(cfg, backend="reference"):
     """Four samples (2 prompts x 2) whose responses and rollout log-probs come from rlperf's engine on
     one process, in tree mode (``reduction_leaves``): what a one-GPU engine gives a TP=2 trainer."""
     from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
     from rlperf.rollout.tokenizer import ByteTokenizer
 
-    with K.use_backend("reference"):
+    with K.use_backend(backend):
         model = Qwen3ForCausalLM.random(cfg, seed=0, std=0.05, reduction_leaves=TREE_LEAVES)
         engine = Engine(model, ByteTokenizer(cfg.vocab_size), EngineConfig(max_total_tokens=1024))
         g = torch.Generator().manual_seed(0)
@@ -61,7 +60,8 @@ def _args():
     return TrainArgs(n_samples_per_prompt=2, micro_batch_size=2, lr=1e-2, clip_grad=0.5, entropy_coef=0.01)
 
 
-def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: bool, resume: str | None = None) -> None:
+def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: bool, resume: str | None = None,
+          backend: str = "reference") -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init-{tag}", rank=rank, world_size=world)
     from rlperf.train.megatron.model import build_gpt_model
@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: boo
     cfg = TIED if tied else UNTIED
     try:
         initialize_model_parallel(ParallelLayout(tp, pp))
-        with K.use_backend("reference"):
+        with K.use_backend(backend):
             weights = Qwen3ForCausalLM.random(cfg, seed=0, std=0.05).hf_state_dict()
             model = build_gpt_model(cfg)
             model.load_hf_tensors(weights)
@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: boo
             assert list(exported) == list(weights), "HF names out in hf_state_dict() order"
             assert all(torch.equal(exported[n], weights[n]) for n in weights), "HF weights round trip"
             trainer = MegatronTrainer(model, _args())
-            samples = torch.load(f"{tmp}/samples-{'tied' if tied else 'untied'}.pt", weights_only=False)
+            samples = torch.load(f"{tmp}/samples-{'tied' if tied else 'untied'}-{backend}.pt", weights_only=False)
             if resume is not None:  # a checkpoint written at another layout: weights and AdamW state
                 saved = torch.load(resume, weights_only=False)
                 model.load_hf_tensors(saved["weights"])
@@ -101,13 +101,13 @@ def _rank(rank: int, world: int, tmp: str, tag: str, tp: int, pp: int, tied: boo
     leave_process(0)
 
 
-def _run(tmp, tag, tp, pp, tied, resume=None, dp=1):
-    kind = "tied" if tied else "untied"
+def _run(tmp, tag, tp, pp, tied, resume=None, dp=1, backend="reference"):
+    kind = f"{'tied' if tied else 'untied'}-{backend}"
     if not os.path.exists(f"{tmp}/samples-{kind}.pt"):
-        torch.save(_engine_samples(TIED if tied else UNTIED), f"{tmp}/samples-{kind}.pt")
+        torch.save(_engine_samples(TIED if tied else UNTIED, backend), f"{tmp}/samples-{kind}.pt")
     world = tp * pp * dp
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, world, str(tmp), tag, tp, pp, tied, resume)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, str(tmp), tag, tp, pp, tied, resume, backend)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -138,7 +138,7 @@ def test_tp1_tp2_pp2_bit_identical(tmp_path, tied):
     assert any(not torch.equal(one["after"][n], w) for n, w in
                Qwen3ForCausalLM.random(TIED if tied else UNTIED, seed=0, std=0.05).hf_state_dict().items())
     # true on-policy: the trainer's old log-probs at every layout are the engine's rollout log-probs
-    samples = torch.load(f"{tmp_path}/samples-{'tied' if tied else 'untied'}.pt", weights_only=False)
+    samples = torch.load(f"{tmp_path}/samples-{'tied' if tied else 'untied'}-reference.pt", weights_only=False)
     for got in (one, tp2, pp2):
         assert got["metrics"]["train/train_rollout_logprob_abs_diff"] == 0.0
         for x, s in zip(got["log_probs"], samples):
@@ -176,3 +176,13 @@ def test_data_parallel_replicas_train_the_global_batch(tmp_path):
         assert dp2["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
     for name, g in one["grads"].items():
         assert torch.allclose(dp2["grads"][name], g, rtol=1e-4, atol=1e-7), name
+
+
+def test_triton_path_tp1_equals_tp2_under_the_interpreter(tmp_path, interpreter):
+    # the GPU code path (Triton leaf products with pinned tile configs, the fused log-prob kernel's leaf
+    # statistics and backward, q/k norm + RoPE per head block, the attention backward) under Triton's
+    # CPU interpreter: TP=2 equals TP=1 bit for bit and both equal the engine's rollout log-probs
+    one = _run(tmp_path, "tp1", 1, 1, False, backend="interpreter")
+    tp2 = _run(tmp_path, "tp2", 2, 1, False, backend="interpreter")
+    _assert_same(one, tp2, "interpreter: TP=2 vs TP=1")
+    assert one["metrics"]["train/train_rollout_logprob_abs_diff"] == 0.0
