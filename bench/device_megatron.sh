@@ -25,7 +25,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 3; }
 python3 -c "import megatron.core; print('megatron-core', megatron.core.__version__)" | tee "$OUT/versions.txt" \
   || { echo "megatron-core is not importable: put its wheel in .whl/"; exit 3; }
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_megatron_runtime.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -5
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_megatron_runtime.py tests/kernels/test_tree_reduce.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -5
 status=${PIPESTATUS[0]}
 COMMON="--samples ${MEGATRON_SAMPLES:-8} --tokens ${MEGATRON_TOKENS:-1024} --response ${MEGATRON_RESPONSE:-256} --steps ${MEGATRON_STEPS:-3}"
 bench() {  # name nproc args...

@@ -111,3 +111,25 @@ def test_triton_path_under_the_interpreter(interpreter):
     assert torch.allclose(y, yr, atol=1e-5)
     assert torch.allclose(lp, lpr, atol=1e-5) and torch.allclose(ent, entr, atol=1e-5)
     assert torch.allclose(hid.grad, hr.grad, atol=1e-5) and torch.allclose(head.grad, wr.grad, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [2, 4])
+def test_gpu_bits_do_not_depend_on_the_split(split):
+    # bf16 on the GPU (Triton kernels): a column-parallel shard's columns, a row-parallel rank's tree
+    # node and a vocabulary leaf range give the bits of the unsplit computation
+    with K.use_backend("triton"):
+        g = torch.Generator(device="cuda").manual_seed(split)
+        x = torch.randn(37, 1024, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(3072, 1024, device="cuda", generator=g) * 0.05).bfloat16()
+        full = T.column_parallel_linear(x, w)
+        n = w.shape[0] // split
+        shards = [T._matmul_out(x, w[r * n:(r + 1) * n], x.dtype, config_n=w.shape[0]) for r in range(split)]
+        assert torch.equal(torch.cat(shards, dim=1), full)
+        assert torch.equal(full, K.linear(x, w))  # the engine's projection
+        x2 = torch.randn(37, 3072, device="cuda", generator=g).bfloat16()
+        w2 = (torch.randn(1024, 3072, device="cuda", generator=g) * 0.05).bfloat16()
+        k = 3072 // split
+        nodes = [T.tree_matmul(x2[:, r * k:(r + 1) * k], w2[:, r * k:(r + 1) * k], leaves=8 // split)
+                 for r in range(split)]
+        assert torch.equal(T.tree_sum(nodes), T.tree_matmul(x2, w2, leaves=8))
