@@ -3,6 +3,8 @@
 # every ratio against its anchor from this same run. Results in $OUT (one JSON per run, summary.json).
 #
 #   bash bench/device_megatron.sh
+#   MEGATRON_RUNS="fsdp-0.6b-tp1 tree-0.6b-tp1" bash bench/device_megatron.sh   # a subset (one call ~ 10 min:
+#                                                   split the six runs over two calls on a warm machine)
 #
 # Needs megatron-core in the image or as a wheel in .whl/ (Python 3.12 there: megatron-core 0.19.x;
 # carry .whl/ as for bench/device.sh). Runs (bench/megatron.py, one torchrun each):
@@ -28,10 +30,12 @@ python3 -c "import megatron.core; print('megatron-core', megatron.core.__version
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_megatron_runtime.py tests/kernels/test_tree_reduce.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -5
 status=${PIPESTATUS[0]}
 COMMON="--samples ${MEGATRON_SAMPLES:-8} --tokens ${MEGATRON_TOKENS:-1024} --response ${MEGATRON_RESPONSE:-256} --steps ${MEGATRON_STEPS:-3}"
+RUNS=${MEGATRON_RUNS:-all}
 bench() {  # name nproc args...
   local name=$1 nproc=$2; shift 2
+  if [ "$RUNS" != all ] && [[ " $RUNS " != *" $name "* ]]; then return; fi
   echo "== $name"
-  timeout 150 python3 -m torch.distributed.run --nproc-per-node "$nproc" -m rlperf.bench.megatron $COMMON "$@" \
+  timeout ${MEGATRON_RUN_TIMEOUT:-240} python3 -m torch.distributed.run --nproc-per-node "$nproc" -m rlperf.bench.megatron $COMMON "$@" \
     --out "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || { echo "$name failed"; tail -20 "$OUT/$name.log"; status=1; }
 }
 bench fsdp-0.6b-tp1 1 --backend fsdp --shape qwen3-0.6b --tp 1
