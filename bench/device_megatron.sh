@@ -44,27 +44,5 @@ bench tree-0.6b-tp2 2 --backend megatron --shape qwen3-0.6b --tp 2 --engine
 bench plain-0.6b-tp2 2 --backend megatron-plain --shape qwen3-0.6b --tp 2
 bench tree-1.7b-tp1 1 --backend megatron --shape qwen3-1.7b --tp 1 --engine
 bench tree-1.7b-tp2 2 --backend megatron --shape qwen3-1.7b --tp 2 --engine
-python3 - "$OUT" <<'PY' | tee "$OUT/summary.json"
-import json, sys, os
-out = sys.argv[1]
-def load(n):
-    p = os.path.join(out, n + ".json")
-    return json.load(open(p)) if os.path.exists(p) else None
-r = {n: load(n) for n in ("fsdp-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp2", "plain-0.6b-tp2", "tree-1.7b-tp1", "tree-1.7b-tp2")}
-def tps(n): return r[n]["train_tokens_per_s"] if r[n] else None
-def ratio(a, b): return tps(a) / tps(b) if tps(a) and tps(b) else None
-def same(a, b, key): return bool(r[a] and r[b] and r[a][key] and r[a][key] == r[b][key])
-s = {
-  "tokens_per_s": {n: tps(n) for n in r},
-  "bits_0.6b_tp1_vs_tp2": {"log_probs": same("tree-0.6b-tp1", "tree-0.6b-tp2", "log_prob_digests"),
-                           "grads": same("tree-0.6b-tp1", "tree-0.6b-tp2", "grad_digests")},
-  "bits_1.7b_tp1_vs_tp2": {"log_probs": same("tree-1.7b-tp1", "tree-1.7b-tp2", "log_prob_digests"),
-                           "grads": same("tree-1.7b-tp1", "tree-1.7b-tp2", "grad_digests")},
-  "engine_abs_diff": {n: r[n].get("train_rollout_logprob_abs_diff") for n in r if r[n] and "train_rollout_logprob_abs_diff" in r[n]},
-  "target1_tp1_megatron_over_fsdp_0.6b (>= 1.0)": ratio("tree-0.6b-tp1", "fsdp-0.6b-tp1"),
-  "target2_tree_step_over_plain_step_tp2_0.6b (<= 1.15)": ratio("plain-0.6b-tp2", "tree-0.6b-tp2"),
-  "target3_tp2_over_tp1_1.7b (>= 1.6)": ratio("tree-1.7b-tp2", "tree-1.7b-tp1"),
-}
-print(json.dumps(s, indent=2))
-PY
+python3 -m rlperf.bench.megatron --summary "$OUT" | tee "$OUT/summary.json"
 exit $status

@@ -155,9 +155,46 @@ def compare(a_path: str, b_path: str) -> dict:
             "tokens_per_s_ratio_b_over_a": ratio}
 
 
+RUNS = ("fsdp-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp2", "plain-0.6b-tp2", "tree-1.7b-tp1", "tree-1.7b-tp2")
+"""The runs of ``bench/device_megatron.sh`` (``<backend>-<shape>-tp<N>.json`` in its output folder)."""
+
+
+def summary(folder: str) -> dict:
+    """The issue's targets from the runs' JSON files in ``folder`` (those present): bit-equality at TP=1
+    vs TP=2, the engine abs diffs, and the three ratios, each against its anchor from the same machine."""
+    r = {}
+    for n in RUNS:
+        path = os.path.join(folder, n + ".json")
+        r[n] = json.load(open(path)) if os.path.exists(path) else None
+
+    def tps(n):
+        return r[n]["train_tokens_per_s"] if r[n] else None
+
+    def ratio(a, b):
+        return tps(a) / tps(b) if tps(a) and tps(b) else None
+
+    def same(a, b, key):
+        return bool(r[a] and r[b] and r[a].get(key) and r[a][key] == r[b][key])
+
+    return {
+        "tokens_per_s": {n: tps(n) for n in RUNS},
+        "gpus": sorted({x["gpu"] for x in r.values() if x and x.get("gpu")}),
+        "bits_0.6b_tp1_vs_tp2": {"log_probs": same("tree-0.6b-tp1", "tree-0.6b-tp2", "log_prob_digests"),
+                                 "grads": same("tree-0.6b-tp1", "tree-0.6b-tp2", "grad_digests")},
+        "bits_1.7b_tp1_vs_tp2": {"log_probs": same("tree-1.7b-tp1", "tree-1.7b-tp2", "log_prob_digests"),
+                                 "grads": same("tree-1.7b-tp1", "tree-1.7b-tp2", "grad_digests")},
+        "engine_abs_diff": {n: r[n]["train_rollout_logprob_abs_diff"] for n in RUNS
+                            if r[n] and "train_rollout_logprob_abs_diff" in r[n]},
+        "target1_tp1_megatron_over_fsdp_0.6b (>= 1.0)": ratio("tree-0.6b-tp1", "fsdp-0.6b-tp1"),
+        "target2_tree_step_over_plain_step_tp2_0.6b (<= 1.15)": ratio("plain-0.6b-tp2", "tree-0.6b-tp2"),
+        "target3_tp2_over_tp1_1.7b (>= 1.6)": ratio("tree-1.7b-tp2", "tree-1.7b-tp1"),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m rlperf.bench.megatron", description=__doc__.split("\n\n")[0])
     p.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), help="compare two runs' results and exit")
+    p.add_argument("--summary", metavar="DIR", help="the targets from bench/device_megatron.sh's run files in DIR")
     p.add_argument("--backend", choices=("megatron", "megatron-plain", "fsdp"), default="megatron")
     p.add_argument("--shape", default="qwen3-0.6b", help="a preset name or qwen3-1.7b")
     p.add_argument("--tp", type=int, default=1, help="--tensor-model-parallel-size (= the number of processes)")
@@ -172,6 +209,9 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     if ns.compare:
         print(json.dumps(compare(*ns.compare), indent=2))
+        return 0
+    if ns.summary:
+        print(json.dumps(summary(ns.summary), indent=2))
         return 0
     if ns.response >= ns.tokens:
         p.error("--response must be smaller than --tokens")
