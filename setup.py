@@ -67,6 +67,12 @@ def _extensions():
 packages, package_dir = _packages()
 ext_modules, cmdclass = _extensions()
 
+# megatron-core 0.19 needs Python >= 3.12; the 0.16 line is the last that installs on 3.11. The
+# megatron trainer backend (rlperf/train/megatron/) uses its local (no Transformer Engine) spec,
+# which is pure Python in both lines.
+MEGATRON_CORE = ['megatron-core~=0.16.1; python_version < "3.12"',
+                 'megatron-core~=0.19.0; python_version >= "3.12"']
+
 setup(
     name="rlperf",
     version="0.1.0",
@@ -82,7 +88,7 @@ setup(
     install_requires=["torch>=2.6", "triton>=3.3", "numpy", "safetensors>=0.4", "aiohttp>=3.9", "tqdm", "perfetto>=0.59"],
     extras_require={
         "test": ["pytest>=8", "pytest-benchmark>=4", "sglang-router>=0.3.2", "transformers>=4.51",
-                 "perfetto>=0.59", "ray[default]>=2.40", "tensorboard>=2.14", "wandb>=0.17", "matplotlib>=3.7"],
+                 "perfetto>=0.59", "ray[default]>=2.40", "tensorboard>=2.14", "wandb>=0.17", "matplotlib>=3.7", *MEGATRON_CORE],
         "serve": ["sglang-router>=0.3.2"],
         "hf": ["transformers>=4.51"],
         "profile": ["sglang-router>=0.3.2", "perfetto>=0.59"],
@@ -90,6 +96,7 @@ setup(
         "tensorboard": ["tensorboard>=2.14"],  # rlperf train --use-tensorboard
         "wandb": ["wandb>=0.17"],  # rlperf train --use-wandb
         "plot": ["matplotlib>=3.7"],  # rlperf plot, rlperf train --plot, the gate's and the profile's pictures
+        "megatron": MEGATRON_CORE,  # the megatron trainer backend (rlperf.train.megatron)
     },
     entry_points={"console_scripts": ["rlperf=rlperf.cli:main"]},
 )

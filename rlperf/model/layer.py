@@ -17,6 +17,12 @@ Layer (HF ``Qwen3DecoderLayer`` order), per token, T tokens, hidden size H::
     h     = linear(silu_mul(linear(x, w.gate_up_proj)), w.down_proj)
     return h, r
 
+``leaves`` (None, or the tree's leaf count S: the model's ``reduction_leaves``) selects the
+**tensor-parallel-invariant** numerics: ``o_proj`` and ``down_proj`` sum their K in the fixed tree of
+``rlperf.kernels.tree_reduce`` and the q/k norm runs per head block, exactly as the megatron trainer
+backend computes them at any TP size (``rlperf/train/megatron/layers.py``), so its log-probs equal
+this model's bit for bit.
+
 Every op is batch-invariant in ``invariant`` mode and attention gives the same bits in prefill,
 chunked prefill and decode, so a token's output never depends on how it was batched.
 """
@@ -27,6 +33,7 @@ import dataclasses
 import torch
 
 from rlperf import kernels as K
+from rlperf.kernels import tree_reduce
 
 from .config import ModelConfig
 
@@ -100,8 +107,27 @@ class RopeTable:
         return out.to(x.dtype)
 
 
-def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: RopeTable, positions, attend):
+def _norm_rope(x, weight, positions, rope: RopeTable, eps: float, blocks: int | None):
+    """q/k RMSNorm + RoPE of x [T, heads, D]: one kernel call, or one per head block (tree mode)."""
+    if blocks is None or blocks == 1:
+        return K.rmsnorm_rope(x, weight, positions, rope.cos, rope.sin, eps)
+    per = x.shape[1] // blocks
+    return torch.cat([K.rmsnorm_rope(x[:, b * per:(b + 1) * per], weight, positions, rope.cos, rope.sin, eps)
+                      for b in range(blocks)], dim=1)
+
+
+def _row_linear(x, w, leaves: int | None):
+    """A row-parallel-able projection (o_proj, down_proj): the plain kernel, or K summed in the fixed tree."""
+    if leaves is None:
+        return K.linear(x, w)
+    return tree_reduce.row_parallel_linear(x, w, leaves)
+
+
+def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: RopeTable, positions, attend,
+           leaves: int | None = None):
     t = hidden.shape[0]
+    blocks = None if leaves is None else tree_reduce.head_blocks(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                                 leaves)
     if residual is None:
         x, residual = K.rmsnorm(hidden, w.input_layernorm, cfg.rms_norm_eps), hidden
     else:
@@ -110,29 +136,29 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     # q/k norm and RoPE in one kernel each, reading the strided views of qkv in place; the prefill
     # (trainer) and the paged step (engine) both come through here, so they run the same kernel
-    q = K.rmsnorm_rope(q.reshape(t, cfg.num_attention_heads, cfg.head_dim), w.q_norm, positions, rope.cos, rope.sin,
-                       cfg.rms_norm_eps)
-    k = K.rmsnorm_rope(k.reshape(t, cfg.num_key_value_heads, cfg.head_dim), w.k_norm, positions, rope.cos, rope.sin,
-                       cfg.rms_norm_eps)
+    q = _norm_rope(q.reshape(t, cfg.num_attention_heads, cfg.head_dim), w.q_norm, positions, rope, cfg.rms_norm_eps,
+                   blocks)
+    k = _norm_rope(k.reshape(t, cfg.num_key_value_heads, cfg.head_dim), w.k_norm, positions, rope, cfg.rms_norm_eps,
+                   blocks)
     v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
     a = attend(q, k, v)
-    x, residual = K.add_rmsnorm(K.linear(a.reshape(t, cfg.q_size), w.o_proj), residual,
+    x, residual = K.add_rmsnorm(_row_linear(a.reshape(t, cfg.q_size), w.o_proj, leaves), residual,
                                 w.post_attention_layernorm, cfg.rms_norm_eps)
-    return K.linear(K.silu_mul(K.linear(x, w.gate_up_proj)), w.down_proj), residual
+    return _row_linear(K.silu_mul(K.linear(x, w.gate_up_proj)), w.down_proj, leaves), residual
 
 
-def decoder_layer_prefill(hidden, residual, w, cfg, rope, positions, cu_seqlens):
+def decoder_layer_prefill(hidden, residual, w, cfg, rope, positions, cu_seqlens, leaves: int | None = None):
     """Training forward of one layer over packed sequences.
 
     hidden [T, H]; residual [T, H] or None (first layer); positions [T] int64 (position within its
     sequence); cu_seqlens [B+1] int32. Returns (hidden_out [T, H], residual [T, H]).
     """
     return _layer(hidden, residual, w, cfg, rope, positions,
-                  lambda q, k, v: K.varlen_attention(q, k, v, cu_seqlens))
+                  lambda q, k, v: K.varlen_attention(q, k, v, cu_seqlens), leaves)
 
 
 def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slot_mapping, page_table,
-                        cu_seqlens_q, kv_lens):
+                        cu_seqlens_q, kv_lens, leaves: int | None = None):
     """Engine step of one layer: store the new tokens' K/V in the paged cache, attend over it.
 
     hidden [T, H] (the new tokens of B sequences, packed); positions [T]; kv_cache (k_cache,
@@ -146,4 +172,4 @@ def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slo
         K.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return K.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens)
 
-    return _layer(hidden, residual, w, cfg, rope, positions, attend)
+    return _layer(hidden, residual, w, cfg, rope, positions, attend, leaves)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from rlperf import kernels as K
+from rlperf.kernels.tree_reduce import tree_logprob
 
 from .config import ModelConfig, read_hf_config
 from .layer import DecoderLayerWeights, RopeTable, decoder_layer_paged, decoder_layer_prefill
@@ -50,22 +51,33 @@ class DecoderLayer(nn.Module):
         return DecoderLayerWeights(**{f: getattr(self, f) for f in DecoderLayerWeights.__dataclass_fields__})
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeTable, positions: torch.Tensor,
-                cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                cu_seqlens: torch.Tensor, leaves: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The training forward of this layer over packed sequences (:func:`decoder_layer_prefill`).
 
         :meth:`Qwen3ForCausalLM.forward_packed` calls each layer as a module (``layer(...)``), so
         module hooks run around it: FSDP2 (``fully_shard`` per layer, :mod:`rlperf.train.fsdp`)
         gathers the layer's parameters before it and frees them after.
         """
-        return decoder_layer_prefill(hidden, residual, self.weights(), self.cfg, rope, positions, cu_seqlens)
+        return decoder_layer_prefill(hidden, residual, self.weights(), self.cfg, rope, positions, cu_seqlens, leaves)
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """Qwen3-style decoder: embedding, ``num_hidden_layers`` decoder layers, final RMSNorm, LM head."""
+    """Qwen3-style decoder: embedding, ``num_hidden_layers`` decoder layers, final RMSNorm, LM head.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu"):
+    ``reduction_leaves`` (None by default): the tensor-parallel-invariant numerics. With S (a power
+    of two, ``rlperf.kernels.tree_reduce.TREE_LEAVES`` = 8 by default) ``o_proj`` and ``down_proj``
+    sum K in the fixed tree of S leaves, the q/k norm runs per head block, and :meth:`token_logprobs`
+    combines S vocabulary slices in the tree: what the megatron trainer backend computes at any
+    tensor-parallel size, so an engine on one GPU stays bit-equal to a TP=2 trainer. It changes this
+    model's bits (not its math): trainer and engine must use the same setting. May be set after
+    construction (an attribute; forwards read it per call).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
+                 reduction_leaves: int | None = None):
         super().__init__()
         self.cfg = cfg
+        self.reduction_leaves = reduction_leaves
         kw = dict(dtype=dtype, device=device)
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
@@ -84,9 +96,10 @@ class Qwen3ForCausalLM(nn.Module):
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu", std: float = 0.02):
+    def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu", std: float = 0.02,
+               reduction_leaves: int | None = None):
         """Random init (normal(0, std) matrices, unit norms), reproducible from ``seed`` on any device."""
-        model = cls(cfg, dtype, device)
+        model = cls(cfg, dtype, device, reduction_leaves)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -108,7 +121,7 @@ class Qwen3ForCausalLM(nn.Module):
         """Final hidden states [T, H] of packed sequences (input_ids [T], positions [T], cu_seqlens [B+1] int32)."""
         hidden, residual = self.embed_tokens[input_ids], None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, self.rope, positions, cu_seqlens)
+            hidden, residual = layer(hidden, residual, self.rope, positions, cu_seqlens, self.reduction_leaves)
         return K.add_rmsnorm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def forward_paged(self, input_ids, positions, kv_caches, slot_mapping, page_table, cu_seqlens_q, kv_lens):
@@ -119,8 +132,19 @@ class Qwen3ForCausalLM(nn.Module):
         hidden, residual = self.embed_tokens[input_ids], None
         for layer, cache in zip(self.layers, kv_caches):
             hidden, residual = decoder_layer_paged(hidden, residual, layer.weights(), self.cfg, self.rope, positions,
-                                                   cache, slot_mapping, page_table, cu_seqlens_q, kv_lens)
+                                                   cache, slot_mapping, page_table, cu_seqlens_q, kv_lens,
+                                                   self.reduction_leaves)
         return K.add_rmsnorm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                       return_entropy: bool = False):
+        """Log-probs (and entropy) [N] float32 of ``targets`` from final hidden rows [N, H]: the one
+        log-prob path of trainer and engine. ``K.fused_logprob``, or with ``reduction_leaves`` the
+        vocabulary tree (``rlperf.kernels.tree_reduce.tree_logprob``)."""
+        if self.reduction_leaves is None:
+            return K.fused_logprob(hidden, self.head_weight, targets, temperature, return_entropy=return_entropy)
+        return tree_logprob(hidden, self.head_weight, targets, temperature, return_entropy=return_entropy,
+                            leaves=self.reduction_leaves)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [T, V] in float32 from final hidden states [T, H]."""

@@ -469,13 +469,16 @@ class Engine:
         weight, groups = self.model.head_weight, sorted(set(temps))
         # the trainer's kernel on the same hidden bits; it takes one temperature per call, and a row's
         # bits do not depend on the other rows of the launch, so grouping is exact
+        logprob = K.fused_logprob
+        if getattr(self.model, "reduction_leaves", None) is not None:  # tensor-parallel-invariant tree mode
+            logprob = lambda h, _w, tok, t: self.model.token_logprobs(h, tok, t)  # noqa: E731
         if len(groups) == 1:
-            logprobs = K.fused_logprob(hidden, weight, tokens, groups[0] if groups[0] > 0 else 1.0)
+            logprobs = logprob(hidden, weight, tokens, groups[0] if groups[0] > 0 else 1.0)
         else:
             logprobs = torch.empty(B, dtype=torch.float32, device=dev)
             for t in groups:
                 rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=dev)
-                logprobs[rows] = K.fused_logprob(hidden[rows], weight, tokens[rows], t if t > 0 else 1.0)
+                logprobs[rows] = logprob(hidden[rows], weight, tokens[rows], t if t > 0 else 1.0)
         # one device-to-host copy (and one wait) for both: token ids and float32 log-probs are exact in float64
         both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu()
         return [int(t) for t in both[0].tolist()], both[1].tolist()

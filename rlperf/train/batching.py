@@ -123,6 +123,8 @@ def micro_batch_log_probs(model, mb: MicroBatch, temperature: float = 1.0, with_
     ``fused_logprob`` has a backward so far).
     """
     hidden = model.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens)
+    if getattr(model, "reduction_leaves", None) is not None:  # the tensor-parallel-invariant tree (Qwen3ForCausalLM)
+        return model.token_logprobs(hidden[mb.logit_rows], mb.targets, temperature, return_entropy=with_entropy)
     return K.fused_logprob(hidden[mb.logit_rows], model.head_weight, mb.targets, temperature,
                            return_entropy=with_entropy)
 

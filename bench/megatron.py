@@ -1,0 +1,232 @@
+"""The megatron trainer backend on the GPU: train tokens/s, TP bit-equality, true on-policy with an engine.
+
+Launched once per configuration (``torchrun --nproc-per-node N -m rlperf.bench.megatron ...``; one
+process per GPU, NCCL; ``--device cpu`` runs the same on gloo for a smoke test):
+
+* ``--backend megatron`` (tree numerics, the TP-invariant mode), ``megatron-plain`` (Megatron's own
+  all-reduce order: the anchor of the tree's cost) or ``fsdp`` (rlperf's one-GPU trainer: the anchor
+  of the backend's speed) at ``--tp`` = N;
+* synthetic samples (``--samples`` of ``--tokens`` tokens, the last ``--response`` of them the
+  response), or with ``--engine`` the responses of rlperf's engine on rank 0's GPU (tree mode, bf16),
+  whose rollout log-probs the trainer's old log-probs must equal (``abs_diff``, expected exactly 0);
+* ``--steps`` timed optimizer steps after one warm-up step; reported: train-phase tokens/s (tokens of
+  the global batch per step / step time), the old log-probs' and the first step's gradients' SHA-256
+  digests (per sample / per HF tensor), so runs at different TP compare bit for bit
+  (:func:`compare`: ``python -m rlperf.bench.megatron --compare a.json b.json``).
+
+Writes one JSON object to ``--out``. CPU timings are not performance claims.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936)
+
+
+def _config(shape: str):
+    from rlperf.model.config import ModelConfig, preset
+
+    if shape == "qwen3-1.7b":
+        return ModelConfig(**QWEN3_1_7B)
+    return preset(shape)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def _samples(cfg, n: int, tokens: int, response: int, device, engine: bool):
+    from rlperf.train import Sample
+
+    g = torch.Generator().manual_seed(1234)
+    prompts = [torch.randint(0, cfg.vocab_size, (tokens - response,), generator=g).tolist() for _ in range(n)]
+    if not engine:
+        return [Sample(torch.tensor(p + torch.randint(0, cfg.vocab_size, (response,), generator=g).tolist()),
+                       response, reward=float(i % 2)) for i, p in enumerate(prompts)], None
+    box = [None]
+    if dist.get_rank() == 0:
+        from rlperf.kernels.tree_reduce import TREE_LEAVES
+        from rlperf.model.qwen3 import Qwen3ForCausalLM
+        from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
+        from rlperf.rollout.tokenizer import ByteTokenizer
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = Qwen3ForCausalLM.random(cfg, seed=0, std=0.02, reduction_leaves=TREE_LEAVES).to(dtype).to(device)
+        eng = Engine(model, ByteTokenizer(cfg.vocab_size), EngineConfig(max_total_tokens=n * tokens + 256))
+        params = [SamplingParams(max_new_tokens=response, temperature=1.0, ignore_eos=True, seed=i) for i in range(n)]
+        results = eng.generate(prompts, params)
+        box[0] = [(p + r.output_ids, list(r.output_logprobs)) for p, r in zip(prompts, results)]
+        del eng, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.broadcast_object_list(box, src=0)
+    samples = []
+    for i, (ids, lps) in enumerate(box[0]):
+        s = Sample(torch.tensor(ids), len(lps), reward=float(i % 2))
+        s.rollout_log_probs = lps
+        samples.append(s)
+    return samples, [torch.tensor(lps, dtype=torch.float32) for _, lps in box[0]]
+
+
+def run(ns) -> dict:
+    from rlperf import kernels as K
+    from rlperf.model.qwen3 import Qwen3ForCausalLM
+    from rlperf.train import TrainArgs, Trainer
+    from rlperf.train.megatron.model import build_gpt_model
+    from rlperf.train.megatron.runtime import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+    from rlperf.train.megatron.trainer import MegatronTrainer
+
+    cuda = ns.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    compute = torch.bfloat16 if cuda else None
+    cfg = _config(ns.shape)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    samples, rollout = _samples(cfg, ns.samples, ns.tokens, ns.response, device, ns.engine)
+    args = TrainArgs(n_samples_per_prompt=1, use_dynamic_batch_size=True, max_tokens_per_gpu=ns.max_tokens_per_gpu,
+                     lr=1e-6, clip_grad=1.0)
+    weights = Qwen3ForCausalLM.random(cfg, seed=0, std=0.02)  # float32 on the CPU, the same on every rank
+    out = {"backend": ns.backend, "shape": ns.shape, "tp": ns.tp, "world": world, "device": ns.device,
+           "gpu": torch.cuda.get_device_name() if cuda else None, "tokens_per_step": sum(s.total_length for s in samples)}
+    if ns.backend == "fsdp":
+        if world != 1:
+            raise SystemExit("--backend fsdp here is the one-GPU trainer: launch 1 process")
+        weights.reduction_leaves = None
+        trainer = Trainer(weights.to(device), args, compute_dtype=compute)
+        grads_of = lambda: [(n, p.grad) for n, p in trainer.master_model.named_parameters()]  # noqa: E731
+    else:
+        initialize_model_parallel(ParallelLayout(tensor_model_parallel_size=ns.tp))
+        model = build_gpt_model(cfg, torch.float32, device=device, plain=ns.backend == "megatron-plain")
+        model.load_hf_tensors(weights.hf_state_dict())
+        del weights
+        trainer = MegatronTrainer(model, args, compute_dtype=compute)
+        grads_of = lambda: list(trainer.iter_hf_grads())  # noqa: E731  (a collective)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    with K.use_mode("invariant"):
+        trainer.prepare(samples)
+        out["log_prob_digests"] = [_digest(s.log_probs) for s in samples]
+        if rollout is not None:
+            diff = max(float((s.log_probs - r).abs().max()) for s, r in zip(samples, rollout))
+            out["train_rollout_logprob_abs_diff"] = diff
+        metrics = trainer.train_step(samples)  # warm-up, and the step whose gradients are compared
+        out["first_step"] = {k: v for k, v in metrics.items()}
+        grads = grads_of()
+        out["grad_digests"] = {n: _digest(g) for n, g in grads} if rank == 0 else {}
+        del grads
+        times = []
+        for _ in range(ns.steps):
+            sync()
+            t0 = time.perf_counter()
+            trainer.train_step(samples)
+            sync()
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    out["step_s_median"] = times[len(times) // 2] if times else None
+    out["train_tokens_per_s"] = out["tokens_per_step"] / out["step_s_median"] if times else None
+    if cuda:
+        out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    if ns.backend != "fsdp":
+        destroy_model_parallel()
+    return out
+
+
+def compare(a_path: str, b_path: str) -> dict:
+    """Bit-equality of two runs' digests (log-probs, first-step gradients) and their throughput ratio."""
+    a, b = json.load(open(a_path)), json.load(open(b_path))
+    same_lp = a["log_prob_digests"] == b["log_prob_digests"]
+    same_grads = bool(a.get("grad_digests")) and a.get("grad_digests") == b.get("grad_digests")
+    ratio = (b["train_tokens_per_s"] / a["train_tokens_per_s"]) if a.get("train_tokens_per_s") else None
+    return {"a": a_path, "b": b_path, "log_probs_bit_identical": same_lp, "grads_bit_identical": same_grads,
+            "tokens_per_s_ratio_b_over_a": ratio}
+
+
+RUNS = ("fsdp-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp2", "plain-0.6b-tp2", "tree-1.7b-tp1", "tree-1.7b-tp2")
+"""The runs of ``bench/device_megatron.sh`` (``<backend>-<shape>-tp<N>.json`` in its output folder)."""
+
+
+def summary(folder: str) -> dict:
+    """The issue's targets from the runs' JSON files in ``folder`` (those present): bit-equality at TP=1
+    vs TP=2, the engine abs diffs, and the three ratios, each against its anchor from the same machine."""
+    r = {}
+    for n in RUNS:
+        path = os.path.join(folder, n + ".json")
+        r[n] = json.load(open(path)) if os.path.exists(path) else None
+
+    def tps(n):
+        return r[n]["train_tokens_per_s"] if r[n] else None
+
+    def ratio(a, b):
+        return tps(a) / tps(b) if tps(a) and tps(b) else None
+
+    def same(a, b, key):
+        return bool(r[a] and r[b] and r[a].get(key) and r[a][key] == r[b][key])
+
+    return {
+        "tokens_per_s": {n: tps(n) for n in RUNS},
+        "gpus": sorted({x["gpu"] for x in r.values() if x and x.get("gpu")}),
+        "bits_0.6b_tp1_vs_tp2": {"log_probs": same("tree-0.6b-tp1", "tree-0.6b-tp2", "log_prob_digests"),
+                                 "grads": same("tree-0.6b-tp1", "tree-0.6b-tp2", "grad_digests")},
+        "bits_1.7b_tp1_vs_tp2": {"log_probs": same("tree-1.7b-tp1", "tree-1.7b-tp2", "log_prob_digests"),
+                                 "grads": same("tree-1.7b-tp1", "tree-1.7b-tp2", "grad_digests")},
+        "engine_abs_diff": {n: r[n]["train_rollout_logprob_abs_diff"] for n in RUNS
+                            if r[n] and "train_rollout_logprob_abs_diff" in r[n]},
+        "target1_tp1_megatron_over_fsdp_0.6b (>= 1.0)": ratio("tree-0.6b-tp1", "fsdp-0.6b-tp1"),
+        "target2_tree_step_over_plain_step_tp2_0.6b (<= 1.15)": ratio("plain-0.6b-tp2", "tree-0.6b-tp2"),
+        "target3_tp2_over_tp1_1.7b (>= 1.6)": ratio("tree-1.7b-tp2", "tree-1.7b-tp1"),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlperf.bench.megatron", description=__doc__.split("\n\n")[0])
+    p.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), help="compare two runs' results and exit")
+    p.add_argument("--summary", metavar="DIR", help="the targets from bench/device_megatron.sh's run files in DIR")
+    p.add_argument("--backend", choices=("megatron", "megatron-plain", "fsdp"), default="megatron")
+    p.add_argument("--shape", default="qwen3-0.6b", help="a preset name or qwen3-1.7b")
+    p.add_argument("--tp", type=int, default=1, help="--tensor-model-parallel-size (= the number of processes)")
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per sample (prompt + response)")
+    p.add_argument("--response", type=int, default=256, help="response tokens per sample")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps after the warm-up step")
+    p.add_argument("--engine", action="store_true", help="responses from rlperf's engine on rank 0 (abs diff check)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", help="write the JSON result here (rank 0)")
+    ns = p.parse_args(argv)
+    if ns.compare:
+        print(json.dumps(compare(*ns.compare), indent=2))
+        return 0
+    if ns.summary:
+        print(json.dumps(summary(ns.summary), indent=2))
+        return 0
+    if ns.response >= ns.tokens:
+        p.error("--response must be smaller than --tokens")
+    result = run(ns)
+    if dist.get_rank() == 0:
+        text = json.dumps(result, indent=2)
+        print(text)
+        if ns.out:
+            with open(ns.out, "w") as f:
+                f.write(text)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip the interpreter's teardown after a gloo/NCCL group (rank processes, as the loop's)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""Reductions whose order is fixed in advance, so that tensor parallelism never moves a bit.
+
+Tensor parallelism splits the reduced dimension of three computations across ranks: the K of a
+row-parallel matmul (``o_proj``, ``down_proj``), the N of a column-parallel matmul's input gradient
+(``dx = g @ w``), and the vocabulary of the log-softmax. Summing rank partials with an all-reduce
+changes the order of the float32 additions with the number of ranks (and the kernel of one GPU
+sums K in yet another order), so a TP=2 trainer and a 1-GPU engine would disagree. Here the
+reduced dimension is cut into a fixed number of **leaves** ``S`` (:data:`TREE_LEAVES`, a power of
+two and a multiple of every supported TP size), each leaf's partial is computed alone, in float32,
+by the batch-invariant kernel, and the partials are added in one fixed balanced binary tree::
+
+    S = 4:   (p0 + p1) + (p2 + p3)          S = 8:   ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
+
+With ``t`` ranks (``t`` divides ``S``), rank ``r`` holds the contiguous leaves
+``[r S/t, (r + 1) S/t)``: their tree is exactly one node of the full tree, so each rank reduces its
+own node, the ``t`` nodes are all-gathered (float32) and every rank adds them in the tree's top
+levels. TP=1 (all leaves on one rank), TP=2, TP=4 and TP=8 perform the same float32 additions on
+the same operands: the bits are the same. The leaf partial itself is a function of the leaf only
+(the matmul tile config is pinned to the full layer's shape, :func:`leaf_product`).
+
+Ops (``group``: the tensor-parallel process group, None for one rank):
+
+* :func:`tree_sum` — ``parts`` [S, ...] float32 -> [...] in the fixed tree;
+* :func:`row_parallel_linear` — ``y = x @ w.T`` with K split into leaves (forward tree; backward:
+  ``dx``, ``dw`` have no reduction across the split);
+* :func:`column_parallel_linear` — ``y = x @ w.T`` with N split (no reduction in the forward; the
+  backward's ``dx = g @ w`` is the tree over N's leaves);
+* :func:`tree_logprob` — the vocabulary-parallel log-prob and entropy: per leaf ``(max, sum-exp,
+  entropy sum, target logit)``, combined in the tree; the backward's ``d hidden`` is the tree too.
+
+The rollout engine computes the same trees at TP=1 (``rlperf.model``'s ``reduction_leaves``), so
+trainer and engine log-probs stay equal bit for bit whatever the trainer's tensor-parallel size.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import route
+
+TREE_LEAVES = 8
+"""Default leaf count S: the tree serves tensor-parallel sizes 1, 2, 4 and 8."""
+
+
+# --------------------------------------------------------------------------------------------
+# The tree
+# --------------------------------------------------------------------------------------------
+
+
+def _check_leaves(leaves: int) -> None:
+    if leaves < 1 or leaves & (leaves - 1):
+        raise ValueError(f"tree leaves must be a power of two >= 1, got {leaves}")
+
+
+def tree_sum(parts) -> torch.Tensor:
+    """Sum ``parts`` (a sequence or a leading dim of power-of-two length S) in the fixed balanced
+    tree: adjacent pairs first, ``((p0 + p1) + (p2 + p3)) + ...``."""
+    parts = list(parts)
+    _check_leaves(len(parts))
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+class _TreeStack:
+    """Adds leaves as they arrive, in the order of :func:`tree_sum` (a binary counter: two partial
+    sums of the same height are added as soon as both exist), keeping at most log2(S) + 1 partials
+    alive instead of S."""
+
+    def __init__(self, combine=torch.add):
+        self.stack: list[tuple[int, object]] = []
+        self.combine = combine
+
+    def push(self, value) -> None:
+        height = 0
+        while self.stack and self.stack[-1][0] == height:
+            _, left = self.stack.pop()
+            value = self.combine(left, value)
+            height += 1
+        self.stack.append((height, value))
+
+    def result(self):
+        if len(self.stack) != 1:
+            raise ValueError("tree: the number of leaves pushed is not a power of two")
+        return self.stack[0][1]
+
+
+def _tp(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    import torch.distributed as dist
+
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _local_leaves(leaves: int, group, what: str) -> int:
+    _check_leaves(leaves)
+    size, _ = _tp(group)
+    if leaves % size:
+        raise ValueError(f"{what}: {leaves} tree leaves cannot be split over {size} tensor-parallel ranks "
+                         f"(the leaf count must be a multiple of the TP size)")
+    return leaves // size
+
+
+def _gather_nodes(node, group, combine=None):
+    """All ranks' tree nodes (this rank's included), added in the top levels of the tree."""
+    size, _ = _tp(group)
+    if size == 1:
+        return node
+    import torch.distributed as dist
+
+    if isinstance(node, tuple):  # several tensors per node: gather them stacked
+        stacked = torch.stack(node).contiguous()
+        got = [torch.empty_like(stacked) for _ in range(size)]
+        dist.all_gather(got, stacked, group=group)
+        nodes = [tuple(g.unbind(0)) for g in got]
+    else:
+        node = node.contiguous()
+        nodes = [torch.empty_like(node) for _ in range(size)]
+        dist.all_gather(nodes, node, group=group)
+    acc = _TreeStack(combine or torch.add)
+    for n in nodes:
+        acc.push(n)
+    return acc.result()
+
+
+# --------------------------------------------------------------------------------------------
+# Leaf products
+# --------------------------------------------------------------------------------------------
+
+
+def leaf_product(a: torch.Tensor, b: torch.Tensor, config_n: int | None = None) -> torch.Tensor:
+    """``a [M, K] @ b[N, K].T`` -> [M, N] float32, by the batch-invariant path of the current policy.
+
+    ``config_n``: the N whose tile config the Triton kernel uses (default N): a column-parallel shard
+    passes the full layer's N, so a column's bits do not depend on how many columns this rank holds.
+    The reference backend multiplies in float64 (exact products, row- and column-position invariant)
+    and rounds once; fast mode uses stock torch (not invariant).
+    """
+    how = route("matmul", a.device)
+    if how in ("triton", "interpreter"):
+        from . import gemm
+
+        cfg = gemm.matmul_config(a.dtype, config_n or b.shape[0], a.shape[1])
+        return gemm.launch(a, b, None, torch.float32, config=cfg)
+    if how == "reference":
+        return (a.double() @ b.double().T).float()
+    return F.linear(a.float(), b.float())
+
+
+def _matmul_out(a, b, out_dtype, config_n=None):
+    """``a @ b.T`` in ``out_dtype``: rounded once from float32 (the kernel's cast on the GPU)."""
+    how = route("matmul", a.device)
+    if how in ("triton", "interpreter"):
+        from . import gemm
+
+        cfg = gemm.matmul_config(a.dtype, config_n or b.shape[0], a.shape[1])
+        return gemm.launch(a, b, None, out_dtype, config=cfg)
+    return leaf_product(a, b, config_n).to(out_dtype)
+
+
+def tree_matmul(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, group=None) -> torch.Tensor:
+    """``x [M, K_local] @ w[N, K_local].T`` -> [M, N] float32, K reduced in the fixed tree.
+
+    ``K_local`` is this rank's share of K (all of it without ``group``); it holds ``leaves / TP``
+    leaves of equal width. Every rank returns the full sum."""
+    local = _local_leaves(leaves, group, "tree_matmul")
+    k = x.shape[1]
+    if k % local:
+        raise ValueError(f"tree_matmul: K = {k} on this rank does not split into {local} equal leaves")
+    width = k // local
+    size, _ = _tp(group)
+    acc = _TreeStack()
+    for c in range(local):
+        acc.push(leaf_product(x[:, c * width:(c + 1) * width], w[:, c * width:(c + 1) * width], config_n=w.shape[0]))
+    return _gather_nodes(acc.result(), group)
+
+
+# --------------------------------------------------------------------------------------------
+# Row- and column-parallel linear layers (autograd)
+# --------------------------------------------------------------------------------------------
+
+
+class _RowParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, leaves, group, k_total):
+        ctx.save_for_backward(x, w)
+        ctx.k_total = k_total
+        return tree_matmul(x, w, leaves, group).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.contiguous()
+        gx = gw = None
+        # dx [M, K_local] = g @ w: a reduction over N, which every rank holds whole
+        if ctx.needs_input_grad[0]:
+            gx = _matmul_out(g, w.T.contiguous(), x.dtype, config_n=ctx.k_total)
+        # dw [N, K_local] = g.T @ x: a reduction over the tokens
+        if ctx.needs_input_grad[1]:
+            gw = _matmul_out(g.T.contiguous(), x.T.contiguous(), w.dtype, config_n=ctx.k_total)
+        return gx, gw, None, None, None
+
+
+def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, group=None) -> torch.Tensor:
+    """``x [..., K_local] @ w[N, K_local].T`` -> [..., N] in x's dtype: K (split over ``group``) reduced
+    in the fixed tree (:func:`tree_matmul`), rounded once. Gradients: ``dx = g @ w`` and
+    ``dw = g.T @ x`` with tile configs pinned to the full K (no cross-rank sum in either)."""
+    size, _ = _tp(group)
+    lead = x.shape[:-1]
+    y = _RowParallel.apply(x.reshape(-1, x.shape[-1]), w, leaves, group, w.shape[1] * size)
+    return y.reshape(*lead, w.shape[0])
+
+
+class _ColumnParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, leaves, group, n_total):
+        ctx.save_for_backward(x, w)
+        ctx.leaves, ctx.group, ctx.n_total = leaves, group, n_total
+        return _matmul_out(x, w, x.dtype, config_n=n_total)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.contiguous()
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            # dx [M, K] = g [M, N_local] @ w [N_local, K]: N is split over the ranks -> the tree
+            local = _local_leaves(ctx.leaves, ctx.group, "column_parallel_linear")
+            n = w.shape[0]
+            width = n // local
+            wt = w.T.contiguous()  # [K, N_local]: the leaf products read its column slices
+            acc = _TreeStack()
+            for c in range(local):
+                acc.push(leaf_product(g[:, c * width:(c + 1) * width], wt[:, c * width:(c + 1) * width]))
+            gx = _gather_nodes(acc.result(), ctx.group).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            # dw [N_local, K] = g.T @ x: rows of dw are rows of the product (batch invariance)
+            gw = _matmul_out(g.T.contiguous(), x.T.contiguous(), w.dtype)
+        return gx, gw, None, None, None
+
+
+def column_parallel_linear(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, group=None) -> torch.Tensor:
+    """``x [..., K] @ w[N_local, K].T`` -> [..., N_local] in x's dtype: the forward is the plain
+    batch-invariant matmul with its tile config pinned to the full N (a column's bits do not depend
+    on the split); the backward's ``dx`` sums N's leaves in the fixed tree.
+
+    ``w``'s rows must be in leaf order: leaf ``c`` is rows ``[c N_local / (S/TP), ...)`` on every
+    rank, so a fused weight (q/k/v, gate/up) is stored leaf-blocked (each leaf holds its slice of
+    every part), not part after part."""
+    size, _ = _tp(group)
+    local = _local_leaves(leaves, group, "column_parallel_linear")
+    if w.shape[0] % local:
+        raise ValueError(f"column_parallel_linear: N = {w.shape[0]} on this rank does not split into {local} leaves")
+    lead = x.shape[:-1]
+    y = _ColumnParallel.apply(x.reshape(-1, x.shape[-1]), w, leaves, group, w.shape[0] * size)
+    return y.reshape(*lead, w.shape[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Vocabulary-parallel log-prob and entropy
+# --------------------------------------------------------------------------------------------
+#
+# Per leaf (a contiguous slice of the vocabulary), in raw logit units x = hidden . weight[j]:
+#   m  = max_j x_j,   s = sum_j exp((x_j - m) / T),   e = sum_j exp((x_j - m) / T) (x_j - m),
+#   tz = x_target if the target is in the leaf else 0.
+# Two nodes combine as (r = max(m1, m2); a_i = exp((m_i - r) / T); d_i = m_i - r, 0 when m_i = -inf):
+#   s = a1 s1 + a2 s2,   e = a1 (e1 + d1 s1) + a2 (e2 + d2 s2),   tz = tz1 + tz2,   m = r.
+# At the root: lse = m / T + log s,  logp = (tz - m) / T - log s,  entropy = log s - e / (s T).
+
+
+def _combine_stats(left, right, inv_t: float):
+    m1, s1, e1, z1 = left
+    m2, s2, e2, z2 = right
+    m = torch.maximum(m1, m2)
+    r = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    a1, a2 = torch.exp((m1 - r) * inv_t), torch.exp((m2 - r) * inv_t)
+    d1 = torch.where(torch.isneginf(m1), torch.zeros_like(m1), m1 - r)
+    d2 = torch.where(torch.isneginf(m2), torch.zeros_like(m2), m2 - r)
+    return m, a1 * s1 + a2 * s2, a1 * (e1 + d1 * s1) + a2 * (e2 + d2 * s2), z1 + z2
+
+
+def _leaf_stats(hidden, weight, targets, inv_t: float, v_offset: int, v_total: int):
+    """(m, s, e, tz) [N] float32 of one vocabulary leaf ``weight`` [Vl, H] starting at ``v_offset``."""
+    how = route("fused_logprob", hidden.device)
+    if how in ("triton", "interpreter"):
+        from .fused_lm_head import _local_stats
+
+        m, s, t, tz = _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, True, False)
+        # the kernel's running sums use exp2((x - m) c) with c = log2(e) / T: the same exp((x - m) / T)
+        # up to its rounding; t is sum exp(...) (x - m), e here
+        return m, s, t, tz
+    x = hidden.double() @ weight.double().T  # [N, Vl], exact products, one rounding below
+    x = x.float().double()
+    m = x.max(dim=1).values
+    p = torch.exp((x - m[:, None]) * inv_t)
+    local = targets - v_offset
+    inside = (local >= 0) & (local < weight.shape[0])
+    tz = torch.where(inside, x.gather(1, local.clamp(0, weight.shape[0] - 1)[:, None]).squeeze(1),
+                     torch.zeros_like(m))
+    return m.float(), p.sum(1).float(), (p * (x - m[:, None])).sum(1).float(), tz.float()
+
+
+def _forward_stats(hidden, weight, targets, inv_t, leaves, group):
+    size, rank = _tp(group)
+    local = _local_leaves(leaves, group, "tree_logprob")
+    v_local = weight.shape[0]
+    if v_local % local:
+        raise ValueError(f"tree_logprob: this rank's vocabulary slice ({v_local}) does not split into {local} leaves")
+    width = v_local // local
+    v_total = v_local * size
+    combine = functools.partial(_combine_stats, inv_t=inv_t)
+    acc = _TreeStack(combine)
+    for c in range(local):
+        off = rank * v_local + c * width
+        acc.push(_leaf_stats(hidden, weight[c * width:(c + 1) * width], targets, inv_t, off, v_total))
+    m, s, e, tz = _gather_nodes(acc.result(), group, combine)
+    log_s = torch.log(s)
+    valid = (targets >= 0) & (targets < v_total)
+    logp = torch.where(valid, (tz - m) * inv_t - log_s, torch.full_like(log_s, math.nan))
+    entropy = log_s - (e / s) * inv_t
+    lse = m * inv_t + log_s
+    return logp, entropy, lse
+
+
+def _leaf_backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset):
+    """(d hidden [N, H] float32, d weight [Vl, H]) of one vocabulary leaf."""
+    how = route("fused_logprob", hidden.device)
+    if how in ("triton", "interpreter"):
+        from .fused_lm_head import _backward
+
+        return _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, True, True, True)
+    x = (hidden.double() @ weight.double().T).float().double()
+    z = x * inv_t
+    p = torch.exp(z - lse.double()[:, None])
+    local = targets - v_offset
+    onehot = torch.zeros_like(p)
+    inside = (local >= 0) & (local < weight.shape[0])
+    onehot[inside, local[inside]] = 1.0
+    dz = g_lp.double()[:, None] * (onehot - p) - g_ent.double()[:, None] * p * (z - lse.double()[:, None]
+                                                                                + ent.double()[:, None])
+    dx = dz * inv_t
+    return (dx @ weight.double()).float(), (dx.T @ hidden.double()).to(weight.dtype)
+
+
+class _TreeLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_t, leaves, group):
+        logp, ent, lse = _forward_stats(hidden, weight, targets, inv_t, leaves, group)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.inv_t, ctx.leaves, ctx.group = inv_t, leaves, group
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.contiguous().float()
+        g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.contiguous().float()
+        size, rank = _tp(ctx.group)
+        local = ctx.leaves // size
+        width = weight.shape[0] // local
+        acc = _TreeStack()
+        grad_w = torch.empty_like(weight)
+        for c in range(local):
+            off = rank * weight.shape[0] + c * width
+            gh, gw = _leaf_backward(hidden, weight[c * width:(c + 1) * width], targets, lse, ent, g_lp, g_ent,
+                                    ctx.inv_t, off)
+            grad_w[c * width:(c + 1) * width] = gw
+            acc.push(gh)
+        grad_h = _gather_nodes(acc.result(), ctx.group)
+        return grad_h.to(hidden.dtype), grad_w, None, None, None, None
+
+
+def tree_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                 return_entropy: bool = False, leaves: int = TREE_LEAVES, group=None):
+    """Log-prob (and entropy) of ``targets`` under ``softmax(hidden @ weight_full.T / T)``, the
+    vocabulary reduced in the fixed tree of ``leaves`` slices (module docstring).
+
+    hidden [N, H]; weight [V_local, H] (this rank's contiguous V/TP slice under ``group``, rank order);
+    targets [N] ids in [0, V) (NaN log-prob otherwise). Returns logp [N] float32 (and entropy [N]);
+    differentiable in hidden and weight. Never holds more than one leaf's [N, V/S] logits (and on the
+    GPU only the fused kernel's tiles of it)."""
+    if not temperature > 0:
+        raise ValueError(f"tree_logprob: temperature must be > 0, got {temperature}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"tree_logprob: hidden [N, H] {list(hidden.shape)} and weight [V, H] {list(weight.shape)}")
+    hidden = hidden.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    logp, ent = _TreeLogprob.apply(hidden, weight, targets.to(torch.int64).contiguous(), 1.0 / float(temperature),
+                                   leaves, group)
+    return (logp, ent) if return_entropy else logp
+
+
+def head_blocks(num_heads: int, num_kv_heads: int, leaves: int) -> int:
+    """How many blocks the heads are cut into for the q/k norm: ``min(leaves, num_kv_heads)`` (a
+    power of two dividing both head counts), so that a TP rank's heads are whole blocks."""
+    blocks = min(leaves, num_kv_heads)
+    if blocks & (blocks - 1) or num_kv_heads % blocks or num_heads % blocks:
+        raise ValueError(f"{num_heads} query / {num_kv_heads} key-value heads do not split into {blocks} blocks "
+                         f"(a power of two dividing both)")
+    return blocks
+
+
+# --------------------------------------------------------------------------------------------
+# A replicated weight used on each block of a split dimension
+# --------------------------------------------------------------------------------------------
+
+
+class _BlockReplicas(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, blocks, leaves, group):
+        ctx.leaves, ctx.group = leaves, group
+        return weight.detach()[None].expand(blocks, *weight.shape).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        acc = _TreeStack()
+        for g in grad.float().unbind(0):
+            acc.push(g)
+        return _gather_nodes(acc.result(), ctx.group).to(grad.dtype), None, None, None
+
+
+def block_replicas(weight: torch.Tensor, leaves: int, group=None) -> torch.Tensor:
+    """``leaves / TP`` copies [blocks, *weight.shape] of a replicated ``weight`` (e.g. the q/k RMSNorm
+    weight), one per block of a dimension split over ``group`` (e.g. attention heads); the caller
+    applies copy ``b`` to block ``b``. Backward: the blocks' weight gradients are added in the fixed
+    tree (the ranks' nodes gathered), so the weight's gradient is the same at every TP size and on
+    every rank, instead of a per-rank partial that an all-reduce would add in a TP-dependent order."""
+    blocks = _local_leaves(leaves, group, "block_replicas")
+    return _BlockReplicas.apply(weight, blocks, leaves, group)

@@ -1,0 +1,465 @@
+"""The megatron trainer backend: :class:`MegatronTrainer`, :class:`rlperf.train.Trainer`'s methods over
+megatron-core's tensor, pipeline and data parallelism.
+
+Layout (``world = TP x PP x DP``, :class:`rlperf.train.megatron.runtime.ParallelLayout`): each rank
+holds its pipeline stage's layers and its tensor-parallel shards (:mod:`.model`). Every rank holds
+every sample of the rollout (the loop's contract, as with FSDP); data-parallel replica ``d`` computes
+the samples ``d, d + DP, ...`` (log-probs all-gathered over the replicas, a global batch's share
+trained by each, gradients summed over them).
+
+Per micro-batch (pipeline: one stage after the other; the first stage embeds, the last computes the
+loss): the stage's forward runs on the previous stage's output (``send``/``recv`` of [T, 1, H]), the
+last stage's loss is divided by the global batch's sample (or loss-token) count as in one process,
+and the backward sends each stage's input gradient back. Stages run their micro-batches one after
+the other (no interleaving: a correct schedule, not a fast one).
+
+TP invariance: the model's reductions are the fixed trees of ``rlperf.kernels.tree_reduce``, and the
+gradient norm is too: each parameter's sum of squares is a tree over its leaves (the tensor-parallel
+shards of one parameter are whole leaves), then the parameters' sums are added in the model's Hugging
+Face order on every rank. So log-probs, loss, gradients, grad norm and the AdamW update are the same
+bits at TP=1, TP=2 and PP=2.
+
+Mixed precision: with a ``compute_dtype`` lower than the model's float32, the trainer keeps float32
+master copies of this rank's parameters (AdamW runs on them) and rounds them into the model after each
+step; each micro-batch's compute-dtype gradients are accumulated into float32 master gradients.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..batching import MicroBatch, make_micro_batch, partition
+from ..losses import policy_loss
+from ..sample import Sample
+from ..trainer import Trainer
+from .model import MegatronCausalLM
+
+
+def _leaf_square_sum(t: torch.Tensor, leaves: int, dim: int | None, tp_group) -> torch.Tensor:
+    """Sum of squares (float32) of a parameter's full gradient from this rank's shard: a tree over the
+    parameter's leaves along its split dimension ``dim`` (None: replicated, one plain sum)."""
+    from rlperf.kernels.tree_reduce import _gather_nodes, _TreeStack
+
+    t = t.float()
+    if dim is None:
+        return (t * t).sum()
+    size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    local = leaves // size
+    acc = _TreeStack()
+    for part in t.chunk(local, dim=dim):
+        part = part.contiguous()
+        acc.push((part * part).sum())
+    return _gather_nodes(acc.result(), tp_group)
+
+
+class MegatronTrainer(Trainer):
+    """:class:`rlperf.train.Trainer` on a :class:`rlperf.train.megatron.model.MegatronCausalLM`
+    (module docstring); every rank of the default process group builds one with the same samples.
+
+    ``model``: this rank's stage and shards, loaded (float32 masters, or the compute dtype itself);
+    ``ref_model``: another ``MegatronCausalLM`` with the reference weights (or None);
+    ``compute_dtype``: bf16 on CUDA (module docstring).
+    """
+
+    def __init__(self, model: MegatronCausalLM, args, ref_model: MegatronCausalLM | None = None,
+                 compute_dtype: torch.dtype | None = None):
+        from megatron.core import parallel_state as ps
+
+        args.validate()
+        if (args.use_kl_loss or args.kl_coef != 0) and ref_model is None:
+            raise ValueError("--use-kl-loss / --kl-coef need a reference model (--ref-load)")
+        self.args, self.ref_model = args, ref_model
+        self.model = model
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.tp = model.tp
+        model_dtype = next(model.parameters()).dtype
+        if compute_dtype is not None and compute_dtype != model_dtype:
+            if model_dtype != torch.float32:
+                raise ValueError(f"mixed precision needs float32 master weights, the model is {model_dtype}")
+            model.to(compute_dtype)
+            self.mixed = True
+        else:
+            self.mixed = False
+        if ref_model is not None:
+            if self.mixed:
+                ref_model.to(compute_dtype)
+            for p in ref_model.parameters():
+                p.requires_grad_(False)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        if self.mixed:
+            self.master_params = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        else:
+            self.master_params = self.params
+        self.master_model = model
+        masters = list(zip(self.param_names, self.master_params))
+        groups = [{"params": [p for n, p in masters if p.dim() > 1], "weight_decay": args.weight_decay},
+                  {"params": [p for n, p in masters if p.dim() <= 1], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr,
+                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        self.step_count = 0
+        self._norm_keys = self._grad_norm_keys()
+
+    # ---- placement ---------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _shard(self, n: int) -> list[int]:
+        return list(range(self.dp_rank, n, self.dp_size))
+
+    def _micro_batches_of(self, samples: Sequence[Sample], indices: list[int]) -> list[MicroBatch]:
+        for s in samples:
+            s.validate()
+        packing = self._packing()
+        groups = partition([samples[i].total_length for i in indices], packing.get("max_tokens_per_gpu"),
+                           packing.get("micro_batch_size"))
+        counts = [len(partition([samples[i].total_length for i in self._shard_of(len(samples), r)],
+                                packing.get("max_tokens_per_gpu"), packing.get("micro_batch_size")))
+                  for r in range(self.dp_size)]
+        mbs = [make_micro_batch(samples, [indices[j] for j in g], self.device) for g in groups]
+        # every replica runs as many micro-batches (the pipeline's send/recv pair up per micro-batch)
+        while len(mbs) < max(counts):
+            mbs.append(None)
+        return mbs
+
+    def _shard_of(self, n: int, replica: int) -> list[int]:
+        return list(range(replica, n, self.dp_size))
+
+    # ---- forward through the pipeline ------------------------------------------------------------
+    def _stage_forward(self, model: MegatronCausalLM, mb: MicroBatch, grad: bool):
+        """This stage's forward of ``mb``; returns (stage input or None, stage output)."""
+        from megatron.core import parallel_state as ps
+
+        inp = None
+        if not model.first_stage:
+            inp = torch.empty((mb.num_tokens, 1, model.cfg.hidden_size), dtype=next(model.parameters()).dtype, device=self.device)
+            dist.recv(inp, src=ps.get_pipeline_model_parallel_prev_rank())
+            if grad:
+                inp.requires_grad_()
+            model.set_input_tensor(inp)
+        out = model.forward_hidden(mb.input_ids, mb.cu_seqlens)
+        if not model.last_stage:
+            dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return inp, out
+
+    def _stage_backward(self, model: MegatronCausalLM, inp, out, loss=None) -> None:
+        from megatron.core import parallel_state as ps
+
+        if model.last_stage:
+            loss.backward()
+        else:
+            grad = torch.empty_like(out)
+            dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
+            out.backward(grad)
+        if not model.first_stage:
+            dist.send(inp.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+
+    @torch.no_grad()
+    def sample_log_probs(self, model, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Every sample's response log-probs ([R_i] float32, CPU) under ``model`` (the actor or the
+        reference): this replica's share through the pipeline, then gathered (last stage -> the other
+        stages, replicas -> each other)."""
+        mine: list[tuple[int, torch.Tensor]] = []
+        for mb in self._micro_batches_of(samples, self._shard(len(samples))):
+            if mb is None:
+                continue
+            _, out = self._stage_forward(model, mb, grad=False)
+            if model.last_stage:
+                lp = model.log_probs(out, mb.logit_rows, mb.targets, self.args.rollout_temperature)
+                mine += [(i, part.float().cpu()) for i, part in zip(mb.indices, lp.split(mb.response_lengths))]
+        if self.pp_size > 1:
+            box = [mine]
+            dist.broadcast_object_list(box, group_src=self.pp_size - 1, group=self.pp_group)
+            mine = box[0]
+        gathered = [mine]
+        if self.dp_size > 1:
+            gathered = [None] * self.dp_size
+            dist.all_gather_object(gathered, mine, group=self.dp_group)
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for part in gathered:
+            for i, lp in part:
+                out[i] = lp
+        return out
+
+    def forward_log_probs(self, mb: MicroBatch, with_entropy: bool = False):
+        """Log-probs (and entropy) of a micro-batch under the actor, with grad (one pipeline stage: the
+        whole model)."""
+        if self.pp_size != 1:
+            raise RuntimeError("forward_log_probs runs the whole model: one pipeline stage only")
+        out = self.model.forward_hidden(mb.input_ids, mb.cu_seqlens)
+        return self.model.log_probs(out, mb.logit_rows, mb.targets, self.args.rollout_temperature, with_entropy)
+
+    # ---- one optimizer step -----------------------------------------------------------------------
+    def train_step(self, samples: Sequence[Sample], micro_step_hook=None) -> dict[str, float]:
+        """One optimizer step over the global batch ``samples`` (prepared); the metrics of
+        :meth:`rlperf.train.Trainer.train_step`, the same on every rank."""
+        a = self.args
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        for i, s in enumerate(samples):
+            if s.log_probs is None or s.advantages is None:
+                raise ValueError(f"sample {i} has no log_probs / advantages: call Trainer.prepare first")
+        with_rollout = all(s.rollout_log_probs is not None for s in samples)
+        if a.use_tis and not with_rollout:
+            raise ValueError("--use-tis needs rollout_log_probs on every sample")
+        denom = (max(float(sum(s.loss_mask_tensor().sum() for s in samples)), 1.0) if a.calculate_per_token_loss
+                 else float(len(samples)))
+        dev = self.device
+        model = self.model
+        model.train()
+        for p in self.params:
+            p.grad = None
+        for m in self.master_params:
+            m.grad = None
+        model.head_grad = None
+        totals: dict[str, torch.Tensor] = {}
+        first_metrics = None
+        mbs = self._micro_batches_of(samples, self._shard(len(samples)))
+        for mb in mbs:
+            if mb is None:
+                continue
+            group = [samples[i] for i in mb.indices]
+            inp, out = self._stage_forward(model, mb, grad=True)
+            loss = None
+            if model.last_stage:
+                def flat(name):
+                    return torch.cat([getattr(s, name) for s in group]).to(dev)
+
+                masks = [s.loss_mask_tensor().to(dev) for s in group]
+                rollout = torch.cat([s.rollout_log_probs_tensor() for s in group]).to(dev) if with_rollout else None
+                log_probs, entropy = model.log_probs(out, mb.logit_rows, mb.targets, a.rollout_temperature, True)
+                if a.entropy_coef == 0:
+                    entropy = entropy.detach()
+                loss, metrics = policy_loss(a, log_probs, entropy, flat("log_probs"), flat("advantages"), masks,
+                                            mb.response_lengths,
+                                            ref_log_probs=flat("ref_log_probs") if a.use_kl_loss else None,
+                                            rollout_log_probs=rollout)
+                loss = loss / denom
+                if first_metrics is None:
+                    count = float(sum(m.sum() for m in masks)) if a.calculate_per_token_loss else float(len(group))
+                    first_metrics = {f"train/{k}": float(v) / max(count, 1.0) for k, v in metrics.items()}
+                for k, v in metrics.items():
+                    totals[k] = totals.get(k, 0.0) + v.detach() / denom
+            self._stage_backward(model, inp, out, loss)
+            self._accumulate_master_grads()
+        totals = self._reduce_metrics(totals)
+        if micro_step_hook is not None:
+            micro_step_hook(self._from_last_stage(first_metrics))
+        self._combine_tied_head()
+        self._sum_data_parallel_grads()
+        for n, m in zip(self.param_names, self.master_params):
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)  # a replica without samples (or a tied copy unused here)
+        max_norm = a.clip_grad if a.clip_grad > 0 else math.inf
+        grad_norm = self.clip_grad_norm(max_norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self._copy_master_to_compute()
+        self.step_count += 1
+        out = {f"train/{k}": float(v) for k, v in totals.items()}
+        out["train/grad_norm"] = grad_norm
+        out["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+    @torch.no_grad()
+    def _combine_tied_head(self) -> None:
+        """Tied embeddings: the weight's gradient is (embedding part) + (head part), added in that order
+        on every stage that holds a copy (first and last; exchanged between them when PP > 1)."""
+        if not self.model.cfg.tie_word_embeddings:
+            return
+        copies = [m for n, m in zip(self.param_names, self.master_params)
+                  if "word_embeddings" in n or "output_layer" in n]
+        if not copies:
+            return
+        (m,) = copies
+        emb = m.grad if self.model.first_stage and m.grad is not None else torch.zeros_like(m, dtype=torch.float32)
+        head = self.model.head_grad if self.model.head_grad is not None else torch.zeros_like(emb)
+        if self.pp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            group = ps.get_embedding_group()
+            mine = (emb if self.model.first_stage else head).contiguous()
+            both = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(both, mine, group=group)
+            emb, head = both[0], both[-1]
+        m.grad = (emb + head).to(m.dtype)
+        self.model.head_grad = None
+
+    def _from_last_stage(self, obj):
+        if self.pp_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group_src=self.pp_size - 1, group=self.pp_group)
+        return box[0]
+
+    def _reduce_metrics(self, sums: dict) -> dict:
+        """Metric sums of the global batch: summed over the data-parallel replicas (a fixed order:
+        all-gathered, then added in replica order), sent from the last stage to the others."""
+        if self.model.last_stage and self.dp_size > 1:
+            keys = sorted(sums)
+            mine = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=self.device) for k in keys])
+            parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
+            dist.all_gather(parts, mine, group=self.dp_group)
+            total = parts[0]
+            for p in parts[1:]:
+                total = total + p
+            sums = dict(zip(keys, total.unbind()))
+        sums = {k: float(v) for k, v in sums.items()}
+        return self._from_last_stage(sums)
+
+    @torch.no_grad()
+    def _sum_data_parallel_grads(self) -> None:
+        """Sum the replicas' float32 gradients in replica order (all-gather, then a fixed sum)."""
+        if self.dp_size == 1:
+            return
+        for m in self.master_params:
+            g = m.grad if m.grad is not None else torch.zeros_like(m)
+            parts = [torch.empty_like(g) for _ in range(self.dp_size)]
+            dist.all_gather(parts, g.contiguous(), group=self.dp_group)
+            total = parts[0].clone()
+            for p in parts[1:]:
+                total += p
+            m.grad = total
+
+    def _grad_norm_keys(self) -> list[tuple[str, int | None]]:
+        """(HF-order key, split dim) per parameter: the order the squared sums are added in."""
+        keys = []
+        for name, p in zip(self.param_names, self.params):
+            dim = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
+            if "word_embeddings" in name or "output_layer" in name:
+                dim = 0  # vocabulary rows: the tree's vocabulary leaves
+            keys.append((name, dim))
+        return keys
+
+    def _global_param_name(self, name: str) -> str:
+        """A name that is the same for a parameter whatever stage holds it (the global layer index)."""
+        parts = name.split(".")
+        if "layers" in parts:
+            i = parts.index("layers")
+            parts[i + 1] = str(int(parts[i + 1]) + self.model.layer_offset)
+        return ".".join(parts)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The global grad norm (TP-, PP- and DP-invariant: module docstring), gradients scaled by
+        ``max_norm / norm`` when it is larger (as ``clip_grad_norm_``)."""
+        sums = {}
+        for (name, dim), m in zip(self._norm_keys, self.master_params):
+            if "output_layer" in name and self.model.cfg.tie_word_embeddings:
+                continue  # the last stage's copy of the tied embedding: counted once, on the first stage
+            sums[self._global_param_name(name)] = float(_leaf_square_sum(m.grad, self.model.leaves, dim,
+                                                                         self.tp.group))
+        if self.pp_size > 1:
+            every = [None] * self.pp_size
+            dist.all_gather_object(every, sums, group=self.pp_group)
+            sums = {k: v for d in every for k, v in d.items()}
+        total = torch.zeros((), dtype=torch.float32)
+        for key in _global_order(sums):
+            total = total + torch.tensor(sums[key], dtype=torch.float32)
+        norm = float(total.sqrt())
+        if math.isfinite(norm) and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for m in self.master_params:
+                m.grad.mul_(scale)
+        return norm
+
+    # ---- weights out ------------------------------------------------------------------------------
+    def iter_hf_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20):
+        """The actor's full weights under HF names, bucket by bucket (a collective over every rank)."""
+        return self.model.iter_hf_weights(dtype, bucket_bytes)
+
+    def iter_hf_grads(self, bucket_bytes: int = 512 << 20):
+        """The last step's float32 gradients (after clipping) under HF names, gathered like the weights
+        (a collective). With tied embeddings, ``model.embed_tokens.weight`` holds the tied sum."""
+        master_of = {id(p): m for p, m in zip(self.params, self.master_params)}
+        return self.model.iter_hf_weights(torch.float32, bucket_bytes, select=lambda p: master_of[id(p)].grad)
+
+    def _master_of(self) -> dict[int, torch.Tensor]:
+        return {id(p): m for p, m in zip(self.params, self.master_params)}
+
+    @torch.no_grad()
+    def gather_model(self, bucket_bytes: int = 512 << 20):
+        """A collective: on rank 0 a CPU ``Qwen3ForCausalLM`` with the full float32 master weights (what
+        a consolidated checkpoint writes), on the other ranks None."""
+        from rlperf.model.qwen3 import Qwen3ForCausalLM
+
+        master_of = self._master_of()
+        copy = Qwen3ForCausalLM(self.model.cfg, torch.float32, "cpu") if dist.get_rank() == 0 else None
+        targets = copy.hf_state_dict() if copy is not None else {}
+        for name, full in self.model.iter_hf_weights(torch.float32, bucket_bytes, select=lambda p: master_of[id(p)]):
+            if copy is not None:
+                targets[name].copy_(full)
+        return copy
+
+    _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+    def state_dict(self, bucket_bytes: int = 512 << 20) -> dict:
+        """A collective: the AdamW state as full float32 tensors under Hugging Face names (gathered like
+        the weights), the hyperparameters and the step count — the same for every layout, so a
+        checkpoint resumes at another TP / PP size (or in the fsdp backend's names). Rank 0 gets it, the
+        other ranks an empty ``optimizer``."""
+        master_of = self._master_of()
+        state = self.optimizer.state
+        moments: dict[str, dict[str, torch.Tensor]] = {}
+        step = None
+        for key in self._MOMENTS:
+            def pick(p, key=key):
+                st = state.get(master_of[id(p)], {})
+                return st[key] if key in st else torch.zeros_like(master_of[id(p)], dtype=torch.float32)
+
+            got = {n: t.cpu().clone() for n, t in self.model.iter_hf_weights(torch.float32, bucket_bytes, select=pick)}
+            if dist.get_rank() == 0:
+                moments[key] = got
+        for st in state.values():
+            if "step" in st:
+                step = float(st["step"])
+                break
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
+        optim = {"format": "hf-names", "moments": moments, "step": step, "param_groups": groups} \
+            if dist.get_rank() == 0 else {}
+        return {"optimizer": optim, "step_count": self.step_count}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (every rank calls it with the full state and keeps its shards; the
+        model must already hold the saved weights)."""
+        optim = state["optimizer"]
+        if optim.get("format") != "hf-names":
+            raise ValueError("the saved optimizer state is not the megatron backend's (HF-named AdamW moments)")
+        if optim["step"] is not None:
+            shards = {key: self.model.hf_shards(optim["moments"][key]) for key in self._MOMENTS}
+            master_of = self._master_of()
+            for i, (param, avg) in enumerate(shards["exp_avg"]):
+                _, avg_sq = shards["exp_avg_sq"][i]
+                m = master_of.get(id(param))
+                if m is None:
+                    continue
+                self.optimizer.state[m] = {
+                    "step": torch.tensor(optim["step"], dtype=torch.float32),
+                    "exp_avg": avg.to(dtype=torch.float32, device=m.device).clone(),
+                    "exp_avg_sq": avg_sq.to(dtype=torch.float32, device=m.device).clone()}
+        for g, saved in zip(self.optimizer.param_groups, optim["param_groups"]):
+            g.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+        self.step_count = int(state["step_count"])
+        self._copy_master_to_compute()
+
+
+def _global_order(sums: dict[str, float]) -> list[str]:
+    """Parameter keys in a stage-independent order: embedding first, then layers by global index, then
+    the rest by name."""
+    def key(name: str):
+        parts = name.split(".")
+        if "layers" in parts:
+            i = parts.index("layers")
+            return (1, int(parts[i + 1]), ".".join(parts[i + 2:]))
+        return (0 if "embedding" in name else 2, 0, name)
+
+    return sorted(sums, key=key)

@@ -1,0 +1,135 @@
+"""Fixed-tree reductions (kernels/tree_reduce.py): the order is the tree's, a rank's leaves form one
+node of it, and each op matches a float64 reference. The multi-rank bit-equality (gloo processes)
+is tested with the megatron backend, tests/train/test_megatron_parallel.py."""
+import pytest
+import torch
+
+import rlperf.kernels as K
+from rlperf.kernels import tree_reduce as T
+
+
+@pytest.fixture(autouse=True)
+def _reference():
+    with K.use_backend("reference"):
+        yield
+
+
+def test_tree_sum_is_the_balanced_tree_not_the_running_sum():
+    p = [torch.tensor([v], dtype=torch.float32) for v in (1e8, 1.0, -1e8, 1.0)]
+    assert T.tree_sum(p).item() == ((p[0] + p[1]) + (p[2] + p[3])).item() == 0.0
+    assert (((p[0] + p[1]) + p[2]) + p[3]).item() == 1.0  # the running sum differs: the order is visible
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+def test_stack_matches_tree_sum(n):
+    g = torch.Generator().manual_seed(n)
+    parts = [torch.randn(5, generator=g) * 10 ** torch.randint(-3, 4, (5,), generator=g) for _ in range(n)]
+    acc = T._TreeStack()
+    for x in parts:
+        acc.push(x)
+    assert torch.equal(acc.result(), T.tree_sum(parts))
+
+
+def test_leaf_count_checked():
+    with pytest.raises(ValueError, match="power of two"):
+        T.tree_sum([torch.zeros(1)] * 3)
+    with pytest.raises(ValueError, match="does not split into 8 equal leaves"):
+        T.tree_matmul(torch.zeros(2, 12), torch.zeros(3, 12), leaves=8)
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("split", [2, 4, 8])
+def test_rank_leaves_are_one_node_of_the_tree(split):
+    # what t ranks compute (each its K/t columns, then the nodes in the top of the tree) is the one-rank tree
+    x, w = _rand(7, 40, seed=1), _rand(13, 40, seed=2)
+    full = T.tree_matmul(x, w, leaves=8)
+    width = 40 // split
+    nodes = [T.tree_matmul(x[:, r * width:(r + 1) * width], w[:, r * width:(r + 1) * width], leaves=8 // split)
+             for r in range(split)]
+    assert torch.equal(T.tree_sum(nodes), full)
+    assert torch.allclose(full.double(), x.double() @ w.double().T, rtol=1e-6, atol=1e-5)
+
+
+def test_row_and_column_parallel_gradients():
+    x = _rand(9, 24, seed=3).requires_grad_()
+    w1 = (_rand(16, 24, seed=4) * 0.3).requires_grad_()
+    w2 = (_rand(5, 16, seed=5) * 0.3).requires_grad_()
+    y = T.row_parallel_linear(T.column_parallel_linear(x, w1, leaves=8), w2, leaves=8)
+    g = _rand(9, 5, seed=6)
+    (y * g).sum().backward()
+    xr, w1r, w2r = (t.detach().double().requires_grad_() for t in (x, w1, w2))
+    yr = (xr @ w1r.T) @ w2r.T
+    (yr * g.double()).sum().backward()
+    assert torch.allclose(y.double(), yr, rtol=1e-5, atol=1e-5)
+    for got, want in ((x.grad, xr.grad), (w1.grad, w1r.grad), (w2.grad, w2r.grad)):
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_tree_logprob_matches_log_softmax_and_its_gradient():
+    n, h, v, temp = 11, 16, 64, 0.7
+    hid = _rand(n, h, seed=7).requires_grad_()
+    w = _rand(v, h, seed=8).requires_grad_()
+    tgt = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(9))
+    lp, ent = T.tree_logprob(hid, w, tgt, temp, return_entropy=True, leaves=8)
+    ga, gb = _rand(n, seed=10), _rand(n, seed=11)
+    (lp * ga + ent * gb).sum().backward()
+    hr, wr = hid.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    logp_all = torch.log_softmax((hr @ wr.T) / temp, -1)
+    lpr = logp_all.gather(1, tgt[:, None]).squeeze(1)
+    entr = -(logp_all.exp() * logp_all).sum(-1)
+    (lpr * ga.double() + entr * gb.double()).sum().backward()
+    assert torch.allclose(lp.double(), lpr, atol=1e-5) and torch.allclose(ent.double(), entr, atol=1e-5)
+    assert torch.allclose(hid.grad.double(), hr.grad, atol=1e-5)
+    assert torch.allclose(w.grad.double(), wr.grad, atol=1e-5)
+
+
+def test_tree_logprob_out_of_range_target_is_nan():
+    lp = T.tree_logprob(_rand(2, 8), _rand(16, 8, seed=1), torch.tensor([3, 16]), leaves=4)
+    assert torch.isfinite(lp[0]) and torch.isnan(lp[1])
+
+
+def test_triton_path_under_the_interpreter(interpreter):
+    # the GPU path (Triton leaf products with pinned tile configs, the fused log-prob kernel's leaf
+    # statistics and backward) agrees with the float64 reference
+    with K.use_backend("interpreter"):
+        x = _rand(5, 32, seed=12).requires_grad_()
+        w = (_rand(6, 32, seed=13) * 0.3).requires_grad_()
+        y = T.row_parallel_linear(x, w, leaves=4)
+        hid = _rand(3, 16, seed=14).requires_grad_()
+        head = _rand(64, 16, seed=15).requires_grad_()
+        tgt = torch.tensor([0, 17, 63])
+        lp, ent = T.tree_logprob(hid, head, tgt, 1.3, return_entropy=True, leaves=4)
+        (lp.sum() + ent.sum()).backward()
+    with K.use_backend("reference"):
+        hr, wr = hid.detach().clone().requires_grad_(), head.detach().clone().requires_grad_()
+        lpr, entr = T.tree_logprob(hr, wr, tgt, 1.3, return_entropy=True, leaves=4)
+        (lpr.sum() + entr.sum()).backward()
+        yr = T.row_parallel_linear(x.detach(), w.detach(), leaves=4)
+    assert torch.allclose(y, yr, atol=1e-5)
+    assert torch.allclose(lp, lpr, atol=1e-5) and torch.allclose(ent, entr, atol=1e-5)
+    assert torch.allclose(hid.grad, hr.grad, atol=1e-5) and torch.allclose(head.grad, wr.grad, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [2, 4])
+def test_gpu_bits_do_not_depend_on_the_split(split):
+    # bf16 on the GPU (Triton kernels): a column-parallel shard's columns, a row-parallel rank's tree
+    # node and a vocabulary leaf range give the bits of the unsplit computation
+    with K.use_backend("triton"):
+        g = torch.Generator(device="cuda").manual_seed(split)
+        x = torch.randn(37, 1024, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(3072, 1024, device="cuda", generator=g) * 0.05).bfloat16()
+        full = T.column_parallel_linear(x, w)
+        n = w.shape[0] // split
+        shards = [T._matmul_out(x, w[r * n:(r + 1) * n], x.dtype, config_n=w.shape[0]) for r in range(split)]
+        assert torch.equal(torch.cat(shards, dim=1), full)
+        assert torch.equal(full, K.linear(x, w))  # the engine's projection
+        x2 = torch.randn(37, 3072, device="cuda", generator=g).bfloat16()
+        w2 = (torch.randn(1024, 3072, device="cuda", generator=g) * 0.05).bfloat16()
+        k = 3072 // split
+        nodes = [T.tree_matmul(x2[:, r * k:(r + 1) * k], w2[:, r * k:(r + 1) * k], leaves=8 // split)
+                 for r in range(split)]
+        assert torch.equal(T.tree_sum(nodes), T.tree_matmul(x2, w2, leaves=8))
