@@ -9,7 +9,8 @@
 # What the GPU image lacks, with the versions these tests ran with there:
 #   the sglang-router and its server stack (fastapi, starlette, pydantic, uvicorn, orjson, setproctitle);
 #   sglang, whose FlattenedTensorBucket the bucket interop tests load (installed without its own
-#   dependencies, as on the CPU); pytest-benchmark (bench/test_microbench.py); perfetto (trace checks).
+#   dependencies, as on the CPU); pytest-benchmark (bench/test_microbench.py); perfetto (trace checks);
+#   megatron-core 0.19 (the megatron trainer backend; 0.19 needs Python >= 3.12, which the image has).
 # The image has torch, triton, aiohttp, anyio, click and h11. pydantic pins pydantic-core exactly: change
 # the two together.
 set -euo pipefail
@@ -30,6 +31,7 @@ WHEELS=(
   sglang==0.5.9
   pytest-benchmark==5.3.1
   perfetto==0.59.1
+  megatron-core==0.19.0
 )
 mkdir -p "$WHEEL_DIR"
 # --no-deps: exactly this list (the image has the rest); --only-binary: wheels, never an sdist to build;
