@@ -252,12 +252,14 @@ def moe_plan(experts: torch.Tensor, num_experts: int) -> ExpertPlan:
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     slot_of_pair = torch.empty(s, dtype=torch.int32, device=dev)
     pair_of_slot = torch.empty(s, dtype=torch.int32, device=dev)
+    # a block that fits small batches (decode) saves the interpreter work; integer sums: exact anyway
+    block = min(_PERMUTE_BLOCK, max(16, triton.next_power_of_2(s)))
     if s:
-        _count_kernel[(num_experts,)](flat, counts, s, BLOCK=_PERMUTE_BLOCK)
+        _count_kernel[(num_experts,)](flat, counts, s, BLOCK=block)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
     offsets[1:] = torch.cumsum(counts, 0)
     if s:
-        _place_kernel[(num_experts,)](flat, offsets, slot_of_pair, pair_of_slot, s, BLOCK=_PERMUTE_BLOCK)
+        _place_kernel[(num_experts,)](flat, offsets, slot_of_pair, pair_of_slot, s, BLOCK=block)
     return ExpertPlan(num_experts, k, slot_of_pair, pair_of_slot, pair_of_slot // k, offsets)
 
 

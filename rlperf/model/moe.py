@@ -13,6 +13,9 @@ cannot send the same token to different experts in the two forwards).
 """
 from __future__ import annotations
 
+import base64
+
+import numpy as np
 import torch
 
 from rlperf import kernels as K
@@ -78,3 +81,49 @@ def sparse_moe_block(x: torch.Tensor, router: torch.Tensor, experts_gate_up: tor
     if routing is not None:
         routing.record(experts)
     return K.moe_experts(x, experts, weights, experts_gate_up, experts_down)
+
+
+# ---- routed experts on the wire (SGLang's meta_info["routed_experts"]) ----------------------------
+
+def encode_routed_experts(experts: torch.Tensor, cfg: ModelConfig) -> str:
+    """``experts`` [T, L, k] (L = ``cfg.moe_layers``, in order) -> base64 of little-endian int32
+    [T, num_hidden_layers, k], token-major, then layer, then slot; a dense layer's rows are -1
+    (SGLang's ``meta_info["routed_experts"]`` layout)."""
+    if experts is None:
+        raise RoutingReplayError("no routed experts were recorded for this request (it ran no forward step)")
+    t, k = experts.shape[0], cfg.num_experts_per_tok
+    full = torch.full((t, cfg.num_hidden_layers, k), -1, dtype=torch.int32)
+    full[:, cfg.moe_layers] = experts.to(device="cpu", dtype=torch.int32)
+    return base64.b64encode(full.numpy().astype("<i4").tobytes()).decode("ascii")
+
+
+def decode_routed_experts(data: str | None, cfg: ModelConfig, num_tokens: int) -> torch.Tensor:
+    """The inverse of :func:`encode_routed_experts`: [num_tokens, L, k] int32 of the MoE layers.
+
+    :class:`RoutingReplayError` naming what is wrong when ``data`` is missing, is not base64, or
+    does not hold ``num_tokens`` x ``num_hidden_layers`` x ``num_experts_per_tok`` experts."""
+    if data is None:
+        raise RoutingReplayError("routing replay needs the rollout's routed experts, and this sample has none: "
+                                 "generate with return_routed_experts (meta_info['routed_experts'])")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (ValueError, TypeError) as exc:
+        raise RoutingReplayError(f"routed experts are not valid base64 ({exc})") from None
+    k, layers = cfg.num_experts_per_tok, cfg.num_hidden_layers
+    want = num_tokens * layers * k * 4
+    if len(raw) != want:
+        raise RoutingReplayError(f"routed experts hold {len(raw)} bytes; {num_tokens} tokens x {layers} layers x "
+                                 f"{k} experts of int32 need {want}")
+    full = torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int32).reshape(num_tokens, layers, k))
+    return full[:, cfg.moe_layers].contiguous()
+
+
+def routing_agreement(rollout: torch.Tensor, train: torch.Tensor) -> float:
+    """The fraction of (token, MoE layer) pairs routed to the same set of experts by the two sides:
+    ``rollout`` and ``train`` [T, L, k] (any order within a row). 1.0 when routing is invariant."""
+    if rollout.shape != train.shape:
+        raise ValueError(f"routing_agreement: shapes {tuple(rollout.shape)} and {tuple(train.shape)} differ")
+    if rollout.numel() == 0:
+        return 1.0
+    same = (torch.sort(rollout.long(), -1).values == torch.sort(train.long(), -1).values).all(-1)
+    return float(same.double().mean())
