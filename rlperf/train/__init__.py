@@ -14,7 +14,7 @@
 """
 from .advantages import compute_advantages, masked_whiten, normalize_rewards
 from .args import ADVANTAGE_ESTIMATORS, KL_LOSS_TYPES, TrainArgs, add_train_arguments, train_args_from
-from .batching import MicroBatch, compute_log_probs, micro_batch_log_probs, pack_micro_batches, partition
+from .batching import MicroBatch, compute_log_probs, compute_routed_experts, micro_batch_log_probs, pack_micro_batches, partition
 from .losses import compute_approx_kl, compute_policy_loss, policy_loss, sample_reducer
 from .sample import Sample
 from .trainer import Trainer, frozen_copy
@@ -22,5 +22,6 @@ from .trainer import Trainer, frozen_copy
 __all__ = [
     "TrainArgs", "add_train_arguments", "train_args_from", "ADVANTAGE_ESTIMATORS", "KL_LOSS_TYPES", "compute_advantages", "normalize_rewards", "masked_whiten",
     "Sample", "MicroBatch", "pack_micro_batches", "partition", "micro_batch_log_probs", "compute_log_probs",
+    "compute_routed_experts",
     "compute_approx_kl", "compute_policy_loss", "policy_loss", "sample_reducer", "Trainer", "frozen_copy",
 ]

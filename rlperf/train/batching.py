@@ -174,3 +174,21 @@ def compute_log_probs(model, samples: Sequence[Sample], temperature: float = 1.0
             if with_entropy:
                 ents[i] = ent.split(mb.response_lengths)[k].float().cpu()
     return (logps, ents) if with_entropy else logps
+
+
+@torch.no_grad()
+def compute_routed_experts(model, samples: Sequence[Sample], max_tokens_per_gpu: int | None = None,
+                           micro_batch_size: int | None = None) -> list[torch.Tensor]:
+    """The trainer's own routing of every sample (MoE models): [L_i - 1, MoE layers, k] int32 on the
+    CPU per sample, the layout of ``Sample.rollout_routed_experts`` (every token but the last), from
+    packed forwards that route by the model's routers: what the routing-agreement gate compares with
+    the rollout's."""
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    for mb in pack_micro_batches(samples, max_tokens_per_gpu, micro_batch_size, device=model.head_weight.device):
+        trace = RoutingTrace()
+        model.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens, trace)
+        experts = trace.experts().cpu()
+        cu = mb.cu_seqlens.tolist()
+        for j, i in enumerate(mb.indices):
+            out[i] = experts[cu[j]:cu[j + 1] - 1]
+    return out

@@ -134,3 +134,25 @@ def test_routing_trace_records_and_replays(interpreter):
             model.forward_packed(ids, positions, cu, RoutingTrace(experts[:5]))
         with pytest.raises(RoutingReplayError, match="num_experts_per_tok"):
             model.forward_packed(ids, positions, cu, RoutingTrace(experts[:, :, :1]))
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_30b_a3b_layers_prefill_equals_decode_and_routing():
+    """The reduced-layer Qwen3-30B-A3B preset (128 experts, top-8) in bf16: a full prefill, a
+    chunked prefill and decode give the same final hidden bits, and route every token alike."""
+    cfg = preset("qwen3-30b-a3b-2l")
+    model = Qwen3ForCausalLM.random(cfg, seed=5, dtype=torch.bfloat16, device="cuda")
+    seqs, ids, positions, cu = _packed([3, 130, 257], cfg.vocab_size, seed=6)
+    seqs = [s.cuda() for s in seqs]
+    with torch.no_grad():
+        trace = RoutingTrace()
+        packed = model.forward_packed(ids.cuda(), positions.cuda(), cu.cuda(), trace)
+        order = torch.randperm(3 * ((257 + K.PAGE_SIZE - 1) // K.PAGE_SIZE)).tolist()
+        for chunk in ((1, 1), (100, 100), (200, 1)):
+            paged = _paged_run(model, seqs, chunk, order, "cuda")
+            for s in range(3):
+                assert torch.equal(paged[s], packed[cu[s]:cu[s + 1]]), (chunk, s)
+        alone = RoutingTrace()
+        model.forward_packed(seqs[2], torch.arange(257, device="cuda"), torch.tensor([0, 257], dtype=torch.int32,
+                                                                                     device="cuda"), alone)
+        assert torch.equal(alone.experts(), trace.experts()[cu[2]:cu[3]])

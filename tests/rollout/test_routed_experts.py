@@ -151,3 +151,21 @@ def test_serve_refuses_routed_experts_of_a_dense_model():
     (status, text), (bad_status, bad_text) = serve(dense, cpu_args(), run)
     assert status == 400 and "no MoE layers" in text
     assert bad_status == 400 and "return_routed_experts" in bad_text
+
+
+def test_routing_agreement_gate(model):
+    from rlperf.gates.checks import routing_agreement as gate
+    from rlperf.train import compute_routed_experts
+
+    samples = _samples(_generate(model))
+    train = compute_routed_experts(model, samples, micro_batch_size=2)
+    ok = gate(samples, train, true_on_policy=True)
+    assert ok.passed and ok.measured["agreement"] == 1.0
+    flipped = [t.clone() for t in train]
+    flipped[1][4, 0] = (flipped[1][4, 0] + 1) % CFG.num_experts
+    bad = gate(samples, flipped, true_on_policy=True)
+    assert not bad.passed and "sample 1, token 4, MoE layer 0" in bad.message
+    assert gate(samples, flipped, true_on_policy=False, min_agreement=0.9).passed
+    samples[2].rollout_routed_experts = None
+    missing = gate(samples, train, true_on_policy=True)
+    assert not missing.passed and "sample 2 has no rollout routed experts" in missing.message
