@@ -23,7 +23,7 @@ from .attention import PAGE_SIZE, paged_attention, varlen_attention, write_kv_ca
 from .fused_lm_head import fused_logprob
 from .gemm import linear, matmul, matmul_config
 from .logprob import log_softmax, token_logprobs
-from .moe import grouped_matmul, moe_combine, moe_experts, moe_plan, moe_route, moe_route_weights
+from .moe import grouped_matmul, moe_combine, moe_experts, moe_plan, moe_route, moe_route_weights, moe_slot_rows
 from .norm import add_rmsnorm, rmsnorm
 from .rope import rmsnorm_rope
 from .sampling import check_sampling_rows, sample
@@ -34,4 +34,5 @@ __all__ = [
     "matmul", "linear", "matmul_config", "rmsnorm", "add_rmsnorm", "PAGE_SIZE", "write_kv_cache",
     "paged_attention", "varlen_attention", "log_softmax", "token_logprobs", "fused_logprob", "sample", "check_sampling_rows", "silu_mul",
     "rmsnorm_rope", "moe_route", "moe_route_weights", "moe_plan", "grouped_matmul", "moe_combine", "moe_experts",
+    "moe_slot_rows",
 ]

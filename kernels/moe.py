@@ -538,6 +538,27 @@ def moe_combine(y: torch.Tensor, plan: ExpertPlan, weights: torch.Tensor, out_dt
     return _launch_combine(y, plan, weights, out_dtype)
 
 
+class _SlotRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan):
+        ctx.plan = plan
+        return x[plan.token_of_slot.long()]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        return _launch_combine(g.contiguous(), ctx.plan, None, g.dtype), None
+
+
+def moe_slot_rows(x: torch.Tensor, plan: ExpertPlan) -> torch.Tensor:
+    """x [T, H] -> [S, H]: row s is its token's row ``x[plan.token_of_slot[s]]``. Its gradient sums a
+    token's k slot rows in expert order (the combine's order, no scatter-add), as the grouped GEMM's
+    gathered input does: the expert-parallel dispatch sends these rows."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _SlotRows.apply(x, plan)
+    return x[plan.token_of_slot.long()]
+
+
 # --------------------------------------------------------------------------------------------
 # The expert block
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ def test_moe_true_on_policy_and_the_reward_rises(tmp_path):
     assert _abs_diffs(hist) == [0.0] * 40
     rewards = [m["rollout/raw_reward"] for m in hist]
     start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert end >= start + 0.2, f"the MoE run did not learn: {rewards}"
+    assert end >= start + 0.15, f"the MoE run did not learn: {rewards}"
 
 
 def test_moe_true_on_policy_on_the_triton_kernels(tmp_path, interpreter):
