@@ -169,3 +169,23 @@ def test_routing_agreement_gate(model):
     samples[2].rollout_routed_experts = None
     missing = gate(samples, train, true_on_policy=True)
     assert not missing.passed and "sample 2 has no rollout routed experts" in missing.message
+
+
+def test_trainer_with_routing_replay_reads_it_from_its_args(model):
+    """``Trainer`` replays when its args carry ``use_rollout_routing_replay`` (the flag's name): a
+    sample without routing is then a RoutingReplayError naming it, and with routing one step runs."""
+    from rlperf.train import TrainArgs, Trainer
+
+    args = TrainArgs(n_samples_per_prompt=3, lr=1e-3, micro_batch_size=2)
+    args.use_rollout_routing_replay = True
+    samples = _samples(_generate(model))
+    for s in samples:
+        s.reward = float(len(s.tokens) % 2)
+    trainer = Trainer(Qwen3ForCausalLM.random(CFG, seed=0, std=0.1), args)
+    trainer.prepare(samples)
+    assert all(torch.equal(s.log_probs, torch.tensor(s.rollout_log_probs)) for s in samples)
+    metrics = trainer.train_step(samples)
+    assert metrics["train/train_rollout_logprob_abs_diff"] == 0.0
+    samples[0].rollout_routed_experts = None
+    with pytest.raises(RoutingReplayError, match="sample 0"):
+        trainer.prepare(samples)
