@@ -77,7 +77,8 @@ def cases(quick: bool = False) -> list[BenchCase]:
     # weights read once per step + KV read, per layer: for the decode GB/s column
     with torch.device("meta"):  # the layer's real shapes, no memory
         w_bytes = n_layers * sum(t.numel() * t.element_size()
-                                 for t in vars(init_layer_weights(cfg, torch.bfloat16, "meta")).values())
+                                 for t in vars(init_layer_weights(cfg, torch.bfloat16, "meta")).values()
+                                 if t is not None)
     b, ctx = DECODE
     kv_bytes = n_layers * 2 * b * (ctx + 1) * cfg.kv_size * 2
     b_p, seq = PREFILL

@@ -27,6 +27,7 @@ BENCHES = {
     "logprob": "rlperf.bench.logprob",
     "rollout": "rlperf.bench.rollout",
     "loop": "rlperf.bench.loop",
+    "moe": "rlperf.bench.moe",
 }
 DISTRIBUTED_SYNC = "sync-distributed"
 """``rlperf bench sync --distributed`` (:mod:`rlperf.bench.sync_distributed`): its results and markdown section."""

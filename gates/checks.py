@@ -12,6 +12,10 @@
   its own capacity.
 * :func:`sanity` — finite losses, rewards and grad norm; every log-prob finite and ``<= 0``.
 
+MoE runs add :func:`routing_agreement` (samples and the trainer's own routing in, a verdict out):
+the share of (token, MoE layer) pairs the rollout and the trainer route to the same experts, 1.0
+exactly with ``--true-on-policy-mode`` (batch-invariant routing).
+
 Messages name the first offender (sample, token position, token id, both values) so a failure
 can be acted on without rerunning under a debugger.
 """
@@ -387,3 +391,60 @@ def sanity(record: FirstStepRecord, options: GateOptions | None = None) -> GateR
 
 GATES = {"kl_zero": kl_zero, "logprob_abs_diff": logprob_abs_diff, "oom_headroom": oom_headroom, "sanity": sanity}
 """Every gate, in the order they run and are reported."""
+
+
+DEFAULT_MIN_ROUTING_AGREEMENT = 0.99
+"""Outside true-on-policy mode: the least share of (token, MoE layer) pairs routed alike by the rollout
+and the trainer; bf16 near-ties flip a few routing decisions, a mismatched model flips most."""
+
+
+def routing_agreement(samples, train_routed_experts, true_on_policy: bool,
+                      min_agreement: float = DEFAULT_MIN_ROUTING_AGREEMENT) -> GateResult:
+    """Rollout vs training routing of an MoE model, gate-style.
+
+    ``samples``: each with ``rollout_routed_experts`` [L_i - 1, MoE layers, k] (the engine's
+    ``routed_experts``); ``train_routed_experts``: the trainer's routing of the same tokens, same
+    layout (:func:`rlperf.train.compute_routed_experts`). Agreement = share of (token, layer) pairs
+    whose expert sets are equal. Passes at exactly 1.0 with ``true_on_policy``, else at least
+    ``min_agreement``. Missing or mis-shaped routing fails naming the sample, never raises.
+    """
+    name = "routing_agreement"
+    threshold = "exactly 1.0 (true-on-policy mode)" if true_on_policy else min_agreement
+    if len(train_routed_experts) != len(samples):
+        return GateResult(name, False, {"samples": len(samples), "train": len(train_routed_experts)}, threshold,
+                          f"{len(samples)} samples but the trainer's routing of {len(train_routed_experts)}",
+                          "compute the trainer's routing of the same samples (rlperf.train.compute_routed_experts)")
+    same = total = 0
+    first = None  # (sample, token, layer, rollout experts, train experts)
+    for i, (s, train) in enumerate(zip(samples, train_routed_experts)):
+        rollout = s.rollout_routed_experts
+        if rollout is None or train is None:
+            side = "rollout" if rollout is None else "trainer"
+            return GateResult(name, False, {"sample": i}, threshold, f"sample {i} has no {side} routed experts",
+                              "generate with return_routed_experts (meta_info['routed_experts'] -> "
+                              "Sample.rollout_routed_experts) on an MoE model")
+        rollout = torch.as_tensor(rollout)
+        if tuple(rollout.shape) != tuple(train.shape):
+            return GateResult(name, False, {"sample": i, "rollout_shape": list(rollout.shape),
+                                            "train_shape": list(train.shape)}, threshold,
+                              f"sample {i}: rollout routing {list(rollout.shape)} and training routing "
+                              f"{list(train.shape)} cover different tokens or layers",
+                              "both sides must run the same model (layers, top-k) on the same tokens")
+        a, b = torch.sort(rollout.long(), -1).values, torch.sort(train.long(), -1).values
+        eq = (a == b).all(-1)
+        same += int(eq.sum())
+        total += eq.numel()
+        if first is None and not bool(eq.all()):
+            t, layer = (int(v) for v in (~eq).nonzero()[0])
+            first = (i, t, layer, a[t, layer].tolist(), b[t, layer].tolist())
+    share = same / total if total else 1.0
+    measured = {"agreement": share, "token_layers": total, "routed_alike": same}
+    where = (f"; first difference at sample {first[0]}, token {first[1]}, MoE layer {first[2]}: rollout "
+             f"{first[3]} vs train {first[4]}") if first else ""
+    limit = 1.0 if true_on_policy else min_agreement
+    if share < limit:
+        return GateResult(name, False, measured, threshold, f"routing agreement {share:.6f} < {limit:g}{where}",
+                          "the rollout and the trainer route differently: run both on the batch-invariant kernels "
+                          "(--true-on-policy-mode) or replay the rollout's routing (--use-rollout-routing-replay)")
+    return GateResult(name, True, measured, threshold, f"{total} token-layers routed alike by rollout and trainer"
+                      if share == 1.0 else f"routing agreement {share:.6f} >= {limit:g}{where}")

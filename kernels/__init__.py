@@ -10,7 +10,7 @@ Triton reads ``TRITON_INTERPRET`` when the kernel modules are imported, i.e. at
 ``import rlperf.kernels``: set it before that to run the kernels on the CPU.
 
 No submodule shares a name with an op: the matmul kernel lives in ``gemm``, the fused lm-head
-log-prob in ``fused_lm_head``, so ``rlperf.kernels.matmul`` is always the function. Those modules
+log-prob in ``fused_lm_head``, the expert ops in ``moe``, so ``rlperf.kernels.matmul`` is always the function. Those modules
 also hold the launchers that tuning sweeps call with a config of their own
 (``gemm.launch``, ``fused_lm_head.fused_logprob_forward`` / ``fused_logprob_backward``,
 ``attention.attention_forward``, ``attention_backward.attention_backward``).
@@ -23,6 +23,7 @@ from .attention import PAGE_SIZE, paged_attention, varlen_attention, write_kv_ca
 from .fused_lm_head import fused_logprob
 from .gemm import linear, matmul, matmul_config
 from .logprob import log_softmax, token_logprobs
+from .moe import grouped_matmul, moe_combine, moe_experts, moe_plan, moe_route, moe_route_weights, moe_slot_rows
 from .norm import add_rmsnorm, rmsnorm
 from .rope import rmsnorm_rope
 from .sampling import check_sampling_rows, sample
@@ -32,5 +33,6 @@ __all__ = [
     "set_mode", "use_backend", "use_mode", "use_policy",
     "matmul", "linear", "matmul_config", "rmsnorm", "add_rmsnorm", "PAGE_SIZE", "write_kv_cache",
     "paged_attention", "varlen_attention", "log_softmax", "token_logprobs", "fused_logprob", "sample", "check_sampling_rows", "silu_mul",
-    "rmsnorm_rope",
+    "rmsnorm_rope", "moe_route", "moe_route_weights", "moe_plan", "grouped_matmul", "moe_combine", "moe_experts",
+    "moe_slot_rows",
 ]

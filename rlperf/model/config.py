@@ -1,4 +1,4 @@
-"""Qwen3-style model shapes, with Hugging Face ``config.json`` field names.
+"""Qwen3-style model shapes (dense Qwen3 and Qwen3-MoE), with Hugging Face ``config.json`` field names.
 
 :func:`read_hf_config` reads a checkpoint's ``config.json`` as written by transformers 4 (top-level
 ``rope_theta``, legacy ``rope_scaling``, ``torch_dtype``) or transformers 5 (``rope_parameters``,
@@ -15,7 +15,14 @@ from pathlib import Path
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes of a Qwen3-style decoder (field names as in HF ``Qwen3Config``)."""
+    """Shapes of a Qwen3-style decoder (field names as in HF ``Qwen3Config`` / ``Qwen3MoeConfig``).
+
+    ``num_experts`` 0 is the dense Qwen3. Otherwise layer i's MLP is a sparse expert block (router
+    [E, H], E experts of intermediate size ``moe_intermediate_size``, top ``num_experts_per_tok``,
+    weights renormalised when ``norm_topk_prob``) unless i is in ``mlp_only_layers`` or
+    ``(i + 1) % decoder_sparse_step != 0``, where it is the dense MLP of ``intermediate_size``
+    (:meth:`is_moe_layer`, the rule of transformers' ``Qwen3MoeDecoderLayer``).
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -28,8 +35,28 @@ class ModelConfig:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = True
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts={self.num_experts} must be >= 0 (0: a dense model)")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                                 f"{self.num_experts}]")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be positive")
+            if self.decoder_sparse_step < 1:
+                raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+            bad = [i for i in self.mlp_only_layers if not (isinstance(i, int) and 0 <= i < self.num_hidden_layers)]
+            if bad:
+                raise ValueError(f"mlp_only_layers {bad} are not layer indices in [0, {self.num_hidden_layers})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -46,6 +73,20 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index``'s MLP is the sparse expert block (class docstring)."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The indices of the sparse expert layers, in order (empty for a dense model)."""
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+
+_QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                      num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
 
 PRESETS: dict[str, ModelConfig] = {
     # small enough to train on 2 CPU cores; the embedded default of `rlperf train`
@@ -57,11 +98,22 @@ PRESETS: dict[str, ModelConfig] = {
                             num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                             num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    # Qwen3-MoE: the tiny one trains on 2 CPU cores (8 experts, top-2; layer 1 sparse, layer 0 dense
+    # through mlp_only_layers, so both MLP kinds run)
+    "qwen3-moe-tiny": ModelConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024,
+                                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                  mlp_only_layers=(0,)),
+    # Qwen3-30B-A3B (128 experts, top-8; 30.5B parameters, 3.3B active) and the same layer shape cut
+    # to 2 layers (1.9B parameters: trainer with float32 masters + AdamW and an engine on one GPU)
+    "qwen3-30b-a3b": ModelConfig(**_QWEN3_30B_A3B),
+    "qwen3-30b-a3b-2l": ModelConfig(**{**_QWEN3_30B_A3B, "num_hidden_layers": 2}),
 }
 
 
 def preset(name: str) -> ModelConfig:
-    """The preset called ``name`` (``tiny``, ``qwen3-0.6b``, ``qwen3-4b``, ``qwen3-8b``)."""
+    """The preset called ``name`` (``tiny``, ``qwen3-0.6b``, ``qwen3-4b``, ``qwen3-8b``, ``qwen3-moe-tiny``,
+    ``qwen3-30b-a3b``, ``qwen3-30b-a3b-2l``)."""
     try:
         return PRESETS[name]
     except KeyError:
@@ -103,6 +155,8 @@ def config_from_hf_dict(raw: dict, where: str = "config.json",
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     present = {k: v for k, v in raw.items() if v is not None}
+    if present.get("model_type") == "qwen3_moe":  # transformers' Qwen3MoeConfig defaults for absent fields
+        present = {**QWEN3_MOE_DEFAULTS, **present}
     names = {f.name for f in dataclasses.fields(ModelConfig)} - {"rope_theta"}
     kwargs = {k: present[k] for k in names if k in present}
     if "num_key_value_heads" not in kwargs and "num_attention_heads" in kwargs:
@@ -117,7 +171,10 @@ def config_from_hf_dict(raw: dict, where: str = "config.json",
         raise ValueError(f"{where}: missing (or null) fields {missing}")
     _check_supported(present, where)
     kwargs["rope_theta"] = _rope_theta(present, where)
-    return ModelConfig(**kwargs), _dtype_name(present, where)
+    try:
+        return ModelConfig(**kwargs), _dtype_name(present, where)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def _rope_theta(raw: dict, where: str) -> float:
@@ -159,8 +216,26 @@ def _rope_theta(raw: dict, where: str) -> float:
     return float(found[0][1])
 
 
+QWEN3_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                      "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
+"""transformers' ``Qwen3MoeConfig`` defaults: a ``qwen3_moe`` config.json may leave these out."""
+
+# Expert settings of other MoE families: each changes the computation and none is implemented.
+_UNSUPPORTED_MOE_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+                           "moe_layer_freq", "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor")
+
+
 def _check_supported(raw: dict, where: str) -> None:
     """Refuse settings that change the computation but that the model does not implement."""
+    for field in _UNSUPPORTED_MOE_FIELDS:
+        if raw.get(field) not in (None, 0, False):
+            raise ValueError(f"{where}: {field} = {raw[field]!r} is not supported (rlperf implements Qwen3-MoE's "
+                             f"expert block: routed experts only, no shared experts or grouped routing)")
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+        if field in raw and (isinstance(raw[field], bool) or not isinstance(raw[field], int)):
+            raise ValueError(f"{where}: {field} = {raw[field]!r} is not an integer")
+    if "mlp_only_layers" in raw and not isinstance(raw["mlp_only_layers"], list):
+        raise ValueError(f"{where}: mlp_only_layers = {raw['mlp_only_layers']!r} is not a list of layer indices")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{where}: hidden_act {act!r} is not supported (rlperf's MLP is SwiGLU: 'silu')")

@@ -14,7 +14,8 @@ Layer (HF ``Qwen3DecoderLayer`` order), per token, T tokens, hidden size H::
     q, k  = rope(rmsnorm(q, w.q_norm)), rope(rmsnorm(k, w.k_norm))  # fused: K.rmsnorm_rope
     a     = attention(q, k, v)                              # causal, GQA
     x, r  = add_rmsnorm(linear(a, w.o_proj), r, w.post_attention_layernorm)
-    h     = linear(silu_mul(linear(x, w.gate_up_proj)), w.down_proj)
+    h     = linear(silu_mul(linear(x, w.gate_up_proj)), w.down_proj)     # dense MLP, or
+    h     = sparse_moe_block(x, w.router, w.experts_gate_up, w.experts_down)  # Qwen3-MoE layers
     return h, r
 
 ``leaves`` (None, or the tree's leaf count S: the model's ``reduction_leaves``) selects the
@@ -36,6 +37,7 @@ from rlperf import kernels as K
 from rlperf.kernels import tree_reduce
 
 from .config import ModelConfig
+from .moe import RoutingTrace, sparse_moe_block
 
 
 @dataclasses.dataclass
@@ -45,6 +47,9 @@ class DecoderLayerWeights:
     Shapes (H hidden, D head_dim, I intermediate): ``input_layernorm`` [H], ``qkv_proj``
     [(Hq + 2 Hkv) D, H] (rows: q, then k, then v), ``q_norm``/``k_norm`` [D], ``o_proj`` [H, Hq D],
     ``post_attention_layernorm`` [H], ``gate_up_proj`` [2I, H] (rows: gate, then up), ``down_proj`` [H, I].
+    A Qwen3-MoE sparse layer has no dense MLP (``gate_up_proj``/``down_proj`` None) but ``router``
+    [E, H], ``experts_gate_up`` [E, 2I', H] (per expert: gate rows, then up) and ``experts_down``
+    [E, H, I'], I' = ``moe_intermediate_size``.
     """
 
     input_layernorm: torch.Tensor
@@ -53,13 +58,16 @@ class DecoderLayerWeights:
     k_norm: torch.Tensor
     o_proj: torch.Tensor
     post_attention_layernorm: torch.Tensor
-    gate_up_proj: torch.Tensor
-    down_proj: torch.Tensor
+    gate_up_proj: torch.Tensor | None
+    down_proj: torch.Tensor | None
+    router: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None
 
 
 def init_layer_weights(cfg: ModelConfig, dtype: torch.dtype, device, generator: torch.Generator | None = None,
-                       std: float = 0.02) -> DecoderLayerWeights:
-    """Random weights (normal(0, std) matrices, unit norms) for a layer of ``cfg``."""
+                       std: float = 0.02, index: int = 0) -> DecoderLayerWeights:
+    """Random weights (normal(0, std) matrices, unit norms) for layer ``index`` of ``cfg``."""
 
     def normal(*shape):
         return (torch.randn(*shape, generator=generator, dtype=torch.float32) * std).to(dtype=dtype, device=device)
@@ -68,6 +76,12 @@ def init_layer_weights(cfg: ModelConfig, dtype: torch.dtype, device, generator: 
         return torch.ones(n, dtype=dtype, device=device)
 
     h, d = cfg.hidden_size, cfg.head_dim
+    if cfg.is_moe_layer(index):
+        e, i = cfg.num_experts, cfg.moe_intermediate_size
+        mlp = dict(gate_up_proj=None, down_proj=None, router=normal(e, h), experts_gate_up=normal(e, 2 * i, h),
+                   experts_down=normal(e, h, i))
+    else:
+        mlp = dict(gate_up_proj=normal(2 * cfg.intermediate_size, h), down_proj=normal(h, cfg.intermediate_size))
     return DecoderLayerWeights(
         input_layernorm=ones(h),
         qkv_proj=normal(cfg.q_size + 2 * cfg.kv_size, h),
@@ -75,8 +89,7 @@ def init_layer_weights(cfg: ModelConfig, dtype: torch.dtype, device, generator: 
         k_norm=ones(d),
         o_proj=normal(h, cfg.q_size),
         post_attention_layernorm=ones(h),
-        gate_up_proj=normal(2 * cfg.intermediate_size, h),
-        down_proj=normal(h, cfg.intermediate_size),
+        **mlp,
     )
 
 
@@ -124,7 +137,7 @@ def _row_linear(x, w, leaves: int | None):
 
 
 def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: RopeTable, positions, attend,
-           leaves: int | None = None):
+           leaves: int | None = None, routing: RoutingTrace | None = None):
     t = hidden.shape[0]
     blocks = None if leaves is None else tree_reduce.head_blocks(cfg.num_attention_heads, cfg.num_key_value_heads,
                                                                  leaves)
@@ -144,21 +157,25 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
     a = attend(q, k, v)
     x, residual = K.add_rmsnorm(_row_linear(a.reshape(t, cfg.q_size), w.o_proj, leaves), residual,
                                 w.post_attention_layernorm, cfg.rms_norm_eps)
+    if w.router is not None:
+        return sparse_moe_block(x, w.router, w.experts_gate_up, w.experts_down, cfg, routing), residual
     return _row_linear(K.silu_mul(K.linear(x, w.gate_up_proj)), w.down_proj, leaves), residual
 
 
-def decoder_layer_prefill(hidden, residual, w, cfg, rope, positions, cu_seqlens, leaves: int | None = None):
+def decoder_layer_prefill(hidden, residual, w, cfg, rope, positions, cu_seqlens, leaves: int | None = None,
+                          routing=None):
     """Training forward of one layer over packed sequences.
 
     hidden [T, H]; residual [T, H] or None (first layer); positions [T] int64 (position within its
-    sequence); cu_seqlens [B+1] int32. Returns (hidden_out [T, H], residual [T, H]).
+    sequence); cu_seqlens [B+1] int32; routing: a :class:`RoutingTrace` (MoE layers record or
+    replay their experts) or None. Returns (hidden_out [T, H], residual [T, H]).
     """
     return _layer(hidden, residual, w, cfg, rope, positions,
-                  lambda q, k, v: K.varlen_attention(q, k, v, cu_seqlens), leaves)
+                  lambda q, k, v: K.varlen_attention(q, k, v, cu_seqlens), leaves, routing)
 
 
 def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slot_mapping, page_table,
-                        cu_seqlens_q, kv_lens, leaves: int | None = None):
+                        cu_seqlens_q, kv_lens, leaves: int | None = None, routing=None):
     """Engine step of one layer: store the new tokens' K/V in the paged cache, attend over it.
 
     hidden [T, H] (the new tokens of B sequences, packed); positions [T]; kv_cache (k_cache,
@@ -172,4 +189,4 @@ def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slo
         K.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return K.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens)
 
-    return _layer(hidden, residual, w, cfg, rope, positions, attend, leaves)
+    return _layer(hidden, residual, w, cfg, rope, positions, attend, leaves, routing)

@@ -6,6 +6,11 @@ config is fixed per (dtype, N, K), so a fused and a split projection need not gi
 On disk and in :meth:`Qwen3ForCausalLM.hf_state_dict` they carry HF's names
 (``model.layers.{i}.self_attn.q_proj.weight`` ...), as views of the fused tensors.
 
+Qwen3-MoE (``cfg.num_experts > 0``): a sparse layer holds ``router`` [E, H] and every expert's
+gate/up and down stacked (``experts_gate_up`` [E, 2I, H], ``experts_down`` [E, H, I], what the
+grouped GEMM reads); their HF names are transformers' ``mlp.gate.weight`` and
+``mlp.experts.{j}.gate_proj/up_proj/down_proj.weight``, again views.
+
 Two forwards share every op:
 
 * :meth:`forward_packed` — packed varlen sequences (training, reference log-probs);
@@ -25,17 +30,20 @@ from rlperf.kernels.tree_reduce import tree_logprob
 
 from .config import ModelConfig, read_hf_config
 from .layer import DecoderLayerWeights, RopeTable, decoder_layer_paged, decoder_layer_prefill
+from .moe import RoutingTrace
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 
 
 class DecoderLayer(nn.Module):
-    """Parameters of one layer (fused layout; see :class:`DecoderLayerWeights` for shapes)."""
+    """Parameters of layer ``index`` (fused layout; see :class:`DecoderLayerWeights` for shapes): a
+    dense MLP, or the sparse expert block where ``cfg.is_moe_layer(index)``."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, index: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.is_moe = cfg.is_moe_layer(index)
         h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         kw = dict(dtype=dtype, device=device)
         self.input_layernorm = nn.Parameter(torch.ones(h, **kw))
@@ -44,21 +52,28 @@ class DecoderLayer(nn.Module):
         self.k_norm = nn.Parameter(torch.ones(d, **kw))
         self.o_proj = nn.Parameter(torch.empty(h, cfg.q_size, **kw))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h, **kw))
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * i, h, **kw))
-        self.down_proj = nn.Parameter(torch.empty(h, i, **kw))
+        if self.is_moe:
+            e, mi = cfg.num_experts, cfg.moe_intermediate_size
+            self.router = nn.Parameter(torch.empty(e, h, **kw))
+            self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * mi, h, **kw))
+            self.experts_down = nn.Parameter(torch.empty(e, h, mi, **kw))
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(2 * i, h, **kw))
+            self.down_proj = nn.Parameter(torch.empty(h, i, **kw))
 
     def weights(self) -> DecoderLayerWeights:
-        return DecoderLayerWeights(**{f: getattr(self, f) for f in DecoderLayerWeights.__dataclass_fields__})
+        return DecoderLayerWeights(**{f: getattr(self, f, None) for f in DecoderLayerWeights.__dataclass_fields__})
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeTable, positions: torch.Tensor,
-                cu_seqlens: torch.Tensor, leaves: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                cu_seqlens: torch.Tensor, leaves: int | None = None,
+                routing: RoutingTrace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The training forward of this layer over packed sequences (:func:`decoder_layer_prefill`).
 
         :meth:`Qwen3ForCausalLM.forward_packed` calls each layer as a module (``layer(...)``), so
         module hooks run around it: FSDP2 (``fully_shard`` per layer, :mod:`rlperf.train.fsdp`)
         gathers the layer's parameters before it and frees them after.
         """
-        return decoder_layer_prefill(hidden, residual, self.weights(), self.cfg, rope, positions, cu_seqlens, leaves)
+        return decoder_layer_prefill(hidden, residual, self.weights(), self.cfg, rope, positions, cu_seqlens, leaves, routing)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -80,7 +95,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.reduction_leaves = reduction_leaves
         kw = dict(dtype=dtype, device=device)
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, n) for n in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, **kw))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
         self.rope = RopeTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
@@ -117,23 +132,29 @@ class Qwen3ForCausalLM(nn.Module):
         return self.embed_tokens.device
 
     # ---- forwards -----------------------------------------------------------------------------
-    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [T, H] of packed sequences (input_ids [T], positions [T], cu_seqlens [B+1] int32)."""
+    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                       routing: RoutingTrace | None = None) -> torch.Tensor:
+        """Final hidden states [T, H] of packed sequences (input_ids [T], positions [T], cu_seqlens [B+1] int32).
+
+        ``routing``: a :class:`RoutingTrace` whose MoE layers record (or replay) their experts; None
+        for a dense model or when nobody asks."""
         hidden, residual = self.embed_tokens[input_ids], None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, self.rope, positions, cu_seqlens, self.reduction_leaves)
+            hidden, residual = layer(hidden, residual, self.rope, positions, cu_seqlens, self.reduction_leaves, routing)
         return K.add_rmsnorm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
-    def forward_paged(self, input_ids, positions, kv_caches, slot_mapping, page_table, cu_seqlens_q, kv_lens):
+    def forward_paged(self, input_ids, positions, kv_caches, slot_mapping, page_table, cu_seqlens_q, kv_lens,
+                      routing: RoutingTrace | None = None):
         """Final hidden states [T, H] of the new tokens of an engine step (see ``decoder_layer_paged``).
 
-        ``kv_caches``: one (k_cache, v_cache) pair per layer, each [num_pages, PAGE_SIZE, Hkv, D].
+        ``kv_caches``: one (k_cache, v_cache) pair per layer, each [num_pages, PAGE_SIZE, Hkv, D];
+        ``routing`` as in :meth:`forward_packed`.
         """
         hidden, residual = self.embed_tokens[input_ids], None
         for layer, cache in zip(self.layers, kv_caches):
             hidden, residual = decoder_layer_paged(hidden, residual, layer.weights(), self.cfg, self.rope, positions,
                                                    cache, slot_mapping, page_table, cu_seqlens_q, kv_lens,
-                                                   self.reduction_leaves)
+                                                   self.reduction_leaves, routing)
         return K.add_rmsnorm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -167,7 +188,8 @@ class Qwen3ForCausalLM(nn.Module):
         """``named_parameters`` names in the order :meth:`hf_state_dict` lists their HF tensors (a sender
         that streams the weights in this order flattens them as ``hf_state_dict()`` does)."""
         names = ["embed_tokens", "norm"] + (["lm_head"] if self.lm_head is not None else [])
-        return names + [f"layers.{n}.{f}" for n in range(len(self.layers)) for f in _LAYER_HF_ORDER]
+        return names + [f"layers.{n}.{f}" for n, layer in enumerate(self.layers)
+                        for f in (_MOE_LAYER_HF_ORDER if layer.is_moe else _LAYER_HF_ORDER)]
 
     @torch.no_grad()
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -229,6 +251,8 @@ class Qwen3ForCausalLM(nn.Module):
 _LAYER_HF_ORDER = ("input_layernorm", "post_attention_layernorm", "qkv_proj", "q_norm", "k_norm", "o_proj",
                    "gate_up_proj", "down_proj")
 """A layer's parameters in the order :meth:`Qwen3ForCausalLM.hf_state_dict` lists their HF names."""
+_MOE_LAYER_HF_ORDER = _LAYER_HF_ORDER[:-2] + ("router", "experts_gate_up", "experts_down")
+"""The same for a Qwen3-MoE sparse layer."""
 
 _HF_LAYER_NAMES = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
                    "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm", "o_proj": "self_attn.o_proj",
@@ -255,6 +279,15 @@ def hf_views(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[st
                 (prefix + "self_attn.v_proj.weight", tensor[q + kv :])]
     if field == "gate_up_proj":
         return [(prefix + "mlp.gate_proj.weight", tensor[:i]), (prefix + "mlp.up_proj.weight", tensor[i:])]
+    if field == "router":
+        return [(prefix + "mlp.gate.weight", tensor)]
+    if field == "experts_gate_up":  # [E, 2I, H]: expert j's gate rows, then its up rows
+        mi = cfg.moe_intermediate_size
+        return [pair for j in range(tensor.shape[0])
+                for pair in ((f"{prefix}mlp.experts.{j}.gate_proj.weight", tensor[j, :mi]),
+                             (f"{prefix}mlp.experts.{j}.up_proj.weight", tensor[j, mi:]))]
+    if field == "experts_down":     # [E, H, I]
+        return [(f"{prefix}mlp.experts.{j}.down_proj.weight", tensor[j]) for j in range(tensor.shape[0])]
     if field not in _HF_LAYER_NAMES:
         raise ValueError(f"{name!r} is not a parameter of Qwen3ForCausalLM")
     return [(prefix + _HF_LAYER_NAMES[field] + ".weight", tensor)]
@@ -281,10 +314,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    """An HF ``Qwen3Config``-compatible dict (transformers 4 layout, which transformers 5 reads too)."""
+    """An HF ``Qwen3Config``-compatible dict (transformers 4 layout, which transformers 5 reads too);
+    ``Qwen3MoeConfig`` for a model with experts."""
     d = dataclasses.asdict(cfg)
-    d.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
-             torch_dtype=str(dtype).removeprefix("torch."), attention_bias=False)
+    if cfg.num_experts:
+        d.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", mlp_only_layers=list(cfg.mlp_only_layers))
+    else:
+        for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                      "decoder_sparse_step", "mlp_only_layers"):
+            d.pop(field)
+        d.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    d.update(hidden_act="silu", torch_dtype=str(dtype).removeprefix("torch."), attention_bias=False)
     return d
 
 

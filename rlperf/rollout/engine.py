@@ -37,6 +37,12 @@ Finish reasons (SGLang's): ``{"type": "stop", "matched": token_id | stop_string}
 ``{"type": "length", "length": n}`` (``max_new_tokens`` or the context length), ``{"type": "abort",
 "message": ...}``.
 
+Routed experts (MoE models, SGLang's ``return_routed_experts``): a request that asks for them gets,
+for every token of prompt + output but the last (the last one is sampled, never forwarded), the
+experts each MoE layer routed it to (``GenerationResult.routed_experts`` [seq_len - 1, L, k] int32,
+L the MoE layers in order): what the trainer replays under rollout routing replay. A step with
+such a request runs eagerly (the decode CUDA graphs do not record routing).
+
 The engine is single-threaded: :class:`rlperf.rollout.engine_loop.EngineLoop` drives it from one
 thread and is the only thing that touches it while it runs.
 """
@@ -52,6 +58,7 @@ import uuid
 import torch
 
 from rlperf import kernels as K
+from rlperf.model.moe import RoutingTrace
 
 from .kv_cache import PagedKVCache, plan_num_pages
 from .sampling_params import check_sampling_values
@@ -207,6 +214,9 @@ class GenerationResult:
     output_logprobs: list[float]
     text: str
     finish_reason: dict
+    routed_experts: torch.Tensor | None = None
+    """[seq_len - 1, L, k] int32 on the CPU (module docstring) when the request asked for them and
+    ran at least one step (None otherwise)."""
 
     @property
     def finish_type(self) -> str:
@@ -232,6 +242,8 @@ class Request:
         self.aborted: str | None = None
         self.on_finish = None            # callback(request), set by the caller
         self.on_token = None             # callback(request) after each token that does not finish it
+        self.return_routed_experts = False
+        self.routed_chunks: list[torch.Tensor] = []  # [n, L, k] per forwarded chunk, in position order
 
     @property
     def seq_len(self) -> int:
@@ -249,7 +261,11 @@ class Request:
         """The finished request's :class:`GenerationResult` (copies of its lists)."""
         if self.finish_reason is None:
             raise RuntimeError(f"request {self.rid!r} has not finished")
-        return GenerationResult(list(self.output_ids), list(self.output_logprobs), self.text, dict(self.finish_reason))
+        routed = None
+        if self.return_routed_experts:
+            routed = torch.cat(self.routed_chunks) if self.routed_chunks else None
+        return GenerationResult(list(self.output_ids), list(self.output_logprobs), self.text, dict(self.finish_reason),
+                                routed)
 
 
 class Engine:
@@ -286,13 +302,16 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, rid: str | None = None,
-                    on_finish=None, on_token=None) -> Request:
+                    on_finish=None, on_token=None, return_routed_experts: bool = False) -> Request:
         """Queue a request (validated here; BadRequest with a message when it cannot run).
 
         ``on_finish(request)`` is called once, from the engine's thread, when it finishes;
-        ``on_token(request)`` after each new token that does not finish it (streaming).
+        ``on_token(request)`` after each new token that does not finish it (streaming);
+        ``return_routed_experts``: record the experts of every token (module docstring; MoE models only).
         """
         params = params or SamplingParams()
+        if return_routed_experts and not self.model.cfg.moe_layers:
+            raise BadRequest("return_routed_experts: the model has no MoE layers (num_experts is 0)")
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise BadRequest("the prompt must be a non-empty list of token ids")
         V = self.model.cfg.vocab_size
@@ -311,6 +330,7 @@ class Engine:
             seed = int(torch.randint(0, 1 << 62, (1,), generator=self._seed_gen))
         req = Request(rid, list(prompt_ids), params, seed)
         req.on_finish, req.on_token = on_finish, on_token
+        req.return_routed_experts = bool(return_routed_experts)
         self.requests[rid] = req
         if params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
@@ -363,10 +383,11 @@ class Engine:
                 sample_rows.append(cu[-1] - 1)
                 sample_reqs.append(r)
         decode_only = len(sample_reqs) == len(batch) == len(ids)
+        routing = RoutingTrace() if any(r.return_routed_experts for r, _ in batch) else None
         # named ranges so a profile can split prefill from decode time (rlperf.profiles.summary)
         phase = torch.profiler.record_function("rlperf.decode" if decode_only else "rlperf.prefill")
         with torch.no_grad(), phase:
-            if self.graphs is not None and decode_only and len(batch) <= self.graphs.max_bs:
+            if self.graphs is not None and decode_only and len(batch) <= self.graphs.max_bs and routing is None:
                 # a pure decode step: replay the captured graph of its batch-size bucket
                 hidden, logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
             else:
@@ -374,7 +395,9 @@ class Engine:
                     torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
                     self.kv.layers, torch.tensor(slots, dtype=torch.int64, device=dev),
                     torch.tensor(table, dtype=torch.int32, device=dev), torch.tensor(cu, dtype=torch.int32, device=dev),
-                    torch.tensor(kv_lens, dtype=torch.int32, device=dev))
+                    torch.tensor(kv_lens, dtype=torch.int32, device=dev), routing)
+                if routing is not None:
+                    self._keep_routing(batch, cu, routing.experts().cpu())
                 if sample_reqs:
                     hidden = hidden[torch.tensor(sample_rows, device=dev)]
                     logits = model.logits(hidden)
@@ -396,6 +419,13 @@ class Engine:
             if suspect in self.running:
                 self.retract(suspect)
         return finished
+
+    @staticmethod
+    def _keep_routing(batch: list[tuple[Request, int]], cu: list[int], experts: torch.Tensor) -> None:
+        """File the step's routed experts [T, L, k] under the requests that asked for them."""
+        for i, (r, _) in enumerate(batch):
+            if r.return_routed_experts:
+                r.routed_chunks.append(experts[cu[i]:cu[i + 1]])
 
     def recover(self, exc: BaseException) -> list[Request]:
         """After :meth:`step` raised ``exc``: fail only the requests that make a step fail, not the batch.
@@ -540,6 +570,7 @@ class Engine:
         tokens so far are kept and re-prefilled when it is admitted again (module docstring)."""
         self.kv.free(r.pages)
         r.pages, r.num_cached = [], 0
+        r.routed_chunks = []  # the re-prefill records them again from position 0
         r.num_retractions += 1
         self.num_retractions += 1
         self.running.remove(r)

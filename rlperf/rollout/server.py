@@ -22,7 +22,10 @@ Endpoints (SGLang's names and reply fields; docs/ARCHITECTURE.md, "Rollout serve
   or one per prompt), ``return_logprob``, ``rid``, ``stream`` (parsed by
   :meth:`GenerateRequest.from_json`). Reply ``{text, output_ids, meta_info: {id, finish_reason,
   prompt_tokens, completion_tokens, cached_tokens, weight_version, e2e_latency,
-  output_token_logprobs: [[logprob, token_id, null], ...]}}`` (a list for a batch).
+  output_token_logprobs: [[logprob, token_id, null], ...]}}`` (a list for a batch). MoE models:
+  ``return_routed_experts`` (a boolean, or one per prompt) adds ``meta_info["routed_experts"]`` to
+  the final reply: base64 of int32 [prompt + output tokens - 1, num_hidden_layers, top_k], -1 in
+  dense layers (:func:`rlperf.model.moe.encode_routed_experts`), what routing replay reads.
   With ``"stream": true`` the reply is server-sent events, as SGLang sends them by default (no
   ``--incremental-streaming-output``): one ``data: {json}\n\n`` per new token or group of tokens,
   each *cumulative* — ``text`` and ``output_ids`` so far, ``meta_info`` with ``finish_reason: null``,
@@ -73,6 +76,8 @@ from aiohttp import web
 from rlperf import kernels as K
 from rlperf.sync import SYNC_BUCKET_BYTES, PayloadError, load_bucket, receive_bucket, weights_checksum
 from rlperf.telemetry.memory import process_memory
+
+from rlperf.model.moe import encode_routed_experts
 
 from .args import ServerArgs
 from .engine import BadRequest, Engine, EngineConfig, Request, SamplingParams
@@ -277,6 +282,13 @@ async def _json_body(request: web.Request, allow_empty: bool = False) -> dict:
     return body
 
 
+def _model_type(cfg) -> dict:
+    """``model_type`` and ``architectures`` as transformers names the model (dense or MoE)."""
+    if cfg.num_experts:
+        return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+
+
 @dataclasses.dataclass
 class GenerateRequest:
     """A ``/generate`` body, checked and normalised to one entry per prompt (SGLang's ``GenerateReqInput``).
@@ -293,6 +305,7 @@ class GenerateRequest:
     rid: list[str | None]
     stream: bool = False
     is_batch: bool = False
+    return_routed_experts: list[bool] | None = None
 
     def __len__(self) -> int:
         return len(self.sampling_params)
@@ -340,6 +353,7 @@ class GenerateRequest:
 
         sps = [SamplingParams.from_dict(d) for d in per_prompt("sampling_params", {}, lambda x: isinstance(x, dict), "an object")]
         lps = per_prompt("return_logprob", False, lambda x: isinstance(x, bool), "a boolean")
+        routed = per_prompt("return_routed_experts", False, lambda x: isinstance(x, bool), "a boolean")
         rid = body.get("rid")
         if rid is None:
             rids = [None] * n
@@ -353,7 +367,7 @@ class GenerateRequest:
         if stream is not None and not isinstance(stream, bool):
             raise BadRequest(f"'stream' must be a boolean, got {stream!r}")
         return cls(text=text, input_ids=input_ids, sampling_params=sps, return_logprob=lps, rid=rids,
-                   stream=bool(stream), is_batch=batch)
+                   stream=bool(stream), is_batch=batch, return_routed_experts=routed)
 
     def prompt_ids(self, tokenizer) -> list[list[int]]:
         """The prompts as token ids (``text`` encoded with ``tokenizer``)."""
@@ -548,7 +562,7 @@ class RolloutServer:
         return web.json_response({
             "model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path or getattr(self.tokenizer, "name", None),
             "is_generation": True, "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
-            "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "has_image_understanding": False,
+            **_model_type(self.engine.model.cfg), "has_image_understanding": False,
             "has_audio_understanding": False})
 
     async def server_info(self, request):
@@ -594,9 +608,12 @@ class RolloutServer:
             meta["e2e_latency"] = time.time() - t0
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, ids)]
+        if final and r.return_routed_experts and r.routed_chunks:  # none when it never ran a step
+            meta["routed_experts"] = encode_routed_experts(r.result().routed_experts, self.engine.model.cfg)
         return {"text": r.text if final else text, "output_ids": ids, "meta_info": meta}
 
-    async def _start(self, prompts, params, rids, return_logprob, on_finish, on_token=None) -> tuple[list[Request], float]:
+    async def _start(self, prompts, params, rids, return_logprob, on_finish, on_token=None,
+                     return_routed_experts=None) -> tuple[list[Request], float]:
         """Queue the requests (all or none) and return them with their start time.
 
         On the event loop: ``on_finish(i, reply)`` once when request ``i`` finishes, and
@@ -604,17 +621,19 @@ class RolloutServer:
         """
         aio = asyncio.get_running_loop()
         t0 = time.time()
+        routed = return_routed_experts or [False] * len(prompts)
 
         def add_all(engine: Engine):
             added = []
             try:
-                for i, (p, sp, rid, lp) in enumerate(zip(prompts, params, rids, return_logprob)):
+                for i, (p, sp, rid, lp, re) in enumerate(zip(prompts, params, rids, return_logprob, routed)):
                     def done(r, i=i, lp=lp):
                         aio.call_soon_threadsafe(on_finish, i, self._reply(r, lp, t0))
 
                     def token(r, i=i):
                         aio.call_soon_threadsafe(on_token, i, len(r.output_ids))
-                    added.append(engine.add_request(p, sp, rid, on_finish=done, on_token=token if on_token else None))
+                    added.append(engine.add_request(p, sp, rid, on_finish=done, on_token=token if on_token else None,
+                                                    return_routed_experts=re))
             except BaseException:
                 for r in added:  # all or nothing: a bad prompt in a batch runs none of it
                     r.on_finish = r.on_token = None
@@ -632,14 +651,15 @@ class RolloutServer:
                     engine.abort(r.rid, message)
         self.loop.call(abort)
 
-    async def _submit(self, prompts, params, rids, return_logprob) -> list[dict]:
+    async def _submit(self, prompts, params, rids, return_logprob, return_routed_experts=None) -> list[dict]:
         futures = [asyncio.get_running_loop().create_future() for _ in prompts]
 
         def finished(i, reply):
             if not futures[i].done():
                 futures[i].set_result(reply)
 
-        reqs, _ = await self._start(prompts, params, rids, return_logprob, finished)
+        reqs, _ = await self._start(prompts, params, rids, return_logprob, finished,
+                                    return_routed_experts=return_routed_experts)
         try:
             results = list(await asyncio.gather(*futures))
         except asyncio.CancelledError:  # the client went away: stop spending steps on it
@@ -663,7 +683,8 @@ class RolloutServer:
         updates: asyncio.Queue = asyncio.Queue()  # (i, n tokens so far) or (i, final reply), in engine order
         reqs, t0 = await self._start(prompts, req.sampling_params, req.rid, req.return_logprob,
                                      on_finish=lambda i, reply: updates.put_nowait((i, reply)),
-                                     on_token=lambda i, n: updates.put_nowait((i, n)))
+                                     on_token=lambda i, n: updates.put_nowait((i, n)),
+                                     return_routed_experts=req.return_routed_experts)
         finished, texts = [False] * len(reqs), [""] * len(reqs)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
@@ -702,7 +723,8 @@ class RolloutServer:
         prompts = req.prompt_ids(self.tokenizer)
         if req.stream:
             return await self._stream(request, req, prompts)
-        results = await self._submit(prompts, req.sampling_params, req.rid, req.return_logprob)
+        results = await self._submit(prompts, req.sampling_params, req.rid, req.return_logprob,
+                                     req.return_routed_experts)
         return web.json_response(results if req.is_batch else results[0])
 
     async def models(self, request):

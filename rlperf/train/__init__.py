@@ -23,6 +23,7 @@ _EXPORTS = {
     'train_args_from': '.args',
     'MicroBatch': '.batching',
     'compute_log_probs': '.batching',
+    'compute_routed_experts': '.batching',
     'micro_batch_log_probs': '.batching',
     'pack_micro_batches': '.batching',
     'partition': '.batching',
@@ -38,6 +39,7 @@ _EXPORTS = {
 __all__ = [
     "TrainArgs", "add_train_arguments", "train_args_from", "ADVANTAGE_ESTIMATORS", "KL_LOSS_TYPES", "compute_advantages", "normalize_rewards", "masked_whiten",
     "Sample", "MicroBatch", "pack_micro_batches", "partition", "micro_batch_log_probs", "compute_log_probs",
+    "compute_routed_experts",
     "compute_approx_kl", "compute_policy_loss", "policy_loss", "sample_reducer", "Trainer", "frozen_copy",
 ]
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from rlperf import kernels as K
+from rlperf.model.moe import RoutingReplayError, RoutingTrace
 
 from .sample import Sample
 
@@ -34,7 +35,8 @@ class MicroBatch:
 
     ``input_ids`` / ``positions`` [T] with T = sum of total lengths, ``cu_seqlens`` [B+1] int32,
     ``logit_rows`` [sum R_i] int64 (the hidden row predicting each response token), ``targets``
-    [sum R_i] int64 (the response tokens), ``response_lengths`` [B].
+    [sum R_i] int64 (the response tokens), ``response_lengths`` [B]; ``routed_experts`` [T, L, k]
+    (routing replay: the experts every MoE layer must route each token to) or None.
     """
 
     indices: list[int]
@@ -44,14 +46,18 @@ class MicroBatch:
     logit_rows: torch.Tensor
     targets: torch.Tensor
     response_lengths: list[int]
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
     def to(self, device) -> "MicroBatch":
-        return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in
-                                            ("input_ids", "positions", "cu_seqlens", "logit_rows", "targets")})
+        moved = dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in
+                                             ("input_ids", "positions", "cu_seqlens", "logit_rows", "targets")})
+        if self.routed_experts is not None:
+            moved.routed_experts = self.routed_experts.to(device)
+        return moved
 
 
 def partition(lengths: Sequence[int], max_tokens_per_gpu: int | None = None,
@@ -80,8 +86,28 @@ def partition(lengths: Sequence[int], max_tokens_per_gpu: int | None = None,
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
-def make_micro_batch(samples: Sequence[Sample], indices: Sequence[int], device=None) -> MicroBatch:
-    """Pack ``samples[indices]`` into one varlen micro-batch (tensors on ``device``)."""
+def replayed_routing(sample: Sample, index: int) -> torch.Tensor:
+    """[L, layers, k] int32: the sample's ``rollout_routed_experts`` for its L - 1 forwarded tokens,
+    plus a row for the last token, which predicts nothing (causal attention: no later token reads
+    it), so any experts do: it repeats the row before. :class:`RoutingReplayError` naming the sample
+    when the routing is missing or does not cover its tokens."""
+    routed = sample.rollout_routed_experts
+    if routed is None:
+        raise RoutingReplayError(f"sample {index}: rollout routing replay needs the rollout's routed experts and this "
+                                 f"sample has none (generate with return_routed_experts: "
+                                 f"meta_info['routed_experts'] -> Sample.rollout_routed_experts)")
+    routed = torch.as_tensor(routed).to(torch.int32)
+    n = sample.total_length - 1
+    if routed.dim() != 3 or routed.shape[0] != n or n < 1:
+        raise RoutingReplayError(f"sample {index}: routed experts of shape {tuple(routed.shape)} do not cover its "
+                                 f"{sample.total_length} tokens (expected [{n}, MoE layers, top_k]: all but the last)")
+    return torch.cat([routed, routed[-1:]])
+
+
+def make_micro_batch(samples: Sequence[Sample], indices: Sequence[int], device=None,
+                     replay_routing: bool = False) -> MicroBatch:
+    """Pack ``samples[indices]`` into one varlen micro-batch (tensors on ``device``); with
+    ``replay_routing`` the samples' rollout routing goes along (:func:`replayed_routing`)."""
     ids, pos, rows, tgts, cu, rl = [], [], [], [], [0], []
     for i in indices:
         s = samples[i]
@@ -93,18 +119,20 @@ def make_micro_batch(samples: Sequence[Sample], indices: Sequence[int], device=N
         tgts.append(tokens[L - R:])
         cu.append(cu[-1] + L)
         rl.append(R)
+    routed = torch.cat([replayed_routing(samples[i], i) for i in indices]) if replay_routing else None
     mb = MicroBatch(list(indices), torch.cat(ids), torch.cat(pos), torch.tensor(cu, dtype=torch.int32),
-                    torch.cat(rows), torch.cat(tgts), rl)
+                    torch.cat(rows), torch.cat(tgts), rl, routed)
     return mb.to(device) if device is not None else mb
 
 
 def pack_micro_batches(samples: Sequence[Sample], max_tokens_per_gpu: int | None = None,
-                       micro_batch_size: int | None = None, device=None) -> list[MicroBatch]:
+                       micro_batch_size: int | None = None, device=None, replay_routing: bool = False
+                       ) -> list[MicroBatch]:
     """Micro-batches covering every sample once (see :func:`partition`); each sample is checked first."""
     for s in samples:
         s.validate()
     groups = partition([s.total_length for s in samples], max_tokens_per_gpu, micro_batch_size)
-    return [make_micro_batch(samples, g, device) for g in groups]
+    return [make_micro_batch(samples, g, device, replay_routing) for g in groups]
 
 
 def micro_batch_log_probs(model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
@@ -122,7 +150,8 @@ def micro_batch_log_probs(model, mb: MicroBatch, temperature: float = 1.0, with_
     backend has backward passes (the reference backend on CPU; of the Triton kernels only
     ``fused_logprob`` has a backward so far).
     """
-    hidden = model.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens)
+    routing = RoutingTrace(mb.routed_experts) if mb.routed_experts is not None else None  # replay the rollout's experts
+    hidden = model.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens, routing)
     if getattr(model, "reduction_leaves", None) is not None:  # the tensor-parallel-invariant tree (Qwen3ForCausalLM)
         return model.token_logprobs(hidden[mb.logit_rows], mb.targets, temperature, return_entropy=with_entropy)
     return K.fused_logprob(hidden[mb.logit_rows], model.head_weight, mb.targets, temperature,
@@ -132,11 +161,12 @@ def micro_batch_log_probs(model, mb: MicroBatch, temperature: float = 1.0, with_
 @torch.no_grad()
 def compute_log_probs(model, samples: Sequence[Sample], temperature: float = 1.0,
                       max_tokens_per_gpu: int | None = None, micro_batch_size: int | None = None,
-                      with_entropy: bool = False):
+                      with_entropy: bool = False, replay_routing: bool = False):
     """Per-sample log-probs (list of [R_i] float32, on CPU) without grad, e.g. old or reference log-probs."""
     logps: list[torch.Tensor | None] = [None] * len(samples)
     ents: list[torch.Tensor | None] = [None] * len(samples)
-    for mb in pack_micro_batches(samples, max_tokens_per_gpu, micro_batch_size, device=model.head_weight.device):
+    for mb in pack_micro_batches(samples, max_tokens_per_gpu, micro_batch_size, device=model.head_weight.device,
+                                 replay_routing=replay_routing):
         out = micro_batch_log_probs(model, mb, temperature, with_entropy)
         lp, ent = out if with_entropy else (out, None)
         for k, (i, part) in enumerate(zip(mb.indices, lp.split(mb.response_lengths))):
@@ -144,3 +174,21 @@ def compute_log_probs(model, samples: Sequence[Sample], temperature: float = 1.0
             if with_entropy:
                 ents[i] = ent.split(mb.response_lengths)[k].float().cpu()
     return (logps, ents) if with_entropy else logps
+
+
+@torch.no_grad()
+def compute_routed_experts(model, samples: Sequence[Sample], max_tokens_per_gpu: int | None = None,
+                           micro_batch_size: int | None = None) -> list[torch.Tensor]:
+    """The trainer's own routing of every sample (MoE models): [L_i - 1, MoE layers, k] int32 on the
+    CPU per sample, the layout of ``Sample.rollout_routed_experts`` (every token but the last), from
+    packed forwards that route by the model's routers: what the routing-agreement gate compares with
+    the rollout's."""
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    for mb in pack_micro_batches(samples, max_tokens_per_gpu, micro_batch_size, device=model.head_weight.device):
+        trace = RoutingTrace()
+        model.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens, trace)
+        experts = trace.experts().cpu()
+        cu = mb.cu_seqlens.tolist()
+        for j, i in enumerate(mb.indices):
+            out[i] = experts[cu[j]:cu[j + 1] - 1]
+    return out

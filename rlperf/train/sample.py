@@ -79,6 +79,11 @@ class Sample:
     """[R] float32, the reference model (:meth:`rlperf.train.Trainer.prepare`, when the loss needs it)."""
     advantages: torch.Tensor | None = None
     """[R] float32 (:meth:`rlperf.train.Trainer.prepare`)."""
+    rollout_routed_experts: torch.Tensor | None = None
+    """MoE models: [L - 1, num MoE layers, k] integers, the experts the rollout engine routed every
+    token but the last to (``GenerationResult.routed_experts``, or SGLang's
+    ``meta_info["routed_experts"]`` through :func:`rlperf.model.moe.decode_routed_experts`); what
+    the trainer replays under rollout routing replay (``make_micro_batch(replay_routing=True)``)."""
 
     @property
     def total_length(self) -> int:

@@ -108,9 +108,11 @@ class Trainer:
 
     def _packing(self) -> dict:
         a = self.args
+        # --use-rollout-routing-replay (MoE): every forward routes as the rollout did
+        replay = dict(replay_routing=True) if getattr(a, "use_rollout_routing_replay", False) else {}
         if a.use_dynamic_batch_size:
-            return dict(max_tokens_per_gpu=a.max_tokens_per_gpu)
-        return dict(micro_batch_size=a.micro_batch_size)
+            return dict(max_tokens_per_gpu=a.max_tokens_per_gpu, **replay)
+        return dict(micro_batch_size=a.micro_batch_size, **replay)
 
     def prepare(self, samples: Sequence[Sample]) -> None:
         """Fill each sample's ``log_probs`` (old actor), ``ref_log_probs`` (if needed) and ``advantages``."""

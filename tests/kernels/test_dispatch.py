@@ -12,7 +12,9 @@ from rlperf.kernels import dispatch
 from rlperf.kernels.dispatch import FAST_MODE_STOCK, KernelPolicy, route
 
 OPS = ["matmul", "linear", "rmsnorm", "add_rmsnorm", "silu_mul", "log_softmax", "token_logprobs", "fused_logprob",
-       "varlen_attention", "paged_attention", "write_kv_cache", "sample", "rmsnorm_rope"]
+       "varlen_attention", "paged_attention", "write_kv_cache", "sample", "rmsnorm_rope", "moe_route", "moe_experts"]
+# (the MoE building blocks moe_plan, grouped_matmul, moe_combine, moe_slot_rows and moe_route_weights
+# run under moe_experts' and moe_route's routing)
 
 
 @pytest.fixture(autouse=True)
