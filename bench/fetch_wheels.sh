@@ -7,7 +7,8 @@
 #   WHEEL_DIR=/tmp/w bash bench/fetch_wheels.sh
 #
 # What the GPU image lacks, with the versions these tests ran with there:
-#   the sglang-router and its server stack (fastapi, starlette, pydantic, uvicorn, orjson, setproctitle);
+#   the sglang-router and its server stack (fastapi and the opentelemetry-api it imports, starlette, pydantic,
+#   uvicorn, orjson, setproctitle);
 #   sglang, whose FlattenedTensorBucket the bucket interop tests load (installed without its own
 #   dependencies, as on the CPU); pytest-benchmark (bench/test_microbench.py); perfetto (trace checks);
 #   megatron-core 0.19 (the megatron trainer backend; 0.19 needs Python >= 3.12, which the image has).
@@ -20,6 +21,7 @@ PYTHON=${PYTHON:-python3}
 WHEELS=(
   sglang-router==0.3.2
   fastapi==0.165.0
+  opentelemetry-api==1.45.2
   starlette==1.10.0
   pydantic==2.14.4
   pydantic-core==2.50.5
