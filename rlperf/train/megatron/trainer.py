@@ -375,6 +375,12 @@ class MegatronTrainer(Trainer):
         """The actor's full weights under HF names, bucket by bucket (a collective over every rank)."""
         return self.model.iter_hf_weights(dtype, bucket_bytes)
 
+    def compute_weights(self, bucket_bytes: int = 512 << 20):
+        """The full compute weights under HF names, gathered from the TP shards and PP stages bucket by
+        bucket (:meth:`iter_hf_weights`): what weight sync sends. A collective: every rank walks it to
+        its end, and every rank gets every tensor."""
+        return self.iter_hf_weights(None, bucket_bytes)
+
     def iter_hf_grads(self, bucket_bytes: int = 512 << 20):
         """The last step's float32 gradients (after clipping) under HF names, gathered like the weights
         (a collective). With tied embeddings, ``model.embed_tokens.weight`` holds the tied sum."""
