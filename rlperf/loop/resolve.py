@@ -101,9 +101,27 @@ def check_megatron_layout(ns: argparse.Namespace, device, actor_ranks: int) -> N
         raise UsageError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does not "
                          f"divide the {actor_ranks} actor rank(s) (--actor-num-nodes {ns.actor_num_nodes} x "
                          f"--actor-num-gpus-per-node {ns.actor_num_gpus_per_node})")
+    if not ns.load and not ns.hf_checkpoint:  # the preset's shape, known now (a checkpoint's: when built)
+        from rlperf.model import preset
+
+        check_megatron_split(preset(ns.model), tp, pp, f"--model {ns.model}")
     if ns.recompute_granularity == "full" and device.type != "cuda":
         raise UsageError("--recompute-granularity full needs CUDA (megatron's activation checkpointing saves and "
                          "restores CUDA RNG states)")
+
+
+def check_megatron_split(cfg, tp: int, pp: int, what: str) -> None:
+    """:class:`UsageError` when the model ``cfg`` (``what`` names it) does not split into ``tp`` x ``pp``:
+    layers per pipeline stage, attention and key/value heads and the MLP's and vocabulary's rows per
+    tensor-parallel rank."""
+    layers = cfg.num_hidden_layers
+    if layers % pp:
+        raise UsageError(f"--pipeline-model-parallel-size {pp}: {what} has {layers} layers, which do not split "
+                         f"evenly over {pp} stages")
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        if getattr(cfg, field) % tp:
+            raise UsageError(f"--tensor-model-parallel-size {tp}: {what}'s {field} {getattr(cfg, field)} does not "
+                             f"split over {tp} ranks")
 
 
 def check_inputs(ns: argparse.Namespace) -> None:
