@@ -77,9 +77,11 @@ def test_embedded_task_learns(tmp_path):
     assert all(m["train/train_rollout_logprob_abs_diff"] == 0.0 for m in hist)  # the engine is in tree mode
 
 
-def test_gate_passes_at_tp2(tmp_path, capfd):
+@pytest.mark.parametrize("layout", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"],
+                         ids=["tp2", "pp2"])
+def test_gate_passes(tmp_path, capfd, layout):
     report = tmp_path / "gate.json"
-    assert main(["gate", "--train-backend", "megatron", "--tensor-model-parallel-size", "2",
+    assert main(["gate", "--train-backend", "megatron", layout, "2",
                  "--actor-num-gpus-per-node", "2", "--output-dir", str(tmp_path / "out"), "--report-json", str(report),
                  *FAST]) == 0
     out, _ = capfd.readouterr()

@@ -197,6 +197,20 @@ class MegatronTrainer(Trainer):
         out = self.model.forward_hidden(mb.input_ids, mb.cu_seqlens)
         return self.model.log_probs(out, mb.logit_rows, mb.targets, self.args.rollout_temperature, with_entropy)
 
+    def probe_step(self, mb: MicroBatch, loss_of) -> None:
+        """One forward and backward of ``mb`` through the pipeline (every rank calls it: the stages
+        exchange activations and their gradients), the loss ``loss_of(log_probs, entropy)`` on the last
+        stage: what the first-step gates' memory probe runs at any PP size. Leaves gradients in the
+        parameters' ``.grad`` (the probe saves and restores them)."""
+        inp, out = self._stage_forward(self.model, mb, grad=True)
+        loss = None
+        if self.model.last_stage:
+            log_probs, entropy = self.model.log_probs(out, mb.logit_rows, mb.targets, self.args.rollout_temperature,
+                                                      True)
+            loss = loss_of(log_probs, entropy)
+        self._stage_backward(self.model, inp, out, loss)
+        self.model.head_grad = None
+
     # ---- one optimizer step -----------------------------------------------------------------------
     def train_step(self, samples: Sequence[Sample], micro_step_hook=None) -> dict[str, float]:
         """One optimizer step over the global batch ``samples`` (prepared); the metrics of
