@@ -13,6 +13,8 @@
 #   tree-0.6b-tp2        the same on 2 GPUs (TP=2)                             (bits vs tp1; target 2's subject)
 #   plain-0.6b-tp2       megatron backend, Megatron's all-reduce order, TP=2   (anchor of target 2)
 #   tree-1.7b-tp1 / tree-1.7b-tp2                                             (target 3; bits tp1 vs tp2)
+#   train-0.6b-tp2 / gate-0.6b-tp2   rlperf train (3 rollouts, abs diff 0 at each) and rlperf gate with
+#                        --train-backend megatron --tensor-model-parallel-size 2 on 2 GPUs
 # With --engine the responses come from rlperf's engine on GPU 0 (tree mode, bf16): the trainer's old
 # log-probs must equal the rollout log-probs exactly (train_rollout_logprob_abs_diff 0) at TP=1 and TP=2.
 set -uo pipefail
@@ -44,5 +46,29 @@ bench tree-0.6b-tp2 2 --backend megatron --shape qwen3-0.6b --tp 2 --engine
 bench plain-0.6b-tp2 2 --backend megatron-plain --shape qwen3-0.6b --tp 2
 bench tree-1.7b-tp1 1 --backend megatron --shape qwen3-1.7b --tp 1 --engine
 bench tree-1.7b-tp2 2 --backend megatron --shape qwen3-1.7b --tp 2 --engine
+# rlperf train / rlperf gate with the megatron backend at TP=2 on 2 GPUs (NCCL), the 0.6b shape on the
+# embedded task, one in-process engine per rank in tree mode: abs diff exactly 0 at every rollout
+cli() {  # name command...
+  local name=$1; shift
+  if [ "$RUNS" != all ] && [[ " $RUNS " != *" $name "* ]]; then return; fi
+  echo "== $name"
+  timeout ${MEGATRON_RUN_TIMEOUT:-240} "$@" >"$OUT/$name.log" 2>&1 || { echo "$name failed"; tail -20 "$OUT/$name.log"; status=1; }
+}
+TRAIN="--train-backend megatron --tensor-model-parallel-size 2 --actor-num-gpus-per-node 2 --device cuda
+  --model qwen3-0.6b --rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32
+  --rollout-max-response-len 16 --lr 1e-5 --true-on-policy-mode --use-dynamic-batch-size --max-tokens-per-gpu 4096
+  --no-progress"
+cli train-0.6b-tp2 python3 -m rlperf train $TRAIN --num-rollout 3 --skip-gates --output-dir "$OUT/train-0.6b-tp2"
+if [ -f "$OUT/train-0.6b-tp2/metrics.jsonl" ]; then
+  python3 - "$OUT/train-0.6b-tp2/metrics.jsonl" <<'PY' || status=1
+import json, sys
+lines = [json.loads(x) for x in open(sys.argv[1])]
+diffs = [m["train/train_rollout_logprob_abs_diff"] for m in lines]
+print("train-0.6b-tp2: rollouts", len(lines), "abs diffs", diffs, "rewards", [m["rollout/raw_reward"] for m in lines])
+sys.exit(0 if len(lines) == 3 and all(d == 0.0 for d in diffs) else 1)
+PY
+fi
+cli gate-0.6b-tp2 python3 -m rlperf gate $TRAIN --output-dir "$OUT/gate-0.6b-tp2" --report-json "$OUT/gate-0.6b-tp2.json"
+[ -f "$OUT/gate-0.6b-tp2.json" ] && grep -o '"passed": [a-z]*' "$OUT/gate-0.6b-tp2.json" | head -1
 python3 -m rlperf.bench.megatron --summary "$OUT" | tee "$OUT/summary.json"
 exit $status

@@ -41,6 +41,12 @@ PRECISIONS = {"auto": None, "bf16": "bfloat16", "fp32": "float32"}
 """``--precision`` values and their compute dtypes (:func:`rlperf.loop.device.compute_dtype`)."""
 PLACEMENTS = ("local", "ray")
 """``--placement`` values (``ray``: :mod:`rlperf.loop.ray_placement`)."""
+TRAIN_BACKENDS = ("fsdp", "megatron")
+"""``--train-backend`` values: rlperf's model under FSDP2, or megatron-core (:mod:`rlperf.train.megatron`)."""
+MEGATRON_FLAGS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+                  "sequence_parallel": False, "recompute_granularity": None, "recompute_method": None,
+                  "recompute_num_layers": None, "use_distributed_optimizer": False}
+"""The megatron backend's flags and their defaults: any other value needs ``--train-backend megatron``."""
 
 
 def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> None:
@@ -139,6 +145,29 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     add_trace_window_arguments(p)
     add_logger_arguments(p)
     add_train_arguments(p, task_defaults=tuple(TASK_DEFAULTS))
+    g = p.add_argument_group("trainer backend")
+    g.add_argument("--train-backend", default="fsdp", choices=TRAIN_BACKENDS,
+                   help="fsdp: rlperf's model (FSDP2 over several actor ranks); megatron: megatron-core's GPTModel on "
+                        "rlperf's kernels with tensor / pipeline / data parallelism and TP-invariant reductions "
+                        "(pip install -e \".[megatron]\")")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="TP",
+                   help="megatron: actor ranks that split each layer's weights")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="PP",
+                   help="megatron: pipeline stages that split the layers (data parallel over the ranks left: "
+                        "actor ranks / (TP x PP))")
+    g.add_argument("--context-parallel-size", type=int, default=1, metavar="CP",
+                   help="megatron: only 1 (context parallelism is not implemented)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="megatron: not implemented (refused: the norm weights' gradients would need a token-block "
+                        "reduction tree to stay TP-invariant)")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="megatron: activation recomputation of whole layers (full, CUDA only); selective is refused")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="megatron, with --recompute-granularity full")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="megatron, with --recompute-granularity full")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="megatron: not implemented (refused; each rank keeps the AdamW state of its own shards)")
     g = p.add_argument_group("placement")
     g.add_argument("--actor-num-nodes", type=int, default=1, help="nodes of actor (trainer) ranks")
     g.add_argument("--actor-num-gpus-per-node", type=int, default=1,
@@ -216,6 +245,44 @@ def check_flag_values(ns: argparse.Namespace) -> None:
         if getattr(ns, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
     check_profile_args(ns, error=UsageError)
+    check_megatron_flags(ns)
+
+
+def check_megatron_flags(ns: argparse.Namespace) -> None:
+    """The megatron backend's flags (:data:`MEGATRON_FLAGS`): only with ``--train-backend megatron``,
+    sizes >= 1, and what the backend does not implement refused, each naming its flag. Recompute's
+    device (full needs CUDA) and the ranks' split (TP x PP divides the actor ranks) are
+    :func:`rlperf.loop.resolve.probe_host`'s."""
+    if ns.train_backend != "megatron":
+        for flag, default in MEGATRON_FLAGS.items():
+            if getattr(ns, flag) != default:
+                raise UsageError(f"--{flag.replace('_', '-')} needs --train-backend megatron (the {ns.train_backend} "
+                                 f"backend has no such option)")
+        return
+    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        if getattr(ns, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
+    if ns.context_parallel_size != 1:
+        raise UsageError(f"--context-parallel-size {ns.context_parallel_size}: context parallelism is not implemented "
+                         f"by the megatron backend (use 1)")
+    if ns.sequence_parallel:
+        raise UsageError("--sequence-parallel is not implemented by the megatron backend (the norm weights' gradients "
+                         "would be partial sums over token shards, which need their own reduction tree to stay "
+                         "TP-invariant)")
+    if ns.use_distributed_optimizer:
+        raise UsageError("--use-distributed-optimizer is not implemented by the megatron backend (each rank keeps "
+                         "the AdamW state of its own TP / PP shards, replicated over data parallel)")
+    if ns.recompute_granularity == "selective":
+        raise UsageError("--recompute-granularity selective: rlperf's layer spec has no selectively recomputed "
+                         "submodule (its attention keeps no [L, L] scores); use full (CUDA)")
+    if ns.recompute_granularity == "full":
+        if ns.recompute_method is None:
+            raise UsageError("--recompute-granularity full needs --recompute-method uniform or block")
+        if ns.recompute_num_layers is None or ns.recompute_num_layers < 1:
+            raise UsageError("--recompute-granularity full needs --recompute-num-layers >= 1")
+    elif ns.recompute_method is not None or ns.recompute_num_layers is not None:
+        flag = "--recompute-method" if ns.recompute_method is not None else "--recompute-num-layers"
+        raise UsageError(f"{flag} needs --recompute-granularity full")
 
 
 def has_loop_flags(ns: argparse.Namespace) -> bool:

@@ -111,16 +111,34 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MegatronConfig:
+    """The megatron backend's parallel layout and recompute (slime's flags; ``world = TP x PP x DP``)."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    recompute_granularity: str | None
+    """``full`` (CUDA) or None; selective, sequence / context parallel and the distributed optimizer are
+    refused by :func:`rlperf.loop.args.check_megatron_flags`."""
+    recompute_method: str | None
+    recompute_num_layers: int | None
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The trainer: its core options, precision and steps per rollout. A data-parallel run
-    (:attr:`PlacementConfig.world_size` > 1) trains with FSDP2 (:class:`rlperf.train.fsdp.FSDPTrainer`);
-    another trainer backend would be chosen here."""
+    (:attr:`PlacementConfig.world_size` > 1) trains with FSDP2 (:class:`rlperf.train.fsdp.FSDPTrainer`),
+    unless :attr:`backend` is ``megatron`` (:class:`rlperf.train.megatron.trainer.MegatronTrainer`, laid
+    out by :attr:`megatron`)."""
 
     args: TrainArgs
     """The training core's options (losses, advantages, batching, optimizer)."""
     precision: str
     """``bf16`` (float32 masters, bf16 compute weights) or ``fp32`` (resolved from ``auto``)."""
     num_steps_per_rollout: int
+    backend: str = "fsdp"
+    """``--train-backend``: ``fsdp`` (rlperf's model; FSDP2 on several ranks) or ``megatron``."""
+    megatron: MegatronConfig | None = None
+    """The megatron backend's layout (``backend == "megatron"`` only)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,10 +219,18 @@ class RunConfig:
                 cuda_graph_max_bs=ns.sglang_cuda_graph_max_bs, save_debug_data=ns.save_debug_rollout_data,
                 load_debug_data=ns.load_debug_rollout_data),
             model=ModelConfig(ns.model, ns.hf_checkpoint, ns.load, ns.ref_load, ns.save, ns.save_interval),
-            train=TrainConfig(train_args or ns.train_args, ns.precision, ns.num_steps_per_rollout),
+            train=TrainConfig(train_args or ns.train_args, ns.precision, ns.num_steps_per_rollout,
+                              ns.train_backend, _megatron_config(ns)),
             runtime=RuntimeConfig(ns.device, ns.num_threads, ns.mode, ns.kernel_backend, ns.seed,
                                   ns.deterministic_mode),
             placement=PlacementConfig(ns.actor_num_nodes, ns.actor_num_gpus_per_node, ns.placement, ns.ray_address),
             telemetry=TelemetryConfig(ns.output_dir, ns.no_progress, ns.logger_config),
             num_rollout=ns.num_rollout, async_mode=ns.async_mode, true_on_policy=ns.true_on_policy_mode,
             debug_rollout_only=ns.debug_rollout_only, debug_train_only=ns.debug_train_only)
+
+
+def _megatron_config(ns: argparse.Namespace) -> MegatronConfig | None:
+    if ns.train_backend != "megatron":
+        return None
+    return MegatronConfig(ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.recompute_granularity,
+                          ns.recompute_method, ns.recompute_num_layers)

@@ -61,7 +61,8 @@ def worst_case_probe(trainer, sample_length: int, phase: str = "train") -> Phase
 
     a = trainer.args
     model = trainer.model
-    samples = probe_samples(a, sample_length, model.head_weight.shape[0])
+    staged = hasattr(trainer, "probe_step")  # the megatron trainer: its stages run it together (pipeline)
+    samples = probe_samples(a, sample_length, model.cfg.vocab_size if staged else model.head_weight.shape[0])
     # one micro-batch by construction: all samples in one group
     (mb,) = pack_micro_batches(samples, None, len(samples), device=trainer.device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -72,12 +73,18 @@ def worst_case_probe(trainer, sample_length: int, phase: str = "train") -> Phase
     model.train()
     try:
         with PhaseMeter(trainer.device).phase(phase) as m:
-            log_probs, entropy = trainer.forward_log_probs(mb, with_entropy=True)  # FSDP: through its root
-            # a loss of the policy loss's shape: per-token ratio against the old log-probs, times advantages
-            old = torch.full_like(log_probs, -1.0)
-            loss = -(torch.exp(log_probs - old)).sum() - a.entropy_coef * entropy.sum()
-            loss.backward()
-            del log_probs, entropy, loss
+            def loss_of(log_probs, entropy):
+                # a loss of the policy loss's shape: per-token ratio against the old log-probs, times advantages
+                old = torch.full_like(log_probs, -1.0)
+                return -(torch.exp(log_probs - old)).sum() - a.entropy_coef * entropy.sum()
+
+            if staged:
+                trainer.probe_step(mb, loss_of)
+            else:
+                log_probs, entropy = trainer.forward_log_probs(mb, with_entropy=True)  # FSDP: through its root
+                loss = loss_of(log_probs, entropy)
+                loss.backward()
+                del log_probs, entropy, loss
     finally:
         for p, gr in zip(params, saved):
             p.grad = gr

@@ -63,6 +63,8 @@ def probe_host(ns: argparse.Namespace) -> None:
     resolve_engine_layout(ns, device)  # --rollout-num-gpus: ns.disaggregated, ns.engine_gpus
     policy = kernel_policy(ns, device)  # checked now; the run applies it (rlperf.loop.runner.Run.kernels)
     actor_ranks = check_actor_layout(ns, device).world_size  # --actor-num-*: ranks, GPUs, batch split
+    if ns.train_backend == "megatron":
+        check_megatron_layout(ns, device, actor_ranks)
     if ns.precision in (None, "auto"):
         ns.precision = "bf16" if device.type == "cuda" else "fp32"
     if ns.precision == "bf16" and device.type == "cpu" and policy.backend_for(device) == "interpreter":
@@ -72,7 +74,11 @@ def probe_host(ns: argparse.Namespace) -> None:
     ew = ns.engine_weights
     if ew == "auto":
         ew = "shared" if (device.type == "cuda" and not ns.async_mode and ns.sglang_router_ip is None
-                          and not ns.disaggregated and actor_ranks == 1) else "buckets"
+                          and not ns.disaggregated and actor_ranks == 1
+                          and ns.train_backend == "fsdp") else "buckets"
+    if ew == "shared" and ns.train_backend == "megatron":
+        raise UsageError("--engine-weights shared with --train-backend megatron: the engine runs rlperf's model on its "
+                         "own full copy (megatron's layers hold shards); use --engine-weights buckets")
     if ew == "shared" and ns.async_mode:
         raise UsageError("--engine-weights shared needs sync mode: with --async the rollout would read weights "
                          "the trainer is updating")
@@ -81,6 +87,41 @@ def probe_host(ns: argparse.Namespace) -> None:
     if ew == "shared" and ns.disaggregated:
         raise UsageError("--engine-weights applies to the in-process engine, not to the engines of --rollout-num-gpus")
     ns.engine_weights = ew
+
+
+def check_megatron_layout(ns: argparse.Namespace, device, actor_ranks: int) -> None:
+    """``--train-backend megatron`` on this host: megatron-core importable, TP x PP dividing the actor
+    ranks (data parallel over what is left), full recompute on CUDA only."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"--train-backend megatron needs megatron-core ({exc}); pip install -e \".[megatron]\"") from None
+    tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    if actor_ranks % (tp * pp):
+        raise UsageError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does not "
+                         f"divide the {actor_ranks} actor rank(s) (--actor-num-nodes {ns.actor_num_nodes} x "
+                         f"--actor-num-gpus-per-node {ns.actor_num_gpus_per_node})")
+    if not ns.load and not ns.hf_checkpoint:  # the preset's shape, known now (a checkpoint's: when built)
+        from rlperf.model import preset
+
+        check_megatron_split(preset(ns.model), tp, pp, f"--model {ns.model}")
+    if ns.recompute_granularity == "full" and device.type != "cuda":
+        raise UsageError("--recompute-granularity full needs CUDA (megatron's activation checkpointing saves and "
+                         "restores CUDA RNG states)")
+
+
+def check_megatron_split(cfg, tp: int, pp: int, what: str) -> None:
+    """:class:`UsageError` when the model ``cfg`` (``what`` names it) does not split into ``tp`` x ``pp``:
+    layers per pipeline stage, attention and key/value heads and the MLP's and vocabulary's rows per
+    tensor-parallel rank."""
+    layers = cfg.num_hidden_layers
+    if layers % pp:
+        raise UsageError(f"--pipeline-model-parallel-size {pp}: {what} has {layers} layers, which do not split "
+                         f"evenly over {pp} stages")
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        if getattr(cfg, field) % tp:
+            raise UsageError(f"--tensor-model-parallel-size {tp}: {what}'s {field} {getattr(cfg, field)} does not "
+                             f"split over {tp} ranks")
 
 
 def check_inputs(ns: argparse.Namespace) -> None:

@@ -213,7 +213,9 @@ class Run:
             ref = frozen_copy(self.model)  # the actor as it starts (slime asks for --ref-load)
         # the model built above holds the float32 master weights; the trainer's compute copy (bf16 on
         # CUDA) is what forward/backward, weight sync, the engine and the checksum see
-        if self.world_size > 1:
+        if self.config.train.backend == "megatron":
+            self._megatron_trainer(train_args, ref)
+        elif self.world_size > 1:
             # disaggregated engines take the weights from the gathered shards: no engine copy on the ranks
             self._shard_trainer(train_args, ref, engine_copy=not self.config.rollout.disaggregated)
         else:
@@ -256,14 +258,74 @@ class Run:
         self.master_model = self.trainer.master_model
         self.model = engine_model if engine_copy else self.master_model
 
+    def _megatron_trainer(self, train_args, ref) -> None:
+        """``--train-backend megatron``: megatron's tensor / pipeline / data-parallel groups over the actor
+        ranks (a one-rank group of this process alone when there is no default group), this rank's stage
+        and shards of a ``GPTModel`` (and of the reference) loaded from rank 0's full HF weights, and a
+        :class:`rlperf.train.megatron.trainer.MegatronTrainer`. ``self.model`` becomes this rank's engine
+        copy: rlperf's model in the compute dtype, in the tree mode (``reduction_leaves``) whose bits are
+        the trainer's at any TP / PP (true on-policy), loaded at every sync from the gathered shards."""
+        import torch.distributed as dist
+
+        from rlperf.kernels.tree_reduce import TREE_LEAVES
+        from rlperf.model.qwen3 import Qwen3ForCausalLM
+        from rlperf.rollout.router import free_port
+        from rlperf.train.fsdp import broadcast_parameters
+        from rlperf.train.megatron.model import RecomputeConfig, build_gpt_model
+        from rlperf.train.megatron.runtime import ParallelLayout, initialize_model_parallel
+        from rlperf.train.megatron.trainer import MegatronTrainer
+
+        mc = self.config.train.megatron
+        if not dist.is_initialized():
+            dist.init_process_group("gloo" if self.device.type == "cpu" else "cpu:gloo,cuda:nccl",
+                                    init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            self._own_group = True
+        if self.world_size > 1:  # every rank starts from rank 0's weights, whatever each built or loaded
+            broadcast_parameters(self.model)
+            if ref is not None:
+                broadcast_parameters(ref)
+        flags = (f"--tensor-model-parallel-size {mc.tensor_model_parallel_size} --pipeline-model-parallel-size "
+                 f"{mc.pipeline_model_parallel_size}")
+        try:
+            initialize_model_parallel(ParallelLayout(mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size),
+                                      seed=self.config.runtime.seed)
+            self._megatron_groups = True
+            recompute = RecomputeConfig(mc.recompute_granularity, mc.recompute_method, mc.recompute_num_layers)
+
+            def shards(model):
+                gpt = build_gpt_model(model.cfg, torch.float32, TREE_LEAVES, recompute, device=self.device)
+                gpt.load_hf_tensors(model.hf_state_dict())
+                return gpt
+
+            actor, ref_gpt = shards(self.model), (shards(ref) if ref is not None else None)
+        except (ValueError, AssertionError) as exc:  # the model does not split into this layout
+            raise UsageError(f"--train-backend megatron {flags}: {exc}") from None
+        dtype = compute_dtype(self.precision)
+        self.trainer = MegatronTrainer(actor, train_args, ref_gpt, compute_dtype=dtype)
+        self.master_model = None  # the float32 masters are shards: checkpoints gather them (gather_model)
+        engine = Qwen3ForCausalLM(self.model.cfg, dtype, self.device, reduction_leaves=TREE_LEAVES)
+        engine.requires_grad_(False)
+        self.model = engine
+
     def close(self) -> None:
         """Release what the run started: the engines' weight-update group and, with
-        ``--rollout-num-gpus``, the engine and router processes (:mod:`rlperf.loop.engines`)."""
+        ``--rollout-num-gpus``, the engine and router processes (:mod:`rlperf.loop.engines`); with the
+        megatron backend its process groups (and the one-rank default group it made)."""
         try:
             self.client.close()
         finally:
             if self.fleet is not None:
                 self.fleet.close()
+            if getattr(self, "_megatron_groups", False):
+                from rlperf.train.megatron.runtime import destroy_model_parallel
+
+                destroy_model_parallel()
+                self._megatron_groups = False
+            if getattr(self, "_own_group", False):
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+                self._own_group = False
 
     def kernels(self):
         """The run's kernel policy, for a block (every phase enters it; the async rollout thread too)."""
@@ -334,7 +396,7 @@ class Run:
         line is on disk. Data parallel: the float32 masters and the full optimizer state are gathered
         to rank 0 (collectives), which alone writes the same consolidated checkpoint one rank writes."""
         model, trainer = self.master_model, self.trainer
-        if self.world_size > 1:
+        if self.world_size > 1 or self.config.train.backend == "megatron":
             model, state = self.trainer.gather_model(), self.trainer.state_dict()
             if self.rank != 0:
                 return
@@ -360,6 +422,11 @@ class Run:
         history = []
         if lead:
             ranks = f", {self.world_size} data-parallel ranks" if self.world_size > 1 else ""
+            mc = c.train.megatron
+            if mc is not None:
+                ranks = (f", megatron backend on {self.world_size} rank(s): TP {mc.tensor_model_parallel_size} x PP "
+                         f"{mc.pipeline_model_parallel_size} x DP "
+                         f"{self.world_size // (mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size)}")
             print(f"rlperf train: {'embedded task' if c.data.embedded else c.data.prompt_data} on {self.device} "
                   f"({self.client.kind}, {self.precision}{ranks}), rollouts {self.start}..{c.num_rollout - 1}, "
                   f"{c.rollout.batch_size}x{c.rollout.n_samples_per_prompt} samples per rollout, "

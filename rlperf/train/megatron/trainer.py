@@ -197,6 +197,20 @@ class MegatronTrainer(Trainer):
         out = self.model.forward_hidden(mb.input_ids, mb.cu_seqlens)
         return self.model.log_probs(out, mb.logit_rows, mb.targets, self.args.rollout_temperature, with_entropy)
 
+    def probe_step(self, mb: MicroBatch, loss_of) -> None:
+        """One forward and backward of ``mb`` through the pipeline (every rank calls it: the stages
+        exchange activations and their gradients), the loss ``loss_of(log_probs, entropy)`` on the last
+        stage: what the first-step gates' memory probe runs at any PP size. Leaves gradients in the
+        parameters' ``.grad`` (the probe saves and restores them)."""
+        inp, out = self._stage_forward(self.model, mb, grad=True)
+        loss = None
+        if self.model.last_stage:
+            log_probs, entropy = self.model.log_probs(out, mb.logit_rows, mb.targets, self.args.rollout_temperature,
+                                                      True)
+            loss = loss_of(log_probs, entropy)
+        self._stage_backward(self.model, inp, out, loss)
+        self.model.head_grad = None
+
     # ---- one optimizer step -----------------------------------------------------------------------
     def train_step(self, samples: Sequence[Sample], micro_step_hook=None) -> dict[str, float]:
         """One optimizer step over the global batch ``samples`` (prepared); the metrics of
@@ -374,6 +388,12 @@ class MegatronTrainer(Trainer):
     def iter_hf_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20):
         """The actor's full weights under HF names, bucket by bucket (a collective over every rank)."""
         return self.model.iter_hf_weights(dtype, bucket_bytes)
+
+    def compute_weights(self, bucket_bytes: int = 512 << 20):
+        """The full compute weights under HF names, gathered from the TP shards and PP stages bucket by
+        bucket (:meth:`iter_hf_weights`): what weight sync sends. A collective: every rank walks it to
+        its end, and every rank gets every tensor."""
+        return self.iter_hf_weights(None, bucket_bytes)
 
     def iter_hf_grads(self, bucket_bytes: int = 512 << 20):
         """The last step's float32 gradients (after clipping) under HF names, gathered like the weights
