@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 
+from rlperf import flags
 from rlperf.rollout.args import API_KEY_ENV, add_device_arguments, add_kernel_arguments
 from rlperf.telemetry.loggers import add_logger_arguments
 from rlperf.telemetry.trainer_trace import add_trace_window_arguments, check_profile_args
@@ -58,7 +59,8 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--rollout-batch-size", type=int, default=None, help="prompts per rollout")
     g.add_argument("--num-steps-per-rollout", type=int, default=None)
     g.add_argument("--num-rollout", type=int, default=None, help="rollouts (steps) to run")
-    g.add_argument("--rollout-max-response-len", type=int, default=None)
+    g.add_argument("--rollout-max-response-len", type=flags.positive_int, default=None,
+                   help="tokens a response may have (at most the model's context length less the prompt)")
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument("--rollout-function-path", default=None,
@@ -67,9 +69,9 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
                    help="python path of fn(args, sample, sampling_params) -> sample (one generation)")
     g.add_argument("--custom-rm-path", default=None, help="python path of fn(args, sample) -> float")
     g.add_argument("--rm-type", default=None, choices=["exact", "boxed_math"], help="built-in rule reward")
-    g.add_argument("--sglang-router-ip", default=None,
+    g.add_argument("--sglang-router-ip", type=flags.host, default=None,
                    help="rollout through this sglang-router (default: an in-process engine)")
-    g.add_argument("--sglang-router-port", type=int, default=None)
+    g.add_argument("--sglang-router-port", type=flags.port, default=None)
     g.add_argument("--sglang-api-key", default=None, metavar="KEY",
                    help="API key of the router and its rlperf serve workers (their --api-key), sent as 'Authorization: "
                         f"Bearer KEY' on every request. On the command line it shows in ps: prefer --sglang-api-key-file "
@@ -119,7 +121,7 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="--precision fp32")
     add_kernel_arguments(p.add_argument_group("kernels"), auto_cpu="the torch reference (the trainer's CPU path)")
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=flags.seed, default=1234)
     g.add_argument("--output-dir", default=OUTPUT_DIRS[command],
                    help="every file the run writes goes under it: metrics.jsonl, the phase timeline, torch traces, "
                         f"engine logs (default: {OUTPUT_DIRS[command]}, printed when the command starts)")
