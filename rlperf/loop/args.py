@@ -101,6 +101,19 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
                         "GPUs of their own (--rollout-num-gpus): the fraction of their GPU for weights + KV cache "
                         "(default 0.8, under the first-step gate's headroom); servers behind a router you started "
                         "take rlperf serve --mem-fraction-static")
+    g = p.add_argument_group("fault tolerance (engines of --rollout-num-gpus)")
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="an engine that dies or stops answering its health check is taken out of the router, its "
+                        "in-flight samples are retried on the others, and it is restarted, given the current weights "
+                        "and put back at the next weight sync; without it such a failure ends the run with one line "
+                        "naming the engine (docs/train.md, Fault tolerance)")
+    g.add_argument("--rollout-health-check-first-wait", type=flags.nonnegative_seconds, default=0.0, metavar="S",
+                   help="seconds after the engines start before the first /health probe (default 0)")
+    g.add_argument("--rollout-health-check-interval", type=flags.positive_seconds, default=30.0, metavar="S",
+                   help="seconds between two /health probes of each engine (default 30); an engine process that "
+                        "exits is seen at once")
+    g.add_argument("--rollout-health-check-timeout", type=flags.positive_seconds, default=30.0, metavar="S",
+                   help="seconds an engine may take to answer /health before it counts as failed (default 30)")
     g = p.add_argument_group("model and checkpoints")
     g.add_argument("--model", default=None, help="preset when no --hf-checkpoint/--load (default tiny)")
     g.add_argument("--hf-checkpoint", default=None, help="initial weights (HF safetensors directory)")
@@ -217,6 +230,8 @@ def check_flag_values(ns: argparse.Namespace) -> None:
     for flag in ("actor_num_nodes", "actor_num_gpus_per_node"):
         if getattr(ns, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
+    if ns.use_fault_tolerance and not ns.rollout_num_gpus:
+        raise UsageError("--use-fault-tolerance restarts the engines the run starts: it needs --rollout-num-gpus N")
     check_profile_args(ns, error=UsageError)
 
 

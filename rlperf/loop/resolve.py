@@ -143,7 +143,7 @@ def model_context_length(ns: argparse.Namespace) -> int:
 
     from .checkpoint import model_dir
 
-    return read_hf_config(model_dir(ns.load) if ns.load else ns.hf_checkpoint).max_position_embeddings
+    return read_hf_config(model_dir(ns.load) if ns.load else ns.hf_checkpoint)[0].max_position_embeddings
 
 
 def check_response_len(ns: argparse.Namespace) -> None:
