@@ -150,9 +150,9 @@ def check_response_len(ns: argparse.Namespace) -> None:
     """``--rollout-max-response-len`` within the model's context length: a larger one would size KV caches
     and buffers for positions the model has no rotary table for (99999999 asked for 1.6 TB)."""
     ctx = model_context_length(ns)
-    if ns.rollout_max_response_len >= ctx:
-        raise UsageError(f"--rollout-max-response-len {ns.rollout_max_response_len}: the model's context length is "
-                         f"{ctx} tokens (max_position_embeddings), prompt included; give at most {ctx - 1}")
+    if ns.rollout_max_response_len > ctx:
+        raise UsageError(f"--rollout-max-response-len {ns.rollout_max_response_len}: longer than the model's context "
+                         f"length, {ctx} tokens (max_position_embeddings); give at most {ctx}")
 
 
 def debug_rollout_path(template: str, flag: str, rollout_id: int) -> Path:

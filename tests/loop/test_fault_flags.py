@@ -31,7 +31,20 @@ def test_a_seed_of_23_digits(tmp_path, capsys):
 
 def test_a_response_longer_than_the_context(tmp_path, capsys):
     err = _exit_2(tmp_path, capsys, "--rollout-max-response-len", "99999999")
-    assert err.startswith("rlperf train: --rollout-max-response-len 99999999: the model's context length is 1024")
+    assert err.startswith("rlperf train: --rollout-max-response-len 99999999: longer than the model's context length, "
+                          "1024 tokens")
+
+
+@pytest.mark.parametrize("flags", [("--rollout-health-check-timeout", "0"), ("--rollout-health-check-interval", "nan"),
+                                   ("--rollout-health-check-first-wait", "-1"), ("--rollout-health-check-timeout", "x")])
+def test_health_check_seconds(tmp_path, capsys, flags):
+    assert f"argument {flags[0]}: " in _exit_2(tmp_path, capsys, *flags)
+
+
+def test_fault_tolerance_needs_engines_of_the_run(tmp_path, capsys):
+    err = _exit_2(tmp_path, capsys, "--use-fault-tolerance")
+    assert err.startswith("rlperf train: --use-fault-tolerance restarts the engines the run starts: it needs "
+                          "--rollout-num-gpus N")
 
 
 @pytest.mark.parametrize("bad", ["0", "-3"])
