@@ -123,7 +123,10 @@ def _train(args: argparse.Namespace) -> int:
     try:
         ns = resolve_args(args)
         if needs_launch(ns):  # --actor-num-gpus-per-node N > 1: start N ranks here, each runs _train_rank
-            return placement_for(ns).launch_actors(_train_rank, ns, ActorLayout.of(ns, "cpu"))
+            code = placement_for(ns).launch_actors(_train_rank, ns, ActorLayout.of(ns, "cpu"))
+            if code == 1:  # a rank failed or died (the placement named it): how to go on
+                print(f"rlperf train: the run stops. {resume_hint(ns)}", file=sys.stderr)
+            return code
     except UsageError as exc:
         print(f"rlperf train: {exc}", file=sys.stderr)
         return 2

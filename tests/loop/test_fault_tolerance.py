@@ -148,3 +148,42 @@ def test_a_killed_router_is_named_as_the_router(tmp_path, capfd, faults, no_inte
     assert line.startswith("rlperf train: the sglang-router (http://127.0.0.1:"), err
     assert "was killed by SIGKILL" in line and "no --save" in line
     assert "Traceback" not in err and "URLError" not in err and "a rollout engine process" not in err
+
+
+RANK_KILLER = '''
+import os, signal
+from rlperf.data.rewards import BUILTIN_REWARDS
+
+def reward(args, sample):
+    """The boxed-math reward; on rank 1, in rollout 1 (the second rollout), the rank kills itself (-9)."""
+    marker = os.path.join(os.environ["RLPERF_TEST_DIR"], "rank1-rewards")
+    if os.environ.get("RANK") == "1" and not os.path.exists(os.path.join(os.environ["RLPERF_TEST_DIR"], "resumed")):
+        with open(marker, "a") as f:
+            f.write("x")
+        if os.path.getsize(marker) > 16:  # rollout 0 has 16 samples
+            os.kill(os.getpid(), signal.SIGKILL)
+    return BUILTIN_REWARDS["boxed_math"](args, sample)
+'''
+
+
+def test_a_killed_trainer_rank_ends_the_run_named_and_resumable(tmp_path, capfd, monkeypatch, no_interpreter):
+    """Two colocated CPU ranks, rank 1 killed (-9) in rollout 1: the run ends (exit 1) naming the rank and
+    the resume command; that command, run as given, finishes the run without any cleanup."""
+    (tmp_path / "rank_killer.py").write_text(RANK_KILLER)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("RLPERF_TEST_DIR", str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    save = tmp_path / "save"
+    flags = ["train", "--device", "cpu", "--actor-num-gpus-per-node", "2", "--no-progress", "--skip-gates",
+             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+             "--num-rollout", "3", "--custom-rm-path", "rank_killer.reward", "--save", str(save),
+             "--save-interval", "1", "--output-dir", str(tmp_path / "out")]
+    assert main(flags) == 1
+    err = capfd.readouterr().err
+    assert "rank 1 was killed by SIGKILL" in err, err
+    (hint,) = [x for x in err.splitlines() if "the run stops" in x]
+    assert hint.endswith(f"--load {save}") and "rlperf train --device cpu" in hint
+    assert [m["rollout_id"] for m in _lines(tmp_path / "out")] == [0]
+    (tmp_path / "resumed").write_text("")
+    assert main([*flags, "--load", str(save)]) == 0
+    assert [m["rollout_id"] for m in _lines(tmp_path / "out")] == [0, 1, 2]
