@@ -53,6 +53,7 @@ import copy
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
@@ -287,6 +288,8 @@ class RequestFailed(RuntimeError):
         self.status = status
 
 
+FAULT_SETTLE_S = 10.0
+"""Seconds a failed request's cause (an engine or the router) is looked for before its error is raised as is."""
 MAX_RETRIES = 3
 """Times a sample's request is sent again after it failed because an engine failed (fault tolerance)."""
 ROUTER_MAX_INFLIGHT = 1024
@@ -404,12 +407,19 @@ class RouterClient:
                 raise exc
             if not isinstance(exc, (OSError, RuntimeError)):
                 raise exc
-            self.health.check_now()  # whose fault: an engine's, the router's?
-            self.health.handle(during)
-            if self.health.router_down():
-                raise RouterFailure(f"{self.health.router_name()} does not answer {during} ({exc})")
-            if not self.health.fault_tolerance or not (self.health.out or self.health.events) \
-                    or retries[i] >= MAX_RETRIES:
+            # whose fault: an engine's, the router's? (a failure may show a moment after the request's error)
+            deadline = time.monotonic() + min(self.health.config.timeout, FAULT_SETTLE_S)
+            while True:
+                self.health.check_now()
+                self.health.handle(during)  # raises without fault tolerance; with it, takes the engine out
+                if self.health.router_down():
+                    raise RouterFailure(f"{self.health.router_name()} does not answer {during} ({exc})")
+                if self.health.fault_tolerance and (self.health.out or self.health.events):
+                    break
+                if time.monotonic() > deadline:
+                    raise exc
+                time.sleep(0.5)
+            if retries[i] >= MAX_RETRIES:
                 raise exc
             retries[i] += 1
             todo.put(i)
