@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 def _bench(args: argparse.Namespace) -> int:
     from rlperf.bench.run import run_benchmarks
@@ -122,7 +123,10 @@ def _train(args: argparse.Namespace) -> int:
     try:
         ns = resolve_args(args)
         if needs_launch(ns):  # --actor-num-gpus-per-node N > 1: start N ranks here, each runs _train_rank
-            return placement_for(ns).launch_actors(_train_rank, ns, ActorLayout.of(ns, "cpu"))
+            code = placement_for(ns).launch_actors(_train_rank, ns, ActorLayout.of(ns, "cpu"))
+            if code == 1:  # a rank failed or died (the placement named it): how to go on
+                print(f"rlperf train: the run stops. {resume_hint(ns)}", file=sys.stderr)
+            return code
     except UsageError as exc:
         print(f"rlperf train: {exc}", file=sys.stderr)
         return 2
@@ -148,6 +152,7 @@ def _train_on_rank(ns: argparse.Namespace, place) -> int:
                       f"stopping before step 1 (--skip-gates trains anyway)", file=sys.stderr)
             return code
     from rlperf.loop.engines import EngineFleetError
+    from rlperf.loop.health import RolloutProcessFailure
 
     try:
         train(ns)
@@ -157,7 +162,38 @@ def _train_on_rank(ns: argparse.Namespace, place) -> int:
     except EngineFleetError as exc:  # --rollout-num-gpus: an engine or the router did not start (its output quoted)
         print(f"rlperf train: {exc}", file=sys.stderr)
         return 1
+    except RolloutProcessFailure as exc:  # an engine or the router died or stopped answering mid-run
+        print(f"rlperf train: {exc}; the run stops. {resume_hint(ns)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def resume_hint(ns: argparse.Namespace) -> str:
+    """How to go on after a run that stopped: the command with ``--load SAVE`` (its latest checkpoint),
+    or why there is none to resume from."""
+    import shlex
+
+    from rlperf.loop.checkpoint import LATEST
+
+    if not ns.save:
+        return "It saved no checkpoints (no --save): a rerun starts from rollout 0"
+    if not (Path(ns.save) / LATEST).is_file():
+        return f"No checkpoint was written to --save {ns.save} yet: a rerun starts from rollout 0"
+    argv = list(getattr(ns, "argv", None) or [])
+    out, skip = [], False
+    for a in argv:  # the same command, its --load replaced
+        if skip:
+            skip = False
+            continue
+        if a == "--load":
+            skip = True
+            continue
+        if a.startswith("--load="):
+            continue
+        out.append(a)
+    if not out:
+        out = ["train", "..."]
+    return f"Resume from its latest checkpoint: rlperf {shlex.join(out)} --load {shlex.quote(str(ns.save))}"
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -284,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a resume hint repeats
     if args.command is None:
         parser.print_help()
         return 2

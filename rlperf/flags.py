@@ -64,6 +64,25 @@ def fraction(text: str) -> float:
     return v
 
 
+def nonnegative_seconds(text: str) -> float:
+    """A ``type=``: a finite number of seconds >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
+    if not 0.0 <= v < 1e9:  # nan and inf fail too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in [0, 1e9), got {text[:40]}")
+    return v
+
+
+def positive_seconds(text: str) -> float:
+    """A ``type=``: a finite number of seconds > 0."""
+    v = nonnegative_seconds(text)
+    if v == 0.0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text[:40]}")
+    return v
+
+
 def host(text: str) -> str:
     """A ``type=``: an IPv4 or IPv6 address, or a host name (RFC 1123 labels). Dotted digits must be a
     valid IPv4 address (``999.1.1.1`` is not a name either)."""

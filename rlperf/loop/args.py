@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 
+from rlperf import flags
 from rlperf.rollout.args import API_KEY_ENV, add_device_arguments, add_kernel_arguments
 from rlperf.telemetry.loggers import add_logger_arguments
 from rlperf.telemetry.trainer_trace import add_trace_window_arguments, check_profile_args
@@ -64,7 +65,8 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--rollout-batch-size", type=int, default=None, help="prompts per rollout")
     g.add_argument("--num-steps-per-rollout", type=int, default=None)
     g.add_argument("--num-rollout", type=int, default=None, help="rollouts (steps) to run")
-    g.add_argument("--rollout-max-response-len", type=int, default=None)
+    g.add_argument("--rollout-max-response-len", type=flags.positive_int, default=None,
+                   help="tokens a response may have (at most the model's context length less the prompt)")
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument("--rollout-function-path", default=None,
@@ -73,9 +75,9 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
                    help="python path of fn(args, sample, sampling_params) -> sample (one generation)")
     g.add_argument("--custom-rm-path", default=None, help="python path of fn(args, sample) -> float")
     g.add_argument("--rm-type", default=None, choices=["exact", "boxed_math"], help="built-in rule reward")
-    g.add_argument("--sglang-router-ip", default=None,
+    g.add_argument("--sglang-router-ip", type=flags.host, default=None,
                    help="rollout through this sglang-router (default: an in-process engine)")
-    g.add_argument("--sglang-router-port", type=int, default=None)
+    g.add_argument("--sglang-router-port", type=flags.port, default=None)
     g.add_argument("--sglang-api-key", default=None, metavar="KEY",
                    help="API key of the router and its rlperf serve workers (their --api-key), sent as 'Authorization: "
                         f"Bearer KEY' on every request. On the command line it shows in ps: prefer --sglang-api-key-file "
@@ -105,6 +107,19 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
                         "GPUs of their own (--rollout-num-gpus): the fraction of their GPU for weights + KV cache "
                         "(default 0.8, under the first-step gate's headroom); servers behind a router you started "
                         "take rlperf serve --mem-fraction-static")
+    g = p.add_argument_group("fault tolerance (engines of --rollout-num-gpus)")
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="an engine that dies or stops answering its health check is taken out of the router, its "
+                        "in-flight samples are retried on the others, and it is restarted, given the current weights "
+                        "and put back at the next weight sync; without it such a failure ends the run with one line "
+                        "naming the engine (docs/train.md, Fault tolerance)")
+    g.add_argument("--rollout-health-check-first-wait", type=flags.nonnegative_seconds, default=0.0, metavar="S",
+                   help="seconds after the engines start before the first /health probe (default 0)")
+    g.add_argument("--rollout-health-check-interval", type=flags.positive_seconds, default=30.0, metavar="S",
+                   help="seconds between two /health probes of each engine (default 30); an engine process that "
+                        "exits is seen at once")
+    g.add_argument("--rollout-health-check-timeout", type=flags.positive_seconds, default=30.0, metavar="S",
+                   help="seconds an engine may take to answer /health before it counts as failed (default 30)")
     g = p.add_argument_group("model and checkpoints")
     g.add_argument("--model", default=None, help="preset when no --hf-checkpoint/--load (default tiny)")
     g.add_argument("--hf-checkpoint", default=None, help="initial weights (HF safetensors directory)")
@@ -125,7 +140,7 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="--precision fp32")
     add_kernel_arguments(p.add_argument_group("kernels"), auto_cpu="the torch reference (the trainer's CPU path)")
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=flags.seed, default=1234)
     g.add_argument("--output-dir", default=OUTPUT_DIRS[command],
                    help="every file the run writes goes under it: metrics.jsonl, the phase timeline, torch traces, "
                         f"engine logs (default: {OUTPUT_DIRS[command]}, printed when the command starts)")
@@ -244,6 +259,8 @@ def check_flag_values(ns: argparse.Namespace) -> None:
     for flag in ("actor_num_nodes", "actor_num_gpus_per_node"):
         if getattr(ns, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
+    if ns.use_fault_tolerance and not ns.rollout_num_gpus:
+        raise UsageError("--use-fault-tolerance restarts the engines the run starts: it needs --rollout-num-gpus N")
     check_profile_args(ns, error=UsageError)
     check_megatron_flags(ns)
 

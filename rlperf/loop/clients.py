@@ -51,6 +51,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import queue
+import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
@@ -66,6 +69,7 @@ from rlperf.sync.distributed import WeightBroadcaster, WeightSyncError
 from .config import RunConfig
 from .data_parallel import DataParallelEngineClient, Rank0EnginesClient
 from .engines import HOST, start_engine_fleet
+from .health import HealthMonitor, RouterFailure
 from .record import EngineMemory
 
 TRAIN_MEM_FRACTION_STATIC = 0.3
@@ -104,7 +108,9 @@ def client_for(config: RunConfig, model, tokenizer, *, kv_tokens: int | None = N
             else:
                 fleet = start_engine_fleet(config, kernel_backend)
                 try:
-                    inner = RouterClient(HOST, fleet.router_port, tokenizer, api_key=r.api_key, distributed=True)
+                    health = HealthMonitor(fleet, r.health_check, _auth_headers(r.api_key))
+                    inner = RouterClient(HOST, fleet.router_port, tokenizer, api_key=r.api_key, distributed=True,
+                                         health=health)
                 except BaseException:
                     fleet.close()
                     raise
@@ -274,6 +280,18 @@ def push_weights(url: str, named_tensors, *, config: SyncConfig | None = None, w
     return len(buckets)
 
 
+class RequestFailed(RuntimeError):
+    """A request answered with an error status (``status``)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+FAULT_SETTLE_S = 10.0
+"""Seconds a failed request's cause (an engine or the router) is looked for before its error is raised as is."""
+MAX_RETRIES = 3
+"""Times a sample's request is sent again after it failed because an engine failed (fault tolerance)."""
 ROUTER_MAX_INFLIGHT = 1024
 """``/generate`` requests a :class:`RouterClient` keeps in flight: a whole rollout at once, so every engine
 behind the router runs as many sequences as it admits (its ``--max-running-requests``), as the
@@ -287,10 +305,13 @@ class RouterClient:
     runs_rollout = True
 
     def __init__(self, ip: str, port: int, tokenizer, colocate: bool = False, timeout: float = 600.0,
-                 api_key: str | None = None, distributed: bool = False):
+                 api_key: str | None = None, distributed: bool = False, health: HealthMonitor | None = None):
         """``distributed``: weight sync by broadcast to disaggregated workers (module docstring), not
-        flattened-bucket requests."""
+        flattened-bucket requests. ``health``: the monitor of the run's own engines
+        (:mod:`rlperf.loop.health`): a rollout then watches it, and a failed engine ends the run or is
+        replaced (``--use-fault-tolerance``)."""
         self.url, self.tokenizer, self.colocate, self.timeout = f"http://{ip}:{port}", tokenizer, colocate, timeout
+        self.health = health
         self.api_key, self.headers = api_key, _auth_headers(api_key)
         self.max_inflight = ROUTER_MAX_INFLIGHT
         self.distributed = distributed
@@ -326,7 +347,7 @@ class RouterClient:
         status, reply = http_json(self.url + "/generate", body, timeout=self.timeout, headers=self.headers)
         _check_auth(f"router {self.url}: /generate", status, reply, self.api_key)
         if status != 200:
-            raise RuntimeError(f"router {self.url}: /generate answered {status}: {reply!r}")
+            raise RequestFailed(f"router {self.url}: /generate answered {status}: {reply!r}", status)
         meta = reply["meta_info"]
         triples = meta.get("output_token_logprobs") or []
         return GenerationResult(output_ids=reply.get("output_ids") or [t[1] for t in triples],
@@ -334,11 +355,80 @@ class RouterClient:
                                 finish_reason=meta["finish_reason"])
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+        if self.health is not None:
+            return self._generate_watched(prompts, params)
         # one request per sample, all in flight at once (up to max_inflight): the router spreads them over
         # the workers, which queue what they cannot run yet, and each sample's tokens depend only on its
         # seed (batch-invariant engines), not on who served it
         with ThreadPoolExecutor(max(1, min(len(prompts), self.max_inflight))) as pool:
             return list(pool.map(self._generate_one, prompts, params))
+
+    def _generate_watched(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+        """:meth:`generate` with the engines' health watched (:mod:`rlperf.loop.health`): the requests run
+        on daemon threads (one stuck on a stopped engine never holds the process); while they run, and
+        whenever one fails, the monitor is asked. A failure ends the rollout (:class:`EngineFailure`,
+        :class:`RouterFailure`), or, with fault tolerance, the failed engine is taken out and every
+        request that failed is sent again (at most :data:`MAX_RETRIES` times each)."""
+        n = len(prompts)
+        results: list = [None] * n
+        todo, done = queue.SimpleQueue(), queue.SimpleQueue()
+        for i in range(n):
+            todo.put(i)
+
+        def work():
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    done.put((i, self._generate_one(prompts[i], params[i]), None))
+                except BaseException as exc:  # noqa: BLE001  (handed to the waiting thread)
+                    done.put((i, None, exc))
+
+        def start(count):
+            for _ in range(count):
+                threading.Thread(target=work, name="rlperf-generate", daemon=True).start()
+
+        during = "during the rollout"
+        self.health.handle(during)
+        start(max(1, min(n, self.max_inflight)))
+        remaining, retries = n, [0] * n
+        while remaining:
+            try:
+                i, out, exc = done.get(timeout=0.25)
+            except queue.Empty:
+                self.health.handle(during)  # raises, or takes a failed engine out (its requests then fail)
+                continue
+            if exc is None:
+                results[i], remaining = out, remaining - 1
+                continue
+            if isinstance(exc, ServerAuthError) or 400 <= getattr(exc, "status", 0) < 500:
+                raise exc
+            if not isinstance(exc, (OSError, RuntimeError)):
+                raise exc
+            # whose fault: an engine's, the router's? (a failure may show a moment after the request's error)
+            deadline = time.monotonic() + min(self.health.config.timeout, FAULT_SETTLE_S)
+            while True:
+                self.health.check_now()
+                self.health.handle(during)  # raises without fault tolerance; with it, takes the engine out
+                if self.health.router_down():
+                    raise RouterFailure(f"{self.health.router_name()} does not answer {during} ({exc})")
+                if self.health.fault_tolerance and (self.health.out or self.health.events):
+                    break
+                if time.monotonic() > deadline:
+                    raise exc
+                time.sleep(0.5)
+            if retries[i] >= MAX_RETRIES:
+                raise exc
+            retries[i] += 1
+            todo.put(i)
+            start(1)
+        return results
+
+    def take_fault_events(self) -> list:
+        """Engine outages that ended (restarted and back) since the last call (:mod:`rlperf.loop.health`)."""
+        return self.health.take_events() if self.health is not None else []
 
     def load_weights(self, named_tensors, version: str) -> SyncStats:
         """Distributed (disaggregated engines): broadcast the pairs bucket by bucket as they come
@@ -383,12 +473,22 @@ class RouterClient:
         if first is None:
             raise ValueError("load_weights got no tensors")
         items = itertools.chain([first], items)
+        outages = []
+        if self.health is not None:
+            self.health.handle("before the weight sync")
+            outages = self.health.restart()  # engines taken out: started again, to join the group below
+            if outages and self.broadcaster is not None:
+                self.broadcaster, b = None, self.broadcaster
+                b.close()  # the group had the dead engine in it: a new one is formed with every engine
         try:
             if self.broadcaster is None:
-                self.broadcaster = WeightBroadcaster(self.workers(), device=first[1].device, api_key=self.api_key,
+                urls = self.health.fleet.worker_urls if self.health is not None else self.workers()
+                self.broadcaster = WeightBroadcaster(urls, device=first[1].device, api_key=self.api_key,
                                                      timeout=self.timeout)
                 self.broadcaster.connect()
-            self._last_sync = self.broadcaster.update_weights(items, version)
+            self._last_sync = self.broadcaster.update_weights(items, version)  # every engine's checksum checked
+            if outages:
+                self.health.put_back(outages)
             return self._last_sync
         except WeightSyncError as exc:
             if exc.status == 401:
@@ -415,7 +515,10 @@ class RouterClient:
         return got[0]
 
     def close(self) -> None:
-        """Leave the weight-update group (distributed sync), if one was formed."""
+        """Stop watching the engines' health; leave the weight-update group (distributed sync), if one
+        was formed."""
+        if self.health is not None:
+            self.health.close()
         if self.broadcaster is not None:
             self.broadcaster, b = None, self.broadcaster
             b.close()

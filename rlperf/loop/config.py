@@ -79,6 +79,8 @@ class RolloutConfig:
     """Path template with ``{rollout_id}``: each rollout's samples are saved there."""
     load_debug_data: str | None
     """Path template with ``{rollout_id}``: rollouts are loaded from there instead of generated."""
+    health_check: HealthCheckConfig = dataclasses.field(default_factory=lambda: HealthCheckConfig())
+    """How the disaggregated engines are probed and what a failure does (``--use-fault-tolerance``)."""
 
     @property
     def engine(self) -> str:
@@ -87,6 +89,20 @@ class RolloutConfig:
         if self.router_ip is not None:
             return "router"
         return "disaggregated" if self.disaggregated else "in-process"
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthCheckConfig:
+    """Health checks of the run's own engines (:mod:`rlperf.loop.health`)."""
+
+    fault_tolerance: bool = False
+    """``--use-fault-tolerance``: a failed engine is restarted and the run goes on; else the run ends."""
+    first_wait: float = 0.0
+    """``--rollout-health-check-first-wait``: seconds before the first probe."""
+    interval: float = 30.0
+    """``--rollout-health-check-interval``: seconds between two probes of an engine."""
+    timeout: float = 30.0
+    """``--rollout-health-check-timeout``: seconds an engine may take to answer ``/health``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +233,9 @@ class RunConfig:
                 engine_router_url=ns.engine_router_url,
                 engine_weights=ns.engine_weights, mem_fraction_static=ns.sglang_mem_fraction_static,
                 cuda_graph_max_bs=ns.sglang_cuda_graph_max_bs, save_debug_data=ns.save_debug_rollout_data,
-                load_debug_data=ns.load_debug_rollout_data),
+                load_debug_data=ns.load_debug_rollout_data,
+                health_check=HealthCheckConfig(ns.use_fault_tolerance, ns.rollout_health_check_first_wait,
+                                               ns.rollout_health_check_interval, ns.rollout_health_check_timeout)),
             model=ModelConfig(ns.model, ns.hf_checkpoint, ns.load, ns.ref_load, ns.save, ns.save_interval),
             train=TrainConfig(train_args or ns.train_args, ns.precision, ns.num_steps_per_rollout,
                               ns.train_backend, _megatron_config(ns)),

@@ -132,6 +132,11 @@ class Rank0EnginesClient:
         """The engines' (rank 0 asks them); None on the other ranks."""
         return self.inner.weights_checksum() if self.inner is not None else None
 
+    def take_fault_events(self) -> list:
+        """Rank 0's engine outages that ended (:meth:`rlperf.loop.clients.RouterClient.take_fault_events`);
+        none on the other ranks."""
+        return self.inner.take_fault_events() if self.inner is not None else []
+
     def engine_memory(self) -> list:
         """Every engine's memory as it reports it (:meth:`rlperf.loop.clients.RouterClient.engine_memory`),
         asked by rank 0 and sent to every rank (a collective)."""

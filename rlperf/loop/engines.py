@@ -23,11 +23,13 @@ the run is quoted when the fleet closes.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import sys
 from pathlib import Path
 
-from rlperf.rollout.args import ServerArgs
-from rlperf.rollout.router import Cluster, describe, free_port, output_tail, start_router, start_servers
+from rlperf.rollout.args import ServerArgs, server_argv
+from rlperf.rollout.router import (Cluster, child_env, free_port, http_json, output_tail, spawn,
+                                   start_router, start_servers, wait_until)
 
 from . import checkpoint as ckpt
 from .config import RunConfig
@@ -70,6 +72,9 @@ class EngineFleet:
 
     def __init__(self, cluster: Cluster, gpus: list[str] | None, log_dir: Path | None):
         self.cluster, self.gpus, self.log_dir = cluster, gpus, log_dir
+        self.args: ServerArgs | None = None  # the engines' options (set by start; restart_engine needs them)
+        self.restarts = 0
+        self.handled: set = set()  # processes whose failure was already reported (rlperf.loop.health)
         self._closed = False
         atexit.register(self.close)
 
@@ -113,16 +118,45 @@ class EngineFleet:
             if isinstance(exc, (RuntimeError, TimeoutError)):
                 raise EngineFleetError(f"the sglang-router in front of the rollout engines did not start: {exc}") from None
             raise
-        return cls(Cluster(servers, router, urls, f"http://{args.host}:{port}"), gpus, log_dir)
+        fleet = cls(Cluster(servers, router, urls, f"http://{args.host}:{port}"), gpus, log_dir)
+        fleet.args = args
+        return fleet
+
+    def restart_engine(self, i: int, timeout: float = FLEET_START_TIMEOUT_S) -> None:
+        """Start engine ``i`` again (its process has exited) on its port and GPU, its output appended to
+        its log; return once it answers ``/health``. Call it from the thread the fleet started in (the
+        child dies with that thread). :class:`EngineFleetError` when it does not come up."""
+        old = self.cluster.servers[i]
+        if old.poll() is None:
+            raise RuntimeError(f"engine {i} still runs (pid {old.pid})")
+        if getattr(old, "output", None) is not None:
+            old.output.close()
+        url = self.worker_urls[i]
+        port = int(url.rsplit(":", 1)[1])
+        self.restarts += 1
+        log = str(self.log_dir / f"server-{i}.restart-{self.restarts}.log") if self.log_dir else None
+        env = child_env(None, self.args.api_key)
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[i]
+        proc = spawn([sys.executable, "-m", "rlperf", "serve", *server_argv(dataclasses.replace(self.args, port=port))],
+                     env=env, log_path=log, die_with_parent=True)
+        self.cluster.servers[i] = proc
+        try:
+            wait_until(lambda: http_json(url + "/health", timeout=2)[0] == 200, timeout, f"engine {i} at {url}", [proc])
+        except (RuntimeError, TimeoutError) as exc:
+            raise EngineFleetError(f"rollout engine {i} did not restart: {exc}") from None
 
     def exited(self) -> list[str]:
         """Each process of the fleet that has exited, with its exit code and last output."""
-        procs = [*self.cluster.servers, *([self.cluster.router] if self.cluster.router else [])]
+        named = [(f"rollout engine {i} ({url}, pid {p.pid})", p)
+                 for i, (url, p) in enumerate(zip(self.worker_urls, self.cluster.servers))]
+        if self.cluster.router:
+            named.append((f"the sglang-router ({self.router_url}, pid {self.cluster.router.pid})", self.cluster.router))
         out = []
-        for p in procs:
-            if p.poll() is not None:
+        for name, p in named:
+            if p.poll() is not None and p not in self.handled:
                 tail = output_tail(p)
-                out.append(f"{describe(p)} exited with {p.returncode}; its last output:"
+                out.append(f"{name} exited with {p.returncode}; its last output:"
                            + "".join(f"\n  | {line}" for line in tail.splitlines()))
         return out
 
@@ -134,7 +168,7 @@ class EngineFleet:
         self._closed = True
         atexit.unregister(self.close)
         for report in self.exited():
-            print(f"rlperf train: a rollout engine process {report}", file=sys.stderr)
+            print(f"rlperf train: {report}", file=sys.stderr)
         self.cluster.close()
 
     def __enter__(self) -> "EngineFleet":

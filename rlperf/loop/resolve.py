@@ -145,6 +145,65 @@ def check_inputs(ns: argparse.Namespace) -> None:
         check_model_dir(ns.hf_checkpoint, "--hf-checkpoint", save_dir=False)
     if ns.ref_load is not None:
         check_model_dir(ns.ref_load, "--ref-load")
+    check_response_len(ns)
+    check_router_reachable(ns)
+    if ns.load_debug_rollout_data:
+        first = debug_rollout_path(ns.load_debug_rollout_data, "--load-debug-rollout-data", 0)
+        if not ns.load and not first.is_file():  # a fresh run reads rollout 0's first
+            raise UsageError(f"--load-debug-rollout-data {ns.load_debug_rollout_data}: {first}: no such file")
+        if not first.parent.is_dir():
+            raise UsageError(f"--load-debug-rollout-data {ns.load_debug_rollout_data}: {first.parent}: no such directory")
+
+
+ROUTER_CONNECT_TIMEOUT_S = 5.0
+"""Seconds ``--sglang-router-ip:--sglang-router-port`` may take to accept a connection before the run is refused."""
+
+
+def check_router_reachable(ns: argparse.Namespace) -> None:
+    """``--sglang-router-ip:--sglang-router-port`` accepts a TCP connection (a router that is not there
+    is bad usage, found before the model is built)."""
+    if ns.sglang_router_ip is None:
+        return
+    import socket
+
+    try:
+        socket.create_connection((ns.sglang_router_ip, ns.sglang_router_port), timeout=ROUTER_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise UsageError(f"--sglang-router-port {ns.sglang_router_port}: nothing accepts connections at "
+                         f"{ns.sglang_router_ip}:{ns.sglang_router_port} ({exc.strerror or exc}); start the router "
+                         f"first (rlperf serve --router N --router-port {ns.sglang_router_port})") from None
+
+
+def model_context_length(ns: argparse.Namespace) -> int:
+    """``max_position_embeddings`` of the model the run trains (``--load``'s, ``--hf-checkpoint``'s or the preset)."""
+    if ns.load is None and ns.hf_checkpoint is None:
+        from rlperf.model import preset
+
+        return preset(ns.model).max_position_embeddings
+    from rlperf.model.config import read_hf_config
+
+    from .checkpoint import model_dir
+
+    return read_hf_config(model_dir(ns.load) if ns.load else ns.hf_checkpoint)[0].max_position_embeddings
+
+
+def check_response_len(ns: argparse.Namespace) -> None:
+    """``--rollout-max-response-len`` within the model's context length: a larger one would size KV caches
+    and buffers for positions the model has no rotary table for (99999999 asked for 1.6 TB)."""
+    ctx = model_context_length(ns)
+    if ns.rollout_max_response_len > ctx:
+        raise UsageError(f"--rollout-max-response-len {ns.rollout_max_response_len}: longer than the model's context "
+                         f"length, {ctx} tokens (max_position_embeddings); give at most {ctx}")
+
+
+def debug_rollout_path(template: str, flag: str, rollout_id: int) -> Path:
+    """``template`` formatted for ``rollout_id``; UsageError naming ``flag`` for a template that does not
+    format with ``{rollout_id}`` alone."""
+    try:
+        path = Path(template.format(rollout_id=rollout_id))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise UsageError(f"{flag} {template}: not a path template with {{rollout_id}} ({exc})") from None
+    return path
 
 
 def check_outputs(ns: argparse.Namespace) -> None:
@@ -159,6 +218,11 @@ def check_outputs(ns: argparse.Namespace) -> None:
             raise UsageError(f"--save {ns.save}: {exc}") from None
     if ns.save:
         check_writable_dir(ns.save, "--save")
+    if ns.save_debug_rollout_data:
+        path = debug_rollout_path(ns.save_debug_rollout_data, "--save-debug-rollout-data", 0)
+        check_writable_dir(path.parent, "--save-debug-rollout-data")
+        if path.exists() and not path.is_file():
+            raise UsageError(f"--save-debug-rollout-data {ns.save_debug_rollout_data}: {path} exists and is not a file")
     check_writable_dir(ns.output_dir, "--output-dir")
     ns.logger_config = logger_config_from(ns, error=UsageError)  # a missing package is bad usage, before a step
 

@@ -387,6 +387,20 @@ class Run:
             checksum = weights_checksum(self.trainer.compute_weights(SYNC_BUCKET_BYTES), SYNC_BUCKET_BYTES)
         return checksum if self.rank == 0 else None
 
+    def fault_metrics(self) -> dict:
+        """``--use-fault-tolerance``: the engines restarted since the previous line (restarted, synced and
+        back in the router during this step): ``rollout/engine_restarts`` (how many),
+        ``rollout/engines_restarted`` (their indices, comma-separated) and ``rollout/engine_out_s`` (the
+        longest time one was out of service, from the failure found to back in the router). Empty
+        without restarts."""
+        take = getattr(self.client, "take_fault_events", None)
+        events = take() if take is not None else []
+        if not events:
+            return {}
+        return {"rollout/engine_restarts": len(events),
+                "rollout/engines_restarted": ",".join(str(e.engine) for e in events),
+                "rollout/engine_out_s": max(e.out_s for e in events)}
+
     def phase_peaks(self) -> dict[str, int]:
         """Peak memory per phase of this step: the worst rank's in data parallel (a collective)."""
         return max_over_ranks(self.meter.peaks) if self.world_size > 1 else dict(self.meter.peaks)
@@ -462,6 +476,7 @@ class Run:
                         if not c.debug_train_only:
                             self.sync(k)
                         m["sync/weights_checksum"] = self.weights_checksum(k)
+                    m.update(self.fault_metrics())
                     m["perf/rollout_time"] = rollout_time
                     # step = rollout (or waiting for the overlapped one) + train + weight sync
                     m["perf/step_time"] = time.perf_counter() - step_start

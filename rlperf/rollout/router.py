@@ -51,10 +51,11 @@ _IMPORT_FAILED = re.compile(r"\b(ModuleNotFoundError|ImportError)\b|No module na
 TAIL_LINES = 20
 
 
-def http_json(url: str, body=None, timeout: float = 30.0, headers: dict | None = None):
-    """(status, decoded JSON or text) of a GET (``body`` None) or a JSON POST; never raises on 4xx/5xx."""
+def http_json(url: str, body=None, timeout: float = 30.0, headers: dict | None = None, method: str | None = None):
+    """(status, decoded JSON or text) of a GET (``body`` None) or a JSON POST (``method``: another verb,
+    e.g. DELETE); never raises on 4xx/5xx."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
+    req = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"),
                                  headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

@@ -97,8 +97,13 @@ def test_the_factory_picks_the_client_from_the_configuration(models, tmp_path):
         client, fleet = client_for(config, start, ByteTokenizer(512), kv_tokens=256)
         assert fleet is None and type(client) is EngineClient and client.weights == "buckets"
         assert client.model is not start  # its own copy, loaded at every sync
-    ns = parse_train_args(["--device", "cpu", "--output-dir", str(tmp_path), "--sglang-router-ip", "127.0.0.1",
-                           "--sglang-router-port", "1"])
+    import socket
+
+    with socket.socket() as router:  # the flags are checked against a port that accepts connections
+        router.bind(("127.0.0.1", 0))
+        router.listen()
+        ns = parse_train_args(["--device", "cpu", "--output-dir", str(tmp_path), "--sglang-router-ip", "127.0.0.1",
+                               "--sglang-router-port", str(router.getsockname()[1])])
     assert RunConfig.from_args(ns).rollout.engine == "router"
     with pytest.raises(dataclasses_frozen_error()):
         config.rollout.batch_size = 3

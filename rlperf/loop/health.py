@@ -1,0 +1,251 @@
+"""Health checks of the run's own rollout engines (``--rollout-num-gpus``) and what a failure does.
+
+A :class:`HealthMonitor` watches an :class:`rlperf.loop.engines.EngineFleet` from a daemon thread:
+
+* every 0.2 s it asks each engine process and the router process whether they have exited (a
+  ``kill -9`` is seen at once);
+* after ``--rollout-health-check-first-wait`` seconds, then every ``--rollout-health-check-interval``
+  seconds, it sends ``GET /health`` to every engine in service; one that does not answer 200 within
+  ``--rollout-health-check-timeout`` seconds (stopped with SIGSTOP, hung, or gone) has failed.
+
+The :class:`rlperf.loop.clients.RouterClient` of the fleet asks the monitor (:meth:`HealthMonitor.handle`)
+while it waits for a rollout's requests, whenever a request fails, and before each weight sync:
+
+* without ``--use-fault-tolerance`` a failed engine raises :class:`EngineFailure`, a dead router
+  :class:`RouterFailure` (both :class:`RolloutProcessFailure`): one line naming the process, which the
+  CLI prints with the command that resumes the run. A rollout never waits for a stopped engine longer
+  than the first wait plus one interval plus the timeout.
+* with it, a failed engine is killed (a stopped one too: its open requests then fail at once), removed
+  from the router (``DELETE /workers/{id}``, sglang-router 0.3.2's API; it has no ``/remove_worker``),
+  and every request that failed is sent again through the router to the engines left. At the next
+  weight sync (:meth:`restart`) the engine is started again on its port, the weight-update group is
+  formed anew with every engine, the current weights are broadcast and every engine's checksum is
+  checked; then it is added back (``POST /workers``) and the event is reported
+  (:meth:`take_events`: engine, reason, seconds out of service). A dead router still ends the run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import threading
+import time
+
+from rlperf.rollout.router import http_json, wait_until
+
+from .config import HealthCheckConfig
+
+PROCESS_POLL_S = 0.2
+"""Seconds between two looks at whether an engine or the router process has exited."""
+ROUTER_UPDATE_TIMEOUT_S = 30.0
+"""Seconds the router may take to drop or list a worker (it applies both in the background)."""
+RESTART_TIMEOUT_S = 900.0
+"""Seconds a restarted engine may take to answer ``/health`` (as at the fleet's start)."""
+
+
+class RolloutProcessFailure(RuntimeError):
+    """A process of the rollout (an engine or the router) died or stopped answering; the run ends."""
+
+
+class EngineFailure(RolloutProcessFailure):
+    """A rollout engine died or stopped answering its health check (without ``--use-fault-tolerance``)."""
+
+
+class RouterFailure(RolloutProcessFailure):
+    """The sglang-router process died or stopped answering."""
+
+
+def exit_reason(returncode: int) -> str:
+    """``was killed by SIGKILL`` / ``exited with code 3``."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+@dataclasses.dataclass
+class EngineOutage:
+    """An engine taken out of service (``--use-fault-tolerance``)."""
+
+    engine: int
+    url: str
+    reason: str
+    since: float
+    """``time.monotonic()`` when it was found failed."""
+    out_s: float | None = None
+    """Seconds from then until it was back in the router (set by :meth:`HealthMonitor.put_back`)."""
+
+
+class HealthMonitor:
+    """Probes a fleet's engines and router (module docstring); ``headers``: the API key's."""
+
+    def __init__(self, fleet, config: HealthCheckConfig, headers: dict | None = None):
+        self.fleet, self.config, self.headers = fleet, config, headers or {}
+        self._lock = threading.Lock()
+        self._failed: dict[int, str] = {}  # engine -> why, found and not handled yet
+        self.out: dict[int, EngineOutage] = {}  # engines taken out of service (fault tolerance)
+        self.events: list[EngineOutage] = []  # outages ended since take_events()
+        self._router_failure: str | None = None
+        self._stop = threading.Event()
+        self._next_probe = time.monotonic() + config.first_wait
+        self._thread = threading.Thread(target=self._watch, name="rlperf-engine-health", daemon=True)
+        self._thread.start()
+
+    @property
+    def fault_tolerance(self) -> bool:
+        return self.config.fault_tolerance
+
+    def engine_name(self, i: int) -> str:
+        p = self.fleet.cluster.servers[i]
+        return f"rollout engine {i} ({self.fleet.worker_urls[i]}, pid {p.pid})"
+
+    def router_name(self) -> str:
+        p = self.fleet.cluster.router
+        return f"the sglang-router ({self.fleet.router_url}, pid {p.pid})"
+
+    # ---- finding failures ------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(PROCESS_POLL_S):
+            try:
+                self._check_processes()
+                if time.monotonic() >= self._next_probe:
+                    self._probe_engines()
+                    self._next_probe = time.monotonic() + self.config.interval
+            except Exception as exc:  # noqa: BLE001  (the watch must go on; a failure shows in the next look)
+                print(f"rlperf train: engine health check: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+    def _check_processes(self) -> None:
+        with self._lock:
+            for i, p in enumerate(self.fleet.cluster.servers):
+                if i not in self.out and i not in self._failed and p.poll() is not None:
+                    self._failed[i] = exit_reason(p.returncode)
+            router = self.fleet.cluster.router
+            if self._router_failure is None and router is not None and router.poll() is not None:
+                self._router_failure = exit_reason(router.returncode)
+
+    def _probe_engines(self) -> None:
+        """``GET /health`` of every engine in service at once; one that fails or says nothing within the
+        timeout is recorded as failed."""
+        with self._lock:
+            engines = [i for i in range(len(self.fleet.worker_urls)) if i not in self.out and i not in self._failed]
+        answers: dict[int, str | None] = {}
+
+        def probe(i):
+            try:
+                status, _ = http_json(self.fleet.worker_urls[i] + "/health", timeout=self.config.timeout,
+                                      headers=self.headers)
+                answers[i] = None if status == 200 else f"answered /health with {status}"
+            except OSError as exc:
+                answers[i] = f"did not answer /health within {self.config.timeout:g} s ({exc})"
+        threads = [threading.Thread(target=probe, args=(i,), daemon=True) for i in engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.config.timeout + 1.0)
+        self._check_processes()  # an exit explains a failed probe better
+        with self._lock:
+            for i in engines:
+                why = answers.get(i, f"did not answer /health within {self.config.timeout:g} s")
+                if why is not None and i not in self._failed and i not in self.out:
+                    self._failed[i] = why
+
+    def router_down(self) -> bool:
+        """Whether the router does not answer its ``/health`` within the timeout (its process may still run)."""
+        try:
+            return http_json(self.fleet.router_url + "/health", timeout=self.config.timeout)[0] != 200
+        except OSError:
+            return True
+
+    def check_now(self) -> None:
+        """Look at the processes and probe every engine now (a request failed: find out whose fault)."""
+        self._probe_engines()
+
+    # ---- acting on them --------------------------------------------------------------------------
+    def handle(self, during: str) -> list[int]:
+        """Act on what was found (module docstring): :class:`RouterFailure` for a dead router;
+        :class:`EngineFailure` for a failed engine without fault tolerance; with it, each failed engine
+        is taken out (:meth:`take_out`). Returns the engines taken out now."""
+        with self._lock:
+            router, failed = self._router_failure, dict(self._failed)
+        if router is not None:
+            self.fleet.handled.add(self.fleet.cluster.router)  # named here: the fleet does not report it again
+            raise RouterFailure(f"{self.router_name()} {router} {during}")
+        if not failed:
+            return []
+        if not self.fault_tolerance:
+            i, why = sorted(failed.items())[0]
+            self.fleet.handled.add(self.fleet.cluster.servers[i])
+            raise EngineFailure(f"{self.engine_name(i)} {why} {during}")
+        for i, why in sorted(failed.items()):
+            self.take_out(i, why, during)
+        return sorted(failed)
+
+    def take_out(self, i: int, why: str, during: str) -> None:
+        """Kill engine ``i`` (if it still runs), remove it from the router and wait until the router no
+        longer lists it."""
+        name, url = self.engine_name(i), self.fleet.worker_urls[i]
+        since = time.monotonic()
+        p = self.fleet.cluster.servers[i]
+        if p.poll() is None:
+            p.kill()  # SIGKILL also ends a stopped process; its connections close and its requests fail now
+        p.wait()
+        self.fleet.handled.add(p)
+        self._remove_from_router(url)
+        with self._lock:
+            self._failed.pop(i, None)
+            self.out[i] = EngineOutage(i, url, why, since)
+        print(f"rlperf train: {name} {why} {during}: taken out of the router; its samples go to the other engines; "
+              f"it is restarted at the next weight sync (--use-fault-tolerance)", file=sys.stderr, flush=True)
+
+    def _router_workers(self) -> list[dict]:
+        status, reply = http_json(self.fleet.router_url + "/workers", timeout=self.config.timeout, headers=self.headers)
+        if status != 200 or not isinstance(reply, dict):
+            raise RouterFailure(f"{self.router_name()} answered GET /workers with {status}: {reply!r}")
+        return reply.get("workers") or []
+
+    def _remove_from_router(self, url: str) -> None:
+        for w in self._router_workers():
+            if w.get("url") == url:
+                status, reply = http_json(f"{self.fleet.router_url}/workers/{w['id']}", timeout=self.config.timeout,
+                                          headers=self.headers, method="DELETE")
+                if status not in (200, 202, 404):
+                    raise RouterFailure(f"{self.router_name()} refused to remove {url} ({status}: {reply!r})")
+        wait_until(lambda: all(w.get("url") != url for w in self._router_workers()), ROUTER_UPDATE_TIMEOUT_S,
+                   f"{self.router_name()} dropping {url}", [self.fleet.cluster.router])
+
+    def restart(self) -> list[EngineOutage]:
+        """Start every engine taken out again on its port (this thread must live as long as the engines:
+        they die with it) and wait for its ``/health``; the outages, to :meth:`put_back` once the engines
+        hold the current weights."""
+        outages = [self.out[i] for i in sorted(self.out)]
+        for o in outages:
+            self.fleet.restart_engine(o.engine, RESTART_TIMEOUT_S)
+        return outages
+
+    def put_back(self, outages: list[EngineOutage]) -> None:
+        """Add the restarted engines back to the router, wait until it lists them, record the events."""
+        for o in outages:
+            status, reply = http_json(self.fleet.router_url + "/workers", {"url": o.url}, timeout=self.config.timeout,
+                                      headers=self.headers)
+            if status not in (200, 201, 202):
+                raise RouterFailure(f"{self.router_name()} refused to add {o.url} back ({status}: {reply!r})")
+        for o in outages:
+            wait_until(lambda: any(w.get("url") == o.url for w in self._router_workers()), ROUTER_UPDATE_TIMEOUT_S,
+                       f"{self.router_name()} listing {o.url}", [self.fleet.cluster.router])
+            o.out_s = time.monotonic() - o.since
+            with self._lock:
+                self.out.pop(o.engine, None)
+                self.events.append(o)
+            print(f"rlperf train: {self.engine_name(o.engine)} restarted, given the current weights (checksum checked) "
+                  f"and back in the router after {o.out_s:.1f} s out", file=sys.stderr, flush=True)
+
+    def take_events(self) -> list[EngineOutage]:
+        """The outages that ended since the last call."""
+        with self._lock:
+            events, self.events = self.events, []
+        return events
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,0 +1,189 @@
+"""Issue #24: a disaggregated CPU run (engines behind the real sglang-router) whose engine is killed
+(kill -9) or stopped (SIGSTOP) mid-rollout. With ``--use-fault-tolerance`` the run finishes every
+rollout, each once in metrics.jsonl, with the metrics of a run without the fault (true on-policy: abs
+diff 0); without it the run ends within the health-check bound with one line naming the engine and the
+resume command. A killed router is named as the router."""
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from rlperf.cli import main
+from rlperf.loop import METRICS_FILE
+from rlperf.loop import clients as C
+from rlperf.loop import engines as E
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("sglang_router")
+
+VOLATILE = ("perf/", "memory/", "rollout/engine")
+FLAGS = ["--device", "cpu", "--rollout-num-gpus", "2", "--true-on-policy-mode", "--no-progress", "--skip-gates",
+         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+         "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "4"]
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    """``faults[(rollout_call, request)] = (target, signal)``: on the ``request``-th ``/generate`` of the
+    ``rollout_call``-th ``generate`` call (0-based; call 0 is rollout 0), send ``signal`` to ``target``
+    (``"engine0"``, ``"engine1"`` or ``"router"``) of the run's fleet, once. Returns the plan and the
+    fleets started."""
+    plan, fleets, state = {}, [], {"call": -1, "request": 0}
+    start = E.EngineFleet.start.__func__
+    lock = threading.Lock()
+
+    def recording_start(cls, *args, **kwargs):
+        fleets.append(start(cls, *args, **kwargs))
+        return fleets[-1]
+
+    generate, one = C.RouterClient.generate, C.RouterClient._generate_one
+
+    def counting_generate(self, prompts, params):
+        with lock:
+            state["call"] += 1
+            state["request"] = 0
+        return generate(self, prompts, params)
+
+    def faulty_one(self, ids, sp):
+        with lock:
+            key = (state["call"], state["request"])
+            state["request"] += 1
+            fault = plan.pop(key, None)
+        if fault is not None:
+            target, sig = fault
+            cluster = fleets[-1].cluster
+            proc = cluster.router if target == "router" else cluster.servers[int(target[-1])]
+            os.kill(proc.pid, sig)
+            stopped.append(proc)
+        return one(self, ids, sp)
+
+    stopped = []
+    monkeypatch.setattr(E.EngineFleet, "start", classmethod(recording_start))
+    monkeypatch.setattr(C.RouterClient, "generate", counting_generate)
+    monkeypatch.setattr(C.RouterClient, "_generate_one", faulty_one)
+    yield plan, fleets
+    for p in stopped:  # a stopped process left behind would never end
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+
+
+def _lines(run_dir):
+    return [json.loads(x) for x in (run_dir / METRICS_FILE).read_text().splitlines()]
+
+
+def _stable(lines):
+    return [{k: v for k, v in m.items() if not k.startswith(VOLATILE)} for m in lines]
+
+
+def test_fault_tolerance_survives_a_kill_and_a_stop(tmp_path, capfd, faults, no_interpreter):
+    """Acceptance: 6 rollouts, engine 1 killed (-9) in rollout 1 and engine 0 stopped (SIGSTOP) in rollout 3;
+    every rollout is in metrics.jsonl once, with the metrics of the run without faults."""
+    plan, fleets = faults
+    plan[(1, 3)] = ("engine1", signal.SIGKILL)
+    plan[(3, 5)] = ("engine0", signal.SIGSTOP)
+    flags = [*FLAGS, "--num-rollout", "6"]
+    assert main(["train", *flags, "--use-fault-tolerance", "--output-dir", str(tmp_path / "ft")]) == 0
+    err = capfd.readouterr().err
+    assert main(["train", *flags, "--output-dir", str(tmp_path / "ok")]) == 0
+    ft, ok = _lines(tmp_path / "ft"), _lines(tmp_path / "ok")
+    assert [m["rollout_id"] for m in ft] == list(range(6))
+    assert _stable(ft) == _stable(ok)
+    assert all(m["train/train_rollout_logprob_abs_diff"] == 0.0 for m in ft)
+    restarts = {m["rollout_id"]: m for m in ft if "rollout/engine_restarts" in m}
+    assert sorted(restarts) == [1, 3], restarts
+    assert restarts[1]["rollout/engines_restarted"] == "1" and restarts[3]["rollout/engines_restarted"] == "0"
+    assert all(m["rollout/engine_restarts"] == 1 and m["rollout/engine_out_s"] > 0 for m in restarts.values())
+    taken_out = [x for x in err.splitlines() if "taken out of the router" in x]
+    assert len(taken_out) == 2, err
+    assert taken_out[0].startswith("rlperf train: rollout engine 1 (http://127.0.0.1:") and "killed by SIGKILL" in taken_out[0]
+    assert taken_out[1].startswith("rlperf train: rollout engine 0 (http://127.0.0.1:")
+    assert "did not answer /health within 4 s" in taken_out[1]
+    assert err.count("back in the router after") == 2
+    assert "Traceback" not in err
+    (fleet,) = fleets[:1]
+    assert all(p.poll() is not None for p in fleet.cluster.servers + [fleet.cluster.router])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_without_fault_tolerance_a_failed_engine_ends_the_run_with_one_line(tmp_path, capfd, faults, no_interpreter,
+                                                                             sig):
+    plan, fleets = faults
+    plan[(1, 2)] = ("engine1", sig)
+    save = tmp_path / "save"
+    began = time.monotonic()
+    code = main(["train", *FLAGS, "--num-rollout", "3", "--save", str(save), "--save-interval", "1",
+                 "--output-dir", str(tmp_path / "out")])
+    took = time.monotonic() - began
+    err = capfd.readouterr().err
+    assert code == 1
+    why = "was killed by SIGKILL" if sig == signal.SIGKILL else "did not answer /health within 4 s"
+    (line,) = [x for x in err.splitlines() if "the run stops" in x]
+    assert line.startswith("rlperf train: rollout engine 1 (http://127.0.0.1:") and why in line, err
+    assert f"--load {save}" in line and "rlperf train " in line
+    assert "Traceback" not in err and "a rollout engine process" not in err
+    assert [m["rollout_id"] for m in _lines(tmp_path / "out")] == [0]
+    assert took < 120, took  # no 10-minute wait for the stopped engine
+    # the resume the line gives works without cleanup
+    assert main(["train", *FLAGS, "--num-rollout", "3", "--save", str(save), "--load", str(save),
+                 "--output-dir", str(tmp_path / "out")]) == 0
+    assert [m["rollout_id"] for m in _lines(tmp_path / "out")] == [0, 1, 2]
+
+
+def test_a_killed_router_is_named_as_the_router(tmp_path, capfd, faults, no_interpreter):
+    plan, _ = faults
+    plan[(1, 2)] = ("router", signal.SIGKILL)
+    code = main(["train", *FLAGS, "--num-rollout", "3", "--use-fault-tolerance", "--output-dir", str(tmp_path)])
+    err = capfd.readouterr().err
+    assert code == 1
+    (line,) = [x for x in err.splitlines() if "the run stops" in x]
+    assert line.startswith("rlperf train: the sglang-router (http://127.0.0.1:"), err
+    assert "was killed by SIGKILL" in line and "no --save" in line
+    assert "Traceback" not in err and "URLError" not in err and "a rollout engine process" not in err
+
+
+RANK_KILLER = '''
+import os, signal
+from rlperf.data.rewards import BUILTIN_REWARDS
+
+def reward(args, sample):
+    """The boxed-math reward; on rank 1, in rollout 1 (the second rollout), the rank kills itself (-9)."""
+    marker = os.path.join(os.environ["RLPERF_TEST_DIR"], "rank1-rewards")
+    if os.environ.get("RANK") == "1" and not os.path.exists(os.path.join(os.environ["RLPERF_TEST_DIR"], "resumed")):
+        with open(marker, "a") as f:
+            f.write("x")
+        if os.path.getsize(marker) > 16:  # rollout 0 has 16 samples
+            os.kill(os.getpid(), signal.SIGKILL)
+    return BUILTIN_REWARDS["boxed_math"](args, sample)
+'''
+
+
+def test_a_killed_trainer_rank_ends_the_run_named_and_resumable(tmp_path, capfd, monkeypatch, no_interpreter):
+    """Two colocated CPU ranks, rank 1 killed (-9) in rollout 1: the run ends (exit 1) naming the rank and
+    the resume command; that command, run as given, finishes the run without any cleanup."""
+    (tmp_path / "rank_killer.py").write_text(RANK_KILLER)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("RLPERF_TEST_DIR", str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    save = tmp_path / "save"
+    flags = ["train", "--device", "cpu", "--actor-num-gpus-per-node", "2", "--no-progress", "--skip-gates",
+             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+             "--num-rollout", "3", "--custom-rm-path", "rank_killer.reward", "--save", str(save),
+             "--save-interval", "1", "--output-dir", str(tmp_path / "out")]
+    assert main(flags) == 1
+    err = capfd.readouterr().err
+    assert "rank 1 was killed by SIGKILL" in err, err
+    (hint,) = [x for x in err.splitlines() if "the run stops" in x]
+    assert hint.endswith(f"--load {save}") and "rlperf train --device cpu" in hint
+    assert [m["rollout_id"] for m in _lines(tmp_path / "out")] == [0]
+    (tmp_path / "resumed").write_text("")
+    assert main([*flags, "--load", str(save)]) == 0
+    assert [m["rollout_id"] for m in _lines(tmp_path / "out")] == [0, 1, 2]
