@@ -13,6 +13,8 @@ and, with rollout engines of their own, each engine's memory as it reports it.
 
 Usage: ``report = FirstStepGate(GateOptions()).check(record); print(report.table()); report.exit_code``.
 """
+from rlperf.lazy_exports import lazy_exports
+
 _EXPORTS = {
     'PHASES': 'rlperf.loop.record',
     'EngineMemory': 'rlperf.loop.record',
@@ -42,14 +44,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """Exports load on first use (PEP 562): importing this package, or one light submodule of it
-    (its flags, for ``rlperf <command> --help``), does not import torch or the kernels."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -35,6 +35,7 @@ TOP_LEVEL_SUBPACKAGES = ("kernels", "gates", "profiles", "bench")
 LAYERS = {
     "": 0,  # rlperf/__init__.py: the version string, nothing else
     "kernels": 0,
+    "lazy_exports": 0,  # the packages' exports loaded on first use (light --help); imports nothing of rlperf
     "flags": 0,  # argparse value checks every command's flags share; imports nothing of rlperf
     "_C": 0,  # the C++/CUDA extension, the kernels' peer
     "plots": 0,  # pictures of rlperf's files (metrics.jsonl, bench JSON) with matplotlib: imports nothing of rlperf,

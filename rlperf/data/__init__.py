@@ -6,6 +6,8 @@
   and ``--custom-rm-path`` loading;
 * :mod:`~rlperf.data.embedded` — the built-in task ``rlperf train`` runs with no arguments.
 """
+from rlperf.lazy_exports import lazy_exports
+
 _EXPORTS = {
     'EMBEDDED_DEFAULTS': '.embedded',
     'EMBEDDED_TASK': '.embedded',
@@ -26,14 +28,4 @@ __all__ = ["EMBEDDED_DEFAULTS", "EMBEDDED_TASK", "EmbeddedTask", "format_warmup"
            "boxed_answer", "boxed_math_reward", "exact_match_reward", "load_python_path", "reward_fn_for"]
 
 
-def __getattr__(name: str):
-    """Exports load on first use (PEP 562): importing this package, or one light submodule of it
-    (its flags, for ``rlperf <command> --help``), does not import torch or the kernels."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -27,6 +27,8 @@
 Phase times, memory peaks, the phase timeline and torch traces are the loop's telemetry
 (:mod:`rlperf.telemetry`).
 """
+from rlperf.lazy_exports import lazy_exports
+
 _EXPORTS = {
     'UsageError': '.args',
     'add_loop_arguments': '.args',
@@ -53,14 +55,4 @@ __all__ = ["RunConfig", "RolloutClient", "client_for", "UsageError", "add_loop_a
            "probe_samples"]
 
 
-def __getattr__(name: str):
-    """Exports load on first use (PEP 562): importing this package, or one light submodule of it
-    (its flags, for ``rlperf <command> --help``), does not import torch or the kernels."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -7,6 +7,8 @@ tokenizer. ``engine_loop``: the engine thread (pause, resume, commands between s
 SGLang-compatible HTTP server (``rlperf serve``; weight buckets arrive through :mod:`rlperf.sync`).
 ``router``: N servers behind the real ``sglang-router``.
 """
+from rlperf.lazy_exports import lazy_exports
+
 _EXPORTS = {
     'BadRequest': '.engine',
     'Engine': '.engine',
@@ -22,14 +24,4 @@ __all__ = ["BadRequest", "Engine", "EngineConfig", "GenerationResult", "Request"
            "load_tokenizer"]
 
 
-def __getattr__(name: str):
-    """Exports load on first use (PEP 562): importing this package, or one light submodule of it
-    (its flags, for ``rlperf <command> --help``), does not import torch or the kernels."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -14,6 +14,8 @@
 
 The profile harness for rollout servers (``rlperf profile``) is a tool on top, :mod:`rlperf.profiles`.
 """
+from rlperf.lazy_exports import lazy_exports
+
 _EXPORTS = {
     'capacity_bytes': '.memory',
     'memory_counters': '.memory',
@@ -38,14 +40,4 @@ __all__ = ["PhaseMeter", "PhaseSample", "PhaseTimeline", "TrainerTrace", "defaul
            "reset_peak_rss", "memory_kind", "capacity_bytes", "process_memory", "system_memory_bytes"]
 
 
-def __getattr__(name: str):
-    """Exports load on first use (PEP 562): importing this package, or one light submodule of it
-    (its flags, for ``rlperf <command> --help``), does not import torch or the kernels."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -12,6 +12,8 @@
   FSDP2 shards, and the bucket-by-bucket gather of the full weights (imported on its own: it loads
   ``torch.distributed``).
 """
+from rlperf.lazy_exports import lazy_exports
+
 _EXPORTS = {
     'compute_advantages': '.advantages',
     'masked_whiten': '.advantages',
@@ -44,14 +46,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """Exports load on first use (PEP 562): importing this package, or one light submodule of it
-    (its flags, for ``rlperf <command> --help``), does not import torch or the kernels."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
