@@ -98,11 +98,18 @@ def host(text: str) -> str:
     return t
 
 
-def device(text: str) -> str:
-    """A ``type=``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; a CUDA device must exist here."""
+def device_name(text: str) -> str:
+    """A ``type=``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``, whether or not this machine has it (a
+    Ray driver names the device of the cluster's GPU bundles, not its own)."""
     m = _DEVICE.fullmatch(text)
     if not m or (m.group(2) and m.group(1) != "cuda"):
         raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text[:40]!r}")
+    return text
+
+
+def device(text: str) -> str:
+    """A ``type=``: :func:`device_name`, and a CUDA device must exist here (a server runs where it is started)."""
+    m = _DEVICE.fullmatch(device_name(text))
     if m.group(1) == "cuda":
         import torch
 

@@ -130,7 +130,7 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--overwrite-save", action="store_true",
                    help="let a run that does not resume from --save write into it although it holds checkpoints "
                         "(its pointer moves to this run's checkpoints)")
-    add_device_arguments(g)
+    add_device_arguments(g, here=False)  # checked in resolve: --placement ray's driver may have no GPU
     g = p.add_argument_group("precision")
     g.add_argument("--precision", default="auto", choices=list(PRECISIONS),
                    help="compute dtype of the trainer's forward/backward and of the in-process engine: bf16 (float32 "

@@ -92,10 +92,13 @@ DEFAULT_NUM_THREADS = 1
 fastest for the tiny model on a shared machine; 0: torch's default, every core)."""
 
 
-def add_device_arguments(p) -> None:
+def add_device_arguments(p, here: bool = True) -> None:
     """``--device`` and ``--num-threads``: one definition for ``rlperf serve``, ``rlperf train`` and
-    ``rlperf gate``. ``p``: a parser or an argument group."""
-    p.add_argument("--device", type=flags.device, default="auto", help="auto (cuda when present), cpu, cuda, cuda:N (default: auto)")
+    ``rlperf gate``. ``p``: a parser or an argument group; ``here``: the device must exist on this
+    machine (a server), else only its name is checked now (a run's driver, whose ranks may sit on Ray's
+    GPU bundles elsewhere; ``rlperf.loop.resolve`` checks the device where the run uses it)."""
+    p.add_argument("--device", type=flags.device if here else flags.device_name, default="auto",
+                   help="auto (cuda when present), cpu, cuda, cuda:N (default: auto)")
     p.add_argument("--num-threads", type=flags.nonnegative_int, default=DEFAULT_NUM_THREADS,
                    help=f"CPU intra-op threads; 0: torch's default (default: {DEFAULT_NUM_THREADS}, the fastest on "
                         "shared cores)")

@@ -48,7 +48,7 @@ def test_a_value_its_parser_refuses(tmp_path, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_a_gpu(tmp_path, capsys):
     err = _usage_error(tmp_path, capsys, "--device", "cuda")
-    assert "rlperf train: error: argument --device: cuda: this machine has no CUDA device" in err, err
+    assert err.startswith("rlperf train: --device cuda: no CUDA device"), err
 
 
 def test_sampling_values_the_server_takes_train_takes(tmp_path):
