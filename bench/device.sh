@@ -50,20 +50,7 @@ if [ "$TESTS" = tests ] && [[ "$BENCHES" =~ ^[0-9]+$ ]]; then  # `tests N`: grou
   BENCHES=none
 fi
 shift 2 2>/dev/null || shift $#
-OUT=${OUT:-$(mktemp -d)}
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-# Packages the device image lacks (sglang-router and its server stack, sglang for the bucket interop
-# tests, pytest-benchmark, perfetto) travel as wheels in .whl/: bench/fetch_wheels.sh downloads them on a
-# machine with network; carry .whl/ with the tree (docs/gpu.md).
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 \
-    || { tail -30 "$OUT/wheels.log"; exit 3; }
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-else
-  echo "bench/device.sh: no .whl/ (bash bench/fetch_wheels.sh, then carry .whl): tests that need the router or sglang skip"
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 3; }
+source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 status=0
 if [ "$TESTS" != "none" ]; then
   log="$OUT/gpu-tests${GROUP:+-$GROUP}.log"

@@ -7,15 +7,7 @@
 #
 # Assumes nothing installed: installs the project (and .whl/ wheels when carried), logs into $OUT.
 set -uo pipefail
-OUT=${OUT:-$(mktemp -d)}
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 \
-    || { tail -30 "$OUT/wheels.log"; exit 3; }
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 3; }
+source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 status=0
 echo "== GPU: NCCL broadcast to an engine on GPU 1; gloo receiver child into a CUDA engine"
 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \

@@ -18,15 +18,7 @@
 # With --engine the responses come from rlperf's engine on GPU 0 (tree mode, bf16): the trainer's old
 # log-probs must equal the rollout log-probs exactly (train_rollout_logprob_abs_diff 0) at TP=1 and TP=2.
 set -uo pipefail
-OUT=${OUT:-$(mktemp -d)}
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 \
-    || { tail -30 "$OUT/wheels.log"; exit 3; }
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 3; }
+source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 python3 -c "import megatron.core; print('megatron-core', megatron.core.__version__)" | tee "$OUT/versions.txt" \
   || { echo "megatron-core is not importable: put its wheel in .whl/"; exit 3; }
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_megatron_runtime.py tests/kernels/test_tree_reduce.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -5

@@ -8,10 +8,7 @@
 #
 # Prefix with RLPERF_COMMIT=$(git rev-parse --short HEAD) so result headers name the commit measured.
 set -uo pipefail
-OUT=${OUT:-$(mktemp -d)}
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 3; }
+source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 status=0
 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe.py tests/model/test_qwen3_moe.py \
   2>&1 | tee "$OUT/gpu-tests.log" | tail -40
