@@ -408,6 +408,8 @@ def routing_agreement(samples, train_routed_experts, true_on_policy: bool,
     whose expert sets are equal. Passes at exactly 1.0 with ``true_on_policy``, else at least
     ``min_agreement``. Missing or mis-shaped routing fails naming the sample, never raises.
     """
+    import torch
+
     name = "routing_agreement"
     threshold = "exactly 1.0 (true-on-policy mode)" if true_on_policy else min_agreement
     if len(train_routed_experts) != len(samples):
