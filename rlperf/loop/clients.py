@@ -85,6 +85,9 @@ def client_for(config: RunConfig, model, tokenizer, *, kv_tokens: int | None = N
     """The run's :class:`RolloutClient`, chosen by ``config.rollout.engine``, and the
     :class:`rlperf.loop.engines.EngineFleet` it started (None when it started none).
 
+    * ``--rollout-backend sglang`` — a :class:`rlperf.loop.sglang_engines.SGLangClient` on real SGLang
+      engines the run starts (:func:`rlperf.loop.sglang_engines.sglang_client_for`);
+
     * ``router`` — a :class:`RouterClient` on ``--sglang-router-ip:--sglang-router-port``;
     * ``disaggregated`` — rank 0 starts the engines and their router (``--placement local``; under
       ``--placement ray`` the placement started them and names their router) and holds a
@@ -97,6 +100,10 @@ def client_for(config: RunConfig, model, tokenizer, *, kv_tokens: int | None = N
     ``kernel_backend``: the run's resolved backend, which the engines it starts use too.
     """
     r = config.rollout
+    if r.backend == "sglang":  # real SGLang engines (one actor rank: rlperf.loop.args.check_sglang_backend_flags)
+        from .sglang_engines import sglang_client_for
+
+        return sglang_client_for(config, model, tokenizer)
     if r.engine == "router":
         return RouterClient(r.router_ip, r.router_port, tokenizer, r.colocate, api_key=r.api_key), None
     if r.engine == "disaggregated":
