@@ -25,6 +25,8 @@ pytest.importorskip("sglang_router")
 
 FAKE = Path(__file__).parent / "fake_sglang"
 FAKE_LOGPROB = -1.25  # tests/loop/fake_sglang/sglang/launch_server.py
+SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+         "--rollout-max-response-len", "4"]
 
 
 @pytest.fixture
@@ -180,14 +182,18 @@ def test_an_engine_that_never_answers_times_out(tmp_path, fake_sglang, monkeypat
 def test_gate_with_sglang_engines_reports_the_measured_distance(tmp_path, fake_sglang, capsys):
     report = tmp_path / "gate.json"
     code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "2",
-                 "--sglang-attention-backend", "triton", "--sglang-load-format", "dummy",
+                 "--sglang-attention-backend", "triton", "--sglang-load-format", "dummy", *SMALL,
                  "--output-dir", str(tmp_path / "g"), "--report-json", str(report)])
     out = capsys.readouterr()
     assert code == 1, out.err
-    results = {r["name"]: r for r in json.loads(report.read_text())["results"]}
+    results = {r["name"]: r for r in json.loads(report.read_text())["gates"]}
     diff = results["logprob_abs_diff"]
-    assert not diff["passed"] and diff["measured"]["mean_abs_diff"] > 0
+    assert not diff["passed"] and diff["measured"]["mean_abs_diff"] > 0 and diff["measured"]["kl_rollout_train"] > 0
     assert f"{diff['measured']['mean_abs_diff']:.4g}" in diff["message"]
+    assert f"{diff['measured']['kl_rollout_train']:.4g}" in diff["message"]
+    oom = results["oom_headroom"]  # SGLang's static budget is listed, not checked
+    assert oom["passed"] and "2 SGLang engine(s) hold a static 768 MiB, 768 MiB" in oom["message"], oom["message"]
+    assert [e["kind"] for e in oom["measured"]["engines"]] == ["sglang_static"] * 2
     launches = fake_sglang("launch")
     assert len(launches) == 2
     for r in launches:
@@ -196,14 +202,15 @@ def test_gate_with_sglang_engines_reports_the_measured_distance(tmp_path, fake_s
         assert a[a.index("--device") + 1] == "cpu" and "--enable-deterministic-inference" in a
     model_dir = tmp_path / "g" / S.MODEL_DIR
     assert (model_dir / "config.json").exists() and not list(model_dir.glob("*.safetensors"))  # dummy: config only
-    versions = {r["body"]["weight_version"] for r in fake_sglang("update_weights_from_distributed")}
-    assert versions == {"0"}  # the dummy weights were replaced before rollout 0
-    assert fake_sglang("generate")
+    kinds = [r["kind"] if r["kind"] != "update_weights_from_distributed" else r["body"]["weight_version"]
+             for r in fake_sglang() if r["port"] == launches[0]["port"]]
+    # the dummy weights are replaced (version 0) before rollout 0; the gate's weight-sync phase sends version 1
+    assert kinds.index("0") < kinds.index("generate") < kinds.index("1")
 
 
 def test_gate_exits_2_naming_the_module_sglang_lacks(tmp_path, fake_sglang, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_SGLANG_FAIL", "import")
-    code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "1",
+    code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "1", *SMALL,
                  "--output-dir", str(tmp_path / "g")])
     assert code == 2
     assert "sgl_kernel" in capsys.readouterr().err

@@ -90,7 +90,8 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/health":
             return self.reply(200, {})
         if path in ("/get_server_info", "/server_info"):
-            return self.reply(200, {"model_path": ARGS.model_path, "tp_size": ARGS.tp_size})
+            return self.reply(200, {"model_path": ARGS.model_path, "tp_size": ARGS.tp_size, "internal_states": [{
+                "memory_usage": {"weight": 0.25, "kvcache": 0.5, "token_capacity": 4096, "graph": 0.0}}]})
         if path in ("/get_model_info", "/model_info"):
             return self.reply(200, {"model_path": ARGS.model_path, "is_generation": True})
         record("GET", path=path)
