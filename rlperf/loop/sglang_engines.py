@@ -23,7 +23,7 @@ weight-update endpoints"):
    ``return_logprob`` and ``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``,
    ``top_k``, ``sampling_seed``, ``no_stop_trim``); the reply's ``output_ids`` and
    ``meta_info.output_token_logprobs`` (``[logprob, token_id, null]`` triples) are the sample
-   (:class:`rlperf.loop.clients.RouterClient`, which :class:`SGLangClient` extends).
+   (:class:`rlperf.loop.clients.RouterClient`, which :class:`rlperf.loop.clients.SGLangClient` extends).
 5. **Weight sync**, with SGLang's own endpoints, on every worker the router lists:
 
    - engines on GPUs of their own: one process group of trainer rank 0 and every engine's TP ranks
@@ -48,7 +48,6 @@ import base64
 import concurrent.futures
 import importlib.util
 import io
-import itertools
 import os
 import re
 import sys
@@ -56,12 +55,11 @@ from pathlib import Path
 
 from rlperf.rollout.router import (Cluster, ProcessExited, _kill, free_port, http_json, spawn, start_router,
                                    wait_until)
-from rlperf.sync import SYNC_BUCKET_BYTES, SyncStats, weights_checksum
+from rlperf.sync import SYNC_BUCKET_BYTES
 from rlperf.sync.distributed import (INIT_ENDPOINT, WeightBroadcaster, WeightSyncError, _address_towards, _in_thread,
                                      init_weight_update_group, master_store)
 
 from .args import UsageError
-from .clients import RouterClient, ServerAuthError, _check_auth
 from .config import RunConfig, SGLangConfig
 from .engines import HOST, LOG_DIR, EngineFleet, EngineFleetError
 
@@ -255,7 +253,6 @@ def push_tensors_to_sglang(url: str, named_tensors, version: str, *, tp_size: in
 
     def post(endpoint, body):
         status, reply = http_json(url + endpoint, body, timeout=timeout)
-        _check_auth(f"{url}{endpoint}", status, reply, None)
         ok = status == 200 and not (isinstance(reply, dict) and reply.get("success") is False)
         if not ok:
             msg = reply.get("message") if isinstance(reply, dict) else reply
@@ -271,58 +268,6 @@ def push_tensors_to_sglang(url: str, named_tensors, version: str, *, tp_size: in
     finally:
         post("/continue_generation", {})
     return len(groups)
-
-
-# ---- the client ------------------------------------------------------------------------------------
-
-
-class SGLangClient(RouterClient):
-    """Real SGLang engines behind the sglang-router (module docstring): generation is
-    :class:`RouterClient`'s; weight sync uses SGLang's own endpoints."""
-
-    kind = "SGLang engines behind sglang-router"
-
-    def __init__(self, ip: str, port: int, tokenizer, *, colocate: bool, tp_size: int = 1, timeout: float = 600.0):
-        self.tp_size = tp_size
-        self._checksum: str | None = None
-        super().__init__(ip, port, tokenizer, colocate=colocate, timeout=timeout, distributed=not colocate)
-
-    def load_weights(self, named_tensors, version: str) -> SyncStats:
-        """Disaggregated: broadcast bucket by bucket (gap-free buckets, SGLang's layout); colocated: the
-        tensors' IPC handles through ``/update_weights_from_tensor``, on every worker."""
-        if not self.colocate:
-            return self._broadcast_weights(named_tensors, version)
-        named = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
-        n = sum(push_tensors_to_sglang(url, named, version, tp_size=self.tp_size, timeout=self.timeout)
-                for url in self.workers())
-        self._checksum = weights_checksum(dict(named), SYNC_BUCKET_BYTES)
-        return SyncStats(buckets=n, bytes=sum(t.numel() * t.element_size() for _, t in named),
-                         weights_checksum=self._checksum)
-
-    def _broadcast_weights(self, named_tensors, version: str) -> SyncStats:
-        items = iter(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
-        first = next(items, None)
-        if first is None:
-            raise ValueError("load_weights got no tensors")
-        try:
-            if self.broadcaster is None:
-                self.broadcaster = SGLangBroadcaster(self.workers(), device=first[1].device, timeout=self.timeout,
-                                                      tp_size=self.tp_size, bucket_bytes=SYNC_BUCKET_BYTES)
-                self.broadcaster.connect()
-            self._last_sync = self.broadcaster.update_weights(itertools.chain([first], items), version,
-                                                              check_checksum=False, sglang_engines=True)
-        except WeightSyncError as exc:
-            if exc.status == 401:
-                raise ServerAuthError(str(exc)) from None
-            raise
-        self._checksum = self._last_sync.weights_checksum
-        return self._last_sync
-
-    def weights_checksum(self) -> str:
-        """The checksum of the weights the latest sync sent (SGLang reports none of its own)."""
-        if self._checksum is None:
-            raise RuntimeError("weights_checksum: no weights were loaded yet")
-        return self._checksum
 
 
 class SGLangBroadcaster(WeightBroadcaster):
@@ -358,21 +303,3 @@ class SGLangBroadcaster(WeightBroadcaster):
                     raise WeightSyncError(f"the weight-update group {self.group_name!r} was not formed: {exc}",
                                           getattr(exc, "status", 0))
         self.group = joined.result()
-
-
-def sglang_client_for(config: RunConfig, model, tokenizer):
-    """The :class:`SGLangClient` of a ``--rollout-backend sglang`` run and the fleet it started; with
-    ``--sglang-load-format dummy`` the trainer's weights (``model``'s) are pushed before it is returned."""
-    fleet = start_sglang_fleet(config, model)
-    try:
-        client = SGLangClient(HOST, fleet.router_port, tokenizer, colocate=config.rollout.colocate,
-                              tp_size=config.rollout.sglang.tp_size)
-        if config.rollout.sglang.load_format == "dummy":
-            import torch
-
-            with torch.no_grad():
-                client.load_weights(model.hf_state_dict(), "0")
-    except BaseException:
-        fleet.close()
-        raise
-    return client, fleet

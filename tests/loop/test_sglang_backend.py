@@ -15,6 +15,7 @@ import torch
 from rlperf.cli import main
 from rlperf.loop import UsageError
 from rlperf.loop import sglang_engines as S
+from rlperf.loop.clients import SGLangClient
 from rlperf.loop.args import add_loop_arguments, check_sglang_backend_flags
 from rlperf.loop.config import SGLangConfig
 from rlperf.rollout.engine import SamplingParams
@@ -26,7 +27,7 @@ pytest.importorskip("sglang_router")
 FAKE = Path(__file__).parent / "fake_sglang"
 FAKE_LOGPROB = -1.25  # tests/loop/fake_sglang/sglang/launch_server.py
 SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
-         "--rollout-max-response-len", "4"]
+         "--rollout-max-response-len", "4", "--rm-type", "exact"]  # with --prompt-data: no format warm-up
 
 
 @pytest.fixture
@@ -108,7 +109,7 @@ def test_client_generates_and_pushes_weights_with_sglangs_endpoints(tmp_path, fa
         assert len(launches) == 2 and {r["cuda_visible_devices"] for r in launches} == {"5"}
         assert all(r["argv"][r["argv"].index("--model-path") + 1] == str(tmp_path / "model") for r in launches)
 
-        client = S.SGLangClient("127.0.0.1", port, None, colocate=False)
+        client = SGLangClient("127.0.0.1", port, None, colocate=False)
         prompts = [[3, 4, 5], [9, 10]]
         params = [SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=20, seed=11),
                   SamplingParams(max_new_tokens=2, temperature=1.0, seed=12)]
@@ -179,10 +180,17 @@ def test_an_engine_that_never_answers_times_out(tmp_path, fake_sglang, monkeypat
         _engines(tmp_path, 1, timeout=3.0)
 
 
+def _prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"input": "2+3=", "label": "5"}\n{"input": "4+4=", "label": "8"}\n')
+    return ["--prompt-data", str(path)]
+
+
 def test_gate_with_sglang_engines_reports_the_measured_distance(tmp_path, fake_sglang, capsys):
     report = tmp_path / "gate.json"
     code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "2",
                  "--sglang-attention-backend", "triton", "--sglang-load-format", "dummy", *SMALL,
+                 *_prompts(tmp_path),
                  "--output-dir", str(tmp_path / "g"), "--report-json", str(report)])
     out = capsys.readouterr()
     assert code == 1, out.err
@@ -211,6 +219,6 @@ def test_gate_with_sglang_engines_reports_the_measured_distance(tmp_path, fake_s
 def test_gate_exits_2_naming_the_module_sglang_lacks(tmp_path, fake_sglang, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_SGLANG_FAIL", "import")
     code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "1", *SMALL,
-                 "--output-dir", str(tmp_path / "g")])
+                 *_prompts(tmp_path), "--output-dir", str(tmp_path / "g")])
     assert code == 2
     assert "sgl_kernel" in capsys.readouterr().err

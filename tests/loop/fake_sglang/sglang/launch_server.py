@@ -162,4 +162,6 @@ if __name__ == "__main__":
     if os.environ.get("FAKE_SGLANG_FAIL") == "hang":
         while True:
             time.sleep(1)
+    # torch and the group helper load while /health already answers (a real engine has them loaded)
+    threading.Thread(target=lambda: __import__("rlperf.sync.distributed"), daemon=True).start()
     ThreadingHTTPServer((ARGS.host, ARGS.port), Handler).serve_forever()
