@@ -8,6 +8,7 @@
 #   bash bench/pack_sglang.sh                  # download + install + trim + split, into .sglang-pack/
 #   bash bench/pack_sglang.sh --from-site DIR  # trim + split an installed folder (no download)
 #   PACK_DIR=/tmp/p CHUNK_BYTES=$((50 << 20)) bash bench/pack_sglang.sh
+#   SGLANG_VERSION=0.5.10.post1 bash bench/pack_sglang.sh   # where the index lacks 0.5.17
 #
 # Then, once per chunk, on the same warm machine (carry MANIFEST and the chunk; the tree travels anyway):
 #   carry [".sglang-pack/MANIFEST", ".sglang-pack/chunk-00"]   command: bash bench/unpack_sglang.sh
@@ -28,8 +29,9 @@ PACK_DIR=${PACK_DIR:-.sglang-pack}
 CHUNK_BYTES=${CHUNK_BYTES:-$((59 << 20))}
 PYTHON=${PYTHON:-python3}
 XZ_LEVEL=${XZ_LEVEL:-6}
+SGLANG_VERSION=${SGLANG_VERSION:-0.5.17}
 PACKAGES=(
-  sglang==0.5.17
+  "sglang==$SGLANG_VERSION"
   sglang-kernel==0.4.5
   flashinfer-python==0.6.15.post1
   apache-tvm-ffi
@@ -58,14 +60,18 @@ if [ -n "$from_site" ]; then
 else
   mkdir -p "$PACK_DIR/wheels"
   # --no-deps: exactly this list (the GPU image has the rest); --only-binary: wheels, never an sdist
-  "$PYTHON" -m pip download --quiet --disable-pip-version-check --only-binary=:all: --no-deps \
-    --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
-    --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --dest "$PACK_DIR/wheels" "${PACKAGES[@]}"
+  if ! "$PYTHON" -m pip download --quiet --disable-pip-version-check --only-binary=:all: --no-deps \
+      --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
+      --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux_2_24_x86_64 --dest "$PACK_DIR/wheels" "${PACKAGES[@]}"; then
+    echo "pack_sglang: the package index here lacks a pinned version above (pip's error names it); point pip at" \
+         "one that has it (PIP_INDEX_URL) or set SGLANG_VERSION to one it has and torch 2.11 runs" >&2
+    exit 1
+  fi
   "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile \
     --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --target "$PACK_DIR/site" "$PACK_DIR"/wheels/*.whl
+    --platform manylinux_2_24_x86_64 --target "$PACK_DIR/site" "$PACK_DIR"/wheels/*.whl
 fi
 site="$PACK_DIR/site"
 before=$(du -sb "$site" | cut -f1)
