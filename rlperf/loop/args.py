@@ -267,6 +267,9 @@ def check_sglang_backend_flags(ns: argparse.Namespace) -> None:
     if ns.actor_num_nodes * ns.actor_num_gpus_per_node != 1:
         raise UsageError("--rollout-backend sglang drives its engines from one actor rank: --actor-num-gpus-per-node "
                          "and --actor-num-nodes must be 1")
+    if ns.train_backend != "fsdp":
+        raise UsageError(f"--rollout-backend sglang saves the fsdp trainer's weights for its engines; --train-backend "
+                         f"{ns.train_backend} is not built for it")
     if ns.sglang_api_key or ns.sglang_api_key_file:
         raise UsageError("--rollout-backend sglang: the SGLang engines it starts take no API key (SGLang reads its "
                          "key from its command line only, which ps shows to every user of the host)")

@@ -174,7 +174,8 @@ def save_engine_model(model, path: Path, load_format: str) -> Path:
 def start_sglang_fleet(config: RunConfig, model, *, env=None) -> EngineFleet:
     """The run's SGLang engines and their router (module docstring, steps 1-3), as an
     :class:`rlperf.loop.engines.EngineFleet` (closing it stops them). ``model``: the trainer's compute
-    model (its dtype and device decide the engines')."""
+    model (its dtype and device decide the engines'). :class:`SGLangUnavailable` (exit 2) when SGLang
+    cannot start here; :class:`UsageError` for ``--colocate`` off CUDA."""
     r, s = config.rollout, config.rollout.sglang
     check_sglang_installed()
     out = Path(config.telemetry.output_dir)
@@ -184,7 +185,10 @@ def start_sglang_fleet(config: RunConfig, model, *, env=None) -> EngineFleet:
     dtype = str(model.embed_tokens.dtype).removeprefix("torch.")
     device = model.device.type
     if r.colocate:
-        gpus = [_visible_gpu(model.device.index or 0)] if device == "cuda" else None
+        if device != "cuda":
+            raise UsageError("--rollout-backend sglang --colocate needs CUDA: SGLang's /update_weights_from_tensor "
+                             "takes the tensors' CUDA IPC handles (on the CPU use --rollout-num-gpus N)")
+        gpus = [_visible_gpu(model.device.index or 0)]
         n = 1
     else:
         n = r.num_engines

@@ -75,6 +75,7 @@ def _flags(*argv):
     (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-router-ip", "1.2.3.4",
       "--sglang-router-port", "1"], "--sglang-router-ip"),
     (["--sglang-load-format", "dummy"], "needs --rollout-backend sglang"),
+    (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--train-backend", "megatron"], "--train-backend"),
 ])
 def test_layouts_sglang_cannot_run_are_usage_errors(argv, message):
     with pytest.raises(UsageError, match=message.replace("-", r"\-")):
