@@ -23,6 +23,16 @@ def test_a_missing_flashinfer_is_named(monkeypatch):
     assert FI.flashinfer_or_reason() == (None, FI.NOT_INSTALLED)
 
 
+def test_a_row_without_its_flashinfer_anchor_says_why():
+    from rlperf.bench.harness import BenchRow
+    from rlperf.bench.run import _markdown_section
+
+    row = BenchRow("attention", "decode paged B=64 KV=4096", "rlperf.paged", 0.2, "flashinfer-paged", float("nan"),
+                   1e9, "GB/s", {"phase": "decode", "anchor_unavailable": FI.NOT_INSTALLED})
+    md = _markdown_section("attention", [row], {}, {})
+    assert "| flashinfer-paged (flashinfer not installed) | nan |" in md
+
+
 class _Recorder:
     def __init__(self, *args, **kwargs):
         self.init = (args, kwargs)
