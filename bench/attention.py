@@ -20,6 +20,11 @@ Shapes (Qwen3-8B-like heads): 32 query heads, 8 KV heads, head_dim 128, bf16.
   10·B·Hq·L²·D / 2 FLOPs (the backward's five [L, L]·D products, causal; FlashAttention's 2.5x the
   forward). The row also says whether two runs gave the same gradient bits.
 
+* FlashInfer anchors (:mod:`rlperf.bench.flashinfer_anchors`, when installed): its ragged causal
+  prefill at B=8 L=4096 (target: rlperf >= 0.9x) and its paged decode at B=64 KV=4096 on rlperf's own
+  paged cache (target >= 1.0x), in the same workloads as the SDPA anchors. Without FlashInfer these rows
+  stay, their anchor time NaN and ``extra['anchor_unavailable']`` = "flashinfer not installed".
+
 ``summarize`` gives the ratios the targets are stated in: prefill vs cuDNN (>= 0.75) and decode
 vs SDPA flash decode (>= 1.0), and the backward vs SDPA flash's backward.
 ``cases(quick)`` lists these kernel-anchor pairs for ``bench/test_microbench.py`` (pytest-benchmark).
@@ -39,6 +44,7 @@ import json
 
 import torch
 
+from . import flashinfer_anchors as FI
 from .harness import BenchCase, BenchRow, Workload, by_workload, call_names, cuda_time, geomean, time_calls
 
 BENCH = "attention"
@@ -118,10 +124,16 @@ def cases(quick: bool = False) -> list[BenchCase]:
                 out.append(BenchCase(BENCH, f"prefill causal B={B} L={L}", kernel, f"sdpa-{backend}", setup=setup,
                                      work=4.0 * B * HQ * L * L * D / 2, unit="TFLOP/s",
                                      params={"B": B, "L": L, "phase": "prefill", "anchor_backend": backend}))
+        if i == 0:
+            out.append(BenchCase(BENCH, f"prefill causal B={B} L={L}", "rlperf.varlen", "flashinfer-ragged",
+                                 setup=setup, work=4.0 * B * HQ * L * L * D / 2, unit="TFLOP/s",
+                                 params={"B": B, "L": L, "phase": "prefill", "anchor_backend": "flashinfer"}))
     B, S = DECODE_CASE
-    out.append(BenchCase(BENCH, f"decode paged B={B} KV={S}", "rlperf.paged", "sdpa-flash-dense",
-                         setup=functools.partial(_decode_workload, B, S), work=2.0 * B * S * HKV * D * 2, unit="GB/s",
-                         params={"B": B, "S": S, "phase": "decode", "anchor_backend": "flash"}))
+    decode_setup = functools.partial(_decode_workload, B, S)
+    for anchor, backend in (("sdpa-flash-dense", "flash"), ("flashinfer-paged", "flashinfer")):
+        out.append(BenchCase(BENCH, f"decode paged B={B} KV={S}", "rlperf.paged", anchor, setup=decode_setup,
+                             work=2.0 * B * S * HKV * D * 2, unit="GB/s",
+                             params={"B": B, "S": S, "phase": "decode", "anchor_backend": backend}))
     B, L, hq, hkv = BACKWARD_CASE
     out.append(BenchCase(BENCH, f"backward causal B={B} L={L} Hq={hq}", "rlperf.varlen.bwd", "sdpa-flash.bwd",
                          setup=functools.partial(_backward_workload, B, L, hq, hkv),
@@ -156,6 +168,13 @@ def _prefill_workload(B: int, L: int, paged: bool) -> Workload:
     q4, k4, v4 = (x.view(B, L, -1, D).transpose(1, 2) for x in (q, k, v))
     for backend in ("flash", "cudnn"):
         _add_sdpa(w, f"sdpa-{backend}", backend, q4, k4, v4, causal=True)
+    fi, why = FI.flashinfer_or_reason()
+    if fi is None:
+        w.unavailable["flashinfer-ragged"] = why
+    else:
+        w.calls["flashinfer-ragged"] = FI.ragged_prefill(fi, q, k, v, cu)
+        w.fallible.add("flashinfer-ragged")  # a JIT compile that fails on this stack leaves the row out, named
+        w.info["flashinfer-ragged"] = {"flashinfer": fi.__version__}
     return w
 
 
@@ -173,6 +192,13 @@ def _decode_workload(B: int, S: int) -> Workload:
     del k, v
     w = Workload({"rlperf.paged": lambda: K.paged_attention(q, kc, vc, table, cu_q, kv_lens)})
     _add_sdpa(w, "sdpa-flash-dense", "flash", q[:, :, None, :], k4, v4, causal=False)
+    fi, why = FI.flashinfer_or_reason()
+    if fi is None:
+        w.unavailable["flashinfer-paged"] = why
+    else:
+        w.calls["flashinfer-paged"] = FI.paged_decode(fi, q, kc, vc, table, kv_lens)
+        w.fallible.add("flashinfer-paged")
+        w.info["flashinfer-paged"] = {"flashinfer": fi.__version__}
     return w
 
 
@@ -234,6 +260,10 @@ def run(quick: bool = False) -> list[BenchRow]:
             rerun_bits_equal = all(torch.equal(a, b) for a, b in zip(w.calls["rlperf.varlen.bwd"](),
                                                                        outs["rlperf.varlen.bwd"]))
         for c in group:
+            if c.kernel in times and c.anchor in w.unavailable and c.anchor.startswith("flashinfer"):
+                # the row stays, saying why its anchor did not run ("flashinfer not installed")
+                rows.append(c.row(times[c.kernel].median_ms, float("nan"), anchor_unavailable=w.unavailable[c.anchor]))
+                continue
             if c.kernel not in times or c.anchor not in times:
                 continue
             t, t_ref = times[c.kernel], times[c.anchor]
@@ -261,6 +291,8 @@ def summarize(rows: list[BenchRow]) -> dict:
         "prefill_vs_flash_geomean": geomean(sel("prefill", "rlperf.varlen", "flash")),
         "decode_vs_flash": geomean(sel("decode", "rlperf.paged", "flash")),
         "backward_vs_flash": geomean(sel("backward", "rlperf.varlen.bwd", "flash")),
+        "prefill_vs_flashinfer": geomean([x for x in sel("prefill", "rlperf.varlen", "flashinfer") if x == x]),
+        "decode_vs_flashinfer": geomean([x for x in sel("decode", "rlperf.paged", "flashinfer") if x == x]),
     }
     dec = [r for r in rows if r.extra["phase"] == "decode"]
     if dec:

@@ -29,6 +29,7 @@ import gc
 
 import torch
 
+from . import flashinfer_anchors as FI
 from .harness import BenchCase, BenchRow, Workload, by_workload, call_names, cuda_time, time_calls
 
 BENCH = "logprob"
@@ -36,6 +37,9 @@ N, H, V = 8192, 2560, 151936
 THIRD_PARTY = ("cut-cross-entropy", "liger")  # fused linear cross-entropy anchors, when installed
 SAMPLE_B = 256
 SAMPLE_SETTINGS = ((1.0, 1.0, 0), (0.8, 0.9, 50))  # (temperature, top_p, top_k)
+FLASHINFER_SAMPLING = "flashinfer top-k/top-p"
+"""The sampling rows' FlashInfer anchor (:func:`rlperf.bench.flashinfer_anchors.top_k_top_p_sampling`); where
+FlashInfer is missing the row stays, its anchor time NaN, ``extra['anchor_unavailable']`` saying why."""
 _HEAVY = {"naive torch fwd", "naive torch fwd+bwd", "fused_logprob fwd+bwd", "fused fwd+bwd+entropy",
           "backward alone", "3 x lm-head matmul", "4 x lm-head matmul", "bwd part: d weight mm",
           "bwd part: d hidden mm", "torch log_softmax+gather", "log_softmax", "torch log_softmax"}
@@ -162,9 +166,10 @@ def cases(quick: bool = False) -> list[BenchCase]:
             pair("token_logprobs+ent", "torch log_softmax+gather", logits, lbytes, "GB/s", lcase),
             pair("log_softmax", "torch log_softmax", logits, lbytes * 3, "GB/s", lcase)]
     for T, tp, tk in SAMPLE_SETTINGS:
-        out.append(pair(f"sample T{T} p{tp} k{tk}", "torch filter+multinomial",
-                        functools.partial(_sample_workload, T, tp, tk), SAMPLE_B * V * 2, "GB/s",
-                        f"sample B={SAMPLE_B} V={V} bf16"))
+        sample = functools.partial(_sample_workload, T, tp, tk)
+        for anchor in ("torch filter+multinomial", FLASHINFER_SAMPLING):  # FlashInfer: SGLang's sampler
+            out.append(pair(f"sample T{T} p{tp} k{tk}", anchor, sample, SAMPLE_B * V * 2, "GB/s",
+                            f"sample B={SAMPLE_B} V={V} bf16"))
     return out
 
 
@@ -348,8 +353,16 @@ def _sample_workload(T: float, top_p: float, top_k: int) -> Workload:
             z = z.scatter(1, idx, srt.masked_fill(drop, float("-inf")))
         return torch.multinomial(z.softmax(-1), 1)
 
-    return Workload({f"sample T{T} p{top_p} k{top_k}": lambda: K.sample(sl, T, top_p, top_k, seeds, pos),
-                     "torch filter+multinomial": torch_sample})
+    w = Workload({f"sample T{T} p{top_p} k{top_k}": lambda: K.sample(sl, T, top_p, top_k, seeds, pos),
+                  "torch filter+multinomial": torch_sample})
+    fi, why = FI.flashinfer_or_reason()
+    if fi is None:
+        w.unavailable[FLASHINFER_SAMPLING] = why
+    else:
+        w.calls[FLASHINFER_SAMPLING] = FI.top_k_top_p_sampling(fi, sl, T, top_p, top_k)
+        w.fallible.add(FLASHINFER_SAMPLING)
+        w.info[FLASHINFER_SAMPLING] = {"flashinfer": fi.__version__}
+    return w
 
 
 # ------------------------------------------------------------------------------------------------
@@ -401,6 +414,9 @@ def run(quick: bool = False) -> list[BenchRow]:
         peaks = _peak_memory(w, times, _tokens(quick))
         ref = w.calls["default forward"]()[0] if "default forward" in w.calls else None
         for i, c in enumerate(group):
+            if c.kernel in times and c.anchor == FLASHINFER_SAMPLING and c.anchor in w.unavailable:
+                rows.append(c.row(times[c.kernel].median_ms, float("nan"), anchor_unavailable=w.unavailable[c.anchor]))
+                continue
             if c.kernel not in times or c.anchor not in times:
                 continue
             extra = dict(first) if i == 0 else {}

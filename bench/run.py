@@ -73,8 +73,11 @@ def _markdown_section(name: str, rows: list[BenchRow], info: dict, summary: dict
         "|---|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
+        anchor = r.anchor
+        if r.extra.get("anchor_unavailable"):  # the row stays, saying why its anchor did not run
+            anchor = f"{r.anchor} ({r.extra['anchor_unavailable']})"
         lines.append(
-            f"| {r.case} | {r.kernel} | {r.kernel_ms:.4f} | {r.anchor} | {r.anchor_ms:.4f} | {r.ratio:.3f} | "
+            f"| {r.case} | {r.kernel} | {r.kernel_ms:.4f} | {anchor} | {r.anchor_ms:.4f} | {r.ratio:.3f} | "
             f"{r.rate(r.kernel_ms):.1f} {r.unit} | {r.rate(r.anchor_ms):.1f} {r.unit} |"
         )
     lines += ["", "Summary: " + ", ".join(f"{k} = {v:.3f}" if isinstance(v, float) else f"{k} = {v}" for k, v in summary.items()), ""]

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from rlperf.loop.record import PHASES, FirstStepRecord
+from rlperf.loop.record import PHASES, SGLANG_KIND, FirstStepRecord
 
 from .memory import format_bytes
 
@@ -179,7 +179,9 @@ def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None
     Must be exactly 0 with ``record.true_on_policy`` (``--true-on-policy-mode``), else at most
     ``options.logprob_abs_diff_threshold``. With true-on-policy mode, the trainer's own
     ``train/train_rollout_logprob_abs_diff`` (when recorded) must be exactly 0 as well. The report
-    names the worst token: sample, response position, token id, both values.
+    names the worst token: sample, response position, token id, both values, and measures
+    ``kl_rollout_train``: KL(rollout || train) per loss token, estimated from the rollout's own tokens
+    with ``d = rollout - train`` as ``mean(exp(-d) - 1 + d)`` (k3: non-negative, 0 only where they agree).
     """
     import torch
 
@@ -187,7 +189,7 @@ def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None
     name = "logprob_abs_diff"
     limit = 0.0 if record.true_on_policy else options.logprob_abs_diff_threshold
     threshold = "exactly 0 (true-on-policy mode)" if record.true_on_policy else limit
-    total = 0.0
+    total = kl = 0.0
     count = 0
     worst = None  # (abs diff, sample, token, train, rollout)
     for i, s in enumerate(record.samples):
@@ -198,9 +200,13 @@ def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None
                               "must recompute them before the gates run")
         mask = s.loss_mask_tensor() > 0
         rollout = s.rollout_log_probs_tensor()
-        d = (s.log_probs.double() - rollout.double()).abs()
+        delta = rollout.double() - s.log_probs.double()  # log(p_rollout / p_train) of the sampled token
+        d = delta.abs()
         d = torch.where(mask, d.nan_to_num(math.inf), torch.zeros_like(d))  # a NaN is the worst token
         total += float(d.sum())
+        # KL(rollout || train) estimated from the rollout's own samples (the k3 estimator: >= 0 per token)
+        k3 = torch.expm1(-delta) + delta
+        kl += float(torch.where(mask, k3.nan_to_num(math.inf), torch.zeros_like(k3)).sum())
         count += int(mask.sum())
         if bool(mask.any()):
             t = int(d.argmax())
@@ -209,8 +215,9 @@ def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None
     mean = total / count if count else 0.0
     metric = record.step_metrics.get("train/train_rollout_logprob_abs_diff",
                                      record.first_micro_step.get("train/train_rollout_logprob_abs_diff"))
+    kl_mean = kl / count if count else 0.0
     measured = {"mean_abs_diff": mean, "loss_tokens": count, "train/train_rollout_logprob_abs_diff": metric,
-                "max_abs_diff": worst[0] if worst else 0.0}
+                "max_abs_diff": worst[0] if worst else 0.0, "kl_rollout_train": kl_mean}
     where = ""
     if worst is not None and worst[0] > 0:
         where = (f"worst at {_token(record, worst[1], worst[2])}: train {_fmt(worst[3])} vs rollout "
@@ -224,7 +231,8 @@ def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None
                 "one side took a fast path or a different sampling temperature")
         if mean != 0.0:
             return GateResult(name, False, measured, threshold,
-                              f"mean |train - rollout| log-prob is {mean:.3g}, not exactly 0; {where}", hint)
+                              f"mean |train - rollout| log-prob is {mean:.3g}, not exactly 0 (KL(rollout||train) "
+                              f"{kl_mean:.3g} per token); {where}", hint)
         if metric is not None and metric != 0.0:
             return GateResult(name, False, measured, threshold,
                               f"the trainer's train/train_rollout_logprob_abs_diff is {metric!r}, not exactly 0 "
@@ -233,7 +241,8 @@ def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None
                           f"{count} loss tokens: train and rollout log-probs identical")
     if not mean <= limit:
         return GateResult(name, False, measured, threshold,
-                          f"mean |train - rollout| log-prob {mean:.4g} > {limit:g}; {where}",
+                          f"mean |train - rollout| log-prob {mean:.4g} > {limit:g} (KL(rollout||train) "
+                          f"{kl_mean:.4g} per token); {where}",
                           "check that rollout and trainer load the same weights (weight sync), the same tokenizer "
                           "and chat template, and the same --rollout-temperature; --true-on-policy-mode makes "
                           "the difference exactly 0")
@@ -297,7 +306,9 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
                               f"phase {phase}: peak {format_bytes(peak)}{ranks} ({frac:.1%} of "
                               f"{format_bytes(record.capacity_bytes)} {record.memory_kind}) exceeds {format_bytes(limit)} "
                               f"(headroom {options.oom_headroom:g})", hint)
-    for e, m in zip(engines, measured.get("engines", [])):
+    sglang = [e for e in engines if e.kind == SGLANG_KIND]  # they size themselves: listed, not checked
+    engines = [e for e in engines if e.kind != SGLANG_KIND]
+    for e, m in zip(engines, [m for e, m in zip(record.engines, measured.get("engines", [])) if e.kind != SGLANG_KIND]):
         if e.peak_bytes is None or not e.capacity_bytes or e.capacity_bytes <= 0:
             what = "did not report its memory" if e.peak_bytes is None else "reported no capacity"
             return GateResult(name, False, measured, threshold,
@@ -324,6 +335,9 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
         of = f", the worst of {record.ranks} ranks"
     # without a probe the verdict covers this step's batch only, not the longest batch the run can see
     probe_note = "" if record.probe is not None else "; no worst-case probe ran"
+    if sglang:
+        probe_note += (f"; {len(sglang)} SGLang engine(s) hold a static {', '.join(format_bytes(e.peak_bytes) for e in sglang)} "
+                       f"(weights + KV cache + graphs, sized by their --mem-fraction-static): not checked")
     return GateResult(name, True, measured, threshold,
                       f"highest peak {worst} {format_bytes(peak)} = {peak / cap:.1%} of {format_bytes(cap)}{of}{probe_note}")
 

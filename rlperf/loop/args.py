@@ -107,6 +107,7 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
                         "GPUs of their own (--rollout-num-gpus): the fraction of their GPU for weights + KV cache "
                         "(default 0.8, under the first-step gate's headroom); servers behind a router you started "
                         "take rlperf serve --mem-fraction-static")
+    add_sglang_backend_arguments(p)
     g = p.add_argument_group("fault tolerance (engines of --rollout-num-gpus)")
     g.add_argument("--use-fault-tolerance", action="store_true",
                    help="an engine that dies or stops answering its health check is taken out of the router, its "
@@ -203,6 +204,81 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     p.set_defaults(engine_router_url=None)
 
 
+ROLLOUT_BACKENDS = ("rlperf", "sglang")
+"""``--rollout-backend`` values: rlperf's engines, or real SGLang engines (:mod:`rlperf.loop.sglang_engines`)."""
+SGLANG_ATTENTION_BACKENDS = ("flashinfer", "triton")
+"""``--sglang-attention-backend`` values: SGLang's attention backends that run without FlashAttention 3."""
+SGLANG_LOAD_FORMATS = ("auto", "dummy")
+"""``--sglang-load-format`` values: the weights rlperf saved, or random ones replaced before rollout 0."""
+SGLANG_LAUNCH_TIMEOUT_S = 600.0
+"""Default ``--sglang-launch-timeout``: SGLang's start loads the weights, JIT-compiles FlashInfer's kernels on a
+cold cache (1-3 minutes each) and captures its CUDA graphs before ``/health`` answers."""
+
+
+def add_sglang_backend_arguments(p: argparse.ArgumentParser) -> None:
+    """``--rollout-backend`` and the options of the real SGLang engines it starts (docs/train.md, "Real SGLang")."""
+    g = p.add_argument_group("rollout backend")
+    g.add_argument("--rollout-backend", default="rlperf", choices=ROLLOUT_BACKENDS,
+                   help="rlperf: rlperf's own engines (in-process, or rlperf serve with --rollout-num-gpus); sglang: "
+                        "real `python -m sglang.launch_server` engines behind the sglang-router, on --rollout-num-gpus "
+                        "GPUs of their own (weights by NCCL broadcast, SGLang's /update_weights_from_distributed) or on "
+                        "the trainer's GPU with --colocate (SGLang's /update_weights_from_tensor, CUDA IPC)")
+    g.add_argument("--sglang-attention-backend", default="flashinfer", choices=SGLANG_ATTENTION_BACKENDS,
+                   help="--rollout-backend sglang: the engines' --attention-backend (default flashinfer; both run "
+                        "without FlashAttention 3)")
+    g.add_argument("--sglang-enable-deterministic-inference", default=True, action=argparse.BooleanOptionalAction,
+                   help="--rollout-backend sglang: start the engines with --enable-deterministic-inference (SGLang's "
+                        "batch-invariant kernels; default on)")
+    g.add_argument("--sglang-load-format", default="auto", choices=SGLANG_LOAD_FORMATS,
+                   help="--rollout-backend sglang: auto: the engines load the model rlperf saves under --output-dir; "
+                        "dummy: random weights (only config.json is written), replaced by a weight sync before "
+                        "rollout 0 (benchmarks)")
+    g.add_argument("--sglang-launch-timeout", type=flags.positive_seconds, default=SGLANG_LAUNCH_TIMEOUT_S,
+                   metavar="S", help=f"--rollout-backend sglang: seconds an engine may take to answer /health "
+                                     f"(default {SGLANG_LAUNCH_TIMEOUT_S:g}); an engine that exits fails at once")
+
+
+def check_sglang_backend_flags(ns: argparse.Namespace) -> None:
+    """``--rollout-backend sglang``'s layout and options: :class:`UsageError` naming the flag for what it
+    cannot run (the host's GPUs are :func:`rlperf.loop.device.resolve_engine_layout`'s)."""
+    if getattr(ns, "rollout_backend", "rlperf") != "sglang":
+        for flag, default in (("sglang_attention_backend", "flashinfer"), ("sglang_load_format", "auto")):
+            if getattr(ns, flag, default) != default:
+                raise UsageError(f"--{flag.replace('_', '-')} needs --rollout-backend sglang")
+        return
+    if ns.sglang_router_ip is not None:
+        raise UsageError("--rollout-backend sglang starts its own SGLang engines and router; --sglang-router-ip uses "
+                         "running ones (any SGLang-compatible router: leave --rollout-backend at rlperf)")
+    if not ns.colocate and ns.rollout_num_gpus < 1:
+        raise UsageError("--rollout-backend sglang needs --rollout-num-gpus N (engines on GPUs of their own) or "
+                         "--colocate (one engine on the trainer's GPU)")
+    if ns.rollout_num_gpus_per_engine < 1 or (ns.rollout_num_gpus and ns.rollout_num_gpus % ns.rollout_num_gpus_per_engine):
+        raise UsageError(f"--rollout-num-gpus {ns.rollout_num_gpus} must be a multiple of --rollout-num-gpus-per-engine "
+                         f"{ns.rollout_num_gpus_per_engine} (>= 1): each SGLang engine takes that many GPUs (--tp-size)")
+    if ns.colocate and ns.rollout_num_gpus_per_engine != 1:
+        raise UsageError("--rollout-backend sglang --colocate runs one engine on the trainer's GPU: "
+                         "--rollout-num-gpus-per-engine must be 1")
+    if ns.use_fault_tolerance:
+        raise UsageError("--use-fault-tolerance restarts rlperf serve engines; it is not built for "
+                         "--rollout-backend sglang")
+    if ns.placement == "ray":
+        raise UsageError("--placement ray starts rlperf serve engines; --rollout-backend sglang runs with "
+                         "--placement local")
+    if ns.actor_num_nodes * ns.actor_num_gpus_per_node != 1:
+        raise UsageError("--rollout-backend sglang drives its engines from one actor rank: --actor-num-gpus-per-node "
+                         "and --actor-num-nodes must be 1")
+    if ns.train_backend != "fsdp":
+        raise UsageError(f"--rollout-backend sglang saves the fsdp trainer's weights for its engines; --train-backend "
+                         f"{ns.train_backend} is not built for it")
+    if ns.sglang_api_key or ns.sglang_api_key_file:
+        raise UsageError("--rollout-backend sglang: the SGLang engines it starts take no API key (SGLang reads its "
+                         "key from its command line only, which ps shows to every user of the host)")
+    frac = ns.sglang_mem_fraction_static
+    if ns.colocate and frac is None:
+        raise UsageError("--rollout-backend sglang --colocate: give --sglang-mem-fraction-static (the share of the GPU "
+                         "SGLang may take beside the trainer, e.g. 0.4)")
+
+
 def fill_task_defaults(ns: argparse.Namespace) -> None:
     """Set ``ns.embedded`` (no ``--prompt-data``) and every task-dependent flag left None (:data:`TASK_DEFAULTS`
     or the embedded task's), then ``--global-batch-size`` from the batch relation when not given."""
@@ -263,6 +339,7 @@ def check_flag_values(ns: argparse.Namespace) -> None:
         raise UsageError("--use-fault-tolerance restarts the engines the run starts: it needs --rollout-num-gpus N")
     check_profile_args(ns, error=UsageError)
     check_megatron_flags(ns)
+    check_sglang_backend_flags(ns)
 
 
 def check_megatron_flags(ns: argparse.Namespace) -> None:

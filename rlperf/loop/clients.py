@@ -71,6 +71,7 @@ from .data_parallel import DataParallelEngineClient, Rank0EnginesClient
 from .engines import HOST, start_engine_fleet
 from .health import HealthMonitor, RouterFailure
 from .record import EngineMemory
+from .sglang_engines import SGLangBroadcaster, push_tensors_to_sglang, start_sglang_fleet
 
 TRAIN_MEM_FRACTION_STATIC = 0.3
 """The in-process engine shares the device with the trainer (weights, grads, AdamW state,
@@ -85,6 +86,9 @@ def client_for(config: RunConfig, model, tokenizer, *, kv_tokens: int | None = N
     """The run's :class:`RolloutClient`, chosen by ``config.rollout.engine``, and the
     :class:`rlperf.loop.engines.EngineFleet` it started (None when it started none).
 
+    * ``--rollout-backend sglang`` — a :class:`SGLangClient` on real SGLang engines the run starts
+      (:func:`sglang_client_for`, :mod:`rlperf.loop.sglang_engines`);
+
     * ``router`` — a :class:`RouterClient` on ``--sglang-router-ip:--sglang-router-port``;
     * ``disaggregated`` — rank 0 starts the engines and their router (``--placement local``; under
       ``--placement ray`` the placement started them and names their router) and holds a
@@ -97,6 +101,8 @@ def client_for(config: RunConfig, model, tokenizer, *, kv_tokens: int | None = N
     ``kernel_backend``: the run's resolved backend, which the engines it starts use too.
     """
     r = config.rollout
+    if r.backend == "sglang":  # real SGLang engines (one actor rank: rlperf.loop.args.check_sglang_backend_flags)
+        return sglang_client_for(config, model, tokenizer)
     if r.engine == "router":
         return RouterClient(r.router_ip, r.router_port, tokenizer, r.colocate, api_key=r.api_key), None
     if r.engine == "disaggregated":
@@ -522,3 +528,71 @@ class RouterClient:
         if self.broadcaster is not None:
             self.broadcaster, b = None, self.broadcaster
             b.close()
+
+
+class SGLangClient(RouterClient):
+    """Real SGLang engines behind the sglang-router (:mod:`rlperf.loop.sglang_engines`): generation is
+    :class:`RouterClient`'s; weight sync uses SGLang's own endpoints (gap-free broadcast buckets, or the
+    tensors' CUDA IPC handles when colocated)."""
+
+    kind = "SGLang engines behind sglang-router"
+
+    def __init__(self, ip: str, port: int, tokenizer, *, colocate: bool, tp_size: int = 1, timeout: float = 600.0):
+        self.tp_size = tp_size
+        self._checksum: str | None = None
+        super().__init__(ip, port, tokenizer, colocate=colocate, timeout=timeout, distributed=not colocate)
+
+    def load_weights(self, named_tensors, version: str) -> SyncStats:
+        """Disaggregated: broadcast bucket by bucket (gap-free buckets, SGLang's layout); colocated: the
+        tensors' IPC handles through ``/update_weights_from_tensor``, on every worker."""
+        if not self.colocate:
+            return self._broadcast_weights(named_tensors, version)
+        named = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        n = sum(push_tensors_to_sglang(url, named, version, tp_size=self.tp_size, timeout=self.timeout)
+                for url in self.workers())
+        self._checksum = weights_checksum(dict(named), SYNC_BUCKET_BYTES)
+        return SyncStats(buckets=n, bytes=sum(t.numel() * t.element_size() for _, t in named),
+                         weights_checksum=self._checksum)
+
+    def _broadcast_weights(self, named_tensors, version: str) -> SyncStats:
+        items = iter(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        first = next(items, None)
+        if first is None:
+            raise ValueError("load_weights got no tensors")
+        try:
+            if self.broadcaster is None:
+                self.broadcaster = SGLangBroadcaster(self.workers(), device=first[1].device, timeout=self.timeout,
+                                                      tp_size=self.tp_size, bucket_bytes=SYNC_BUCKET_BYTES)
+                self.broadcaster.connect()
+            self._last_sync = self.broadcaster.update_weights(itertools.chain([first], items), version,
+                                                              check_checksum=False, sglang_engines=True)
+        except WeightSyncError as exc:
+            if exc.status == 401:
+                raise ServerAuthError(str(exc)) from None
+            raise
+        self._checksum = self._last_sync.weights_checksum
+        return self._last_sync
+
+    def weights_checksum(self) -> str:
+        """The checksum of the weights the latest sync sent (SGLang reports none of its own)."""
+        if self._checksum is None:
+            raise RuntimeError("weights_checksum: no weights were loaded yet")
+        return self._checksum
+
+
+def sglang_client_for(config: RunConfig, model, tokenizer):
+    """The :class:`SGLangClient` of a ``--rollout-backend sglang`` run and the fleet it started; with
+    ``--sglang-load-format dummy`` the trainer's weights (``model``'s) are pushed before it is returned."""
+    fleet = start_sglang_fleet(config, model)
+    try:
+        client = SGLangClient(HOST, fleet.router_port, tokenizer, colocate=config.rollout.colocate,
+                              tp_size=config.rollout.sglang.tp_size)
+        if config.rollout.sglang.load_format == "dummy":
+            import torch
+
+            with torch.no_grad():
+                client.load_weights(model.hf_state_dict(), "0")
+    except BaseException:
+        fleet.close()
+        raise
+    return client, fleet

@@ -81,6 +81,11 @@ class RolloutConfig:
     """Path template with ``{rollout_id}``: rollouts are loaded from there instead of generated."""
     health_check: HealthCheckConfig = dataclasses.field(default_factory=lambda: HealthCheckConfig())
     """How the disaggregated engines are probed and what a failure does (``--use-fault-tolerance``)."""
+    backend: str = "rlperf"
+    """``--rollout-backend``: ``rlperf`` (``rlperf serve`` engines or the in-process engine) or ``sglang``
+    (real ``sglang.launch_server`` engines, :mod:`rlperf.loop.sglang_engines`)."""
+    sglang: SGLangConfig | None = None
+    """The SGLang engines' options (``backend == "sglang"`` only)."""
 
     @property
     def engine(self) -> str:
@@ -89,6 +94,23 @@ class RolloutConfig:
         if self.router_ip is not None:
             return "router"
         return "disaggregated" if self.disaggregated else "in-process"
+
+
+@dataclasses.dataclass(frozen=True)
+class SGLangConfig:
+    """Real SGLang engines (``--rollout-backend sglang``): how each ``python -m sglang.launch_server`` starts."""
+
+    tp_size: int = 1
+    """``--rollout-num-gpus-per-engine``: GPUs (tensor-parallel ranks) per engine, SGLang's ``--tp-size``."""
+    attention_backend: str = "flashinfer"
+    """``--sglang-attention-backend``: ``flashinfer`` or ``triton`` (both run without FA3)."""
+    deterministic: bool = True
+    """``--sglang-enable-deterministic-inference``: SGLang's batch-invariant kernels."""
+    load_format: str = "auto"
+    """``--sglang-load-format``: ``auto`` (the weights rlperf saved) or ``dummy`` (random; the first weight
+    sync, before rollout 0, brings the trainer's)."""
+    launch_timeout: float = 600.0
+    """``--sglang-launch-timeout``: seconds an engine may take to answer ``/health``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +257,8 @@ class RunConfig:
                 cuda_graph_max_bs=ns.sglang_cuda_graph_max_bs, save_debug_data=ns.save_debug_rollout_data,
                 load_debug_data=ns.load_debug_rollout_data,
                 health_check=HealthCheckConfig(ns.use_fault_tolerance, ns.rollout_health_check_first_wait,
-                                               ns.rollout_health_check_interval, ns.rollout_health_check_timeout)),
+                                               ns.rollout_health_check_interval, ns.rollout_health_check_timeout),
+                backend=getattr(ns, "rollout_backend", "rlperf"), sglang=_sglang_config(ns)),
             model=ModelConfig(ns.model, ns.hf_checkpoint, ns.load, ns.ref_load, ns.save, ns.save_interval),
             train=TrainConfig(train_args or ns.train_args, ns.precision, ns.num_steps_per_rollout,
                               ns.train_backend, _megatron_config(ns)),
@@ -252,3 +275,10 @@ def _megatron_config(ns: argparse.Namespace) -> MegatronConfig | None:
         return None
     return MegatronConfig(ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.recompute_granularity,
                           ns.recompute_method, ns.recompute_num_layers)
+
+
+def _sglang_config(ns: argparse.Namespace) -> SGLangConfig | None:
+    if getattr(ns, "rollout_backend", "rlperf") != "sglang":
+        return None
+    return SGLangConfig(ns.rollout_num_gpus_per_engine, ns.sglang_attention_backend,
+                        ns.sglang_enable_deterministic_inference, ns.sglang_load_format, ns.sglang_launch_timeout)

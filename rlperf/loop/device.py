@@ -78,7 +78,7 @@ def resolve_engine_layout(ns: argparse.Namespace, device, visible_gpus: int | No
     layout that cannot run."""
     n, per = ns.rollout_num_gpus, ns.rollout_num_gpus_per_engine
     ns.disaggregated, ns.engine_gpus = False, None
-    if per != 1:
+    if per != 1 and getattr(ns, "rollout_backend", "rlperf") != "sglang":  # SGLang engines take --tp-size GPUs
         raise UsageError(f"--rollout-num-gpus-per-engine {per}: only 1 is supported for now (one GPU per engine; "
                          "tensor-parallel engines are not built yet)")
     if n < 0:

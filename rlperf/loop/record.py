@@ -28,6 +28,13 @@ class PhaseMemory:
     """Tokens of the micro-batch measured, where known (the worst-case probe sets it)."""
 
 
+SGLANG_KIND = "sglang_static"
+""":attr:`EngineMemory.kind` of a real SGLang server: ``peak_bytes`` is its static budget (weights + KV cache +
+CUDA graphs, ``internal_states[0].memory_usage`` in GiB), which SGLang sized itself to ``--mem-fraction-static``
+of its GPU; it reports no capacity, so the oom_headroom gate lists it without checking it."""
+SGLANG_STATIC_PARTS = ("weight", "kvcache", "graph")
+
+
 @dataclasses.dataclass
 class EngineMemory:
     """One rollout engine's memory after the first step's rollout and weight sync, as the engine reports
@@ -53,6 +60,13 @@ class EngineMemory:
         ``peak_bytes`` None, which the oom_headroom gate reports as not measured."""
         states = info.get("internal_states") if isinstance(info, dict) else None
         mem = states[0].get("memory") if states and isinstance(states[0], dict) else None
+        usage = states[0].get("memory_usage") if states and isinstance(states[0], dict) else None
+        if not isinstance(mem, dict) and isinstance(usage, dict):
+            # a real SGLang server: the GiB its weights, KV cache and CUDA graphs hold (a static budget it
+            # sized to --mem-fraction-static of its GPU), no peak and no capacity
+            static = sum(float(usage.get(k) or 0.0) for k in SGLANG_STATIC_PARTS)
+            return cls(url, SGLANG_KIND, None, int(static * (1 << 30)), kv_pool_bytes=int(float(usage.get("kvcache") or 0)
+                                                                                           * (1 << 30)))
         if not isinstance(mem, dict):
             return cls(url, None, None, None)
         return cls(url, mem.get("kind"), mem.get("capacity_bytes"), mem.get("peak_bytes"), mem.get("current_bytes"),

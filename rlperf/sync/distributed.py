@@ -506,7 +506,8 @@ class WeightBroadcaster:
         return [r.get("weights_checksum") for r in self._all(query)]
 
     # ---- one update ----------------------------------------------------------------------------
-    def update_weights(self, named_tensors, version: str | None = None, *, check_checksum: bool = True) -> SyncStats:
+    def update_weights(self, named_tensors, version: str | None = None, *, check_checksum: bool = True,
+                       sglang_engines: bool = False) -> SyncStats:
         """Broadcast ``named_tensors`` to every engine and load them there (module docstring).
 
         ``named_tensors``: (name, tensor) pairs on :attr:`device`, or a mapping; a generator is drawn
@@ -518,6 +519,10 @@ class WeightBroadcaster:
         after it, also when it fails. WeightSyncError when an engine refuses or differs; when the
         failure leaves a broadcast unfinished, this side aborts the group, the engines are asked to
         leave it (as :meth:`close` does), and the next update forms a new one.
+
+        ``sglang_engines``: the engines are real SGLang servers, which lay a bucket out back to back (no
+        ``description``): a bucket with gaps is refused before it is sent, and, with ``check_checksum``
+        off (SGLang has no ``/weights_checksum``), the stats still carry the checksum of the bytes sent.
         """
         if self.group is None:
             self.connect()
@@ -526,7 +531,7 @@ class WeightBroadcaster:
         conns: list[_PipelinedConnection] = []
         try:
             conns = [_PipelinedConnection(url, self.headers, self.timeout) for url in self.urls]
-            return self._broadcast(conns, named_tensors, version, check_checksum)
+            return self._broadcast(conns, named_tensors, version, check_checksum, sglang_engines)
         except BaseException as exc:
             for c in conns:
                 c.close()
@@ -552,10 +557,10 @@ class WeightBroadcaster:
                 c.close()
 
     def _broadcast(self, conns: list[_PipelinedConnection], named_tensors, version: str | None,
-                   check_checksum: bool) -> SyncStats:
+                   check_checksum: bool, sglang_engines: bool = False) -> SyncStats:
         update = _Update(self, conns)
         try:
-            return update.run(named_tensors, version, check_checksum)
+            return update.run(named_tensors, version, check_checksum, sglang_engines)
         except BaseException as exc:
             if update.broken or update.inflight:
                 try:  # broadcasts not seen through: the caller leaves the group (the engines may never take them)
@@ -618,7 +623,7 @@ class _Update:
             raise WeightSyncError(f"the broadcast of a bucket of {bucket.nbytes} bytes failed: {failure}")
         self.inflight.popleft()
 
-    def run(self, named_tensors, version: str | None, check_checksum: bool) -> SyncStats:
+    def run(self, named_tensors, version: str | None, check_checksum: bool, sglang_engines: bool = False) -> SyncStats:
         sender, engines = self.sender, len(self.conns)
         checksums: list[int] = []
         n = nbytes = 0
@@ -633,11 +638,16 @@ class _Update:
             if version is not None:
                 body["weight_version"] = version
             if not is_back_to_back(metas):
+                if sglang_engines:  # SGLang rebuilds the bucket back to back: these offsets would scramble it
+                    gap = next(m for i, m in enumerate(metas) if m.start_idx != (metas[i - 1].end_idx if i else 0))
+                    raise WeightSyncError(f"bucket {n + 1}: {gap.name} ({dtype_name(gap.dtype)}, shape "
+                                          f"{list(gap.shape)}) does not start right after the tensor before it: "
+                                          f"SGLang engines take only gap-free buckets (byte counts multiple of 16)")
                 body["description"] = bucket.to_dict(with_checksum=False)
             n, nbytes = n + 1, nbytes + bucket.nbytes
             self.post(f"bucket {n} ({len(metas)} tensors, {bucket.nbytes} bytes)", "POST", UPDATE_ENDPOINT, body)
             self.inflight.append((bucket, self.group.broadcast(bucket.buffer)))
-            if check_checksum:
+            if check_checksum or sglang_engines:
                 checksums.append(bucket.checksum)  # a read of the buffer, beside the broadcast's
             self.check_replies()
             while len(self.inflight) > sender.max_inflight:
@@ -658,9 +668,8 @@ class _Update:
                 raise WeightSyncError(f"{what}: no reply within {sender.timeout:g} s") from None
             except WeightSyncError as exc:
                 raise _failed_reply(what, exc) from None
-        checksum = None
+        checksum = combine_checksums(checksums) if checksums else None
         if check_checksum:
-            checksum = combine_checksums(checksums)
             got = [r.get("weights_checksum") for r in replies[-2 * engines:-engines]]
             wrong = [f"{url}: {g}" for url, g in zip(sender.urls, got) if g != checksum]
             if wrong:

@@ -207,10 +207,20 @@ def test_oom_headroom_names_the_worst_of_ranks_and_engines():
 
 def test_oom_headroom_fails_on_an_engine_that_reports_no_memory():
     record = layout_record()
-    sglang_info = {"internal_states": [{"memory_usage": {"weight": 1.2, "kvcache": 60.0}}]}  # SGLang's own keys
-    record.engines[0] = EngineMemory.from_server_info(ENGINE_URLS[0], sglang_info)
+    record.engines[0] = EngineMemory.from_server_info(ENGINE_URLS[0], {"internal_states": [{}]})
     r = oom_headroom(record)
     assert not r.passed and r.message.startswith(f"engine {ENGINE_URLS[0]} did not report its memory")
+
+
+def test_oom_headroom_lists_an_sglang_engines_static_budget_without_checking_it():
+    record = layout_record()
+    sglang_info = {"internal_states": [{"memory_usage": {"weight": 1.25, "kvcache": 60.0, "graph": 0.75,
+                                                         "token_capacity": 10}}]}  # SGLang's own keys, in GiB
+    record.engines[0] = EngineMemory.from_server_info(ENGINE_URLS[0], sglang_info)
+    assert (record.engines[0].peak_bytes, record.engines[0].kv_pool_bytes) == (62 * GiB, 60 * GiB)
+    r = oom_headroom(record)
+    assert r.passed and "1 SGLang engine(s) hold a static 62 GiB" in r.message, r.message
+    assert ENGINE_URLS[0] not in r.measured["worst"]["name"]
     info = {"internal_states": [{"memory": {"kind": "cpu_rss", "device": "cpu", "capacity_bytes": 8 * GiB,
                                             "current_bytes": GiB, "peak_bytes": 2 * GiB, "reserved_bytes": None,
                                             "kv_pool_bytes": 64 << 20}}]}

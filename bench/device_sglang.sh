@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The GPU runs of issue #23 (real SGLang and FlashInfer), one stage per device call on a warm
+# nvidia-h100-x2 (trainer on GPU 0, SGLang engines on GPU 1; the profile stage uses both GPUs for two
+# workers). Logs, reports and results land in $OUT.
+#
+#   bash bench/device_sglang.sh STAGES     STAGES: any of "check gate train profile flashinfer decode"
+#
+# First, on the CPU machine: bash bench/pack_sglang.sh; then one device call per chunk:
+#   carry [".sglang-pack/MANIFEST", ".sglang-pack/chunk-NN"], command: bash bench/unpack_sglang.sh
+# until it says the site is complete; every stage below needs /tmp/sglang-site/site (it stops with exit 3
+# naming what is missing otherwise).
+#
+#   check       import sglang, sgl_kernel, flashinfer, sglang_router from the unpacked site; the CPU
+#               tests of the backend; the FlashInfer GPU test (its JIT compiles here: 1-3 min per kernel)
+#   gate        rlperf gate --rollout-backend sglang on the qwen3-0.6b shape: one SGLang engine on GPU 1,
+#               weights by NCCL broadcast; the report names the measured |train - rollout| and KL
+#   train       3 rollouts with --rollout-backend sglang (the gate first), metrics.jsonl
+#   profile     two SGLang workers (dummy 0.6b weights, GPUs 0 and 1) behind the sglang-router, then
+#               rlperf profile run --router-url: traces merged into one Perfetto file, summary
+#   flashinfer  rlperf bench attention and logprob (FlashInfer anchors beside SDPA and torch)
+#   decode      SGLang's decode step at B = 1, 16, 64, 256 (sglang.bench_one_batch, dummy 0.6b weights,
+#               CUDA graphs on; default fast mode, then --enable-deterministic-inference) next to
+#               rlperf bench rollout on the same card in the same call
+set -uo pipefail
+STAGES=${1:-check gate}
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/device_setup.sh
+SITE=${SGLANG_SITE:-/tmp/sglang-site/site}
+if [ ! -d "$SITE/sglang" ]; then
+  echo "device_sglang: $SITE has no sglang: run bench/unpack_sglang.sh over the chunks of bench/pack_sglang.sh first"
+  exit 3
+fi
+export PYTHONPATH=$SITE:$PYTHONPATH
+MODEL=${RLPERF_SGLANG_MODEL:-qwen3-0.6b}
+RUN_FLAGS=(--model "$MODEL" --device cuda --rollout-backend sglang --rollout-num-gpus 1
+           --sglang-attention-backend "${SGLANG_ATTENTION:-flashinfer}" --rollout-batch-size 8
+           --n-samples-per-prompt 4 --global-batch-size 32 --rollout-max-response-len 16 --lr 1e-5 --no-progress)
+status=0
+run() {  # run NAME TIMEOUT CMD...: the command's output in $OUT/NAME.log (tail shown), failure noted
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -25 "$OUT/$name.log"
+  echo "== $name: exit $rc"
+  [ $rc = 0 ] || status=1
+  return $rc
+}
+model_config() {  # a folder with the 0.6b shape's config.json (dummy weights)
+  python3 - "$1" "$MODEL" <<'PY'
+import json, pathlib, sys, torch
+from rlperf.model import preset
+from rlperf.model.qwen3 import config_to_hf
+path = pathlib.Path(sys.argv[1]); path.mkdir(parents=True, exist_ok=True)
+(path / "config.json").write_text(json.dumps(config_to_hf(preset(sys.argv[2]), torch.bfloat16)))
+PY
+}
+
+if [[ " $STAGES " == *" check "* ]]; then
+  run imports 300 python3 -c "import sglang, sgl_kernel, flashinfer, sglang_router, transformers; \
+print('sglang', sglang.__version__, 'flashinfer', flashinfer.__version__, 'transformers', transformers.__version__); \
+import sglang.srt.entrypoints.http_server, sglang.srt.layers.attention.flashinfer_backend"
+  run cpu-tests 300 python3 -m pytest -q -p no:cacheprovider tests/loop/test_sglang_backend.py tests/test_flashinfer_anchors.py
+  run gpu-tests 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flashinfer_anchors.py
+fi
+if [[ " $STAGES " == *" gate "* ]]; then
+  run gate 560 python3 -m rlperf gate "${RUN_FLAGS[@]}" --output-dir "$OUT/gate" --report-json "$OUT/gate.json"
+  cp "$OUT"/gate/engines/*.log "$OUT/" 2>/dev/null
+fi
+if [[ " $STAGES " == *" train "* ]]; then
+  run train 560 python3 -m rlperf train "${RUN_FLAGS[@]}" --num-rollout 3 --output-dir "$OUT/train"
+  cp "$OUT/train/metrics.jsonl" "$OUT/train-metrics.jsonl" 2>/dev/null
+fi
+if [[ " $STAGES " == *" profile "* ]]; then
+  model_config /tmp/sglang-0.6b
+  pids=()
+  for g in 0 1; do
+    CUDA_VISIBLE_DEVICES=$g python3 -m sglang.launch_server --model-path /tmp/sglang-0.6b --load-format dummy \
+      --skip-tokenizer-init --host 127.0.0.1 --port $((31000 + g)) --attention-backend flashinfer \
+      --mem-fraction-static 0.8 > "$OUT/sglang-worker-$g.log" 2>&1 &
+    pids+=($!)
+  done
+  for g in 0 1; do
+    timeout 400 bash -c "until curl -sf http://127.0.0.1:$((31000 + g))/health >/dev/null; do sleep 2; done" \
+      || { echo "worker $g did not start:"; tail -20 "$OUT/sglang-worker-$g.log"; status=1; }
+  done
+  python3 -m sglang_router.launch_router --host 127.0.0.1 --port 31080 \
+    --worker-urls http://127.0.0.1:31000 http://127.0.0.1:31001 > "$OUT/router.log" 2>&1 &
+  pids+=($!)
+  timeout 60 bash -c "until curl -sf http://127.0.0.1:31080/workers >/dev/null; do sleep 1; done"
+  python3 -c "import json, random; r = random.Random(0); print('\n'.join(json.dumps({'input_ids': [r.randrange(1000, 50000) for _ in range(512)]}) for _ in range(64)))" > /tmp/sglang-prompts.jsonl
+  run profile 300 python3 -m rlperf profile run --router-url http://127.0.0.1:31080 --output-dir "$OUT/profile" \
+    --dataset /tmp/sglang-prompts.jsonl --num-prompts 64 --output-len 64 --num-steps 40
+  kill "${pids[@]}" 2>/dev/null
+  wait 2>/dev/null
+fi
+if [[ " $STAGES " == *" flashinfer "* ]]; then
+  run bench-attention 400 python3 -m rlperf bench attention --json "$OUT/bench-attention.json" --markdown "$OUT/BENCHMARKS.md"
+  run bench-logprob 300 python3 -m rlperf bench logprob --quick --json "$OUT/bench-logprob.json" --markdown "$OUT/BENCHMARKS.md"
+fi
+if [[ " $STAGES " == *" decode "* ]]; then
+  model_config /tmp/sglang-0.6b
+  run rlperf-rollout 240 python3 -m rlperf bench rollout --json "$OUT/bench-rollout.json" --markdown "$OUT/BENCHMARKS.md"
+  for mode in fast deterministic; do
+    extra=()
+    [ $mode = deterministic ] && extra=(--enable-deterministic-inference)
+    run "sglang-decode-$mode" 240 python3 -m sglang.bench_one_batch --model-path /tmp/sglang-0.6b --load-format dummy \
+      --batch-size 1 16 64 256 --input-len 512 --output-len 256 --attention-backend flashinfer \
+      --result-filename "$OUT/sglang-decode-$mode.jsonl" "${extra[@]}"
+  done
+fi
+exit $status

@@ -1,0 +1,309 @@
+"""``--rollout-backend sglang``: real SGLang engines (``python -m sglang.launch_server``) behind the sglang-router.
+
+What the run does with them, in order (docs/train.md, "Real SGLang"; docs/ARCHITECTURE.md, "SGLang's
+weight-update endpoints"):
+
+1. **The model on disk**: the trainer's compute weights as they are before rollout 0 (after the embedded
+   task's warm-up, in the compute dtype) are written in HF layout (``config.json`` + safetensors,
+   :meth:`rlperf.model.qwen3.Qwen3ForCausalLM.save_pretrained`) to ``OUTPUT_DIR/sglang-model``; with
+   ``--sglang-load-format dummy`` only ``config.json`` is written and the engines start on random
+   weights, which the client replaces before rollout 0 (:func:`sglang_client_for`).
+2. **The engines**: one ``python -m sglang.launch_server`` per engine (:func:`sglang_launch_argv`: model,
+   port, ``--tp-size``, dtype, ``--attention-backend``, ``--mem-fraction-static``, ``--random-seed``,
+   ``--skip-tokenizer-init`` — rlperf sends token ids and reads token ids, so the saved model needs no
+   tokenizer — ``--load-format``, ``--enable-deterministic-inference``), each on its own GPUs
+   (``CUDA_VISIBLE_DEVICES``), the trainer's GPU with ``--colocate``, or ``--device cpu`` on a CPU run.
+   Before any is started, :func:`check_sglang_installed` looks for the packages; an engine that exits
+   while starting fails the start at once with its last output, and one whose output shows a missing
+   module is :class:`SGLangUnavailable` (a usage error: the command exits 2 naming the module). One
+   that does not answer ``/health`` within ``--sglang-launch-timeout`` fails the start too.
+3. **The router**: the real sglang-router in front of them, started as ``rlperf serve --router N`` starts
+   its own (:func:`rlperf.rollout.router.start_router`).
+4. **Generation**: ``POST /generate`` through the router, one request per sample with ``input_ids``,
+   ``return_logprob`` and ``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``,
+   ``top_k``, ``sampling_seed``, ``no_stop_trim``); the reply's ``output_ids`` and
+   ``meta_info.output_token_logprobs`` (``[logprob, token_id, null]`` triples) are the sample
+   (:class:`rlperf.loop.clients.RouterClient`, which :class:`rlperf.loop.clients.SGLangClient` extends).
+5. **Weight sync**, with SGLang's own endpoints, on every worker the router lists:
+
+   - engines on GPUs of their own: one process group of trainer rank 0 and every engine's TP ranks
+     (``POST /init_weights_update_group`` with ``master_address``, ``master_port``, ``rank_offset``,
+     ``world_size``, ``group_name``, ``backend``; engine i's first rank is ``1 + i * tp_size``), then per
+     bucket ``POST /update_weights_from_distributed`` (``names``, ``dtypes``, ``shapes``, ``group_name``,
+     ``load_format: "flattened_bucket"``, ``flush_cache`` on the last, ``weight_version``) with one
+     broadcast of the bucket's bytes from rank 0 (:class:`rlperf.sync.distributed.WeightBroadcaster`,
+     the engines paused around it). SGLang answers once its broadcast is received and loaded.
+   - colocated (``--colocate``, CUDA): ``/pause_generation``, then per bucket ``POST
+     /update_weights_from_tensor`` whose ``serialized_named_tensors`` holds, once per TP rank, the
+     base64 of a pickled list of ``(name, tensor)`` pairs (torch's CUDA IPC reductions: the engine opens
+     the trainer's memory, nothing is copied through HTTP), ``flush_cache`` on the last bucket,
+     ``weight_version``; then ``/continue_generation`` (:func:`push_tensors_to_sglang`).
+
+SGLang has no ``/weights_checksum``: the run's ``sync/weights_checksum`` is the checksum of the bytes
+sent, and the first-step gate's ``logprob_abs_diff`` measures what the engines did with them.
+"""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import importlib.util
+import io
+import os
+import re
+import sys
+from pathlib import Path
+
+from rlperf.rollout.router import (Cluster, ProcessExited, _kill, free_port, http_json, spawn, start_router,
+                                   wait_until)
+from rlperf.sync import SYNC_BUCKET_BYTES
+from rlperf.sync.distributed import (INIT_ENDPOINT, WeightBroadcaster, WeightSyncError, _address_towards, _in_thread,
+                                     init_weight_update_group, master_store)
+
+from .args import UsageError
+from .config import RunConfig, SGLangConfig
+from .engines import HOST, LOG_DIR, EngineFleet, EngineFleetError
+
+SGLANG_LAUNCH_MODULE = "sglang.launch_server"
+"""The module each engine runs (``python -m``)."""
+MODEL_DIR = "sglang-model"
+"""Where, under ``--output-dir``, the model the engines load is written."""
+SGLANG_PACKAGES = {"sglang": "sglang", "sglang_router": "sglang-router"}
+"""Module -> package the backend needs in this Python before it starts anything."""
+INSTALL_HINT = ("install SGLang's pinned set beside this torch (bench/pack_sglang.sh packs it for machines without "
+                "network; docs/gpu.md, 'SGLang and FlashInfer'), or use --rollout-backend rlperf")
+_MISSING_MODULE = re.compile(r"No module named '([^']+)'|cannot import name '([^']+)'")
+_IMPORT_FAILED = re.compile(r"\b(ModuleNotFoundError|ImportError)\b")
+TENSOR_BUCKET_BYTES = SYNC_BUCKET_BYTES
+"""Bytes of tensors per colocated ``/update_weights_from_tensor`` request (handles only travel)."""
+
+
+class SGLangUnavailable(UsageError):
+    """SGLang (or a module its import chain needs) is missing here: the command exits 2 naming it."""
+
+
+def check_sglang_installed(find_spec=importlib.util.find_spec) -> None:
+    """:class:`SGLangUnavailable` naming each package of :data:`SGLANG_PACKAGES` this Python lacks."""
+    missing = [pkg for module, pkg in SGLANG_PACKAGES.items() if find_spec(module) is None]
+    if missing:
+        raise SGLangUnavailable(f"--rollout-backend sglang: {' and '.join(missing)} not installed in {sys.executable}; "
+                                f"{INSTALL_HINT}")
+
+
+def sglang_launch_argv(model_path: str, port: int, cfg: SGLangConfig, *, dtype: str, mem_fraction_static: float,
+                       seed: int, device: str = "cuda", host: str = HOST) -> list[str]:
+    """The arguments of ``python -m sglang.launch_server`` for one engine (module docstring, step 2).
+    ``dtype``: ``bfloat16`` or ``float32`` (the trainer's compute dtype); ``device``: ``cuda`` or ``cpu``."""
+    argv = ["--model-path", str(model_path), "--host", host, "--port", str(port), "--tp-size", str(cfg.tp_size),
+            "--dtype", dtype, "--attention-backend", cfg.attention_backend,
+            "--mem-fraction-static", f"{mem_fraction_static:g}", "--random-seed", str(seed),
+            "--skip-tokenizer-init", "--load-format", cfg.load_format]
+    if cfg.deterministic:
+        argv.append("--enable-deterministic-inference")
+    if device == "cpu":
+        argv += ["--device", "cpu"]
+    return argv
+
+
+def missing_module(output: str) -> str | None:
+    """The module an engine's output says it could not import, or None."""
+    if not _IMPORT_FAILED.search(output):
+        return None
+    m = None
+    for m in _MISSING_MODULE.finditer(output):
+        pass  # the last one: the innermost failure of the import chain
+    return (m.group(1) or m.group(2)) if m else "a module of its import chain"
+
+
+def start_sglang_servers(argvs: list[list[str]], envs: list[dict], log_dir: Path | None, timeout: float,
+                         env=None) -> tuple[list, list[str]]:
+    """Start one ``python -m sglang.launch_server`` per ``argvs[i]`` (with ``envs[i]`` added to the
+    environment) and return (processes, URLs) once each answers ``GET /health``. An engine that exits
+    first stops them all: :class:`SGLangUnavailable` when its output shows a failed import, else
+    :class:`EngineFleetError` quoting it; :class:`EngineFleetError` after ``timeout`` seconds without an
+    answer."""
+    base = dict(os.environ if env is None else env)
+    procs, urls = [], []
+    try:
+        for i, (argv, extra) in enumerate(zip(argvs, envs)):
+            log = str(log_dir / f"sglang-{i}.log") if log_dir else None
+            procs.append(spawn([sys.executable, "-m", SGLANG_LAUNCH_MODULE, *argv], env={**base, **extra}, log_path=log,
+                               die_with_parent=True))
+            host, port = argv[argv.index("--host") + 1], argv[argv.index("--port") + 1]
+            urls.append(f"http://{host}:{port}")
+        for i, url in enumerate(urls):
+            wait_until(lambda: http_json(url + "/health", timeout=5)[0] == 200, timeout, f"SGLang engine {i} at {url}",
+                       procs)
+    except ProcessExited as exc:
+        _kill(procs)
+        module = missing_module(exc.output)
+        if module is not None:
+            raise SGLangUnavailable(f"--rollout-backend sglang: `python -m {SGLANG_LAUNCH_MODULE}` cannot start here: "
+                                    f"{module} cannot be imported ({exc}); {INSTALL_HINT}") from None
+        raise EngineFleetError(f"the SGLang engines did not start: {exc}") from None
+    except TimeoutError as exc:
+        _kill(procs)
+        raise EngineFleetError(f"the SGLang engines did not start: {exc} (--sglang-launch-timeout)") from None
+    except BaseException:
+        _kill(procs)
+        raise
+    return procs, urls
+
+
+def _visible_gpu(index: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of this process's CUDA device ``index``."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in listed.split(",")] if listed else None
+    return ids[index] if ids else str(index)
+
+
+def save_engine_model(model, path: Path, load_format: str) -> Path:
+    """Write ``model`` (rlperf's Qwen3, its weights as the engines must start with them) where the engines
+    load it: ``config.json`` and safetensors, or with ``load_format`` ``dummy`` ``config.json`` only."""
+    import json
+
+    from rlperf.model.qwen3 import CONFIG_FILE, config_to_hf
+
+    path.mkdir(parents=True, exist_ok=True)
+    if load_format == "dummy":
+        (path / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.cfg, model.embed_tokens.dtype), indent=2))
+    else:
+        model.save_pretrained(path)
+    return path
+
+
+def start_sglang_fleet(config: RunConfig, model, *, env=None) -> EngineFleet:
+    """The run's SGLang engines and their router (module docstring, steps 1-3), as an
+    :class:`rlperf.loop.engines.EngineFleet` (closing it stops them). ``model``: the trainer's compute
+    model (its dtype and device decide the engines'). :class:`SGLangUnavailable` (exit 2) when SGLang
+    cannot start here; :class:`UsageError` for ``--colocate`` off CUDA."""
+    r, s = config.rollout, config.rollout.sglang
+    check_sglang_installed()
+    out = Path(config.telemetry.output_dir)
+    log_dir = out / LOG_DIR
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model_path = save_engine_model(model, out / MODEL_DIR, s.load_format)
+    dtype = str(model.embed_tokens.dtype).removeprefix("torch.")
+    device = model.device.type
+    if r.colocate:
+        if device != "cuda":
+            raise UsageError("--rollout-backend sglang --colocate needs CUDA: SGLang's /update_weights_from_tensor "
+                             "takes the tensors' CUDA IPC handles (on the CPU use --rollout-num-gpus N)")
+        gpus = [_visible_gpu(model.device.index or 0)]
+        n = 1
+    else:
+        n = r.num_engines
+        gpus = None if r.engine_gpus is None else [
+            ",".join(r.engine_gpus[i * s.tp_size:(i + 1) * s.tp_size]) for i in range(n)]
+    frac = r.mem_fraction_static if r.mem_fraction_static is not None else 0.8
+    argvs = [sglang_launch_argv(model_path, free_port(HOST), s, dtype=dtype, mem_fraction_static=frac,
+                                seed=config.runtime.seed, device=device) for _ in range(n)]
+    envs = [{"CUDA_VISIBLE_DEVICES": g} for g in gpus] if gpus is not None else [{} for _ in range(n)]
+    where = f"GPUs {' | '.join(gpus)}" if gpus is not None else device.upper()
+    print(f"rlperf train: starting {n} SGLang engine(s) ({model_path}, {dtype}, --tp-size {s.tp_size}, "
+          f"--attention-backend {s.attention_backend}) on {where} behind the sglang-router; logs in {log_dir}",
+          file=sys.stderr, flush=True)
+    servers, urls = start_sglang_servers(argvs, envs, log_dir, s.launch_timeout, env=env)
+    port = free_port(HOST)
+    try:
+        router = start_router(urls, HOST, port, env=env, log_dir=str(log_dir), die_with_parent=True)
+    except BaseException as exc:
+        Cluster(servers, None, urls, "").close()
+        if isinstance(exc, (RuntimeError, TimeoutError)):
+            raise EngineFleetError(f"the sglang-router in front of the SGLang engines did not start: {exc}") from None
+        raise
+    return EngineFleet(Cluster(servers, router, urls, f"http://{HOST}:{port}"), gpus, log_dir)
+
+
+# ---- colocated weight push ------------------------------------------------------------------------
+
+
+def serialize_named_tensors(named: list) -> str:
+    """One entry of ``serialized_named_tensors``: base64 of the ``(name, tensor)`` list pickled with
+    torch's multiprocessing reductions (a CUDA tensor becomes its IPC handle; SGLang's
+    ``MultiprocessingSerializer.deserialize`` rebuilds it in the engine)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump([(name, t.detach()) for name, t in named])
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def tensor_groups(named_tensors, group_bytes: int = TENSOR_BUCKET_BYTES) -> list[list]:
+    """``(name, tensor)`` pairs in order, cut into groups of at most ``group_bytes`` (a larger tensor alone)."""
+    groups, current, size = [], [], 0
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > group_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append((name, t))
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+def push_tensors_to_sglang(url: str, named_tensors, version: str, *, tp_size: int = 1,
+                           group_bytes: int = TENSOR_BUCKET_BYTES, timeout: float = 600.0) -> int:
+    """Colocated weight push to the SGLang engine at ``url`` (module docstring, step 5): paused, one
+    ``/update_weights_from_tensor`` per group of tensors (the same list for each of its ``tp_size``
+    ranks), continued. Returns the number of requests; RuntimeError with the engine's message when it
+    refuses one (it is continued all the same)."""
+    groups = tensor_groups(named_tensors, group_bytes)
+    if not groups:
+        raise ValueError("load_weights got no tensors")
+
+    def post(endpoint, body):
+        status, reply = http_json(url + endpoint, body, timeout=timeout)
+        ok = status == 200 and not (isinstance(reply, dict) and reply.get("success") is False)
+        if not ok:
+            msg = reply.get("message") if isinstance(reply, dict) else reply
+            raise RuntimeError(f"{url}{endpoint} answered {status}: {msg}")
+
+    post("/pause_generation", {})
+    try:
+        for i, group in enumerate(groups):
+            entry = serialize_named_tensors(group)
+            post("/update_weights_from_tensor", {
+                "serialized_named_tensors": [entry] * tp_size, "load_format": None,
+                "flush_cache": i == len(groups) - 1, "abort_all_requests": False, "weight_version": version})
+    finally:
+        post("/continue_generation", {})
+    return len(groups)
+
+
+class SGLangBroadcaster(WeightBroadcaster):
+    """A :class:`rlperf.sync.distributed.WeightBroadcaster` whose engines are SGLang servers of ``tp_size``
+    ranks each: engine i's ranks are ``1 + i * tp_size ...`` of a group of ``1 + engines * tp_size``
+    (SGLang adds its TP rank to ``rank_offset``)."""
+
+    def __init__(self, engine_urls, *, tp_size: int = 1, **kwargs):
+        super().__init__(engine_urls, **kwargs)
+        self.tp_size = tp_size
+
+    def connect(self) -> None:
+        """Ask every engine to join (concurrently), then join as rank 0; a refusal fails at once."""
+        if self.group is not None:
+            return
+        address = self.master_address or _address_towards(self.urls[0])
+        store = master_store(address, self.timeout)
+        world = 1 + len(self.urls) * self.tp_size
+        engines = [_in_thread(self._call, url, INIT_ENDPOINT, {
+            "master_address": address, "master_port": store.port, "rank_offset": 1 + i * self.tp_size,
+            "world_size": world, "group_name": self.group_name, "backend": self.backend})
+            for i, url in enumerate(self.urls)]
+        joined = _in_thread(init_weight_update_group, address, store.port, 0, world, group_name=self.group_name,
+                            backend=self.backend, device=self.device, timeout=self.timeout, store=store)
+        pending = set(engines) | {joined}
+        while pending:
+            done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            for f in done:
+                exc = f.exception()
+                if exc is None and f is not joined and f.result().get("success") is False:
+                    exc = WeightSyncError(str(f.result().get("message", "refused")))
+                if exc is not None:
+                    raise WeightSyncError(f"the weight-update group {self.group_name!r} was not formed: {exc}",
+                                          getattr(exc, "status", 0))
+        self.group = joined.result()

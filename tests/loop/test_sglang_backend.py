@@ -1,0 +1,225 @@
+"""``--rollout-backend sglang`` (issue #23) on the CPU, with real HTTP against a stand-in SGLang server
+(``tests/loop/fake_sglang``: ``python -m sglang.launch_server`` resolves to it through ``PYTHONPATH``) and the
+real sglang-router: the launch command and its flags, the generate request, the weight-push sequence and
+bodies (broadcast bytes checked by sha256), the gate's measured distance, and exit 2 naming what is missing
+when SGLang cannot start."""
+import argparse
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlperf.cli import main
+from rlperf.loop import UsageError
+from rlperf.loop import sglang_engines as S
+from rlperf.loop.clients import SGLangClient
+from rlperf.loop.args import add_loop_arguments, check_sglang_backend_flags
+from rlperf.loop.config import SGLangConfig
+from rlperf.rollout.engine import SamplingParams
+from rlperf.rollout.router import start_router
+from rlperf.sync.distributed import WeightSyncError
+
+pytest.importorskip("sglang_router")
+
+FAKE = Path(__file__).parent / "fake_sglang"
+FAKE_LOGPROB = -1.25  # tests/loop/fake_sglang/sglang/launch_server.py
+SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+         "--rollout-max-response-len", "4", "--rm-type", "exact"]  # with --prompt-data: no format warm-up
+
+
+@pytest.fixture
+def fake_sglang(tmp_path, monkeypatch):
+    """``python -m sglang.launch_server`` runs the stand-in; returns a function reading its records."""
+    rec = tmp_path / "sglang-record.jsonl"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_SGLANG_RECORD", str(rec))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+    def records(kind=None):
+        lines = [json.loads(x) for x in rec.read_text().splitlines()] if rec.exists() else []
+        return [r for r in lines if kind is None or r["kind"] == kind]
+    return records
+
+
+def test_launch_argv_names_every_flag():
+    cfg = SGLangConfig(tp_size=2, attention_backend="triton", deterministic=True, load_format="dummy")
+    argv = S.sglang_launch_argv("/m", 31001, cfg, dtype="bfloat16", mem_fraction_static=0.7, seed=5)
+    pairs = dict(zip(argv[::1], argv[1:]))
+    assert pairs["--model-path"] == "/m" and pairs["--port"] == "31001" and pairs["--tp-size"] == "2"
+    assert pairs["--attention-backend"] == "triton" and pairs["--mem-fraction-static"] == "0.7"
+    assert pairs["--load-format"] == "dummy" and pairs["--dtype"] == "bfloat16" and pairs["--random-seed"] == "5"
+    assert "--enable-deterministic-inference" in argv and "--skip-tokenizer-init" in argv and "--device" not in argv
+    fast = S.sglang_launch_argv("/m", 1, SGLangConfig(deterministic=False), dtype="float32", mem_fraction_static=0.8,
+                                seed=0, device="cpu")
+    assert "--enable-deterministic-inference" not in fast and fast[-2:] == ["--device", "cpu"]
+    assert fast[fast.index("--attention-backend") + 1] == "flashinfer"
+
+
+def _flags(*argv):
+    p = argparse.ArgumentParser()
+    add_loop_arguments(p)
+    ns = p.parse_args(list(argv))
+    return ns
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rollout-backend", "sglang"], "needs --rollout-num-gpus N"),
+    (["--rollout-backend", "sglang", "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "multiple of"),
+    (["--rollout-backend", "sglang", "--colocate"], "--sglang-mem-fraction-static"),
+    (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--use-fault-tolerance"], "--use-fault-tolerance"),
+    (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "2"], "one actor rank"),
+    (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-router-ip", "1.2.3.4",
+      "--sglang-router-port", "1"], "--sglang-router-ip"),
+    (["--sglang-load-format", "dummy"], "needs --rollout-backend sglang"),
+    (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--train-backend", "megatron"], "--train-backend"),
+])
+def test_layouts_sglang_cannot_run_are_usage_errors(argv, message):
+    with pytest.raises(UsageError, match=message.replace("-", r"\-")):
+        check_sglang_backend_flags(_flags(*argv))
+    check_sglang_backend_flags(_flags("--rollout-backend", "sglang", "--rollout-num-gpus", "4",
+                                      "--rollout-num-gpus-per-engine", "2"))
+
+
+def test_missing_packages_are_named():
+    with pytest.raises(S.SGLangUnavailable, match="sglang-router not installed"):
+        S.check_sglang_installed(lambda m: None if m == "sglang_router" else object())
+    assert issubclass(S.SGLangUnavailable, UsageError)  # the commands exit 2
+
+
+def _engines(tmp_path, n, extra_env=None, timeout=60.0):
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"vocab_size": 101}))
+    cfg = SGLangConfig()
+    argvs = [S.sglang_launch_argv(tmp_path / "model", S.free_port(), cfg, dtype="float32", mem_fraction_static=0.5,
+                                  seed=1, device="cpu") for _ in range(n)]
+    return S.start_sglang_servers(argvs, [dict(extra_env or {}) for _ in range(n)], tmp_path, timeout)
+
+
+def test_client_generates_and_pushes_weights_with_sglangs_endpoints(tmp_path, fake_sglang):
+    procs, urls = _engines(tmp_path, 2, {"CUDA_VISIBLE_DEVICES": "5"})
+    router = None
+    client = None
+    try:
+        port = S.free_port()
+        router = start_router(urls, "127.0.0.1", port, log_dir=str(tmp_path))
+        launches = fake_sglang("launch")
+        assert len(launches) == 2 and {r["cuda_visible_devices"] for r in launches} == {"5"}
+        assert all(r["argv"][r["argv"].index("--model-path") + 1] == str(tmp_path / "model") for r in launches)
+
+        client = SGLangClient("127.0.0.1", port, None, colocate=False)
+        prompts = [[3, 4, 5], [9, 10]]
+        params = [SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=20, seed=11),
+                  SamplingParams(max_new_tokens=2, temperature=1.0, seed=12)]
+        out = client.generate(prompts, params)
+        assert [o.output_ids for o in out] == [[(12 + 7 * i) % 101 for i in range(4)], [19, 26]]
+        assert all(lp == FAKE_LOGPROB for o in out for lp in o.output_logprobs)
+        bodies = sorted((r["body"] for r in fake_sglang("generate")), key=lambda b: b["input_ids"])
+        assert bodies[0]["input_ids"] == [3, 4, 5] and bodies[0]["return_logprob"] is True
+        sp = bodies[0]["sampling_params"]
+        assert (sp["max_new_tokens"], sp["temperature"], sp["top_p"], sp["top_k"], sp["sampling_seed"]) == (4, 0.7, 0.9, 20, 11)
+
+        g = torch.Generator().manual_seed(0)
+        weights = {"model.embed_tokens.weight": torch.randn(13, 8, generator=g),  # 416 bytes: gap-free buckets
+                   "model.norm.weight": torch.randn(12, generator=g),
+                   "lm_head.weight": torch.randn(13, 8, generator=g).to(torch.bfloat16)}
+        stats = client.load_weights(weights, "1")
+        assert stats.weights_checksum and client.weights_checksum() == stats.weights_checksum
+        inits = sorted((r["body"] for r in fake_sglang("init_weights_update_group")), key=lambda b: b["rank_offset"])
+        assert [b["rank_offset"] for b in inits] == [1, 2] and {b["world_size"] for b in inits} == {3}
+        assert {b["backend"] for b in inits} == {"gloo"} and {b["group_name"] for b in inits} == {"weight_update_group"}
+        for port_ in {r["port"] for r in launches}:
+            seq = [r["kind"] for r in fake_sglang() if r["port"] == port_ and r["kind"] not in ("launch", "generate")]
+            assert seq == ["init_weights_update_group", "pause_generation", "update_weights_from_distributed",
+                           "continue_generation"]
+        for r in fake_sglang("update_weights_from_distributed"):
+            b = r["body"]
+            assert b["names"] == list(weights) and b["dtypes"] == ["float32", "float32", "bfloat16"]
+            assert b["shapes"] == [[13, 8], [12], [13, 8]] and b["load_format"] == "flattened_bucket"
+            assert b["flush_cache"] is True and b["weight_version"] == "1" and "description" not in b
+            assert r["sha256"] == [hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                                   for t in weights.values()]
+        with pytest.raises(WeightSyncError, match="gap-free"):  # 7 floats = 28 bytes: the next would not be back to back
+            client.load_weights({"a": torch.ones(7), "b": torch.ones(4)}, "2")
+    finally:
+        if client is not None:
+            client.close()
+        S._kill(procs + ([router] if router else []))
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_colocated_push_carries_pickled_handles_per_tp_rank(tmp_path, fake_sglang):
+    procs, urls = _engines(tmp_path, 1)
+    try:
+        named = [("a.weight", torch.ones(4, 4)), ("b.weight", torch.zeros(8)), ("c.weight", torch.ones(2))]
+        n = S.push_tensors_to_sglang(urls[0], named, "3", tp_size=2, group_bytes=64)
+        assert n == 2  # 64 bytes, then 40
+        kinds = [r["kind"] for r in fake_sglang() if r["kind"] != "launch"]
+        assert kinds == ["pause_generation", "update_weights_from_tensor", "update_weights_from_tensor",
+                         "continue_generation"]
+        pushes = fake_sglang("update_weights_from_tensor")
+        assert [p["flush_cache"] for p in pushes] == [False, True] and {p["weight_version"] for p in pushes} == {"3"}
+        assert all(p["entries"] == 2 and p["same_entries"] and p["load_format"] is None for p in pushes)
+        assert all(any(g.startswith("torch.") for g in p["globals"]) for p in pushes)
+        assert not any(g.startswith("rlperf") for p in pushes for g in p["globals"])  # SGLang's unpickler allows torch.*
+    finally:
+        S._kill(procs)
+
+
+def test_an_engine_that_cannot_import_fails_at_once_naming_the_module(tmp_path, fake_sglang, monkeypatch):
+    monkeypatch.setenv("FAKE_SGLANG_FAIL", "import")
+    with pytest.raises(S.SGLangUnavailable, match="sgl_kernel cannot be imported"):
+        _engines(tmp_path, 1, timeout=120.0)  # would hang 120 s if the exit were not seen
+
+
+def test_an_engine_that_never_answers_times_out(tmp_path, fake_sglang, monkeypatch):
+    monkeypatch.setenv("FAKE_SGLANG_FAIL", "hang")
+    with pytest.raises(S.EngineFleetError, match="sglang-launch-timeout"):
+        _engines(tmp_path, 1, timeout=3.0)
+
+
+def _prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"input": "2+3=", "label": "5"}\n{"input": "4+4=", "label": "8"}\n')
+    return ["--prompt-data", str(path)]
+
+
+def test_gate_with_sglang_engines_reports_the_measured_distance(tmp_path, fake_sglang, capsys):
+    report = tmp_path / "gate.json"
+    code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "2",
+                 "--sglang-attention-backend", "triton", "--sglang-load-format", "dummy", *SMALL,
+                 *_prompts(tmp_path),
+                 "--output-dir", str(tmp_path / "g"), "--report-json", str(report)])
+    out = capsys.readouterr()
+    assert code == 1, out.err
+    results = {r["name"]: r for r in json.loads(report.read_text())["gates"]}
+    diff = results["logprob_abs_diff"]
+    assert not diff["passed"] and diff["measured"]["mean_abs_diff"] > 0 and diff["measured"]["kl_rollout_train"] > 0
+    assert f"{diff['measured']['mean_abs_diff']:.4g}" in diff["message"]
+    assert f"{diff['measured']['kl_rollout_train']:.4g}" in diff["message"]
+    oom = results["oom_headroom"]  # SGLang's static budget is listed, not checked
+    assert oom["passed"] and "2 SGLang engine(s) hold a static 768 MiB, 768 MiB" in oom["message"], oom["message"]
+    assert [e["kind"] for e in oom["measured"]["engines"]] == ["sglang_static"] * 2
+    launches = fake_sglang("launch")
+    assert len(launches) == 2
+    for r in launches:
+        a = r["argv"]
+        assert a[a.index("--attention-backend") + 1] == "triton" and a[a.index("--load-format") + 1] == "dummy"
+        assert a[a.index("--device") + 1] == "cpu" and "--enable-deterministic-inference" in a
+    model_dir = tmp_path / "g" / S.MODEL_DIR
+    assert (model_dir / "config.json").exists() and not list(model_dir.glob("*.safetensors"))  # dummy: config only
+    kinds = [r["kind"] if r["kind"] != "update_weights_from_distributed" else r["body"]["weight_version"]
+             for r in fake_sglang() if r["port"] == launches[0]["port"]]
+    # the dummy weights are replaced (version 0) before rollout 0; the gate's weight-sync phase sends version 1
+    assert kinds.index("0") < kinds.index("generate") < kinds.index("1")
+
+
+def test_gate_exits_2_naming_the_module_sglang_lacks(tmp_path, fake_sglang, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_SGLANG_FAIL", "import")
+    code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "1", *SMALL,
+                 *_prompts(tmp_path), "--output-dir", str(tmp_path / "g")])
+    assert code == 2
+    assert "sgl_kernel" in capsys.readouterr().err
