@@ -71,9 +71,11 @@ freed when the engine leaves its last group)."""
 MAX_GROUPS = 4
 """Groups one engine may be in at once (each holds a connection to every peer)."""
 MAX_WORLD_SIZE = 65536
-JOIN_TIMEOUT_S = 30.0
+JOIN_TIMEOUT_S = 120.0
 """Seconds a ``/init_weights_update_group`` waits for its rendezvous (the master's store to answer and
-every rank to join) before it fails with 400; the sender starts its store before it asks the engines."""
+every rank to join) before it fails with 400; the sender starts its store before it asks the engines.
+Roomy because a gloo join starts a receiver process that imports torch first, which on a loaded
+2-core machine has taken more than 30 s."""
 RECEIVE_TIMEOUT_S = 60.0
 """Seconds one ``/update_weights_from_distributed`` request over gloo may take to receive its bytes
 before it fails with 400 and the group is left (one 512 MiB bucket takes about a second on loopback;
