@@ -12,6 +12,7 @@ To keep CI short every layout runs once, in one spawn for the whole module: one 
 runs and a pair of processes that re-lays out its megatron groups run after run (``SCENARIOS``); the
 tests below compare the saved results.
 """
+import dataclasses
 import datetime
 import os
 import traceback
@@ -37,6 +38,9 @@ TIED = preset("tiny")
 UNTIED = ModelConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, vocab_size=384, max_position_embeddings=256,
                      tie_word_embeddings=False)
+# the Triton interpreter runs every kernel program in Python: one layer and short responses keep the
+# interpreter's runs (engine and trainer) within seconds
+ONE_LAYER = dataclasses.replace(UNTIED, num_hidden_layers=1)
 
 # (tag, TP, PP, options). ``steps``: optimizer steps (each step's results are kept); ``save``: write a
 # checkpoint (HF-named float32 weights and AdamW state) after that many steps; ``resume``: start from
@@ -62,6 +66,10 @@ TWO_RANKS = [
 ]
 
 
+def _config(tied: bool, backend: str) -> ModelConfig:
+    return TIED if tied else (ONE_LAYER if backend == "interpreter" else UNTIED)
+
+
 def _engine_samples(cfg, backend="reference"):
     """Four samples (2 prompts x 2) whose responses and rollout log-probs come from rlperf's engine on
     one process, in tree mode (``reduction_leaves``): what a one-GPU engine gives a TP=2 trainer."""
@@ -74,8 +82,9 @@ def _engine_samples(cfg, backend="reference"):
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
         prompts = [p for p in prompts for _ in range(2)]
+        lengths = (2, 3, 2, 1) if backend == "interpreter" else (3, 6, 4, 2)
         params = [SamplingParams(max_new_tokens=m, temperature=1.0, ignore_eos=True, seed=i)
-                  for i, m in enumerate((3, 6, 4, 2))]
+                  for i, m in enumerate(lengths)]
         results = engine.generate(prompts, params)
     out = []
     for i, (p, r) in enumerate(zip(prompts, results)):
@@ -100,7 +109,7 @@ def _scenario(tmp: str, tag: str, tp: int, pp: int, tied: bool = False, sp: bool
     from rlperf.train.megatron.runtime import ParallelLayout, destroy_model_parallel, initialize_model_parallel
     from rlperf.train.megatron.trainer import MegatronTrainer
 
-    cfg = TIED if tied else UNTIED
+    cfg = _config(tied, backend)
     initialize_model_parallel(ParallelLayout(tp, pp, sequence_parallel=sp))
     with K.use_backend(backend):
         weights = Qwen3ForCausalLM.random(cfg, seed=0, std=0.05).hf_state_dict()
@@ -160,7 +169,7 @@ def runs(tmp_path_factory):
     for tied, backend in ((True, "reference"), (False, "reference"), (False, "interpreter")):
         if backend == "interpreter" and os.environ.get("TRITON_INTERPRET") != "1":
             continue
-        samples[tied, backend] = _engine_samples(TIED if tied else UNTIED, backend)
+        samples[tied, backend] = _engine_samples(_config(tied, backend), backend)
         torch.save(samples[tied, backend], _samples_file(tmp, tied, backend))
     have = {b for _, b in samples}
     pick = [[s for s in group if s[3].get("backend", "reference") in have] for group in (ONE_RANK, TWO_RANKS)]
