@@ -107,7 +107,8 @@ def run(ns) -> dict:
         trainer = Trainer(weights.to(device), args, compute_dtype=compute)
         grads_of = lambda: [(n, p.grad) for n, p in trainer.master_model.named_parameters()]  # noqa: E731
     else:
-        initialize_model_parallel(ParallelLayout(tensor_model_parallel_size=ns.tp, sequence_parallel=ns.sequence_parallel))
+        initialize_model_parallel(ParallelLayout(tensor_model_parallel_size=ns.tp,
+                                                 sequence_parallel=ns.sequence_parallel))
         model = build_gpt_model(cfg, torch.float32, device=device, plain=ns.backend == "megatron-plain",
                                 sequence_parallel=ns.sequence_parallel)
         model.load_hf_tensors(weights.hf_state_dict())

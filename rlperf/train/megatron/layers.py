@@ -224,7 +224,8 @@ class TreeColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.plain:
             return _PlainColumnParallel.apply(x, self.weight, self.tp), None
-        return tree.column_parallel_linear(x, self.weight, self.tp.leaves, self.tp.group, self.tp.sequence_parallel), None
+        tp = self.tp
+        return tree.column_parallel_linear(x, self.weight, tp.leaves, tp.group, tp.sequence_parallel), None
 
     def split_parts(self, y: torch.Tensor) -> list[torch.Tensor]:
         """The local output [..., sum(parts) / TP] as each part's local columns [..., n_i / TP], contiguous."""
@@ -248,7 +249,8 @@ class TreeRowParallelLinear(nn.Module):
     def forward(self, x):
         if self.plain:
             return _PlainRowParallel.apply(x, self.weight, self.tp), None
-        return tree.row_parallel_linear(x, self.weight, self.tp.leaves, self.tp.group, self.tp.sequence_parallel), None
+        tp = self.tp
+        return tree.row_parallel_linear(x, self.weight, tp.leaves, tp.group, tp.sequence_parallel), None
 
 
 def rope_table(head_dim: int, max_positions: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
