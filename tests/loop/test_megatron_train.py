@@ -18,13 +18,16 @@ from rlperf.cli import main  # noqa: E402
 from rlperf.loop import METRICS_FILE, train  # noqa: E402
 
 FAST = ["--device", "cpu", "--num-threads", "1", "--no-progress"]
-# bits are the point, not learning: 2 prompts x 4 samples a rollout instead of the embedded task's 8 x 16
-SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8"]
+# bits are the point, not learning: 2 prompts x 4 samples a rollout instead of the embedded task's 8 x 16,
+# 4 samples a micro-batch (2 micro-batches a step)
+SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
+         "--micro-batch-size", "4"]
 SHORT = ["--num-rollout", "2", "--true-on-policy-mode", *SMALL]
 TWO_RANKS = ["--actor-num-gpus-per-node", "2"]
 # what must be the same bits at every layout (perf/ and memory/ keys depend on time and processes)
-# the learning run (the embedded defaults, 8 prompts x 16 samples a rollout; measured at 20 rollouts: the
-# first 5 average 0.244 (chance 0.25), the last 5 0.383; a rollout's mean has std ~0.04 at chance)
+# the learning run: the embedded defaults (8 prompts x 16 samples a rollout) in micro-batches of 32 samples
+# (the default, 1, makes 128 micro-batches a step: ten times slower, the same rewards). Measured at 20
+# rollouts: the first 5 average 0.244 (chance 0.25), the last 5 0.383; a rollout's mean has std ~0.04
 LEARN_ROLLOUTS, LEARN_END = 20, 0.33
 EXACT = ("rollout/raw_reward", "rollout/rollout_log_probs", "rollout/log_probs", "train/loss", "train/pg_loss",
          "train/entropy_loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff", "sync/weights_checksum")
@@ -93,7 +96,7 @@ def test_embedded_task_learns(tmp_path):
     # the reward leaves chance (0.25) and rises (LEARN_ROLLOUTS); 0.1 is 4 standard deviations of the
     # difference of two 5-rollout means at chance
     hist = train(["--train-backend", "megatron", "--output-dir", str(tmp_path), *FAST, "--num-rollout",
-                  str(LEARN_ROLLOUTS)])
+                  str(LEARN_ROLLOUTS), "--micro-batch-size", "32"])
     rewards = [m["rollout/raw_reward"] for m in hist]
     start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert 0.1 <= start <= 0.35, f"the run must start near chance (0.25), got {start}"
