@@ -4,17 +4,19 @@
 #
 #   bash bench/device_megatron.sh
 #   MEGATRON_RUNS="fsdp-0.6b-tp1 tree-0.6b-tp1" bash bench/device_megatron.sh   # a subset (one call ~ 10 min:
-#                                                   split the six runs over two calls on a warm machine)
+#                                                   split the seven runs over two calls on a warm machine)
 #
 # Needs megatron-core in the image or as a wheel in .whl/ (Python 3.12 there: megatron-core 0.19.x;
 # carry .whl/ as for bench/device.sh). Runs (bench/megatron.py, one torchrun each):
 #   fsdp-0.6b-tp1        rlperf's one-GPU trainer, 0.6b                       (anchor of target 1)
 #   tree-0.6b-tp1        megatron backend, tree numerics, 1 GPU, engine samples
 #   tree-0.6b-tp2        the same on 2 GPUs (TP=2)                             (bits vs tp1; target 2's subject)
+#   tree-0.6b-tp2-sp     TP=2 with --sequence-parallel                          (bits vs tp1; its cost vs tp2)
 #   plain-0.6b-tp2       megatron backend, Megatron's all-reduce order, TP=2   (anchor of target 2)
 #   tree-1.7b-tp1 / tree-1.7b-tp2                                             (target 3; bits tp1 vs tp2)
 #   train-0.6b-tp2 / gate-0.6b-tp2   rlperf train (3 rollouts, abs diff 0 at each) and rlperf gate with
 #                        --train-backend megatron --tensor-model-parallel-size 2 on 2 GPUs
+#   gate-0.6b-tp2-sp     rlperf gate as above with --sequence-parallel
 # With --engine the responses come from rlperf's engine on GPU 0 (tree mode, bf16): the trainer's old
 # log-probs must equal the rollout log-probs exactly (train_rollout_logprob_abs_diff 0) at TP=1 and TP=2.
 set -uo pipefail
@@ -35,6 +37,7 @@ bench() {  # name nproc args...
 bench fsdp-0.6b-tp1 1 --backend fsdp --shape qwen3-0.6b --tp 1
 bench tree-0.6b-tp1 1 --backend megatron --shape qwen3-0.6b --tp 1 --engine
 bench tree-0.6b-tp2 2 --backend megatron --shape qwen3-0.6b --tp 2 --engine
+bench tree-0.6b-tp2-sp 2 --backend megatron --shape qwen3-0.6b --tp 2 --sequence-parallel --engine
 bench plain-0.6b-tp2 2 --backend megatron-plain --shape qwen3-0.6b --tp 2
 bench tree-1.7b-tp1 1 --backend megatron --shape qwen3-1.7b --tp 1 --engine
 bench tree-1.7b-tp2 2 --backend megatron --shape qwen3-1.7b --tp 2 --engine
@@ -62,5 +65,9 @@ PY
 fi
 cli gate-0.6b-tp2 python3 -m rlperf gate $TRAIN --output-dir "$OUT/gate-0.6b-tp2" --report-json "$OUT/gate-0.6b-tp2.json"
 [ -f "$OUT/gate-0.6b-tp2.json" ] && grep -o '"passed": [a-z]*' "$OUT/gate-0.6b-tp2.json" | head -1
+# the same gate with --sequence-parallel (its logprob_abs_diff gate: exactly 0 with --true-on-policy-mode)
+cli gate-0.6b-tp2-sp python3 -m rlperf gate $TRAIN --sequence-parallel --output-dir "$OUT/gate-0.6b-tp2-sp" \
+  --report-json "$OUT/gate-0.6b-tp2-sp.json"
+[ -f "$OUT/gate-0.6b-tp2-sp.json" ] && grep -o '"passed": [a-z]*' "$OUT/gate-0.6b-tp2-sp.json" | head -1
 python3 -m rlperf.bench.megatron --summary "$OUT" | tee "$OUT/summary.json"
 exit $status

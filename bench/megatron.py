@@ -97,7 +97,8 @@ def run(ns) -> dict:
     args = TrainArgs(n_samples_per_prompt=1, use_dynamic_batch_size=True, max_tokens_per_gpu=ns.max_tokens_per_gpu,
                      lr=1e-6, clip_grad=1.0)
     weights = Qwen3ForCausalLM.random(cfg, seed=0, std=0.02)  # float32 on the CPU, the same on every rank
-    out = {"backend": ns.backend, "shape": ns.shape, "tp": ns.tp, "world": world, "device": ns.device,
+    out = {"backend": ns.backend, "shape": ns.shape, "tp": ns.tp, "sequence_parallel": ns.sequence_parallel,
+           "world": world, "device": ns.device,
            "gpu": torch.cuda.get_device_name() if cuda else None, "tokens_per_step": sum(s.total_length for s in samples)}
     if ns.backend == "fsdp":
         if world != 1:
@@ -106,8 +107,10 @@ def run(ns) -> dict:
         trainer = Trainer(weights.to(device), args, compute_dtype=compute)
         grads_of = lambda: [(n, p.grad) for n, p in trainer.master_model.named_parameters()]  # noqa: E731
     else:
-        initialize_model_parallel(ParallelLayout(tensor_model_parallel_size=ns.tp))
-        model = build_gpt_model(cfg, torch.float32, device=device, plain=ns.backend == "megatron-plain")
+        initialize_model_parallel(ParallelLayout(tensor_model_parallel_size=ns.tp,
+                                                 sequence_parallel=ns.sequence_parallel))
+        model = build_gpt_model(cfg, torch.float32, device=device, plain=ns.backend == "megatron-plain",
+                                sequence_parallel=ns.sequence_parallel)
         model.load_hf_tensors(weights.hf_state_dict())
         del weights
         trainer = MegatronTrainer(model, args, compute_dtype=compute)
@@ -155,7 +158,8 @@ def compare(a_path: str, b_path: str) -> dict:
             "tokens_per_s_ratio_b_over_a": ratio}
 
 
-RUNS = ("fsdp-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp2", "plain-0.6b-tp2", "tree-1.7b-tp1", "tree-1.7b-tp2")
+RUNS = ("fsdp-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp2", "tree-0.6b-tp2-sp", "plain-0.6b-tp2", "tree-1.7b-tp1",
+        "tree-1.7b-tp2")
 """The runs of ``bench/device_megatron.sh`` (``<backend>-<shape>-tp<N>.json`` in its output folder)."""
 
 
@@ -181,6 +185,9 @@ def summary(folder: str) -> dict:
         "gpus": sorted({x["gpu"] for x in r.values() if x and x.get("gpu")}),
         "bits_0.6b_tp1_vs_tp2": {"log_probs": same("tree-0.6b-tp1", "tree-0.6b-tp2", "log_prob_digests"),
                                  "grads": same("tree-0.6b-tp1", "tree-0.6b-tp2", "grad_digests")},
+        "bits_0.6b_tp1_vs_tp2_sp": {"log_probs": same("tree-0.6b-tp1", "tree-0.6b-tp2-sp", "log_prob_digests"),
+                                    "grads": same("tree-0.6b-tp1", "tree-0.6b-tp2-sp", "grad_digests")},
+        "sp_step_over_tp2_step_0.6b": ratio("tree-0.6b-tp2", "tree-0.6b-tp2-sp"),
         "bits_1.7b_tp1_vs_tp2": {"log_probs": same("tree-1.7b-tp1", "tree-1.7b-tp2", "log_prob_digests"),
                                  "grads": same("tree-1.7b-tp1", "tree-1.7b-tp2", "grad_digests")},
         "engine_abs_diff": {n: r[n]["train_rollout_logprob_abs_diff"] for n in RUNS
@@ -198,6 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--backend", choices=("megatron", "megatron-plain", "fsdp"), default="megatron")
     p.add_argument("--shape", default="qwen3-0.6b", help="a preset name or qwen3-1.7b")
     p.add_argument("--tp", type=int, default=1, help="--tensor-model-parallel-size (= the number of processes)")
+    p.add_argument("--sequence-parallel", action="store_true", help="megatron: --sequence-parallel (tree mode)")
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--tokens", type=int, default=1024, help="tokens per sample (prompt + response)")
     p.add_argument("--response", type=int, default=256, help="response tokens per sample")

@@ -28,6 +28,16 @@ Ops (``group``: the tensor-parallel process group, None for one rank):
 * :func:`tree_logprob` — the vocabulary-parallel log-prob and entropy: per leaf ``(max, sum-exp,
   entropy sum, target logit)``, combined in the tree; the backward's ``d hidden`` is the tree too.
 
+Sequence parallelism (``sequence_parallel=True`` on the linear layers): outside the tensor-parallel
+layers every rank holds a contiguous ``T / TP`` slice of the tokens. A column-parallel layer
+all-gathers its input's tokens (a concatenation: exact); a row-parallel layer's output, and a
+column-parallel layer's input gradient, are a **tree reduce-scatter**: each rank sends every other
+rank that rank's tokens of its tree node (one all-to-all) and adds the ``TP`` nodes it receives in
+the tree's top levels — per token the same additions on the same operands as the all-gather of
+nodes, so the bits of a token are those of TP=1. :func:`block_replicas` over token blocks
+(:func:`token_blocks`) gives a replicated weight applied per token (the RMSNorm weights) a gradient
+summed over ``S`` fixed token blocks in the tree, with or without the token split.
+
 The rollout engine computes the same trees at TP=1 (``rlperf.model``'s ``reduction_leaves``), so
 trainer and engine log-probs stay equal bit for bit whatever the trainer's tensor-parallel size.
 """
@@ -127,6 +137,94 @@ def _gather_nodes(node, group, combine=None):
     return acc.result()
 
 
+def _scatter_nodes(node: torch.Tensor, group) -> torch.Tensor:
+    """The tree reduce-scatter over tokens: ``node`` [T, ...] is this rank's tree node for every token;
+    returns [T / TP, ...], this rank's contiguous token slice of the full tree sum (the ranks' nodes
+    added in the tree's top levels, as :func:`_gather_nodes` adds them: the same bits per token)."""
+    size, _ = _tp(group)
+    if size == 1:
+        return node
+    import torch.distributed as dist
+
+    if node.shape[0] % size:
+        raise ValueError(f"sequence parallel: {node.shape[0]} tokens do not split over {size} ranks")
+    send = [c.contiguous() for c in node.chunk(size, dim=0)]
+    got = [torch.empty_like(send[0]) for _ in range(size)]
+    dist.all_to_all(got, send, group=group)
+    acc = _TreeStack()
+    for n in got:
+        acc.push(n)
+    return acc.result()
+
+
+def _all_gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """[T / TP, ...] per rank -> [T, ...]: the ranks' token slices concatenated in rank order."""
+    size, _ = _tp(group)
+    if size == 1:
+        return x
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=0)
+
+
+def _own_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's contiguous slice [T / TP, ...] of the tokens [T, ...]."""
+    size, rank = _tp(group)
+    if size == 1:
+        return x
+    if x.shape[0] % size:
+        raise ValueError(f"sequence parallel: {x.shape[0]} tokens do not split over {size} ranks")
+    n = x.shape[0] // size
+    return x[rank * n:(rank + 1) * n]
+
+
+class _ScatterTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _own_tokens(x, group).clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_tokens(g, ctx.group), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _own_tokens(g, ctx.group).contiguous(), None
+
+
+def scatter_tokens(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Enter the sequence-parallel region: ``x`` [T, ...] (the same on every rank) -> this rank's
+    token slice [T / TP, ...]. Backward: the slices' gradients all-gathered (no sum)."""
+    return _ScatterTokens.apply(x, group)
+
+
+def gather_tokens(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Leave the sequence-parallel region: this rank's tokens [T / TP, ...] -> all tokens [T, ...].
+    Backward: this rank's slice of the gradient, which must be the whole gradient on every rank (as
+    :func:`tree_logprob`'s ``d hidden`` is: the ranks' vocabulary nodes added in the tree)."""
+    return _GatherTokens.apply(x, group)
+
+
+def token_blocks(num_tokens: int, leaves: int = TREE_LEAVES, group=None) -> int:
+    """How many of the ``leaves`` fixed token blocks this rank holds (``leaves / TP`` under sequence
+    parallelism, else all of them); the tokens must split into ``leaves`` equal blocks."""
+    if num_tokens % leaves:
+        raise ValueError(f"{num_tokens} tokens do not split into {leaves} equal token blocks (pad the packed "
+                         f"micro-batch to a multiple of {leaves})")
+    return _local_leaves(leaves, group, "token_blocks")
+
+
 # --------------------------------------------------------------------------------------------
 # Leaf products
 # --------------------------------------------------------------------------------------------
@@ -167,16 +265,19 @@ def tree_matmul(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, gro
 
     ``K_local`` is this rank's share of K (all of it without ``group``); it holds ``leaves / TP``
     leaves of equal width. Every rank returns the full sum."""
+    return _gather_nodes(_local_tree_matmul(x, w, leaves, group), group)
+
+
+def _local_tree_matmul(x: torch.Tensor, w: torch.Tensor, leaves: int, group) -> torch.Tensor:
+    """This rank's tree node of :func:`tree_matmul` (its K leaves added in the tree): [M, N] float32."""
     local = _local_leaves(leaves, group, "tree_matmul")
-    k = x.shape[1]
-    if k % local:
-        raise ValueError(f"tree_matmul: K = {k} on this rank does not split into {local} equal leaves")
-    width = k // local
-    size, _ = _tp(group)
+    if x.shape[1] % local:
+        raise ValueError(f"tree_matmul: K = {x.shape[1]} on this rank does not split into {local} equal leaves")
+    width = x.shape[1] // local
     acc = _TreeStack()
     for c in range(local):
         acc.push(leaf_product(x[:, c * width:(c + 1) * width], w[:, c * width:(c + 1) * width], config_n=w.shape[0]))
-    return _gather_nodes(acc.result(), group)
+    return acc.result()
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,15 +287,19 @@ def tree_matmul(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, gro
 
 class _RowParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, leaves, group, k_total):
+    def forward(ctx, x, w, leaves, group, k_total, sequence_parallel):
         ctx.save_for_backward(x, w)
-        ctx.k_total = k_total
+        ctx.k_total, ctx.group, ctx.sequence_parallel = k_total, group, sequence_parallel
+        if sequence_parallel:
+            return _scatter_nodes(_local_tree_matmul(x, w, leaves, group), group).to(x.dtype)
         return tree_matmul(x, w, leaves, group).to(x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         g = g.contiguous()
+        if ctx.sequence_parallel:  # this rank's tokens' gradient -> every token's (a concatenation)
+            g = _all_gather_tokens(g, ctx.group)
         gx = gw = None
         # dx [M, K_local] = g @ w: a reduction over N, which every rank holds whole
         if ctx.needs_input_grad[0]:
@@ -202,24 +307,32 @@ class _RowParallel(torch.autograd.Function):
         # dw [N, K_local] = g.T @ x: a reduction over the tokens
         if ctx.needs_input_grad[1]:
             gw = _matmul_out(g.T.contiguous(), x.T.contiguous(), w.dtype, config_n=ctx.k_total)
-        return gx, gw, None, None, None
+        return gx, gw, None, None, None, None
 
 
-def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, group=None) -> torch.Tensor:
+def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, group=None,
+                        sequence_parallel: bool = False) -> torch.Tensor:
     """``x [..., K_local] @ w[N, K_local].T`` -> [..., N] in x's dtype: K (split over ``group``) reduced
     in the fixed tree (:func:`tree_matmul`), rounded once. Gradients: ``dx = g @ w`` and
-    ``dw = g.T @ x`` with tile configs pinned to the full K (no cross-rank sum in either)."""
+    ``dw = g.T @ x`` with tile configs pinned to the full K (no cross-rank sum in either).
+
+    ``sequence_parallel``: x [T, K_local] holds every token, the result [T / TP, N] this rank's tokens
+    (the tree reduce-scatter, module docstring); the backward all-gathers the tokens' gradient."""
     size, _ = _tp(group)
     lead = x.shape[:-1]
-    y = _RowParallel.apply(x.reshape(-1, x.shape[-1]), w, leaves, group, w.shape[1] * size)
+    y = _RowParallel.apply(x.reshape(-1, x.shape[-1]), w, leaves, group, w.shape[1] * size, sequence_parallel)
+    if sequence_parallel:
+        return y.reshape(-1, *lead[1:], w.shape[0])
     return y.reshape(*lead, w.shape[0])
 
 
 class _ColumnParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, leaves, group, n_total):
+    def forward(ctx, x, w, leaves, group, n_total, sequence_parallel):
+        if sequence_parallel:  # this rank's tokens -> every token (a concatenation: exact)
+            x = _all_gather_tokens(x, group)
         ctx.save_for_backward(x, w)
-        ctx.leaves, ctx.group, ctx.n_total = leaves, group, n_total
+        ctx.leaves, ctx.group, ctx.n_total, ctx.sequence_parallel = leaves, group, n_total, sequence_parallel
         return _matmul_out(x, w, x.dtype, config_n=n_total)
 
     @staticmethod
@@ -236,27 +349,36 @@ class _ColumnParallel(torch.autograd.Function):
             acc = _TreeStack()
             for c in range(local):
                 acc.push(leaf_product(g[:, c * width:(c + 1) * width], wt[:, c * width:(c + 1) * width]))
-            gx = _gather_nodes(acc.result(), ctx.group).to(x.dtype)
+            if ctx.sequence_parallel:
+                gx = _scatter_nodes(acc.result(), ctx.group).to(x.dtype)
+            else:
+                gx = _gather_nodes(acc.result(), ctx.group).to(x.dtype)
         if ctx.needs_input_grad[1]:
             # dw [N_local, K] = g.T @ x: rows of dw are rows of the product (batch invariance)
             gw = _matmul_out(g.T.contiguous(), x.T.contiguous(), w.dtype)
-        return gx, gw, None, None, None
+        return gx, gw, None, None, None, None
 
 
-def column_parallel_linear(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, group=None) -> torch.Tensor:
+def column_parallel_linear(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, group=None,
+                           sequence_parallel: bool = False) -> torch.Tensor:
     """``x [..., K] @ w[N_local, K].T`` -> [..., N_local] in x's dtype: the forward is the plain
     batch-invariant matmul with its tile config pinned to the full N (a column's bits do not depend
     on the split); the backward's ``dx`` sums N's leaves in the fixed tree.
 
     ``w``'s rows must be in leaf order: leaf ``c`` is rows ``[c N_local / (S/TP), ...)`` on every
     rank, so a fused weight (q/k/v, gate/up) is stored leaf-blocked (each leaf holds its slice of
-    every part), not part after part."""
+    every part), not part after part.
+
+    ``sequence_parallel``: x [T / TP, K] holds this rank's tokens; they are all-gathered first (the
+    result is [T, N_local]) and ``dx`` is the tree reduce-scatter back to this rank's tokens."""
     size, _ = _tp(group)
     local = _local_leaves(leaves, group, "column_parallel_linear")
     if w.shape[0] % local:
         raise ValueError(f"column_parallel_linear: N = {w.shape[0]} on this rank does not split into {local} leaves")
     lead = x.shape[:-1]
-    y = _ColumnParallel.apply(x.reshape(-1, x.shape[-1]), w, leaves, group, w.shape[0] * size)
+    y = _ColumnParallel.apply(x.reshape(-1, x.shape[-1]), w, leaves, group, w.shape[0] * size, sequence_parallel)
+    if sequence_parallel:
+        return y.reshape(-1, *lead[1:], w.shape[0])
     return y.reshape(*lead, w.shape[0])
 
 

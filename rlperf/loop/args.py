@@ -46,7 +46,7 @@ TRAIN_BACKENDS = ("fsdp", "megatron")
 """``--train-backend`` values: rlperf's model under FSDP2, or megatron-core (:mod:`rlperf.train.megatron`)."""
 MEGATRON_FLAGS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
                   "sequence_parallel": False, "recompute_granularity": None, "recompute_method": None,
-                  "recompute_num_layers": None, "use_distributed_optimizer": False}
+                  "recompute_num_layers": None, "use_distributed_optimizer": False, "transformer_impl": "local"}
 """The megatron backend's flags and their defaults: any other value needs ``--train-backend megatron``."""
 
 
@@ -174,8 +174,8 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--context-parallel-size", type=int, default=1, metavar="CP",
                    help="megatron: only 1 (context parallelism is not implemented)")
     g.add_argument("--sequence-parallel", action="store_true",
-                   help="megatron: not implemented (refused: the norm weights' gradients would need a token-block "
-                        "reduction tree to stay TP-invariant)")
+                   help="megatron: the activations between the tensor-parallel layers split over the tokens (a "
+                        "no-op at TP 1); the same bits as without it")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
                    help="megatron: activation recomputation of whole layers (full, CUDA only); selective is refused")
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
@@ -183,7 +183,10 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="megatron, with --recompute-granularity full")
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="megatron: not implemented (refused; each rank keeps the AdamW state of its own shards)")
+                   help="megatron: AdamW's moments sharded over the data-parallel replicas (the same bits as without)")
+    g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
+                   help="megatron: local (rlperf's kernels in the layer spec) or transformer_engine (needs Transformer "
+                        "Engine and CUDA; refused with what is missing)")
     g = p.add_argument_group("placement")
     g.add_argument("--actor-num-nodes", type=int, default=1, help="nodes of actor (trainer) ranks")
     g.add_argument("--actor-num-gpus-per-node", type=int, default=1,
@@ -346,7 +349,8 @@ def check_megatron_flags(ns: argparse.Namespace) -> None:
     """The megatron backend's flags (:data:`MEGATRON_FLAGS`): only with ``--train-backend megatron``,
     sizes >= 1, and what the backend does not implement refused, each naming its flag. Recompute's
     device (full needs CUDA) and the ranks' split (TP x PP divides the actor ranks) are
-    :func:`rlperf.loop.resolve.probe_host`'s."""
+    :func:`rlperf.loop.resolve.probe_host`'s, and so is whether ``--transformer-impl transformer_engine``
+    loads."""
     if ns.train_backend != "megatron":
         for flag, default in MEGATRON_FLAGS.items():
             if getattr(ns, flag) != default:
@@ -359,13 +363,6 @@ def check_megatron_flags(ns: argparse.Namespace) -> None:
     if ns.context_parallel_size != 1:
         raise UsageError(f"--context-parallel-size {ns.context_parallel_size}: context parallelism is not implemented "
                          f"by the megatron backend (use 1)")
-    if ns.sequence_parallel:
-        raise UsageError("--sequence-parallel is not implemented by the megatron backend (the norm weights' gradients "
-                         "would be partial sums over token shards, which need their own reduction tree to stay "
-                         "TP-invariant)")
-    if ns.use_distributed_optimizer:
-        raise UsageError("--use-distributed-optimizer is not implemented by the megatron backend (each rank keeps "
-                         "the AdamW state of its own TP / PP shards, replicated over data parallel)")
     if ns.recompute_granularity == "selective":
         raise UsageError("--recompute-granularity selective: rlperf's layer spec has no selectively recomputed "
                          "submodule (its attention keeps no [L, L] scores); use full (CUDA)")

@@ -155,10 +155,16 @@ class MegatronConfig:
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
     recompute_granularity: str | None
-    """``full`` (CUDA) or None; selective, sequence / context parallel and the distributed optimizer are
-    refused by :func:`rlperf.loop.args.check_megatron_flags`."""
+    """``full`` (CUDA) or None; selective and context parallel are refused by
+    :func:`rlperf.loop.args.check_megatron_flags`."""
     recompute_method: str | None
     recompute_num_layers: int | None
+    sequence_parallel: bool = False
+    """``--sequence-parallel``: activations between the tensor-parallel layers split over the tokens."""
+    use_distributed_optimizer: bool = False
+    """``--use-distributed-optimizer``: AdamW's moments sharded over the data-parallel replicas."""
+    transformer_impl: str = "local"
+    """``--transformer-impl``: only ``local`` runs (``transformer_engine`` is refused at resolve time)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,11 +280,12 @@ def _megatron_config(ns: argparse.Namespace) -> MegatronConfig | None:
     if ns.train_backend != "megatron":
         return None
     return MegatronConfig(ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.recompute_granularity,
-                          ns.recompute_method, ns.recompute_num_layers)
+                          ns.recompute_method, ns.recompute_num_layers, ns.sequence_parallel,
+                          ns.use_distributed_optimizer, ns.transformer_impl)
 
 
 def _sglang_config(ns: argparse.Namespace) -> SGLangConfig | None:
-    if getattr(ns, "rollout_backend", "rlperf") != "sglang":
+    if ns.rollout_backend != "sglang":
         return None
     return SGLangConfig(ns.rollout_num_gpus_per_engine, ns.sglang_attention_backend,
                         ns.sglang_enable_deterministic_inference, ns.sglang_load_format, ns.sglang_launch_timeout)

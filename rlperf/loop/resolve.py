@@ -112,6 +112,27 @@ def check_megatron_layout(ns: argparse.Namespace, device, actor_ranks: int) -> N
     if ns.recompute_granularity == "full" and device.type != "cuda":
         raise UsageError("--recompute-granularity full needs CUDA (megatron's activation checkpointing saves and "
                          "restores CUDA RNG states)")
+    if getattr(ns, "transformer_impl", "local") == "transformer_engine":
+        check_transformer_engine(device)
+
+
+def check_transformer_engine(device) -> None:
+    """``--transformer-impl transformer_engine``: :class:`UsageError` naming what is missing — the
+    ``transformer_engine.pytorch`` module (the message says why it did not import), CUDA, and (where
+    both are there) the backend's Hugging Face name mapping for TE's fused layers, which rlperf does not
+    have: its megatron layers are the local spec on rlperf's kernels."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # ImportError, or a library load failure (a missing cuBLAS symbol)
+        raise UsageError(f"--transformer-impl transformer_engine needs Transformer Engine, which does not load here: "
+                         f"{type(exc).__name__}: {exc} (install transformer-engine[pytorch] on a CUDA machine, or "
+                         f"use --transformer-impl local)") from None
+    if device.type != "cuda":
+        raise UsageError(f"--transformer-impl transformer_engine needs CUDA (--device {device.type}); use "
+                         f"--transformer-impl local")
+    raise UsageError("--transformer-impl transformer_engine: Transformer Engine loads, but rlperf's megatron backend "
+                     "has no Hugging Face weight mapping for TE's fused layers (layer norms inside linear_qkv / "
+                     "linear_fc1, megatron's grouped q/k/v rows); use --transformer-impl local")
 
 
 def check_megatron_split(cfg, tp: int, pp: int, what: str) -> None:

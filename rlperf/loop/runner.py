@@ -285,15 +285,17 @@ class Run:
             if ref is not None:
                 broadcast_parameters(ref)
         flags = (f"--tensor-model-parallel-size {mc.tensor_model_parallel_size} --pipeline-model-parallel-size "
-                 f"{mc.pipeline_model_parallel_size}")
+                 f"{mc.pipeline_model_parallel_size}" + (" --sequence-parallel" if mc.sequence_parallel else ""))
         try:
-            initialize_model_parallel(ParallelLayout(mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size),
+            initialize_model_parallel(ParallelLayout(mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size,
+                                                     sequence_parallel=mc.sequence_parallel),
                                       seed=self.config.runtime.seed)
             self._megatron_groups = True
             recompute = RecomputeConfig(mc.recompute_granularity, mc.recompute_method, mc.recompute_num_layers)
 
             def shards(model):
-                gpt = build_gpt_model(model.cfg, torch.float32, TREE_LEAVES, recompute, device=self.device)
+                gpt = build_gpt_model(model.cfg, torch.float32, TREE_LEAVES, recompute, device=self.device,
+                                      sequence_parallel=mc.sequence_parallel)
                 gpt.load_hf_tensors(model.hf_state_dict())
                 return gpt
 
@@ -301,7 +303,8 @@ class Run:
         except (ValueError, AssertionError) as exc:  # the model does not split into this layout
             raise UsageError(f"--train-backend megatron {flags}: {exc}") from None
         dtype = compute_dtype(self.precision)
-        self.trainer = MegatronTrainer(actor, train_args, ref_gpt, compute_dtype=dtype)
+        self.trainer = MegatronTrainer(actor, train_args, ref_gpt, compute_dtype=dtype,
+                                       distributed_optimizer=mc.use_distributed_optimizer)
         self.master_model = None  # the float32 masters are shards: checkpoints gather them (gather_model)
         engine = Qwen3ForCausalLM(self.model.cfg, dtype, self.device, reduction_leaves=TREE_LEAVES)
         engine.requires_grad_(False)

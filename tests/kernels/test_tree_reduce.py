@@ -30,6 +30,12 @@ def test_stack_matches_tree_sum(n):
     assert torch.equal(acc.result(), T.tree_sum(parts))
 
 
+def test_token_blocks_need_a_padded_micro_batch():
+    assert T.token_blocks(24, leaves=8) == 8
+    with pytest.raises(ValueError, match="13 tokens do not split into 8 equal token blocks"):
+        T.token_blocks(13, leaves=8)
+
+
 def test_leaf_count_checked():
     with pytest.raises(ValueError, match="power of two"):
         T.tree_sum([torch.zeros(1)] * 3)

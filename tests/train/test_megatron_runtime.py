@@ -40,7 +40,6 @@ def test_cpu_device_queries_only_inside_the_block():
 @pytest.mark.parametrize("layout, world, message", [
     (ParallelLayout(context_parallel_size=2), 2, "--context-parallel-size 2"),
     (ParallelLayout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 6, "do not split"),
-    (ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True), 2, "--sequence-parallel is not"),
     (ParallelLayout(tensor_model_parallel_size=0), 1, "--tensor-model-parallel-size must be"),
 ])
 def test_layout_refused_with_the_flag(layout, world, message):

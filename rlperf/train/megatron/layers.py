@@ -47,22 +47,31 @@ from rlperf.kernels import tree_reduce as tree
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
-    """This rank's place in the tensor-parallel group (``group`` None at TP=1) and the tree's leaves."""
+    """This rank's place in the tensor-parallel group (``group`` None at TP=1), the tree's leaves and
+    whether the activations between the tensor-parallel layers are split over the tokens
+    (``--sequence-parallel``)."""
 
     size: int
     rank: int
     group: object
     leaves: int
+    sequence_parallel: bool = False
 
     @classmethod
-    def current(cls, leaves: int) -> "TensorParallel":
+    def current(cls, leaves: int, sequence_parallel: bool = False) -> "TensorParallel":
         from megatron.core import parallel_state as ps
 
         size = ps.get_tensor_model_parallel_world_size()
         group = ps.get_tensor_model_parallel_group() if size > 1 else None
         if leaves % size:
             raise ValueError(f"--tensor-model-parallel-size {size} does not divide the {leaves} tree leaves")
-        return cls(size, ps.get_tensor_model_parallel_rank(), group, leaves)
+        return cls(size, ps.get_tensor_model_parallel_rank(), group, leaves, sequence_parallel and size > 1)
+
+    @property
+    def token_group(self):
+        """The group the tokens are split over (the tensor-parallel group under sequence parallelism),
+        or None when every rank holds every token."""
+        return self.group if self.sequence_parallel else None
 
     @property
     def local_leaves(self) -> int:
@@ -160,15 +169,42 @@ class _PlainReplicated(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """``rlperf.kernels.rmsnorm`` over the last dim, megatron's norm constructor signature."""
+    """``rlperf.kernels.rmsnorm`` over the last dim, megatron's norm constructor signature.
+
+    Tree mode (``leaves`` set, :func:`rmsnorm_class`): the tokens [T, 1, H] are cut into ``leaves``
+    equal blocks (the model pads T to a multiple of ``leaves``) and each block is normalised with its
+    own replica of the weight (``tree.block_replicas``), so the weight's gradient — a sum over tokens —
+    is the blocks' sums added in the fixed tree. Under sequence parallelism a rank holds
+    ``leaves / TP`` of the blocks and the ranks' nodes are added in the tree's top levels: the same
+    bits as one rank holding every token. (The kernel's own weight gradient sums rows in an order
+    that depends on how many rows it gets; a block's row count is the same at every TP size.)"""
+
+    leaves: int | None = None
+    sequence_parallel: bool = False
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.tp = TensorParallel.current(self.leaves, self.sequence_parallel) if self.leaves else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return K.rmsnorm(x, self.weight, self.eps)
+        if self.tp is None:
+            return K.rmsnorm(x, self.weight, self.eps)
+        group = self.tp.token_group
+        blocks = tree.token_blocks(x.shape[0] * (self.tp.size if group is not None else 1), self.tp.leaves, group)
+        replicas = tree.block_replicas(self.weight, self.tp.leaves, group)
+        per = x.shape[0] // blocks
+        return torch.cat([K.rmsnorm(x[b * per:(b + 1) * per], replicas[b], self.eps) for b in range(blocks)])
+
+
+def rmsnorm_class(leaves: int | None, sequence_parallel: bool = False) -> type:
+    """:class:`RMSNorm` in tree mode over ``leaves`` token blocks (None: one kernel call, Megatron's
+    plain order), as a class: megatron builds norms from a class and its constructor arguments."""
+    if leaves is None:
+        return RMSNorm
+    return type(f"RMSNorm{leaves}{'SP' if sequence_parallel else ''}", (RMSNorm,),
+                {"leaves": leaves, "sequence_parallel": sequence_parallel, "__module__": __name__})
 
 
 class TreeColumnParallelLinear(nn.Module):
@@ -188,7 +224,8 @@ class TreeColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.plain:
             return _PlainColumnParallel.apply(x, self.weight, self.tp), None
-        return tree.column_parallel_linear(x, self.weight, self.tp.leaves, self.tp.group), None
+        tp = self.tp
+        return tree.column_parallel_linear(x, self.weight, tp.leaves, tp.group, tp.sequence_parallel), None
 
     def split_parts(self, y: torch.Tensor) -> list[torch.Tensor]:
         """The local output [..., sum(parts) / TP] as each part's local columns [..., n_i / TP], contiguous."""
@@ -212,7 +249,8 @@ class TreeRowParallelLinear(nn.Module):
     def forward(self, x):
         if self.plain:
             return _PlainRowParallel.apply(x, self.weight, self.tp), None
-        return tree.row_parallel_linear(x, self.weight, self.tp.leaves, self.tp.group), None
+        tp = self.tp
+        return tree.row_parallel_linear(x, self.weight, tp.leaves, tp.group, tp.sequence_parallel), None
 
 
 def rope_table(head_dim: int, max_positions: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,9 +322,9 @@ class TreeSelfAttention(nn.Module):
     row-parallel ``o_proj``. ``forward(hidden [T, 1, H], packed_seq_params=...)`` -> ``(out, None)``."""
 
     def __init__(self, config, submodules: TreeSelfAttentionSubmodules, layer_number: int, leaves: int,
-                 rope_theta: float, max_positions: int, plain: bool = False, **_):
+                 rope_theta: float, max_positions: int, plain: bool = False, sequence_parallel: bool = False, **_):
         super().__init__()
-        tp = TensorParallel.current(leaves)
+        tp = TensorParallel.current(leaves, sequence_parallel)
         self.tp, self.config, self.layer_number = tp, config, layer_number
         q = config.num_attention_heads * config.kv_channels
         kv = config.num_query_groups * config.kv_channels
@@ -313,9 +351,10 @@ class SwiGLUMLPSubmodules:
 class SwiGLUMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``: leaf-blocked gate/up (column), ``silu_mul``, down (row tree)."""
 
-    def __init__(self, config, submodules: SwiGLUMLPSubmodules, leaves: int, plain: bool = False, **_):
+    def __init__(self, config, submodules: SwiGLUMLPSubmodules, leaves: int, plain: bool = False,
+                 sequence_parallel: bool = False, **_):
         super().__init__()
-        tp = TensorParallel.current(leaves)
+        tp = TensorParallel.current(leaves, sequence_parallel)
         self.tp, self.config = tp, config
         i = config.ffn_hidden_size
         self.linear_fc1 = submodules.linear_fc1(config.hidden_size, (i, i), config, tp, plain)
@@ -328,26 +367,33 @@ class SwiGLUMLP(nn.Module):
         return out, None
 
 
-def decoder_layer_spec(leaves: int, rope_theta: float, max_positions: int, plain: bool = False):
+def decoder_layer_spec(leaves: int, rope_theta: float, max_positions: int, plain: bool = False,
+                       sequence_parallel: bool = False):
     """megatron's ``TransformerLayer`` with rlperf's submodules (module docstring). ``plain``: Megatron's
     own reduction order instead of the trees (rank partials all-reduced; not TP-invariant) — the
-    anchor the trees' cost is measured against."""
+    anchor the trees' cost is measured against. ``sequence_parallel``: the layer's input and output
+    [T / TP, 1, H] hold this rank's tokens (tree mode only; the norms work on them, the linear layers
+    gather and reduce-scatter: ``rlperf.kernels.tree_reduce``)."""
+    if plain and sequence_parallel:
+        raise ValueError("--sequence-parallel is implemented in the tree mode only (not in the plain anchor)")
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+    norm = rmsnorm_class(None if plain else leaves, sequence_parallel)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
+            input_layernorm=norm,
             self_attention=ModuleSpec(module=TreeSelfAttention, submodules=TreeSelfAttentionSubmodules(),
                                       params=dict(leaves=leaves, rope_theta=rope_theta, max_positions=max_positions,
-                                                  plain=plain)),
+                                                  plain=plain, sequence_parallel=sequence_parallel)),
             self_attn_bda=get_bias_dropout_add,
             pre_cross_attn_layernorm=IdentityOp,
-            pre_mlp_layernorm=RMSNorm,
-            mlp=ModuleSpec(module=SwiGLUMLP, submodules=SwiGLUMLPSubmodules(), params=dict(leaves=leaves, plain=plain)),
+            pre_mlp_layernorm=norm,
+            mlp=ModuleSpec(module=SwiGLUMLP, submodules=SwiGLUMLPSubmodules(),
+                           params=dict(leaves=leaves, plain=plain, sequence_parallel=sequence_parallel)),
             mlp_bda=get_bias_dropout_add,
         ),
     )

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from rlperf import kernels as K
-from rlperf.kernels.tree_reduce import TREE_LEAVES, tree_logprob
+from rlperf.kernels.tree_reduce import TREE_LEAVES, gather_tokens, scatter_tokens, tree_logprob
 from rlperf.model.config import ModelConfig
 
-from .layers import TensorParallel, decoder_layer_spec, leaf_blocked_rows, parts_from_leaf_blocked, RMSNorm
+from .layers import TensorParallel, decoder_layer_spec, leaf_blocked_rows, parts_from_leaf_blocked, rmsnorm_class
 from .runtime import cpu_device_queries
 
 
@@ -103,13 +103,20 @@ class _HeadGradTap(torch.autograd.Function):
 class MegatronCausalLM(nn.Module):
     """This rank's stage of a megatron ``GPTModel`` on rlperf's kernels (module docstring).
 
-    ``gpt``: the ``GPTModel``; ``cfg``: the shapes; ``leaves``: the reduction tree's leaf count.
+    ``gpt``: the ``GPTModel``; ``cfg``: the shapes; ``leaves``: the reduction tree's leaf count;
+    ``sequence_parallel``: the decoder's activations hold this rank's ``T / TP`` tokens (the embedding
+    is scattered, the last stage gathers before the log-prob).
+
+    A packed micro-batch of ``T`` tokens is padded to ``T_pad``, the next multiple of ``leaves`` (the
+    padding: token 0, a sequence of its own, never read by the loss), so that the norms' token blocks
+    and the sequence-parallel split are equal at every TP size.
     """
 
-    def __init__(self, gpt, cfg: ModelConfig, leaves: int, plain: bool = False):
+    def __init__(self, gpt, cfg: ModelConfig, leaves: int, plain: bool = False, sequence_parallel: bool = False):
         super().__init__()
         self.gpt, self.cfg, self.leaves, self.plain = gpt, cfg, leaves, plain
-        self.tp = TensorParallel.current(leaves)
+        self.tp = TensorParallel.current(leaves, sequence_parallel)
+        self.sequence_parallel = self.tp.sequence_parallel
         from megatron.core import parallel_state as ps
 
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
@@ -125,20 +132,44 @@ class MegatronCausalLM(nn.Module):
         """The previous stage's output [T, 1, H] (pipeline stages after the first)."""
         self.gpt.set_input_tensor(hidden)
 
+    def padded_tokens(self, num_tokens: int) -> int:
+        """``T_pad``: ``num_tokens`` rounded up to a multiple of the tree's leaves (plain mode: as is)."""
+        if self.plain:
+            return num_tokens
+        return -(-num_tokens // self.leaves) * self.leaves
+
+    def stage_tokens(self, num_tokens: int) -> int:
+        """Rows of the activations a stage sends to the next for a micro-batch of ``num_tokens``:
+        ``T_pad``, or this rank's ``T_pad / TP`` under sequence parallelism."""
+        t = self.padded_tokens(num_tokens)
+        return t // self.tp.size if self.sequence_parallel else t
+
     def forward_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """This stage's output [T, 1, H] (the final-norm hidden states on the last stage) for packed
-        ``input_ids`` [T] with sequence offsets ``cu_seqlens`` [B+1]."""
+        """This stage's output for packed ``input_ids`` [T] with sequence offsets ``cu_seqlens`` [B+1]:
+        on the last stage the final-norm hidden states [T_pad, 1, H] (rows past T are padding), on the
+        others the activations [:meth:`stage_tokens`, 1, H] the next stage takes."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        t = input_ids.shape[0]
+        pad = self.padded_tokens(t) - t
         cu = cu_seqlens.to(torch.int32)
+        if pad:  # the padding is a sequence of its own: no real token attends to it
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
+            cu = torch.cat([cu, cu.new_tensor([t + pad])])
         longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                               max_seqlen_kv=longest)
         hidden = None
+        group = self.tp.token_group
         if self.first_stage:
             hidden = self.gpt.embedding(input_ids=input_ids[None], position_ids=None)
+            if group is not None:
+                hidden = scatter_tokens(hidden, group)
         with cpu_device_queries():
-            return self.gpt.decoder(hidden_states=hidden, attention_mask=None, packed_seq_params=psp)
+            out = self.gpt.decoder(hidden_states=hidden, attention_mask=None, packed_seq_params=psp)
+        if self.last_stage and group is not None:
+            out = gather_tokens(out, group)
+        return out
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -335,11 +366,15 @@ def _layers_per_stage(num_layers: int, pp: int) -> list[int]:
 
 def build_gpt_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, leaves: int = TREE_LEAVES,
                     recompute: RecomputeConfig = RecomputeConfig(),
-                    device: str | torch.device = "cpu", plain: bool = False) -> MegatronCausalLM:
+                    device: str | torch.device = "cpu", plain: bool = False,
+                    sequence_parallel: bool = False) -> MegatronCausalLM:
     """This rank's stage of the model (megatron's process groups must exist:
     :func:`rlperf.train.megatron.runtime.initialize_model_parallel`). Parameters are uninitialised:
     load them with :meth:`MegatronCausalLM.load_hf_tensors`. ``plain``: Megatron's all-reduce order
-    instead of the trees (not TP-invariant; the benchmark's anchor)."""
+    instead of the trees (not TP-invariant; the benchmark's anchor). ``sequence_parallel``: the
+    activations between the tensor-parallel layers are split over the tokens (``--sequence-parallel``;
+    a no-op at TP=1). rlperf's layers do the split themselves (megatron's ``sequence_parallel`` config
+    stays off: its embedding would reduce-scatter in the ranks' order, and gloo has no reduce-scatter)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -350,13 +385,15 @@ def build_gpt_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, leaves
     if cfg.vocab_size % (leaves):
         raise ValueError(f"vocab_size {cfg.vocab_size} does not split into {leaves} tree leaves")
     config = transformer_config(cfg, dtype, tp, pp, recompute)
-    layer = decoder_layer_spec(leaves, cfg.rope_theta, cfg.max_position_embeddings, plain)
+    sequence_parallel = sequence_parallel and tp > 1
+    layer = decoder_layer_spec(leaves, cfg.rope_theta, cfg.max_position_embeddings, plain, sequence_parallel)
     stage = ps.get_pipeline_model_parallel_rank()
     # the final norm as a class: megatron-core 0.16 builds it through build_module, 0.19 calls it
-    block = TransformerBlockSubmodules(layer_specs=[layer] * counts[stage], layer_norm=RMSNorm)
+    block = TransformerBlockSubmodules(layer_specs=[layer] * counts[stage],
+                                       layer_norm=rmsnorm_class(None if plain else leaves, sequence_parallel))
     with cpu_device_queries():
         gpt = GPTModel(config, block, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
                        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                        share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="none")
     gpt.to(device)
-    return MegatronCausalLM(gpt, cfg, leaves, plain)
+    return MegatronCausalLM(gpt, cfg, leaves, plain, sequence_parallel)

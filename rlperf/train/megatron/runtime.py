@@ -40,7 +40,8 @@ class ParallelLayout:
     context_parallel_size: int = 1
     """``--context-parallel-size``: only 1 is implemented (refused otherwise)."""
     sequence_parallel: bool = False
-    """``--sequence-parallel``: not implemented by the megatron backend (refused)."""
+    """``--sequence-parallel``: the activations between the tensor-parallel layers split over the tokens
+    (rlperf's layers do it: :func:`rlperf.train.megatron.model.build_gpt_model`); a no-op at TP=1."""
 
     def check(self, world_size: int) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
@@ -54,11 +55,6 @@ class ParallelLayout:
             raise ValueError(f"{world_size} ranks do not split into --tensor-model-parallel-size "
                              f"{self.tensor_model_parallel_size} x --pipeline-model-parallel-size "
                              f"{self.pipeline_model_parallel_size}")
-        if self.sequence_parallel:
-            # the norms' weight gradients would be per-rank partial sums over token shards: they need
-            # their own fixed tree over token blocks (at every TP size) before this is TP-invariant
-            raise ValueError("--sequence-parallel is not implemented by the megatron backend yet (its norm "
-                             "weight gradients would need a token-block tree to stay TP-invariant)")
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)

@@ -19,6 +19,11 @@ shards of one parameter are whole leaves), then the parameters' sums are added i
 Face order on every rank. So log-probs, loss, gradients, grad norm and the AdamW update are the same
 bits at TP=1, TP=2 and PP=2.
 
+Distributed optimizer (``distributed_optimizer``, ``--use-distributed-optimizer``): the AdamW moments
+are sharded over the data-parallel replicas (:class:`rlperf.train.megatron.optimizer.DistributedAdamW`),
+each replica updates its chunk of every parameter and the chunks are all-gathered; the same bits as
+the unsharded AdamW, and checkpoints hold the whole moments under Hugging Face names either way.
+
 Mixed precision: with a ``compute_dtype`` lower than the model's float32, the trainer keeps float32
 master copies of this rank's parameters (AdamW runs on them) and rounds them into the model after each
 step; each micro-batch's compute-dtype gradients are accumulated into float32 master gradients.
@@ -61,11 +66,12 @@ class MegatronTrainer(Trainer):
 
     ``model``: this rank's stage and shards, loaded (float32 masters, or the compute dtype itself);
     ``ref_model``: another ``MegatronCausalLM`` with the reference weights (or None);
-    ``compute_dtype``: bf16 on CUDA (module docstring).
+    ``compute_dtype``: bf16 on CUDA (module docstring); ``distributed_optimizer``: AdamW's moments
+    sharded over the data-parallel group (module docstring).
     """
 
     def __init__(self, model: MegatronCausalLM, args, ref_model: MegatronCausalLM | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, distributed_optimizer: bool = False):
         from megatron.core import parallel_state as ps
 
         args.validate()
@@ -102,8 +108,16 @@ class MegatronTrainer(Trainer):
         masters = list(zip(self.param_names, self.master_params))
         groups = [{"params": [p for n, p in masters if p.dim() > 1], "weight_decay": args.weight_decay},
                   {"params": [p for n, p in masters if p.dim() <= 1], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr,
-                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        groups = [g for g in groups if g["params"]]
+        self.distributed_optimizer = distributed_optimizer
+        if distributed_optimizer:
+            from .optimizer import DistributedAdamW
+
+            self.optimizer = DistributedAdamW(groups, args.lr, (args.adam_beta1, args.adam_beta2), args.adam_eps,
+                                              self.dp_group if self.dp_size > 1 else None)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                                               eps=args.adam_eps)
         self.step_count = 0
         self._norm_keys = self._grad_norm_keys()
 
@@ -140,7 +154,8 @@ class MegatronTrainer(Trainer):
 
         inp = None
         if not model.first_stage:
-            inp = torch.empty((mb.num_tokens, 1, model.cfg.hidden_size), dtype=next(model.parameters()).dtype, device=self.device)
+            inp = torch.empty((model.stage_tokens(mb.num_tokens), 1, model.cfg.hidden_size),
+                              dtype=next(model.parameters()).dtype, device=self.device)
             dist.recv(inp, src=ps.get_pipeline_model_parallel_prev_rank())
             if grad:
                 inp.requires_grad_()
@@ -426,26 +441,36 @@ class MegatronTrainer(Trainer):
         checkpoint resumes at another TP / PP size (or in the fsdp backend's names). Rank 0 gets it, the
         other ranks an empty ``optimizer``."""
         master_of = self._master_of()
-        state = self.optimizer.state
         moments: dict[str, dict[str, torch.Tensor]] = {}
-        step = None
         for key in self._MOMENTS:
             def pick(p, key=key):
-                st = state.get(master_of[id(p)], {})
-                return st[key] if key in st else torch.zeros_like(master_of[id(p)], dtype=torch.float32)
+                return self._moment(master_of[id(p)], key)
 
             got = {n: t.cpu().clone() for n, t in self.model.iter_hf_weights(torch.float32, bucket_bytes, select=pick)}
             if dist.get_rank() == 0:
                 moments[key] = got
-        for st in state.values():
-            if "step" in st:
-                step = float(st["step"])
-                break
+        step = self._adam_step()
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
                   for g in self.optimizer.param_groups]
         optim = {"format": "hf-names", "moments": moments, "step": step, "param_groups": groups} \
             if dist.get_rank() == 0 else {}
         return {"optimizer": optim, "step_count": self.step_count}
+
+    def _moment(self, master: torch.Tensor, key: str) -> torch.Tensor:
+        """AdamW's whole moment ``key`` of a master parameter (zeros before the first step); with the
+        distributed optimizer a collective over the data-parallel group."""
+        if self.distributed_optimizer:
+            return self.optimizer.full_moment(master, key)
+        st = self.optimizer.state.get(master, {})
+        return st[key] if key in st else torch.zeros_like(master, dtype=torch.float32)
+
+    def _adam_step(self) -> float | None:
+        if self.distributed_optimizer:
+            return self.optimizer.step_count()
+        for st in self.optimizer.state.values():
+            if "step" in st:
+                return float(st["step"])
+        return None
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -461,6 +486,9 @@ class MegatronTrainer(Trainer):
                 _, avg_sq = shards["exp_avg_sq"][i]
                 m = master_of.get(id(param))
                 if m is None:
+                    continue
+                if self.distributed_optimizer:
+                    self.optimizer.set_state(m, optim["step"], avg, avg_sq)
                     continue
                 self.optimizer.state[m] = {
                     "step": torch.tensor(optim["step"], dtype=torch.float32),
