@@ -55,12 +55,13 @@ def one_rank(tmp_path_factory):
     return _lines(out)
 
 
-def test_tp2_sequence_parallel_gates_pass_and_equal_the_one_rank_run(tmp_path, capfd, one_rank):
-    """``rlperf train`` at TP=2 with sequence parallelism on 2 gloo ranks: the first-step gates run
-    first and pass (what ``rlperf gate`` runs), then every rollout is exactly on-policy and the one-rank
-    run bit for bit."""
+@pytest.mark.parametrize("sequence_parallel", [[], ["--sequence-parallel"]], ids=["tp2", "tp2-sp"])
+def test_tp2_gates_pass_and_equal_the_one_rank_run(tmp_path, capfd, one_rank, sequence_parallel):
+    """``rlperf train`` at TP=2 on 2 gloo ranks, without and with sequence parallelism: the first-step
+    gates run first and pass (what ``rlperf gate`` runs), then every rollout is exactly on-policy and the
+    one-rank run bit for bit."""
     report = tmp_path / "gate.json"
-    assert _megatron_cli(tmp_path, "--tensor-model-parallel-size", "2", "--sequence-parallel", *TWO_RANKS, *SHORT,
+    assert _megatron_cli(tmp_path, "--tensor-model-parallel-size", "2", *sequence_parallel, *TWO_RANKS, *SHORT,
                          "--report-json", str(report)) == 0
     _gates_passed(capfd, report)
     lines = _lines(tmp_path)
