@@ -3,6 +3,7 @@
 * Without CUDA, ``TRITON_INTERPRET=1`` is set before any kernel module is imported, so the Triton
   kernels run under Triton's interpreter on the CPU (Triton reads the variable at import time).
 * Tests marked ``gpu`` need CUDA: skipped without it, run on the device before an issue is resolved.
+* Under pytest-xdist (the README's test command runs 2 workers) each worker uses one CPU thread.
 """
 import os
 import sys
@@ -13,6 +14,11 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one CPU thread per xdist worker (and for the processes it starts): the workers already keep the
+    # cores busy, and more threads than cores make every torch op wait on the others
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
