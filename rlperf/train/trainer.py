@@ -47,7 +47,7 @@ import torch
 
 from .advantages import compute_advantages
 from .args import TrainArgs
-from .batching import MicroBatch, compute_log_probs, micro_batch_log_probs, pack_micro_batches
+from .batching import MicroBatch, compute_log_probs, compute_routed_experts, micro_batch_log_probs, pack_micro_batches
 from .losses import compute_approx_kl, policy_loss
 from .sample import Sample
 
@@ -64,10 +64,15 @@ class Trainer:
     """Actor + frozen reference + AdamW; ``train(samples)`` runs one rollout's optimizer steps."""
 
     def __init__(self, model: torch.nn.Module, args: TrainArgs, ref_model: torch.nn.Module | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, routing_replay: bool = False):
         """``model``: the master weights (float32 when ``compute_dtype`` is lower); ``compute_dtype``:
-        the dtype forward and backward run in (None: the model's own; module docstring)."""
+        the dtype forward and backward run in (None: the model's own; module docstring).
+        ``routing_replay`` (rollout routing replay, MoE models): every forward, the actor's and the
+        reference's, routes each token to the experts the rollout routed it to
+        (``Sample.rollout_routed_experts``); a sample without them raises
+        :class:`rlperf.model.moe.RoutingReplayError` naming it."""
         args.validate()
+        self.routing_replay = routing_replay
         if (args.use_kl_loss or args.kl_coef != 0) and ref_model is None:
             raise ValueError("--use-kl-loss / --kl-coef need a reference model (--ref-load)")
         self.master_model, self.args, self.ref_model = model, args, ref_model
@@ -108,8 +113,7 @@ class Trainer:
 
     def _packing(self) -> dict:
         a = self.args
-        # --use-rollout-routing-replay (MoE): every forward routes as the rollout did
-        replay = dict(replay_routing=True) if getattr(a, "use_rollout_routing_replay", False) else {}
+        replay = dict(replay_routing=True) if self.routing_replay else {}  # every forward routes as the rollout did
         if a.use_dynamic_batch_size:
             return dict(max_tokens_per_gpu=a.max_tokens_per_gpu, **replay)
         return dict(micro_batch_size=a.micro_batch_size, **replay)
@@ -137,6 +141,13 @@ class Trainer:
         """Log-probs of every sample's response tokens ([R_i] float32 on the CPU, sample order) under
         ``model`` (the actor or the reference), without grad: :meth:`prepare`'s old and reference log-probs."""
         return compute_log_probs(model, samples, self.args.rollout_temperature, **self._packing())
+
+    def train_routed_experts(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """MoE models: the actor's own routing of every sample (its routers, never a replay), [L_i - 1,
+        MoE layers, k] int32 on the CPU per sample (``Sample.rollout_routed_experts``' layout), for the
+        routing-agreement gate."""
+        packing = {k: v for k, v in self._packing().items() if k != "replay_routing"}
+        return compute_routed_experts(self.model, samples, **packing)
 
     def micro_batches(self, samples: Sequence[Sample]) -> list[MicroBatch]:
         """The micro-batches this process trains of one global batch ``samples`` (their ``indices``

@@ -171,17 +171,16 @@ def test_routing_agreement_gate(model):
     assert not missing.passed and "sample 2 has no rollout routed experts" in missing.message
 
 
-def test_trainer_with_routing_replay_reads_it_from_its_args(model):
-    """``Trainer`` replays when its args carry ``use_rollout_routing_replay`` (the flag's name): a
-    sample without routing is then a RoutingReplayError naming it, and with routing one step runs."""
+def test_trainer_with_routing_replay(model):
+    """``Trainer(routing_replay=True)`` (``--use-rollout-routing-replay``): a sample without routing
+    is a RoutingReplayError naming it, and with routing one step runs."""
     from rlperf.train import TrainArgs, Trainer
 
     args = TrainArgs(n_samples_per_prompt=3, lr=1e-3, micro_batch_size=2)
-    args.use_rollout_routing_replay = True
     samples = _samples(_generate(model))
     for s in samples:
         s.reward = float(len(s.tokens) % 2)
-    trainer = Trainer(Qwen3ForCausalLM.random(CFG, seed=0, std=0.1), args)
+    trainer = Trainer(Qwen3ForCausalLM.random(CFG, seed=0, std=0.1), args, routing_replay=True)
     trainer.prepare(samples)
     assert all(torch.equal(s.log_probs, torch.tensor(s.rollout_log_probs)) for s in samples)
     metrics = trainer.train_step(samples)
