@@ -220,6 +220,8 @@ class Run:
         # CUDA) is what forward/backward, weight sync, the engine and the checksum see
         if self.config.train.backend == "megatron":
             self._megatron_trainer(train_args, ref)
+        elif self.config.train.moe.expert_model_parallel_size > 1:
+            self._expert_parallel_trainer(train_args, ref, engine_copy=not self.config.rollout.disaggregated)
         elif self.world_size > 1:
             # disaggregated engines take the weights from the gathered shards: no engine copy on the ranks
             self._shard_trainer(train_args, ref, engine_copy=not self.config.rollout.disaggregated)
@@ -262,6 +264,29 @@ class Run:
             engine_model.requires_grad_(False)
         self.trainer = FSDPTrainer(self.model, train_args, ref, compute_dtype=dtype,
                                    routing_replay=self.config.train.moe.routing_replay)
+        self.master_model = self.trainer.master_model
+        self.model = engine_model if engine_copy else self.master_model
+
+    def _expert_parallel_trainer(self, train_args, ref, engine_copy: bool = True) -> None:
+        """``--expert-model-parallel-size EP > 1``: every rank starts from rank 0's weights, keeps its share
+        of the experts (:class:`rlperf.train.expert_parallel.ExpertParallelTrainer`) and, with
+        ``engine_copy``, a full engine copy in the compute dtype (``self.model``), loaded from the
+        gathered weights at every sync (as the data-parallel ranks' engines)."""
+        from rlperf.train.expert_parallel import ExpertParallelTrainer
+        from rlperf.train.fsdp import broadcast_parameters
+
+        dtype = compute_dtype(self.precision)
+        broadcast_parameters(self.model)
+        if ref is not None:
+            broadcast_parameters(ref)
+        engine_model = None
+        if engine_copy:
+            engine_model = type(self.model)(self.model.cfg, dtype, self.device)
+            engine_model.requires_grad_(False)
+        moe = self.config.train.moe
+        self.trainer = ExpertParallelTrainer(self.model, train_args, ref, compute_dtype=dtype,
+                                             routing_replay=moe.routing_replay,
+                                             expert_parallel_size=moe.expert_model_parallel_size)
         self.master_model = self.trainer.master_model
         self.model = engine_model if engine_copy else self.master_model
 
@@ -444,6 +469,9 @@ class Run:
         if lead:
             ranks = f", {self.world_size} data-parallel ranks" if self.world_size > 1 else ""
             mc = c.train.megatron
+            ep = c.train.moe.expert_model_parallel_size
+            if ep > 1:
+                ranks += f", experts split over {ep} ranks (expert parallel)"
             if mc is not None:
                 ranks = (f", megatron backend on {self.world_size} rank(s): TP {mc.tensor_model_parallel_size} x PP "
                          f"{mc.pipeline_model_parallel_size} x DP "
