@@ -101,3 +101,52 @@ def test_bad_expert_parallel_layouts_exit_2_before_any_rank_starts(tmp_path, cap
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+# ---- GPU: 2 ranks over NCCL, bf16 compute (float32 masters), the Triton expert kernels ----------------------
+def _two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+
+
+@pytest.mark.gpu
+def test_two_gpu_expert_parallel_ranks_give_the_one_gpu_step_bit_for_bit(tmp_path):
+    """The kernels' path (grouped GEMMs per source rank through gradient taps) in bf16 over NCCL."""
+    _two_gpus()
+    flags = [f.replace("cpu", "cuda") for f in _flags(tmp_path, "two")] + ["--actor-num-gpus-per-node", "2",
+                                                                          "--expert-model-parallel-size", "2"]
+    ns = parse_train_args(flags)
+    ns.dump = str(tmp_path / "two.pt")
+    assert LocalPlacement().launch_actors(_step_on_rank, ns, ActorLayout(1, 2, "cuda")) == 0
+    two = torch.load(ns.dump, weights_only=False, map_location="cpu")
+    one = _first_step(parse_train_args([f.replace("cpu", "cuda") for f in _flags(tmp_path, "one")]))
+    assert two["tokens"] == one["tokens"]
+    for key in ("rollout", "old", "ref"):
+        assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(two[key], one[key])), key
+    assert two["metrics"] == one["metrics"]
+    for name, g in one["grads"].items():
+        assert torch.equal(two["grads"][name].cpu(), g.cpu()), f"gradient of {name}"
+    for name, w in one["weights"].items():
+        assert torch.equal(two["weights"][name].cpu(), w.cpu()), f"updated {name}"
+
+
+@pytest.mark.gpu
+def test_routing_replay_on_the_reduced_30b_a3b_shape_is_exactly_on_policy(tmp_path):
+    """R3 on one GPU at the 30B-A3B expert shape (2 layers): gates (routing_agreement 1.0) and two steps
+    with abs diff exactly 0."""
+    from rlperf.cli import main
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"input": f"question {i}?", "label": "A"}) + "\n" for i in range(4)))
+    code = main(["train", "--model", "qwen3-30b-a3b-2l", "--device", "cuda", "--prompt-data", str(data),
+                 "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+                 "--rollout-max-response-len", "16", "--num-rollout", "2", "--lr", "1e-6", "--true-on-policy-mode",
+                 "--use-rollout-routing-replay", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
+                 "--no-progress", "--output-dir", str(tmp_path / "out"), "--report-json", str(tmp_path / "gate.json")])
+    assert code == 0
+    gates = {g["name"]: g for g in json.loads((tmp_path / "gate.json").read_text())["gates"]}
+    assert gates["routing_agreement"]["measured"]["agreement"] == 1.0
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["train/train_rollout_logprob_abs_diff"] for m in lines] == [0.0, 0.0]

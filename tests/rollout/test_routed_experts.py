@@ -188,3 +188,14 @@ def test_trainer_with_routing_replay(model):
     samples[0].rollout_routed_experts = None
     with pytest.raises(RoutingReplayError, match="sample 0"):
         trainer.prepare(samples)
+
+
+def test_routed_experts_survive_the_debug_rollout_data():
+    """``--save-debug-rollout-data`` / ``--load-debug-rollout-data`` keep a sample's routing (replay reads it)."""
+    import json
+
+    routed = torch.randint(0, CFG.num_experts, (5, len(CFG.moe_layers), CFG.num_experts_per_tok), dtype=torch.int32)
+    s = Sample([1, 2, 3, 4, 5, 6], 3, rollout_log_probs=[-1.0, -2.0, -0.5], rollout_routed_experts=routed)
+    back = Sample.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert back.rollout_routed_experts.dtype == torch.int32 and torch.equal(back.rollout_routed_experts, routed)
+    assert Sample.from_dict(json.loads(json.dumps(Sample([1, 2], 1).to_dict()))).rollout_routed_experts is None
