@@ -350,16 +350,21 @@ class RouterClient:
             out.append(EngineMemory.from_server_info(url, reply))
         return out
 
-    def _generate_one(self, ids: list[int], sp: SamplingParams, routed: bool = False) -> GenerationResult:
+    def _generate_one(self, ids: list[int], sp: SamplingParams, routed: bool = False,
+                      url: str | None = None) -> GenerationResult:
+        """One ``/generate`` through the router, or to worker ``url`` (routed experts: the router drops
+        ``return_routed_experts``, docs/ARCHITECTURE.md "Measured facts")."""
         body = {"input_ids": ids, "return_logprob": True, "sampling_params": {
             "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
             "top_k": sp.top_k, "sampling_seed": sp.seed, "no_stop_trim": True}}
         if routed:
             body["return_routed_experts"] = True
-        status, reply = http_json(self.url + "/generate", body, timeout=self.timeout, headers=self.headers)
-        _check_auth(f"router {self.url}: /generate", status, reply, self.api_key)
+        target = url or self.url
+        what = f"router {self.url}" if url is None else f"worker {url}"
+        status, reply = http_json(target + "/generate", body, timeout=self.timeout, headers=self.headers)
+        _check_auth(f"{what}: /generate", status, reply, self.api_key)
         if status != 200:
-            raise RequestFailed(f"router {self.url}: /generate answered {status}: {reply!r}", status)
+            raise RequestFailed(f"{what}: /generate answered {status}: {reply!r}", status)
         meta = reply["meta_info"]
         triples = meta.get("output_token_logprobs") or []
         output_ids = reply.get("output_ids") or [t[1] for t in triples]
@@ -379,8 +384,13 @@ class RouterClient:
         # one request per sample, all in flight at once (up to max_inflight): the router spreads them over
         # the workers, which queue what they cannot run yet, and each sample's tokens depend only on its
         # seed (batch-invariant engines), not on who served it
-        with ThreadPoolExecutor(max(1, min(len(prompts), self.max_inflight))) as pool:
-            return list(pool.map(self._generate_one, prompts, params, [return_routed_experts] * len(prompts)))
+        n = len(prompts)
+        urls = [None] * n
+        if return_routed_experts:  # the router drops the field: spread the requests over its workers directly
+            workers = self.workers()
+            urls = [workers[i % len(workers)] for i in range(n)]
+        with ThreadPoolExecutor(max(1, min(n, self.max_inflight))) as pool:
+            return list(pool.map(self._generate_one, prompts, params, [return_routed_experts] * n, urls))
 
     def _generate_watched(self, prompts: list[list[int]], params: list[SamplingParams],
                           routed: bool = False) -> list[GenerationResult]:
@@ -402,7 +412,12 @@ class RouterClient:
                 except queue.Empty:
                     return
                 try:
-                    done.put((i, self._generate_one(prompts[i], params[i], routed), None))
+                    # routed experts: to a worker directly (the router drops the field), one the router lists now
+                    url = None
+                    if routed:
+                        workers = self.workers()
+                        url = workers[i % len(workers)]
+                    done.put((i, self._generate_one(prompts[i], params[i], routed, url), None))
                 except BaseException as exc:  # noqa: BLE001  (handed to the waiting thread)
                     done.put((i, None, exc))
 
