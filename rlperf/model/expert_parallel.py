@@ -28,6 +28,11 @@ that the one-process reference backend runs), and it can keep the expert-weight 
 source rank's rows apart (:attr:`ExpertParallel.grad_taps`): a trainer then adds the ranks'
 micro-batches' gradients in the order one process would (its micro-batch order), which is what makes
 an expert-parallel step the bits of a one-process step.
+
+The dispatcher is torch.distributed's ``all_to_all_single``. DeepEP was not tried: its ``sgl-deep-ep``
+wheels are built against torch 2.13 and the GPU machines run torch 2.11 (one symbol missing at
+import), and no GPU time was available; a DeepEP dispatcher would have to keep the contract above
+(rows in expert order, token order within; per-source GEMMs under gradient taps).
 """
 from __future__ import annotations
 
