@@ -46,10 +46,23 @@ def _first_step(ns) -> dict:
             metrics = run.trainer.train(samples, on_first_micro_step=hook.update)[0]
             grads = _whole_grads(run.trainer)
             weights = dict(run.trainer.compute_weights())
+            state = run.trainer.state_dict()  # whole AdamW moments (rank 0; a collective)
+            optim = state["optimizer"]
+            if run.world_size > 1:  # a resume on this layout slices the whole state back to the same shares
+                from rlperf.loop.data_parallel import broadcast_from_rank0
+
+                live = [{k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
+                        for st in run.trainer.optimizer.state.values()]
+                run.trainer.load_state_dict(broadcast_from_rank0(state))
+                again = [{k: v for k, v in st.items() if torch.is_tensor(v)}
+                         for st in run.trainer.optimizer.state.values()]
+                assert len(live) == len(again) and all(
+                    a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(live, again))
         shares = [tuple(layer.experts_gate_up.shape) for layer in run.trainer.master_model.layers if layer.is_moe]
         return {"shares": shares, "tokens": [list(s.tokens) for s in samples], "rollout": [s.rollout_log_probs_tensor() for s in samples],
                 "old": [s.log_probs for s in samples], "ref": [s.ref_log_probs for s in samples],
-                "metrics": metrics, "first": hook, "grads": grads, "weights": weights}
+                "metrics": metrics, "first": hook, "grads": grads, "weights": weights,
+                "moments": {n: {k: v for k, v in st.items() if torch.is_tensor(v)} for n, st in optim.get("state", {}).items()}}
     finally:
         run.close()
 
@@ -82,6 +95,9 @@ def test_two_expert_parallel_ranks_give_the_one_process_step_bit_for_bit(tmp_pat
     assert two["weights"].keys() == one["weights"].keys()
     for name, w in one["weights"].items():  # the AdamW update, the engines' weights
         assert torch.equal(two["weights"][name], w), f"updated {name}"
+    assert two["moments"].keys() == one["moments"].keys()  # a checkpoint's optimizer state: whole tensors
+    for name, st in one["moments"].items():
+        assert all(torch.equal(two["moments"][name][k], v) for k, v in st.items()), f"AdamW state of {name}"
 
 
 @pytest.mark.parametrize("flags, message", [
