@@ -63,6 +63,9 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 class Trainer:
     """Actor + frozen reference + AdamW; ``train(samples)`` runs one rollout's optimizer steps."""
 
+    routing_replay: bool = False
+    """Rollout routing replay (:meth:`__init__`); a class default for subclasses that build their own state."""
+
     def __init__(self, model: torch.nn.Module, args: TrainArgs, ref_model: torch.nn.Module | None = None,
                  compute_dtype: torch.dtype | None = None, routing_replay: bool = False):
         """``model``: the master weights (float32 when ``compute_dtype`` is lower); ``compute_dtype``:
