@@ -1,4 +1,5 @@
-"""rlperf.gates — the first-step gates (kl_zero, logprob_abs_diff, oom_headroom, sanity) behind `rlperf gate`.
+"""rlperf.gates — the first-step gates (kl_zero, logprob_abs_diff, oom_headroom, sanity; routing_agreement
+on MoE models) behind `rlperf gate`.
 
 The gates consume what the loop's first step produces, and never the reverse: the record
 (:class:`FirstStepRecord`, :class:`PhaseMemory`, :class:`EngineMemory`, :data:`PHASES`, defined in

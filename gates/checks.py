@@ -14,7 +14,8 @@
 
 MoE runs add :func:`routing_agreement` (samples and the trainer's own routing in, a verdict out):
 the share of (token, MoE layer) pairs the rollout and the trainer route to the same experts, 1.0
-exactly with ``--true-on-policy-mode`` (batch-invariant routing).
+exactly with ``--true-on-policy-mode`` (batch-invariant routing). It runs after the four, as
+``routing_agreement_gate``, whenever the first step's model has experts (:func:`gates_for`).
 
 Messages name the first offender (sample, token position, token id, both values) so a failure
 can be acted on without rerunning under a debugger.
@@ -464,3 +465,19 @@ def routing_agreement(samples, train_routed_experts, true_on_policy: bool,
                           "(--true-on-policy-mode) or replay the rollout's routing (--use-rollout-routing-replay)")
     return GateResult(name, True, measured, threshold, f"{total} token-layers routed alike by rollout and trainer"
                       if share == 1.0 else f"routing agreement {share:.6f} >= {limit:g}{where}")
+
+
+def routing_agreement_gate(record: FirstStepRecord, options: GateOptions) -> GateResult:
+    """:func:`routing_agreement` on a first step (its samples' rollout routing against
+    ``record.train_routed_experts``): the gate the first step runs on MoE models (:data:`MOE_GATES`)."""
+    return routing_agreement(record.samples, record.train_routed_experts or [], record.true_on_policy)
+
+
+MOE_GATES = {"routing_agreement": routing_agreement_gate}
+"""The gates added after :data:`GATES` when the first step ran an MoE model (its record has
+``train_routed_experts``)."""
+
+
+def gates_for(record: FirstStepRecord, gates: dict) -> dict:
+    """``gates``, plus :data:`MOE_GATES` when ``record`` is an MoE model's first step."""
+    return {**gates, **MOE_GATES} if record.train_routed_experts is not None else dict(gates)

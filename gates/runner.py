@@ -23,7 +23,7 @@ from rlperf.loop.record import FirstStepRecord
 from rlperf.train.args import add_train_arguments, train_args_from
 
 from .checks import (DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD, DEFAULT_OOM_HEADROOM, GATES, OOM_REMEDIES, GateOptions,
-                     GateResult)
+                     GateResult, gates_for)
 from .memory import parse_memory_size, system_memory_bytes
 from .report import GateReport, check_report_path, write_logprob_png
 
@@ -43,6 +43,9 @@ Run one rollout and one train step, then check the first-step gates, each report
                     worst rank's; with --rollout-num-gpus every engine's own peak too, against
                     its own GPU's memory (CPU engines: as the trainer's process)
   sanity            finite losses, rewards and grad norm; log-probs finite and <= 0
+  routing_agreement MoE models only: the share of (token, MoE layer) pairs the rollout and the
+                    trainer's own routers send to the same experts: exactly 1.0 with
+                    --true-on-policy-mode, else >= 0.99; a sample without routed experts fails
 
 A failing gate names the first offending token, sample or phase, and what to try.
 Output: a table on stdout, --report-json PATH, --junit-xml PATH (one testcase per gate), --report-png PATH
@@ -61,7 +64,7 @@ class FirstStepGate:
     def check(self, record: FirstStepRecord, seconds: float = 0.0) -> GateReport:
         """Every gate on ``record``; a gate that raises is reported as failed with the exception."""
         results = []
-        for name, gate in self.gates.items():
+        for name, gate in gates_for(record, self.gates).items():  # MoE models: routing_agreement too
             try:
                 results.append(gate(record, self.options))
             except Exception as e:  # one broken gate must not hide the others' verdicts

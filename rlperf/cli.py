@@ -153,6 +153,7 @@ def _train_on_rank(ns: argparse.Namespace, place) -> int:
             return code
     from rlperf.loop.engines import EngineFleetError
     from rlperf.loop.health import RolloutProcessFailure
+    from rlperf.model.moe import RoutingReplayError
 
     try:
         train(ns)
@@ -164,6 +165,9 @@ def _train_on_rank(ns: argparse.Namespace, place) -> int:
         return 1
     except RolloutProcessFailure as exc:  # an engine or the router died or stopped answering mid-run
         print(f"rlperf train: {exc}; the run stops. {resume_hint(ns)}", file=sys.stderr)
+        return 1
+    except RoutingReplayError as exc:  # --use-rollout-routing-replay: a sample came without its routed experts
+        print(f"rlperf train: --use-rollout-routing-replay: {exc}; the run stops. {resume_hint(ns)}", file=sys.stderr)
         return 1
     return 0
 
@@ -255,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "gate",
-        help="run one rollout and one train step and check kl_zero, logprob_abs_diff, oom_headroom, sanity",
+        help="run one rollout and one train step and check kl_zero, logprob_abs_diff, oom_headroom, sanity "
+             "(and routing_agreement on MoE models)",
         description=GATE_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -187,6 +187,17 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
                    help="megatron: local (rlperf's kernels in the layer spec) or transformer_engine (needs Transformer "
                         "Engine and CUDA; refused with what is missing)")
+    g = p.add_argument_group("mixture of experts (MoE models)")
+    g.add_argument("--use-rollout-routing-replay", action="store_true",
+                   help="rollout routing replay (R3): the rollout returns the experts every MoE layer routed each "
+                        "token to (return_routed_experts) and every training forward routes the token to those "
+                        "experts, with the weights its own router gives them; a sample without them is an error "
+                        "naming it. MoE models only")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="EP",
+                   help="split each MoE layer's experts over EP actor ranks (tokens go to their experts' rank and "
+                        "back by all-to-all, NCCL on CUDA, gloo on CPU); EP must divide the experts and the actor "
+                        "ranks (--actor-num-nodes x --actor-num-gpus-per-node), which stay data parallel. MoE "
+                        "models, --train-backend fsdp (default 1: every rank holds every expert)")
     g = p.add_argument_group("placement")
     g.add_argument("--actor-num-nodes", type=int, default=1, help="nodes of actor (trainer) ranks")
     g.add_argument("--actor-num-gpus-per-node", type=int, default=1,
@@ -343,6 +354,40 @@ def check_flag_values(ns: argparse.Namespace) -> None:
     check_profile_args(ns, error=UsageError)
     check_megatron_flags(ns)
     check_sglang_backend_flags(ns)
+    check_moe_flags(ns)
+
+
+def check_moe_flags(ns: argparse.Namespace) -> None:
+    """The MoE flags against the other flags: ``--expert-model-parallel-size`` >= 1, dividing the actor
+    ranks, with the fsdp backend's own expert-parallel trainer; neither MoE flag with the megatron
+    backend. Whether the model has experts (and how many) is checked when it is built
+    (:func:`check_moe_model`)."""
+    ep = ns.expert_model_parallel_size
+    if ep < 1:
+        raise UsageError(f"--expert-model-parallel-size must be >= 1, got {ep}")
+    ranks = ns.actor_num_nodes * ns.actor_num_gpus_per_node
+    if ranks % ep:
+        raise UsageError(f"--expert-model-parallel-size {ep} does not divide the {ranks} actor rank(s) "
+                         f"(--actor-num-nodes x --actor-num-gpus-per-node)")
+    if ns.train_backend == "megatron":
+        for flag, on in (("--expert-model-parallel-size", ep != 1),
+                         ("--use-rollout-routing-replay", ns.use_rollout_routing_replay)):
+            if on:
+                raise UsageError(f"{flag} needs --train-backend fsdp (the megatron backend has no MoE layer)")
+
+
+def check_moe_model(cfg, expert_model_parallel_size: int, routing_replay: bool) -> None:
+    """The MoE flags against the model the run built (``cfg``: :class:`rlperf.model.ModelConfig`):
+    :class:`UsageError` naming the flag when the model is dense, or when the expert-parallel size does
+    not divide its experts."""
+    for flag, on in (("--use-rollout-routing-replay", routing_replay),
+                     (f"--expert-model-parallel-size {expert_model_parallel_size}", expert_model_parallel_size > 1)):
+        if on and not cfg.moe_layers:
+            raise UsageError(f"{flag}: the model is dense (num_experts is 0; no MoE layer to "
+                             f"{'replay' if 'replay' in flag else 'split'})")
+    if cfg.moe_layers and cfg.num_experts % expert_model_parallel_size:
+        raise UsageError(f"--expert-model-parallel-size {expert_model_parallel_size} does not divide the model's "
+                         f"num_experts={cfg.num_experts}")
 
 
 def check_megatron_flags(ns: argparse.Namespace) -> None:

@@ -58,6 +58,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
+from rlperf.model.moe import decode_routed_experts
 from rlperf.rollout.args import API_KEY_ENV
 from rlperf.rollout.cuda_graph import default_max_bs
 from rlperf.rollout.engine import Engine, EngineConfig, GenerationResult, SamplingParams
@@ -104,19 +105,21 @@ def client_for(config: RunConfig, model, tokenizer, *, kv_tokens: int | None = N
     if r.backend == "sglang":  # real SGLang engines (one actor rank: rlperf.loop.args.check_sglang_backend_flags)
         return sglang_client_for(config, model, tokenizer)
     if r.engine == "router":
-        return RouterClient(r.router_ip, r.router_port, tokenizer, r.colocate, api_key=r.api_key), None
+        return RouterClient(r.router_ip, r.router_port, tokenizer, r.colocate, api_key=r.api_key,
+                            model_cfg=model.cfg), None
     if r.engine == "disaggregated":
         fleet = inner = None
         if rank == 0:
             if r.engine_router_url:  # --placement ray started the engines
                 host, port = r.engine_router_url.rsplit("/", 1)[-1].rsplit(":", 1)
-                inner = RouterClient(host, int(port), tokenizer, api_key=r.api_key, distributed=True)
+                inner = RouterClient(host, int(port), tokenizer, api_key=r.api_key, distributed=True,
+                                     model_cfg=model.cfg)
             else:
                 fleet = start_engine_fleet(config, kernel_backend)
                 try:
                     health = HealthMonitor(fleet, r.health_check, _auth_headers(r.api_key))
                     inner = RouterClient(HOST, fleet.router_port, tokenizer, api_key=r.api_key, distributed=True,
-                                         health=health)
+                                         health=health, model_cfg=model.cfg)
                 except BaseException:
                     fleet.close()
                     raise
@@ -136,8 +139,11 @@ class RolloutClient(Protocol):
     """Whether this process runs the rollout function: False on a data-parallel rank whose rollout
     comes from rank 0 (:class:`rlperf.loop.data_parallel.Rank0EnginesClient`)."""
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
-        """One result per prompt, in order; ``params[i]`` samples ``prompts[i]`` (its own seed)."""
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 return_routed_experts: bool = False) -> list[GenerationResult]:
+        """One result per prompt, in order; ``params[i]`` samples ``prompts[i]`` (its own seed).
+        ``return_routed_experts`` (MoE models): each result's ``routed_experts`` [seq_len - 1, MoE
+        layers, k], or None where an engine sent none."""
 
     def load_weights(self, named_tensors: Iterable, version: str) -> SyncStats:
         """Load every ``(HF name, tensor)`` pair (all the weights, each once) into the engines, which then
@@ -184,8 +190,9 @@ class EngineClient:
     def shared(self) -> bool:
         return self.weights == "shared"
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
-        return self.engine.generate(prompts, params)
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 return_routed_experts: bool = False) -> list[GenerationResult]:
+        return self.engine.generate(prompts, params, return_routed_experts=return_routed_experts)
 
     def load_weights(self, named_tensors, version: str) -> SyncStats:
         """``buckets``: flattened buckets -> (CPU: a shared-memory payload -> receive, checksum verified)
@@ -311,12 +318,15 @@ class RouterClient:
     runs_rollout = True
 
     def __init__(self, ip: str, port: int, tokenizer, colocate: bool = False, timeout: float = 600.0,
-                 api_key: str | None = None, distributed: bool = False, health: HealthMonitor | None = None):
+                 api_key: str | None = None, distributed: bool = False, health: HealthMonitor | None = None,
+                 model_cfg=None):
         """``distributed``: weight sync by broadcast to disaggregated workers (module docstring), not
         flattened-bucket requests. ``health``: the monitor of the run's own engines
         (:mod:`rlperf.loop.health`): a rollout then watches it, and a failed engine ends the run or is
-        replaced (``--use-fault-tolerance``)."""
+        replaced (``--use-fault-tolerance``). ``model_cfg`` (:class:`rlperf.model.ModelConfig`): what
+        decodes SGLang's ``meta_info["routed_experts"]`` (layers, top-k) for ``return_routed_experts``."""
         self.url, self.tokenizer, self.colocate, self.timeout = f"http://{ip}:{port}", tokenizer, colocate, timeout
+        self.model_cfg = model_cfg
         self.health = health
         self.api_key, self.headers = api_key, _auth_headers(api_key)
         self.max_inflight = ROUTER_MAX_INFLIGHT
@@ -346,30 +356,50 @@ class RouterClient:
             out.append(EngineMemory.from_server_info(url, reply))
         return out
 
-    def _generate_one(self, ids: list[int], sp: SamplingParams) -> GenerationResult:
+    def _generate_one(self, ids: list[int], sp: SamplingParams, routed: bool = False,
+                      url: str | None = None) -> GenerationResult:
+        """One ``/generate`` through the router, or to worker ``url`` (routed experts: the router drops
+        ``return_routed_experts``, docs/ARCHITECTURE.md "Measured facts")."""
         body = {"input_ids": ids, "return_logprob": True, "sampling_params": {
             "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
             "top_k": sp.top_k, "sampling_seed": sp.seed, "no_stop_trim": True}}
-        status, reply = http_json(self.url + "/generate", body, timeout=self.timeout, headers=self.headers)
-        _check_auth(f"router {self.url}: /generate", status, reply, self.api_key)
+        if routed:
+            body["return_routed_experts"] = True
+        target = url or self.url
+        what = f"router {self.url}" if url is None else f"worker {url}"
+        status, reply = http_json(target + "/generate", body, timeout=self.timeout, headers=self.headers)
+        _check_auth(f"{what}: /generate", status, reply, self.api_key)
         if status != 200:
-            raise RequestFailed(f"router {self.url}: /generate answered {status}: {reply!r}", status)
+            raise RequestFailed(f"{what}: /generate answered {status}: {reply!r}", status)
         meta = reply["meta_info"]
         triples = meta.get("output_token_logprobs") or []
-        return GenerationResult(output_ids=reply.get("output_ids") or [t[1] for t in triples],
-                                output_logprobs=[t[0] for t in triples], text=reply.get("text", ""),
-                                finish_reason=meta["finish_reason"])
+        output_ids = reply.get("output_ids") or [t[1] for t in triples]
+        experts = None
+        if routed and meta.get("routed_experts") is not None:
+            # a reply without them stays None: routing replay then names the sample
+            experts = decode_routed_experts(meta["routed_experts"], self.model_cfg, len(ids) + len(output_ids) - 1)
+        return GenerationResult(output_ids=output_ids, output_logprobs=[t[0] for t in triples],
+                                text=reply.get("text", ""), finish_reason=meta["finish_reason"], routed_experts=experts)
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 return_routed_experts: bool = False) -> list[GenerationResult]:
+        if return_routed_experts and self.model_cfg is None:
+            raise ValueError("return_routed_experts: this client was given no model config to decode them with")
         if self.health is not None:
-            return self._generate_watched(prompts, params)
+            return self._generate_watched(prompts, params, return_routed_experts)
         # one request per sample, all in flight at once (up to max_inflight): the router spreads them over
         # the workers, which queue what they cannot run yet, and each sample's tokens depend only on its
         # seed (batch-invariant engines), not on who served it
-        with ThreadPoolExecutor(max(1, min(len(prompts), self.max_inflight))) as pool:
-            return list(pool.map(self._generate_one, prompts, params))
+        n = len(prompts)
+        urls = [None] * n
+        if return_routed_experts:  # the router drops the field: spread the requests over its workers directly
+            workers = self.workers()
+            urls = [workers[i % len(workers)] for i in range(n)]
+        with ThreadPoolExecutor(max(1, min(n, self.max_inflight))) as pool:
+            return list(pool.map(self._generate_one, prompts, params, [return_routed_experts] * n, urls))
 
-    def _generate_watched(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+    def _generate_watched(self, prompts: list[list[int]], params: list[SamplingParams],
+                          routed: bool = False) -> list[GenerationResult]:
         """:meth:`generate` with the engines' health watched (:mod:`rlperf.loop.health`): the requests run
         on daemon threads (one stuck on a stopped engine never holds the process); while they run, and
         whenever one fails, the monitor is asked. A failure ends the rollout (:class:`EngineFailure`,
@@ -388,7 +418,12 @@ class RouterClient:
                 except queue.Empty:
                     return
                 try:
-                    done.put((i, self._generate_one(prompts[i], params[i]), None))
+                    # routed experts: to a worker directly (the router drops the field), one the router lists now
+                    url = None
+                    if routed:
+                        workers = self.workers()
+                        url = workers[i % len(workers)]
+                    done.put((i, self._generate_one(prompts[i], params[i], routed, url), None))
                 except BaseException as exc:  # noqa: BLE001  (handed to the waiting thread)
                     done.put((i, None, exc))
 

@@ -7,7 +7,8 @@ namespace itself still reaches one place: custom rollout and generate functions,
 
 Sections: :class:`DataConfig` (prompts, rewards), :class:`RolloutConfig` (sampling and where the
 rollout runs: :attr:`RolloutConfig.engine`), :class:`ModelConfig` (initial, reference and saved
-weights), :class:`TrainConfig` (the training core's :class:`rlperf.train.TrainArgs`, precision, steps),
+weights), :class:`TrainConfig` (the training core's :class:`rlperf.train.TrainArgs`, precision, steps, the
+megatron layout, :class:`MoEConfig`),
 :class:`RuntimeConfig` (device, threads, kernel policy, seed), :class:`PlacementConfig` (actor
 ranks), :class:`TelemetryConfig` (outputs, progress). Light to import.
 """
@@ -168,6 +169,18 @@ class MegatronConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts training (MoE models only; :func:`rlperf.loop.args.check_moe_model`)."""
+
+    routing_replay: bool = False
+    """``--use-rollout-routing-replay``: the rollout returns every token's routed experts and the
+    trainer's forwards route as the rollout did (:func:`rlperf.train.batching.replayed_routing`)."""
+    expert_model_parallel_size: int = 1
+    """``--expert-model-parallel-size``: actor ranks each MoE layer's experts are split over
+    (:class:`rlperf.train.expert_parallel.ExpertParallelTrainer`); 1: every rank holds every expert."""
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The trainer: its core options, precision and steps per rollout. A data-parallel run
     (:attr:`PlacementConfig.world_size` > 1) trains with FSDP2 (:class:`rlperf.train.fsdp.FSDPTrainer`),
@@ -183,6 +196,8 @@ class TrainConfig:
     """``--train-backend``: ``fsdp`` (rlperf's model; FSDP2 on several ranks) or ``megatron``."""
     megatron: MegatronConfig | None = None
     """The megatron backend's layout (``backend == "megatron"`` only)."""
+    moe: MoEConfig = MoEConfig()
+    """Routing replay and expert parallel (MoE models)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +282,8 @@ class RunConfig:
                 backend=getattr(ns, "rollout_backend", "rlperf"), sglang=_sglang_config(ns)),
             model=ModelConfig(ns.model, ns.hf_checkpoint, ns.load, ns.ref_load, ns.save, ns.save_interval),
             train=TrainConfig(train_args or ns.train_args, ns.precision, ns.num_steps_per_rollout,
-                              ns.train_backend, _megatron_config(ns)),
+                              ns.train_backend, _megatron_config(ns),
+                              MoEConfig(ns.use_rollout_routing_replay, ns.expert_model_parallel_size)),
             runtime=RuntimeConfig(ns.device, ns.num_threads, ns.mode, ns.kernel_backend, ns.seed,
                                   ns.deterministic_mode),
             placement=PlacementConfig(ns.actor_num_nodes, ns.actor_num_gpus_per_node, ns.placement, ns.ray_address),

@@ -72,10 +72,11 @@ class DataParallelEngineClient:
     def tokenizer(self):
         return self.inner.tokenizer
 
-    def generate(self, prompts: list[list[int]], params: list) -> list:
-        """Every rank calls it with the same prompts and params (a collective); returns all results in order."""
+    def generate(self, prompts: list[list[int]], params: list, **options) -> list:
+        """Every rank calls it with the same prompts, params and ``options`` (``return_routed_experts``: a
+        collective); returns all results in order."""
         mine = list(range(self.rank, len(prompts), self.world_size))
-        outs = self.inner.generate([prompts[i] for i in mine], [params[i] for i in mine]) if mine else []
+        outs = self.inner.generate([prompts[i] for i in mine], [params[i] for i in mine], **options) if mine else []
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, list(zip(mine, outs)))
         results: list = [None] * len(prompts)
@@ -112,11 +113,11 @@ class Rank0EnginesClient:
         self.kind = (f"{router_client.kind}, " if router_client is not None else "") + \
             f"rank 0's engines ({world_size} data-parallel ranks)"
 
-    def generate(self, prompts: list[list[int]], params: list) -> list:
+    def generate(self, prompts: list[list[int]], params: list, **options) -> list:
         if self.inner is None:
             raise RuntimeError(f"rank {self.rank}: the disaggregated engines generate through rank 0 (the rollout "
                                f"reaches this rank by broadcast_from_rank0)")
-        return self.inner.generate(prompts, params)
+        return self.inner.generate(prompts, params, **options)
 
     def load_weights(self, named_tensors, version: str) -> SyncStats:
         """Rank 0: broadcast the pairs to the engines as they come. The others: advance ``named_tensors``

@@ -39,6 +39,9 @@ class DataSource:
     tokenizer: object
     reward_fn: object
     custom_generate: object = None
+    return_routed_experts: bool = False
+    """MoE models: ask the engines for every token's routed experts (SGLang's ``return_routed_experts``)
+    and keep them as ``Sample.rollout_routed_experts`` (routing replay, the routing-agreement gate)."""
 
     def prompts(self, rollout_id: int, size: int):
         return self.dataset.batch(rollout_id, size)
@@ -77,13 +80,16 @@ def generate_rollout(args, rollout_id: int, data_source: DataSource, evaluation:
     if data_source.custom_generate is not None:
         samples = [data_source.custom_generate(args, s, sp) for s, sp in zip(samples, params)]
     else:
-        outs = data_source.client.generate([list(s.tokens) for s in samples], params)
+        routed = dict(return_routed_experts=True) if data_source.return_routed_experts else {}
+        outs = data_source.client.generate([list(s.tokens) for s in samples], params, **routed)
         for s, out in zip(samples, outs):
             s.tokens = list(s.tokens) + out.output_ids
             s.response_length = len(out.output_ids)
             s.rollout_log_probs = out.output_logprobs
             s.response = out.text
             s.status = Sample.Status.of_finish_reason(out.finish_type)
+            if routed:
+                s.rollout_routed_experts = out.routed_experts  # None when the engine sent none: replay names the sample
     for s in samples:
         s.reward = float(data_source.reward_fn(args, s))
     return samples

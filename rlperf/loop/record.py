@@ -89,7 +89,8 @@ class FirstStepRecord:
     ``"cpu_rss"`` (process resident set). ``true_on_policy``: ``--true-on-policy-mode`` was on.
     With several data-parallel ranks (``ranks``) each phase's peak and the probe's are the worst
     rank's. ``engines``: with rollout engines of their own (``--rollout-num-gpus``), each engine's
-    memory (:class:`EngineMemory`), checked against its own capacity; empty otherwise.
+    memory (:class:`EngineMemory`), checked against its own capacity; empty otherwise. On an MoE model
+    the samples also carry ``rollout_routed_experts`` (the first step's rollout asks for them).
     """
 
     samples: list[Sample]
@@ -105,3 +106,7 @@ class FirstStepRecord:
     engines: list[EngineMemory] = dataclasses.field(default_factory=list)
     ranks: int = 1
     """Data-parallel actor ranks the phases' peaks are the worst of."""
+    train_routed_experts: list | None = None
+    """MoE models: the trainer's own routing of every sample (its routers, before the step's update;
+    [L_i - 1, MoE layers, k] int32 per sample, the layout of ``Sample.rollout_routed_experts``), what
+    the routing_agreement gate compares with the rollout's; None for a dense model (no such gate)."""

@@ -29,7 +29,7 @@ from rlperf.rollout.args import resolve_api_key
 from rlperf.telemetry.loggers import logger_config_from
 from rlperf.train.args import train_args_from
 
-from .args import UsageError, add_loop_arguments, check_flag_values, fill_task_defaults
+from .args import UsageError, add_loop_arguments, check_flag_values, check_moe_model, fill_task_defaults
 from .device import kernel_policy, resolve_engine_layout, run_device
 from .placement import check_actor_layout
 
@@ -56,9 +56,11 @@ def probe_host(ns: argparse.Namespace) -> None:
         from rlperf.model import preset
 
         try:
-            preset(ns.model)
+            cfg = preset(ns.model)
         except ValueError as exc:
             raise UsageError(f"--model {ns.model}: {exc}") from None
+        # a checkpoint's model is checked when the run builds it (rlperf.loop.runner.Run._build_model)
+        check_moe_model(cfg, ns.expert_model_parallel_size, ns.use_rollout_routing_replay)
     device = run_device(ns)
     resolve_engine_layout(ns, device)  # --rollout-num-gpus: ns.disaggregated, ns.engine_gpus
     if getattr(ns, "rollout_backend", "rlperf") == "sglang":  # its packages, before the model is built

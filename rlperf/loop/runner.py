@@ -70,7 +70,7 @@ from rlperf.telemetry import PhaseMeter, PhaseTimeline, TrainerTrace, default_pa
 from rlperf.telemetry.loggers import open_loggers
 
 from . import checkpoint as ckpt
-from .args import UsageError, is_resolved, memory_limit
+from .args import UsageError, check_moe_model, is_resolved, memory_limit
 from .clients import ServerAuthError, client_for
 from .config import RunConfig
 from .device import compute_dtype, kernel_policy, run_device
@@ -148,7 +148,10 @@ class Run:
             self._build_data()
             self._build_trainer(config.train.args)
         self.client, self.fleet = self._build_client()  # fleet: the engine processes this run started, if any
-        self.data_source = DataSource(self.dataset, self.client, self.tokenizer, self.reward_fn, self.custom_generate)
+        # MoE: the rollout returns every token's routed experts when the trainer replays them (and for
+        # the first-step gates' routing agreement: record_routing)
+        self.data_source = DataSource(self.dataset, self.client, self.tokenizer, self.reward_fn, self.custom_generate,
+                                      return_routed_experts=config.train.moe.routing_replay)
         self.out = Path(config.telemetry.output_dir)
         self.timeline = PhaseTimeline(default_path(self.out)) if self.rank == 0 else None
         self.meter = PhaseMeter(self.device, self.timeline)
@@ -170,6 +173,8 @@ class Run:
         else:
             self.model = Qwen3ForCausalLM.random(preset(m.preset), seed=self.config.runtime.seed, device=self.device)
         self.tokenizer = load_tokenizer(m.hf_checkpoint, self.model.cfg.vocab_size)
+        moe = self.config.train.moe
+        check_moe_model(self.model.cfg, moe.expert_model_parallel_size, moe.routing_replay)
 
     def _build_data(self) -> None:
         """The prompts (``self.dataset``), the reward, the rollout function and the custom generate
@@ -215,11 +220,14 @@ class Run:
         # CUDA) is what forward/backward, weight sync, the engine and the checksum see
         if self.config.train.backend == "megatron":
             self._megatron_trainer(train_args, ref)
+        elif self.config.train.moe.expert_model_parallel_size > 1:
+            self._expert_parallel_trainer(train_args, ref, engine_copy=not self.config.rollout.disaggregated)
         elif self.world_size > 1:
             # disaggregated engines take the weights from the gathered shards: no engine copy on the ranks
             self._shard_trainer(train_args, ref, engine_copy=not self.config.rollout.disaggregated)
         else:
-            self.trainer = Trainer(self.model, train_args, ref, compute_dtype=compute_dtype(self.precision))
+            self.trainer = Trainer(self.model, train_args, ref, compute_dtype=compute_dtype(self.precision),
+                                   routing_replay=self.config.train.moe.routing_replay)
             self.master_model, self.model = self.model, self.trainer.model
         with _usage_errors("--load", m.load):
             self.start = ckpt.load_trainer_state(m.load, self.trainer) if m.load else 0
@@ -254,7 +262,31 @@ class Run:
         if engine_copy:
             engine_model = type(self.model)(self.model.cfg, dtype, self.device)
             engine_model.requires_grad_(False)
-        self.trainer = FSDPTrainer(self.model, train_args, ref, compute_dtype=dtype)
+        self.trainer = FSDPTrainer(self.model, train_args, ref, compute_dtype=dtype,
+                                   routing_replay=self.config.train.moe.routing_replay)
+        self.master_model = self.trainer.master_model
+        self.model = engine_model if engine_copy else self.master_model
+
+    def _expert_parallel_trainer(self, train_args, ref, engine_copy: bool = True) -> None:
+        """``--expert-model-parallel-size EP > 1``: every rank starts from rank 0's weights, keeps its share
+        of the experts (:class:`rlperf.train.expert_parallel.ExpertParallelTrainer`) and, with
+        ``engine_copy``, a full engine copy in the compute dtype (``self.model``), loaded from the
+        gathered weights at every sync (as the data-parallel ranks' engines)."""
+        from rlperf.train.expert_parallel import ExpertParallelTrainer
+        from rlperf.train.fsdp import broadcast_parameters
+
+        dtype = compute_dtype(self.precision)
+        broadcast_parameters(self.model)
+        if ref is not None:
+            broadcast_parameters(ref)
+        engine_model = None
+        if engine_copy:
+            engine_model = type(self.model)(self.model.cfg, dtype, self.device)
+            engine_model.requires_grad_(False)
+        moe = self.config.train.moe
+        self.trainer = ExpertParallelTrainer(self.model, train_args, ref, compute_dtype=dtype,
+                                             routing_replay=moe.routing_replay,
+                                             expert_parallel_size=moe.expert_model_parallel_size)
         self.master_model = self.trainer.master_model
         self.model = engine_model if engine_copy else self.master_model
 
@@ -440,6 +472,9 @@ class Run:
         if lead:
             ranks = f", {self.world_size} data-parallel ranks" if self.world_size > 1 else ""
             mc = c.train.megatron
+            ep = c.train.moe.expert_model_parallel_size
+            if ep > 1:
+                ranks += f", experts split over {ep} ranks (expert parallel)"
             if mc is not None:
                 ranks = (f", megatron backend on {self.world_size} rank(s): TP {mc.tensor_model_parallel_size} x PP "
                          f"{mc.pipeline_model_parallel_size} x DP "
@@ -649,9 +684,16 @@ def first_step(args=None):
 
 def _first_step_record(run: Run, ns) -> FirstStepRecord:
     first: dict = {}
+    moe = bool(run.model.cfg.moe_layers)
+    if moe:  # the routing_agreement gate compares the rollout's routing with the trainer's
+        run.data_source.return_routed_experts = True
     run.sync(-1)
     run.meter.reset()
     samples, rollout_time = run.rollout(0)
+    train_routed = None
+    if moe:  # the trainer's own routers, on the weights the rollout ran (before this step's update)
+        with run.kernels():
+            train_routed = run.trainer.train_routed_experts(samples)
     m = run.rollout_metrics(samples, rollout_time)
     m.update(run.train(0, samples, on_first_micro_step=first.update))
     run.sync(0)
@@ -677,7 +719,7 @@ def _first_step_record(run: Run, ns) -> FirstStepRecord:
         samples=run.last_train_samples, first_micro_step=first, step_metrics=m,
         phases=[PhaseMemory(p, peaks[p]) for p in PHASES],
         capacity_bytes=cap, memory_kind=run.meter.kind, probe=probe, true_on_policy=run.config.true_on_policy,
-        config=config, engines=engines, ranks=run.world_size)
+        config=config, engines=engines, ranks=run.world_size, train_routed_experts=train_routed)
 
 
 def _engine_memory(run: Run) -> list[EngineMemory]:

@@ -63,6 +63,9 @@ class DecoderLayerWeights:
     router: torch.Tensor | None = None
     experts_gate_up: torch.Tensor | None = None
     experts_down: torch.Tensor | None = None
+    expert_parallel: object = None
+    """An :class:`rlperf.model.expert_parallel.ExpertParallel` when the experts are this rank's share
+    ([E/W, ...]) of an expert-parallel group; None: all E experts here."""
 
 
 def init_layer_weights(cfg: ModelConfig, dtype: torch.dtype, device, generator: torch.Generator | None = None,
@@ -158,7 +161,8 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
     x, residual = K.add_rmsnorm(_row_linear(a.reshape(t, cfg.q_size), w.o_proj, leaves), residual,
                                 w.post_attention_layernorm, cfg.rms_norm_eps)
     if w.router is not None:
-        return sparse_moe_block(x, w.router, w.experts_gate_up, w.experts_down, cfg, routing), residual
+        return sparse_moe_block(x, w.router, w.experts_gate_up, w.experts_down, cfg, routing,
+                                w.expert_parallel), residual
     return _row_linear(K.silu_mul(K.linear(x, w.gate_up_proj)), w.down_proj, leaves), residual
 
 

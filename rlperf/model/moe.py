@@ -66,9 +66,12 @@ class RoutingTrace:
 
 
 def sparse_moe_block(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor,
-                     experts_down: torch.Tensor, cfg: ModelConfig, routing: RoutingTrace | None) -> torch.Tensor:
+                     experts_down: torch.Tensor, cfg: ModelConfig, routing: RoutingTrace | None,
+                     expert_parallel=None) -> torch.Tensor:
     """x [T, H] -> [T, H]: the block of the module docstring. ``router`` [E, H], ``experts_gate_up``
-    [E, 2I, H] (rows: gate, then up), ``experts_down`` [E, H, I]."""
+    [E, 2I, H] (rows: gate, then up), ``experts_down`` [E, H, I]. ``expert_parallel``: an
+    :class:`rlperf.model.expert_parallel.ExpertParallel` (the expert weights are then this rank's
+    [E/W, ...] share and the tokens travel to their experts' ranks) or None."""
     logits = K.linear(x, router)
     replay = routing.replayed(x.shape[0]) if routing is not None else None
     if replay is None:
@@ -80,6 +83,8 @@ def sparse_moe_block(x: torch.Tensor, router: torch.Tensor, experts_gate_up: tor
         weights, experts = K.moe_route_weights(logits, replay, cfg.norm_topk_prob)
     if routing is not None:
         routing.record(experts)
+    if expert_parallel is not None:
+        return expert_parallel(x, experts, weights, experts_gate_up, experts_down)
     return K.moe_experts(x, experts, weights, experts_gate_up, experts_down)
 
 

@@ -641,10 +641,12 @@ class Engine:
             self.retract(r)
         return len(running)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
-        """Run ``prompts`` to completion together; returns their results in order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 return_routed_experts: bool = False) -> list[GenerationResult]:
+        """Run ``prompts`` to completion together; returns their results in order (with
+        ``return_routed_experts``, each one's ``routed_experts``: :meth:`add_request`)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        reqs = [self.add_request(p, sp, return_routed_experts=return_routed_experts) for p, sp in zip(prompts, plist)]
         self.run_until_done()
         return [r.result() for r in reqs]
 

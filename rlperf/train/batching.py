@@ -135,7 +135,8 @@ def pack_micro_batches(samples: Sequence[Sample], max_tokens_per_gpu: int | None
     return [make_micro_batch(samples, g, device, replay_routing) for g in groups]
 
 
-def micro_batch_log_probs(model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
+def micro_batch_log_probs(model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False,
+                          routing: RoutingTrace | None = None):
     """Log-probs [sum R_i] float32 (and entropy) of the micro-batch's response tokens, in sample order.
 
     ``fused_logprob(hidden[logit_rows], model.head_weight, targets, temperature)`` on the final hidden
@@ -149,8 +150,12 @@ def micro_batch_log_probs(model, mb: MicroBatch, temperature: float = 1.0, with_
     (:class:`rlperf.model.qwen3.Qwen3ForCausalLM`). Differentiable when grad is enabled and the kernel
     backend has backward passes (the reference backend on CPU; of the Triton kernels only
     ``fused_logprob`` has a backward so far).
+
+    ``routing``: a :class:`RoutingTrace` the MoE layers record their experts into (ignored when the
+    micro-batch carries ``routed_experts``: those are replayed).
     """
-    routing = RoutingTrace(mb.routed_experts) if mb.routed_experts is not None else None  # replay the rollout's experts
+    if mb.routed_experts is not None:  # replay the rollout's experts
+        routing = RoutingTrace(mb.routed_experts)
     hidden = model.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens, routing)
     if getattr(model, "reduction_leaves", None) is not None:  # the tensor-parallel-invariant tree (Qwen3ForCausalLM)
         return model.token_logprobs(hidden[mb.logit_rows], mb.targets, temperature, return_entropy=with_entropy)

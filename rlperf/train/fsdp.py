@@ -79,8 +79,9 @@ def dp_shard(n: int, rank: int, world_size: int) -> list[int]:
 
 def equal_count_micro_batches(samples: Sequence[Sample], shards: Sequence[Sequence[int]], rank: int,
                               max_tokens_per_gpu: int | None = None, micro_batch_size: int | None = None,
-                              device=None) -> list[MicroBatch]:
-    """Rank ``rank``'s micro-batches of ``samples[shards[rank]]``, as many as the rank that needs most.
+                              device=None, replay_routing: bool = False) -> list[MicroBatch]:
+    """Rank ``rank``'s micro-batches of ``samples[shards[rank]]``, as many as the rank that needs most
+    (with ``replay_routing`` each carries its samples' rollout routing: :func:`make_micro_batch`).
 
     Each shard is packed with :func:`rlperf.train.batching.partition` (first-fit decreasing under
     ``max_tokens_per_gpu``, else runs of ``micro_batch_size``); ``n`` is the largest bin count over
@@ -104,7 +105,7 @@ def equal_count_micro_batches(samples: Sequence[Sample], shards: Sequence[Sequen
         groups[b:b] = [g[: len(g) // 2], g[len(g) // 2:]]
     for s in (samples[i] for i in mine):
         s.validate()
-    return [make_micro_batch(samples, [mine[j] for j in g], device) for g in groups]
+    return [make_micro_batch(samples, [mine[j] for j in g], device, replay_routing) for g in groups]
 
 
 
@@ -142,8 +143,8 @@ class PackedLogProbs(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, mb: MicroBatch, temperature: float, with_entropy: bool = False):
-        return micro_batch_log_probs(self.model, mb, temperature, with_entropy=with_entropy)
+    def forward(self, mb: MicroBatch, temperature: float, with_entropy: bool = False, routing=None):
+        return micro_batch_log_probs(self.model, mb, temperature, with_entropy=with_entropy, routing=routing)
 
 
 def shard_model(model: nn.Module, compute_dtype: torch.dtype | None = None) -> PackedLogProbs:
@@ -259,7 +260,7 @@ class FSDPTrainer(Trainer):
     """
 
     def __init__(self, model: nn.Module, args, ref_model: nn.Module | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, routing_replay: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainer needs an initialised torch.distributed process group")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -276,7 +277,7 @@ class FSDPTrainer(Trainer):
                 if root is not None:
                     root.set_reshard_after_forward(False)
         # the shards are the masters: the base trainer keeps no second copy (no compute_dtype there)
-        super().__init__(model, args, ref_model)
+        super().__init__(model, args, ref_model, routing_replay=routing_replay)
 
     @property
     def device(self) -> torch.device:
@@ -292,7 +293,8 @@ class FSDPTrainer(Trainer):
         packing = self._packing()
         return equal_count_micro_batches(samples, self._shards(len(samples)), self.rank, device=self.device,
                                          max_tokens_per_gpu=packing.get("max_tokens_per_gpu"),
-                                         micro_batch_size=packing.get("micro_batch_size"))
+                                         micro_batch_size=packing.get("micro_batch_size"),
+                                         replay_routing=self.routing_replay)
 
     @torch.no_grad()
     def sample_log_probs(self, model: nn.Module, samples: Sequence[Sample]) -> list[torch.Tensor]:
@@ -311,6 +313,30 @@ class FSDPTrainer(Trainer):
         for part in gathered:
             for i, lp in part:
                 out[i] = lp
+        return out
+
+    @torch.no_grad()
+    def train_routed_experts(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """This rank's share routed by the sharded actor's routers (recorded through the root, which
+        gathers the shards), then all-gathered: every rank returns every sample's routing."""
+        from rlperf.model.moe import RoutingTrace
+
+        packing = self._packing()
+        mine: list[tuple[int, torch.Tensor]] = []
+        for mb in equal_count_micro_batches(samples, self._shards(len(samples)), self.rank, device=self.device,
+                                            max_tokens_per_gpu=packing.get("max_tokens_per_gpu"),
+                                            micro_batch_size=packing.get("micro_batch_size")):
+            trace = RoutingTrace()
+            self.module(mb, self.args.rollout_temperature, routing=trace)
+            experts, cu = trace.experts().cpu(), mb.cu_seqlens.tolist()
+            mine += [(i, experts[cu[j]:cu[j + 1] - 1]) for j, i in enumerate(mb.indices)]
+        _reshard_all(self.module)
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for part in gathered:
+            for i, experts in part:
+                out[i] = experts
         return out
 
     def micro_batches(self, samples: Sequence[Sample]) -> list[MicroBatch]:

@@ -30,7 +30,7 @@ import torch
 
 # the fields a rollout fills; to_dict/from_dict carry exactly these (the trainer's are recomputed)
 _ROLLOUT_FIELDS = ("group_index", "index", "prompt", "tokens", "response", "response_length", "label", "reward",
-                   "loss_mask", "rollout_log_probs", "status", "metadata")
+                   "loss_mask", "rollout_log_probs", "status", "metadata", "rollout_routed_experts")
 
 
 @dataclasses.dataclass
@@ -149,4 +149,6 @@ class Sample:
         d = dict(d)
         if "status" in d:
             d["status"] = cls.Status(d["status"])
+        if d.get("rollout_routed_experts") is not None:  # MoE routing (routing replay), saved as nested lists
+            d["rollout_routed_experts"] = torch.tensor(d["rollout_routed_experts"], dtype=torch.int32)
         return cls(**d)

@@ -47,7 +47,7 @@ import torch
 
 from .advantages import compute_advantages
 from .args import TrainArgs
-from .batching import MicroBatch, compute_log_probs, micro_batch_log_probs, pack_micro_batches
+from .batching import MicroBatch, compute_log_probs, compute_routed_experts, micro_batch_log_probs, pack_micro_batches
 from .losses import compute_approx_kl, policy_loss
 from .sample import Sample
 
@@ -63,11 +63,19 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 class Trainer:
     """Actor + frozen reference + AdamW; ``train(samples)`` runs one rollout's optimizer steps."""
 
+    routing_replay: bool = False
+    """Rollout routing replay (:meth:`__init__`); a class default for subclasses that build their own state."""
+
     def __init__(self, model: torch.nn.Module, args: TrainArgs, ref_model: torch.nn.Module | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, routing_replay: bool = False):
         """``model``: the master weights (float32 when ``compute_dtype`` is lower); ``compute_dtype``:
-        the dtype forward and backward run in (None: the model's own; module docstring)."""
+        the dtype forward and backward run in (None: the model's own; module docstring).
+        ``routing_replay`` (rollout routing replay, MoE models): every forward, the actor's and the
+        reference's, routes each token to the experts the rollout routed it to
+        (``Sample.rollout_routed_experts``); a sample without them raises
+        :class:`rlperf.model.moe.RoutingReplayError` naming it."""
         args.validate()
+        self.routing_replay = routing_replay
         if (args.use_kl_loss or args.kl_coef != 0) and ref_model is None:
             raise ValueError("--use-kl-loss / --kl-coef need a reference model (--ref-load)")
         self.master_model, self.args, self.ref_model = model, args, ref_model
@@ -108,8 +116,7 @@ class Trainer:
 
     def _packing(self) -> dict:
         a = self.args
-        # --use-rollout-routing-replay (MoE): every forward routes as the rollout did
-        replay = dict(replay_routing=True) if getattr(a, "use_rollout_routing_replay", False) else {}
+        replay = dict(replay_routing=True) if self.routing_replay else {}  # every forward routes as the rollout did
         if a.use_dynamic_batch_size:
             return dict(max_tokens_per_gpu=a.max_tokens_per_gpu, **replay)
         return dict(micro_batch_size=a.micro_batch_size, **replay)
@@ -137,6 +144,13 @@ class Trainer:
         """Log-probs of every sample's response tokens ([R_i] float32 on the CPU, sample order) under
         ``model`` (the actor or the reference), without grad: :meth:`prepare`'s old and reference log-probs."""
         return compute_log_probs(model, samples, self.args.rollout_temperature, **self._packing())
+
+    def train_routed_experts(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """MoE models: the actor's own routing of every sample (its routers, never a replay), [L_i - 1,
+        MoE layers, k] int32 on the CPU per sample (``Sample.rollout_routed_experts``' layout), for the
+        routing-agreement gate."""
+        packing = {k: v for k, v in self._packing().items() if k != "replay_routing"}
+        return compute_routed_experts(self.model, samples, **packing)
 
     def micro_batches(self, samples: Sequence[Sample]) -> list[MicroBatch]:
         """The micro-batches this process trains of one global batch ``samples`` (their ``indices``
@@ -168,6 +182,25 @@ class Trainer:
         ``calculate_per_token_loss``): the first-step gates read ``train/ppo_kl`` and
         ``train/pg_clipfrac`` of step 0's first micro-step.
         """
+        with_rollout = self._check_prepared(samples)
+        denom = self._loss_denominator(samples)
+        self._zero_grads()
+        totals: dict[str, torch.Tensor] = {}
+        micro_batches = self.micro_batches(samples)
+        first_mb = micro_batches[0]
+        for index, mb in enumerate(micro_batches):
+            self.before_micro_batch(index, len(micro_batches))
+            metrics, count = self._micro_step(samples, mb, denom, with_rollout)
+            self._accumulate_master_grads()
+            if micro_step_hook is not None and mb is first_mb:
+                micro_step_hook({f"train/{k}": float(v) / max(count, 1.0) for k, v in metrics.items()})
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v / denom
+        return self._finish_step(totals)
+
+    def _check_prepared(self, samples: Sequence[Sample]) -> bool:
+        """ValueError unless every sample was prepared (and has what the loss needs); whether every
+        sample has rollout log-probs."""
         a = self.args
         if not samples:
             raise ValueError("train_step needs at least one sample")
@@ -179,45 +212,47 @@ class Trainer:
         with_rollout = all(s.rollout_log_probs is not None for s in samples)
         if a.use_tis and not with_rollout:
             raise ValueError("--use-tis needs rollout_log_probs on every sample")
-        if a.calculate_per_token_loss:
-            denom = max(float(sum(s.loss_mask_tensor().sum() for s in samples)), 1.0)
-        else:
-            denom = float(len(samples))
+        return with_rollout
 
-        dev = self.device
+    def _zero_grads(self) -> None:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         if self.mixed:
             for p in self.params:
                 p.grad = None
-        totals: dict[str, torch.Tensor] = {}
-        micro_batches = self.micro_batches(samples)
-        first_mb = micro_batches[0]
-        for index, mb in enumerate(micro_batches):
-            self.before_micro_batch(index, len(micro_batches))
-            group = [samples[i] for i in mb.indices]
 
-            def flat(name):
-                return torch.cat([getattr(s, name) for s in group]).to(dev)
+    def _loss_denominator(self, samples: Sequence[Sample]) -> float:
+        if self.args.calculate_per_token_loss:
+            return max(float(sum(s.loss_mask_tensor().sum() for s in samples)), 1.0)
+        return float(len(samples))
 
-            masks = [s.loss_mask_tensor() for s in group]
-            rollout = torch.cat([s.rollout_log_probs_tensor() for s in group]).to(dev) if with_rollout else None
-            log_probs, entropy = self.forward_log_probs(mb, with_entropy=True)
-            if a.entropy_coef == 0:
-                entropy = entropy.detach()  # a metric only: no backward through the entropy
-            loss, metrics = policy_loss(
-                a, log_probs, entropy, flat("log_probs"), flat("advantages"),
-                [m.to(dev) for m in masks], mb.response_lengths,
-                ref_log_probs=flat("ref_log_probs") if a.use_kl_loss else None, rollout_log_probs=rollout)
-            (loss / denom).backward()
-            self._accumulate_master_grads()
-            if micro_step_hook is not None and mb is first_mb:
-                count = (float(sum(m.sum() for m in masks)) if a.calculate_per_token_loss
-                         else float(len(group)))
-                micro_step_hook({f"train/{k}": float(v) / max(count, 1.0) for k, v in metrics.items()})
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v / denom
+    def _micro_step(self, samples: Sequence[Sample], mb: MicroBatch, denom: float, with_rollout: bool):
+        """Forward, policy loss and backward of one micro-batch (its loss divided by ``denom``, the
+        global batch's); returns its metric sums (slime names without ``train/``; tensors) and the
+        count they average over (its samples, or loss tokens with ``calculate_per_token_loss``)."""
+        a, dev = self.args, self.device
+        group = [samples[i] for i in mb.indices]
 
+        def flat(name):
+            return torch.cat([getattr(s, name) for s in group]).to(dev)
+
+        masks = [s.loss_mask_tensor() for s in group]
+        rollout = torch.cat([s.rollout_log_probs_tensor() for s in group]).to(dev) if with_rollout else None
+        log_probs, entropy = self.forward_log_probs(mb, with_entropy=True)
+        if a.entropy_coef == 0:
+            entropy = entropy.detach()  # a metric only: no backward through the entropy
+        loss, metrics = policy_loss(
+            a, log_probs, entropy, flat("log_probs"), flat("advantages"),
+            [m.to(dev) for m in masks], mb.response_lengths,
+            ref_log_probs=flat("ref_log_probs") if a.use_kl_loss else None, rollout_log_probs=rollout)
+        (loss / denom).backward()
+        count = float(sum(m.sum() for m in masks)) if a.calculate_per_token_loss else float(len(group))
+        return metrics, count
+
+    def _finish_step(self, totals: dict) -> dict[str, float]:
+        """After a step's backward passes: the metric sums over the ranks, every trainable parameter's
+        gradient checked, the grad norm clipped, AdamW, the compute weights refreshed; the step's metrics."""
+        a = self.args
         totals = self.reduce_metric_sums(totals)
         missing = [n for n, p in self.master_model.named_parameters() if p.requires_grad and p.grad is None]
         if missing:

@@ -171,17 +171,16 @@ def test_routing_agreement_gate(model):
     assert not missing.passed and "sample 2 has no rollout routed experts" in missing.message
 
 
-def test_trainer_with_routing_replay_reads_it_from_its_args(model):
-    """``Trainer`` replays when its args carry ``use_rollout_routing_replay`` (the flag's name): a
-    sample without routing is then a RoutingReplayError naming it, and with routing one step runs."""
+def test_trainer_with_routing_replay(model):
+    """``Trainer(routing_replay=True)`` (``--use-rollout-routing-replay``): a sample without routing
+    is a RoutingReplayError naming it, and with routing one step runs."""
     from rlperf.train import TrainArgs, Trainer
 
     args = TrainArgs(n_samples_per_prompt=3, lr=1e-3, micro_batch_size=2)
-    args.use_rollout_routing_replay = True
     samples = _samples(_generate(model))
     for s in samples:
         s.reward = float(len(s.tokens) % 2)
-    trainer = Trainer(Qwen3ForCausalLM.random(CFG, seed=0, std=0.1), args)
+    trainer = Trainer(Qwen3ForCausalLM.random(CFG, seed=0, std=0.1), args, routing_replay=True)
     trainer.prepare(samples)
     assert all(torch.equal(s.log_probs, torch.tensor(s.rollout_log_probs)) for s in samples)
     metrics = trainer.train_step(samples)
@@ -189,3 +188,14 @@ def test_trainer_with_routing_replay_reads_it_from_its_args(model):
     samples[0].rollout_routed_experts = None
     with pytest.raises(RoutingReplayError, match="sample 0"):
         trainer.prepare(samples)
+
+
+def test_routed_experts_survive_the_debug_rollout_data():
+    """``--save-debug-rollout-data`` / ``--load-debug-rollout-data`` keep a sample's routing (replay reads it)."""
+    import json
+
+    routed = torch.randint(0, CFG.num_experts, (5, len(CFG.moe_layers), CFG.num_experts_per_tok), dtype=torch.int32)
+    s = Sample([1, 2, 3, 4, 5, 6], 3, rollout_log_probs=[-1.0, -2.0, -0.5], rollout_routed_experts=routed)
+    back = Sample.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert back.rollout_routed_experts.dtype == torch.int32 and torch.equal(back.rollout_routed_experts, routed)
+    assert Sample.from_dict(json.loads(json.dumps(Sample([1, 2], 1).to_dict()))).rollout_routed_experts is None
