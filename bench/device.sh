@@ -28,7 +28,7 @@ TEST_GROUPS=(
   "tests/sync/test_buckets.py tests/sync/test_transports.py tests/test_bench_sync.py tests/rollout/test_engine.py tests/rollout/test_warmup.py tests/rollout/test_weight_update_hostile.py"
   "tests/loop/test_loop.py tests/loop/test_precision.py"
   "tests/profiles/test_profile.py tests/test_flashinfer_anchors.py"
-  "tests/loop/test_data_parallel.py tests/loop/test_disaggregated.py"
+  "tests/loop/test_data_parallel.py tests/loop/test_disaggregated.py tests/loop/test_expert_parallel_train.py"
 )
 NGROUPS=${#TEST_GROUPS[@]}
 
