@@ -148,18 +148,18 @@ def test_engine_fast_path_draws_the_same_tokens(interpreter):
 
 
 def test_batch_invariance(interpreter):
-    V = 50257
-    logits = torch.randn(40, V) * 3
-    seeds, pos = _seeds(40), torch.randint(0, 10**6, (40,))
+    V = 9001  # odd, more than two of the kernel's vocabulary chunks
+    logits = torch.randn(24, V) * 3
+    seeds, pos = _seeds(24), torch.randint(0, 10**6, (24,))
     full = K.sample(logits, 0.8, 0.95, 40, seeds, pos)
-    for i in (0, 17, 39):
+    for i in (0, 17, 23):
         assert K.sample(logits[i : i + 1], 0.8, 0.95, 40, seeds[i : i + 1], pos[i : i + 1]).item() == full[i].item()
-    perm = torch.randperm(40)
+    perm = torch.randperm(24)
     assert torch.equal(K.sample(logits[perm], 0.8, 0.95, 40, seeds[perm], pos[perm]), full[perm])
     # the same request inside a batch of different requests
-    other = torch.randn(5, V) * 3
+    other = torch.randn(3, V) * 3
     mixed = torch.cat([other, logits[3:4]])
-    got = K.sample(mixed, 0.8, 0.95, 40, torch.cat([_seeds(5), seeds[3:4]]), torch.cat([pos[:5], pos[3:4]]))
+    got = K.sample(mixed, 0.8, 0.95, 40, torch.cat([_seeds(3), seeds[3:4]]), torch.cat([pos[:3], pos[3:4]]))
     assert got[-1].item() == full[3].item()
 
 
@@ -187,7 +187,7 @@ def test_distribution_matches_softmax(interpreter):
 
     The 20000 draws run on the reference backend (the interpreter takes ~15 ms a program); the
     kernel draws the same uniforms bit for bit (test_uniform_bits_match_reference) and the same
-    tokens, checked here on the first 200 seeds of each case.
+    tokens, checked here on the first 64 seeds of each case.
     """
     n = 20000
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2]]).expand(n, 8).contiguous()
@@ -206,11 +206,11 @@ def test_distribution_matches_softmax(interpreter):
         tokens = _ref_tokens(logits, 0.7, top_p, top_k, seeds, pos)
         stat, dof = _chi2(tokens, probs)
         assert stat < crit[dof], (top_p, top_k, stat, dof)
-        assert torch.equal(K.sample(logits[:200], 0.7, top_p, top_k, seeds[:200], pos[:200]), tokens[:200])
+        assert torch.equal(K.sample(logits[:64], 0.7, top_p, top_k, seeds[:64], pos[:64]), tokens[:64])
 
 
 def test_filters_never_emit_filtered_tokens(interpreter):
-    B, V = 150, 1000
+    B, V = 48, 1000
     row = torch.randn(V) * 2
     logits = row.expand(B, V).contiguous()
     seeds, pos = torch.arange(B), torch.zeros(B, dtype=torch.long)

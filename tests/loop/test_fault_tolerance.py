@@ -47,13 +47,13 @@ def faults(monkeypatch):
 
     generate, one = C.RouterClient.generate, C.RouterClient._generate_one
 
-    def counting_generate(self, prompts, params):
+    def counting_generate(self, prompts, params, *args, **kwargs):
         with lock:
             state["call"] += 1
             state["request"] = 0
-        return generate(self, prompts, params)
+        return generate(self, prompts, params, *args, **kwargs)
 
-    def faulty_one(self, ids, sp):
+    def faulty_one(self, ids, sp, *args, **kwargs):
         with lock:
             key = (state["call"], state["request"])
             state["request"] += 1
@@ -64,7 +64,7 @@ def faults(monkeypatch):
             proc = cluster.router if target == "router" else cluster.servers[int(target[-1])]
             os.kill(proc.pid, sig)
             stopped.append(proc)
-        return one(self, ids, sp)
+        return one(self, ids, sp, *args, **kwargs)
 
     stopped = []
     monkeypatch.setattr(E.EngineFleet, "start", classmethod(recording_start))

@@ -23,6 +23,14 @@ def _run(tmp, *flags):
     return train(["--output-dir", str(tmp), "--no-progress", *flags])
 
 
+# the runs that compare bits, not learning: 4 prompts x 4 samples a rollout instead of the embedded 8 x 16
+SMALL = ("--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16")
+
+
+def _short(tmp, *flags):
+    return _run(tmp, *SMALL, *flags)
+
+
 def _tree_digest(root: Path) -> dict:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
@@ -53,11 +61,11 @@ def restore_determinism():
 
 
 def test_deterministic_runs_are_identical(tmp_path, restore_determinism):
-    a = _run(tmp_path / "a", "--deterministic-mode", "--num-rollout", "3")
-    b = _run(tmp_path / "b", "--deterministic-mode", "--num-rollout", "3")
+    a = _short(tmp_path / "a", "--deterministic-mode", "--num-rollout", "3")
+    b = _short(tmp_path / "b", "--deterministic-mode", "--num-rollout", "3")
     assert [_stable(m) for m in a] == [_stable(m) for m in b]
     assert len({m["sync/weights_checksum"] for m in a}) == 3  # the weights do change every step
-    c = _run(tmp_path / "c", "--deterministic-mode", "--num-rollout", "3", "--seed", "7")
+    c = _short(tmp_path / "c", "--deterministic-mode", "--num-rollout", "3", "--seed", "7")
     assert [_stable(m) for m in c] != [_stable(m) for m in a]  # the comparison can fail
 
 
@@ -85,17 +93,17 @@ def test_gpu_deterministic_runs_are_identical(tmp_path, restore_determinism, mon
 
 
 def test_resume_continues_identically(tmp_path):
-    full = _run(tmp_path / "full", "--num-rollout", "4")
-    _run(tmp_path / "first", "--num-rollout", "2", "--save", str(tmp_path / "ckpt"))
+    full = _short(tmp_path / "full", "--num-rollout", "4")
+    _short(tmp_path / "first", "--num-rollout", "2", "--save", str(tmp_path / "ckpt"))
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert (tmp_path / "ckpt" / "iter_0000002" / "model" / "model.safetensors").is_file()
-    rest = _run(tmp_path / "rest", "--num-rollout", "4", "--load", str(tmp_path / "ckpt"))
+    rest = _short(tmp_path / "rest", "--num-rollout", "4", "--load", str(tmp_path / "ckpt"))
     assert [m["rollout_id"] for m in rest] == [2, 3]
     assert [_stable(m) for m in rest] == [_stable(m) for m in full[2:]]
 
 
 def test_save_interval_writes_latest_last(tmp_path):
-    _run(tmp_path / "o", "--num-rollout", "3", "--save", str(tmp_path / "ckpt"), "--save-interval", "2")
+    _short(tmp_path / "o", "--num-rollout", "3", "--save", str(tmp_path / "ckpt"), "--save-interval", "2")
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert names == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
@@ -103,21 +111,21 @@ def test_save_interval_writes_latest_last(tmp_path):
 
 
 def test_true_on_policy_abs_diff_is_exactly_zero(tmp_path):
-    hist = _run(tmp_path / "t", "--true-on-policy-mode", "--num-rollout", "3")
+    hist = _short(tmp_path / "t", "--true-on-policy-mode", "--num-rollout", "3")
     assert [m["train/train_rollout_logprob_abs_diff"] for m in hist] == [0.0, 0.0, 0.0]
     # one log-prob path (fused_logprob on both sides): without the flag the difference is 0 too; the flag
     # adds the gate's exact-0 requirement (tests/gates and tests/train/test_losses show a difference caught)
-    plain = _run(tmp_path / "p", "--num-rollout", "1")
+    plain = _short(tmp_path / "p", "--num-rollout", "1")
     assert plain[0]["train/train_rollout_logprob_abs_diff"] == 0.0
 
 
 def test_async_rollout_is_one_step_off_policy(tmp_path):
     tpl = str(tmp_path / "{}" / "r{{rollout_id}}.jsonl")
-    hist = _run(tmp_path / "a", "--async", "--num-rollout", "3", "--save-debug-rollout-data", tpl.format("async"))
+    hist = _short(tmp_path / "a", "--async", "--num-rollout", "3", "--save-debug-rollout-data", tpl.format("async"))
     assert [m["rollout_id"] for m in hist] == [0, 1, 2]
     # rollout 1 of the async run came from the initial weights: it equals a rollout-only run's rollout 1
-    _run(tmp_path / "r", "--debug-rollout-only", "--num-rollout", "2", "--save-debug-rollout-data", tpl.format("ro"))
-    _run(tmp_path / "s", "--num-rollout", "2", "--save-debug-rollout-data", tpl.format("sync"))
+    _short(tmp_path / "r", "--debug-rollout-only", "--num-rollout", "2", "--save-debug-rollout-data", tpl.format("ro"))
+    _short(tmp_path / "s", "--num-rollout", "2", "--save-debug-rollout-data", tpl.format("sync"))
     load = lambda kind: load_rollout_data(tmp_path / kind / "r1.jsonl")  # noqa: E731
     key = lambda ss: [(s.tokens, s.rollout_log_probs) for s in ss]  # noqa: E731
     assert key(load("async")) == key(load("ro"))
@@ -126,8 +134,8 @@ def test_async_rollout_is_one_step_off_policy(tmp_path):
 
 def test_debug_train_only_replays_saved_rollouts(tmp_path):
     tpl = str(tmp_path / "data" / "r{rollout_id}.jsonl")
-    a = _run(tmp_path / "a", "--num-rollout", "2", "--save-debug-rollout-data", tpl)
-    b = _run(tmp_path / "b", "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", tpl)
+    a = _short(tmp_path / "a", "--num-rollout", "2", "--save-debug-rollout-data", tpl)
+    b = _short(tmp_path / "b", "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", tpl)
     for x, y in zip(a, b):
         assert {k: v for k, v in _stable(x).items() if k.startswith("train/")} == \
                {k: v for k, v in _stable(y).items() if k.startswith("train/")}

@@ -198,7 +198,8 @@ def test_a_group_the_busy_cluster_cannot_place_exits_2_instead_of_waiting(cluste
 
 
 def test_two_ranks_through_ray_train_exactly_as_two_local_ranks(cluster, tmp_path):
-    flags = ["train", "--device", "cpu", "--actor-num-gpus-per-node", "2", "--num-rollout", "2", "--no-progress"]
+    flags = ["train", "--device", "cpu", "--actor-num-gpus-per-node", "2", "--num-rollout", "2", "--no-progress",
+             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16"]
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "rlperf", *flags, "--output-dir", str(tmp_path / "ray"),
                            "--placement", "ray", "--ray-address", cluster.address],
@@ -222,7 +223,8 @@ def test_two_ranks_and_two_engines_through_ray_train_exactly_as_two_local_ranks(
     """DP=2 + 2 engines through Ray (4 bundles: 2 ranks, 2 engines): rank 0 drives the placement's engines
     through their router; the metrics are the 2 local colocated ranks' bit for bit."""
     flags = ["--device", "cpu", "--num-rollout", "2", "--true-on-policy-mode", "--no-progress", "--skip-gates",
-             "--actor-num-gpus-per-node", "2", "--n-samples-per-prompt", "8", "--global-batch-size", "64"]
+             "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+             "--global-batch-size", "16"]
     t = time.perf_counter()
     assert main(["train", "--placement", "ray", "--rollout-num-gpus", "2", "--output-dir", str(tmp_path / "ray"),
                  *flags]) == 0

@@ -62,8 +62,9 @@ def test_prefill_chunked_decode_give_identical_bits(interpreter, dtype):
         packed = model.forward_packed(ids, positions, cu)
         n_pages = 3 * ((longest + K.PAGE_SIZE - 1) // K.PAGE_SIZE)
         order = torch.randperm(n_pages).tolist()
-        # whole prefill; chunked prefill; prefill of one page then decode token by token across the boundary
-        for chunk in ((longest, longest), (7, 7), (K.PAGE_SIZE, 1)):
+        # whole prefill; chunked prefill (odd chunks, one across the page boundary); prefill of one page then
+        # decode token by token across the boundary
+        for chunk in ((longest, longest), (37, 37), (K.PAGE_SIZE, 1)):
             paged = _paged_run(model, seqs, chunk, order)
             for s in range(len(seqs)):
                 assert torch.equal(paged[s], packed[cu[s]:cu[s + 1]]), (chunk, s)

@@ -258,6 +258,7 @@ def test_resolve_api_key_takes_the_flag_then_the_file_then_the_environment(tmp_p
 def _train_flags(cluster, out):
     port = cluster.router_url.rsplit(":", 1)[1]
     return ["train", "--skip-gates", "--no-progress", "--num-rollout", "1", "--output-dir", str(out),
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
             "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", port]
 
 
