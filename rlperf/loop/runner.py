@@ -252,20 +252,29 @@ class Run:
         weights, loaded from the shards at every sync). Without it (disaggregated engines: the weights
         go to them from the gathered shards) there is no full copy and ``self.model`` is the sharded
         master model."""
-        from rlperf.train.fsdp import FSDPTrainer, broadcast_parameters
+        from rlperf.train.fsdp import FSDPTrainer
 
         dtype = compute_dtype(self.precision)
-        broadcast_parameters(self.model)
-        if ref is not None:
-            broadcast_parameters(ref)
-        engine_model = None
-        if engine_copy:
-            engine_model = type(self.model)(self.model.cfg, dtype, self.device)
-            engine_model.requires_grad_(False)
+        engine_model = self._rank_start(ref, dtype, engine_copy)
         self.trainer = FSDPTrainer(self.model, train_args, ref, compute_dtype=dtype,
                                    routing_replay=self.config.train.moe.routing_replay)
         self.master_model = self.trainer.master_model
         self.model = engine_model if engine_copy else self.master_model
+
+    def _rank_start(self, ref, dtype, engine_copy: bool):
+        """Every rank starts from rank 0's weights (``self.model`` and the reference ``ref``, broadcast);
+        returns, with ``engine_copy``, the rank's engine copy in ``dtype`` (its weights loaded at every
+        sync), else None."""
+        from rlperf.train.fsdp import broadcast_parameters
+
+        broadcast_parameters(self.model)
+        if ref is not None:
+            broadcast_parameters(ref)
+        if not engine_copy:
+            return None
+        engine_model = type(self.model)(self.model.cfg, dtype, self.device)
+        engine_model.requires_grad_(False)
+        return engine_model
 
     def _expert_parallel_trainer(self, train_args, ref, engine_copy: bool = True) -> None:
         """``--expert-model-parallel-size EP > 1``: every rank starts from rank 0's weights, keeps its share
@@ -273,16 +282,9 @@ class Run:
         ``engine_copy``, a full engine copy in the compute dtype (``self.model``), loaded from the
         gathered weights at every sync (as the data-parallel ranks' engines)."""
         from rlperf.train.expert_parallel import ExpertParallelTrainer
-        from rlperf.train.fsdp import broadcast_parameters
 
         dtype = compute_dtype(self.precision)
-        broadcast_parameters(self.model)
-        if ref is not None:
-            broadcast_parameters(ref)
-        engine_model = None
-        if engine_copy:
-            engine_model = type(self.model)(self.model.cfg, dtype, self.device)
-            engine_model.requires_grad_(False)
+        engine_model = self._rank_start(ref, dtype, engine_copy)
         moe = self.config.train.moe
         self.trainer = ExpertParallelTrainer(self.model, train_args, ref, compute_dtype=dtype,
                                              routing_replay=moe.routing_replay,

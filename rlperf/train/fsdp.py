@@ -307,13 +307,7 @@ class FSDPTrainer(Trainer):
             lp = root(mb, self.args.rollout_temperature)
             mine += [(i, part.float().cpu()) for i, part in zip(mb.indices, lp.split(mb.response_lengths))]
         _reshard_all(root)  # a forward without backward leaves the root (and, gathered per step, every layer) gathered
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
-        out: list[torch.Tensor | None] = [None] * len(samples)
-        for part in gathered:
-            for i, lp in part:
-                out[i] = lp
-        return out
+        return self._gather_by_index(mine, len(samples))
 
     @torch.no_grad()
     def train_routed_experts(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
@@ -331,12 +325,16 @@ class FSDPTrainer(Trainer):
             experts, cu = trace.experts().cpu(), mb.cu_seqlens.tolist()
             mine += [(i, experts[cu[j]:cu[j + 1] - 1]) for j, i in enumerate(mb.indices)]
         _reshard_all(self.module)
+        return self._gather_by_index(mine, len(samples))
+
+    def _gather_by_index(self, mine: list[tuple[int, torch.Tensor]], n: int) -> list[torch.Tensor]:
+        """Every rank's ``(sample index, tensor)`` pairs, all-gathered into one list of ``n`` by index."""
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, mine)
-        out: list[torch.Tensor | None] = [None] * len(samples)
+        out: list[torch.Tensor | None] = [None] * n
         for part in gathered:
-            for i, experts in part:
-                out[i] = experts
+            for i, t in part:
+                out[i] = t
         return out
 
     def micro_batches(self, samples: Sequence[Sample]) -> list[MicroBatch]:
