@@ -21,22 +21,32 @@ def _packed(lengths, vocab, seed=0):
     return seqs, ids, positions, cu
 
 
-def test_logits_match_transformers_qwen3(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    model = Qwen3ForCausalLM.random(CFG, seed=1, std=0.1)
-    with torch.no_grad():  # non-trivial norm weights so a swapped norm would show
+def _perturbed(model):
+    """``model`` with non-trivial norm weights, so that a swapped norm would show."""
+    with torch.no_grad():
         for layer in model.layers:
             layer.q_norm.uniform_(0.5, 1.5)
             layer.input_layernorm.uniform_(0.5, 1.5)
-    model.save_pretrained(tmp_path)
-    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    seqs, ids, positions, cu = _packed([1, 7, 33], CFG.vocab_size)
+    return model
+
+
+def _assert_logits_match(model, hf):
+    """rlperf's logits (reference backend) against transformers' ``hf`` on sequences of 1, 7 and 33 tokens."""
+    seqs, ids, positions, cu = _packed([1, 7, 33], model.cfg.vocab_size)
     with K.use_backend("reference"), torch.no_grad():
         ours = model.logits(model.forward_packed(ids, positions, cu))
         for s, seq in enumerate(seqs):
             ref = hf(seq[None]).logits[0].double()
             # fp32 model: our ops run in float64 and round per op; HF runs fp32 throughout
             torch.testing.assert_close(ours[cu[s]:cu[s + 1]].double(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_logits_match_transformers_qwen3(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = _perturbed(Qwen3ForCausalLM.random(CFG, seed=1, std=0.1))
+    model.save_pretrained(tmp_path)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    _assert_logits_match(model, hf)
 
 
 def test_sharded_checkpoint_round_trip_and_bad_shapes(tmp_path):

@@ -12,17 +12,9 @@ from rlperf.model.config import config_from_hf_dict
 from rlperf.model.moe import RoutingReplayError, RoutingTrace
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 
-from test_qwen3 import _packed, _paged_run
+from test_qwen3 import _assert_logits_match, _packed, _paged_run, _perturbed
 
 CFG = preset("qwen3-moe-tiny")
-
-
-def _perturbed(model):
-    with torch.no_grad():  # non-trivial norm weights so a swapped norm would show
-        for layer in model.layers:
-            layer.q_norm.uniform_(0.5, 1.5)
-            layer.input_layernorm.uniform_(0.5, 1.5)
-    return model
 
 
 @pytest.mark.parametrize("changes", [
@@ -40,13 +32,7 @@ def test_logits_match_transformers_qwen3_moe(tmp_path, changes):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "qwen3_moe" and saved["num_experts"] == cfg.num_experts
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    seqs, ids, positions, cu = _packed([1, 7, 33], cfg.vocab_size)
-    with K.use_backend("reference"), torch.no_grad():
-        ours = model.logits(model.forward_packed(ids, positions, cu))
-        for s, seq in enumerate(seqs):
-            ref = hf(seq[None]).logits[0].double()
-            # fp32 model: our ops run in float64 and round per op; HF runs fp32 throughout
-            torch.testing.assert_close(ours[cu[s]:cu[s + 1]].double(), ref, atol=2e-5, rtol=1e-4)
+    _assert_logits_match(model, hf)
 
 
 def test_kernels_match_the_reference_backend(interpreter):
