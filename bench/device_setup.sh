@@ -1,15 +1,19 @@
 # Sourced by the bench/device*.sh scripts: the one device-call setup they share. Sets OUT (a fresh
 # folder unless given) and PYTHONUNBUFFERED, records the GPU in $OUT/gpu.txt, installs the carried
 # wheels of .whl/ into /tmp/site (on PYTHONPATH; bench/fetch_wheels.sh downloads them) and the project
-# itself (editable). Exits 3 with the log's tail when an install fails.
+# itself (editable). Exits 3 with the log's tail when an install fails. Under bench/device_lanes.sh the
+# installs ran once before the lanes started (RLPERF_SETUP_DONE=1): only OUT and the GPU record are set.
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 \
-    || { tail -30 "$OUT/wheels.log"; exit 3; }
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-else
-  echo "no .whl/ (bash bench/fetch_wheels.sh, then carry .whl): tests that need the router or sglang skip"
+if [ -z "${RLPERF_SETUP_DONE:-}" ]; then
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 \
+      || { tail -30 "$OUT/wheels.log"; exit 3; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  else
+    echo "no .whl/ (bash bench/fetch_wheels.sh, then carry .whl): tests that need the router or sglang skip"
+  fi
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 3; }
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 3; }

@@ -11,7 +11,9 @@
 #   uvicorn, orjson, setproctitle);
 #   sglang, whose FlattenedTensorBucket the bucket interop tests load (installed without its own
 #   dependencies, as on the CPU); pytest-benchmark (bench/test_microbench.py); perfetto (trace checks);
-#   megatron-core 0.19 (the megatron trainer backend; 0.19 needs Python >= 3.12, which the image has).
+#   megatron-core 0.19 (the megatron trainer backend; 0.19 needs Python >= 3.12, which the image has);
+#   flashinfer-python with apache-tvm-ffi (the FlashInfer anchors of the attention and sampling benches;
+#   JIT: nvcc compiles each kernel on first use).
 # The image has torch, triton, aiohttp, anyio, click and h11. pydantic pins pydantic-core exactly: change
 # the two together.
 set -euo pipefail
@@ -34,6 +36,8 @@ WHEELS=(
   pytest-benchmark==5.3.1
   perfetto==0.59.1
   megatron-core==0.19.0
+  flashinfer-python==0.6.15.post1
+  apache-tvm-ffi==0.1.15.post2
 )
 mkdir -p "$WHEEL_DIR"
 # --no-deps: exactly this list (the image has the rest); --only-binary: wheels, never an sdist to build;

@@ -5,7 +5,8 @@ process per GPU, NCCL; ``--device cpu`` runs the same on gloo for a smoke test):
 
 * ``--backend megatron`` (tree numerics, the TP-invariant mode), ``megatron-plain`` (Megatron's own
   all-reduce order: the anchor of the tree's cost) or ``fsdp`` (rlperf's one-GPU trainer: the anchor
-  of the backend's speed) at ``--tp`` = N;
+  of the backend's speed) at ``--tp`` x ``--pp`` ranks per model replica; the N launched processes
+  split into N / (tp x pp) data-parallel replicas, each of which trains on its share of the samples;
 * synthetic samples (``--samples`` of ``--tokens`` tokens, the last ``--response`` of them the
   response), or with ``--engine`` the responses of rlperf's engine on rank 0's GPU (tree mode, bf16),
   whose rollout log-probs the trainer's old log-probs must equal (``abs_diff``, expected exactly 0);
@@ -97,8 +98,10 @@ def run(ns) -> dict:
     args = TrainArgs(n_samples_per_prompt=1, use_dynamic_batch_size=True, max_tokens_per_gpu=ns.max_tokens_per_gpu,
                      lr=1e-6, clip_grad=1.0)
     weights = Qwen3ForCausalLM.random(cfg, seed=0, std=0.02)  # float32 on the CPU, the same on every rank
-    out = {"backend": ns.backend, "shape": ns.shape, "tp": ns.tp, "sequence_parallel": ns.sequence_parallel,
-           "world": world, "device": ns.device,
+    if world % (ns.tp * ns.pp):
+        raise SystemExit(f"{world} processes do not split into --tp {ns.tp} x --pp {ns.pp} replicas")
+    out = {"backend": ns.backend, "shape": ns.shape, "tp": ns.tp, "pp": ns.pp, "dp": world // (ns.tp * ns.pp),
+           "sequence_parallel": ns.sequence_parallel, "world": world, "device": ns.device,
            "gpu": torch.cuda.get_device_name() if cuda else None, "tokens_per_step": sum(s.total_length for s in samples)}
     if ns.backend == "fsdp":
         if world != 1:
@@ -107,7 +110,7 @@ def run(ns) -> dict:
         trainer = Trainer(weights.to(device), args, compute_dtype=compute)
         grads_of = lambda: [(n, p.grad) for n, p in trainer.master_model.named_parameters()]  # noqa: E731
     else:
-        initialize_model_parallel(ParallelLayout(tensor_model_parallel_size=ns.tp,
+        initialize_model_parallel(ParallelLayout(tensor_model_parallel_size=ns.tp, pipeline_model_parallel_size=ns.pp,
                                                  sequence_parallel=ns.sequence_parallel))
         model = build_gpt_model(cfg, torch.float32, device=device, plain=ns.backend == "megatron-plain",
                                 sequence_parallel=ns.sequence_parallel)
@@ -158,8 +161,8 @@ def compare(a_path: str, b_path: str) -> dict:
             "tokens_per_s_ratio_b_over_a": ratio}
 
 
-RUNS = ("fsdp-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp2", "tree-0.6b-tp2-sp", "plain-0.6b-tp2", "tree-1.7b-tp1",
-        "tree-1.7b-tp2")
+RUNS = ("fsdp-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp2", "tree-0.6b-tp2-sp", "tree-0.6b-pp2", "plain-0.6b-tp2",
+        "tree-1.7b-tp1", "tree-1.7b-tp2", "tree-0.6b-tp2-dp2")
 """The runs of ``bench/device_megatron.sh`` (``<backend>-<shape>-tp<N>.json`` in its output folder)."""
 
 
@@ -188,6 +191,10 @@ def summary(folder: str) -> dict:
         "bits_0.6b_tp1_vs_tp2_sp": {"log_probs": same("tree-0.6b-tp1", "tree-0.6b-tp2-sp", "log_prob_digests"),
                                     "grads": same("tree-0.6b-tp1", "tree-0.6b-tp2-sp", "grad_digests")},
         "sp_step_over_tp2_step_0.6b": ratio("tree-0.6b-tp2", "tree-0.6b-tp2-sp"),
+        "bits_0.6b_tp1_vs_pp2": {"log_probs": same("tree-0.6b-tp1", "tree-0.6b-pp2", "log_prob_digests"),
+                                 "grads": same("tree-0.6b-tp1", "tree-0.6b-pp2", "grad_digests")},
+        "bits_0.6b_tp1_vs_tp2_dp2": {"log_probs": same("tree-0.6b-tp1", "tree-0.6b-tp2-dp2", "log_prob_digests"),
+                                     "grads": same("tree-0.6b-tp1", "tree-0.6b-tp2-dp2", "grad_digests")},
         "bits_1.7b_tp1_vs_tp2": {"log_probs": same("tree-1.7b-tp1", "tree-1.7b-tp2", "log_prob_digests"),
                                  "grads": same("tree-1.7b-tp1", "tree-1.7b-tp2", "grad_digests")},
         "engine_abs_diff": {n: r[n]["train_rollout_logprob_abs_diff"] for n in RUNS
@@ -195,6 +202,7 @@ def summary(folder: str) -> dict:
         "target1_tp1_megatron_over_fsdp_0.6b (>= 1.0)": ratio("tree-0.6b-tp1", "fsdp-0.6b-tp1"),
         "target2_tree_step_over_plain_step_tp2_0.6b (<= 1.15)": ratio("plain-0.6b-tp2", "tree-0.6b-tp2"),
         "target3_tp2_over_tp1_1.7b (>= 1.6)": ratio("tree-1.7b-tp2", "tree-1.7b-tp1"),
+        "tp2_dp2_on_4_over_tp2_on_2_0.6b (>= 1.7)": ratio("tree-0.6b-tp2-dp2", "tree-0.6b-tp2"),
     }
 
 
@@ -204,7 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--summary", metavar="DIR", help="the targets from bench/device_megatron.sh's run files in DIR")
     p.add_argument("--backend", choices=("megatron", "megatron-plain", "fsdp"), default="megatron")
     p.add_argument("--shape", default="qwen3-0.6b", help="a preset name or qwen3-1.7b")
-    p.add_argument("--tp", type=int, default=1, help="--tensor-model-parallel-size (= the number of processes)")
+    p.add_argument("--tp", type=int, default=1, help="--tensor-model-parallel-size")
+    p.add_argument("--pp", type=int, default=1, help="--pipeline-model-parallel-size (processes / (tp x pp): data parallel)")
     p.add_argument("--sequence-parallel", action="store_true", help="megatron: --sequence-parallel (tree mode)")
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--tokens", type=int, default=1024, help="tokens per sample (prompt + response)")

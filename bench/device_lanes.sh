@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One device call on a multi-GPU machine, several jobs ("lanes") at once, each on its own GPUs: the
+# installs run once, then every lane runs with CUDA_VISIBLE_DEVICES set to its GPUs, OUT set to
+# $OUT/lane-<i>, its own torchrun port, and a time limit (LANE_TIMEOUT seconds, default 500). A lane's
+# output lands in $OUT/lane-<i>.log and its exit status in $OUT/lane-<i>.rc; at the end each lane's status
+# and the tail of its log are printed. The exit status is 0 only if every lane's is.
+#
+#   bash bench/device_lanes.sh "GPUS:COMMAND" ["GPUS:COMMAND" ...]
+#   e.g. (4 GPUs, device kind nvidia-h100-x4):
+#   RLPERF_COMMIT=$(git rev-parse --short HEAD) bash bench/device_lanes.sh \
+#     "0:bash bench/device.sh tests 1" "1:bash bench/device.sh tests 2" \
+#     "2,3:MEGATRON_RUNS='tree-0.6b-tp1 tree-0.6b-tp2' bash bench/device_megatron.sh"
+#
+# Lanes share the host's CPU cores, so a launch-bound benchmark in one lane can read a little slower
+# than alone: ratios are measured within one lane (anchor and subject on the same GPUs, back to back).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ $# = 0 ]; then
+  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+fi
+for lane in "$@"; do
+  if [[ ! "$lane" =~ ^[0-9]+(,[0-9]+)*: ]]; then
+    echo "bench/device_lanes.sh: lane '$lane' does not start with GPUS: (e.g. 0: or 2,3:)" >&2
+    exit 2
+  fi
+done
+OUT=${OUT:-$(mktemp -d)}
+source bench/device_setup.sh
+export RLPERF_SETUP_DONE=1
+LIMIT=${LANE_TIMEOUT:-500}
+ROOT_OUT=$OUT
+start=$(date +%s)
+i=0
+for lane in "$@"; do
+  gpus=${lane%%:*}
+  cmd=${lane#*:}
+  mkdir -p "$ROOT_OUT/lane-$i"
+  echo "lane $i on GPU $gpus: $cmd" | tee "$ROOT_OUT/lane-$i.cmd"
+  (
+    export CUDA_VISIBLE_DEVICES=$gpus OUT=$ROOT_OUT/lane-$i PET_MASTER_PORT=$((29500 + 17 * i))
+    timeout -k 15 "$LIMIT" bash -c "$cmd" >"$ROOT_OUT/lane-$i.log" 2>&1
+    echo $? >"$ROOT_OUT/lane-$i.rc"
+  ) &
+  i=$((i + 1))
+done
+wait
+status=0
+for ((j = 0; j < i; j++)); do
+  rc=$(cat "$ROOT_OUT/lane-$j.rc" 2>/dev/null || echo missing)
+  note=""
+  [ "$rc" = 124 ] && note=" (stopped at LANE_TIMEOUT=${LIMIT}s)"
+  echo "===== lane $j: exit $rc$note: $(cut -d: -f2- "$ROOT_OUT/lane-$j.cmd")"
+  tail -n "${LANE_TAIL:-25}" "$ROOT_OUT/lane-$j.log"
+  [ "$rc" = 0 ] || status=1
+done
+echo "lanes done in $(($(date +%s) - start)) s; logs in $ROOT_OUT"
+exit $status
