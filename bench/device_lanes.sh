@@ -3,7 +3,9 @@
 # installs run once, then every lane runs with CUDA_VISIBLE_DEVICES set to its GPUs, OUT set to
 # $OUT/lane-<i>, its own torchrun port, and a time limit (LANE_TIMEOUT seconds, default 500). A lane's
 # output lands in $OUT/lane-<i>.log and its exit status in $OUT/lane-<i>.rc; at the end each lane's status
-# and the tail of its log are printed. The exit status is 0 only if every lane's is.
+# and the tail of its log are printed (also into $OUT/lanes.txt), and everything the lanes wrote is
+# bundled into $OUT/lanes.tar.gz (a device call brings back at most 8 files). The exit status is 0 only
+# if every lane's is.
 #
 #   bash bench/device_lanes.sh "GPUS:COMMAND" ["GPUS:COMMAND" ...]
 #   e.g. (4 GPUs, device kind nvidia-h100-x4):
@@ -53,6 +55,10 @@ for ((j = 0; j < i; j++)); do
   echo "===== lane $j: exit $rc$note: $(cut -d: -f2- "$ROOT_OUT/lane-$j.cmd")"
   tail -n "${LANE_TAIL:-25}" "$ROOT_OUT/lane-$j.log"
   [ "$rc" = 0 ] || status=1
-done
-echo "lanes done in $(($(date +%s) - start)) s; logs in $ROOT_OUT"
+done 2>&1 | tee "$ROOT_OUT/lanes.txt"
+grep -q "^===== lane [0-9]*: exit [^0]" "$ROOT_OUT/lanes.txt" && status=1
+(cd "$ROOT_OUT" && find . -mindepth 1 -maxdepth 1 ! -name lanes.txt ! -name lanes.tar.gz -print0 \
+  | tar czf lanes.tar.gz --null -T - && find . -mindepth 1 -maxdepth 1 ! -name lanes.txt ! -name lanes.tar.gz \
+  -exec rm -rf {} +)
+echo "lanes done in $(($(date +%s) - start)) s; everything in $ROOT_OUT/lanes.tar.gz"
 exit $status
