@@ -111,3 +111,28 @@ def test_full_recompute_gives_the_same_gradients(tmp_path):
         destroy_model_parallel()
     finally:
         dist.destroy_process_group()
+
+
+def test_module_casts_keep_the_rope_tables_float32(tmp_path):
+    """The trainer casts its compute copy with ``model.to(bf16)``; the RoPE tables must stay the same
+    float32 tables (rmsnorm_rope's contract), on every layer."""
+    import torch.distributed as dist
+
+    from rlperf.model.config import preset
+    from rlperf.train.megatron.model import build_gpt_model
+    from rlperf.train.megatron.runtime import destroy_model_parallel, initialize_model_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        initialize_model_parallel(ParallelLayout())
+        model = build_gpt_model(preset("tiny"), torch.float32)
+        tables = {n: b.clone() for n, b in model.named_buffers() if "rope" in n}
+        assert tables and all(t.dtype == torch.float32 for t in tables.values())
+        model.to(torch.bfloat16)
+        after = dict(model.named_buffers())
+        assert next(model.parameters()).dtype == torch.bfloat16
+        for name, table in tables.items():
+            assert after[name].dtype == torch.float32 and torch.equal(after[name], table), name
+    finally:
+        destroy_model_parallel()
+        dist.destroy_process_group()

@@ -288,6 +288,16 @@ class QKNormRopeAttention(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """Module moves and casts (the trainer's ``model.to(bf16)``) move the RoPE tables but leave them
+        float32: ``rmsnorm_rope`` takes float32 ``[max_positions, D/2]`` tables, and a bf16 round trip
+        would change the angles' bits."""
+        cos, sin = self.rope_cos, self.rope_sin
+        super()._apply(fn, recurse)
+        device = self.rope_cos.device
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        return self
+
     def _norm_rope(self, x, weight, positions):
         if self.plain:  # one call over this rank's heads; the weight's gradient all-reduced
             w = _PlainReplicated.apply(weight, self.tp) if self.tp.size > 1 else weight
