@@ -57,9 +57,12 @@ def write_synthetic_prompts(path: Path, n: int = 64, seed: int = 0) -> Path:
 
 def loop_flags(prompt_data: Path, output_dir: Path, *, model: str = MODEL, device: str = "cuda",
                prompts: int = PROMPTS, samples_per_prompt: int = SAMPLES_PER_PROMPT,
-               response_len: int = RESPONSE_LEN, num_rollout: int = 3) -> list[str]:
-    """``rlperf train`` flags of the synthetic loop (``device_e2e.sh``'s ``synthetic`` stage)."""
-    return ["--model", model, "--device", device, "--prompt-data", str(prompt_data), "--rm-type", "exact",
+               response_len: int = RESPONSE_LEN, num_rollout: int = 3,
+               cuda_graph_buckets: tuple[int, ...] = ()) -> list[str]:
+    """``rlperf train`` flags of the synthetic loop (``device_e2e.sh``'s ``synthetic`` stage); with
+    ``cuda_graph_buckets``, ``--cuda-graph-buckets`` too (graphed log-prob passes and micro-steps)."""
+    graphs = ["--cuda-graph-buckets", ",".join(map(str, cuda_graph_buckets))] if cuda_graph_buckets else []
+    return graphs + ["--model", model, "--device", device, "--prompt-data", str(prompt_data), "--rm-type", "exact",
             "--rollout-batch-size", str(prompts), "--n-samples-per-prompt", str(samples_per_prompt),
             "--global-batch-size", str(prompts * samples_per_prompt), "--rollout-max-response-len", str(response_len),
             "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
@@ -168,7 +171,8 @@ def measure(flags: list[str]) -> dict:
         launches = train_launches(run.trainer, samples)
     return {"history": history, "launches": launches, "seq_lens": [s.total_length for s in samples],
             "response_tokens": sum(s.response_length for s in samples), "anchor": anchor, "cfg": run.model.cfg,
-            "case": f"{len(samples)} samples x {ns.rollout_max_response_len} tokens, {ns.model}"}
+            "case": f"{len(samples)} samples x {ns.rollout_max_response_len} tokens, {ns.model}"
+                    + (f", graphs {','.join(map(str, ns.cuda_graph_buckets))}" if ns.cuda_graph_buckets else "")}
 
 
 def rows_from(m: dict, peak_flops: float) -> list[BenchRow]:
@@ -214,13 +218,15 @@ def rows_from(m: dict, peak_flops: float) -> list[BenchRow]:
     ]
 
 
-def run(quick: bool = False) -> list[BenchRow]:
+def run(quick: bool = False, cuda_graph_buckets: tuple[int, ...] = ()) -> list[BenchRow]:
+    """The rows (module docstring); ``cuda_graph_buckets``: ``rlperf bench loop --cuda-graph-buckets``."""
     if not torch.cuda.is_available():
         raise RuntimeError("the loop benchmark needs a CUDA GPU")
     peak = matmul_peak()
     with tempfile.TemporaryDirectory(prefix="rlperf-bench-loop-") as tmp:
         data = write_synthetic_prompts(Path(tmp) / "synthetic.jsonl")
-        m = measure(loop_flags(data, Path(tmp) / "run", num_rollout=2 if quick else 4))
+        m = measure(loop_flags(data, Path(tmp) / "run", num_rollout=2 if quick else 4,
+                               cuda_graph_buckets=cuda_graph_buckets))
     print(f"loop: train micro-step ({m['launches']['micro_batch_tokens']} tokens): "
           f"{format_launches(m['launches']['micro_step'])}; log-prob pass: {format_launches(m['launches']['log_prob'])}")
     return rows_from(m, peak)
