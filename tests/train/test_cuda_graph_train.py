@@ -170,3 +170,40 @@ def test_gpu_graph_replays_cut_the_launch_calls():
     assert eager.kernels >= 8 * 8, eager  # several kernels per layer
     assert eager.launch_calls >= 0.9 * eager.kernels, f"launch calls missed (Triton's driver-API launches?): {eager}"
     assert graphed.launch_calls < eager.launch_calls / 3, (eager, graphed)
+
+
+def test_the_autograd_bridge_loads_real_rows_zeroes_padding_and_hands_out_copies():
+    """:class:`_ReplayedLogProbs` with stand-in graphs (CPU): the forward gives the first ``n`` rows; the
+    backward loads the upstream gradient into the static buffer with zeros on the padding rows (stale
+    values there would leak into the gradients), and the parameter gradients autograd receives are
+    copies: two backward passes accumulate ``a + b`` in ``.grad``, not twice the last static buffer."""
+    from types import SimpleNamespace
+
+    from rlperf.train.cuda_graph import _ReplayedLogProbs, _TrainGraph
+
+    bucket, n = 9, 5
+    w = torch.linspace(0.5, 1.5, bucket, dtype=torch.float64, requires_grad=True)
+    static = {k: torch.full((bucket,), 7.0, dtype=torch.float64) for k in ("lp", "ent", "glp", "gent", "gw")}
+
+    def forward():  # log-probs 2 w, entropy w^2 (what a captured forward writes into its outputs)
+        static["lp"].copy_(2 * w.detach())
+        static["ent"].copy_(w.detach() ** 2)
+
+    def backward():  # d/dw of sum(glp * 2w + gent * w^2)
+        static["gw"].copy_(2 * static["glp"] + 2 * w.detach() * static["gent"])
+
+    entry = _TrainGraph(SimpleNamespace(replay=forward), SimpleNamespace(replay=backward), static["lp"],
+                        static["ent"], static["glp"], static["gent"], (static["gw"],))
+    c = torch.arange(1.0, n + 1, dtype=torch.float64)
+    lp, ent = _ReplayedLogProbs.apply(entry, n, w)
+    assert lp.shape == ent.shape == (n,) and torch.equal(lp, 2 * w.detach()[:n])
+    ((lp * c).sum() + ent.sum()).backward()
+    want = torch.zeros(bucket, dtype=torch.float64)
+    want[:n] = 2 * c + 2 * w.detach()[:n]
+    assert torch.equal(w.grad, want)  # the padding rows' stale 7.0 never reached the gradient
+    first = w.grad.clone()
+    lp, ent = _ReplayedLogProbs.apply(entry, n, w)
+    (lp * 3).sum().backward()  # entropy unused: its upstream gradient is zeros
+    second = torch.zeros(bucket, dtype=torch.float64)
+    second[:n] = 6.0
+    assert torch.equal(w.grad, first + second)
