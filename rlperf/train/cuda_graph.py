@@ -5,7 +5,7 @@ forward's launchers, autograd's glue, the backward's launchers); at a few thousa
 time is larger than the GPU work. Capturing the step once per bucket and replaying it leaves one
 launch call per graph.
 
-What is captured, per (kernel mode, bucket), on first use:
+What is captured, per (kernel mode, bucket, sequence slots), on first use:
 
 * **log-prob pass** (no grad, :meth:`MicroBatchGraphs.log_probs`): ``micro_batch_log_probs`` on
   static input buffers -> static log-probs (and entropy) ``[bucket]``;
@@ -18,12 +18,13 @@ What is captured, per (kernel mode, bucket), on first use:
   replays the backward graph and hands autograd a **copy** of each gradient (the static buffers
   are overwritten by the next replay, and autograd may keep the tensor it is given as ``.grad``).
 
-Padding (:func:`rlperf.train.batching.pad_micro_batch`): a micro-batch of T tokens goes into the
-smallest bucket >= T: masked pad tokens as one more sequence, ``cu_seqlens`` filled with empty
-sequences up to ``bucket // 2 + 1`` slots (every sample has at least 2 tokens, plus the pad
-sequence), logit rows and targets padded to ``bucket`` rows. The buffers' shapes are then a function
-of the bucket alone, and every kernel reads ``cu_seqlens`` on the device (no host sync: the varlen
-attention launch sizes its grid from T and the slot count), so the step can be captured.
+Padding (:func:`rlperf.train.batching.pad_micro_batch`): a micro-batch of T tokens in S sequences
+goes into the smallest bucket >= T: masked pad tokens as one more sequence, ``cu_seqlens`` filled
+with empty sequences up to :func:`seq_slots` entries (the next power of two >= S + 1, at most
+``bucket // 2 + 1``), logit rows and targets padded to ``bucket`` rows. Graphs are keyed by
+(bucket, slots): the buffers' shapes are a function of the key alone, and every kernel reads
+``cu_seqlens`` on the device (no host sync: the varlen attention launch sizes its grid from the
+token count and the slot count), so the step can be captured.
 
 Bits: a replay runs the kernels and launch configs of the eager step on the padded micro-batch,
 and padding changes no real row's log-prob nor any gradient (every kernel is batch invariant; a pad
@@ -60,9 +61,23 @@ def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
     return out
 
 
-def seq_slots(bucket: int) -> int:
-    """Sequences a bucket's ``cu_seqlens`` holds: every sample has >= 2 tokens, plus the pad sequence."""
-    return bucket // 2 + 1
+MIN_SEQ_SLOTS = 8
+
+
+def seq_slots(bucket: int, num_seqs: int | None = None) -> int:
+    """Sequence slots of a graph's ``cu_seqlens``: the next power of two >= ``num_seqs + 1`` (the
+    micro-batch's sequences and the pad sequence), at least :data:`MIN_SEQ_SLOTS`, at most
+    ``bucket // 2 + 1`` (every sample has >= 2 tokens, plus the pad sequence), which is also what
+    ``num_seqs=None`` gives. Why not always the most: the varlen attention kernels launch one
+    program per (token block + sequence slot), and each empty slot's program still runs (it finds
+    no rows and exits); thousands of them per launch would cost more than the launches graphs save."""
+    most = bucket // 2 + 1
+    if num_seqs is None:
+        return most
+    slots = MIN_SEQ_SLOTS
+    while slots < num_seqs + 1:
+        slots *= 2
+    return min(slots, most)
 
 
 @dataclasses.dataclass
@@ -128,18 +143,23 @@ class MicroBatchGraphs:
         raise ValueError(f"a micro-batch of {num_tokens} tokens exceeds the largest {FLAG} bucket "
                          f"({self.buckets[-1]}): add a larger bucket or lower --max-tokens-per-gpu")
 
-    def _static(self, bucket: int) -> MicroBatch:
-        return MicroBatch([], self.input_ids[:bucket], self.positions[:bucket],
-                          self.cu_seqlens[:seq_slots(bucket) + 1], self.logit_rows[:bucket], self.targets[:bucket], [])
-
-    def _load(self, mb: MicroBatch) -> tuple[int, MicroBatch]:
-        """Pad ``mb`` to its bucket and copy it into the static buffers; (bucket, the static view)."""
+    def shape_of(self, mb: MicroBatch) -> tuple[int, int]:
+        """(bucket, sequence slots) of ``mb``: what its graphs are keyed by and it is padded to."""
         bucket = self.bucket(mb.num_tokens)
-        padded = pad_micro_batch(mb.to(self.input_ids.device), bucket, seq_slots(bucket))
-        static = self._static(bucket)
+        return bucket, seq_slots(bucket, mb.cu_seqlens.numel() - 1)
+
+    def _static(self, bucket: int, slots: int) -> MicroBatch:
+        return MicroBatch([], self.input_ids[:bucket], self.positions[:bucket], self.cu_seqlens[:slots + 1],
+                          self.logit_rows[:bucket], self.targets[:bucket], [])
+
+    def _load(self, mb: MicroBatch) -> tuple[tuple[int, int], MicroBatch]:
+        """Pad ``mb`` to its shape and copy it into the static buffers; ((bucket, slots), the static view)."""
+        bucket, slots = self.shape_of(mb)
+        padded = pad_micro_batch(mb.to(self.input_ids.device), bucket, slots)
+        static = self._static(bucket, slots)
         for name in ("input_ids", "positions", "cu_seqlens", "logit_rows", "targets"):
             getattr(static, name).copy_(getattr(padded, name))
-        return bucket, static
+        return (bucket, slots), static
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -163,8 +183,8 @@ class MicroBatchGraphs:
     def log_probs(self, mb: MicroBatch, with_entropy: bool = False):
         """``micro_batch_log_probs(model, mb, temperature, with_entropy)`` without grad, replayed:
         log-probs [sum R_i] float32 (and entropy), fresh tensors."""
-        bucket, static = self._load(mb)
-        key = (K.mode(), bucket, with_entropy)
+        shape, static = self._load(mb)
+        key = (K.mode(), *shape, with_entropy)
         if key not in self.log_prob_graphs:
             self.log_prob_graphs[key] = self._capture(
                 lambda: micro_batch_log_probs(self.model, static, self.temperature, with_entropy=with_entropy))
@@ -178,8 +198,8 @@ class MicroBatchGraphs:
     def log_probs_with_grad(self, mb: MicroBatch):
         """(log-probs, entropy) [sum R_i] float32 of ``mb`` with grad to every trainable parameter:
         the forward graph now, the backward graph when autograd reaches them."""
-        bucket, static = self._load(mb)
-        key = (K.mode(), bucket)
+        shape, static = self._load(mb)
+        key = (K.mode(), *shape)
         if key not in self.train_graphs:
             self.train_graphs[key] = self._capture_train(static)
         return _ReplayedLogProbs.apply(self.train_graphs[key], sum(mb.response_lengths), *self._params())

@@ -33,7 +33,8 @@ def _gpu_model(dtype=torch.bfloat16, seed=7):
 
 def test_buckets_and_refusals_name_the_flag():
     assert check_buckets([4096, 1024, 1024]) == (1024, 4096)
-    assert seq_slots(1024) == 513
+    assert seq_slots(1024) == 513 and seq_slots(1024, 3) == 8 and seq_slots(1024, 8) == 16
+    assert seq_slots(1024, 600) == 513 and seq_slots(10, 1) == 6  # never more than a bucket can hold
     with pytest.raises(ValueError, match="--cuda-graph-buckets"):
         check_buckets([1, 64])
     with pytest.raises(ValueError, match="--cuda-graph-buckets replays CUDA graphs: it needs a CUDA device"):
@@ -85,8 +86,8 @@ def test_gpu_replayed_graphs_equal_the_eager_calls_on_the_padded_micro_batch():
     with K.use_mode("invariant"):
         for rep in range(2):
             for mb in mbs:
-                bucket = graphs.bucket(mb.num_tokens)
-                padded = pad_micro_batch(mb, bucket, seq_slots(bucket))
+                bucket, slots = graphs.shape_of(mb)
+                padded = pad_micro_batch(mb, bucket, slots)
                 want_lp, want_ent, want = _eager(model, padded, params)
                 with torch.no_grad():
                     got_lp, got_ent = graphs.log_probs(mb, with_entropy=True)
