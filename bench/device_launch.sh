@@ -10,13 +10,13 @@
 #                        micro-step and per log-prob pass; launches per decode step
 #
 #   bash bench/device_launch.sh
-#   BUCKETS=2048,4096 bash bench/device_launch.sh
+#   BUCKETS=2048,4096 bash bench/device_launch.sh     # other buckets (default 1024,1536,2048,3072,4096)
 #
 # Each step runs under `timeout` and a failing step does not stop the next; the exit status is 1 if any
 # step failed.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
-BUCKETS=${BUCKETS:-1024,2048,4096}
+BUCKETS=${BUCKETS:-1024,1536,2048,3072,4096}  # only the buckets the micro-batches use are captured
 status=0
 step() {  # name seconds command...: run, log to $OUT/name.log, report failure without stopping
   local name=$1 limit=$2; shift 2
