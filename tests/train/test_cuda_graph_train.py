@@ -208,3 +208,31 @@ def test_the_autograd_bridge_loads_real_rows_zeroes_padding_and_hands_out_copies
     second = torch.zeros(bucket, dtype=torch.float64)
     second[:n] = 6.0
     assert torch.equal(w.grad, first + second)
+
+
+def test_the_loop_refuses_layouts_the_graphs_do_not_cover():
+    """``check_cuda_graph_buckets`` (``rlperf train``/``gate`` flag checks, exit 2): CPU, several actor
+    ranks, the megatron backend, routing replay and an MoE preset are refused, each naming the flag."""
+    from types import SimpleNamespace
+
+    from rlperf.loop import UsageError
+    from rlperf.loop.resolve import check_cuda_graph_buckets
+
+    cuda = torch.device("cuda")
+
+    def ns(**kw):
+        base = dict(train_backend="fsdp", use_rollout_routing_replay=False, load=None, hf_checkpoint=None,
+                    model="qwen3-0.6b")
+        return SimpleNamespace(**{**base, **kw})
+
+    check_cuda_graph_buckets(ns(), cuda, 1)  # one process, dense preset: accepted
+    for args, device, ranks, why in [
+        (ns(), torch.device("cpu"), 1, "needs a CUDA device"),
+        (ns(), cuda, 2, "one actor process"),
+        (ns(train_backend="megatron"), cuda, 1, "one actor process of the fsdp backend"),
+        (ns(use_rollout_routing_replay=True), cuda, 1, "--use-rollout-routing-replay"),
+        (ns(model="qwen3-moe-tiny"), cuda, 1, "MoE layers"),
+    ]:
+        with pytest.raises(UsageError, match="--cuda-graph-buckets") as info:
+            check_cuda_graph_buckets(args, device, ranks)
+        assert why in str(info.value)
