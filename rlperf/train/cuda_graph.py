@@ -26,10 +26,13 @@ with empty sequences up to :func:`seq_slots` entries (the next power of two >= S
 ``cu_seqlens`` on the device (no host sync: the varlen attention launch sizes its grid from the
 token count and the slot count), so the step can be captured.
 
-Bits: a replay runs the kernels and launch configs of the eager step on the padded micro-batch,
-and padding changes no real row's log-prob nor any gradient (every kernel is batch invariant; a pad
-row's gradient is exactly zero; tested bit for bit on CPU in ``tests/train/test_padding.py``, and
-graphed against eager on the GPU in ``tests/train/test_cuda_graph_train.py``).
+Bits: a replay runs the kernels and launch configs of the eager step on the padded micro-batch.
+Padding changes no real row's log-prob (every kernel is row invariant) and adds only exact zeros to
+the gradients' sums over tokens (a pad row's gradient is exactly zero): bit for bit on CPU in
+``tests/train/test_padding.py``. On the GPU the weight gradients are cuBLAS matmuls over the token
+dimension, whose kernel choice could change with the token count; ``tests/train/test_cuda_graph_train.py``
+checks replay against eager on the padded micro-batch, padded against unpadded, and whole
+optimizer steps.
 
 Memory: the graphs of one :class:`MicroBatchGraphs` share one private memory pool. The trainer
 replays a bucket's forward and backward graphs back to back (never another graph between them),
