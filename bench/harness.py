@@ -19,6 +19,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 from pathlib import Path
@@ -205,6 +206,89 @@ def cuda_time(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50, flus
     times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
     q = statistics.quantiles(times, n=5) if len(times) >= 5 else [times[0]] * 4
     return Timing(median_ms=statistics.median(times), p20_ms=q[0], p80_ms=q[3], reps=reps)
+
+
+LAUNCH_APIS = frozenset({
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+    "cuLaunchCooperativeKernel", "cudaGraphLaunch", "cuGraphLaunch",
+})
+"""Host API calls that start GPU work: a kernel launch (runtime or driver API: Triton launches through
+the driver) or a CUDA-graph replay (one call, however many kernels the graph holds)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchCount:
+    """What one call of a step put on the GPU, from a torch profiler trace.
+
+    ``kernels``: kernels the GPU ran (graph replays counted kernel by kernel; copies and memsets
+    left out); ``launch_calls``: host calls of :data:`LAUNCH_APIS` (a graph replay is one). Eager
+    code launches every kernel itself (``launch_calls`` ~ ``kernels``); a graphed step ends up with
+    ``launch_calls`` << ``kernels``: the host cost a step pays is ``launch_calls``.
+    """
+
+    kernels: int
+    launch_calls: int
+
+    def __str__(self) -> str:
+        return f"{self.kernels} kernels / {self.launch_calls} launch calls"
+
+
+def _api_name(name: str) -> str:
+    """``cudaLaunchKernel_v7000`` / ``cudaLaunchKernel_ptsz`` -> ``cudaLaunchKernel``: CUPTI's
+    callback names carry an API version or a per-thread-stream suffix on some releases."""
+    return re.sub(r"(_v\d+)?(_ptsz|_ptds)?$", "", name)
+
+
+def count_launches(events: Iterable) -> LaunchCount:
+    """Reduce profiler events (``torch.profiler.profile(...).events()``: objects with ``name`` and
+    ``device_type``) to a :class:`LaunchCount`. A GPU event (``device_type`` CUDA) is a kernel unless
+    it is a copy or a memset (``Memcpy ...``, ``Memset ...``); a host event counts as a launch call
+    when its name, version suffix stripped, is in :data:`LAUNCH_APIS`."""
+    kernels = calls = 0
+    for e in events:
+        name = str(e.name)
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += not name.startswith(("Memcpy", "Memset"))
+        elif _api_name(name) in LAUNCH_APIS:
+            calls += 1
+    return LaunchCount(kernels, calls)
+
+
+def measure_launches(fn: Callable[[], object], *, warmup: int = 1) -> LaunchCount | None:
+    """:class:`LaunchCount` of one call of ``fn`` after ``warmup`` untimed calls (compilation, graph
+    capture and allocator growth stay out), under ``torch.profiler`` with CPU and CUDA activities.
+    None without CUDA (there is nothing to count), or when the profiler itself raises (printed: a
+    benchmark keeps its timed rows); :func:`format_launches` prints ``n/a`` for both."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return count_launches(prof.events())
+    except RuntimeError as exc:  # CUPTI unavailable or refused: the launches stay unmeasured, never guessed
+        print(f"launch count: the profiler failed ({exc}); reported as n/a")
+        return None
+
+
+def format_launches(count: LaunchCount | None) -> str:
+    """``"325 kernels / 1 launch calls"``, or ``"n/a (...)"`` for :func:`measure_launches`' None."""
+    if count is None:
+        return "n/a (no CUDA)" if not torch.cuda.is_available() else "n/a (the profiler failed)"
+    return str(count)
+
+
+def launch_fields(prefix: str, count: LaunchCount | None) -> dict:
+    """``{prefix}_kernels`` and ``{prefix}_launch_calls`` for a row's ``extra`` or a summary;
+    ``"n/a"`` for both without CUDA (never a number that was not measured)."""
+    if count is None:
+        return {f"{prefix}_kernels": "n/a", f"{prefix}_launch_calls": "n/a"}
+    return {f"{prefix}_kernels": count.kernels, f"{prefix}_launch_calls": count.launch_calls}
 
 
 def git_commit() -> str:

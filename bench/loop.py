@@ -21,6 +21,9 @@ Rows (``ratio`` = anchor ms / loop ms, as every row):
   against the time the **bf16 matmul peak** would need for the model FLOPs of the step,
   :func:`train_flops` (``6 N T`` + causal attention). The ratio is the MFU; the peak is cuBLAS's
   rate on an 8192^3 bf16 ``torch.matmul`` measured in the same run (:func:`matmul_peak`).
+  ``extra`` (and the summary) also has the **launches per train micro-step** and per log-prob pass
+  (:func:`train_launches`: kernels the GPU ran and launch calls the host made, a graph replay
+  being one call), so a regression in host overhead shows.
 * **step**: ``perf/step_time`` against the sum of its phases (rollout + log-prob + train + weight
   sync): the ratio is the share of the step the phases account for (1 - ratio: loop overhead);
   ``extra`` has the split and ``perf/tokens_per_sec``.
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .harness import BenchRow, cuda_time
+from .harness import BenchRow, cuda_time, format_launches, launch_fields, measure_launches
 
 MODEL = "qwen3-0.6b"
 PROMPTS, SAMPLES_PER_PROMPT, RESPONSE_LEN = 8, 4, 256
@@ -54,9 +57,12 @@ def write_synthetic_prompts(path: Path, n: int = 64, seed: int = 0) -> Path:
 
 def loop_flags(prompt_data: Path, output_dir: Path, *, model: str = MODEL, device: str = "cuda",
                prompts: int = PROMPTS, samples_per_prompt: int = SAMPLES_PER_PROMPT,
-               response_len: int = RESPONSE_LEN, num_rollout: int = 3) -> list[str]:
-    """``rlperf train`` flags of the synthetic loop (``device_e2e.sh``'s ``synthetic`` stage)."""
-    return ["--model", model, "--device", device, "--prompt-data", str(prompt_data), "--rm-type", "exact",
+               response_len: int = RESPONSE_LEN, num_rollout: int = 3,
+               cuda_graph_buckets: tuple[int, ...] = ()) -> list[str]:
+    """``rlperf train`` flags of the synthetic loop (``device_e2e.sh``'s ``synthetic`` stage); with
+    ``cuda_graph_buckets``, ``--cuda-graph-buckets`` too (graphed log-prob passes and micro-steps)."""
+    graphs = ["--cuda-graph-buckets", ",".join(map(str, cuda_graph_buckets))] if cuda_graph_buckets else []
+    return graphs + ["--model", model, "--device", device, "--prompt-data", str(prompt_data), "--rm-type", "exact",
             "--rollout-batch-size", str(prompts), "--n-samples-per-prompt", str(samples_per_prompt),
             "--global-batch-size", str(prompts * samples_per_prompt), "--rollout-max-response-len", str(response_len),
             "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
@@ -124,6 +130,31 @@ def last_rollout_requests(ns, samples) -> tuple[list[list[int]], list]:
     return prompts, [sampling_params_for(ns, sample_seed(ns.seed, k, s.index)) for s in samples]
 
 
+def train_launches(trainer, samples) -> dict:
+    """Kernel launches (:func:`measure_launches`; None without CUDA) of one **train micro-step**
+    (forward with grad, policy loss, backward, the float32 master-gradient accumulation) and one
+    **log-prob pass** (forward without grad: what ``prepare`` runs per micro-batch) on the first
+    micro-batch of the prepared ``samples``, each after one warm-up call; the gradients they leave
+    are cleared. ``micro_batch_tokens``: that micro-batch's token count."""
+    mb = trainer.micro_batches(samples)[0]
+    with_rollout = trainer._check_prepared(samples)
+    denom = trainer._loss_denominator(samples)
+
+    def micro_step():
+        trainer._micro_step(samples, mb, denom, with_rollout)
+        trainer._accumulate_master_grads()
+
+    def log_prob_pass():
+        with torch.no_grad():
+            trainer.forward_log_probs(mb)
+
+    trainer._zero_grads()
+    out = {"micro_step": measure_launches(micro_step), "log_prob": measure_launches(log_prob_pass),
+           "micro_batch_tokens": mb.num_tokens}
+    trainer._zero_grads()
+    return out
+
+
 def measure(flags: list[str]) -> dict:
     """Run the loop of ``flags`` in this process, then the engine alone on its last rollout; the
     metrics lines, the last rollout's sequence lengths and the anchor's measurement."""
@@ -137,9 +168,11 @@ def measure(flags: list[str]) -> dict:
     engine_model = run.client.model  # the loop engine's weights (after the last sync)
     with run.kernels():
         anchor = engine_alone(engine_model, run.tokenizer, prompts, params, run.client.engine.kv.max_total_tokens)
-    return {"history": history, "seq_lens": [s.total_length for s in samples],
+        launches = train_launches(run.trainer, samples)
+    return {"history": history, "launches": launches, "seq_lens": [s.total_length for s in samples],
             "response_tokens": sum(s.response_length for s in samples), "anchor": anchor, "cfg": run.model.cfg,
-            "case": f"{len(samples)} samples x {ns.rollout_max_response_len} tokens, {ns.model}"}
+            "case": f"{len(samples)} samples x {ns.rollout_max_response_len} tokens, {ns.model}"
+                    + (f", graphs {','.join(map(str, ns.cuda_graph_buckets))}" if ns.cuda_graph_buckets else "")}
 
 
 def rows_from(m: dict, peak_flops: float) -> list[BenchRow]:
@@ -157,6 +190,7 @@ def rows_from(m: dict, peak_flops: float) -> list[BenchRow]:
     sync_s = last.get("perf/update_weights_time", 0.0)
     anchor = m["anchor"]
     flops = train_flops(m["cfg"], m["seq_lens"])
+    launches = m.get("launches") or {"micro_step": None, "log_prob": None, "micro_batch_tokens": 0}
     return [
         BenchRow("loop", f"rollout {case}", "loop rollout phase", rollout_s * 1e3, "engine alone (serve settings)",
                  anchor["seconds"] * 1e3, work=0.0,
@@ -168,6 +202,9 @@ def rows_from(m: dict, peak_flops: float) -> list[BenchRow]:
                  f"bf16 matmul peak (cuBLAS {PEAK_SIZE}^3)", flops / peak_flops * 1e3, work=flops,
                  extra={"mfu": flops / peak_flops / train_s, "peak_TFLOPs": peak_flops / 1e12,
                         "tokens": sum(m["seq_lens"]), "log_prob_s": log_prob_s,
+                        "micro_batch_tokens": launches["micro_batch_tokens"],
+                        **launch_fields("micro_step", launches["micro_step"]),
+                        **launch_fields("log_prob_pass", launches["log_prob"]),
                         "mean_train_s": mean("perf/train_time") - mean("perf/log_prob_time")
                         if any("perf/log_prob_time" in h for h in steady) else mean("perf/train_time")}),
         BenchRow("loop", f"step {case}", "loop step", step_s * 1e3, "sum of phases",
@@ -181,13 +218,17 @@ def rows_from(m: dict, peak_flops: float) -> list[BenchRow]:
     ]
 
 
-def run(quick: bool = False) -> list[BenchRow]:
+def run(quick: bool = False, cuda_graph_buckets: tuple[int, ...] = ()) -> list[BenchRow]:
+    """The rows (module docstring); ``cuda_graph_buckets``: ``rlperf bench loop --cuda-graph-buckets``."""
     if not torch.cuda.is_available():
         raise RuntimeError("the loop benchmark needs a CUDA GPU")
     peak = matmul_peak()
     with tempfile.TemporaryDirectory(prefix="rlperf-bench-loop-") as tmp:
         data = write_synthetic_prompts(Path(tmp) / "synthetic.jsonl")
-        m = measure(loop_flags(data, Path(tmp) / "run", num_rollout=2 if quick else 4))
+        m = measure(loop_flags(data, Path(tmp) / "run", num_rollout=2 if quick else 4,
+                               cuda_graph_buckets=cuda_graph_buckets))
+    print(f"loop: train micro-step ({m['launches']['micro_batch_tokens']} tokens): "
+          f"{format_launches(m['launches']['micro_step'])}; log-prob pass: {format_launches(m['launches']['log_prob'])}")
     return rows_from(m, peak)
 
 
@@ -199,6 +240,10 @@ def summarize(rows) -> dict:
             out["rollout_tokens_per_s"] = r.extra["tokens_per_s"]
         elif r.kernel == "loop train phase":
             out["train_mfu"] = r.ratio
+            for key in ("micro_step_kernels", "micro_step_launch_calls", "log_prob_pass_kernels",
+                        "log_prob_pass_launch_calls"):
+                if key in r.extra:
+                    out[key] = r.extra[key]
         elif r.kernel == "loop step":
             out["step_s"] = r.kernel_ms / 1e3
             out["step_phase_share"] = r.ratio

@@ -31,7 +31,7 @@ from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
 from rlperf.rollout.kv_cache import bytes_per_token
 from rlperf.rollout.tokenizer import ByteTokenizer
 
-from .harness import BenchRow, cuda_time
+from .harness import BenchRow, cuda_time, format_launches, launch_fields, measure_launches
 
 MODEL = "qwen3-0.6b"
 PROMPT, NEW = 512, 256
@@ -68,9 +68,12 @@ def decoding_engine(model, batch: int, prompt_len: int, new_tokens: int, graph_b
 
 def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int, graph_bs: int = 0,
                 warmup: int = 3) -> dict:
-    """Mean wall ms of a decode step of ``batch`` sequences, and the mean cached tokens per sequence."""
-    if steps + warmup + 1 > new_tokens:
-        raise ValueError(f"{steps} timed + {warmup} warm-up steps need more than {new_tokens} new tokens")
+    """Mean wall ms of a decode step of ``batch`` sequences, the mean cached tokens per sequence, and
+    the kernel launches of one more decode step after the timed ones (:func:`measure_launches`: None
+    without CUDA)."""
+    if steps + warmup + 2 > new_tokens:
+        raise ValueError(f"{steps} timed + {warmup} warm-up steps + 1 counted step need more than {new_tokens} "
+                         f"new tokens")
     engine = decoding_engine(model, batch, prompt_len, new_tokens, graph_bs, warmup)
     kv_before = sum(r.num_cached for r in engine.running) / batch
     _sync(model.device)
@@ -82,7 +85,8 @@ def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int,
     if len(engine.running) != batch:
         raise RuntimeError(f"only {len(engine.running)} of {batch} requests decoded through the timed steps")
     kv_mean = kv_before + (steps + 1) / 2  # each step reads one more cached token than the last
-    return {"ms": ms, "kv_mean": kv_mean, "graph": bool(engine.graphs and engine.graphs.graphs)}
+    launches = measure_launches(engine.step, warmup=0)  # the engine is warm: the next step is a steady one
+    return {"ms": ms, "kv_mean": kv_mean, "graph": bool(engine.graphs and engine.graphs.graphs), "launches": launches}
 
 
 def prefill_case(model, batch: int, prompt_len: int, reps: int) -> float:
@@ -134,7 +138,8 @@ def run(quick: bool = False) -> list:
             rows.append(BenchRow("rollout", f"decode B={b} prompt {PROMPT}", "engine step", d["ms"], "memory floor", fl,
                                  work=nbytes, unit="GB/s",
                                  extra={"tokens_per_s": b / d["ms"] * 1e3, "graph": d["graph"], "kv_mean": d["kv_mean"],
-                                        "copy_GBps": bw / 1e9}))
+                                        "copy_GBps": bw / 1e9, **launch_fields("decode_step", d["launches"])}))
+            print(f"rollout: decode B={b}: {format_launches(d['launches'])} per decode step")
         pre_inv = prefill_case(model, 16, PROMPT, reps=2 if quick else 5)
         inv64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64)
     with K.use_mode("fast"):
@@ -155,6 +160,9 @@ def summarize(rows) -> dict:
             b = r.case.split()[1]
             out[f"decode_{b}_floor_ratio"] = r.ratio
             out[f"decode_{b}_tokens_per_s"] = r.extra["tokens_per_s"]
+            if "decode_step_kernels" in r.extra:
+                out[f"decode_{b}_kernels_per_step"] = r.extra["decode_step_kernels"]
+                out[f"decode_{b}_launch_calls_per_step"] = r.extra["decode_step_launch_calls"]
         elif r.case.startswith("prefill"):
             out["prefill_tokens_per_s"] = r.extra["tokens_per_s"]
             out["prefill_invariance_ratio"] = r.ratio

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from rlperf.flags import token_buckets
+
 if TYPE_CHECKING:  # the harness imports torch: only a run needs it, not --help
     from .harness import BenchCase, BenchRow
 
@@ -53,6 +55,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mib", default=None, metavar="LIST",
                    help="with sync --distributed: the bucket sizes to time, in MiB, comma-separated (e.g. "
                         "256,512,1024,2048); default: the loop's (rlperf.sync.DISTRIBUTED_BUCKET_BYTES), 512 and 2048")
+    p.add_argument("--cuda-graph-buckets", default=None, metavar="LIST", type=token_buckets,
+                   help="with loop: train with rlperf train --cuda-graph-buckets LIST (comma-separated token counts, "
+                        "e.g. 1024,2048,4096): each packed micro-batch padded to its bucket and its log-prob pass and "
+                        "train micro-step replayed from CUDA graphs; default: eager")
     p.add_argument("--json", default="results/bench.json", metavar="PATH", help="result file (default: %(default)s)")
     p.add_argument(
         "--markdown", default=None, metavar="PATH",
@@ -118,6 +124,12 @@ def run_benchmarks(args: argparse.Namespace) -> int:
                   "(e.g. 256,512,1024,2048)", file=sys.stderr)
             return 2
         run_kwargs["bucket_sizes"] = sizes
+    if getattr(args, "cuda_graph_buckets", None):
+        if names != ["loop"]:
+            print("rlperf bench: --cuda-graph-buckets goes with the loop benchmark alone: rlperf bench loop "
+                  "--cuda-graph-buckets LIST", file=sys.stderr)
+            return 2
+        run_kwargs["cuda_graph_buckets"] = args.cuda_graph_buckets
     if getattr(args, "distributed", False):  # rlperf bench sync --distributed: its own module and markdown section
         if names != ["sync"]:
             print("rlperf bench: --distributed goes with the sync benchmark alone: rlperf bench sync --distributed",

@@ -53,6 +53,17 @@ seed = int_in(0, MAX_SEED, "an integer in [0, 2**63 - 1]")
 seed.__doc__ = "A ``type=``: a random seed, 0 to 2**63 - 1."
 
 
+def token_buckets(text: str) -> tuple[int, ...]:
+    """A ``type=``: comma-separated token counts, each >= 2 (``2048,4096,8192``), sorted, duplicates dropped."""
+    parts = [t for t in text.split(",") if t.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: expected token counts, comma-separated (e.g. 2048,4096,8192)")
+    values = [_int(t) for t in parts]
+    if min(values) < 2:
+        raise argparse.ArgumentTypeError(f"every bucket must be >= 2 tokens, got {min(values)}")
+    return tuple(sorted(set(values)))
+
+
 def fraction(text: str) -> float:
     """A ``type=``: a number in (0, 1]."""
     try:

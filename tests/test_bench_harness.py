@@ -51,3 +51,46 @@ def test_cuda_time_refuses_cpu():
         pytest.skip("CUDA present")
     with pytest.raises(RuntimeError, match="CPU timings"):
         cuda_time(lambda: None)
+
+
+def test_count_launches_reduces_profiler_events():
+    """GPU kernels count unless they are copies or memsets; host launch calls count by API name,
+    with CUPTI's version / per-thread suffixes stripped; a graph replay is one call."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlperf.bench.harness import LaunchCount, count_launches
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(name=n, device_type=d) for n, d in [
+        ("aten::mm", cpu), ("cudaLaunchKernel", cpu), ("ampere_bf16_gemm", cuda),
+        ("cuLaunchKernel", cpu), ("_matmul_kernel", cuda), ("cudaLaunchKernel_v7000", cpu),
+        ("cudaGraphLaunch", cpu), ("_rmsnorm_kernel", cuda), ("_attn_fwd_kernel", cuda),
+        ("cudaMemcpyAsync", cpu), ("Memcpy HtoD (Pageable -> Device)", cuda), ("Memset (Device)", cuda),
+        ("cudaStreamSynchronize", cpu), ("cudaLaunchKernelInMyHead", cpu),
+    ]]
+    assert count_launches(events) == LaunchCount(kernels=4, launch_calls=4)
+    assert count_launches([]) == LaunchCount(0, 0)
+    assert str(LaunchCount(4, 1)) == "4 kernels / 1 launch calls"
+
+
+def test_a_cpu_profile_has_no_launches_and_without_cuda_nothing_is_counted(monkeypatch):
+    """A real profiler trace of CPU work reduces to zero launches; without CUDA
+    :func:`measure_launches` runs nothing and reports ``n/a``, never a number it did not measure."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlperf.bench.harness import LaunchCount, count_launches, format_launches, launch_fields, measure_launches
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (torch.ones(5) @ torch.ones(5, 3)).sum()
+    events = prof.events()
+    assert any(e.name == "aten::matmul" for e in events)
+    assert count_launches(events) == LaunchCount(0, 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = []
+    assert measure_launches(lambda: calls.append(1)) is None and calls == []
+    assert format_launches(None) == "n/a (no CUDA)"
+    assert launch_fields("micro_step", None) == {"micro_step_kernels": "n/a", "micro_step_launch_calls": "n/a"}
+    assert launch_fields("x", LaunchCount(7, 2)) == {"x_kernels": 7, "x_launch_calls": 2}

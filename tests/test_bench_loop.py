@@ -93,3 +93,22 @@ def test_engine_alone_gives_the_loop_engines_tokens_for_the_same_weights(one_thr
         got = L.engine_alone(model, tok, prompts, params, max_total_tokens=1024)
         want = Engine(model, tok, EngineConfig(max_total_tokens=1024)).generate(prompts, params)
     assert got["tokens"] == sum(len(r.output_ids) for r in want) and got["seconds"] > 0
+
+
+def test_launches_per_micro_step_go_into_the_train_row_and_the_summary():
+    from rlperf.bench.harness import LaunchCount
+
+    cfg = preset("tiny")
+    hist = [{"perf/rollout_time": 2.0, "perf/train_time": 1.5, "perf/log_prob_time": 0.5, "perf/step_time": 4.0,
+             "perf/tokens_per_sec": 250.0}]
+    m = {"history": hist, "seq_lens": [300, 200], "response_tokens": 400, "anchor": {"seconds": 1.0, "tokens": 380},
+         "cfg": cfg, "case": "2 samples x 256 tokens, tiny",
+         "launches": {"micro_step": LaunchCount(950, 948), "log_prob": LaunchCount(330, 1), "micro_batch_tokens": 500}}
+    train = L.rows_from(m, 1e15)[1]
+    assert train.extra["micro_step_kernels"] == 950 and train.extra["micro_step_launch_calls"] == 948
+    assert train.extra["log_prob_pass_kernels"] == 330 and train.extra["log_prob_pass_launch_calls"] == 1
+    assert train.extra["micro_batch_tokens"] == 500
+    s = L.summarize(L.rows_from(m, 1e15))
+    assert s["micro_step_kernels"] == 950 and s["log_prob_pass_launch_calls"] == 1
+    m["launches"] = {"micro_step": None, "log_prob": None, "micro_batch_tokens": 500}  # no CUDA: nothing counted
+    assert L.summarize(L.rows_from(m, 1e15))["micro_step_kernels"] == "n/a"

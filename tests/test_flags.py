@@ -90,3 +90,15 @@ def test_profile_run_with_a_bad_dataset_exits_2_before_touching_a_worker(tmp_pat
         assert main(["profile", "run", "--router-url", "http://127.0.0.1:1", "--dataset", str(dataset)]) == 2
         err = capsys.readouterr().err
         assert "--dataset" in err and says in err, err
+
+
+def test_token_buckets_parse_sort_and_refuse():
+    import argparse
+
+    from rlperf.flags import token_buckets
+
+    assert token_buckets("4096,1024,2048,1024") == (1024, 2048, 4096)
+    assert token_buckets(" 513 ") == (513,)
+    for bad, why in (("", "expected token counts"), ("1024,x", "not an integer"), ("1,64", ">= 2 tokens")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            token_buckets(bad)

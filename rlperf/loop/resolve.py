@@ -71,6 +71,8 @@ def probe_host(ns: argparse.Namespace) -> None:
     actor_ranks = check_actor_layout(ns, device).world_size  # --actor-num-*: ranks, GPUs, batch split
     if ns.train_backend == "megatron":
         check_megatron_layout(ns, device, actor_ranks)
+    if getattr(ns, "cuda_graph_buckets", ()):
+        check_cuda_graph_buckets(ns, device, actor_ranks)
     if ns.precision in (None, "auto"):
         ns.precision = "bf16" if device.type == "cuda" else "fp32"
     if ns.precision == "bf16" and device.type == "cpu" and policy.backend_for(device) == "interpreter":
@@ -93,6 +95,25 @@ def probe_host(ns: argparse.Namespace) -> None:
     if ew == "shared" and ns.disaggregated:
         raise UsageError("--engine-weights applies to the in-process engine, not to the engines of --rollout-num-gpus")
     ns.engine_weights = ew
+
+
+def check_cuda_graph_buckets(ns: argparse.Namespace, device, actor_ranks: int) -> None:
+    """``--cuda-graph-buckets`` (:mod:`rlperf.train.cuda_graph`) on this host: a CUDA device, one actor
+    process of the fsdp backend (the data-parallel and megatron trainers run their own micro-steps),
+    a dense model without routing replay (the MoE layers' grouping is not captured)."""
+    if device.type != "cuda":
+        raise UsageError(f"--cuda-graph-buckets replays CUDA graphs: it needs a CUDA device (--device {device.type})")
+    if ns.train_backend != "fsdp" or actor_ranks != 1:
+        raise UsageError(f"--cuda-graph-buckets needs one actor process of the fsdp backend (got --train-backend "
+                         f"{ns.train_backend} with {actor_ranks} actor rank(s))")
+    if ns.use_rollout_routing_replay:
+        raise UsageError("--cuda-graph-buckets does not go with --use-rollout-routing-replay (MoE routing is not captured)")
+    if not ns.load and not ns.hf_checkpoint:
+        from rlperf.model import preset
+
+        if preset(ns.model).moe_layers:
+            raise UsageError(f"--cuda-graph-buckets: --model {ns.model} has MoE layers, whose expert grouping is not "
+                             f"captured; dense models only")
 
 
 def check_megatron_layout(ns: argparse.Namespace, device, actor_ranks: int) -> None:

@@ -125,6 +125,51 @@ def make_micro_batch(samples: Sequence[Sample], indices: Sequence[int], device=N
     return mb.to(device) if device is not None else mb
 
 
+def pad_micro_batch(mb: MicroBatch, num_tokens: int, num_seqs: int | None = None,
+                    num_rows: int | None = None) -> MicroBatch:
+    """``mb`` padded with masked tokens to fixed shapes (what a CUDA graph per token-count bucket needs).
+
+    * tokens: ``num_tokens - T`` pad tokens (id 0, positions 0, 1, ...) appended as **one more
+      sequence**, so causal attention keeps them apart from every real sequence and their hidden
+      rows stay finite (a pad row's zero gradient times a finite activation adds exactly 0 to a
+      weight gradient; an unwritten row could hold NaN, and 0 * NaN is NaN);
+    * ``cu_seqlens``: then repeated ``num_tokens`` entries (empty sequences) up to ``num_seqs + 1``
+      entries, so its shape does not depend on how many samples the micro-batch holds;
+    * ``logit_rows`` / ``targets``: ``num_rows`` (default ``num_tokens``) entries, the extra ones
+      reading row ``num_tokens - 1`` (a pad token, or the last real token, which predicts nothing)
+      with target 0. Their log-probs are not the caller's: it keeps the first ``sum R_i``.
+
+    ``indices`` and ``response_lengths`` stay as they were. Because every kernel is batch
+    invariant, a real token's log-prob and every gradient of a loss on the real log-probs have the
+    same bits as without padding (``tests/train/test_padding.py``). ValueError naming the shape
+    when ``mb`` does not fit; routing replay (``routed_experts``) is not padded and is refused.
+    """
+    T, seqs, rows = mb.num_tokens, mb.cu_seqlens.numel() - 1, mb.logit_rows.numel()
+    pad = num_tokens - T
+    num_seqs = seqs + (pad > 0) if num_seqs is None else num_seqs
+    num_rows = num_tokens if num_rows is None else num_rows
+    if pad < 0:
+        raise ValueError(f"a micro-batch of {T} tokens does not fit a bucket of {num_tokens} tokens")
+    if num_seqs < seqs + (pad > 0):
+        raise ValueError(f"{seqs} sequences{' + 1 of padding' if pad else ''} do not fit {num_seqs} sequence slots")
+    if num_rows < rows:
+        raise ValueError(f"{rows} logit rows do not fit {num_rows} rows")
+    if mb.routed_experts is not None:
+        raise ValueError("routing replay (routed_experts) is not supported on padded micro-batches")
+    dev = mb.input_ids.device
+    cu = torch.full((num_seqs + 1,), num_tokens, dtype=mb.cu_seqlens.dtype, device=dev)
+    cu[:seqs + 1] = mb.cu_seqlens
+    return MicroBatch(
+        list(mb.indices),
+        torch.cat([mb.input_ids, torch.zeros(pad, dtype=mb.input_ids.dtype, device=dev)]),
+        torch.cat([mb.positions, torch.arange(pad, dtype=mb.positions.dtype, device=dev)]),
+        cu,
+        torch.cat([mb.logit_rows, torch.full((num_rows - rows,), num_tokens - 1, dtype=mb.logit_rows.dtype,
+                                             device=dev)]),
+        torch.cat([mb.targets, torch.zeros(num_rows - rows, dtype=mb.targets.dtype, device=dev)]),
+        list(mb.response_lengths))
+
+
 def pack_micro_batches(samples: Sequence[Sample], max_tokens_per_gpu: int | None = None,
                        micro_batch_size: int | None = None, device=None, replay_routing: bool = False
                        ) -> list[MicroBatch]:

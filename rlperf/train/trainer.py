@@ -31,6 +31,13 @@ weights (:meth:`Trainer._copy_master_to_compute`). Checkpoints save the float32 
 starts from the exact masters and AdamW state. With ``compute_dtype`` float32 (or None) master and
 compute weights are one set of parameters and nothing is copied (the CPU path, unchanged).
 
+CUDA graphs (``cuda_graph_buckets``, ``--cuda-graph-buckets``): each packed micro-batch is padded
+to its token-count bucket and the log-prob passes and the micro-step's forward and backward replay
+graphs captured per bucket (:mod:`rlperf.train.cuda_graph`); the policy loss, the master-gradient
+accumulation and the optimizer stay eager. The log-probs have the eager step's bits (row-invariant
+kernels); the gradients too wherever a sum over tokens does not change with the token count
+(``tests/train/test_padding.py`` on CPU; the GPU test checks the cuBLAS weight gradients).
+
 Every kernel the model runs has a backward (``rlperf.kernels.autograd``: the forward is the
 batch-invariant kernel, the backward an analytic or recomputed torch gradient), and
 :meth:`train_step` still raises when a parameter gets no gradient instead of silently training
@@ -142,8 +149,29 @@ class Trainer:
     # ---- what a data-parallel trainer replaces (rlperf.train.fsdp.FSDPTrainer) ---------------------
     def sample_log_probs(self, model: torch.nn.Module, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Log-probs of every sample's response tokens ([R_i] float32 on the CPU, sample order) under
-        ``model`` (the actor or the reference), without grad: :meth:`prepare`'s old and reference log-probs."""
-        return compute_log_probs(model, samples, self.args.rollout_temperature, **self._packing())
+        ``model`` (the actor or the reference), without grad: :meth:`prepare`'s old and reference log-probs.
+        With ``cuda_graph_buckets`` each micro-batch replays ``model``'s log-prob graph of its bucket."""
+        if not self.args.cuda_graph_buckets:
+            return compute_log_probs(model, samples, self.args.rollout_temperature, **self._packing())
+        graphs = self.micro_batch_graphs(model)
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        with torch.no_grad():
+            for mb in pack_micro_batches(samples, device=self.device, **self._packing()):
+                for i, part in zip(mb.indices, graphs.log_probs(mb).split(mb.response_lengths)):
+                    out[i] = part.float().cpu()
+        return out
+
+    def micro_batch_graphs(self, model: torch.nn.Module):
+        """``model``'s :class:`rlperf.train.cuda_graph.MicroBatchGraphs` (made on first use, one per
+        model: the actor's and the reference's); ``cuda_graph_buckets`` must be set."""
+        from .cuda_graph import MicroBatchGraphs
+
+        by_model = self.__dict__.setdefault("_graphs", {})
+        graphs = by_model.get(id(model))
+        if graphs is None:
+            graphs = by_model[id(model)] = MicroBatchGraphs(model, self.args.cuda_graph_buckets,
+                                                               self.args.rollout_temperature)
+        return graphs
 
     def train_routed_experts(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """MoE models: the actor's own routing of every sample (its routers, never a replay), [L_i - 1,
@@ -158,8 +186,16 @@ class Trainer:
         return pack_micro_batches(samples, device=self.device, **self._packing())
 
     def forward_log_probs(self, mb: MicroBatch, with_entropy: bool = False):
-        """Log-probs [sum R_i] (and entropy) of a micro-batch's response tokens under the actor, with grad."""
-        return micro_batch_log_probs(self.model, mb, self.args.rollout_temperature, with_entropy=with_entropy)
+        """Log-probs [sum R_i] (and entropy) of a micro-batch's response tokens under the actor, with grad
+        (when grad mode is on). With ``cuda_graph_buckets``: replayed from the bucket's graphs (the
+        train graphs' backward runs when autograd reaches them)."""
+        if not self.args.cuda_graph_buckets:
+            return micro_batch_log_probs(self.model, mb, self.args.rollout_temperature, with_entropy=with_entropy)
+        graphs = self.micro_batch_graphs(self.model)
+        if not torch.is_grad_enabled():
+            return graphs.log_probs(mb, with_entropy=with_entropy)
+        log_probs, entropy = graphs.log_probs_with_grad(mb)
+        return (log_probs, entropy) if with_entropy else log_probs
 
     def reduce_metric_sums(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This process's share of the step's metric sums (each already divided by the global

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Launch-bound to kernel-bound (graphed micro-steps, launches per step) on ONE GPU, in one device call
+# (~6-9 minutes). Results in $OUT:
+#   gpu-tests.log        the graphed-vs-eager bit-equality tests (tests/train/test_cuda_graph_train.py) and
+#                        the padding-invariance test on the GPU, with the launch counts they print
+#   loop-eager.json/.log      rlperf bench loop --quick (0.6b shape, 32 x 256 tokens), eager micro-steps
+#   loop-graphed.json/.log    the same with --cuda-graph-buckets $BUCKETS
+#   rollout.json/.log    rlperf bench rollout --quick: decode step time and launches per decode step
+#   summary.md           eager vs graphed: tokens/s, train phase s, MFU, the ratio to eager, launches per
+#                        micro-step and per log-prob pass; launches per decode step
+#
+#   bash bench/device_launch.sh
+#   BUCKETS=2048,4096 bash bench/device_launch.sh     # other buckets (default 1024,1536,2048,3072,4096)
+#
+# Each step runs under `timeout` (180 + 160 + 140 + 90 s at most, so the call ends within a device
+# call's 10 minutes) and a failing step does not stop the next; the exit status is 1 if any step failed.
+# The Triton cache starts cold on a fresh machine: the tests compile the training kernels, the loops
+# reuse them.
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
+BUCKETS=${BUCKETS:-1024,1536,2048,3072,4096}  # only the buckets the micro-batches use are captured
+status=0
+step() {  # name seconds command...: run, log to $OUT/name.log, report failure without stopping
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "   rc=$rc in $((SECONDS - t0)) s"
+  if [ "$rc" != 0 ]; then status=1; tail -25 "$OUT/$name.log"; fi
+}
+step gpu-tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider -rP \
+  tests/train/test_cuda_graph_train.py
+grep -E "passed|failed|error|eager .* graphed|log-prob pass" "$OUT/gpu-tests.log" | tail -8
+step loop-eager 160 python3 -m rlperf bench loop --quick --json "$OUT/loop-eager.json"
+step loop-graphed 140 python3 -m rlperf bench loop --quick --cuda-graph-buckets "$BUCKETS" \
+  --json "$OUT/loop-graphed.json"
+step rollout 90 python3 -m rlperf bench rollout --quick --json "$OUT/rollout.json"
+python3 - "$OUT" "$BUCKETS" <<'PY' || status=1
+import json, sys
+from pathlib import Path
+
+out, buckets = Path(sys.argv[1]), sys.argv[2]
+
+
+def load(name):
+    p = out / name
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def train_row(doc):
+    return next(r for r in doc["rows"] if r["kernel"] == "loop train phase")
+
+
+lines = ["| run | tokens/s | ratio to eager | train phase s | MFU | kernels / launch calls per micro-step "
+         "| per log-prob pass | abs diff max |", "|---|---:|---:|---:|---:|---|---|---:|"]
+eager = load("loop-eager.json")
+base = eager["summary"]["loop"]["tokens_per_s"] if eager else None
+for name, label in (("loop-eager.json", "eager"), ("loop-graphed.json", f"graphed {buckets}")):
+    doc = load(name)
+    if doc is None:
+        lines.append(f"| {label} | failed: see {name.replace('.json', '.log')} | | | | | | |")
+        continue
+    s, e = doc["summary"]["loop"], train_row(doc)["extra"]
+    ratio = f"{s['tokens_per_s'] / base:.2f}x" if base else "-"
+    lines.append(f"| {label} | {s['tokens_per_s']:.0f} | {ratio} | {train_row(doc)['kernel_ms'] / 1e3:.3f} | "
+                 f"{s['train_mfu']:.3f} | {e.get('micro_step_kernels')} / {e.get('micro_step_launch_calls')} "
+                 f"({e.get('micro_batch_tokens')} tokens) | {e.get('log_prob_pass_kernels')} / "
+                 f"{e.get('log_prob_pass_launch_calls')} | {s['abs_diff_max']} |")
+rollout = load("rollout.json")
+if rollout:
+    lines += ["", "| decode | step ms | kernels per step | launch calls per step | graph |", "|---|---:|---:|---:|---|"]
+    for r in rollout["rows"]:
+        if r["anchor"] == "memory floor":
+            x = r["extra"]
+            lines.append(f"| {r['case']} | {r['kernel_ms']:.3f} | {x.get('decode_step_kernels')} | "
+                         f"{x.get('decode_step_launch_calls')} | {x.get('graph')} |")
+text = "\n".join(lines)
+(out / "summary.md").write_text(text + "\n")
+print(text)
+PY
+exit $status

@@ -1,0 +1,241 @@
+"""Packed micro-batches replayed from CUDA graphs, padded to a few token-count buckets (``--cuda-graph-buckets``).
+
+Why: a train micro-step of a 28-layer model is some 950 kernel launches issued from Python (the
+forward's launchers, autograd's glue, the backward's launchers); at a few thousand tokens that host
+time is larger than the GPU work. Capturing the step once per bucket and replaying it leaves one
+launch call per graph.
+
+What is captured, per (kernel mode, bucket, sequence slots), on first use:
+
+* **log-prob pass** (no grad, :meth:`MicroBatchGraphs.log_probs`): ``micro_batch_log_probs`` on
+  static input buffers -> static log-probs (and entropy) ``[bucket]``;
+* **train micro-step** (:meth:`MicroBatchGraphs.log_probs_with_grad`): a forward graph (the same
+  call with grad on) and a backward graph, ``torch.autograd.grad`` of (log-probs, entropy) with
+  static upstream gradients to every trainable parameter -> static parameter gradients. The policy
+  loss runs eagerly between the two replays on the first ``sum R_i`` log-probs. An autograd
+  function (:class:`_ReplayedLogProbs`) joins them: its forward replays the forward graph, its
+  backward copies the upstream gradient into the static buffer (zeros on the padding rows),
+  replays the backward graph and hands autograd a **copy** of each gradient (the static buffers
+  are overwritten by the next replay, and autograd may keep the tensor it is given as ``.grad``),
+  made by one multi-tensor multiply by 1 (a few launches for every parameter, exact).
+
+Padding (:func:`rlperf.train.batching.pad_micro_batch`): a micro-batch of T tokens in S sequences
+goes into the smallest bucket >= T: masked pad tokens as one more sequence, ``cu_seqlens`` filled
+with empty sequences up to :func:`seq_slots` entries (the next power of two >= S + 1, at most
+``bucket // 2 + 1``), logit rows and targets padded to ``bucket`` rows. Graphs are keyed by
+(bucket, slots): the buffers' shapes are a function of the key alone, and every kernel reads
+``cu_seqlens`` on the device (no host sync: the varlen attention launch sizes its grid from the
+token count and the slot count), so the step can be captured.
+
+Bits: a replay runs the kernels and launch configs of the eager step on the padded micro-batch.
+Padding changes no real row's log-prob (every kernel is row invariant) and adds only exact zeros to
+the gradients' sums over tokens (a pad row's gradient is exactly zero): bit for bit on CPU in
+``tests/train/test_padding.py``. On the GPU the weight gradients are cuBLAS matmuls over the token
+dimension, whose kernel choice could change with the token count; ``tests/train/test_cuda_graph_train.py``
+checks replay against eager on the padded micro-batch, padded against unpadded, and whole
+optimizer steps.
+
+Memory: the graphs of one :class:`MicroBatchGraphs` share one private memory pool. The trainer
+replays a bucket's forward and backward graphs back to back (never another graph between them),
+so a later capture may reuse memory an earlier graph freed. Each bucket's train graphs keep one
+set of parameter gradients (the compute dtype) as static outputs.
+
+Limits: CUDA only (the constructor refuses other devices); one process (the data-parallel and
+megatron trainers do not use it); dense models without routing replay (the loop checks the flags).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from rlperf import kernels as K
+
+from .batching import MicroBatch, micro_batch_log_probs, pad_micro_batch
+
+FLAG = "--cuda-graph-buckets"
+
+
+def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    """The buckets sorted, duplicates dropped; ValueError naming :data:`FLAG` unless each is >= 2."""
+    out = tuple(sorted({int(b) for b in buckets}))
+    if not out or out[0] < 2:
+        raise ValueError(f"{FLAG} takes token counts >= 2 (a sample has at least 2 tokens), got {list(buckets)}")
+    return out
+
+
+MIN_SEQ_SLOTS = 8
+
+
+def seq_slots(bucket: int, num_seqs: int | None = None) -> int:
+    """Sequence slots of a graph's ``cu_seqlens``: the next power of two >= ``num_seqs + 1`` (the
+    micro-batch's sequences and the pad sequence), at least :data:`MIN_SEQ_SLOTS`, at most
+    ``bucket // 2 + 1`` (every sample has >= 2 tokens, plus the pad sequence), which is also what
+    ``num_seqs=None`` gives. Why not always the most: the varlen attention kernels launch one
+    program per (token block + sequence slot), and each empty slot's program still runs (it finds
+    no rows and exits); thousands of them per launch would cost more than the launches graphs save."""
+    most = bucket // 2 + 1
+    if num_seqs is None:
+        return most
+    slots = MIN_SEQ_SLOTS
+    while slots < num_seqs + 1:
+        slots *= 2
+    return min(slots, most)
+
+
+@dataclasses.dataclass
+class _TrainGraph:
+    forward: torch.cuda.CUDAGraph
+    backward: torch.cuda.CUDAGraph
+    log_probs: torch.Tensor        # [bucket] float32, static output of forward
+    entropy: torch.Tensor          # [bucket] float32
+    grad_log_probs: torch.Tensor   # [bucket] static upstream gradients (input of backward)
+    grad_entropy: torch.Tensor
+    grads: tuple                   # per trainable parameter: its static gradient, or None (unused)
+
+
+class _ReplayedLogProbs(torch.autograd.Function):
+    """Forward: replay the forward graph, return copies of the first ``num_rows`` log-probs and
+    entropies. Backward: load the upstream gradients (zeros past ``num_rows``), replay the backward
+    graph, return copies of the parameters' gradients."""
+
+    @staticmethod
+    def forward(ctx, entry: _TrainGraph, num_rows: int, *params):
+        entry.forward.replay()
+        ctx.entry, ctx.num_rows = entry, num_rows
+        return entry.log_probs[:num_rows].clone(), entry.entropy[:num_rows].clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_log_probs, grad_entropy):
+        e, n = ctx.entry, ctx.num_rows
+        for static, g in ((e.grad_log_probs, grad_log_probs), (e.grad_entropy, grad_entropy)):
+            static[:n].copy_(g)
+            static[n:].zero_()
+        e.backward.replay()
+        # copies in a few multi-tensor launches (x * 1 is x, bit for bit), not one clone per parameter
+        present = [g for g in e.grads if g is not None]
+        copies = iter(torch._foreach_mul(present, 1.0)) if present else iter(())
+        return (None, None, *(None if g is None else next(copies) for g in e.grads))
+
+
+class MicroBatchGraphs:
+    """Static input buffers and the captured graphs of one model (module docstring).
+
+    ``model``: a :class:`rlperf.model.qwen3.Qwen3ForCausalLM` on a CUDA device (its weights are
+    read in place: the trainer's in-place weight updates reach the graphs); ``buckets``: token
+    counts (:func:`check_buckets`); ``temperature``: the log-probs' temperature (a launch argument
+    the graphs freeze)."""
+
+    def __init__(self, model, buckets: Sequence[int], temperature: float):
+        dev = model.head_weight.device
+        if dev.type != "cuda":
+            raise ValueError(f"{FLAG} replays CUDA graphs: it needs a CUDA device, the model is on {dev}")
+        self.model, self.buckets, self.temperature = model, check_buckets(buckets), float(temperature)
+        top = self.buckets[-1]
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.input_ids, self.positions = torch.zeros(top, **i64), torch.zeros(top, **i64)
+        self.logit_rows, self.targets = torch.zeros(top, **i64), torch.zeros(top, **i64)
+        self.cu_seqlens = torch.zeros(seq_slots(top) + 1, dtype=torch.int32, device=dev)
+        self.log_prob_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.train_graphs: dict[tuple, _TrainGraph] = {}
+        self._pool = None
+
+    def bucket(self, num_tokens: int) -> int:
+        """The smallest bucket >= ``num_tokens``; ValueError naming :data:`FLAG` when none is."""
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"a micro-batch of {num_tokens} tokens exceeds the largest {FLAG} bucket "
+                         f"({self.buckets[-1]}): add a larger bucket or lower --max-tokens-per-gpu")
+
+    def shape_of(self, mb: MicroBatch) -> tuple[int, int]:
+        """(bucket, sequence slots) of ``mb``: what its graphs are keyed by and it is padded to."""
+        bucket = self.bucket(mb.num_tokens)
+        return bucket, seq_slots(bucket, mb.cu_seqlens.numel() - 1)
+
+    def _static(self, bucket: int, slots: int) -> MicroBatch:
+        return MicroBatch([], self.input_ids[:bucket], self.positions[:bucket], self.cu_seqlens[:slots + 1],
+                          self.logit_rows[:bucket], self.targets[:bucket], [])
+
+    def _load(self, mb: MicroBatch) -> tuple[tuple[int, int], MicroBatch]:
+        """Pad ``mb`` to its shape and copy it into the static buffers; ((bucket, slots), the static view)."""
+        bucket, slots = self.shape_of(mb)
+        padded = pad_micro_batch(mb.to(self.input_ids.device), bucket, slots)
+        static = self._static(bucket, slots)
+        for name in ("input_ids", "positions", "cu_seqlens", "logit_rows", "targets"):
+            getattr(static, name).copy_(getattr(padded, name))
+        return (bucket, slots), static
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _capture(self, body, warmups: int = 2):
+        """``body()`` run ``warmups`` times on a side stream (compilation, allocator growth), then
+        captured into a new graph in the shared pool; (graph, what the captured call returned)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = body()
+        self._pool = graph.pool()
+        return graph, out
+
+    @torch.no_grad()
+    def log_probs(self, mb: MicroBatch, with_entropy: bool = False):
+        """``micro_batch_log_probs(model, mb, temperature, with_entropy)`` without grad, replayed:
+        log-probs [sum R_i] float32 (and entropy), fresh tensors."""
+        shape, static = self._load(mb)
+        key = (K.mode(), *shape, with_entropy)
+        if key not in self.log_prob_graphs:
+            self.log_prob_graphs[key] = self._capture(
+                lambda: micro_batch_log_probs(self.model, static, self.temperature, with_entropy=with_entropy))
+        graph, out = self.log_prob_graphs[key]
+        graph.replay()
+        n = sum(mb.response_lengths)
+        if with_entropy:
+            return out[0][:n].clone(), out[1][:n].clone()
+        return out[:n].clone()
+
+    def log_probs_with_grad(self, mb: MicroBatch):
+        """(log-probs, entropy) [sum R_i] float32 of ``mb`` with grad to every trainable parameter:
+        the forward graph now, the backward graph when autograd reaches them."""
+        shape, static = self._load(mb)
+        key = (K.mode(), *shape)
+        if key not in self.train_graphs:
+            self.train_graphs[key] = self._capture_train(static)
+        return _ReplayedLogProbs.apply(self.train_graphs[key], sum(mb.response_lengths), *self._params())
+
+    def _capture_train(self, static: MicroBatch) -> _TrainGraph:
+        params = self._params()
+        bucket = static.num_tokens
+        f32 = dict(dtype=torch.float32, device=self.input_ids.device)
+        grad_log_probs, grad_entropy = torch.zeros(bucket, **f32), torch.zeros(bucket, **f32)
+
+        def forward():
+            return micro_batch_log_probs(self.model, static, self.temperature, with_entropy=True)
+
+        def backward(outs):
+            return torch.autograd.grad(outs, params, (grad_log_probs, grad_entropy), allow_unused=True)
+
+        with torch.enable_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # compile and warm the forward and backward kernels
+                for _ in range(2):
+                    backward(forward())
+            torch.cuda.current_stream().wait_stream(side)
+            fwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(fwd, pool=self._pool, capture_error_mode="thread_local"):
+                outs = forward()
+            self._pool = fwd.pool()
+            bwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(bwd, pool=self._pool, capture_error_mode="thread_local"):
+                grads = backward(outs)
+        log_probs, entropy = (o.detach() for o in outs)
+        return _TrainGraph(fwd, bwd, log_probs, entropy, grad_log_probs, grad_entropy, tuple(grads))

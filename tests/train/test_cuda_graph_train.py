@@ -1,0 +1,238 @@
+"""Graphed micro-batches (``--cuda-graph-buckets``, :mod:`rlperf.train.cuda_graph`): the refusals on
+CPU, and on the GPU the replayed log-prob pass and train micro-step against the eager ones, bit for
+bit (log-probs, every gradient, a whole mixed-precision optimizer step), and the launches they save."""
+import dataclasses
+
+import pytest
+import torch
+
+import rlperf.kernels as K
+from rlperf.model import preset
+from rlperf.model.qwen3 import Qwen3ForCausalLM
+from rlperf.train import Sample, TrainArgs, Trainer, frozen_copy, micro_batch_log_probs, pack_micro_batches
+from rlperf.train.cuda_graph import MicroBatchGraphs, check_buckets, seq_slots
+
+# odd sizes; packed under 1100 tokens (first-fit decreasing): micro-batches of 1099 and 470 tokens
+LENGTHS = [(40, 20), (301, 150), (513, 400), (129, 1), (7, 6), (555, 300), (24, 23)]
+
+
+def _samples(vocab: int, seed: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (n, r) in enumerate(LENGTHS):
+        mask = torch.ones(r)
+        mask[r // 2] = 0 if r > 3 else 1
+        out.append(Sample(torch.randint(0, vocab, (n,), generator=g), r, reward=float(i % 2), loss_mask=mask))
+    return out
+
+
+def _gpu_model(dtype=torch.bfloat16, seed=7):
+    cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
+    return Qwen3ForCausalLM.random(cfg, seed=seed, dtype=dtype, device="cuda")
+
+
+def test_buckets_and_refusals_name_the_flag():
+    assert check_buckets([4096, 1024, 1024]) == (1024, 4096)
+    assert seq_slots(1024) == 513 and seq_slots(1024, 3) == 8 and seq_slots(1024, 8) == 16
+    assert seq_slots(1024, 600) == 513 and seq_slots(10, 1) == 6  # never more than a bucket can hold
+    with pytest.raises(ValueError, match="--cuda-graph-buckets"):
+        check_buckets([1, 64])
+    with pytest.raises(ValueError, match="--cuda-graph-buckets replays CUDA graphs: it needs a CUDA device"):
+        MicroBatchGraphs(Qwen3ForCausalLM.random(preset("tiny"), seed=0), [64], 1.0)
+    with pytest.raises(ValueError, match="--cuda-graph-buckets needs --use-dynamic-batch-size"):
+        TrainArgs(cuda_graph_buckets=(64,))
+    with pytest.raises(ValueError, match="--max-tokens-per-gpu 128 exceeds the largest --cuda-graph-buckets bucket"):
+        TrainArgs(use_dynamic_batch_size=True, max_tokens_per_gpu=128, cuda_graph_buckets=(32, 64))
+
+
+def test_rlperf_train_refuses_the_flag_on_cpu_with_exit_2(capsys):
+    from rlperf.cli import main
+
+    code = main(["train", "--device", "cpu", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64",
+                 "--cuda-graph-buckets", "64", "--num-rollout", "1"])
+    assert code == 2 and "--cuda-graph-buckets replays CUDA graphs: it needs a CUDA device" in capsys.readouterr().err
+
+
+def _loss_of(logp, ent):
+    """A loss on the real rows only (the policy loss's shape: weighted log-probs plus entropy)."""
+    w = torch.linspace(-1.0, 1.0, logp.numel(), device=logp.device)
+    return (logp * w).sum() + 0.01 * ent.sum()
+
+
+def _eager(model, mb, params, temperature=0.8):
+    """Eager (log-probs, entropy, gradients of :func:`_loss_of`) of ``mb``'s real rows."""
+    lp, ent = micro_batch_log_probs(model, mb, temperature, with_entropy=True)
+    n = sum(mb.response_lengths)
+    lp, ent = lp[:n], ent[:n]
+    return lp.detach(), ent.detach(), torch.autograd.grad(_loss_of(lp, ent), params)
+
+
+def _differ(got, want) -> list[int]:
+    return [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+
+
+@pytest.mark.gpu
+def test_gpu_replayed_graphs_equal_the_eager_calls_on_the_padded_micro_batch():
+    """What capture changes, alone: the no-grad log-prob replay and the forward + backward replays
+    against the eager calls on the same padded micro-batch (bf16, invariant mode), bit for bit;
+    micro-batches of two buckets, each bucket replayed twice with different contents."""
+    from rlperf.train.batching import pad_micro_batch
+
+    model = _gpu_model()
+    mbs = pack_micro_batches(_samples(model.cfg.vocab_size), max_tokens_per_gpu=1100, device="cuda")
+    assert len(mbs) == 2 and sorted(mb.num_tokens for mb in mbs) == [470, 1099]
+    graphs = MicroBatchGraphs(model, [768, 1100], temperature=0.8)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with K.use_mode("invariant"):
+        for rep in range(2):
+            for mb in mbs:
+                bucket, slots = graphs.shape_of(mb)
+                padded = pad_micro_batch(mb, bucket, slots)
+                want_lp, want_ent, want = _eager(model, padded, params)
+                with torch.no_grad():
+                    got_lp, got_ent = graphs.log_probs(mb, with_entropy=True)
+                    assert torch.equal(got_lp, want_lp) and torch.equal(got_ent, want_ent), (rep, bucket)
+                    assert torch.equal(graphs.log_probs(mb), want_lp)
+                lp, ent = graphs.log_probs_with_grad(mb)
+                assert torch.equal(lp.detach(), want_lp) and torch.equal(ent.detach(), want_ent)
+                got = torch.autograd.grad(_loss_of(lp, ent), params)
+                assert not _differ(got, want), f"rep {rep}, bucket {bucket}: parameters {_differ(got, want)} differ"
+                assert all(torch.isfinite(g).all() for g in got)
+    assert len(graphs.train_graphs) == 2 and len(graphs.log_prob_graphs) == 4  # captured once per key
+    too_big = pack_micro_batches(_samples(model.cfg.vocab_size), max_tokens_per_gpu=2048, device="cuda")[0]
+    with pytest.raises(ValueError, match="exceeds the largest --cuda-graph-buckets bucket"):
+        graphs.log_probs(too_big)
+
+
+@pytest.mark.gpu
+def test_gpu_padding_changes_no_real_log_prob_nor_any_gradient():
+    """Eager, bf16: the micro-batch padded to a bucket (odd and round sizes, extra sequence slots)
+    against the unpadded one. The log-prob rows are batch invariant; a gradient that differs names
+    the op whose reduction over the tokens depends on their count (the weight gradients' cuBLAS
+    ``g.T @ x`` reduces over T: its kernel choice may change with T)."""
+    from rlperf.train.batching import pad_micro_batch
+
+    model = _gpu_model()
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    mbs = pack_micro_batches(_samples(model.cfg.vocab_size), max_tokens_per_gpu=1100, device="cuda")
+    with K.use_mode("invariant"):
+        for mb in mbs:
+            want_lp, want_ent, want = _eager(model, mb, params)
+            for bucket in (mb.num_tokens + 1, 1100, 2048):
+                lp, ent, got = _eager(model, pad_micro_batch(mb, bucket, seq_slots(bucket)), params)
+                assert torch.equal(lp, want_lp) and torch.equal(ent, want_ent), (mb.num_tokens, bucket)
+                differ = [names[i] for i in _differ(got, want)]
+                assert not differ, f"{mb.num_tokens} tokens padded to {bucket}: gradients of {differ} differ"
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_trainer_steps_equal_eager_steps_bit_for_bit():
+    """Two optimizer steps of the mixed-precision trainer (bf16 compute, float32 masters and AdamW;
+    several micro-batches, the KL loss against a reference, entropy in the loss) with and without
+    ``cuda_graph_buckets``: the same metrics and the same master weights, bit for bit."""
+    base = _gpu_model(dtype=torch.float32, seed=11)
+    samples = _samples(base.cfg.vocab_size, seed=12)
+    args = dict(advantage_estimator="grpo", n_samples_per_prompt=len(LENGTHS), use_kl_loss=True, kl_loss_coef=0.05,
+                kl_loss_type="low_var_kl", entropy_coef=0.01, use_dynamic_batch_size=True, max_tokens_per_gpu=1100,
+                rollout_temperature=0.9, lr=1e-4)
+    results = []
+    for buckets in ((), (512, 1100)):
+        model = _gpu_model(dtype=torch.float32, seed=11)
+        trainer = Trainer(model, TrainArgs(cuda_graph_buckets=buckets, **args), ref_model=frozen_copy(model),
+                          compute_dtype=torch.bfloat16)
+        steps = []
+        with K.use_mode("invariant"):
+            for _ in range(2):
+                batch = [dataclasses.replace(s) for s in samples]
+                steps.append(trainer.train(batch)[0])
+        results.append((steps, {n: p.detach().clone() for n, p in trainer.master_model.named_parameters()}))
+    (eager_steps, eager_w), (graph_steps, graph_w) = results
+    assert graph_steps == eager_steps
+    assert eager_steps[1]["train/kl_loss"] != 0.0  # the second step trained an actor the first step moved
+    differ = [n for n in eager_w if not torch.equal(eager_w[n], graph_w[n])]
+    assert not differ, f"master weights differ after two steps: {differ[:4]}"
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replays_cut_the_launch_calls():
+    """The launch counter (``rlperf bench loop``'s) on the eager and the replayed log-prob pass: the
+    same kernels run, but the replay is one launch call where eager makes one per kernel."""
+    from rlperf.bench.harness import measure_launches
+
+    model = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=8)
+    model = Qwen3ForCausalLM.random(model, seed=3, dtype=torch.bfloat16, device="cuda")
+    (mb,) = pack_micro_batches(_samples(model.cfg.vocab_size)[:2], max_tokens_per_gpu=1100, device="cuda")
+    graphs = MicroBatchGraphs(model, [512], temperature=1.0)
+    with K.use_mode("invariant"), torch.no_grad():
+        eager = measure_launches(lambda: micro_batch_log_probs(model, mb, 1.0))
+        graphed = measure_launches(lambda: graphs.log_probs(mb))
+    print(f"log-prob pass, 8 layers: eager {eager}; graphed {graphed}")
+    assert eager.kernels >= 8 * 8, eager  # several kernels per layer
+    assert eager.launch_calls >= 0.9 * eager.kernels, f"launch calls missed (Triton's driver-API launches?): {eager}"
+    assert graphed.launch_calls < eager.launch_calls / 3, (eager, graphed)
+
+
+def test_the_autograd_bridge_loads_real_rows_zeroes_padding_and_hands_out_copies():
+    """:class:`_ReplayedLogProbs` with stand-in graphs (CPU): the forward gives the first ``n`` rows; the
+    backward loads the upstream gradient into the static buffer with zeros on the padding rows (stale
+    values there would leak into the gradients), and the parameter gradients autograd receives are
+    copies: two backward passes accumulate ``a + b`` in ``.grad``, not twice the last static buffer."""
+    from types import SimpleNamespace
+
+    from rlperf.train.cuda_graph import _ReplayedLogProbs, _TrainGraph
+
+    bucket, n = 9, 5
+    w = torch.linspace(0.5, 1.5, bucket, dtype=torch.float64, requires_grad=True)
+    static = {k: torch.full((bucket,), 7.0, dtype=torch.float64) for k in ("lp", "ent", "glp", "gent", "gw")}
+
+    def forward():  # log-probs 2 w, entropy w^2 (what a captured forward writes into its outputs)
+        static["lp"].copy_(2 * w.detach())
+        static["ent"].copy_(w.detach() ** 2)
+
+    def backward():  # d/dw of sum(glp * 2w + gent * w^2)
+        static["gw"].copy_(2 * static["glp"] + 2 * w.detach() * static["gent"])
+
+    entry = _TrainGraph(SimpleNamespace(replay=forward), SimpleNamespace(replay=backward), static["lp"],
+                        static["ent"], static["glp"], static["gent"], (static["gw"],))
+    c = torch.arange(1.0, n + 1, dtype=torch.float64)
+    lp, ent = _ReplayedLogProbs.apply(entry, n, w)
+    assert lp.shape == ent.shape == (n,) and torch.equal(lp, 2 * w.detach()[:n])
+    ((lp * c).sum() + ent.sum()).backward()
+    want = torch.zeros(bucket, dtype=torch.float64)
+    want[:n] = 2 * c + 2 * w.detach()[:n]
+    assert torch.equal(w.grad, want)  # the padding rows' stale 7.0 never reached the gradient
+    first = w.grad.clone()
+    lp, ent = _ReplayedLogProbs.apply(entry, n, w)
+    (lp * 3).sum().backward()  # entropy unused: its upstream gradient is zeros
+    second = torch.zeros(bucket, dtype=torch.float64)
+    second[:n] = 6.0
+    assert torch.equal(w.grad, first + second)
+
+
+def test_the_loop_refuses_layouts_the_graphs_do_not_cover():
+    """``check_cuda_graph_buckets`` (``rlperf train``/``gate`` flag checks, exit 2): CPU, several actor
+    ranks, the megatron backend, routing replay and an MoE preset are refused, each naming the flag."""
+    from types import SimpleNamespace
+
+    from rlperf.loop import UsageError
+    from rlperf.loop.resolve import check_cuda_graph_buckets
+
+    cuda = torch.device("cuda")
+
+    def ns(**kw):
+        base = dict(train_backend="fsdp", use_rollout_routing_replay=False, load=None, hf_checkpoint=None,
+                    model="qwen3-0.6b")
+        return SimpleNamespace(**{**base, **kw})
+
+    check_cuda_graph_buckets(ns(), cuda, 1)  # one process, dense preset: accepted
+    for args, device, ranks, why in [
+        (ns(), torch.device("cpu"), 1, "needs a CUDA device"),
+        (ns(), cuda, 2, "one actor process"),
+        (ns(train_backend="megatron"), cuda, 1, "one actor process of the fsdp backend"),
+        (ns(use_rollout_routing_replay=True), cuda, 1, "--use-rollout-routing-replay"),
+        (ns(model="qwen3-moe-tiny"), cuda, 1, "MoE layers"),
+    ]:
+        with pytest.raises(UsageError, match="--cuda-graph-buckets") as info:
+            check_cuda_graph_buckets(args, device, ranks)
+        assert why in str(info.value)
