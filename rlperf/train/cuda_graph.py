@@ -30,10 +30,12 @@ token count and the slot count), so the step can be captured.
 Bits: a replay runs the kernels and launch configs of the eager step on the padded micro-batch.
 Padding changes no real row's log-prob (every kernel is row invariant) and adds only exact zeros to
 the gradients' sums over tokens (a pad row's gradient is exactly zero): bit for bit on CPU in
-``tests/train/test_padding.py``. On the GPU the weight gradients are cuBLAS matmuls over the token
-dimension, whose kernel choice could change with the token count; ``tests/train/test_cuda_graph_train.py``
-checks replay against eager on the padded micro-batch, padded against unpadded, and whole
-optimizer steps.
+``tests/train/test_padding.py``. On the GPU the backward's ``g @ w`` and ``g.T @ x`` are cuBLAS
+matmuls whose kernel choice follows the token count, and on the H100 padding does change the
+gradients' last bits (log-probs stay equal); ``tests/train/test_cuda_graph_train.py`` checks replay
+against eager on the padded micro-batch, padded against unpadded, and whole optimizer steps, and
+its padded-vs-unpadded and whole-step tests fail there until the backward's sums over tokens are
+made independent of the token count.
 
 Memory: the graphs of one :class:`MicroBatchGraphs` share one private memory pool. The trainer
 replays a bucket's forward and backward graphs back to back (never another graph between them),
