@@ -8,7 +8,7 @@
 #   bash bench/pack_sglang.sh                  # download + install + trim + split, into .sglang-pack/
 #   bash bench/pack_sglang.sh --from-site DIR  # trim + split an installed folder (no download)
 #   PACK_DIR=/tmp/p CHUNK_BYTES=$((50 << 20)) bash bench/pack_sglang.sh
-#   SGLANG_VERSION=0.5.10.post1 bash bench/pack_sglang.sh   # where the index lacks 0.5.17
+#   SGLANG_VERSION=0.5.18 bash bench/pack_sglang.sh   # another release (it must run beside torch 2.11)
 #
 # Then, once per chunk, on the same warm machine (carry MANIFEST and the chunk; the tree travels anyway):
 #   carry [".sglang-pack/MANIFEST", ".sglang-pack/chunk-00"]   command: bash bench/unpack_sglang.sh
@@ -37,7 +37,7 @@ PACKAGES=(
   apache-tvm-ffi
   transformers==5.12.1
   tokenizers==0.22.2
-  huggingface-hub
+  huggingface-hub==1.33.0
   safetensors
   sglang-router
   xgrammar
@@ -47,6 +47,12 @@ PACKAGES=(
   partial-json-parser compressed-tensors interegular einops ninja nvidia-ml-py
   openai httpx httpcore anyio sniffio h11 distro jiter tqdm regex sentencepiece tiktoken
   llguidance blobfile pyyaml tabulate click
+  # imported on sglang 0.5.17's launch path and missing from the GPU image (found by importing the
+  # engine, scheduler, model runner and both attention backends from the packed site on Python 3.12)
+  opentelemetry-api dill loguru gguf jsonschema jsonschema-specifications referencing rpds-py
+  soundfile cffi pycparser
+  ipython ipython-pygments-lexers traitlets jedi parso matplotlib-inline prompt-toolkit wcwidth
+  stack-data executing asttokens pure-eval pexpect ptyprocess
 )
 SGL_KERNEL_KEEP='sm90/common_ops|spatial_ops'
 from_site=
@@ -63,7 +69,7 @@ else
   if ! "$PYTHON" -m pip download --quiet --disable-pip-version-check --only-binary=:all: --no-deps \
       --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux_2_24_x86_64 --dest "$PACK_DIR/wheels" "${PACKAGES[@]}"; then
+      --platform manylinux_2_24_x86_64 --platform manylinux_2_34_x86_64 --dest "$PACK_DIR/wheels" "${PACKAGES[@]}"; then
     echo "pack_sglang: the package index here lacks a pinned version above (pip's error names it); point pip at" \
          "one that has it (PIP_INDEX_URL) or set SGLANG_VERSION to one it has and torch 2.11 runs" >&2
     exit 1
@@ -71,7 +77,7 @@ else
   "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile \
     --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux_2_24_x86_64 --target "$PACK_DIR/site" "$PACK_DIR"/wheels/*.whl
+    --platform manylinux_2_24_x86_64 --platform manylinux_2_34_x86_64 --target "$PACK_DIR/site" "$PACK_DIR"/wheels/*.whl
 fi
 site="$PACK_DIR/site"
 before=$(du -sb "$site" | cut -f1)
