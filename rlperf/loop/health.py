@@ -247,5 +247,10 @@ class HealthMonitor:
             events, self.events = self.events, []
         return events
 
+    def failed_urls(self) -> list[str]:
+        """The URLs of the engines found failed or taken out of service (not yet back)."""
+        with self._lock:
+            return [self.fleet.worker_urls[i] for i in sorted({*self._failed, *self.out})]
+
     def close(self) -> None:
         self._stop.set()
