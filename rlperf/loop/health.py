@@ -22,6 +22,9 @@ while it waits for a rollout's requests, whenever a request fails, and before ea
   formed anew with every engine, the current weights are broadcast and every engine's checksum is
   checked; then it is added back (``POST /workers``) and the event is reported
   (:meth:`take_events`: engine, reason, seconds out of service). A dead router still ends the run.
+
+When the client closes, the engines found failed (:meth:`failed_urls`) are not asked to leave the
+weight-update group: a stopped engine would not answer, and the run would wait out the close timeout.
 """
 from __future__ import annotations
 
