@@ -230,8 +230,8 @@ def test_load_without_checkpoint(tmp_path, checkpoint, capsys):
 
 
 def test_ref_load_kl_loss_starts_at_zero(tmp_path):
-    _run(tmp_path / "a", "--num-rollout", "1", "--save", str(tmp_path / "ckpt"))
-    hist = _run(tmp_path / "b", "--num-rollout", "3", "--load", str(tmp_path / "ckpt"), "--ref-load",
+    _short(tmp_path / "a", "--num-rollout", "1", "--save", str(tmp_path / "ckpt"))
+    hist = _short(tmp_path / "b", "--num-rollout", "3", "--load", str(tmp_path / "ckpt"), "--ref-load",
                 str(tmp_path / "ckpt"), "--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl")
     # rollout 1: the actor is the checkpoint, so is the reference: KL exactly 0 in every micro-step
     assert hist[0]["rollout/ref_log_probs"] == hist[0]["rollout/log_probs"]
