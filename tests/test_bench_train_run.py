@@ -7,7 +7,9 @@ from rlperf.cli import main
 
 def test_table_from_a_real_run(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "--output-dir", str(out), "--no-progress", "--num-rollout", "2", "--skip-gates"]) == 0
+    # the table's arithmetic, not learning: 4 prompts x 4 samples a rollout
+    assert main(["train", "--output-dir", str(out), "--no-progress", "--num-rollout", "2", "--skip-gates",
+                 "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16"]) == 0
     metrics = out / "metrics.jsonl"
     rows = [train_run.step_row(m) for m in train_run.load_metrics(metrics)]
     assert [r["rollout"] for r in rows] == [0, 1]

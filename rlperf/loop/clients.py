@@ -558,11 +558,13 @@ class RouterClient:
     def close(self) -> None:
         """Stop watching the engines' health; leave the weight-update group (distributed sync), if one
         was formed."""
+        gone = []
         if self.health is not None:
             self.health.close()
+            gone = self.health.failed_urls()
         if self.broadcaster is not None:
             self.broadcaster, b = None, self.broadcaster
-            b.close()
+            b.close(gone)  # an engine that failed is not asked to leave (it would not answer)
 
 
 class SGLangClient(RouterClient):

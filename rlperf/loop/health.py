@@ -22,6 +22,9 @@ while it waits for a rollout's requests, whenever a request fails, and before ea
   formed anew with every engine, the current weights are broadcast and every engine's checksum is
   checked; then it is added back (``POST /workers``) and the event is reported
   (:meth:`take_events`: engine, reason, seconds out of service). A dead router still ends the run.
+
+When the client closes, the engines found failed (:meth:`failed_urls`) are not asked to leave the
+weight-update group: a stopped engine would not answer, and the run would wait out the close timeout.
 """
 from __future__ import annotations
 
@@ -246,6 +249,11 @@ class HealthMonitor:
         with self._lock:
             events, self.events = self.events, []
         return events
+
+    def failed_urls(self) -> list[str]:
+        """The URLs of the engines found failed or taken out of service (not yet back)."""
+        with self._lock:
+            return [self.fleet.worker_urls[i] for i in sorted({*self._failed, *self.out})]
 
     def close(self) -> None:
         self._stop.set()

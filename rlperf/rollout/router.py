@@ -169,6 +169,7 @@ class Cluster:
         for p in ([self.router] if self.router else []) + self.servers:
             if p.poll() is None:
                 p.terminate()
+                p.send_signal(signal.SIGCONT)  # a stopped process (SIGSTOP) handles its SIGTERM only once continued
         for p in ([self.router] if self.router else []) + self.servers:
             try:
                 p.wait(timeout=10)

@@ -70,7 +70,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -453,9 +453,9 @@ class WeightBroadcaster:
             raise WeightSyncError(f"{url}{path.split('?')[0]}: the engine cannot be reached ({exc})") from None
         return _reply(url, path, status, raw)
 
-    def _all(self, path: str, body=None, timeout: float | None = None) -> list[dict]:
-        """The same request to every engine at once; their replies."""
-        return _results([_in_thread(self._call, url, path, body, timeout) for url in self.urls])
+    def _all(self, path: str, body=None, timeout: float | None = None, urls: Sequence[str] | None = None) -> list[dict]:
+        """The same request to every engine (or to ``urls``) at once; their replies."""
+        return _results([_in_thread(self._call, url, path, body, timeout) for url in (self.urls if urls is None else urls)])
 
     # ---- the group -----------------------------------------------------------------------------
     def connect(self) -> None:
@@ -481,12 +481,16 @@ class WeightBroadcaster:
                                       getattr(exc, "status", 0))
         self.group = joined.result()
 
-    def close(self) -> None:
-        """Ask the engines to leave the group (best effort), then leave it."""
+    def close(self, gone: Collection[str] = ()) -> None:
+        """Ask the engines to leave the group (best effort), then leave it. Engines whose URL is in
+        ``gone`` (known to have failed: killed, stopped, not answering) are not asked, so a run that ends
+        because of one does not wait ``CLOSE_TIMEOUT_S`` for its answer."""
         if self.group is None:
             return
+        gone = {u.rstrip("/") for u in gone}
         try:
-            self._all(DESTROY_ENDPOINT, {"group_name": self.group_name}, timeout=CLOSE_TIMEOUT_S)
+            self._all(DESTROY_ENDPOINT, {"group_name": self.group_name}, timeout=CLOSE_TIMEOUT_S,
+                      urls=[u for u in self.urls if u not in gone])
         except WeightSyncError:
             pass  # an engine that is gone has left already
         finally:

@@ -190,9 +190,12 @@ def test_write_kv_cache_round_trip(interpreter):
     assert cu_k.tolist() == [0, 5 * P] and torch.equal(kg[s], k[keep]) and torch.equal(vg[s], v[keep])
 
 
-@pytest.mark.parametrize("dtype,chunks", [(torch.float16, (None, 5, 16, 33)), (torch.float32, (None, 33))])
+# chunks of 16 start and end on page boundaries (P is a multiple of 16) and split the 33-token sequence
+# 16 + 16 + 1; chunks of 33 start and end inside pages and cross them, as any other odd size does (a
+# chunk of 5 ran the same paths in 2.7x the interpreter time)
+@pytest.mark.parametrize("dtype,chunks", [(torch.float16, (None, 16, 33)), (torch.float32, (None, 33))])
 def test_prefill_chunked_decode_bit_identical(interpreter, dtype, chunks):
-    """varlen ≡ paged full prefill ≡ chunks of 5, 16, 33 ≡ prefill then decode token by token
+    """varlen ≡ paged full prefill ≡ chunks of 16 and 33 ≡ prefill then decode token by token
     (across page boundaries) — bit for bit, in batches that change and reshuffle every step."""
     P = page_size()
     lens = [1, 7, 33, P - 1, P, P + 1, 2 * P + 3]

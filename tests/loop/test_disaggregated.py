@@ -24,6 +24,8 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("sglang_router")
 
 VOLATILE = ("perf/", "memory/")
+# the runs compare bits, not learning: 4 prompts x 4 samples a rollout instead of the embedded 8 x 16
+SMALL = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16"]
 
 
 @pytest.fixture
@@ -42,7 +44,7 @@ def test_two_cpu_engines_train_like_the_in_process_engine(tmp_path, monkeypatch,
         return fleets[-1]
 
     monkeypatch.setattr(E.EngineFleet, "start", classmethod(recording_start))
-    flags = ["--no-progress", "--num-rollout", "2", "--true-on-policy-mode"]
+    flags = ["--no-progress", "--num-rollout", "2", "--true-on-policy-mode", *SMALL]
     disaggregated = train(["--output-dir", str(tmp_path / "d"), "--rollout-num-gpus", "2", "--device", "cpu", *flags])
     local = train(["--output-dir", str(tmp_path / "l"), *flags])
     stable = lambda h: [{k: v for k, v in m.items() if not k.startswith(VOLATILE)} for m in h]  # noqa: E731
@@ -64,9 +66,9 @@ def test_the_gates_check_every_rank_and_every_engine(ranks, tmp_path, capfd, no_
     still has one testcase per gate."""
     j, x = tmp_path / "gate.json", tmp_path / "gate.xml"
     flags = ["--device", "cpu", "--rollout-num-gpus", "2", "--true-on-policy-mode", "--no-progress",
-             "--output-dir", str(tmp_path), "--report-json", str(j), "--junit-xml", str(x)]
+             "--output-dir", str(tmp_path), "--report-json", str(j), "--junit-xml", str(x), *SMALL]
     if ranks == 2:
-        flags += ["--actor-num-gpus-per-node", "2", "--n-samples-per-prompt", "8", "--global-batch-size", "64"]
+        flags += ["--actor-num-gpus-per-node", "2"]
     assert main(["gate", *flags]) == 0
     out = capfd.readouterr().out  # the ranks' own processes print through the file descriptors
     gate = {g["name"]: g for g in json.loads(j.read_text())["gates"]}
@@ -109,8 +111,7 @@ def test_two_ranks_and_two_engines_train_exactly_as_two_colocated_ranks(tmp_path
     each weight broadcast. Every metric but times and memory equals the 2-rank colocated run's (each rank
     its own in-process engine); against the 1-rank run the first rollout is bit-identical, and later the
     ranks' gradient sums round differently (module tests/loop/test_data_parallel.py)."""
-    flags = ["--device", "cpu", "--num-rollout", "2", "--true-on-policy-mode", "--no-progress",
-             "--n-samples-per-prompt", "8", "--global-batch-size", "64"]  # 64 samples a rollout: a short test
+    flags = ["--device", "cpu", "--num-rollout", "2", "--true-on-policy-mode", "--no-progress", *SMALL]
     two = ["--skip-gates", "--actor-num-gpus-per-node", "2"]
     assert main(["train", *flags, *two, "--rollout-num-gpus", "2", "--output-dir", str(tmp_path / "d")]) == 0
     assert main(["train", *flags, *two, "--output-dir", str(tmp_path / "c")]) == 0

@@ -26,8 +26,9 @@ def probe(tmp_path, monkeypatch, request):
 
 
 def _train(tmp_path, probe_path, *flags):
+    # which kernel policy the run's steps see, not what they learn: 4 prompts x 4 samples a rollout
     return main(["train", "--output-dir", str(tmp_path / "out"), "--no-progress", "--custom-rm-path", probe_path,
-                 *flags])
+                 "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16", *flags])
 
 
 def test_flag_values_are_the_kernels_own():

@@ -87,7 +87,9 @@ def test_tensorboard_and_offline_wandb_hold_every_metric(tmp_path, wandb_offline
     code = main(["train", "--skip-gates", "--no-progress", "--num-rollout", "3", "--output-dir", str(out),
                  "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
                  "--use-tensorboard", "--use-wandb", "--wandb-mode", "offline", "--wandb-project", "rlperf-test",
-                 "--wandb-group", "ci", "--plot"])
+                 "--wandb-group", "ci", "--plot",
+                 # which metrics reach the loggers, not what they learn: 4 prompts x 4 samples a rollout
+                 "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16"])
     assert code == 0
     lines = [json.loads(x) for x in (out / METRICS_FILE).read_text().splitlines()]
     assert [m[STEP_KEY] for m in lines] == [0, 1, 2]

@@ -22,6 +22,10 @@ def _ns(tmp, *flags):
     return parse_train_args(["--output-dir", str(tmp), "--no-progress", *flags])
 
 
+# the CPU runs compare bits, not learning: 4 prompts x 4 samples a rollout instead of the embedded 8 x 16
+SMALL = ("--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16")
+
+
 def _saved_dtypes(model_dir):
     from safetensors.torch import load_file
 
@@ -53,7 +57,7 @@ def test_bf16_on_the_interpreter_is_refused(tmp_path, interpreter):
 
 def test_bf16_loop_on_cpu_is_true_on_policy_and_saves_float32_masters(tmp_path):
     run = Run(_ns(tmp_path / "o", "--bf16", "--device", "cpu", "--true-on-policy-mode", "--num-rollout", "2",
-                  "--save", str(tmp_path / "ckpt")))
+                  "--save", str(tmp_path / "ckpt"), *SMALL))
     assert all(p.dtype == torch.bfloat16 for p in run.model.parameters())  # compute weights
     assert all(p.dtype == torch.float32 for p in run.master_model.parameters())  # masters
     assert all(p.dtype == torch.bfloat16 for p in run.client.model.parameters())  # the engine runs bf16
@@ -67,11 +71,11 @@ def test_bf16_loop_on_cpu_is_true_on_policy_and_saves_float32_masters(tmp_path):
 
 
 def test_bf16_resume_continues_identically(tmp_path):
-    full = Run(_ns(tmp_path / "full", "--bf16", "--device", "cpu", "--num-rollout", "3")).run()
+    full = Run(_ns(tmp_path / "full", "--bf16", "--device", "cpu", "--num-rollout", "3", *SMALL)).run()
     Run(_ns(tmp_path / "first", "--bf16", "--device", "cpu", "--num-rollout", "2",
-            "--save", str(tmp_path / "ckpt"))).run()
+            "--save", str(tmp_path / "ckpt"), *SMALL)).run()
     rest = Run(_ns(tmp_path / "rest", "--bf16", "--device", "cpu", "--num-rollout", "3",
-                   "--load", str(tmp_path / "ckpt"))).run()
+                   "--load", str(tmp_path / "ckpt"), *SMALL)).run()
     assert [m["rollout_id"] for m in rest] == [2]
     assert [_stable(m) for m in rest] == [_stable(m) for m in full[2:]]
 
@@ -82,7 +86,7 @@ def test_shared_engine_weights_equal_buckets(tmp_path, precision):
     runs = {}
     for mode in ("buckets", "shared"):
         run = Run(_ns(tmp_path / mode, f"--precision={precision}", "--device", "cpu", "--num-rollout", "2",
-                      "--engine-weights", mode))
+                      "--engine-weights", mode, *SMALL))
         assert (run.client.model is run.model) == (mode == "shared")
         runs[mode] = run.run()
         assert runs[mode][-1]["sync/weights_checksum"] == json.loads(

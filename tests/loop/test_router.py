@@ -22,7 +22,9 @@ def cluster(launch_router_cluster):
 
 def test_router_run_equals_in_process_run(cluster, tmp_path):
     port = cluster.router_url.rsplit(":", 1)[1]
-    flags = ["--no-progress", "--num-rollout", "2", "--true-on-policy-mode"]
+    # the runs compare bits, not learning: 4 prompts x 4 samples a rollout instead of the embedded 8 x 16
+    flags = ["--no-progress", "--num-rollout", "2", "--true-on-policy-mode", "--rollout-batch-size", "4",
+             "--n-samples-per-prompt", "4", "--global-batch-size", "16"]
     routed = train(["--output-dir", str(tmp_path / "r"), "--sglang-router-ip", "127.0.0.1",
                     "--sglang-router-port", str(port), *flags])
     local = train(["--output-dir", str(tmp_path / "l"), *flags])

@@ -63,9 +63,11 @@ def test_sharded_checkpoint_round_trip_and_bad_shapes(tmp_path):
         again.load_hf_state_dict(bad)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_prefill_chunked_decode_give_identical_bits(interpreter, dtype):
-    model = Qwen3ForCausalLM.random(CFG, seed=3, dtype=dtype)
+def test_prefill_chunked_decode_give_identical_bits(interpreter):
+    # float16 only: the model adds the composition (per-layer caches, decode positions, page tables) to
+    # kernels tests/kernels proves in fp16 and fp32; a path that rounds where the other does not shows in
+    # fp16 and may not in fp32, and any order difference shows in both (fp32 ran the same steps again)
+    model = Qwen3ForCausalLM.random(CFG, seed=3, dtype=torch.float16)
     longest = K.PAGE_SIZE + 6  # crosses a page boundary
     seqs, ids, positions, cu = _packed([5, 19, longest], CFG.vocab_size, seed=4)
     with torch.no_grad():
