@@ -34,23 +34,23 @@ PACKAGES=(
   "sglang==$SGLANG_VERSION"
   sglang-kernel==0.4.5
   flashinfer-python==0.6.15.post1
-  apache-tvm-ffi
+  apache-tvm-ffi==0.1.11
   transformers==5.12.1
   tokenizers==0.22.2
   huggingface-hub==1.33.0
   safetensors
   sglang-router
-  xgrammar
+  xgrammar==0.2.1
   # sglang's server and scheduler
   fastapi starlette uvicorn uvloop pydantic pydantic-core annotated-types typing-inspection
   orjson pybase64 pyzmq msgspec setproctitle python-multipart prometheus-client
   partial-json-parser compressed-tensors interegular einops ninja nvidia-ml-py
-  openai httpx httpcore anyio sniffio h11 distro jiter tqdm regex sentencepiece tiktoken
+  openai==2.6.1 httpx httpcore anyio sniffio h11 distro jiter tqdm regex sentencepiece tiktoken
   llguidance blobfile pyyaml tabulate click
   # imported on sglang 0.5.17's launch path and missing from the GPU image (found by importing the
   # engine, scheduler, model runner and both attention backends from the packed site on Python 3.12)
   opentelemetry-api dill loguru gguf jsonschema jsonschema-specifications referencing rpds-py
-  soundfile cffi pycparser
+  soundfile==0.13.1 cffi pycparser
   ipython ipython-pygments-lexers traitlets jedi parso matplotlib-inline prompt-toolkit wcwidth
   stack-data executing asttokens pure-eval pexpect ptyprocess
 )
@@ -64,6 +64,7 @@ rm -rf "$PACK_DIR/site" "$PACK_DIR"/chunk-* "$PACK_DIR/MANIFEST" "$PACK_DIR/sgla
 if [ -n "$from_site" ]; then
   cp -a "$from_site" "$PACK_DIR/site"
 else
+  rm -rf "$PACK_DIR/wheels"  # exactly this list's wheels: a version left by an earlier pack would clash
   mkdir -p "$PACK_DIR/wheels"
   # --no-deps: exactly this list (the GPU image has the rest); --only-binary: wheels, never an sdist
   if ! "$PYTHON" -m pip download --quiet --disable-pip-version-check --only-binary=:all: --no-deps \
