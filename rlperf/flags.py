@@ -53,15 +53,24 @@ seed = int_in(0, MAX_SEED, "an integer in [0, 2**63 - 1]")
 seed.__doc__ = "A ``type=``: a random seed, 0 to 2**63 - 1."
 
 
+def check_token_buckets(values) -> tuple[int, ...]:
+    """``--cuda-graph-buckets``' token counts sorted, duplicates dropped; ValueError naming the flag
+    unless there is at least one and each is >= 2 (a sample has at least 2 tokens)."""
+    out = tuple(sorted({int(v) for v in values}))
+    if not out or out[0] < 2:
+        raise ValueError(f"--cuda-graph-buckets takes token counts >= 2, got {list(values)}")
+    return out
+
+
 def token_buckets(text: str) -> tuple[int, ...]:
-    """A ``type=``: comma-separated token counts, each >= 2 (``2048,4096,8192``), sorted, duplicates dropped."""
+    """A ``type=``: comma-separated token counts (``2048,4096,8192``), :func:`check_token_buckets`."""
     parts = [t for t in text.split(",") if t.strip()]
     if not parts:
         raise argparse.ArgumentTypeError(f"{text[:40]!r}: expected token counts, comma-separated (e.g. 2048,4096,8192)")
-    values = [_int(t) for t in parts]
-    if min(values) < 2:
-        raise argparse.ArgumentTypeError(f"every bucket must be >= 2 tokens, got {min(values)}")
-    return tuple(sorted(set(values)))
+    try:
+        return check_token_buckets([_int(t) for t in parts])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def fraction(text: str) -> float:

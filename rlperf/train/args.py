@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rlperf.flags import token_buckets
+from rlperf.flags import check_token_buckets, token_buckets
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 FSDP_GATHER_MODES = ("auto", "step", "micro-batch")
@@ -116,8 +116,7 @@ class TrainArgs:
         if self.use_dynamic_batch_size and (self.max_tokens_per_gpu is None or self.max_tokens_per_gpu < 1):
             raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu >= 1")
         if self.cuda_graph_buckets:
-            if min(self.cuda_graph_buckets) < 2:
-                raise ValueError(f"--cuda-graph-buckets takes token counts >= 2, got {list(self.cuda_graph_buckets)}")
+            check_token_buckets(self.cuda_graph_buckets)
             if not self.use_dynamic_batch_size:
                 raise ValueError("--cuda-graph-buckets needs --use-dynamic-batch-size (with --max-tokens-per-gpu <= the "
                                  "largest bucket, every micro-batch fits a bucket)")
@@ -181,8 +180,8 @@ def add_train_arguments(p, skip=(), task_defaults=()) -> None:
     add("--cuda-graph-buckets", type=token_buckets, default=(), metavar="LIST",
         help="CUDA only: pad each packed micro-batch with masked tokens to the smallest of these token counts >= its "
              "size (comma-separated, e.g. 1024,2048,4096) and replay CUDA graphs captured per bucket for the log-prob "
-             "passes and the train micro-step (forward + backward): far fewer kernel launches from the host, the same "
-             "bits as eager. Needs --use-dynamic-batch-size with --max-tokens-per-gpu <= the largest bucket "
+             "passes and the train micro-step (forward + backward): far fewer kernel launches from the host; the "
+             "log-probs keep eager's bits, the gradients not yet on the GPU (docs/train.md). Needs --use-dynamic-batch-size with --max-tokens-per-gpu <= the largest bucket "
              "(default: eager)")
     add("--fsdp-gather", default=d.fsdp_gather, choices=FSDP_GATHER_MODES,
         help="data-parallel ranks: gather the FSDP shards once per step and reduce-scatter the gradients once "

@@ -53,18 +53,11 @@ from collections.abc import Sequence
 import torch
 
 from rlperf import kernels as K
+from rlperf.flags import check_token_buckets
 
 from .batching import MicroBatch, micro_batch_log_probs, pad_micro_batch
 
 FLAG = "--cuda-graph-buckets"
-
-
-def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
-    """The buckets sorted, duplicates dropped; ValueError naming :data:`FLAG` unless each is >= 2."""
-    out = tuple(sorted({int(b) for b in buckets}))
-    if not out or out[0] < 2:
-        raise ValueError(f"{FLAG} takes token counts >= 2 (a sample has at least 2 tokens), got {list(buckets)}")
-    return out
 
 
 MIN_SEQ_SLOTS = 8
@@ -127,14 +120,14 @@ class MicroBatchGraphs:
 
     ``model``: a :class:`rlperf.model.qwen3.Qwen3ForCausalLM` on a CUDA device (its weights are
     read in place: the trainer's in-place weight updates reach the graphs); ``buckets``: token
-    counts (:func:`check_buckets`); ``temperature``: the log-probs' temperature (a launch argument
+    counts (:func:`rlperf.flags.check_token_buckets`); ``temperature``: the log-probs' temperature (a launch argument
     the graphs freeze)."""
 
     def __init__(self, model, buckets: Sequence[int], temperature: float):
         dev = model.head_weight.device
         if dev.type != "cuda":
             raise ValueError(f"{FLAG} replays CUDA graphs: it needs a CUDA device, the model is on {dev}")
-        self.model, self.buckets, self.temperature = model, check_buckets(buckets), float(temperature)
+        self.model, self.buckets, self.temperature = model, check_token_buckets(buckets), float(temperature)
         top = self.buckets[-1]
         i64 = dict(dtype=torch.int64, device=dev)
         self.input_ids, self.positions = torch.zeros(top, **i64), torch.zeros(top, **i64)
@@ -173,15 +166,21 @@ class MicroBatchGraphs:
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def _capture(self, body, warmups: int = 2):
-        """``body()`` run ``warmups`` times on a side stream (compilation, allocator growth), then
-        captured into a new graph in the shared pool; (graph, what the captured call returned)."""
+    @staticmethod
+    def _warm_up(body, times: int = 2) -> None:
+        """``body()`` run ``times`` times on a side stream before a capture (Triton compilation,
+        allocator growth), the current stream waiting for it."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(warmups):
+            for _ in range(times):
                 body()
         torch.cuda.current_stream().wait_stream(side)
+
+    def _capture(self, body):
+        """``body()`` warmed up (:meth:`_warm_up`), then captured into a new graph in the shared pool;
+        (graph, what the captured call returned)."""
+        self._warm_up(body)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = body()
@@ -226,12 +225,7 @@ class MicroBatchGraphs:
             return torch.autograd.grad(outs, params, (grad_log_probs, grad_entropy), allow_unused=True)
 
         with torch.enable_grad():
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # compile and warm the forward and backward kernels
-                for _ in range(2):
-                    backward(forward())
-            torch.cuda.current_stream().wait_stream(side)
+            self._warm_up(lambda: backward(forward()))  # the forward and the backward kernels
             fwd = torch.cuda.CUDAGraph()
             with torch.cuda.graph(fwd, pool=self._pool, capture_error_mode="thread_local"):
                 outs = forward()

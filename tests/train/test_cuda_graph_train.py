@@ -10,7 +10,8 @@ import rlperf.kernels as K
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.train import Sample, TrainArgs, Trainer, frozen_copy, micro_batch_log_probs, pack_micro_batches
-from rlperf.train.cuda_graph import MicroBatchGraphs, check_buckets, seq_slots
+from rlperf.flags import check_token_buckets
+from rlperf.train.cuda_graph import MicroBatchGraphs, seq_slots
 
 # odd sizes; packed under 1100 tokens (first-fit decreasing): micro-batches of 1099 and 470 tokens
 LENGTHS = [(40, 20), (301, 150), (513, 400), (129, 1), (7, 6), (555, 300), (24, 23)]
@@ -32,11 +33,11 @@ def _gpu_model(dtype=torch.bfloat16, seed=7):
 
 
 def test_buckets_and_refusals_name_the_flag():
-    assert check_buckets([4096, 1024, 1024]) == (1024, 4096)
+    assert check_token_buckets([4096, 1024, 1024]) == (1024, 4096)
     assert seq_slots(1024) == 513 and seq_slots(1024, 3) == 8 and seq_slots(1024, 8) == 16
     assert seq_slots(1024, 600) == 513 and seq_slots(10, 1) == 6  # never more than a bucket can hold
     with pytest.raises(ValueError, match="--cuda-graph-buckets"):
-        check_buckets([1, 64])
+        check_token_buckets([1, 64])
     with pytest.raises(ValueError, match="--cuda-graph-buckets replays CUDA graphs: it needs a CUDA device"):
         MicroBatchGraphs(Qwen3ForCausalLM.random(preset("tiny"), seed=0), [64], 1.0)
     with pytest.raises(ValueError, match="--cuda-graph-buckets needs --use-dynamic-batch-size"):
