@@ -114,11 +114,10 @@ def _tag(cfg) -> str:
 
 
 def _bwd_chunk(n: int) -> int:
-    """Vocabulary columns per backward chunk of dlogits (as the op walks them), for the parts rows."""
+    """Vocabulary columns per backward chunk of dlogits (as the op walks them; not a function of n)."""
     from rlperf.kernels import fused_lm_head as FL
 
-    default = FL.fused_config(torch.bfloat16)
-    return max(default.BLOCK_N, FL.BWD_CHUNK_BYTES // (n * 2) // default.BLOCK_N * default.BLOCK_N)
+    return FL.backward_chunk(V, FL.fused_config(torch.bfloat16))
 
 
 def cases(quick: bool = False) -> list[BenchCase]:
@@ -266,16 +265,18 @@ def _head_workload(n: int) -> Workload:
     dl = torch.randn(n, chunk, device=hidden.device, generator=gen).to(torch.bfloat16)
     gw = torch.empty_like(weight)
 
+    from rlperf.kernels.gemm import input_grad, weight_grad
+
     def mm_w():
         for v0 in range(0, V, chunk):
             v1 = min(V, v0 + chunk)
-            torch.mm(dl[:, : v1 - v0].t(), hidden, out=gw[v0:v1])
+            gw[v0:v1] = weight_grad(dl[:, : v1 - v0], hidden, gw.dtype)
 
     def mm_h():
         acc = torch.zeros(n, H, device=hidden.device)
         for v0 in range(0, V, chunk):
             v1 = min(V, v0 + chunk)
-            acc += FL.mm_f32(dl[:, : v1 - v0], weight[v0:v1])
+            acc += input_grad(dl[:, : v1 - v0], weight[v0:v1], torch.float32)
 
     w.calls.update({"bwd part: d weight mm": mm_w, "bwd part: d hidden mm": mm_h})
     return w
@@ -422,8 +423,6 @@ def run(quick: bool = False) -> list[BenchRow]:
             extra = dict(first) if i == 0 else {}
             if c.kernel in peaks and c.anchor in peaks:
                 extra.update(extra_peak_gib=peaks[c.kernel], anchor_extra_peak_gib=peaks[c.anchor])
-            if c.kernel == "backward alone":
-                extra["mm_out_dtype"] = FL.mm_f32_uses_out_dtype()
             if ref is not None and c.kernel.startswith("fwd "):
                 extra["bits_equal_default"] = torch.equal(w.calls[c.kernel]()[0], ref)
             rows.append(c.row(times[c.kernel].median_ms, times[c.anchor].median_ms, **extra))

@@ -2,10 +2,14 @@
 
 The forward of every op is the batch-invariant kernel (that is what makes training and rollout
 log-probs equal bit for bit); the backward only has to be a correct gradient of the same math, and
-need not be batch-invariant. Two kinds:
+need not be batch-invariant, except where a contract below says so. Two kinds:
 
-* :func:`matmul_with_grad` — ``y = x @ w.T + b`` with the analytic backward in torch
-  (``dx = g @ w``, ``dw = g.T @ x``, ``db = sum_rows(g)``; cuBLAS on the GPU);
+* :func:`matmul_with_grad` — ``y = x @ w.T + b`` with the analytic backward
+  (``dx = g @ w``, ``dw = g.T @ x``, ``db = sum_rows(g)``): in invariant mode through the Triton
+  kernels of :func:`rlperf.kernels.gemm.invariant_linear_grads` (a row of dx depends on that row
+  of g only; dw sums the rows in a fixed order that rows appended with g = 0 do not change, so a
+  micro-batch padded to a CUDA-graph bucket has the gradients of the unpadded one, bit for bit);
+  in fast mode torch's matmuls (cuBLAS on the GPU, whose kernel choice follows the row count);
 * :func:`with_recompute_backward` — the rest (token log-probs, log-softmax, and varlen attention
   in fast mode): the forward runs the kernel and saves only its inputs; the
   backward re-runs a stock torch formula of the same op under autograd and differentiates it
@@ -33,27 +37,39 @@ import torch
 
 class _MatmulWithGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward: Callable, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
+    def forward(ctx, forward: Callable, grads: Callable | None, x: torch.Tensor, w: torch.Tensor,
+                bias: torch.Tensor | None):
         ctx.save_for_backward(x, w)
         ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.grads = grads
         return forward(x, w, bias)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, w = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         gx = gw = gb = None
-        if ctx.needs_input_grad[1]:
-            gx = (g.to(w.dtype) @ w).to(x.dtype)                           # [M, N] @ [N, K]
-        if ctx.needs_input_grad[2]:
-            gw = (g.to(x.dtype).transpose(0, 1) @ x).to(w.dtype)           # [N, M] @ [M, K]
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
+        if ctx.grads is not None:
+            gx, gw = ctx.grads(x, w, g, need_x, need_w)
+        else:
+            if need_x:
+                gx = (g.to(w.dtype) @ w).to(x.dtype)                           # [M, N] @ [N, K]
+            if need_w:
+                gw = (g.to(x.dtype).transpose(0, 1) @ x).to(w.dtype)           # [N, M] @ [M, K]
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
             gb = g.float().sum(0).to(ctx.bias_dtype)
-        return None, gx, gw, gb
+        return None, None, gx, gw, gb
 
 
-def matmul_with_grad(forward: Callable, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
-    """``forward(x [M, K], w [N, K], bias [N] | None) -> [M, N]`` (the kernel), made differentiable."""
-    return _MatmulWithGrad.apply(forward, x, w, bias)
+def matmul_with_grad(forward: Callable, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                     grads: Callable | None = None):
+    """``forward(x [M, K], w [N, K], bias [N] | None) -> [M, N]`` (the kernel), made differentiable.
+
+    ``grads(x, w, g, need_x, need_w) -> (dx | None, dw | None)`` computes the backward's two
+    products (invariant mode passes :func:`rlperf.kernels.gemm.invariant_linear_grads`); None: torch's
+    ``g @ w`` and ``g.T @ x``. The choice is made here, at forward time: the backward runs on
+    autograd's own thread, outside the caller's kernel policy."""
+    return _MatmulWithGrad.apply(forward, grads, x, w, bias)
 
 
 class _RecomputeBackward(torch.autograd.Function):

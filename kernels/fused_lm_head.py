@@ -39,10 +39,14 @@ tile and split order, and a row's bits do not depend on the other rows of the la
 rollout and training log-probs are equal bit for bit whenever its hidden rows are
 (``--true-on-policy-mode``), and neither side materialises [N, V] float32 logits for them.
 
-Backward: the vocabulary is walked in chunks of at most ``BWD_CHUNK_BYTES`` of dlogits; per chunk a
-Triton kernel recomputes the logit tiles (same config as the forward) and writes ``dz / T`` in the
-input dtype, then two matmuls (cuBLAS on GPU) give that chunk's rows of d weight and add its term to
-a float32 d hidden. Deterministic run to run (fixed chunk order, no atomics).
+Backward: the vocabulary is walked in chunks of ``BWD_CHUNK_COLUMNS`` columns (a constant, never a
+function of N); per chunk a Triton kernel recomputes the logit tiles (same config as the forward)
+and writes ``dz / T`` in the input dtype, then two batch-invariant Triton matmuls give that chunk's
+rows of d weight (:func:`rlperf.kernels.gemm.weight_grad`: the sum over the N rows in a fixed
+order) and add its term to a float32 d hidden (:func:`rlperf.kernels.gemm.input_grad`: a row
+depends on its own dz row only). Deterministic run to run (fixed chunk order, no atomics), and
+rows appended with zero upstream gradient (a micro-batch padded to a CUDA-graph bucket) change no
+bit of either gradient.
 
 Tensor parallel (``tp_group``): each rank holds a contiguous V/tp slice of the vocabulary (rank r's
 slice follows ranks 0..r-1; sizes may differ) and the same hidden and (global) targets. The local
@@ -61,11 +65,12 @@ import triton
 import triton.language as tl
 
 from .dispatch import route
+from .gemm import input_grad, weight_grad
 from .logprob import LOG2E, _check_temperature, online_lse_update
 from .reference import fused_logprob as _ref
 from .tile_dot import dot_acc
 
-BWD_CHUNK_BYTES = 256 * 2**20  # dlogits per backward chunk (the main extra memory of backward)
+BWD_CHUNK_COLUMNS = 16384  # vocabulary columns of dlogits per backward chunk: [N, 16384] in the input dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,26 +357,6 @@ def _tp_finalize(m, s, t, tz, targets, inv_t, v_total, group):
     return logp, ent, gm * inv_t + log_s
 
 
-_MM_OUT_DTYPE: bool | None = None
-
-
-def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with a float32 result: for 16-bit CUDA inputs cuBLAS's float32 output where this
-    torch has ``torch.mm(..., out_dtype=)`` (:func:`mm_f32_uses_out_dtype`), else the product cast up.
-    The backward's d hidden term, per vocabulary chunk."""
-    global _MM_OUT_DTYPE
-    if a.is_cuda and a.dtype != torch.float32:
-        if _MM_OUT_DTYPE is not False:
-            try:
-                out = torch.mm(a, b, out_dtype=torch.float32)
-                _MM_OUT_DTYPE = True
-                return out
-            except (TypeError, RuntimeError):
-                _MM_OUT_DTYPE = False
-        return torch.mm(a, b).float()
-    return torch.mm(a.float(), b.float())
-
-
 def _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, with_entropy,
               need_h, need_w, cfg=None):
     cfg = cfg or fused_config(hidden.dtype)
@@ -380,9 +365,7 @@ def _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, w
     grad_h = torch.zeros((N, H), dtype=torch.float32, device=hidden.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     num_m = triton.cdiv(N, cfg.BLOCK_M)
-    chunk = BWD_CHUNK_BYTES // max(1, N * hidden.element_size())
-    chunk = max(cfg.BLOCK_N, chunk // cfg.BLOCK_N * cfg.BLOCK_N)
-    chunk = min(chunk, triton.cdiv(V, cfg.BLOCK_N) * cfg.BLOCK_N)
+    chunk = backward_chunk(V, cfg)
     dl = torch.empty((N, chunk), dtype=hidden.dtype, device=hidden.device)
     h_src, w_src, use_tma = _sources(hidden, weight, cfg)
     for v0 in range(0, V, chunk):
@@ -396,19 +379,18 @@ def _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, w
         )
         d = dl[:, : v1 - v0]
         if need_w:
-            if hidden.is_cuda:
-                torch.mm(d.t(), hidden, out=grad_w[v0:v1])
-            else:
-                grad_w[v0:v1] = torch.mm(d.t().float(), hidden.float())
+            grad_w[v0:v1] = weight_grad(d, hidden, weight.dtype)
         if need_h:
-            grad_h += mm_f32(d, weight[v0:v1])
+            grad_h += input_grad(d, weight[v0:v1], torch.float32)
     return grad_h, grad_w
 
 
-def mm_f32_uses_out_dtype() -> bool | None:
-    """Whether :func:`mm_f32` gets cuBLAS's float32 output on this torch: None until a 16-bit CUDA
-    call has tried ``torch.mm(..., out_dtype=torch.float32)``, then True or False."""
-    return _MM_OUT_DTYPE
+def backward_chunk(V: int, cfg: FusedConfig) -> int:
+    """Vocabulary columns per backward chunk: :data:`BWD_CHUNK_COLUMNS` rounded down to a multiple of
+    ``BLOCK_N`` (at least one tile), at most V rounded up. Never a function of the token count: the
+    chunks fix the order in which d hidden's float32 terms are added."""
+    chunk = max(cfg.BLOCK_N, BWD_CHUNK_COLUMNS // cfg.BLOCK_N * cfg.BLOCK_N)
+    return min(chunk, triton.cdiv(V, cfg.BLOCK_N) * cfg.BLOCK_N)
 
 
 def fused_logprob_forward(hidden, weight, targets, inv_t: float, with_entropy: bool = False, *,

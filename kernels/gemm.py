@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .autograd import matmul_with_grad
-from .dispatch import route
+from .dispatch import mode, route
 from .pipeline import launch_with_fitting_stages
 from .tile_dot import dot_acc
 from .reference.matmul import matmul_ref
@@ -261,7 +261,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     ``out``: optional [M, N] tensor of ``out_dtype`` (any strides) written in place and returned.
     Invariant mode: the persistent Triton kernel above (GPU or CPU interpreter), or the float64
     reference cast to ``out_dtype`` (CPU otherwise). Fast mode: ``F.linear`` (cuBLAS), not
-    batch-invariant. Differentiable in x, w and bias (:func:`rlperf.kernels.autograd.matmul_with_grad`).
+    batch-invariant. Differentiable in x, w and bias (:func:`rlperf.kernels.autograd.matmul_with_grad`);
+    invariant mode's backward is :func:`invariant_linear_grads`, fast mode's torch's matmuls.
     """
     _check(x, w, bias, out_dtype)
     out_dtype = out_dtype or x.dtype
@@ -269,7 +270,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if how == "autograd":
         if out is not None:
             raise ValueError("matmul: out= does not support autograd (an input requires grad)")
-        return matmul_with_grad(lambda x, w, b: matmul(x, w, b, out_dtype), x, w, bias)
+        # invariant mode's forward runs the kernel, and so does its backward (row-count invariant)
+        grads = invariant_linear_grads if mode() == "invariant" else None
+        return matmul_with_grad(lambda x, w, b: matmul(x, w, b, out_dtype), x, w, bias, grads)
     M, N = x.shape[0], w.shape[0]
     if out is not None and (out.shape != (M, N) or out.dtype != out_dtype or out.device != x.device):
         raise ValueError(f"matmul: out must be [M, N] = ({M}, {N}) of {out_dtype} on {x.device}, "
@@ -338,6 +341,117 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
     if out is not None:
         return out.copy_(dst)
     return dst if kernel_out_dtype == out_dtype else dst.to(out_dtype)
+
+
+
+# --------------------------------------------------------------------------------------------
+# Weight gradient: sums over the rows in a fixed order
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M"])
+def _weight_grad_kernel(
+    dy, a, dw, rows_of_slot, segment_offsets, M, N, K,
+    stride_dym, stride_dyn, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+    SEGMENTED: tl.constexpr, GATHER: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # dw[e, n, k] = sum over the rows m of segment e (all M rows unless SEGMENTED), BLOCK_M rows at
+    # a time in increasing m, of dy[m, n] * a[src(m), k]; src(m) = rows_of_slot[m] // TOP_K when
+    # GATHER (an expert's slot reads its token's row), else m. One program per output tile runs the
+    # whole row loop into one float32 accumulator: no split over the rows, so rows appended past the
+    # end with dy = 0 (a micro-batch's padding) add exact zeros and change no bit.
+    e = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if SEGMENTED:
+        start = tl.load(segment_offsets + e)
+        end = tl.load(segment_offsets + e + 1)
+    else:
+        start = 0
+        end = M
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        valid = offs_m < end
+        if GATHER:
+            src = tl.load(rows_of_slot + offs_m, mask=valid, other=0) // TOP_K
+        else:
+            src = offs_m
+        g = tl.load(dy + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+                    mask=valid[:, None] & (offs_n[None, :] < N), other=0.0)
+        x = tl.load(a + src.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
+        acc = dot_acc(tl.trans(g), x, acc, PRECISION)
+    d_ptrs = dw + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    tl.store(d_ptrs, acc.to(dw.dtype.element_ty), mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+
+
+def weight_grad_config(dtype: torch.dtype) -> MatmulConfig:
+    """The one tile config of :func:`weight_grad` for ``dtype`` inputs: BLOCK_M rows of the sum per
+    step, a [BLOCK_N, BLOCK_K] output tile per program. A function of the dtype only, never of M."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"weight_grad: dtype {dtype} not supported; expected one of {SUPPORTED_DTYPES}")
+    if dtype == torch.float32:
+        return MatmulConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
+    return MatmulConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=3)
+
+
+def launch_weight_grad(dy: torch.Tensor, a: torch.Tensor, out_dtype: torch.dtype, *, segments: int = 1,
+                       segment_offsets: torch.Tensor | None = None, rows_of_slot: torch.Tensor | None = None,
+                       top_k: int = 1, config: MatmulConfig | None = None) -> torch.Tensor:
+    """``dw [segments, N, K]``: per segment, the sum over its rows of ``dy[m, :, None] * a[src(m), None, :]``
+    in float32, in increasing m, rounded once to ``out_dtype`` (:func:`_weight_grad_kernel`).
+
+    dy [M, N] and a [R, K] of one dtype. Dense (``segment_offsets`` None): one segment of all M rows,
+    a [M, K]. Segmented: ``segment_offsets`` [segments + 1] int32 on the device (rows of segment e are
+    ``offsets[e]:offsets[e+1]``); with ``rows_of_slot`` [M] row m reads ``a[rows_of_slot[m] // top_k]``
+    (the MoE weight gradient: an expert's slots, each reading its token). No checks, no routing.
+    """
+    M, N = dy.shape
+    K = a.shape[1]
+    cfg = config if config is not None else weight_grad_config(dy.dtype)
+    # the interpreter's bf16 casts round differently from torch: it writes float32, torch rounds
+    kernel_dtype = torch.float32 if dy.device.type != "cuda" and out_dtype == torch.bfloat16 else out_dtype
+    dw = torch.empty(segments, N, K, dtype=kernel_dtype, device=dy.device)
+    if N and K:
+        grid = (segments, triton.cdiv(N, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K))
+        segmented = segment_offsets is not None
+        _weight_grad_kernel[grid](
+            dy, a, dw, rows_of_slot if rows_of_slot is not None else dy, segment_offsets if segmented else dy,
+            M, N, K, dy.stride(0), dy.stride(1), a.stride(0), a.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+            SEGMENTED=segmented, GATHER=rows_of_slot is not None, TOP_K=top_k,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            PRECISION="tf32x3" if dy.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return dw.to(out_dtype)
+
+
+def weight_grad(dy: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``dy [M, N].T @ x [M, K]`` -> [N, K] of ``out_dtype`` (default x's): the weight gradient of
+    ``y = x @ w.T``, summed over the M rows in a fixed order that no other row count changes (rows
+    past a micro-batch's real tokens, with dy = 0, add exact zeros). dy is cast to x's dtype."""
+    if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0]:
+        raise ValueError(f"weight_grad: dy must be [M, N] and x [M, K], got {tuple(dy.shape)} and {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"weight_grad: dtype {x.dtype} not supported; expected one of {SUPPORTED_DTYPES}")
+    return launch_weight_grad(dy.to(x.dtype), x, out_dtype or x.dtype)[0]
+
+
+def input_grad(dy: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``dy [M, N] @ w [N, K]`` -> [M, K] of ``out_dtype`` (default w's): the input gradient of
+    ``y = x @ w.T`` through the batch-invariant kernel (``w.T`` as its [K, N] weight), so a row's
+    bits depend on that row of dy and on w only. dy is cast to w's dtype."""
+    return launch(dy.to(w.dtype), w.t(), None, out_dtype or w.dtype)
+
+
+def invariant_linear_grads(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, need_x: bool, need_w: bool):
+    """(dx, dw) of ``y = x @ w.T`` for upstream ``g`` by :func:`input_grad` and :func:`weight_grad`:
+    neither depends on how many rows the batch has (the backward of invariant mode's matmul)."""
+    dx = input_grad(g, w, x.dtype) if need_x else None
+    dw = weight_grad(g, x, w.dtype) if need_w else None
+    return dx, dw
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

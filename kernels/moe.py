@@ -51,6 +51,7 @@ import triton.language as tl
 from .activation import silu_mul
 from .autograd import with_recompute_backward
 from .dispatch import route
+from .gemm import launch_weight_grad
 from .reference.moe import moe_experts_ref, moe_route_ref, moe_route_weights_ref
 from .tile_dot import dot_acc
 
@@ -367,51 +368,13 @@ def _launch_grouped(a: torch.Tensor, w: torch.Tensor, plan: ExpertPlan, gather: 
     return out.to(a.dtype)
 
 
-@triton.jit
-def _expert_weight_grad_kernel(
-    dy, a, dw, rows_of_slot, expert_offsets, N, K,
-    stride_dym, stride_dyn, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-    GATHER: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-):
-    # dw[e, n, k] = sum over the expert's slots s, in slot order, of dy[s, n] * a[row(s), k]
-    e = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
-    start = tl.load(expert_offsets + e)
-    end = tl.load(expert_offsets + e + 1)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for m0 in range(start, end, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        valid = offs_m < end
-        if GATHER:
-            src = tl.load(rows_of_slot + offs_m, mask=valid, other=0) // TOP_K
-        else:
-            src = offs_m
-        g = tl.load(dy + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
-                    mask=valid[:, None] & (offs_n[None, :] < N), other=0.0)
-        x = tl.load(a + src.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                    mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
-        acc = dot_acc(tl.trans(g), x, acc, PRECISION)
-    d_ptrs = dw + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
-    tl.store(d_ptrs, acc.to(dw.dtype.element_ty), mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
-
-
 def _launch_weight_grad(dy: torch.Tensor, a: torch.Tensor, plan: ExpertPlan, gather: bool,
                         w_dtype: torch.dtype) -> torch.Tensor:
-    """d w [E, N, K] from dy [S, N] and a [R, K] (tokens when ``gather``): fixed-order sums."""
-    n, k = dy.shape[1], a.shape[1]
-    cfg = grouped_matmul_config(w_dtype, n, k)
-    dw = torch.empty(plan.num_experts, n, k, dtype=_kernel_dtype(w_dtype, dy.device), device=dy.device)
-    if n and k:
-        grid = (plan.num_experts, triton.cdiv(n, cfg.BLOCK_N), triton.cdiv(k, cfg.BLOCK_K))
-        _expert_weight_grad_kernel[grid](
-            dy, a, dw, plan.pair_of_slot, plan.expert_offsets, n, k,
-            dy.stride(0), dy.stride(1), a.stride(0), a.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-            GATHER=gather, TOP_K=plan.top_k, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-            PRECISION=_precision(w_dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    return dw.to(w_dtype)
+    """d w [E, N, K] from dy [S, N] and a [R, K] (tokens when ``gather``): per expert, the sum over
+    its slots in slot order (:func:`rlperf.kernels.gemm.launch_weight_grad`, segmented by expert)."""
+    return launch_weight_grad(dy, a, w_dtype, segments=plan.num_experts, segment_offsets=plan.expert_offsets,
+                              rows_of_slot=plan.pair_of_slot if gather else None, top_k=plan.top_k,
+                              config=grouped_matmul_config(w_dtype, dy.shape[1], a.shape[1]))
 
 
 class _GroupedMatmul(torch.autograd.Function):

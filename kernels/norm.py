@@ -24,9 +24,11 @@ as autograd of the float32 formula has them). With ``s`` the normalized input (x
     dweight = sum_rows(dy * xhat)
     add_rmsnorm: dx = dresidual = ds_norm + d(new_residual)
 
-Deterministic, not batch-invariant: a program owns a fixed block of rows (:func:`_bwd_config`),
-accumulates its part of ``dweight`` in registers and stores it to its own row of a partial buffer;
-:func:`sum_partials` then adds those rows in program order. No atomics, so two runs give the same bits.
+Deterministic: a program owns a fixed block of rows (:func:`_bwd_config`), accumulates its part of
+``dweight`` in registers and stores it to its own row of a partial buffer; :func:`sum_partials` then
+adds those rows in program order. No atomics, so two runs give the same bits. The block size does not
+depend on the row count, so rows appended with dy = 0 (a micro-batch padded to a CUDA-graph bucket)
+add only zero partials and ``dweight`` keeps its bits; other batch mixes do change it.
 """
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ from .dispatch import route
 from .reference import norm as _ref
 
 MAX_BLOCK = 8192  # rows up to this width are read once and kept in registers
-BWD_PROGRAMS = 512  # backward programs (at most): enough to fill an H100/H200 several times over
+BWD_ROWS_PER_PROGRAM = 32  # rows a backward program owns (rounded up to its tile): a constant, not a
+                           # function of the row count, so the partial sums of dweight cover the same rows
+                           # in any batch and rows appended with dy = 0 only add zero partials
 BWD_TILE = 4096  # elements of the [rows, BLOCK] tile a backward program works on at once
 
 
@@ -129,17 +133,19 @@ def _launch(x, residual, weight, eps):
 # ---- backward -------------------------------------------------------------------------------
 
 
-def _bwd_config(H: int, rows: int) -> tuple[int, int, int, int]:
+def _bwd_config(H: int) -> tuple[int, int, int, int]:
     """(BLOCK, ROWS, rows_per_program, num_warps) of the backward.
 
     A row of width H <= ``MAX_BLOCK`` is one chunk: ``ROWS`` rows go through the program together as
     a [ROWS, BLOCK] tile (more loads in flight than one row at a time). Wider rows take the chunked
-    path, one row at a time. Every program owns ``rows_per_program`` consecutive rows (a multiple of
-    ``ROWS``), so there are at most about ``BWD_PROGRAMS`` partial sums of ``dweight`` to add.
+    path, one row at a time. Every program owns ``rows_per_program`` consecutive rows
+    (:data:`BWD_ROWS_PER_PROGRAM` rounded up to a multiple of ``ROWS``): one partial sum of
+    ``dweight`` per program, added in program order (:func:`sum_partials`). The row count sets only
+    how many programs run, never which rows a partial covers.
     """
     block = min(triton.next_power_of_2(max(H, 1)), MAX_BLOCK)
     tile_rows = max(1, min(BWD_TILE // block, 16)) if H <= block else 1
-    per_program = triton.cdiv(triton.cdiv(rows, BWD_PROGRAMS), tile_rows) * tile_rows
+    per_program = triton.cdiv(BWD_ROWS_PER_PROGRAM, tile_rows) * tile_rows
     tile = block * tile_rows
     num_warps = 4 if tile <= 2048 else (8 if tile <= 4096 else 16)
     return block, tile_rows, per_program, num_warps
@@ -259,7 +265,7 @@ def rmsnorm_backward(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, ep
     rows = s2.shape[0]
     dr2 = _rows2d(dresidual, H) if dresidual is not None else dy2
     dx = torch.empty((rows, H), dtype=s.dtype, device=s.device)
-    block, tile_rows, per_program, num_warps = _bwd_config(H, rows)
+    block, tile_rows, per_program, num_warps = _bwd_config(H)
     programs = triton.cdiv(rows, per_program) if rows else 0
     one_chunk = H <= block
     alloc = torch.empty if one_chunk else torch.zeros

@@ -34,9 +34,11 @@ forward saves only its inputs)::
     dx  = rstd * (dy * weight - xhat * mean(dy * weight * xhat))  per row
     dweight = sum over tokens and heads of dy * xhat
 
-Deterministic: a program owns a fixed block of tokens, keeps its part of ``dweight`` in registers and
-stores it to its own row of a partial buffer, which :func:`rlperf.kernels.norm.sum_partials` adds in
-program order. No atomics.
+Deterministic: a program owns a fixed block of :data:`BWD_TOKENS_PER_PROGRAM` tokens, keeps its part
+of ``dweight`` in registers and stores it to its own row of a partial buffer, which
+:func:`rlperf.kernels.norm.sum_partials` adds in program order. No atomics. The block size is a
+constant, so a partial covers the same tokens in any batch and tokens appended with dout = 0 (a
+micro-batch's padding) add zero partials: the gradients keep their bits.
 """
 from __future__ import annotations
 
@@ -45,9 +47,10 @@ import triton
 import triton.language as tl
 
 from .dispatch import route
-from .norm import BWD_PROGRAMS, _torch_rmsnorm, sum_partials
+from .norm import _torch_rmsnorm, sum_partials
 from .reference import rope as _ref
 
+BWD_TOKENS_PER_PROGRAM = 16  # tokens a backward program owns (one partial sum of dweight each)
 MAX_HALF_TILE = 1024  # elements of one [BLOCK_H, HALF] half-row tile a program holds
 
 
@@ -188,7 +191,7 @@ def rmsnorm_rope_backward(dout, x, weight, positions, cos, sin, eps) -> tuple[to
     x, dout = _last_dim_contiguous(x), _last_dim_contiguous(dout)
     cos, sin = cos.contiguous(), sin.contiguous()
     dx = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
-    per_program = triton.cdiv(T, BWD_PROGRAMS) if T else 1
+    per_program = BWD_TOKENS_PER_PROGRAM
     programs = triton.cdiv(T, per_program) if heads and D else 0
     partials = torch.empty((programs, D), dtype=torch.float32, device=x.device)
     if programs:

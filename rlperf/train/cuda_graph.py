@@ -224,8 +224,13 @@ class MicroBatchGraphs:
         def backward(outs):
             return torch.autograd.grad(outs, params, (grad_log_probs, grad_entropy), allow_unused=True)
 
-        with torch.enable_grad():
+        # The backward runs on this thread (autograd's multithreading off): its worker thread would
+        # launch any node that recorded no stream on that thread's default stream, which is the
+        # legacy stream, and a legacy-stream launch during a capture invalidates it
+        # (cudaErrorStreamCaptureImplicit). The warm-up runs the same way, so both see one policy.
+        with torch.enable_grad(), torch.autograd.set_multithreading_enabled(False):
             self._warm_up(lambda: backward(forward()))  # the forward and the backward kernels
+            torch.cuda.synchronize()
             fwd = torch.cuda.CUDAGraph()
             with torch.cuda.graph(fwd, pool=self._pool, capture_error_mode="thread_local"):
                 outs = forward()

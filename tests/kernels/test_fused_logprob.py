@@ -75,7 +75,7 @@ def test_logprob_only_gradient_and_entropy_only_gradient(interpreter):
 def test_multi_chunk_backward(interpreter, monkeypatch):
     """A small chunk budget walks the vocabulary in several backward chunks (incl. a ragged last)."""
     N, V, H = 33, 1000, 64
-    monkeypatch.setattr(FL, "BWD_CHUNK_BYTES", N * 4 * 192)  # 192 columns -> 128-column chunks
+    monkeypatch.setattr(FL, "BWD_CHUNK_COLUMNS", 192)  # 192 columns -> 128-column chunks
     _check_against_reference(N, V, H, torch.float32, 1e-4, T=0.9)
 
 

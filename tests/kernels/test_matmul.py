@@ -234,3 +234,85 @@ def test_unaligned_and_strided_inputs_gpu():
     x_off = torch.empty(m * k + 1, device="cuda", dtype=torch.bfloat16)[1:].view(m, k).copy_(x)  # base % 16 == 2
     assert torch.equal(K.matmul(x_off, w), ref)
     assert torch.equal(K.matmul(x.T.contiguous().T, w), ref)
+
+
+# ---- the backward's products: input_grad (row invariant) and weight_grad (row-count invariant) ----
+
+
+def _grad_inputs(m, n, k, dtype, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    dy = torch.randn(m, n, generator=g, device=device).to(dtype)
+    x = torch.randn(m, k, generator=g, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=device) / k**0.5).to(dtype)
+    return dy, x, w
+
+
+def _padded(t, rows, fill):
+    """``t`` with ``rows`` rows appended: zeros (a pad token's gradient) or random (its activations)."""
+    extra = torch.zeros if fill == "zeros" else (lambda *s, **kw: torch.randn(*s, **kw).to(t.dtype))
+    return torch.cat([t, extra(rows, t.shape[1], dtype=t.dtype, device=t.device)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, n, k", [(37, 70, 33), (130, 19, 96), (1, 5, 8)])
+def test_weight_and_input_grads_match_float64_interpreter(interpreter, dtype, m, n, k):
+    from rlperf.kernels.gemm import input_grad, weight_grad
+
+    dy, x, w = _grad_inputs(m, n, k, dtype)
+    atol, rtol = TOL[dtype]
+    scale = m**0.5  # dw sums m products of O(1) numbers
+    torch.testing.assert_close(weight_grad(dy, x).double(), dy.double().T @ x.double(),
+                               atol=atol * scale, rtol=rtol)
+    torch.testing.assert_close(input_grad(dy, w).double(), dy.double() @ w.double(), atol=atol * 4, rtol=rtol)
+    assert weight_grad(dy, x, torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_padding_rows_change_no_bit_of_either_grad_interpreter(interpreter, dtype):
+    """What a micro-batch padded to a CUDA-graph bucket does to a linear layer's backward: dy gains
+    zero rows, x gains arbitrary rows. dw = dy.T @ x keeps every bit (odd pads, across the 64-row
+    steps of the sum) and dx's real rows keep theirs; one row alone gives its dx row's bits."""
+    from rlperf.kernels.gemm import input_grad, weight_grad
+
+    dy, x, w = _grad_inputs(45, 70, 33, dtype, seed=3)
+    want_dw, want_dx = weight_grad(dy, x), input_grad(dy, w)
+    for pad in (1, 19, 83):
+        assert torch.equal(weight_grad(_padded(dy, pad, "zeros"), _padded(x, pad, "random")), want_dw), pad
+        assert torch.equal(input_grad(_padded(dy, pad, "random"), w)[:45], want_dx), pad
+    assert torch.equal(input_grad(dy[7:8], w), want_dx[7:8])
+
+
+def test_invariant_mode_backward_runs_the_kernels_fast_mode_torch(interpreter):
+    """The matmul's autograd: in invariant mode dx and dw are input_grad's and weight_grad's bits
+    (the choice is made at forward time, so it holds on autograd's thread); in fast mode torch's."""
+    from rlperf.kernels.gemm import input_grad, weight_grad
+
+    dy, x, w = _grad_inputs(29, 40, 24, torch.float32, seed=5)
+    for mode, want in (("invariant", (input_grad(dy, w), weight_grad(dy, x))), ("fast", (dy @ w, dy.T @ x))):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with K.use_mode(mode):
+            y = K.matmul(xr, wr)
+        gx, gw = torch.autograd.grad(y, (xr, wr), dy)
+        assert torch.equal(gx, want[0]) and torch.equal(gw, want[1]), mode
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, k", [(4096, 1024), (1024, 3072), (151936, 1024)])
+def test_padding_rows_change_no_bit_of_either_grad_gpu(dtype, n, k):
+    """The same on the GPU, Qwen3 0.6b shapes (qkv, down, lm-head): a 470-token micro-batch padded
+    to 471, 768 and 2048 rows; accuracy against float64 on the unpadded one."""
+    from rlperf.kernels.gemm import input_grad, weight_grad
+
+    m = 470
+    dy, x, w = _grad_inputs(m, n, k, dtype, device="cuda", seed=9)
+    want_dw, want_dx = weight_grad(dy, x), input_grad(dy, w)
+    for pad in (1, 768 - m, 2048 - m):
+        assert torch.equal(weight_grad(_padded(dy, pad, "zeros"), _padded(x, pad, "random")), want_dw), pad
+        assert torch.equal(input_grad(_padded(dy, pad, "random"), w)[:m], want_dx), pad
+    ref_dw = dy.double().T @ x.double()
+    ref_dx = dy.double() @ w.double()
+    err_dw = ((want_dw.double() - ref_dw).abs().max() / ref_dw.abs().max()).item()
+    err_dx = ((want_dx.double() - ref_dx).abs().max() / ref_dx.abs().max()).item()
+    bound = 1.6e-2 if dtype == torch.bfloat16 else 1e-5
+    assert err_dw < bound and err_dx < bound, (err_dw, err_dx)

@@ -195,7 +195,7 @@ def test_rmsnorm_backward_chunked_rows_and_program_blocks(interpreter, monkeypat
     (masked tails included). Both give the float64 gradient, and two runs give the same bits."""
     import rlperf.kernels.norm as norm
 
-    monkeypatch.setattr(norm, "BWD_PROGRAMS", 2)
+    monkeypatch.setattr(norm, "BWD_ROWS_PER_PROGRAM", 20)
     for max_block, (rows, H) in ((64, (5, 200)), (8192, (37, 33))):
         monkeypatch.setattr(norm, "MAX_BLOCK", max_block)
         x, w = _inputs(rows, H, torch.float32)

@@ -90,7 +90,7 @@ def test_backward_matches_float64_reference(interpreter, dtype, T, heads, D):
 def test_backward_many_tokens_per_program_and_twice_same_bits(interpreter, monkeypatch):
     """Few backward programs (each owns several tokens and loops over head blocks): still the float64
     gradient, and two runs give the same bits."""
-    monkeypatch.setattr(rope_mod, "BWD_PROGRAMS", 3)
+    monkeypatch.setattr(rope_mod, "BWD_TOKENS_PER_PROGRAM", 4)
     monkeypatch.setattr(rope_mod, "MAX_HALF_TILE", 16)  # BLOCK_H = 1 for D = 32: a loop over the 5 heads
     x, w, pos = _inputs(11, 5, 32, torch.float32, seed=3)
     t32 = _table(32)
