@@ -6,14 +6,19 @@
 #   loop-eager.json/.log      rlperf bench loop --quick (0.6b shape, 32 x 256 tokens), eager micro-steps
 #   loop-graphed.json/.log    the same with --cuda-graph-buckets $BUCKETS
 #   rollout.json/.log    rlperf bench rollout --quick: decode step time and launches per decode step
+#   embedded/ + .log     rlperf train --device cuda on the embedded default (10 rollouts, gates skipped):
+#                        the median step and train phase per rollout (the issue's <= 0.1 s per step)
+#   gate-cold.log / gate-warm.log   rlperf gate on the qwen3-0.6b shape twice: wall seconds with the
+#                        kernel cache as the steps before left it, then warm
 #   summary.md           eager vs graphed: tokens/s, train phase s, MFU, the ratio to eager, launches per
 #                        micro-step and per log-prob pass; launches per decode step
 #
 #   bash bench/device_launch.sh
 #   BUCKETS=2048,4096 bash bench/device_launch.sh     # other buckets (default 1024,1536,2048,3072,4096)
+#   STEPS="embedded gate" bash bench/device_launch.sh # a subset of: tests loops rollout embedded gate
 #
-# Each step runs under `timeout` (180 + 160 + 140 + 90 s at most, so the call ends within a device
-# call's 10 minutes) and a failing step does not stop the next; the exit status is 1 if any step failed.
+# Each step runs under `timeout` (tests loops rollout: 180 + 160 + 140 + 90 s at most; embedded gate:
+# 150 + 2 x 90 s: run those two in another lane or call to stay within a device call's 10 minutes) and a failing step does not stop the next; the exit status is 1 if any step failed.
 # The Triton cache starts cold on a fresh machine: the tests compile the training kernels, the loops
 # reuse them.
 set -uo pipefail
@@ -27,15 +32,32 @@ step() {  # name seconds command...: run, log to $OUT/name.log, report failure w
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   echo "   rc=$rc in $((SECONDS - t0)) s"
+  echo "$rc $((SECONDS - t0))" >"$OUT/$name.rc-seconds"
   if [ "$rc" != 0 ]; then status=1; tail -25 "$OUT/$name.log"; fi
 }
-step gpu-tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider -rP \
-  tests/train/test_cuda_graph_train.py
-grep -E "passed|failed|error|eager .* graphed|log-prob pass" "$OUT/gpu-tests.log" | tail -8
-step loop-eager 160 python3 -m rlperf bench loop --quick --json "$OUT/loop-eager.json"
-step loop-graphed 140 python3 -m rlperf bench loop --quick --cuda-graph-buckets "$BUCKETS" \
-  --json "$OUT/loop-graphed.json"
-step rollout 90 python3 -m rlperf bench rollout --quick --json "$OUT/rollout.json"
+STEPS=" ${STEPS:-tests loops rollout embedded gate} "
+wanted() { [[ "$STEPS" == *" $1 "* ]]; }
+if wanted tests; then
+  step gpu-tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider -rP \
+    tests/train/test_cuda_graph_train.py tests/train/test_padding.py
+  grep -E "passed|failed|error|eager .* graphed|log-prob pass" "$OUT/gpu-tests.log" | tail -8
+fi
+if wanted loops; then
+  step loop-eager 160 python3 -m rlperf bench loop --quick --json "$OUT/loop-eager.json"
+  step loop-graphed 140 python3 -m rlperf bench loop --quick --cuda-graph-buckets "$BUCKETS" \
+    --json "$OUT/loop-graphed.json"
+fi
+wanted rollout && step rollout 90 python3 -m rlperf bench rollout --quick --json "$OUT/rollout.json"
+if wanted embedded; then
+  step embedded 150 python3 -m rlperf train --device cuda --true-on-policy-mode --no-progress --skip-gates \
+    --num-rollout 10 --output-dir "$OUT/embedded"
+fi
+if wanted gate; then
+  for run in cold warm; do
+    step gate-$run 90 python3 -m rlperf gate --device cuda --model qwen3-0.6b --no-progress \
+      --output-dir "$OUT/gate-$run" --report-json "$OUT/gate-$run.json"
+  done
+fi
 python3 - "$OUT" "$BUCKETS" <<'PY' || status=1
 import json, sys
 from pathlib import Path
@@ -75,6 +97,24 @@ if rollout:
             x = r["extra"]
             lines.append(f"| {r['case']} | {r['kernel_ms']:.3f} | {x.get('decode_step_kernels')} | "
                          f"{x.get('decode_step_launch_calls')} | {x.get('graph')} |")
+metrics = out / "embedded" / "metrics.jsonl"
+if metrics.exists():
+    import statistics
+
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    med = lambda key: statistics.median(r[key] for r in rows if key in r) if any(key in r for r in rows) else float("nan")
+    lines += ["", "| embedded default, `rlperf train --device cuda` | rollouts | median step s | median train phase s "
+              "| abs diff max | last reward |", "|---|---:|---:|---:|---:|---:|",
+              f"| 10 rollouts, gates skipped | {len(rows)} | {med('perf/step_time'):.3f} | {med('perf/train_time'):.3f} "
+              f"| {max(r.get('train/train_rollout_logprob_abs_diff', float('nan')) for r in rows)} "
+              f"| {rows[-1].get('rollout/raw_reward')} |"]
+for run in ("cold", "warm"):
+    done = out / f"gate-{run}.rc-seconds"
+    report = load(f"gate-{run}.json")
+    if done.exists():
+        rc, seconds = done.read_text().split()
+        lines.append(f"`rlperf gate --device cuda --model qwen3-0.6b`, {run} kernel cache: wall {seconds} s "
+                     f"(exit {rc}), all gates passed: {report.get('passed') if report else None}")
 text = "\n".join(lines)
 (out / "summary.md").write_text(text + "\n")
 print(text)

@@ -181,7 +181,7 @@ def add_train_arguments(p, skip=(), task_defaults=()) -> None:
         help="CUDA only: pad each packed micro-batch with masked tokens to the smallest of these token counts >= its "
              "size (comma-separated, e.g. 1024,2048,4096) and replay CUDA graphs captured per bucket for the log-prob "
              "passes and the train micro-step (forward + backward): far fewer kernel launches from the host; the "
-             "log-probs keep eager's bits, the gradients not yet on the GPU (docs/train.md). Needs --use-dynamic-batch-size with --max-tokens-per-gpu <= the largest bucket "
+             "log-probs, gradients and weights keep eager's bits in invariant mode (docs/train.md). Needs --use-dynamic-batch-size with --max-tokens-per-gpu <= the largest bucket "
              "(default: eager)")
     add("--fsdp-gather", default=d.fsdp_gather, choices=FSDP_GATHER_MODES,
         help="data-parallel ranks: gather the FSDP shards once per step and reduce-scatter the gradients once "

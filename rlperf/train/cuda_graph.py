@@ -29,13 +29,13 @@ token count and the slot count), so the step can be captured.
 
 Bits: a replay runs the kernels and launch configs of the eager step on the padded micro-batch.
 Padding changes no real row's log-prob (every kernel is row invariant) and adds only exact zeros to
-the gradients' sums over tokens (a pad row's gradient is exactly zero): bit for bit on CPU in
-``tests/train/test_padding.py``. On the GPU the backward's ``g @ w`` and ``g.T @ x`` are cuBLAS
-matmuls whose kernel choice follows the token count, and on the H100 padding does change the
-gradients' last bits (log-probs stay equal); ``tests/train/test_cuda_graph_train.py`` checks replay
-against eager on the padded micro-batch, padded against unpadded, and whole optimizer steps, and
-its padded-vs-unpadded and whole-step tests fail there until the backward's sums over tokens are
-made independent of the token count.
+the gradients' sums over tokens (a pad row's gradient is exactly zero, and in invariant mode every
+sum over tokens runs in blocks fixed independently of the token count: ``rlperf.kernels.gemm``'s
+``weight_grad``, the norms' backward partials, the lm head's vocabulary chunks). So a graphed step
+equals the eager step on the unpadded micro-batch bit for bit: log-probs, gradients and the
+optimizer's update (``tests/train/test_padding.py`` on CPU; ``tests/train/test_cuda_graph_train.py``
+on the GPU: replay against eager, padded against unpadded, whole optimizer steps). Fast mode's
+backward is cuBLAS, whose kernel choice follows the token count: there the bits may differ.
 
 Memory: the graphs of one :class:`MicroBatchGraphs` share one private memory pool. The trainer
 replays a bucket's forward and backward graphs back to back (never another graph between them),
@@ -213,30 +213,58 @@ class MicroBatchGraphs:
         return _ReplayedLogProbs.apply(self.train_graphs[key], sum(mb.response_lengths), *self._params())
 
     def _capture_train(self, static: MicroBatch) -> _TrainGraph:
-        params = self._params()
         bucket = static.num_tokens
         f32 = dict(dtype=torch.float32, device=self.input_ids.device)
         grad_log_probs, grad_entropy = torch.zeros(bucket, **f32), torch.zeros(bucket, **f32)
+        log_probs_of = _LogProbsThrough(self.model, static, self.temperature)
 
-        def forward():
-            return micro_batch_log_probs(self.model, static, self.temperature, with_entropy=True)
+        def forward(leaves):
+            return log_probs_of(leaves)
 
-        def backward(outs):
-            return torch.autograd.grad(outs, params, (grad_log_probs, grad_entropy), allow_unused=True)
+        def backward(outs, leaves):
+            return torch.autograd.grad(outs, leaves, (grad_log_probs, grad_entropy), allow_unused=True)
 
-        # The backward runs on this thread (autograd's multithreading off): its worker thread would
-        # launch any node that recorded no stream on that thread's default stream, which is the
-        # legacy stream, and a legacy-stream launch during a capture invalidates it
-        # (cudaErrorStreamCaptureImplicit). The warm-up runs the same way, so both see one policy.
-        with torch.enable_grad(), torch.autograd.set_multithreading_enabled(False):
-            self._warm_up(lambda: backward(forward()))  # the forward and the backward kernels
+        def step():
+            leaves = log_probs_of.fresh_leaves()
+            return backward(forward(leaves), leaves)
+
+        with torch.enable_grad():
+            self._warm_up(step)  # the forward and the backward kernels
             torch.cuda.synchronize()
+            leaves = log_probs_of.fresh_leaves()  # their gradient accumulators are made during the capture
             fwd = torch.cuda.CUDAGraph()
             with torch.cuda.graph(fwd, pool=self._pool, capture_error_mode="thread_local"):
-                outs = forward()
+                outs = forward(leaves)
             self._pool = fwd.pool()
             bwd = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bwd, pool=self._pool, capture_error_mode="thread_local"):
-                grads = backward(outs)
+                grads = backward(outs, leaves)
         log_probs, entropy = (o.detach() for o in outs)
         return _TrainGraph(fwd, bwd, log_probs, entropy, grad_log_probs, grad_entropy, tuple(grads))
+
+
+class _LogProbsThrough(torch.nn.Module):
+    """``micro_batch_log_probs(model, static, temperature, with_entropy=True)`` with the trainable
+    parameters replaced by given leaf tensors that alias their storage (``torch.func.functional_call``).
+
+    Why not the parameters themselves: autograd keeps one gradient accumulator per parameter, made on
+    the stream current when the parameter first entered a graph (an eager step: the default stream)
+    and kept alive by any graph still referenced, such as a caller's log-probs of an earlier micro-batch.
+    A backward captured through such an accumulator makes the default (legacy) stream wait on the
+    capture, which invalidates it (cudaErrorStreamCaptureImplicit). Fresh leaves made for the capture
+    get their accumulators on the capture stream; they share the parameters' storage, so the graphs
+    still read the weights the optimizer updates in place."""
+
+    def __init__(self, model, static: MicroBatch, temperature: float):
+        super().__init__()
+        self.model, self.static, self.temperature = model, static, temperature
+        self.names = [f"model.{n}" for n, p in model.named_parameters() if p.requires_grad]
+
+    def fresh_leaves(self) -> list[torch.Tensor]:
+        """A new leaf per trainable parameter: same storage, ``requires_grad``, no autograd history."""
+        return [p.detach().requires_grad_() for p in self.model.parameters() if p.requires_grad]
+
+    def forward(self, leaves: Sequence[torch.Tensor] | None = None):
+        if leaves is None:
+            return micro_batch_log_probs(self.model, self.static, self.temperature, with_entropy=True)
+        return torch.func.functional_call(self, dict(zip(self.names, leaves)), ())

@@ -35,9 +35,9 @@ CUDA graphs (``cuda_graph_buckets``, ``--cuda-graph-buckets``): each packed micr
 to its token-count bucket and the log-prob passes and the micro-step's forward and backward replay
 graphs captured per bucket (:mod:`rlperf.train.cuda_graph`); the policy loss, the master-gradient
 accumulation and the optimizer stay eager. The log-probs have the eager step's bits (row-invariant
-kernels); the gradients too wherever a sum over tokens does not change with the token count:
-bit for bit on CPU (``tests/train/test_padding.py``), not yet on the GPU, where the backward's cuBLAS
-matmuls pick their kernel by the token count (``tests/train/test_cuda_graph_train.py``).
+kernels), and in invariant mode so do the gradients and the update: every sum over tokens runs in
+blocks that do not depend on the token count (``tests/train/test_padding.py`` on CPU,
+``tests/train/test_cuda_graph_train.py`` on the GPU).
 
 Every kernel the model runs has a backward (``rlperf.kernels.autograd``: the forward is the
 batch-invariant kernel, the backward an analytic or recomputed torch gradient), and

@@ -237,3 +237,28 @@ def test_the_loop_refuses_layouts_the_graphs_do_not_cover():
         with pytest.raises(UsageError, match="--cuda-graph-buckets") as info:
             check_cuda_graph_buckets(args, device, ranks)
         assert why in str(info.value)
+
+
+def test_the_captured_pass_runs_on_fresh_leaves_that_alias_the_parameters():
+    """:class:`_LogProbsThrough` (what the train capture differentiates): through fresh leaves it gives
+    the log-probs and the gradients of the pass through the parameters, bit for bit, leaves the
+    parameters' ``.grad`` alone, and reads the parameters' storage (an in-place update reaches it)."""
+    from rlperf.train.batching import micro_batch_log_probs
+    from rlperf.train.cuda_graph import _LogProbsThrough
+
+    model = Qwen3ForCausalLM.random(preset("tiny"), seed=2, dtype=torch.float32)
+    samples = _samples(model.cfg.vocab_size)
+    (mb,) = pack_micro_batches([samples[i] for i in (0, 4, 6)], max_tokens_per_gpu=128)  # 71 tokens
+    through = _LogProbsThrough(model, mb, 0.7)
+    params = [p for p in model.parameters() if p.requires_grad]
+    leaves = through.fresh_leaves()
+    assert len(leaves) == len(params) and all(a.data_ptr() == p.data_ptr() for a, p in zip(leaves, params))
+    lp, ent = through(leaves)
+    want_lp, want_ent = micro_batch_log_probs(model, mb, 0.7, with_entropy=True)
+    assert torch.equal(lp, want_lp) and torch.equal(ent, want_ent)
+    got = torch.autograd.grad(_loss_of(lp, ent), leaves)
+    want = torch.autograd.grad(_loss_of(want_lp, want_ent), params)
+    assert not _differ(got, want) and all(p.grad is None for p in params)
+    with torch.no_grad():
+        params[0].mul_(2.0)  # the optimizer's in-place step
+    assert not torch.equal(through(through.fresh_leaves())[0], lp)
