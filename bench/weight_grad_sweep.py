@@ -1,0 +1,83 @@
+"""Tile-config sweep for the backward's products (a tuning tool, not a benchmark of record).
+
+    python -m rlperf.bench.weight_grad_sweep [--tokens 3976] [--json PATH]
+
+Invariant mode differentiates a linear layer ``y = x @ w.T`` with ``rlperf.kernels.gemm.weight_grad``
+(``dw = g.T @ x``, the rows summed in fixed 64-row blocks) and ``input_grad`` (``dx = g @ w`` through
+the row-invariant matmul). This times, on the Qwen3-0.6b layer shapes at one micro-batch's token
+count, every candidate ``weight_grad`` config and the default ``input_grad`` next to cuBLAS's
+``g.T @ x`` and ``g @ w`` in the same run, and prints each as a ratio to cuBLAS (> 1: faster). A
+config is then chosen by hand for every shape (``weight_grad_config``: a function of the dtype, never
+of the token count), with the numbers in bench/BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from .harness import cuda_time, environment, geomean
+
+# (N, K) of w [N, K] in the 0.6b layer: qkv, o_proj, gate_up, down
+SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+# name: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_M is the rows of the sum per step
+CANDIDATES = {
+    "m64n128k128w8s3": (64, 128, 128, 8, 3),
+    "m64n128k64w4s4": (64, 128, 64, 4, 4),
+    "m64n128k128w4s3": (64, 128, 128, 4, 3),
+    "m64n256k128w8s3": (64, 256, 128, 8, 3),
+    "m32n128k128w4s4": (32, 128, 128, 4, 4),
+    "m64n128k256w8s2": (64, 128, 256, 8, 2),
+    "m128n128k128w8s2": (128, 128, 128, 8, 2),
+}
+
+
+def main(argv=None) -> int:
+    from rlperf.kernels.gemm import MatmulConfig, input_grad, launch_weight_grad
+
+    p = argparse.ArgumentParser(prog="python -m rlperf.bench.weight_grad_sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=3976, help="rows M of g and x (default 3976: a 4096-bucket micro-batch)")
+    p.add_argument("--json", default=None, help="write the rows here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("weight_grad_sweep: needs a CUDA device")
+        return 2
+    dt, m = torch.bfloat16, args.tokens
+    rows, ratios = [], {name: [] for name in CANDIDATES}
+    dx_ratios = []
+    for shape, (n, k) in SHAPES.items():
+        g = torch.randn(m, n, device="cuda", dtype=dt)
+        x = torch.randn(m, k, device="cuda", dtype=dt)
+        w = torch.randn(n, k, device="cuda", dtype=dt) / k**0.5
+        cublas_dw = cuda_time(lambda: g.t() @ x).median_ms
+        cublas_dx = cuda_time(lambda: g @ w).median_ms
+        ours_dx = cuda_time(lambda: input_grad(g, w)).median_ms
+        dx_ratios.append(cublas_dx / ours_dx)
+        row = {"shape": shape, "N": n, "K": k, "M": m, "cublas_dw_ms": cublas_dw, "cublas_dx_ms": cublas_dx,
+               "input_grad_ms": ours_dx, "input_grad_vs_cublas": cublas_dx / ours_dx}
+        for name, (bm, bn, bk, warps, stages) in CANDIDATES.items():
+            cfg = MatmulConfig(bm, bn, bk, 1, warps, stages)
+            try:
+                ms = cuda_time(lambda: launch_weight_grad(g, x, dt, config=cfg)).median_ms
+            except Exception as e:  # a config that does not fit shared memory on this GPU
+                row[name] = f"failed: {type(e).__name__}"
+                continue
+            row[name] = ms
+            ratios[name].append(cublas_dw / ms)
+        rows.append(row)
+        print(f"{shape:8s} N={n} K={k} M={m}: cuBLAS dw {cublas_dw:.3f} ms, dx {cublas_dx:.3f} ms; input_grad "
+              f"{ours_dx:.3f} ms ({cublas_dx / ours_dx:.2f}x); weight_grad: "
+              + ", ".join(f"{c} {row[c]:.3f}" if isinstance(row[c], float) else f"{c} {row[c]}" for c in CANDIDATES))
+    print(f"input_grad vs cuBLAS g @ w, geomean: {geomean(dx_ratios):.3f}x")
+    for name, r in ratios.items():
+        if r:
+            print(f"weight_grad {name} vs cuBLAS g.T @ x, geomean over {len(r)} shapes: {geomean(r):.3f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
