@@ -36,7 +36,9 @@ def _whole_grads(trainer) -> dict[str, torch.Tensor]:
 
 
 def _first_step(ns) -> dict:
-    """One rollout, prepare and one optimizer step of a run; what the test compares."""
+    """One rollout, prepare and one optimizer step of a run; what the test compares. With
+    ``ns.time_second_step`` a second optimizer step on the same samples is timed (CUDA synchronized):
+    ``train_seconds`` and ``train_tokens``, the train phase's throughput on this layout."""
     run = Run(ns)
     try:
         run.sync(-1)
@@ -58,11 +60,22 @@ def _first_step(ns) -> dict:
                          for st in run.trainer.optimizer.state.values()]
                 assert len(live) == len(again) and all(
                     a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(live, again))
+        timing = {}
+        if getattr(ns, "time_second_step", False):
+            import time
+
+            with run.kernels():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                run.trainer.train(samples)
+                torch.cuda.synchronize()
+            timing = {"train_seconds": time.perf_counter() - t0, "train_tokens": sum(len(s.tokens) for s in samples)}
         shares = [tuple(layer.experts_gate_up.shape) for layer in run.trainer.master_model.layers if layer.is_moe]
         return {"shares": shares, "tokens": [list(s.tokens) for s in samples], "rollout": [s.rollout_log_probs_tensor() for s in samples],
                 "old": [s.log_probs for s in samples], "ref": [s.ref_log_probs for s in samples],
                 "metrics": metrics, "first": hook, "grads": grads, "weights": weights,
-                "moments": {n: {k: v for k, v in st.items() if torch.is_tensor(v)} for n, st in optim.get("state", {}).items()}}
+                "moments": {n: {k: v for k, v in st.items() if torch.is_tensor(v)} for n, st in optim.get("state", {}).items()},
+                **timing}
     finally:
         run.close()
 
@@ -166,3 +179,50 @@ def test_routing_replay_on_the_reduced_30b_a3b_shape_is_exactly_on_policy(tmp_pa
     assert gates["routing_agreement"]["measured"]["agreement"] == 1.0
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [m["train/train_rollout_logprob_abs_diff"] for m in lines] == [0.0, 0.0]
+
+
+def _reduced_30b_flags(tmp_path, out: str) -> list[str]:
+    data = tmp_path / "prompts.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps({"input": f"question {i}?", "label": "A"}) + "\n" for i in range(8)))
+    return ["--model", "qwen3-30b-a3b-2l", "--device", "cuda", "--no-progress", "--prompt-data", str(data),
+            "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--global-batch-size", "32",
+            "--rollout-max-response-len", "32", "--num-rollout", "1", "--use-kl-loss", "--kl-loss-coef", "0.1",
+            "--lr", "1e-6", "--true-on-policy-mode", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
+            "--output-dir", str(tmp_path / out)]
+
+
+@pytest.mark.gpu
+def test_four_gpu_expert_parallel_on_the_reduced_30b_a3b_shape_gives_the_one_gpu_step(tmp_path):
+    """EP=4 and EP=2 over NCCL on qwen3-30b-a3b-2l (128 experts of the 30B-A3B shape, 2 layers): the
+    first step equals one GPU's bit for bit (rollout, log-probs, metrics, every gradient, the updated
+    weights); a second, timed step gives each layout's train tokens/s (printed: the EP=4 / EP=2 ratio)."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    results = {}
+    for ep in (1, 2, 4):
+        ns = parse_train_args(_reduced_30b_flags(tmp_path, f"ep{ep}") + (
+            ["--actor-num-gpus-per-node", str(ep), "--expert-model-parallel-size", str(ep)] if ep > 1 else []))
+        ns.time_second_step = True
+        if ep == 1:
+            results[ep] = _first_step(ns)
+            continue
+        ns.dump = str(tmp_path / f"ep{ep}.pt")
+        assert LocalPlacement().launch_actors(_step_on_rank, ns, ActorLayout(1, ep, "cuda")) == 0
+        results[ep] = torch.load(ns.dump, weights_only=False, map_location="cpu")
+    one = results[1]
+    rate = {ep: r["train_tokens"] / r["train_seconds"] for ep, r in results.items()}
+    print(f"\nqwen3-30b-a3b-2l train step, {one['train_tokens']} tokens: "
+          + ", ".join(f"EP={ep} {r['train_seconds']:.3f} s ({rate[ep]:.0f} tokens/s)" for ep, r in results.items())
+          + f"; EP=4 / EP=2 {rate[4] / rate[2]:.2f}x")
+    for ep in (2, 4):
+        got = results[ep]
+        assert [s[0] for s in got["shares"]] == [s[0] // ep for s in one["shares"]], ep
+        assert got["tokens"] == one["tokens"], ep
+        for key in ("rollout", "old", "ref"):
+            assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got[key], one[key])), (ep, key)
+        assert got["metrics"] == one["metrics"], ep
+        for name, g in one["grads"].items():
+            assert torch.equal(got["grads"][name].cpu(), g.cpu()), f"EP={ep}: gradient of {name}"
+        for name, w in one["weights"].items():
+            assert torch.equal(got["weights"][name].cpu(), w.cpu()), f"EP={ep}: updated {name}"
