@@ -17,6 +17,12 @@ Cases (qwen3-0.6b shape, random bf16 weights, byte prompts, ``ignore_eos``):
 * **prefill**: one step that prefills 16 x 512 prompt tokens; anchor: the same step in fast mode.
 * **invariance cost**: the batch-64 decode step in invariant mode vs fast mode, both replayed from
   CUDA graphs (fast mode: cuBLAS matmuls; decode attention is rlperf's kernel in both modes).
+* **against transformers** (the full run only): the same decode shapes on transformers' own
+  ``Qwen3ForCausalLM`` (same config, bf16, random weights), greedy ``generate`` with a static KV cache,
+  whose decoding forward transformers compiles (``torch.compile``, CUDA graphs): a decode step's time
+  is the difference of two generations' wall times over the difference of their new tokens (the
+  prefill and compilation cancel). Ratio > 1: rlperf's engine step is faster. An anchor that cannot
+  run on this transformers/torch is recorded with the reason, not dropped.
 """
 from __future__ import annotations
 
@@ -122,6 +128,44 @@ def floor_ms(model, batch: int, kv_mean: float, bandwidth: float) -> tuple[float
     return total / bandwidth * 1e3, total
 
 
+def transformers_decode_ms(cfg, batch: int, prompt_len: int, steps: int, device="cuda", compile: bool = True) -> float:
+    """Mean ms of one decode step of transformers' ``Qwen3ForCausalLM`` built from rlperf's config
+    ``cfg`` (random bf16 weights; float32 on CPU): greedy ``generate`` from ``batch`` prompts of
+    ``prompt_len`` tokens with a static KV cache; transformers compiles the decoding forward itself
+    when ``compile`` (its default for a static cache on CUDA). Two generations of 8 and 8 + ``steps``
+    new tokens (after a warm-up one): the step is the difference of their wall times over ``steps``."""
+    from transformers import Qwen3Config
+    from transformers import Qwen3ForCausalLM as HFQwen3
+
+    hf_cfg = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                         rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                         max_position_embeddings=max(cfg.max_position_embeddings, prompt_len + steps + 16),
+                         tie_word_embeddings=cfg.tie_word_embeddings)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    hf = HFQwen3(hf_cfg).to(device=device, dtype=dtype).eval()
+    hf.generation_config.disable_compile = not compile
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=g).to(device)
+    mask = torch.ones_like(ids)
+
+    def generate(new: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, cache_implementation="static", pad_token_id=0)
+        _sync(device)
+        if out.shape[1] != prompt_len + new:
+            raise RuntimeError(f"transformers generated {out.shape[1] - prompt_len} of {new} new tokens")
+        return time.perf_counter() - t0
+
+    generate(8 + steps)  # warm-up: compilation and graph capture
+    short, long = generate(8), generate(8 + steps)
+    return (long - short) * 1e3 / steps
+
+
 def run(quick: bool = False) -> list:
     if not torch.cuda.is_available():
         raise RuntimeError("the rollout benchmark needs a CUDA GPU")
@@ -150,6 +194,17 @@ def run(quick: bool = False) -> list:
                          extra={"tokens_per_s": 16 * PROMPT / pre_inv * 1e3}))
     rows.append(BenchRow("rollout", "decode B=64 invariance cost", "invariant step", inv64["ms"], "fast step", fast64["ms"],
                          work=0.0, extra={"graph": inv64["graph"], "graph_fast": fast64["graph"]}))
+    if not quick:
+        ours = {r.case: r for r in rows if r.anchor == "memory floor"}
+        for b in batches:
+            case = f"decode B={b} prompt {PROMPT}"
+            try:
+                hf_ms, extra = transformers_decode_ms(cfg, b, PROMPT, steps), {}
+            except Exception as e:  # an anchor that cannot run here is recorded, not dropped
+                hf_ms, extra = float("nan"), {"anchor_unavailable": f"{type(e).__name__}: {str(e)[:200]}"}
+            rows.append(BenchRow("rollout", case, "engine step", ours[case].kernel_ms, "transformers compiled", hf_ms,
+                                 work=0.0, extra=extra))
+            print(f"rollout: decode B={b}: transformers compiled {hf_ms:.3f} ms, rlperf {ours[case].kernel_ms:.3f} ms")
     return rows
 
 
@@ -168,4 +223,6 @@ def summarize(rows) -> dict:
             out["prefill_invariance_ratio"] = r.ratio
         elif "invariance cost" in r.case:
             out["decode_B=64_invariance_ratio"] = r.ratio
+        elif r.anchor == "transformers compiled":
+            out[f"decode_{r.case.split()[1]}_vs_transformers"] = r.ratio
     return out

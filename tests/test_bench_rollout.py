@@ -4,7 +4,7 @@ import torch
 
 import rlperf.kernels as K
 from rlperf.bench.harness import BenchRow
-from rlperf.bench.rollout import decode_case, floor_ms, prefill_case, summarize
+from rlperf.bench.rollout import decode_case, floor_ms, prefill_case, summarize, transformers_decode_ms
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.rollout.kv_cache import bytes_per_token
@@ -26,7 +26,15 @@ def test_decode_and_prefill_cases_run_the_engine_as_described(one_thread):
 def test_summarize_names_the_targets():
     rows = [BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "memory floor", 1.5, extra={"tokens_per_s": 32000.0}),
             BenchRow("rollout", "prefill 16x512", "invariant step", 10.0, "fast step", 8.0, extra={"tokens_per_s": 819200.0}),
-            BenchRow("rollout", "decode B=64 invariance cost", "invariant step", 2.0, "fast step", 3.0)]
+            BenchRow("rollout", "decode B=64 invariance cost", "invariant step", 2.0, "fast step", 3.0),
+            BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "transformers compiled", 5.0)]
     s = summarize(rows)
+    assert s["decode_B=64_vs_transformers"] == 2.5
     assert s["decode_B=64_floor_ratio"] == 0.75 and s["decode_B=64_tokens_per_s"] == 32000.0
     assert s["prefill_invariance_ratio"] == 0.8 and s["decode_B=64_invariance_ratio"] == 1.5
+
+
+def test_the_transformers_anchor_times_decode_steps_of_its_own_qwen3(one_thread):
+    """The anchor builds transformers' Qwen3 from rlperf's config and its two generations run on CPU
+    (eager: compilation is the GPU run's business), giving a positive per-step time."""
+    assert transformers_decode_ms(preset("tiny"), batch=2, prompt_len=8, steps=2, device="cpu", compile=False) > 0
