@@ -54,7 +54,8 @@ def _check_against_reference(N, V, H, dtype, gtol, T, device="cpu"):
 
 
 @pytest.mark.parametrize("dtype,gtol", CPU_DTYPES)
-@pytest.mark.parametrize("N,V,H", [(1, 1000, 64), (33, 1000, 96), (257, 1000, 64), (7, 50257, 96)])
+# V = 17011: two backward chunks of the default BWD_CHUNK_COLUMNS (16384 + a ragged 627), odd vs every tile
+@pytest.mark.parametrize("N,V,H", [(1, 1000, 64), (33, 1000, 96), (257, 1000, 64), (7, 17011, 96)])
 def test_forward_backward_vs_float64(interpreter, dtype, gtol, N, V, H):
     _check_against_reference(N, V, H, dtype, gtol, T=0.7 if N % 2 else 1.0)
 
