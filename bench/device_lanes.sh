@@ -15,7 +15,13 @@
 #
 # Lanes share the host's CPU cores, so a launch-bound benchmark in one lane can read a little slower
 # than alone: ratios are measured within one lane (anchor and subject on the same GPUs, back to back).
+#
+# The lanes' limit never runs past the device call: it is LANE_TIMEOUT or, if less, what is left of
+# CALL_LIMIT (default 600 s, one device call) after the installs, less 30 s to bundle the results. A
+# call that the device tool stops at its own limit brings back only its first 8 files, so the bundle
+# must be written before that.
 set -uo pipefail
+SCRIPT_START=$(date +%s)
 cd "$(dirname "$0")/.."
 if [ $# = 0 ]; then
   sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
@@ -30,9 +36,18 @@ done
 OUT=${OUT:-$(mktemp -d)}
 source bench/device_setup.sh
 export RLPERF_SETUP_DONE=1
-LIMIT=${LANE_TIMEOUT:-500}
-ROOT_OUT=$OUT
 start=$(date +%s)
+LIMIT=${LANE_TIMEOUT:-500}
+LEFT=$(( ${CALL_LIMIT:-600} - (start - SCRIPT_START) - 30 ))
+if [ "$LEFT" -lt "$LIMIT" ]; then
+  echo "lanes: the installs took $((start - SCRIPT_START)) s: each lane gets ${LEFT} s (CALL_LIMIT=${CALL_LIMIT:-600})"
+  LIMIT=$LEFT
+fi
+if [ "$LIMIT" -lt 30 ]; then
+  echo "bench/device_lanes.sh: ${LIMIT} s left for the lanes: raise CALL_LIMIT or carry fewer wheels" >&2
+  exit 3
+fi
+ROOT_OUT=$OUT
 i=0
 for lane in "$@"; do
   gpus=${lane%%:*}
@@ -51,7 +66,7 @@ status=0
 for ((j = 0; j < i; j++)); do
   rc=$(cat "$ROOT_OUT/lane-$j.rc" 2>/dev/null || echo missing)
   note=""
-  [ "$rc" = 124 ] && note=" (stopped at LANE_TIMEOUT=${LIMIT}s)"
+  [ "$rc" = 124 ] && note=" (stopped at its ${LIMIT} s limit)"
   echo "===== lane $j: exit $rc$note: $(cut -d: -f2- "$ROOT_OUT/lane-$j.cmd")"
   tail -n "${LANE_TAIL:-25}" "$ROOT_OUT/lane-$j.log"
   [ "$rc" = 0 ] || status=1
