@@ -19,7 +19,8 @@ Because the kernels are batch invariant, a token's log-prob bits do not depend o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -211,13 +212,19 @@ def micro_batch_log_probs(model, mb: MicroBatch, temperature: float = 1.0, with_
 @torch.no_grad()
 def compute_log_probs(model, samples: Sequence[Sample], temperature: float = 1.0,
                       max_tokens_per_gpu: int | None = None, micro_batch_size: int | None = None,
-                      with_entropy: bool = False, replay_routing: bool = False):
-    """Per-sample log-probs (list of [R_i] float32, on CPU) without grad, e.g. old or reference log-probs."""
+                      with_entropy: bool = False, replay_routing: bool = False,
+                      micro_batch_pass: Callable | None = None):
+    """Per-sample log-probs (list of [R_i] float32, on CPU) without grad, e.g. old or reference log-probs.
+
+    ``micro_batch_pass(mb, with_entropy)`` computes one packed micro-batch's log-probs [sum R_i] (and
+    entropy); default :func:`micro_batch_log_probs` of ``model`` (a CUDA-graph replay passes its own)."""
     logps: list[torch.Tensor | None] = [None] * len(samples)
     ents: list[torch.Tensor | None] = [None] * len(samples)
+    if micro_batch_pass is None:
+        micro_batch_pass = functools.partial(micro_batch_log_probs, model, temperature=temperature)
     for mb in pack_micro_batches(samples, max_tokens_per_gpu, micro_batch_size, device=model.head_weight.device,
                                  replay_routing=replay_routing):
-        out = micro_batch_log_probs(model, mb, temperature, with_entropy)
+        out = micro_batch_pass(mb, with_entropy=with_entropy)
         lp, ent = out if with_entropy else (out, None)
         for k, (i, part) in enumerate(zip(mb.indices, lp.split(mb.response_lengths))):
             logps[i] = part.float().cpu()

@@ -84,6 +84,7 @@ class Trainer:
         :class:`rlperf.model.moe.RoutingReplayError` naming it."""
         args.validate()
         self.routing_replay = routing_replay
+        self._graphs: dict[int, object] = {}  # id(model) -> its MicroBatchGraphs (cuda_graph_buckets)
         if (args.use_kl_loss or args.kl_coef != 0) and ref_model is None:
             raise ValueError("--use-kl-loss / --kl-coef need a reference model (--ref-load)")
         self.master_model, self.args, self.ref_model = model, args, ref_model
@@ -152,26 +153,19 @@ class Trainer:
         """Log-probs of every sample's response tokens ([R_i] float32 on the CPU, sample order) under
         ``model`` (the actor or the reference), without grad: :meth:`prepare`'s old and reference log-probs.
         With ``cuda_graph_buckets`` each micro-batch replays ``model``'s log-prob graph of its bucket."""
-        if not self.args.cuda_graph_buckets:
-            return compute_log_probs(model, samples, self.args.rollout_temperature, **self._packing())
-        graphs = self.micro_batch_graphs(model)
-        out: list[torch.Tensor | None] = [None] * len(samples)
-        with torch.no_grad():
-            for mb in pack_micro_batches(samples, device=self.device, **self._packing()):
-                for i, part in zip(mb.indices, graphs.log_probs(mb).split(mb.response_lengths)):
-                    out[i] = part.float().cpu()
-        return out
+        replay = self.micro_batch_graphs(model).log_probs if self.args.cuda_graph_buckets else None
+        return compute_log_probs(model, samples, self.args.rollout_temperature, micro_batch_pass=replay,
+                                 **self._packing())
 
     def micro_batch_graphs(self, model: torch.nn.Module):
         """``model``'s :class:`rlperf.train.cuda_graph.MicroBatchGraphs` (made on first use, one per
         model: the actor's and the reference's); ``cuda_graph_buckets`` must be set."""
         from .cuda_graph import MicroBatchGraphs
 
-        by_model = self.__dict__.setdefault("_graphs", {})
-        graphs = by_model.get(id(model))
+        graphs = self._graphs.get(id(model))
         if graphs is None:
-            graphs = by_model[id(model)] = MicroBatchGraphs(model, self.args.cuda_graph_buckets,
-                                                               self.args.rollout_temperature)
+            graphs = self._graphs[id(model)] = MicroBatchGraphs(model, self.args.cuda_graph_buckets,
+                                                                self.args.rollout_temperature)
         return graphs
 
     def train_routed_experts(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
