@@ -11,7 +11,8 @@ What is captured, per (kernel mode, bucket, sequence slots), on first use:
   static input buffers -> static log-probs (and entropy) ``[bucket]``;
 * **train micro-step** (:meth:`MicroBatchGraphs.log_probs_with_grad`): a forward graph (the same
   call with grad on) and a backward graph, ``torch.autograd.grad`` of (log-probs, entropy) with
-  static upstream gradients to every trainable parameter -> static parameter gradients. The policy
+  static upstream gradients to every trainable parameter (through leaves that alias them:
+  :class:`_LogProbsThrough`) -> static parameter gradients. The policy
   loss runs eagerly between the two replays on the first ``sum R_i`` log-probs. An autograd
   function (:class:`_ReplayedLogProbs`) joins them: its forward replays the forward graph, its
   backward copies the upstream gradient into the static buffer (zeros on the padding rows),
