@@ -5,7 +5,8 @@
 Invariant mode differentiates a linear layer ``y = x @ w.T`` with ``rlperf.kernels.gemm.weight_grad``
 (``dw = g.T @ x``, the rows summed in fixed 64-row blocks) and ``input_grad`` (``dx = g @ w`` through
 the row-invariant matmul). This times, on the Qwen3-0.6b layer shapes at one micro-batch's token
-count, every candidate ``weight_grad`` config and the default ``input_grad`` next to cuBLAS's
+count, every candidate ``weight_grad`` config (TMA loads and pointer loads) and ``input_grad`` (reading
+w in place, and through a copy of ``w.T`` as before) next to cuBLAS's
 ``g.T @ x`` and ``g @ w`` in the same run, and prints each as a ratio to cuBLAS (> 1: faster). A
 config is then chosen by hand for every shape (``weight_grad_config``: a function of the dtype, never
 of the token count), with the numbers in bench/BENCHMARKS.md.
@@ -34,7 +35,7 @@ CANDIDATES = {
 
 
 def main(argv=None) -> int:
-    from rlperf.kernels.gemm import MatmulConfig, input_grad, launch_weight_grad
+    from rlperf.kernels.gemm import MatmulConfig, input_grad, launch, launch_weight_grad
 
     p = argparse.ArgumentParser(prog="python -m rlperf.bench.weight_grad_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=3976, help="rows M of g and x (default 3976: a 4096-bucket micro-batch)")
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
         print("weight_grad_sweep: needs a CUDA device")
         return 2
     dt, m = torch.bfloat16, args.tokens
-    rows, ratios = [], {name: [] for name in CANDIDATES}
+    rows, ratios = [], {}
     dx_ratios = []
     for shape, (n, k) in SHAPES.items():
         g = torch.randn(m, n, device="cuda", dtype=dt)
@@ -56,19 +57,23 @@ def main(argv=None) -> int:
         dx_ratios.append(cublas_dx / ours_dx)
         row = {"shape": shape, "N": n, "K": k, "M": m, "cublas_dw_ms": cublas_dw, "cublas_dx_ms": cublas_dx,
                "input_grad_ms": ours_dx, "input_grad_vs_cublas": cublas_dx / ours_dx}
+        copy_dx = cuda_time(lambda: launch(g, w.t().contiguous(), None, dt)).median_ms
+        row["input_grad_via_wT_copy_ms"] = copy_dx
         for name, (bm, bn, bk, warps, stages) in CANDIDATES.items():
             cfg = MatmulConfig(bm, bn, bk, 1, warps, stages)
-            try:
-                ms = cuda_time(lambda: launch_weight_grad(g, x, dt, config=cfg)).median_ms
-            except Exception as e:  # a config that does not fit shared memory on this GPU
-                row[name] = f"failed: {type(e).__name__}"
-                continue
-            row[name] = ms
-            ratios[name].append(cublas_dw / ms)
+            for tma, tag in ((None, ""), (False, " ptr")):
+                try:
+                    ms = cuda_time(lambda: launch_weight_grad(g, x, dt, config=cfg, tma=tma)).median_ms
+                except Exception as e:  # a config that does not fit shared memory on this GPU
+                    row[name + tag] = f"failed: {type(e).__name__}"
+                    continue
+                row[name + tag] = ms
+                ratios.setdefault(name + tag, []).append(cublas_dw / ms)
         rows.append(row)
         print(f"{shape:8s} N={n} K={k} M={m}: cuBLAS dw {cublas_dw:.3f} ms, dx {cublas_dx:.3f} ms; input_grad "
               f"{ours_dx:.3f} ms ({cublas_dx / ours_dx:.2f}x); weight_grad: "
-              + ", ".join(f"{c} {row[c]:.3f}" if isinstance(row[c], float) else f"{c} {row[c]}" for c in CANDIDATES))
+              + ", ".join(f"{c} {v:.3f}" if isinstance(v, float) else f"{c} {v}" for c, v in row.items()
+                          if c.startswith("m") and c != "M") + f"; input_grad through a copy of w.T {copy_dx:.3f}")
     print(f"input_grad vs cuBLAS g @ w, geomean: {geomean(dx_ratios):.3f}x")
     for name, r in ratios.items():
         if r:

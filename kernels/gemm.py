@@ -79,8 +79,11 @@ def _matmul_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
+    PRECISION: tl.constexpr, FLATTEN: tl.constexpr, W_KN: tl.constexpr = False,
 ):
+    # W_KN: w is stored [K, N] (w_kn[k, n] = w[n, k]; the strides name its logical [N, K] axes), e.g.
+    # a layer's weight [N_out, K_in] read as the [K_in, N_out] operand of dx = g @ w: its tiles load as
+    # [BLOCK_K, BLOCK_N] and enter the dot untransposed, with no copy of w.T.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -100,21 +103,33 @@ def _matmul_kernel(
             safe_m = tl.where(offs_m < M, offs_m, 0)
             safe_n = tl.where(offs_n < N, offs_n, 0)
             x_ptrs = x + safe_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-            w_ptrs = w + safe_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
+            if W_KN:
+                w_ptrs = w + offs_k[:, None] * stride_wk + safe_n.to(tl.int64)[None, :] * stride_wn
+            else:
+                w_ptrs = w + safe_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # The full K loop, in order, into one accumulator: the reduction order of out[m, n] is
         # fixed by BLOCK_K alone (no split-K).
         for ki in range(k_tiles):
             if USE_TMA:
                 a = x.load([off_m, ki * BLOCK_K])  # out-of-bounds rows/cols arrive as zeros
-                b = w.load([off_n, ki * BLOCK_K])
+                if W_KN:
+                    b = w.load([ki * BLOCK_K, off_n])
+                else:
+                    b = w.load([off_n, ki * BLOCK_K])
             else:
                 k_mask = offs_k[None, :] < K - ki * BLOCK_K  # zero tail: adds exact zeros
                 a = tl.load(x_ptrs, mask=k_mask, other=0.0)
-                b = tl.load(w_ptrs, mask=k_mask, other=0.0)
+                if W_KN:
+                    b = tl.load(w_ptrs, mask=offs_k[:, None] < K - ki * BLOCK_K, other=0.0)
+                else:
+                    b = tl.load(w_ptrs, mask=k_mask, other=0.0)
                 x_ptrs += BLOCK_K * stride_xk
                 w_ptrs += BLOCK_K * stride_wk
-            acc = dot_acc(a, b.T, acc, PRECISION)
+            if W_KN:
+                acc = dot_acc(a, b, acc, PRECISION)
+            else:
+                acc = dot_acc(a, b.T, acc, PRECISION)
         if HAS_BIAS:  # after the K loop, in float32, before the single cast
             acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         # 64-bit row offsets: M * N passes 2^31 for long-batch lm-head logits.
@@ -290,16 +305,17 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            *, config: MatmulConfig | None = None, tma: bool | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, w_kn: bool = False) -> torch.Tensor:
     """Launch the Triton kernel directly: no routing, no autograd, no input checks (:func:`matmul`
     does those). CUDA tensors run compiled, CPU tensors under the interpreter (``TRITON_INTERPRET=1``).
 
     ``config``: the tile config (default :func:`matmul_config`'s, the one :func:`matmul` uses);
     ``tma=False`` forces the pointer path where TMA would be used. Both exist for tuning sweeps
-    (``bench/matmul_sweep.py``): another config may give other bits.
+    (``bench/matmul_sweep.py``): another config may give other bits. ``w_kn``: ``w`` is given as
+    [K, N] (``x @ w``, e.g. a layer's [N_out, K_in] weight for ``dx = g @ w``), read in place.
     """
     M, K = x.shape
-    N = w.shape[0]
+    N = w.shape[1] if w_kn else w.shape[0]
     out_dtype = out_dtype or x.dtype
     cfg = config if config is not None else matmul_config(x.dtype, N, K)
     interpreted = x.device.type != "cuda"
@@ -309,11 +325,13 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
     dst = out if out is not None and kernel_out_dtype == out_dtype else torch.empty(
         (M, N), dtype=kernel_out_dtype, device=x.device)
     if M > 0 and N > 0:
-        use_tma = K > 0 and _use_tma(x.dtype, K, x.device) and tma is not False
+        # [K, N] rows are N long: TMA then needs N, not K, 16-byte aligned
+        use_tma = (K > 0 and _use_tma(x.dtype, K, x.device) and (not w_kn or _use_tma(x.dtype, N, x.device))
+                   and tma is not False)
         if use_tma:
             x, w = _tma_ready(x), _tma_ready(w)
             x_arg = TensorDescriptor.from_tensor(x, [cfg.BLOCK_M, cfg.BLOCK_K])
-            w_arg = TensorDescriptor.from_tensor(w, [cfg.BLOCK_N, cfg.BLOCK_K])
+            w_arg = TensorDescriptor.from_tensor(w, [cfg.BLOCK_K, cfg.BLOCK_N] if w_kn else [cfg.BLOCK_N, cfg.BLOCK_K])
         else:
             x_arg, w_arg = x, w
         num_tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
@@ -328,14 +346,15 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
             _matmul_kernel[(programs,)](
                 x_arg, w_arg, dst, bias,
                 M, N, K,
-                x.stride(0), x.stride(1), w.stride(0), w.stride(1), dst.stride(0), dst.stride(1),
+                x.stride(0), x.stride(1), *((w.stride(1), w.stride(0)) if w_kn else (w.stride(0), w.stride(1))),
+                dst.stride(0), dst.stride(1),
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 HAS_BIAS=bias is not None, USE_TMA=use_tma,
-                PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", FLATTEN=cfg.flatten,
+                PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", FLATTEN=cfg.flatten, W_KN=w_kn,
                 num_warps=cfg.num_warps, num_stages=stages,
             )
 
-        launch_with_fitting_stages(run, ("matmul", cfg, dst.dtype), cfg.num_stages)
+        launch_with_fitting_stages(run, ("matmul", cfg, dst.dtype, w_kn), cfg.num_stages)
     if dst is out:
         return out
     if out is not None:
@@ -355,12 +374,15 @@ def _weight_grad_kernel(
     stride_dym, stride_dyn, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
     SEGMENTED: tl.constexpr, GATHER: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr = False,
 ):
     # dw[e, n, k] = sum over the rows m of segment e (all M rows unless SEGMENTED), BLOCK_M rows at
     # a time in increasing m, of dy[m, n] * a[src(m), k]; src(m) = rows_of_slot[m] // TOP_K when
     # GATHER (an expert's slot reads its token's row), else m. One program per output tile runs the
     # whole row loop into one float32 accumulator: no split over the rows, so rows appended past the
-    # end with dy = 0 (a micro-batch's padding) add exact zeros and change no bit.
+    # end with dy = 0 (a micro-batch's padding) add exact zeros and change no bit. USE_TMA (dense
+    # only): dy and a are TMA descriptors with [BLOCK_M, BLOCK_N] / [BLOCK_M, BLOCK_K] blocks; rows
+    # past M arrive as zeros, as the pointer path's masked loads give them.
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -372,16 +394,20 @@ def _weight_grad_kernel(
         end = M
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for m0 in range(start, end, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        valid = offs_m < end
-        if GATHER:
-            src = tl.load(rows_of_slot + offs_m, mask=valid, other=0) // TOP_K
+        if USE_TMA:
+            g = dy.load([m0, tl.program_id(1) * BLOCK_N])
+            x = a.load([m0, tl.program_id(2) * BLOCK_K])
         else:
-            src = offs_m
-        g = tl.load(dy + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
-                    mask=valid[:, None] & (offs_n[None, :] < N), other=0.0)
-        x = tl.load(a + src.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                    mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            valid = offs_m < end
+            if GATHER:
+                src = tl.load(rows_of_slot + offs_m, mask=valid, other=0) // TOP_K
+            else:
+                src = offs_m
+            g = tl.load(dy + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+                        mask=valid[:, None] & (offs_n[None, :] < N), other=0.0)
+            x = tl.load(a + src.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                        mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
         acc = dot_acc(tl.trans(g), x, acc, PRECISION)
     d_ptrs = dw + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
     tl.store(d_ptrs, acc.to(dw.dtype.element_ty), mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
@@ -399,7 +425,7 @@ def weight_grad_config(dtype: torch.dtype) -> MatmulConfig:
 
 def launch_weight_grad(dy: torch.Tensor, a: torch.Tensor, out_dtype: torch.dtype, *, segments: int = 1,
                        segment_offsets: torch.Tensor | None = None, rows_of_slot: torch.Tensor | None = None,
-                       top_k: int = 1, config: MatmulConfig | None = None) -> torch.Tensor:
+                       top_k: int = 1, config: MatmulConfig | None = None, tma: bool | None = None) -> torch.Tensor:
     """``dw [segments, N, K]``: per segment, the sum over its rows of ``dy[m, :, None] * a[src(m), None, :]``
     in float32, in increasing m, rounded once to ``out_dtype`` (:func:`_weight_grad_kernel`).
 
@@ -407,6 +433,8 @@ def launch_weight_grad(dy: torch.Tensor, a: torch.Tensor, out_dtype: torch.dtype
     a [M, K]. Segmented: ``segment_offsets`` [segments + 1] int32 on the device (rows of segment e are
     ``offsets[e]:offsets[e+1]``); with ``rows_of_slot`` [M] row m reads ``a[rows_of_slot[m] // top_k]``
     (the MoE weight gradient: an expert's slots, each reading its token). No checks, no routing.
+    Dense calls whose rows are 16-byte aligned load through TMA descriptors (a function of the dtype,
+    N and K only); ``tma=False`` forces the pointer loads (for sweeps: another path may give other bits).
     """
     M, N = dy.shape
     K = a.shape[1]
@@ -417,12 +445,19 @@ def launch_weight_grad(dy: torch.Tensor, a: torch.Tensor, out_dtype: torch.dtype
     if N and K:
         grid = (segments, triton.cdiv(N, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K))
         segmented = segment_offsets is not None
+        use_tma = (not segmented and rows_of_slot is None and M > 0 and tma is not False
+                   and _use_tma(dy.dtype, N, dy.device) and _use_tma(dy.dtype, K, dy.device))
+        dy_arg, a_arg = dy, a
+        if use_tma:
+            dy_arg = TensorDescriptor.from_tensor(_tma_ready(dy), [cfg.BLOCK_M, cfg.BLOCK_N])
+            a_arg = TensorDescriptor.from_tensor(_tma_ready(a), [cfg.BLOCK_M, cfg.BLOCK_K])
         _weight_grad_kernel[grid](
-            dy, a, dw, rows_of_slot if rows_of_slot is not None else dy, segment_offsets if segmented else dy,
+            dy_arg, a_arg, dw, rows_of_slot if rows_of_slot is not None else dw,
+            segment_offsets if segmented else dw,
             M, N, K, dy.stride(0), dy.stride(1), a.stride(0), a.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
             SEGMENTED=segmented, GATHER=rows_of_slot is not None, TOP_K=top_k,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-            PRECISION="tf32x3" if dy.dtype == torch.float32 else "tf32",
+            PRECISION="tf32x3" if dy.dtype == torch.float32 else "tf32", USE_TMA=use_tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dw.to(out_dtype)
@@ -442,8 +477,9 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None
 def input_grad(dy: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``dy [M, N] @ w [N, K]`` -> [M, K] of ``out_dtype`` (default w's): the input gradient of
     ``y = x @ w.T`` through the batch-invariant kernel (``w.T`` as its [K, N] weight), so a row's
-    bits depend on that row of dy and on w only. dy is cast to w's dtype."""
-    return launch(dy.to(w.dtype), w.t(), None, out_dtype or w.dtype)
+    bits depend on that row of dy and on w only. dy is cast to w's dtype; w is read in place
+    (``launch(..., w_kn=True)``), never copied."""
+    return launch(dy.to(w.dtype), w, None, out_dtype or w.dtype, w_kn=True)
 
 
 def invariant_linear_grads(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, need_x: bool, need_w: bool):
