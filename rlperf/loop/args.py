@@ -33,6 +33,7 @@ class UsageError(ValueError):
 TASK_DEFAULTS = dict(
     rollout_batch_size=32, n_samples_per_prompt=8, global_batch_size=None, num_steps_per_rollout=1, num_rollout=100,
     rollout_max_response_len=1024, rollout_temperature=1.0, lr=TrainArgs.lr, rm_type="boxed_math", model="tiny",
+    use_dynamic_batch_size=TrainArgs.use_dynamic_batch_size, max_tokens_per_gpu=TrainArgs.max_tokens_per_gpu,
 )
 """Defaults of the flags that depend on the task, for ``--prompt-data`` runs (the embedded task has its
 own: :data:`rlperf.data.embedded.EMBEDDED_DEFAULTS`); these flags parse to None."""

@@ -2,6 +2,8 @@
 but the standard library and :mod:`rlperf.flags`: ``rlperf train --help`` reads these flags without torch)."""
 from __future__ import annotations
 
+import argparse
+
 import dataclasses
 import math
 
@@ -153,7 +155,10 @@ def add_train_arguments(p, skip=(), task_defaults=()) -> None:
         p.add_argument(flag, **kw)
 
     def switch(flag, help):
-        add(flag, action="store_true", help=help)
+        if flag.lstrip("-").replace("-", "_") in task_defaults:  # a task may turn it on: --no-... turns it off
+            add(flag, action=argparse.BooleanOptionalAction, help=help)
+        else:
+            add(flag, action="store_true", help=help)
 
     add("--advantage-estimator", default=d.advantage_estimator, choices=ADVANTAGE_ESTIMATORS)
     add("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt, help="samples per prompt (group size)")
@@ -173,8 +178,10 @@ def add_train_arguments(p, skip=(), task_defaults=()) -> None:
     add("--tis-clip-low", type=float, default=d.tis_clip_low)
     switch("--calculate-per-token-loss", "average the loss over tokens instead of over samples")
     add("--rollout-temperature", type=float, default=d.rollout_temperature)
-    switch("--use-dynamic-batch-size", "pack micro-batches up to --max-tokens-per-gpu tokens")
-    add("--max-tokens-per-gpu", type=int, default=None)
+    switch("--use-dynamic-batch-size", "pack micro-batches up to --max-tokens-per-gpu tokens (default: on for the "
+                                       "embedded task, off with --prompt-data)")
+    add("--max-tokens-per-gpu", type=int, default=None, help="with --use-dynamic-batch-size: the most tokens of one "
+                                                             "packed micro-batch (default: 4096 for the embedded task)")
     add("--micro-batch-size", type=int, default=d.micro_batch_size)
     add("--global-batch-size", type=int, default=None, help="samples per optimizer step")
     add("--cuda-graph-buckets", type=token_buckets, default=(), metavar="LIST",

@@ -37,6 +37,23 @@ def test_task_defaults_fill_only_what_the_command_line_left(tmp_path):
     assert RunConfig.from_args(ns).train.args.lr == 0.5
 
 
+def test_the_embedded_task_packs_its_micro_batches_and_a_flag_turns_that_off(tmp_path):
+    """The embedded task's short samples go into packed micro-batches (one of up to 4096 tokens holds a
+    step); ``--prompt-data`` runs keep one sample per micro-batch; ``--no-use-dynamic-batch-size`` and
+    ``--max-tokens-per-gpu`` override the task's values."""
+    base = ["--device", "cpu", "--output-dir", str(tmp_path)]
+    args = RunConfig.from_args(parse_train_args(base)).train.args
+    assert (args.use_dynamic_batch_size, args.max_tokens_per_gpu) == (True, 4096)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input": "1+1?", "label": "2"}) + "\n")
+    args = RunConfig.from_args(parse_train_args(base + ["--prompt-data", str(prompts)])).train.args
+    assert (args.use_dynamic_batch_size, args.max_tokens_per_gpu, args.micro_batch_size) == (False, None, 1)
+    args = RunConfig.from_args(parse_train_args(base + ["--no-use-dynamic-batch-size"])).train.args
+    assert not args.use_dynamic_batch_size
+    args = RunConfig.from_args(parse_train_args(base + ["--max-tokens-per-gpu", "512"])).train.args
+    assert (args.use_dynamic_batch_size, args.max_tokens_per_gpu) == (True, 512)
+
+
 def test_every_config_section_is_frozen_and_documented(tmp_path):
     config = RunConfig.from_args(parse_train_args(["--device", "cpu", "--output-dir", str(tmp_path)]))
     for section in dataclasses.fields(config):
