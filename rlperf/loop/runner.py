@@ -405,12 +405,16 @@ class Run:
         self.last_train_samples = samples
         return m
 
-    def sync(self, k: int):
+    def sync(self, k: int, checksum: bool = False):
         """Weight sync after rollout ``k``'s training: the engines get version ``k + 1`` of the trainer's
         compute weights (:meth:`rlperf.train.Trainer.compute_weights`: on several ranks gathered from the
-        shards, every rank at once); the client's :class:`rlperf.sync.SyncStats`."""
+        shards, every rank at once); the client's :class:`rlperf.sync.SyncStats`. With ``checksum``, the
+        phase also reads back the engines' :meth:`weights_checksum` into ``self.last_checksum``: the
+        verification belongs to the sync's time and trace slice, so no step work falls between phases."""
         with self.kernels(), self.meter.phase("weight_sync", k), torch.no_grad(), _auth_errors():
             self.last_sync = self.client.load_weights(self.trainer.compute_weights(SYNC_BUCKET_BYTES), str(k + 1))
+            if checksum:
+                self.last_checksum = self.weights_checksum(k)
         return self.last_sync
 
     def weights_checksum(self, k: int) -> str | None:
@@ -514,8 +518,10 @@ class Run:
                         if pending is not None:
                             pending = _Done(pending.result())  # the engines must be idle to take weights
                         if not c.debug_train_only:
-                            self.sync(k)
-                        m["sync/weights_checksum"] = self.weights_checksum(k)
+                            self.sync(k, checksum=True)
+                            m["sync/weights_checksum"] = self.last_checksum
+                        else:
+                            m["sync/weights_checksum"] = self.weights_checksum(k)
                     m.update(self.fault_metrics())
                     m["perf/rollout_time"] = rollout_time
                     # step = rollout (or waiting for the overlapped one) + train + weight sync
