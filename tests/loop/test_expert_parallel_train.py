@@ -47,9 +47,13 @@ def _first_step(ns) -> dict:
         with run.kernels():
             metrics = run.trainer.train(samples, on_first_micro_step=hook.update)[0]
             grads = _whole_grads(run.trainer)
-            weights = dict(run.trainer.compute_weights())
+            # copies: one process's compute weights and AdamW moments are views of the live tensors,
+            # which a timed second step would update in place (the gathered expert shares are not)
+            weights = {n: w.clone() for n, w in run.trainer.compute_weights()}
             state = run.trainer.state_dict()  # whole AdamW moments (rank 0; a collective)
             optim = state["optimizer"]
+            moments = {n: {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
+                       for n, st in optim.get("state", {}).items()}
             if run.world_size > 1:  # a resume on this layout slices the whole state back to the same shares
                 from rlperf.loop.data_parallel import broadcast_from_rank0
 
@@ -65,6 +69,8 @@ def _first_step(ns) -> dict:
             import time
 
             with run.kernels():
+                if run.world_size > 1:  # every rank done with the state round trip above before the clock starts
+                    torch.distributed.barrier()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 run.trainer.train(samples)
@@ -74,7 +80,7 @@ def _first_step(ns) -> dict:
         return {"shares": shares, "tokens": [list(s.tokens) for s in samples], "rollout": [s.rollout_log_probs_tensor() for s in samples],
                 "old": [s.log_probs for s in samples], "ref": [s.ref_log_probs for s in samples],
                 "metrics": metrics, "first": hook, "grads": grads, "weights": weights,
-                "moments": {n: {k: v for k, v in st.items() if torch.is_tensor(v)} for n, st in optim.get("state", {}).items()},
+                "moments": moments,
                 **timing}
     finally:
         run.close()
