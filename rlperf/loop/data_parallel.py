@@ -110,8 +110,8 @@ class Rank0EnginesClient:
             raise ValueError("rank 0, and only rank 0, holds the engines' client")
         self.inner, self.rank, self.world_size = router_client, rank, world_size
         self.runs_rollout = rank == 0
-        self.kind = (f"{router_client.kind}, " if router_client is not None else "") + \
-            f"rank 0's engines ({world_size} data-parallel ranks)"
+        # the run's banner adds the rank count: "sglang-router, rank 0's engines, bf16, 2 data-parallel ranks"
+        self.kind = (f"{router_client.kind}, " if router_client is not None else "") + "rank 0's engines"
 
     def generate(self, prompts: list[list[int]], params: list, **options) -> list:
         if self.inner is None:
