@@ -9,7 +9,8 @@
 #   embedded/ + .log     rlperf train --device cuda on the embedded default (10 rollouts, gates skipped):
 #                        the median step and train phase per rollout (the issue's <= 0.1 s per step)
 #   gate-cold.log / gate-warm.log   rlperf gate on the qwen3-0.6b shape twice: wall seconds with the
-#                        kernel cache as the steps before left it, then warm
+#                        kernel cache as the steps before left it, then warm, and the first step's
+#                        stages (the report's stage_seconds: setup, step, probe, other)
 #   summary.md           eager vs graphed: tokens/s, train phase s, MFU, the ratio to eager, launches per
 #                        micro-step and per log-prob pass; launches per decode step
 #
@@ -113,8 +114,10 @@ for run in ("cold", "warm"):
     report = load(f"gate-{run}.json")
     if done.exists():
         rc, seconds = done.read_text().split()
+        stages = ", ".join(f"{k} {v:.1f} s" for k, v in (report or {}).get("stage_seconds", {}).items())
         lines.append(f"`rlperf gate --device cuda --model qwen3-0.6b`, {run} kernel cache: wall {seconds} s "
-                     f"(exit {rc}), all gates passed: {report.get('passed') if report else None}")
+                     f"(exit {rc}), all gates passed: {report.get('passed') if report else None}"
+                     + (f"; first step {report['seconds']:.1f} s: {stages}" if stages else ""))
 text = "\n".join(lines)
 (out / "summary.md").write_text(text + "\n")
 print(text)

@@ -30,11 +30,14 @@ def _jsonable(v):
 
 @dataclasses.dataclass
 class GateReport:
-    """All gates' results for one first step; ``seconds``: wall time of the first step plus the gates."""
+    """All gates' results for one first step; ``seconds``: wall time of the first step plus the gates;
+    ``stage_seconds``: the first step's stages (:attr:`rlperf.loop.record.FirstStepRecord.stage_seconds`)
+    and ``other``: the rest of ``seconds`` (building the record, closing the engines)."""
 
     results: list[GateResult]
     seconds: float = 0.0
     config: dict = dataclasses.field(default_factory=dict)
+    stage_seconds: dict = dataclasses.field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -51,6 +54,7 @@ class GateReport:
 
     def to_dict(self) -> dict:
         return _jsonable({"passed": self.passed, "failed": self.failed, "seconds": self.seconds,
+                          "stage_seconds": self.stage_seconds,
                           "gates": [r.to_dict() for r in self.results], "config": self.config})
 
     def table(self) -> str:

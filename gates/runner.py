@@ -70,7 +70,10 @@ class FirstStepGate:
             except Exception as e:  # one broken gate must not hide the others' verdicts
                 results.append(GateResult(name, False, {}, None, f"the gate raised {type(e).__name__}: {e}",
                                           "a malformed FirstStepRecord (shapes, missing fields)"))
-        return GateReport(results, seconds, _config(record))
+        stages = dict(getattr(record, "stage_seconds", None) or {})
+        if stages:
+            stages["other"] = max(seconds - sum(stages.values()), 0.0)  # the record, closing the engines
+        return GateReport(results, seconds, _config(record), stages)
 
     def run(self, first_step: Callable[[], FirstStepRecord], usage_errors: tuple = ()) -> GateReport:
         """Run ``first_step()`` and check its record. If it raises, every gate fails with the cause:

@@ -110,3 +110,7 @@ class FirstStepRecord:
     """MoE models: the trainer's own routing of every sample (its routers, before the step's update;
     [L_i - 1, MoE layers, k] int32 per sample, the layout of ``Sample.rollout_routed_experts``), what
     the routing_agreement gate compares with the rollout's; None for a dense model (no such gate)."""
+    stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Wall seconds of the first step's stages, in order: ``setup`` (the model, its reference copy, the
+    trainer and the rollout engines), ``step`` (the initial weight sync, the rollout, the train step
+    and its weight sync), ``probe`` (the worst-case memory probe). The gate report carries them."""

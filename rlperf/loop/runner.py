@@ -672,6 +672,7 @@ def first_step(args=None):
         # actor) only when the loss needs them: this step's trainer asks for a KL loss of
         # coefficient 0, which leaves the loss as it is; ns.train_args stays untouched
         ta = dataclasses.replace(ta, use_kl_loss=True, kl_loss_coef=0.0)
+    t_setup = time.perf_counter()
     try:
         run = Run(ns, train_args=ta)
     except UsageError:
@@ -680,8 +681,11 @@ def first_step(args=None):
         if rank_and_world()[1] > 1:  # the gates cannot report it: the other ranks wait in a collective
             raise RankFailure(f"the first step failed: {type(exc).__name__}: {exc}") from exc
         raise
+    setup_seconds = time.perf_counter() - t_setup
     try:
-        return _first_step_record(run, ns)
+        record = _first_step_record(run, ns)
+        record.stage_seconds = {"setup": setup_seconds, **record.stage_seconds}
+        return record
     except Exception as exc:
         if run.world_size > 1:  # the gates cannot report it: the other ranks wait in a collective
             raise RankFailure(f"rank {run.rank}: the first step failed: {type(exc).__name__}: {exc}") from exc
@@ -695,6 +699,7 @@ def _first_step_record(run: Run, ns) -> FirstStepRecord:
     moe = bool(run.model.cfg.moe_layers)
     if moe:  # the routing_agreement gate compares the rollout's routing with the trainer's
         run.data_source.return_routed_experts = True
+    t_step = time.perf_counter()
     run.sync(-1)
     run.meter.reset()
     samples, rollout_time = run.rollout(0)
@@ -709,8 +714,10 @@ def _first_step_record(run: Run, ns) -> FirstStepRecord:
     # worst case: the longest prompt of this step plus a full-length response, packed as densely as
     # the run packs (max_tokens_per_gpu or micro_batch_size samples); weights and grads untouched
     longest_prompt = max(s.prompt_length for s in run.last_train_samples)
+    t_probe = time.perf_counter()
     with run.kernels():
         probe = worst_case_probe(run.trainer, longest_prompt + int(run.config.rollout.max_response_len))
+    stages = {"step": t_probe - t_step, "probe": time.perf_counter() - t_probe}
     peaks = run.phase_peaks()  # data parallel: the worst rank's
     if run.world_size > 1:
         probe.peak_bytes = max_over_ranks({"probe": probe.peak_bytes})["probe"]
@@ -727,7 +734,8 @@ def _first_step_record(run: Run, ns) -> FirstStepRecord:
         samples=run.last_train_samples, first_micro_step=first, step_metrics=m,
         phases=[PhaseMemory(p, peaks[p]) for p in PHASES],
         capacity_bytes=cap, memory_kind=run.meter.kind, probe=probe, true_on_policy=run.config.true_on_policy,
-        config=config, engines=engines, ranks=run.world_size, train_routed_experts=train_routed)
+        config=config, engines=engines, ranks=run.world_size, train_routed_experts=train_routed,
+        stage_seconds=stages)
 
 
 def _engine_memory(run: Run) -> list[EngineMemory]:

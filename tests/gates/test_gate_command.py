@@ -260,6 +260,11 @@ def test_rlperf_gate_end_to_end(limit, failed, tmp_path, capsys):
     assert report["gates"][1]["measured"]["mean_abs_diff"] == 0.0  # true-on-policy: exactly 0
     if failed:
         assert cases["oom_headroom"].find("failure").get("message").startswith("phase rollout:")
+    # where the first step's wall time went: its stages, in order, add up to it
+    stages = report["stage_seconds"]
+    assert list(stages) == ["setup", "step", "probe", "other"] and min(stages.values()) >= 0.0
+    assert stages["setup"] > 0 and stages["step"] > 0 and stages["probe"] > 0
+    assert sum(stages.values()) == pytest.approx(report["seconds"], rel=1e-6)
 
 
 def test_rlperf_gate_bad_loop_flags_exit_2(tmp_path, capsys):
