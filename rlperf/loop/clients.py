@@ -70,7 +70,7 @@ from rlperf.sync.distributed import WeightBroadcaster, WeightSyncError
 from .config import RunConfig
 from .data_parallel import DataParallelEngineClient, Rank0EnginesClient
 from .engines import HOST, start_engine_fleet
-from .health import HealthMonitor, RouterFailure
+from .health import HealthMonitor
 from .record import EngineMemory
 from .sglang_engines import SGLangBroadcaster, push_tensors_to_sglang, start_sglang_fleet
 
@@ -454,7 +454,7 @@ class RouterClient:
                 self.health.check_now()
                 self.health.handle(during)  # raises without fault tolerance; with it, takes the engine out
                 if self.health.router_down():
-                    raise RouterFailure(f"{self.health.router_name()} does not answer {during} ({exc})")
+                    self.health.raise_router_down(during, exc)
                 if self.health.fault_tolerance and (self.health.out or self.health.events):
                     break
                 if time.monotonic() > deadline:

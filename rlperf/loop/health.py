@@ -40,6 +40,9 @@ from .config import HealthCheckConfig
 
 PROCESS_POLL_S = 0.2
 """Seconds between two looks at whether an engine or the router process has exited."""
+ROUTER_EXIT_SETTLE_S = 2.0
+"""Seconds a router that stopped answering gets to show an exit: a killed process closes its sockets
+a moment before ``waitpid`` reports it, and the exit names the cause better than the refused request."""
 ROUTER_UPDATE_TIMEOUT_S = 30.0
 """Seconds the router may take to drop or list a worker (it applies both in the background)."""
 RESTART_TIMEOUT_S = 900.0
@@ -160,6 +163,20 @@ class HealthMonitor:
             return http_json(self.fleet.router_url + "/health", timeout=self.config.timeout)[0] != 200
         except OSError:
             return True
+
+    def raise_router_down(self, during: str, error: BaseException) -> None:
+        """:class:`RouterFailure` for a router that does not answer: its exit (``was killed by
+        SIGKILL ...``) if the process ends within :data:`ROUTER_EXIT_SETTLE_S`, else the request's error."""
+        router = self.fleet.cluster.router
+        deadline = time.monotonic() + ROUTER_EXIT_SETTLE_S
+        while router is not None and router.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if router is not None and router.poll() is not None:
+            with self._lock:
+                if self._router_failure is None:
+                    self._router_failure = exit_reason(router.returncode)
+            self.handle(during)  # raises, naming the exit
+        raise RouterFailure(f"{self.router_name()} does not answer {during} ({error})")
 
     def check_now(self) -> None:
         """Look at the processes and probe every engine now (a request failed: find out whose fault)."""

@@ -187,3 +187,39 @@ def test_a_killed_trainer_rank_ends_the_run_named_and_resumable(tmp_path, capfd,
     (tmp_path / "resumed").write_text("")
     assert main([*flags, "--load", str(save)]) == 0
     assert [m["rollout_id"] for m in _lines(tmp_path / "out")] == [0, 1, 2]
+
+
+def test_a_router_that_stops_answering_a_moment_before_it_exits_is_named_by_its_exit():
+    """The race of a killed router: its socket refuses a request before waitpid reports the kill. The
+    monitor then waits for the exit (ROUTER_EXIT_SETTLE_S) and names it; a router that stays up but
+    does not answer is named by the request's error."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from rlperf.loop.config import HealthCheckConfig
+    from rlperf.loop.health import HealthMonitor, RouterFailure
+
+    def monitor(router):
+        cluster = SimpleNamespace(servers=[], router=router)
+        fleet = SimpleNamespace(cluster=cluster, worker_urls=[], router_url="http://127.0.0.1:9", handled=set())
+        return HealthMonitor(fleet, HealthCheckConfig(False, 3600.0, 3600.0, 1.0))
+
+    router = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    threading.Timer(0.3, router.send_signal, (signal.SIGKILL,)).start()  # dies after the refused request
+    health = monitor(router)
+    try:
+        with pytest.raises(RouterFailure, match=r"the sglang-router \(http://127.0.0.1:9, pid \d+\) was killed by "
+                                                r"SIGKILL during the rollout"):
+            health.raise_router_down("during the rollout", ConnectionRefusedError("refused"))
+    finally:
+        health.close()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    health = monitor(alive)
+    try:
+        with pytest.raises(RouterFailure, match=r"does not answer during the rollout \(refused\)"):
+            health.raise_router_down("during the rollout", ConnectionRefusedError("refused"))
+    finally:
+        health.close()
+        alive.kill()
+        alive.wait()
