@@ -30,9 +30,10 @@ def _jsonable(v):
 
 @dataclasses.dataclass
 class GateReport:
-    """All gates' results for one first step; ``seconds``: wall time of the first step plus the gates;
-    ``stage_seconds``: the first step's stages (:attr:`rlperf.loop.record.FirstStepRecord.stage_seconds`)
-    and ``other``: the rest of ``seconds`` (building the record, closing the engines)."""
+    """All gates' results for one first step; ``seconds``: wall time of the first step (the gates'
+    checks after it are not counted); ``stage_seconds``: where it went, the first step's stages
+    (:attr:`rlperf.loop.record.FirstStepRecord.stage_seconds`) and ``other``, the rest of ``seconds``
+    (building the record, closing the engines)."""
 
     results: list[GateResult]
     seconds: float = 0.0

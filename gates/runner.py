@@ -70,7 +70,7 @@ class FirstStepGate:
             except Exception as e:  # one broken gate must not hide the others' verdicts
                 results.append(GateResult(name, False, {}, None, f"the gate raised {type(e).__name__}: {e}",
                                           "a malformed FirstStepRecord (shapes, missing fields)"))
-        stages = dict(getattr(record, "stage_seconds", None) or {})
+        stages = dict(record.stage_seconds)
         if stages:
             stages["other"] = max(seconds - sum(stages.values()), 0.0)  # the record, closing the engines
         return GateReport(results, seconds, _config(record), stages)

@@ -143,6 +143,7 @@ class Run:
         # (rlperf.loop.data_parallel); rank 0 alone writes files and prints
         self.rank, self.world_size = rank_and_world()
         self.last_sync = None  # the SyncStats of the latest weight sync
+        self.last_checksum = None  # the engines' weights checksum read back by the latest sync(checksum=True)
         with self.kernels():
             self._build_model()
             self._build_data()

@@ -3,7 +3,6 @@ but the standard library and :mod:`rlperf.flags`: ``rlperf train --help`` reads 
 from __future__ import annotations
 
 import argparse
-
 import dataclasses
 import math
 
