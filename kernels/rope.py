@@ -63,16 +63,11 @@ def _config(heads: int, D: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _rmsnorm_rope_kernel(
-    x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr,
-    heads, stride_xt, stride_xh, stride_yt, stride_yh, stride_cs, eps,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    c = tl.arange(0, BLOCK_HALF)
-    cm = c < HALF
-    m = (h < heads)[:, None] & cm[None, :]
+def _norm_rope_rows(x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, t, h, c, cm, m, heads, stride_xt, stride_xh,
+                    stride_cs, eps, HALF: tl.constexpr):
+    """The module docstring's formula for rows (token t, heads h) of one program: the two rotated
+    halves [BLOCK_H, BLOCK_HALF], rounded to x's dtype. Every kernel that writes rmsnorm_rope's values
+    computes them here, so they are the same bits."""
     in_ty = x_ptr.dtype.element_ty
     x_off = t * stride_xt + h[:, None] * stride_xh + c[None, :]
     x1 = tl.load(x_ptr + x_off, mask=m, other=0.0).to(tl.float32)
@@ -87,9 +82,56 @@ def _rmsnorm_rope_kernel(
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cos_ptr + pos * stride_cs + c, mask=cm, other=0.0)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cs + c, mask=cm, other=0.0)[None, :]
+    return (y1 * cos - y2 * sin).to(in_ty), (y2 * cos + y1 * sin).to(in_ty)
+
+
+@triton.jit
+def _rmsnorm_rope_kernel(
+    x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr,
+    heads, stride_xt, stride_xh, stride_yt, stride_yh, stride_cs, eps,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    c = tl.arange(0, BLOCK_HALF)
+    cm = c < HALF
+    m = (h < heads)[:, None] & cm[None, :]
+    o1, o2 = _norm_rope_rows(x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, t, h, c, cm, m, heads, stride_xt, stride_xh,
+                             stride_cs, eps, HALF)
     y_off = t * stride_yt + h[:, None] * stride_yh + c[None, :]
-    tl.store(y_ptr + y_off, (y1 * cos - y2 * sin).to(in_ty), mask=m)
-    tl.store(y_ptr + y_off + HALF, (y2 * cos + y1 * sin).to(in_ty), mask=m)
+    tl.store(y_ptr + y_off, o1, mask=m)
+    tl.store(y_ptr + y_off + HALF, o2, mask=m)
+
+
+@triton.jit
+def _rmsnorm_rope_store_kv_kernel(
+    x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    heads, stride_xt, stride_xh, stride_vt, stride_vh, stride_cs, eps,
+    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PAGE: tl.constexpr,
+):
+    # rmsnorm_rope of token t's K rows (the same program grid and config as _rmsnorm_rope_kernel,
+    # so the same bits), stored straight into its cache slot with its V rows; slot < 0 (padding) skips
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        c = tl.arange(0, BLOCK_HALF)
+        cm = c < HALF
+        m = (h < heads)[:, None] & cm[None, :]
+        o1, o2 = _norm_rope_rows(x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, t, h, c, cm, m, heads, stride_xt,
+                                 stride_xh, stride_cs, eps, HALF)
+        page = slot // PAGE
+        off = slot % PAGE
+        kc_off = page * stride_kcp + off * stride_kcs + h[:, None] * stride_kch + c[None, :]
+        kc_ty = kc_ptr.dtype.element_ty
+        tl.store(kc_ptr + kc_off, o1.to(kc_ty), mask=m)
+        tl.store(kc_ptr + kc_off + HALF, o2.to(kc_ty), mask=m)
+        v_off = t * stride_vt + h[:, None] * stride_vh + c[None, :]
+        vc_off = page * stride_vcp + off * stride_vcs + h[:, None] * stride_vch + c[None, :]
+        vc_ty = vc_ptr.dtype.element_ty
+        tl.store(vc_ptr + vc_off, tl.load(v_ptr + v_off, mask=m).to(vc_ty), mask=m)
+        tl.store(vc_ptr + vc_off + HALF, tl.load(v_ptr + v_off + HALF, mask=m).to(vc_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["T", "tokens_per_program"])
@@ -222,6 +264,46 @@ class _RMSNormRope(torch.autograd.Function):
         dx, dw = rmsnorm_rope_backward(dout, x, weight, positions, cos, sin, ctx.eps)
         need_x, need_w = ctx.needs_input_grad[:2]
         return (dx if need_x else None), (dw if need_w else None), None, None, None, None
+
+
+def rmsnorm_rope_store_kv(k: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, eps: float, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The engine's K/V store of new tokens: :func:`rmsnorm_rope` of ``k`` [T, Hkv, D] written into
+    its paged-cache slot with ``v`` [T, Hkv, D], in place — what ``rmsnorm_rope`` then
+    :func:`rlperf.kernels.write_kv_cache` store, with the same bits.
+
+    ``k_cache, v_cache [num_pages, page_size, Hkv, D]``; ``slot_mapping [T]`` int64, ``slot = page *
+    page_size + offset``, negative to skip a token (padding). On the Triton kernels (no gradient
+    wanted) it is one launch: the K rows go through the same program grid and config as
+    ``rmsnorm_rope``'s forward kernel and its one row formula (``_norm_rope_rows``); elsewhere it is
+    the two calls.
+    """
+    _check(k, weight, positions, cos, sin, eps)
+    T, heads, D = k.shape
+    kernels = ("triton", "interpreter")  # the Triton kernels, compiled or on the CPU's interpreter
+    fused = (route("rmsnorm_rope", k.device, (k, weight)) in kernels
+             and route("write_kv_cache", k.device) in kernels and not D & (D - 1)
+             and v.shape == k.shape and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:]
+             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+             and slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64)
+    if not fused:  # other backends, or shapes the write kernel declines: the two calls (they check)
+        from .attention import write_kv_cache
+
+        write_kv_cache(rmsnorm_rope(k, weight, positions, cos, sin, eps), v, k_cache, v_cache, slot_mapping)
+        return
+    if T == 0 or heads == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    block_h, block_half, num_warps = _config(heads, D)
+    _rmsnorm_rope_store_kv_kernel[(T, triton.cdiv(heads, block_h))](
+        k, weight.contiguous(), positions.contiguous(), cos, sin, v, k_cache, v_cache, slot_mapping,
+        heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), float(eps),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2),
+        HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, PAGE=k_cache.shape[1], num_warps=num_warps,
+    )
 
 
 def _torch_rmsnorm_rope(x, weight, positions, cos, sin, eps):

@@ -140,7 +140,11 @@ def _row_linear(x, w, leaves: int | None):
 
 
 def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: RopeTable, positions, attend,
-           leaves: int | None = None, routing: RoutingTrace | None = None):
+           leaves: int | None = None, routing: RoutingTrace | None = None, kv_store=None):
+    """One decoder layer; ``attend(q, k, v)`` -> [T, heads, D]. ``kv_store``: (k_cache, v_cache,
+    slot_mapping) of the engine's paged step: k's norm + RoPE then stores k and v straight into the
+    cache (:func:`rlperf.kernels.rmsnorm_rope_store_kv`, the same bits as the two calls) and ``attend``
+    gets ``k = v = None``; None: ``attend`` gets k and v."""
     t = hidden.shape[0]
     blocks = None if leaves is None else tree_reduce.head_blocks(cfg.num_attention_heads, cfg.num_key_value_heads,
                                                                  leaves)
@@ -154,9 +158,13 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
     # (trainer) and the paged step (engine) both come through here, so they run the same kernel
     q = _norm_rope(q.reshape(t, cfg.num_attention_heads, cfg.head_dim), w.q_norm, positions, rope, cfg.rms_norm_eps,
                    blocks)
-    k = _norm_rope(k.reshape(t, cfg.num_key_value_heads, cfg.head_dim), w.k_norm, positions, rope, cfg.rms_norm_eps,
-                   blocks)
+    k = k.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
     v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+    if kv_store is not None and blocks is None:
+        K.rmsnorm_rope_store_kv(k, w.k_norm, positions, rope.cos, rope.sin, cfg.rms_norm_eps, v, *kv_store)
+        k = v = None
+    else:
+        k = _norm_rope(k, w.k_norm, positions, rope, cfg.rms_norm_eps, blocks)
     a = attend(q, k, v)
     x, residual = K.add_rmsnorm(_row_linear(a.reshape(t, cfg.q_size), w.o_proj, leaves), residual,
                                 w.post_attention_layernorm, cfg.rms_norm_eps)
@@ -190,7 +198,9 @@ def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slo
     k_cache, v_cache = kv_cache
 
     def attend(q, k, v):
-        K.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        if k is not None:  # not stored with k's norm + RoPE already (tree mode's per-head-block calls)
+            K.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return K.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens)
 
-    return _layer(hidden, residual, w, cfg, rope, positions, attend, leaves, routing)
+    return _layer(hidden, residual, w, cfg, rope, positions, attend, leaves, routing,
+                  kv_store=(k_cache, v_cache, slot_mapping))
