@@ -79,8 +79,11 @@ def _matmul_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr, FLATTEN: tl.constexpr, W_KN: tl.constexpr = False,
+    PRECISION: tl.constexpr, FLATTEN: tl.constexpr, W_KN: tl.constexpr = False, SWIGLU: tl.constexpr = False,
 ):
+    # SWIGLU: w is [2N, K] = [gate | up] and out[m, n] = silu(g) * u of g = (x @ w[n].T), u = (x @ w[N + n].T),
+    # each rounded to out's dtype first, with activation.py's formula: the bits of matmul then silu_mul.
+    # Each accumulator sees the K loop a plain tile would, so g and u are the plain matmul's values.
     # W_KN: w is stored [K, N] (w_kn[k, n] = w[n, k]; the strides name its logical [N, K] axes), e.g.
     # a layer's weight [N_out, K_in] read as the [K_in, N_out] operand of dx = g @ w: its tiles load as
     # [BLOCK_K, BLOCK_N] and enter the dot untransposed, with no copy of w.T.
@@ -107,7 +110,11 @@ def _matmul_kernel(
                 w_ptrs = w + offs_k[:, None] * stride_wk + safe_n.to(tl.int64)[None, :] * stride_wn
             else:
                 w_ptrs = w + safe_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
+            if SWIGLU:
+                u_ptrs = w + (N + safe_n).to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWIGLU:
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # The full K loop, in order, into one accumulator: the reduction order of out[m, n] is
         # fixed by BLOCK_K alone (no split-K).
         for ki in range(k_tiles):
@@ -117,6 +124,8 @@ def _matmul_kernel(
                     b = w.load([ki * BLOCK_K, off_n])
                 else:
                     b = w.load([off_n, ki * BLOCK_K])
+                if SWIGLU:
+                    bu = w.load([N + off_n, ki * BLOCK_K])
             else:
                 k_mask = offs_k[None, :] < K - ki * BLOCK_K  # zero tail: adds exact zeros
                 a = tl.load(x_ptrs, mask=k_mask, other=0.0)
@@ -124,17 +133,28 @@ def _matmul_kernel(
                     b = tl.load(w_ptrs, mask=offs_k[:, None] < K - ki * BLOCK_K, other=0.0)
                 else:
                     b = tl.load(w_ptrs, mask=k_mask, other=0.0)
+                if SWIGLU:
+                    bu = tl.load(u_ptrs, mask=k_mask, other=0.0)
+                    u_ptrs += BLOCK_K * stride_wk
                 x_ptrs += BLOCK_K * stride_xk
                 w_ptrs += BLOCK_K * stride_wk
             if W_KN:
                 acc = dot_acc(a, b, acc, PRECISION)
             else:
                 acc = dot_acc(a, b.T, acc, PRECISION)
+            if SWIGLU:
+                acc_u = dot_acc(a, bu.T, acc_u, PRECISION)
         if HAS_BIAS:  # after the K loop, in float32, before the single cast
             acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         # 64-bit row offsets: M * N passes 2^31 for long-batch lm-head logits.
         o_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-        tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        out_ty = out.dtype.element_ty
+        if SWIGLU:  # silu_mul's formula on the rounded matmul outputs (activation.py)
+            g = acc.to(out_ty).to(tl.float32)
+            u = acc_u.to(out_ty).to(tl.float32)
+            tl.store(o_ptrs, (g / (1.0 + tl.exp(-g)) * u).to(out_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        else:
+            tl.store(o_ptrs, acc.to(out_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +325,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            *, config: MatmulConfig | None = None, tma: bool | None = None,
-           out: torch.Tensor | None = None, w_kn: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None, w_kn: bool = False, swiglu: bool = False) -> torch.Tensor:
     """Launch the Triton kernel directly: no routing, no autograd, no input checks (:func:`matmul`
     does those). CUDA tensors run compiled, CPU tensors under the interpreter (``TRITON_INTERPRET=1``).
 
@@ -313,11 +333,17 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
     ``tma=False`` forces the pointer path where TMA would be used. Both exist for tuning sweeps
     (``bench/matmul_sweep.py``): another config may give other bits. ``w_kn``: ``w`` is given as
     [K, N] (``x @ w``, e.g. a layer's [N_out, K_in] weight for ``dx = g @ w``), read in place.
+    ``swiglu``: ``w`` is [2I, K] = [gate | up] and the result [M, I] is ``silu_mul(x @ w.T)``
+    (:func:`linear_silu_mul`), in the tile config of the plain [2I, K] product.
     """
     M, K = x.shape
     N = w.shape[1] if w_kn else w.shape[0]
     out_dtype = out_dtype or x.dtype
     cfg = config if config is not None else matmul_config(x.dtype, N, K)
+    if swiglu:  # the plain product's config (its bits), over the I output columns
+        if w_kn or bias is not None or N % 2:
+            raise ValueError("launch: swiglu takes an [2I, K] w, without bias or w_kn")
+        N //= 2
     interpreted = x.device.type != "cuda"
     # The interpreter's bf16 casts round differently from torch: write float32 there and let
     # torch round (never taken on the GPU); its tile products go through tile_dot.dot_acc.
@@ -351,10 +377,10 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 HAS_BIAS=bias is not None, USE_TMA=use_tma,
                 PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", FLATTEN=cfg.flatten, W_KN=w_kn,
-                num_warps=cfg.num_warps, num_stages=stages,
+                SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=stages,
             )
 
-        launch_with_fitting_stages(run, ("matmul", cfg, dst.dtype, w_kn), cfg.num_stages)
+        launch_with_fitting_stages(run, ("matmul", cfg, dst.dtype, w_kn, swiglu), cfg.num_stages)
     if dst is out:
         return out
     if out is not None:
@@ -488,6 +514,30 @@ def invariant_linear_grads(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, ne
     dx = input_grad(g, w, x.dtype) if need_x else None
     dw = weight_grad(g, x, w.dtype) if need_w else None
     return dx, dw
+
+
+def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``silu_mul(linear(x, w))``: x [..., K], w [2I, K] = [gate | up] -> [..., I], the MLP's first half.
+
+    On the Triton kernels without autograd (the engine's steps, the trainer's log-prob passes) it is
+    one launch: the matmul kernel's SwiGLU epilogue rounds each product to x's dtype and applies
+    :func:`rlperf.kernels.silu_mul`'s formula, in the plain [2I, K] product's tile config, so it
+    gives the bits of the two calls. With autograd (the train step keeps the [..., 2I] product for
+    the backward), in fast mode, on the reference backend and for bfloat16 under the CPU
+    interpreter (whose bf16 rounding differs from torch's) it is the two calls.
+    """
+    from .activation import silu_mul
+
+    if x.dim() < 1 or w.dim() != 2 or w.shape[0] % 2:
+        raise ValueError(f"linear_silu_mul: x [..., K] and w [2I, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    flat = x.reshape(-1, x.shape[-1])
+    _check(flat, w, None, None)
+    how = route("matmul", x.device, (x, w))
+    fused = how in ("triton", "interpreter") and route("silu_mul", x.device, (x,)) in ("triton", "interpreter") \
+        and not (x.device.type != "cuda" and x.dtype == torch.bfloat16)
+    if not fused:
+        return silu_mul(linear(x, w))
+    return launch(flat, w, swiglu=True).reshape(*x.shape[:-1], w.shape[0] // 2)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

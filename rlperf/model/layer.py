@@ -171,7 +171,7 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
     if w.router is not None:
         return sparse_moe_block(x, w.router, w.experts_gate_up, w.experts_down, cfg, routing,
                                 w.expert_parallel), residual
-    return _row_linear(K.silu_mul(K.linear(x, w.gate_up_proj)), w.down_proj, leaves), residual
+    return _row_linear(K.linear_silu_mul(x, w.gate_up_proj), w.down_proj, leaves), residual
 
 
 def decoder_layer_prefill(hidden, residual, w, cfg, rope, positions, cu_seqlens, leaves: int | None = None,

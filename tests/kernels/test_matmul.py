@@ -197,6 +197,34 @@ def test_float32_logits_full_vocab_gpu(k):
 GPU_MS = (1, 2, 7, 16, 33, 64, 128, 255, 1024, 2048, 4097)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,i,k", [(1, 48, 33), (7, 130, 96), (33, 64, 130), (127, 5, 16)])
+def test_linear_silu_mul_is_the_two_calls_interpreter(interpreter, poison, dtype, m, i, k):
+    """One launch with the SwiGLU epilogue: the bits of silu_mul(matmul) (ragged tiles, odd I, K),
+    leading dims kept; with autograd, in fast mode and on the reference backend it is the two calls."""
+    x, w, _ = _inputs(m, 2 * i, k, dtype)
+    fused = K.linear_silu_mul(x, w)
+    assert fused.shape == (m, i) and fused.dtype == dtype
+    assert torch.equal(fused, K.silu_mul(K.matmul(x, w)))
+    assert torch.equal(K.linear_silu_mul(x.reshape(1, m, k), w)[0], fused)
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = K.linear_silu_mul(xg, wg)  # the train step's forward: the two calls, differentiable
+    assert torch.equal(y.detach(), fused)
+    y.sum().backward()
+    assert xg.grad is not None and wg.grad is not None
+    with K.use_backend("reference"):
+        assert torch.equal(K.linear_silu_mul(x, w), K.silu_mul(K.matmul(x, w)))
+    with pytest.raises(ValueError, match="2I, K"):
+        K.linear_silu_mul(x, w[:-1])
+
+
+def test_linear_silu_mul_bf16_under_the_interpreter_takes_the_two_calls(interpreter):
+    """The interpreter rounds bf16 unlike torch (its matmul writes float32 that torch rounds): there
+    the fused epilogue could not give the two calls' bits, so it is not used."""
+    x, w, _ = _inputs(9, 64, 32, torch.bfloat16)
+    assert torch.equal(K.linear_silu_mul(x, w), K.silu_mul(K.matmul(x, w)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,n,k,bias,out_dtype", [
     (torch.bfloat16, 6144, 2560, False, None),    # Qwen3-4B fused qkv
@@ -224,6 +252,22 @@ def test_batch_invariance_gpu(dtype, n, k, bias, out_dtype):
     other = torch.randn(200, k, device="cuda").to(dtype)
     mixed = torch.cat([other[:77], x[5:6], other[77:]])
     assert torch.equal(K.matmul(mixed, w, b, out_dtype=out_dtype)[77], full[5])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,i,k", [
+    (torch.bfloat16, 3072, 1024),   # Qwen3-0.6B gate_up [6144, 1024]
+    (torch.bfloat16, 9728, 2560),   # Qwen3-4B gate_up
+    (torch.bfloat16, 1000, 1001),   # odd sizes: the pointer path, a ragged last tile
+    (torch.float16, 3072, 1024),
+    (torch.float32, 3072, 1024),
+])
+def test_linear_silu_mul_is_the_two_calls_gpu(dtype, i, k):
+    """The SwiGLU epilogue gives the bits of matmul then silu_mul at every batch size, decode to prefill."""
+    x, w, _ = _inputs(max(GPU_MS), 2 * i, k, dtype, device="cuda")
+    for m in GPU_MS:
+        fused = K.linear_silu_mul(x[:m], w)
+        assert torch.equal(fused, K.silu_mul(K.matmul(x[:m], w))), f"M={m}"
 
 
 @pytest.mark.gpu
