@@ -26,6 +26,10 @@ position (no sin/cos evaluated per batch), so a token's bits are the same alone,
 or in a packed prefill of any length. No host synchronization: CUDA-graph capturable; positions are
 validated where requests enter, not here.
 
+The engine's paged step stores K through :func:`rmsnorm_rope_store_kv`: the same programs and row
+formula, with the rotated rows written straight into the token's KV-cache slot (and V beside them)
+instead of an output tensor, so the cache holds the bits ``rmsnorm_rope`` gives the trainer.
+
 Backward (:func:`rmsnorm_rope_backward`, float32 math, the roundings of the forward as identity, as
 autograd of the float32 formula has them), with ``xhat = xf * rstd`` (rstd recomputed from x: the
 forward saves only its inputs)::
