@@ -348,6 +348,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
     # The interpreter's bf16 casts round differently from torch: write float32 there and let
     # torch round (never taken on the GPU); its tile products go through tile_dot.dot_acc.
     kernel_out_dtype = torch.float32 if interpreted and out_dtype == torch.bfloat16 else out_dtype
+    if swiglu and kernel_out_dtype != out_dtype:  # the epilogue's roundings would be skipped
+        raise ValueError("launch: swiglu with bfloat16 runs on the GPU only (the interpreter rounds bf16 unlike torch)")
     dst = out if out is not None and kernel_out_dtype == out_dtype else torch.empty(
         (M, N), dtype=kernel_out_dtype, device=x.device)
     if M > 0 and N > 0:
