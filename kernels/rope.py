@@ -26,9 +26,10 @@ position (no sin/cos evaluated per batch), so a token's bits are the same alone,
 or in a packed prefill of any length. No host synchronization: CUDA-graph capturable; positions are
 validated where requests enter, not here.
 
-The engine's paged step stores K through :func:`rmsnorm_rope_store_kv`: the same programs and row
-formula, with the rotated rows written straight into the token's KV-cache slot (and V beside them)
-instead of an output tensor, so the cache holds the bits ``rmsnorm_rope`` gives the trainer.
+The engine's paged step normalizes and rotates Q and K in one launch, :func:`rmsnorm_rope_store_kv`:
+the programs and tile shapes of the two ``rmsnorm_rope`` launches and the same row formula, with K's
+rotated rows written straight into the token's KV-cache slot (and V beside them) instead of an
+output tensor, so Q and the cache hold the bits ``rmsnorm_rope`` gives the trainer.
 
 Backward (:func:`rmsnorm_rope_backward`, float32 math, the roundings of the forward as identity, as
 autograd of the float32 formula has them), with ``xhat = xf * rstd`` (rstd recomputed from x: the
@@ -108,34 +109,49 @@ def _rmsnorm_rope_kernel(
 
 
 @triton.jit
-def _rmsnorm_rope_store_kv_kernel(
-    x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-    heads, stride_xt, stride_xh, stride_vt, stride_vh, stride_cs, eps,
+def _qk_norm_rope_store_kv_kernel(
+    q_ptr, qw_ptr, k_ptr, kw_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    q_heads, k_heads, q_blocks,
+    stride_qt, stride_qh, stride_yt, stride_yh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, eps,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PAGE: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
-    # rmsnorm_rope of token t's K rows (the same program grid and config as _rmsnorm_rope_kernel,
-    # so the same bits), stored straight into its cache slot with its V rows; slot < 0 (padding) skips
+    # Programs (t, b < q_blocks): rmsnorm_rope of token t's Q rows into y, the tile [BLOCK_HQ, HALF] of
+    # _rmsnorm_rope_kernel launched for Q; programs (t, b >= q_blocks): its K rows, the tile of the
+    # launch for K, stored straight into the token's cache slot with its V rows (slot < 0: padding,
+    # nothing stored). Each branch runs the same row function on the same tile shape as the plain
+    # launch (the same num_warps: _config gives 4 for every D up to 2048), so the same bits.
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t)
-    if slot >= 0:
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        c = tl.arange(0, BLOCK_HALF)
-        cm = c < HALF
-        m = (h < heads)[:, None] & cm[None, :]
-        o1, o2 = _norm_rope_rows(x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, t, h, c, cm, m, heads, stride_xt,
-                                 stride_xh, stride_cs, eps, HALF)
-        page = slot // PAGE
-        off = slot % PAGE
-        kc_off = page * stride_kcp + off * stride_kcs + h[:, None] * stride_kch + c[None, :]
-        kc_ty = kc_ptr.dtype.element_ty
-        tl.store(kc_ptr + kc_off, o1.to(kc_ty), mask=m)
-        tl.store(kc_ptr + kc_off + HALF, o2.to(kc_ty), mask=m)
-        v_off = t * stride_vt + h[:, None] * stride_vh + c[None, :]
-        vc_off = page * stride_vcp + off * stride_vcs + h[:, None] * stride_vch + c[None, :]
-        vc_ty = vc_ptr.dtype.element_ty
-        tl.store(vc_ptr + vc_off, tl.load(v_ptr + v_off, mask=m).to(vc_ty), mask=m)
-        tl.store(vc_ptr + vc_off + HALF, tl.load(v_ptr + v_off + HALF, mask=m).to(vc_ty), mask=m)
+    b = tl.program_id(1)
+    c = tl.arange(0, BLOCK_HALF)
+    cm = c < HALF
+    if b < q_blocks:
+        h = b * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
+        m = (h < q_heads)[:, None] & cm[None, :]
+        o1, o2 = _norm_rope_rows(q_ptr, qw_ptr, pos_ptr, cos_ptr, sin_ptr, t, h, c, cm, m, q_heads, stride_qt,
+                                 stride_qh, stride_cs, eps, HALF)
+        y_off = t * stride_yt + h[:, None] * stride_yh + c[None, :]
+        tl.store(y_ptr + y_off, o1, mask=m)
+        tl.store(y_ptr + y_off + HALF, o2, mask=m)
+    else:
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            h = (b - q_blocks) * BLOCK_HK + tl.arange(0, BLOCK_HK)
+            m = (h < k_heads)[:, None] & cm[None, :]
+            o1, o2 = _norm_rope_rows(k_ptr, kw_ptr, pos_ptr, cos_ptr, sin_ptr, t, h, c, cm, m, k_heads, stride_kt,
+                                     stride_kh, stride_cs, eps, HALF)
+            page = slot // PAGE
+            off = slot % PAGE
+            kc_off = page * stride_kcp + off * stride_kcs + h[:, None] * stride_kch + c[None, :]
+            kc_ty = kc_ptr.dtype.element_ty
+            tl.store(kc_ptr + kc_off, o1.to(kc_ty), mask=m)
+            tl.store(kc_ptr + kc_off + HALF, o2.to(kc_ty), mask=m)
+            v_off = t * stride_vt + h[:, None] * stride_vh + c[None, :]
+            vc_off = page * stride_vcp + off * stride_vcs + h[:, None] * stride_vch + c[None, :]
+            vc_ty = vc_ptr.dtype.element_ty
+            tl.store(vc_ptr + vc_off, tl.load(v_ptr + v_off, mask=m).to(vc_ty), mask=m)
+            tl.store(vc_ptr + vc_off + HALF, tl.load(v_ptr + v_off + HALF, mask=m).to(vc_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["T", "tokens_per_program"])
@@ -270,44 +286,62 @@ class _RMSNormRope(torch.autograd.Function):
         return (dx if need_x else None), (dw if need_w else None), None, None, None, None
 
 
-def rmsnorm_rope_store_kv(k: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor, eps: float, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """The engine's K/V store of new tokens: :func:`rmsnorm_rope` of ``k`` [T, Hkv, D] written into
-    its paged-cache slot with ``v`` [T, Hkv, D], in place — what ``rmsnorm_rope`` then
-    :func:`rlperf.kernels.write_kv_cache` store, with the same bits.
+def rmsnorm_rope_store_kv(q: torch.Tensor, q_weight: torch.Tensor, k: torch.Tensor, k_weight: torch.Tensor,
+                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                          v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The engine's Q/K/V step: returns :func:`rmsnorm_rope` of ``q`` [T, Hq, D] and stores
+    ``rmsnorm_rope`` of ``k`` [T, Hkv, D] with ``v`` [T, Hkv, D] into the paged cache, in place —
+    what ``rmsnorm_rope(q)``, ``rmsnorm_rope(k)`` then :func:`rlperf.kernels.write_kv_cache` give,
+    with the same bits.
 
     ``k_cache, v_cache [num_pages, page_size, Hkv, D]``; ``slot_mapping [T]`` int64, ``slot = page *
-    page_size + offset``, negative to skip a token (padding). On the Triton kernels (no gradient
-    wanted) it is one launch: the K rows go through the same program grid and config as
-    ``rmsnorm_rope``'s forward kernel and its one row formula (``_norm_rope_rows``); elsewhere it is
-    the two calls.
+    page_size + offset``, negative to skip a token's K/V (padding). On the Triton kernels (no
+    gradient wanted) it is one launch: Q's programs and K's programs are those of the two
+    ``rmsnorm_rope`` launches (their tile shapes, the one row function ``_norm_rope_rows``), K's
+    writing into the cache instead of an output; elsewhere it is the three calls.
     """
-    _check(k, weight, positions, cos, sin, eps)
-    T, heads, D = k.shape
+    _check(q, q_weight, positions, cos, sin, eps)
+    _check(k, k_weight, positions, cos, sin, eps)
+    T, q_heads, D = q.shape
+    k_heads = k.shape[1]
     kernels = ("triton", "interpreter")  # the Triton kernels, compiled or on the CPU's interpreter
-    fused = (route("rmsnorm_rope", k.device, (k, weight)) in kernels
-             and route("write_kv_cache", k.device) in kernels and not D & (D - 1)
+    fused = (route("rmsnorm_rope", q.device, (q, q_weight, k, k_weight)) in kernels
+             and route("write_kv_cache", k.device) in kernels and not D & (D - 1) and q.dtype == k.dtype
              and v.shape == k.shape and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:]
              and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
              and slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64)
-    if not fused:  # other backends, or shapes the write kernel declines: the two calls (they check)
+    if not fused:  # other backends, or shapes the write kernel declines: the three calls (they check)
         from .attention import write_kv_cache
 
-        write_kv_cache(rmsnorm_rope(k, weight, positions, cos, sin, eps), v, k_cache, v_cache, slot_mapping)
-        return
-    if T == 0 or heads == 0:
-        return
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+        write_kv_cache(rmsnorm_rope(k, k_weight, positions, cos, sin, eps), v, k_cache, v_cache, slot_mapping)
+        return rmsnorm_rope(q, q_weight, positions, cos, sin, eps)
+    y = torch.empty((T, q_heads, D), dtype=q.dtype, device=q.device)
+    if T == 0 or D == 0:
+        return y
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     cos, sin = cos.contiguous(), sin.contiguous()
-    block_h, block_half, num_warps = _config(heads, D)
-    _rmsnorm_rope_store_kv_kernel[(T, triton.cdiv(heads, block_h))](
-        k, weight.contiguous(), positions.contiguous(), cos, sin, v, k_cache, v_cache, slot_mapping,
-        heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), float(eps),
+    block_hq, block_half, warps_q = _config(q_heads, D)
+    block_hk, _, warps_k = _config(k_heads, D)
+    if warps_q != warps_k:  # not for any D up to 2048 (MAX_HALF_TILE); the two launches keep the bits
+        from .attention import write_kv_cache
+
+        write_kv_cache(rmsnorm_rope_forward(k, k_weight, positions, cos, sin, eps), v, k_cache, v_cache, slot_mapping)
+        return rmsnorm_rope_forward(q, q_weight, positions, cos, sin, eps)
+    q_blocks = triton.cdiv(q_heads, block_hq) if q_heads else 0
+    k_blocks = triton.cdiv(k_heads, block_hk) if k_heads else 0
+    _qk_norm_rope_store_kv_kernel[(T, q_blocks + k_blocks)](
+        q, q_weight.contiguous(), k, k_weight.contiguous(), positions.contiguous(), cos, sin, y, v,
+        k_cache, v_cache, slot_mapping,
+        q_heads, k_heads, q_blocks,
+        q.stride(0), q.stride(1), y.stride(0), y.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), float(eps),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
-        HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, PAGE=k_cache.shape[1], num_warps=num_warps,
+        HALF=D // 2, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, PAGE=k_cache.shape[1],
+        num_warps=warps_q,
     )
+    return y
 
 
 def _torch_rmsnorm_rope(x, weight, positions, cos, sin, eps):

@@ -142,9 +142,9 @@ def _row_linear(x, w, leaves: int | None):
 def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: RopeTable, positions, attend,
            leaves: int | None = None, routing: RoutingTrace | None = None, kv_store=None):
     """One decoder layer; ``attend(q, k, v)`` -> [T, heads, D]. ``kv_store``: (k_cache, v_cache,
-    slot_mapping) of the engine's paged step: k's norm + RoPE then stores k and v straight into the
-    cache (:func:`rlperf.kernels.rmsnorm_rope_store_kv`, the same bits as the two calls) and ``attend``
-    gets ``k = v = None``; None: ``attend`` gets k and v."""
+    slot_mapping) of the engine's paged step: q's and k's norm + RoPE run in one launch that also
+    stores k and v into the cache (:func:`rlperf.kernels.rmsnorm_rope_store_kv`, the bits of the
+    separate calls) and ``attend`` gets ``k = v = None``; None: ``attend`` gets k and v."""
     t = hidden.shape[0]
     blocks = None if leaves is None else tree_reduce.head_blocks(cfg.num_attention_heads, cfg.num_key_value_heads,
                                                                  leaves)
@@ -154,16 +154,17 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
         x, residual = K.add_rmsnorm(hidden, residual, w.input_layernorm, cfg.rms_norm_eps)
     qkv = K.linear(x, w.qkv_proj)
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    # q/k norm and RoPE in one kernel each, reading the strided views of qkv in place; the prefill
-    # (trainer) and the paged step (engine) both come through here, so they run the same kernel
-    q = _norm_rope(q.reshape(t, cfg.num_attention_heads, cfg.head_dim), w.q_norm, positions, rope, cfg.rms_norm_eps,
-                   blocks)
+    q = q.reshape(t, cfg.num_attention_heads, cfg.head_dim)
     k = k.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
     v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
-    if kv_store is not None and blocks is None:
-        K.rmsnorm_rope_store_kv(k, w.k_norm, positions, rope.cos, rope.sin, cfg.rms_norm_eps, v, *kv_store)
+    # q/k norm and RoPE read the strided views of qkv in place; the prefill (trainer) and the paged
+    # step (engine) run the same kernel programs, so they agree bit for bit
+    if kv_store is not None and blocks is None:  # Q, and K/V into the cache: one launch
+        q = K.rmsnorm_rope_store_kv(q, w.q_norm, k, w.k_norm, positions, rope.cos, rope.sin, cfg.rms_norm_eps,
+                                    v, *kv_store)
         k = v = None
     else:
+        q = _norm_rope(q, w.q_norm, positions, rope, cfg.rms_norm_eps, blocks)
         k = _norm_rope(k, w.k_norm, positions, rope, cfg.rms_norm_eps, blocks)
     a = attend(q, k, v)
     x, residual = K.add_rmsnorm(_row_linear(a.reshape(t, cfg.q_size), w.o_proj, leaves), residual,

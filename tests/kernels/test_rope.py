@@ -155,41 +155,45 @@ def test_empty_and_errors(interpreter):
         K.rmsnorm_rope(x, w, pos, cos, sin, eps=0.0)
 
 
-def _store_kv_both_ways(T, heads, D, dtype, device="cpu", page=16, pages=9, seed=3):
-    """rmsnorm_rope_store_kv's caches, and those of rmsnorm_rope then write_kv_cache, from the same
-    inputs: k and v strided views of a qkv-like buffer, slots spread over the pages (some -1)."""
+def _store_kv_both_ways(T, q_heads, kv_heads, D, dtype, device="cpu", page=16, pages=9, seed=3):
+    """rmsnorm_rope_store_kv's q and caches, and those of the separate calls (rmsnorm_rope of q and of
+    k, then write_kv_cache), from the same inputs: q, k and v strided views of a qkv buffer, slots
+    spread over the pages (some -1)."""
     from rlperf.kernels.attention import write_kv_cache
 
     g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(T, (2 + 2 * heads) * D, generator=g).to(device=device, dtype=dtype)
-    k = qkv[:, 2 * D:(2 + heads) * D].reshape(T, heads, D)
-    v = qkv[:, (2 + heads) * D:].reshape(T, heads, D)
-    w = (torch.rand(D, generator=g) + 0.5).to(device=device, dtype=dtype)
+    qkv = torch.randn(T, (q_heads + 2 * kv_heads) * D, generator=g).to(device=device, dtype=dtype)
+    q = qkv[:, :q_heads * D].reshape(T, q_heads, D)
+    k = qkv[:, q_heads * D:(q_heads + kv_heads) * D].reshape(T, kv_heads, D)
+    v = qkv[:, (q_heads + kv_heads) * D:].reshape(T, kv_heads, D)
+    wq, wk = ((torch.rand(D, generator=g) + 0.5).to(device=device, dtype=dtype) for _ in range(2))
     pos = torch.randint(0, MAX_POS, (T,), generator=g).to(device)
     slots = torch.randperm(pages * page, generator=g)[:T].to(device)
     slots[1::3] = -1  # every third from the second: padding rows (a one-token batch keeps its slot)
     table = _table(D, device)
-    fill = torch.full((pages, page, heads, D), 7.0, dtype=dtype, device=device)  # untouched slots keep it
-    fused_k, fused_v, two_k, two_v = (fill.clone() for _ in range(4))
-    K.rmsnorm_rope_store_kv(k, w, pos, table.cos, table.sin, EPS, v, fused_k, fused_v, slots)
-    write_kv_cache(K.rmsnorm_rope(k, w, pos, table.cos, table.sin, EPS), v, two_k, two_v, slots)
-    return (fused_k, fused_v), (two_k, two_v), fill
+    fill = torch.full((pages, page, kv_heads, D), 7.0, dtype=dtype, device=device)  # untouched slots keep it
+    fused_k, fused_v, sep_k, sep_v = (fill.clone() for _ in range(4))
+    fused_q = K.rmsnorm_rope_store_kv(q, wq, k, wk, pos, table.cos, table.sin, EPS, v, fused_k, fused_v, slots)
+    sep_q = K.rmsnorm_rope(q, wq, pos, table.cos, table.sin, EPS)
+    write_kv_cache(K.rmsnorm_rope(k, wk, pos, table.cos, table.sin, EPS), v, sep_k, sep_v, slots)
+    return (fused_q, fused_k, fused_v), (sep_q, sep_k, sep_v), fill
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("T,heads,D", [(1, 3, 16), (7, 3, 32), (33, 1, 128), (5, 8, 64)])
-def test_store_kv_is_rmsnorm_rope_then_the_cache_write(interpreter, dtype, T, heads, D):
-    """The engine's fused K/V store writes the bits of the two calls it replaces, skips slot -1, and
-    touches nothing else (bf16 too: both ways round through the same interpreter casts)."""
-    (fk, fv), (tk, tv), fill = _store_kv_both_ways(T, heads, D, dtype)
-    assert torch.equal(fk, tk) and torch.equal(fv, tv)
+@pytest.mark.parametrize("T,q_heads,kv_heads,D", [(1, 6, 3, 16), (7, 3, 3, 32), (33, 2, 1, 128), (5, 16, 8, 64)])
+def test_store_kv_is_rmsnorm_rope_then_the_cache_write(interpreter, dtype, T, q_heads, kv_heads, D):
+    """The engine's fused Q/K/V step gives Q and writes the cache bits of the separate calls, skips
+    slot -1 and touches nothing else (bf16 too: both ways round through the same interpreter casts)."""
+    (fq, fk, fv), (sq, sk, sv), fill = _store_kv_both_ways(T, q_heads, kv_heads, D, dtype)
+    assert fq.shape == (T, q_heads, D) and fq.is_contiguous() and torch.equal(fq, sq)
+    assert torch.equal(fk, sk) and torch.equal(fv, sv)
     assert (fk != fill).any() and (fv != fill).any()
 
 
 def test_store_kv_on_the_reference_backend_and_in_the_engine_step(interpreter):
-    """The reference backend takes the two calls; on the kernels, the tiny model's engine (prefill
-    chunks and decode steps, padding rows of its batches included) gives the tokens and log-probs
-    it gives when the two calls store the K/V."""
+    """The reference backend takes the separate calls; on the kernels, the tiny model's engine
+    (prefill chunks and decode steps) gives the tokens and log-probs it gives through the separate
+    calls."""
     from rlperf.kernels.attention import write_kv_cache
     from rlperf.model import preset
     from rlperf.model.qwen3 import Qwen3ForCausalLM
@@ -197,8 +201,8 @@ def test_store_kv_on_the_reference_backend_and_in_the_engine_step(interpreter):
     from rlperf.rollout.tokenizer import ByteTokenizer
 
     with K.use_backend("reference"):
-        (fk, fv), (tk, tv), _ = _store_kv_both_ways(6, 2, 32, torch.float32)
-    assert torch.equal(fk, tk) and torch.equal(fv, tv)
+        fused, separate, _ = _store_kv_both_ways(6, 4, 2, 32, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(fused, separate))
 
     cfg = preset("tiny")
     model = Qwen3ForCausalLM.random(cfg, seed=1, std=0.1)
@@ -208,8 +212,9 @@ def test_store_kv_on_the_reference_backend_and_in_the_engine_step(interpreter):
         engine = Engine(model, ByteTokenizer(cfg.vocab_size), EngineConfig(max_total_tokens=1024))
         return [(r.output_ids, r.output_logprobs) for r in engine.generate(prompts, params)]
 
-    def two_calls(k, weight, positions, cos, sin, eps, v, k_cache, v_cache, slot_mapping):
-        write_kv_cache(K.rmsnorm_rope(k, weight, positions, cos, sin, eps), v, k_cache, v_cache, slot_mapping)
+    def two_calls(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_cache, v_cache, slot_mapping):
+        write_kv_cache(K.rmsnorm_rope(k, k_weight, positions, cos, sin, eps), v, k_cache, v_cache, slot_mapping)
+        return K.rmsnorm_rope(q, q_weight, positions, cos, sin, eps)
 
     with K.use_backend("interpreter"):
         fused = generate()
@@ -271,9 +276,9 @@ def test_gpu_batch_invariant_bf16(heads):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_store_kv_is_rmsnorm_rope_then_the_cache_write(dtype):
-    """The qwen3-0.6b K/V shape (8 KV heads of 128) on the GPU: the fused store's cache bits equal
-    the two calls'; decode-sized (1, 64 tokens) and a 1000-token chunk."""
+    """The qwen3-0.6b Q/K/V shape (16 Q and 8 KV heads of 128) on the GPU: the fused step's Q and cache
+    bits equal the separate calls'; decode-sized (1, 64 tokens) and a 1000-token chunk."""
     for T in (1, 64, 1000):
-        (fk, fv), (tk, tv), _ = _store_kv_both_ways(T, QWEN3_06B["kv_heads"], QWEN3_06B["D"], dtype, "cuda",
-                                                    page=16, pages=80)
-        assert torch.equal(fk, tk) and torch.equal(fv, tv), T
+        fused, separate, _ = _store_kv_both_ways(T, QWEN3_06B["q_heads"], QWEN3_06B["kv_heads"], QWEN3_06B["D"],
+                                                 dtype, "cuda", page=16, pages=80)
+        assert all(torch.equal(a, b) for a, b in zip(fused, separate)), T
