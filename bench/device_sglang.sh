@@ -30,7 +30,7 @@ if [ ! -d "$SITE/sglang" ]; then
   echo "device_sglang: $SITE has no sglang: run bench/unpack_sglang.sh over the chunks of bench/pack_sglang.sh first"
   exit 3
 fi
-export PYTHONPATH=$SITE:$PYTHONPATH
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 MODEL=${RLPERF_SGLANG_MODEL:-qwen3-0.6b}
 RUN_FLAGS=(--model "$MODEL" --device cuda --rollout-backend sglang --rollout-num-gpus 1
            --sglang-attention-backend "${SGLANG_ATTENTION:-flashinfer}" --rollout-batch-size 8
@@ -61,7 +61,7 @@ if [[ " $STAGES " == *" check "* ]]; then
   run imports 300 python3 -c "import sglang, sgl_kernel, flashinfer, sglang_router, transformers; \
 print('sglang', sglang.__version__, 'flashinfer', flashinfer.__version__, 'transformers', transformers.__version__); \
 import sglang.srt.entrypoints.http_server, sglang.srt.layers.attention.flashinfer_backend"
-  run cpu-tests 300 python3 -m pytest -q -p no:cacheprovider tests/loop/test_sglang_backend.py tests/test_flashinfer_anchors.py
+  run cpu-tests 300 python3 -m pytest -q -m "not gpu" -p no:cacheprovider tests/loop/test_sglang_backend.py tests/test_flashinfer_anchors.py tests/sync/test_distributed.py
   run gpu-tests 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flashinfer_anchors.py
 fi
 if [[ " $STAGES " == *" gate "* ]]; then

@@ -12,7 +12,8 @@ weight-update endpoints"):
    port, ``--tp-size``, dtype, ``--attention-backend``, ``--mem-fraction-static``, ``--random-seed``,
    ``--skip-tokenizer-init`` — rlperf sends token ids and reads token ids, so the saved model needs no
    tokenizer — ``--load-format``, ``--enable-deterministic-inference``), each on its own GPUs
-   (``CUDA_VISIBLE_DEVICES``), the trainer's GPU with ``--colocate``, or ``--device cpu`` on a CPU run.
+   (``CUDA_VISIBLE_DEVICES``), the trainer's GPU with ``--colocate``, or ``--device cpu`` on a CPU run,
+   with the trainer's ``NCCL_CUMEM_ENABLE`` (:func:`engine_nccl_env`).
    Before any is started, :func:`check_sglang_installed` looks for the packages; an engine that exits
    while starting fails the start at once with its last output, and one whose output shows a missing
    module is :class:`SGLangUnavailable` (a usage error: the command exits 2 naming the module). One
@@ -149,6 +150,17 @@ def start_sglang_servers(argvs: list[list[str]], envs: list[dict], log_dir: Path
     return procs, urls
 
 
+def engine_nccl_env(environ=None) -> dict[str, str]:
+    """NCCL settings each engine must share with the trainer, from the trainer's environment.
+
+    ``NCCL_CUMEM_ENABLE``: SGLang sets it to 0 where the environment leaves it unset, while NCCL's own
+    default on the trainer's side is on. Two ranks of the weight-update group that differ fail the
+    first broadcast (NCCL's "Cuda failure 'invalid argument'" in SGLang's reply; H200, NCCL 2.28.9,
+    2026-11-27), so the engines get the trainer's value: its own setting if it has one, else 1."""
+    environ = os.environ if environ is None else environ
+    return {"NCCL_CUMEM_ENABLE": environ.get("NCCL_CUMEM_ENABLE", "1")}
+
+
 def _visible_gpu(index: int) -> str:
     """The ``CUDA_VISIBLE_DEVICES`` entry of this process's CUDA device ``index``."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -197,7 +209,8 @@ def start_sglang_fleet(config: RunConfig, model, *, env=None) -> EngineFleet:
     frac = r.mem_fraction_static if r.mem_fraction_static is not None else 0.8
     argvs = [sglang_launch_argv(model_path, free_port(HOST), s, dtype=dtype, mem_fraction_static=frac,
                                 seed=config.runtime.seed, device=device) for _ in range(n)]
-    envs = [{"CUDA_VISIBLE_DEVICES": g} for g in gpus] if gpus is not None else [{} for _ in range(n)]
+    nccl = engine_nccl_env()
+    envs = [{"CUDA_VISIBLE_DEVICES": g, **nccl} for g in gpus] if gpus is not None else [dict(nccl) for _ in range(n)]
     where = f"GPUs {' | '.join(gpus)}" if gpus is not None else device.upper()
     print(f"rlperf train: starting {n} SGLang engine(s) ({model_path}, {dtype}, --tp-size {s.tp_size}, "
           f"--attention-backend {s.attention_backend}) on {where} behind the sglang-router; logs in {log_dir}",

@@ -52,7 +52,10 @@ bucket k. The sender packs bucket k+1 (on its stream) while bucket k broadcasts 
 on the host only for the broadcast ``max_inflight`` buckets back, whose buffer it then drops (each
 bucket stays referenced until its broadcast is done); meanwhile it watches the replies, so an engine
 that refused a bucket (and never takes its broadcast) fails the update at once instead of after
-:data:`GROUP_TIMEOUT_S`. An update that fails with a broadcast unfinished leaves the group (NCCL
+:data:`GROUP_TIMEOUT_S`. NCCL sets its communicator up inside the group's first broadcast call, which
+waits there for every peer's side of the setup; that one call runs in a daemon thread while the
+replies are watched, so an engine whose setup failed (SGLang answers the request with NCCL's error)
+fails the update with its message too. An update that fails with a broadcast unfinished leaves the group (NCCL
 aborts it); the next update forms a new one.
 """
 from __future__ import annotations
@@ -119,6 +122,9 @@ class WeightUpdateGroup:
     """Where this side's tensors of the group live (CUDA for NCCL)."""
     _pg: object = dataclasses.field(repr=False)
     _store: object = dataclasses.field(repr=False)
+    started: bool = False
+    """Whether a :meth:`broadcast` call has returned: NCCL sets up its communicator inside the first
+    call, which waits there for every peer's side of the setup (see :meth:`_Update.start_broadcast`)."""
 
     def broadcast(self, tensor: torch.Tensor):
         """Start the broadcast of ``tensor`` from rank 0 (rank 0 sends it, the others receive into it:
@@ -142,13 +148,19 @@ class WeightUpdateGroup:
         waiting (a graceful shutdown would wait for it); with gloo the peers see the connections close
         and their own pending receives fail at once instead of at the timeout."""
         pg, self._pg, self._store = self._pg, None, None
-        for method in ("abort", "shutdown"):
-            if pg is not None and hasattr(pg, method):
-                try:
-                    getattr(pg, method)()
-                except Exception:  # noqa: BLE001  (a communicator that never started has nothing to end)
-                    pass
-                break
+
+        def end():
+            for method in ("abort", "shutdown"):
+                if pg is not None and hasattr(pg, method):
+                    try:
+                        getattr(pg, method)()
+                    except Exception:  # noqa: BLE001  (a communicator that never started has nothing to end)
+                        pass
+                    break
+
+        # a communicator whose setup a failed peer left half done may not end at once: this side goes
+        # on after CLOSE_TIMEOUT_S (the abort carries on in its daemon thread)
+        concurrent.futures.wait([_in_thread(end)], timeout=CLOSE_TIMEOUT_S)
 
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int, *,
@@ -593,6 +605,24 @@ class _Update:
             self.requests.append((what, fut))
             self.outstanding.append((what, fut))
 
+    def start_broadcast(self, buffer: torch.Tensor):
+        """Issue the broadcast of ``buffer``; its work. The group's first call runs in a daemon thread
+        while the replies are watched: NCCL sets up its communicator inside that call, and an engine
+        whose side of the setup failed (SGLang answers the bucket's request with the NCCL error) leaves
+        it waiting there, so the engine's reply fails the update instead (the call is left behind)."""
+        if self.group.started:
+            return self.group.broadcast(buffer)
+        call = _in_thread(self.group.broadcast, buffer)
+        try:
+            while not call.done():
+                self.check_replies()
+                time.sleep(_FIRST_CALL_POLL_S)
+        except BaseException:
+            self.broken = True  # the group's first collective may never finish: the caller leaves the group
+            raise
+        self.group.started = True
+        return call.result()
+
     def check_replies(self) -> None:
         """A reply that failed already fails the update."""
         still = []
@@ -650,7 +680,7 @@ class _Update:
                 body["description"] = bucket.to_dict(with_checksum=False)
             n, nbytes = n + 1, nbytes + bucket.nbytes
             self.post(f"bucket {n} ({len(metas)} tensors, {bucket.nbytes} bytes)", "POST", UPDATE_ENDPOINT, body)
-            self.inflight.append((bucket, self.group.broadcast(bucket.buffer)))
+            self.inflight.append((bucket, self.start_broadcast(bucket.buffer)))
             if check_checksum or sglang_engines:
                 checksums.append(bucket.checksum)  # a read of the buffer, beside the broadcast's
             self.check_replies()
@@ -684,6 +714,9 @@ class _Update:
 
 _POLL_S = 50e-6
 """How often the sender looks at a broadcast it waits for (and at the engines' replies meanwhile)."""
+_FIRST_CALL_POLL_S = 1e-3
+"""How often the sender looks at the engines' replies while the group's first broadcast call (NCCL's
+communicator setup) has not returned."""
 
 
 def _failed_reply(what: str, exc: BaseException) -> WeightSyncError:

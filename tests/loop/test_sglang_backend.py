@@ -187,7 +187,15 @@ def _prompts(tmp_path):
     return ["--prompt-data", str(path)]
 
 
-def test_gate_with_sglang_engines_reports_the_measured_distance(tmp_path, fake_sglang, capsys):
+def test_engines_share_the_trainers_nccl_cumem_setting():
+    """SGLang turns NCCL's cuMem off where the environment is silent; the trainer's NCCL has it on, and
+    ranks that differ fail the first broadcast: the engines get the trainer's value."""
+    assert S.engine_nccl_env({}) == {"NCCL_CUMEM_ENABLE": "1"}
+    assert S.engine_nccl_env({"NCCL_CUMEM_ENABLE": "0"}) == {"NCCL_CUMEM_ENABLE": "0"}
+
+
+def test_gate_with_sglang_engines_reports_the_measured_distance(tmp_path, fake_sglang, monkeypatch, capsys):
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
     report = tmp_path / "gate.json"
     code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "2",
                  "--sglang-attention-backend", "triton", "--sglang-load-format", "dummy", *SMALL,
@@ -204,7 +212,7 @@ def test_gate_with_sglang_engines_reports_the_measured_distance(tmp_path, fake_s
     assert oom["passed"] and "2 SGLang engine(s) hold a static 768 MiB, 768 MiB" in oom["message"], oom["message"]
     assert [e["kind"] for e in oom["measured"]["engines"]] == ["sglang_static"] * 2
     launches = fake_sglang("launch")
-    assert len(launches) == 2
+    assert len(launches) == 2 and {r["nccl_cumem_enable"] for r in launches} == {"1"}
     for r in launches:
         a = r["argv"]
         assert a[a.index("--attention-backend") + 1] == "triton" and a[a.index("--load-format") + 1] == "dummy"

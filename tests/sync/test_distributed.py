@@ -1,13 +1,18 @@
 """The pieces of the disaggregated sync that need no server: buckets packed one at a time from a
-generator, the weights checksum from the buckets sent, and the weight-update group (gloo, two ranks
-in one process) with no default process group."""
+generator, the weights checksum from the buckets sent, the weight-update group (gloo, two ranks
+in one process) with no default process group, and the sender facing an engine that fails the group's
+first broadcast."""
 import concurrent.futures
+import json
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 from rlperf.sync import combine_checksums, flatten_buckets, iter_buckets, iter_buckets_with_last, weights_checksum
-from rlperf.sync.distributed import init_weight_update_group, is_back_to_back, master_store
+from rlperf.sync.distributed import (UPDATE_ENDPOINT, WeightBroadcaster, WeightSyncError, init_weight_update_group,
+                                     is_back_to_back, master_store)
 
 
 def _named(n=7):
@@ -73,3 +78,72 @@ def test_pipelined_replies_are_read_one_by_one_whatever_their_framing():
     assert _read_http_reply(stream) == (200, b'{"b": 2}')
     with pytest.raises(ValueError, match="closed the connection"):
         _read_http_reply(stream)
+
+
+class _FirstCallWaitsGroup:
+    """A weight-update group whose first broadcast call does not return until released, as NCCL's does
+    when a peer's side of the communicator setup failed (NCCL sets its communicator up inside the group's
+    first collective; gloo connects when the group forms, so a gloo group cannot show this)."""
+
+    backend, rank, world_size = "nccl", 0, 2
+
+    def __init__(self):
+        self.device = torch.device("cpu")
+        self.started, self.release, self.closed = False, threading.Event(), False
+
+    def broadcast(self, tensor):
+        self.release.wait(60)
+        raise RuntimeError("the communicator was aborted")
+
+    def close(self):
+        self.closed = True
+        self.release.set()
+
+
+def _refusing_engine(message: str):
+    """A real HTTP server answering as an SGLang engine whose side of the first broadcast failed: 200 to
+    pause/continue/destroy, 400 with ``message`` to every ``/update_weights_from_distributed``."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # the sender pipelines its requests on one connection
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            refused = self.path == UPDATE_ENDPOINT
+            body = json.dumps({"success": False, "message": message} if refused else {"success": True}).encode()
+            self.send_response(400 if refused else 200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_an_engine_that_fails_the_first_broadcast_fails_the_update_with_its_reply_at_once():
+    """The sender watches the engines' replies while the group's first broadcast call has not returned:
+    the engine's own message fails the update within seconds (not at the group's 300 s timeout, nor never),
+    and the sender leaves the group."""
+    import pytest
+
+    nccl_error = ("Failed to update parameter online: NCCL error in: NCCLUtils.cpp:93, unhandled cuda error, "
+                  "Cuda failure 'invalid argument'")
+    server = _refusing_engine(nccl_error)
+    try:
+        b = WeightBroadcaster([f"http://127.0.0.1:{server.server_address[1]}"], device="cpu", timeout=120)
+        group = b.group = _FirstCallWaitsGroup()
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match="invalid argument") as failed:
+            b.update_weights({"w": torch.ones(4), "v": torch.arange(3.0)}, "1", check_checksum=False,
+                             sglang_engines=True)
+        assert time.monotonic() - t0 < 15, "the sender waited in the first broadcast call"
+        assert "bucket 1" in str(failed.value) and "400" in str(failed.value)
+        assert group.closed and b.group is None  # the next update forms a new group
+    finally:
+        server.shutdown()

@@ -1,7 +1,7 @@
 """``python -m sglang.launch_server`` for tests: a small HTTP server that parses SGLang's launch flags
 (unknown flags exit 2, as SGLang's parser does), answers SGLang's endpoints the way SGLang 0.5.9 does, and
 appends every request it gets to the JSON-lines file ``$FAKE_SGLANG_RECORD`` (one record per request,
-plus one ``launch`` record with its argv and ``CUDA_VISIBLE_DEVICES``).
+plus one ``launch`` record with its argv, ``CUDA_VISIBLE_DEVICES`` and ``NCCL_CUMEM_ENABLE``).
 
 * ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``): ``max_new_tokens`` tokens
   ``(sum(input_ids) + 7 * i) % vocab_size``, each with log-prob ``FAKE_LOGPROB``; reply ``output_ids``,
@@ -158,7 +158,8 @@ def _numel(shape):
 
 if __name__ == "__main__":
     ARGS = parse(sys.argv[1:])
-    record("launch", argv=sys.argv[1:], cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    record("launch", argv=sys.argv[1:], cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+           nccl_cumem_enable=os.environ.get("NCCL_CUMEM_ENABLE"))
     if os.environ.get("FAKE_SGLANG_FAIL") == "hang":
         while True:
             time.sleep(1)
