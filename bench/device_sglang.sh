@@ -18,9 +18,9 @@
 #   profile     two SGLang workers (dummy 0.6b weights, GPUs 0 and 1) behind the sglang-router, then
 #               rlperf profile run --router-url: traces merged into one Perfetto file, summary
 #   flashinfer  rlperf bench attention and logprob (FlashInfer anchors beside SDPA and torch)
-#   decode      SGLang's decode step at B = 1, 16, 64, 256 (sglang.bench_one_batch, dummy 0.6b weights,
-#               CUDA graphs on; default fast mode, then --enable-deterministic-inference) next to
-#               rlperf bench rollout on the same card in the same call
+#   decode      rlperf bench rollout (full): rlperf's decode step at B = 1, 16, 64, 256 and, as anchors in
+#               the same run, SGLang's (sglang.bench_one_batch, dummy 0.6b weights, CUDA graphs on; default
+#               fast mode, then --enable-deterministic-inference) and compiled transformers
 set -uo pipefail
 STAGES=${1:-check gate}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -100,14 +100,8 @@ if [[ " $STAGES " == *" flashinfer "* ]]; then
   run bench-logprob 300 python3 -m rlperf bench logprob --quick --json "$OUT/bench-logprob.json" --markdown "$OUT/BENCHMARKS.md"
 fi
 if [[ " $STAGES " == *" decode "* ]]; then
-  model_config /tmp/sglang-0.6b
-  run rlperf-rollout 240 python3 -m rlperf bench rollout --json "$OUT/bench-rollout.json" --markdown "$OUT/BENCHMARKS.md"
-  for mode in fast deterministic; do
-    extra=()
-    [ $mode = deterministic ] && extra=(--enable-deterministic-inference)
-    run "sglang-decode-$mode" 240 python3 -m sglang.bench_one_batch --model-path /tmp/sglang-0.6b --load-format dummy \
-      --batch-size 1 16 64 256 --input-len 512 --output-len 256 --attention-backend flashinfer \
-      --result-filename "$OUT/sglang-decode-$mode.jsonl" "${extra[@]}"
-  done
+  # the full rollout bench: rlperf's decode steps, then the same shapes on transformers (compiled) and on
+  # SGLang (python -m sglang.bench_one_batch, default fast mode and --enable-deterministic-inference)
+  run rlperf-rollout 560 python3 -m rlperf bench rollout --json "$OUT/bench-rollout.json" --markdown "$OUT/BENCHMARKS.md"
 fi
 exit $status

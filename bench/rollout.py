@@ -23,10 +23,23 @@ Cases (qwen3-0.6b shape, random bf16 weights, byte prompts, ``ignore_eos``):
   is the difference of two generations' wall times over the difference of their new tokens (the
   prefill and compilation cancel). Ratio > 1: rlperf's engine step is faster. An anchor that cannot
   run on this transformers/torch is recorded with the reason, not dropped.
+* **against real SGLang** (the full run only): the same decode shapes on SGLang's own engine
+  (:func:`sglang_decode_ms`: ``python -m sglang.bench_one_batch`` on the same model shape, dummy weights,
+  its default CUDA graphs and FlashInfer attention; the median decode step of ``NEW`` steps after a
+  prompt of ``PROMPT``), once in SGLang's default fast mode and once with
+  ``--enable-deterministic-inference``. Ratio >= 1: rlperf's invariant engine step is no slower than
+  SGLang's. Without SGLang (or when it fails) the rows stay, with the reason.
 """
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -169,6 +182,84 @@ def transformers_decode_ms(cfg, batch: int, prompt_len: int, steps: int, device=
     return (long - short) * 1e3 / steps
 
 
+SGLANG_MODES = {"sglang fast": [], "sglang deterministic": ["--enable-deterministic-inference"]}
+"""The SGLang anchors' names and the flags that make each (``rlperf bench rollout``, full run)."""
+SGLANG_BENCH_MODULE = "sglang.bench_one_batch"
+
+
+def sglang_bench_argv(model_dir, batches, prompt_len: int, new_tokens: int, result_file, *,
+                      attention_backend: str = "flashinfer", extra=()) -> list[str]:
+    """The command of one SGLang decode measurement: ``python -m sglang.bench_one_batch`` on the model
+    shape in ``model_dir`` (its ``config.json``; dummy weights, no tokenizer), every batch of ``batches``
+    with ``prompt_len`` prompt and ``new_tokens`` new tokens; results appended to ``result_file``."""
+    return [sys.executable, "-m", SGLANG_BENCH_MODULE, "--model-path", str(model_dir), "--load-format", "dummy",
+            "--batch-size", *map(str, batches), "--input-len", str(prompt_len),
+            "--output-len", str(new_tokens), "--attention-backend", attention_backend,
+            "--result-filename", str(result_file), *extra]
+
+
+def write_bench_model(cfg, model_dir) -> Path:
+    """A folder SGLang can start from with dummy weights: ``config.json`` of the shape ``cfg`` (bf16) and a
+    one-token word-level tokenizer (``tokenizer.json``, ``tokenizer_config.json``): ``bench_one_batch``
+    loads a tokenizer even though it feeds random token ids."""
+    from tokenizers import Tokenizer, models
+
+    from rlperf.model.qwen3 import config_to_hf
+
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config_to_hf(cfg, torch.bfloat16)))
+    Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}))
+    return model_dir
+
+
+def read_sglang_decode_ms(result_file, prompt_len: int, new_tokens: int) -> dict[int, float]:
+    """``{batch: median decode step ms}`` from the JSON lines ``sglang.bench_one_batch`` appends to its
+    ``--result-filename`` (``batch_size``, ``input_len``, ``output_len``, ``median_decode_latency`` in
+    seconds); lines of other shapes are ignored. ValueError when the file holds none of this shape."""
+    out = {}
+    for n, line in enumerate(Path(result_file).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            if (r["input_len"], r["output_len"]) == (prompt_len, new_tokens):
+                out[int(r["batch_size"])] = float(r["median_decode_latency"]) * 1e3
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{result_file}:{n}: not a bench_one_batch result ({type(e).__name__}: {e})") from None
+    if not out:
+        raise ValueError(f"{result_file} holds no result for input {prompt_len}, output {new_tokens}")
+    return out
+
+
+def sglang_decode_ms(cfg, batches, prompt_len: int, new_tokens: int, *, extra=(), attention_backend: str = "flashinfer",
+                     timeout: float = 900.0) -> dict[int, float]:
+    """Median decode step ms of real SGLang per batch (module docstring, "against real SGLang"): the
+    model shape ``cfg`` written by :func:`write_bench_model` into a temporary folder, one
+    :func:`sglang_bench_argv` process. RuntimeError naming the cause (SGLang missing, the process's
+    exit and its output's tail, a batch it skipped)."""
+    if importlib.util.find_spec("sglang") is None:
+        raise RuntimeError("sglang is not installed (bench/pack_sglang.sh packs it for the GPU machines)")
+    with tempfile.TemporaryDirectory(prefix="rlperf-sglang-") as tmp:
+        model_dir, result = write_bench_model(cfg, Path(tmp, "model")), Path(tmp, "result.jsonl")
+        argv = sglang_bench_argv(model_dir, batches, prompt_len, new_tokens, result,
+                                 attention_backend=attention_backend, extra=extra)
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{SGLANG_BENCH_MODULE} did not finish within {timeout:g} s") from None
+        tail = (proc.stdout + proc.stderr)[-600:].strip()
+        if proc.returncode != 0 or not result.exists():
+            raise RuntimeError(f"{SGLANG_BENCH_MODULE} exited {proc.returncode}: {tail}")
+        got = read_sglang_decode_ms(result, prompt_len, new_tokens)
+    missing = [b for b in batches if b not in got]
+    if missing:
+        raise RuntimeError(f"{SGLANG_BENCH_MODULE} measured no batch {missing} (beyond its memory?): {tail}")
+    return got
+
+
 def run(quick: bool = False) -> list:
     if not torch.cuda.is_available():
         raise RuntimeError("the rollout benchmark needs a CUDA GPU")
@@ -208,6 +299,20 @@ def run(quick: bool = False) -> list:
             rows.append(BenchRow("rollout", case, "engine step", ours[case].kernel_ms, "transformers compiled", hf_ms,
                                  work=0.0, extra=extra))
             print(f"rollout: decode B={b}: transformers compiled {hf_ms:.3f} ms, rlperf {ours[case].kernel_ms:.3f} ms")
+        del model  # SGLang's engine runs in its own process on the same GPU
+        torch.cuda.empty_cache()
+        for anchor, flags in SGLANG_MODES.items():
+            try:
+                sgl, why = sglang_decode_ms(cfg, batches, PROMPT, NEW, extra=flags), None
+            except Exception as e:  # an anchor that cannot run here is recorded, not dropped
+                sgl, why = {}, f"{type(e).__name__}: {str(e)[:300]}"
+            for b in batches:
+                case = f"decode B={b} prompt {PROMPT}"
+                extra = {"anchor_unavailable": why} if why else {}
+                rows.append(BenchRow("rollout", case, "engine step", ours[case].kernel_ms, anchor,
+                                     sgl.get(b, float("nan")), work=0.0, extra=extra))
+                print(f"rollout: decode B={b}: {anchor} " + (f"{sgl[b]:.3f} ms" if b in sgl else f"unavailable ({why})")
+                      + f", rlperf {ours[case].kernel_ms:.3f} ms")
     return rows
 
 
@@ -228,4 +333,6 @@ def summarize(rows) -> dict:
             out["decode_B=64_invariance_ratio"] = r.ratio
         elif r.anchor == "transformers compiled":
             out[f"decode_{r.case.split()[1]}_vs_transformers"] = r.ratio
+        elif r.anchor in SGLANG_MODES:
+            out[f"decode_{r.case.split()[1]}_vs_{r.anchor.replace(' ', '_')}"] = r.ratio
     return out

@@ -4,7 +4,8 @@ import torch
 
 import rlperf.kernels as K
 from rlperf.bench.harness import BenchRow
-from rlperf.bench.rollout import decode_case, floor_ms, prefill_case, summarize, transformers_decode_ms
+from rlperf.bench.rollout import (decode_case, floor_ms, prefill_case, read_sglang_decode_ms, sglang_decode_ms, summarize,
+                                  transformers_decode_ms)
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.rollout.kv_cache import bytes_per_token
@@ -27,9 +28,12 @@ def test_summarize_names_the_targets():
     rows = [BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "memory floor", 1.5, extra={"tokens_per_s": 32000.0}),
             BenchRow("rollout", "prefill 16x512", "invariant step", 10.0, "fast step", 8.0, extra={"tokens_per_s": 819200.0}),
             BenchRow("rollout", "decode B=64 invariance cost", "invariant step", 2.0, "fast step", 3.0),
-            BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "transformers compiled", 5.0)]
+            BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "transformers compiled", 5.0),
+            BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "sglang fast", 1.8),
+            BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "sglang deterministic", 4.0)]
     s = summarize(rows)
     assert s["decode_B=64_vs_transformers"] == 2.5
+    assert s["decode_B=64_vs_sglang_fast"] == 0.9 and s["decode_B=64_vs_sglang_deterministic"] == 2.0
     assert s["decode_B=64_floor_ratio"] == 0.75 and s["decode_B=64_tokens_per_s"] == 32000.0
     assert s["prefill_invariance_ratio"] == 0.8 and s["decode_B=64_invariance_ratio"] == 1.5
 
@@ -42,3 +46,47 @@ def test_the_transformers_anchor_times_decode_steps_of_its_own_qwen3(one_thread)
 
     ms = transformers_decode_ms(preset("tiny"), batch=2, prompt_len=8, steps=4, device="cpu", compile=False, reps=1)
     assert math.isfinite(ms)
+
+
+FAKE_SGLANG = __import__("pathlib").Path(__file__).parent / "loop" / "fake_sglang"
+
+
+def test_the_sglang_anchor_runs_bench_one_batch_on_the_same_shape(monkeypatch):
+    """The SGLang anchor through a real process (``python -m sglang.bench_one_batch`` resolves to the
+    stand-in in tests/loop/fake_sglang, which loads the model folder's tokenizer with transformers and
+    writes SGLang's result lines): every batch's median decode step comes back in ms, the deterministic
+    flag reaches it; a failed run and a skipped batch are errors that quote it."""
+    import os
+
+    import pytest
+
+    pytest.importorskip("sglang")  # the anchor looks for the package before it starts anything
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SGLANG), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("FAKE_SGLANG_FAIL", raising=False)
+    cfg = preset("tiny")
+    fast = sglang_decode_ms(cfg, (1, 16, 64), prompt_len=24, new_tokens=5)
+    assert fast == pytest.approx({1: 1 + 1 / 64, 16: 1.25, 64: 2.0})
+    det = sglang_decode_ms(cfg, (1, 64), prompt_len=24, new_tokens=5, extra=["--enable-deterministic-inference"])
+    assert det == pytest.approx({1: 3 * (1 + 1 / 64), 64: 6.0})
+    monkeypatch.setenv("FAKE_SGLANG_FAIL", "exit")
+    with pytest.raises(RuntimeError, match="exited 1: .*out of memory"):
+        sglang_decode_ms(cfg, (1,), prompt_len=24, new_tokens=5)
+    monkeypatch.setenv("FAKE_SGLANG_FAIL", "skip")
+    with pytest.raises(RuntimeError, match=r"measured no batch \[64\]"):
+        sglang_decode_ms(cfg, (1, 64), prompt_len=24, new_tokens=5)
+
+
+def test_sglang_results_of_another_shape_or_a_broken_line_are_not_read_as_this_one(tmp_path):
+    import json
+
+    import pytest
+
+    f = tmp_path / "result.jsonl"
+    row = {"batch_size": 4, "input_len": 512, "output_len": 256, "median_decode_latency": 0.002}
+    f.write_text(json.dumps(row) + "\n" + json.dumps({**row, "batch_size": 8, "output_len": 32}) + "\n\n")
+    assert read_sglang_decode_ms(f, 512, 256) == {4: 2.0}
+    with pytest.raises(ValueError, match="holds no result for input 512, output 64"):
+        read_sglang_decode_ms(f, 512, 64)
+    f.write_text(json.dumps(row) + "\n" + '{"batch_size": 4, "input_len": 512}\n')
+    with pytest.raises(ValueError, match="result.jsonl:2: not a bench_one_batch result"):
+        read_sglang_decode_ms(f, 512, 256)

@@ -94,3 +94,65 @@ def test_flashinfer_anchors_match_rlperfs_kernels_on_the_gpu():
     ids = FI.top_k_top_p_sampling(fi, logits, 0.8, 0.9, 20)()
     top20 = logits.topk(20, -1).indices
     assert ids.shape == (64,) and bool((top20 == ids.long()[:, None]).any(-1).all())
+
+
+# The FlashInfer kernels the anchors run on an H100 (sm_90a), as FlashInfer's JIT builds them:
+# (name, the JIT spec's generator call, the object files of those kernels in its build.ninja).
+JIT_KERNELS = {
+    # BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) plans FlashInfer's FA2 prefill module
+    # and runs its paged kernel without a mask (the decode anchor: Hq / Hkv = 4)
+    "paged-decode-fa2": ("J.gen_batch_prefill_module('fa2', *BF16, torch.int32, 128, 128, 0, False, False, False)",
+                         r"paged_kernel_mask_0|_batch_prefill\.cuda|jit_binding"),
+    # BatchPrefillWithRaggedKVCacheWrapper's "auto" backend on sm_90a for bf16: FA3, causal (mask mode 1)
+    "ragged-prefill-fa3": ("J.gen_batch_prefill_module('fa3', *BF16, torch.int32, 128, 128, 0, False, False, False)",
+                           r"ragged_sm90_kernel_mask_1|_batch_prefill_sm90\.cuda|jit_binding"),
+    # top_k_top_p_sampling_from_probs and friends (the sampling anchor)
+    "sampling": ("gen_sampling_module()", r"\.o$"),
+}
+
+_COMPILE_ONLY = r'''
+import importlib.util, json, re, subprocess, sys, types
+# flashinfer/__init__.py queries the CUDA device at import; its JIT package needs none: a bare package
+# object stands in for flashinfer so that only flashinfer.jit is imported
+spec = importlib.util.find_spec("flashinfer")
+pkg = types.ModuleType("flashinfer")
+pkg.__path__, pkg.__spec__ = list(spec.submodule_search_locations), spec
+sys.modules["flashinfer"] = pkg
+import torch
+import flashinfer.jit as J
+from flashinfer.jit.sampling import gen_sampling_module
+BF16 = (torch.bfloat16,) * 3
+jit = eval(sys.argv[1])
+jit.write_ninja()
+objects = [m.group(1) for m in re.finditer(r"^build (\S+\.o):", jit.ninja_path.read_text(), re.M)
+           if re.search(sys.argv[2], m.group(1))]
+r = subprocess.run(["ninja", "-C", str(jit.build_dir), *objects], capture_output=True, text=True)
+print(json.dumps({"objects": len(objects), "rc": r.returncode, "tail": (r.stdout + r.stderr)[-3000:]}))
+'''
+
+
+@pytest.mark.parametrize("kernel", sorted(JIT_KERNELS))
+def test_flashinfer_jit_sources_compile_for_sm90a(kernel, tmp_path):
+    """FlashInfer's JIT sources of each kernel the anchors use compile for sm_90a with this machine's nvcc
+    (compile only: object files, no GPU, no link against the CUDA driver). Skips name why: no FlashInfer,
+    no nvcc, or a CUDA toolkit without cuRAND's headers, which the FA3 and sampling sources include."""
+    import importlib.util
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer-python is not installed (the README's test install adds it)")
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc on PATH: FlashInfer's JIT sources cannot be compiled here")
+    call, objects = JIT_KERNELS[kernel]
+    env = {**os.environ, "FLASHINFER_CUDA_ARCH_LIST": "9.0a", "FLASHINFER_WORKSPACE_BASE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_ONLY, call, objects], capture_output=True, text=True,
+                          env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out["rc"] != 0 and ("curand_kernel.h: No such file" in out["tail"] or "curand.h: No such file" in out["tail"]):
+        pytest.skip(f"{kernel}: this CUDA toolkit has no cuRAND headers (curand_kernel.h), which its sources include")
+    assert out["objects"] >= 1 and out["rc"] == 0, out["tail"]
