@@ -612,7 +612,15 @@ class _Update:
         it waiting there, so the engine's reply fails the update instead (the call is left behind)."""
         if self.group.started:
             return self.group.broadcast(buffer)
-        call = _in_thread(self.group.broadcast, buffer)
+        if buffer.is_cuda:  # NCCL orders the broadcast after the calling thread's current stream, which
+            stream = torch.cuda.current_stream(buffer.device)  # packed the buffer: the thread takes this one
+
+            def broadcast(t):
+                with torch.cuda.device(t.device), torch.cuda.stream(stream):
+                    return self.group.broadcast(t)
+        else:
+            broadcast = self.group.broadcast
+        call = _in_thread(broadcast, buffer)
         try:
             while not call.done():
                 self.check_replies()
