@@ -311,7 +311,11 @@ def rmsnorm_rope_store_kv(q: torch.Tensor, q_weight: torch.Tensor, k: torch.Tens
              and v.shape == k.shape and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:]
              and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
              and slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64)
-    if not fused:  # other backends, or shapes the write kernel declines: the three calls (they check)
+    if fused:
+        block_hq, block_half, warps_q = _config(q_heads, D)
+        block_hk, _, warps_k = _config(k_heads, D)
+        fused = warps_q == warps_k  # true for every D up to 2048 (MAX_HALF_TILE): one launch, Q's num_warps
+    if not fused:  # other backends, or shapes the one launch declines: the three calls (they check)
         from .attention import write_kv_cache
 
         write_kv_cache(rmsnorm_rope(k, k_weight, positions, cos, sin, eps), v, k_cache, v_cache, slot_mapping)
@@ -321,13 +325,6 @@ def rmsnorm_rope_store_kv(q: torch.Tensor, q_weight: torch.Tensor, k: torch.Tens
         return y
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     cos, sin = cos.contiguous(), sin.contiguous()
-    block_hq, block_half, warps_q = _config(q_heads, D)
-    block_hk, _, warps_k = _config(k_heads, D)
-    if warps_q != warps_k:  # not for any D up to 2048 (MAX_HALF_TILE); the two launches keep the bits
-        from .attention import write_kv_cache
-
-        write_kv_cache(rmsnorm_rope_forward(k, k_weight, positions, cos, sin, eps), v, k_cache, v_cache, slot_mapping)
-        return rmsnorm_rope_forward(q, q_weight, positions, cos, sin, eps)
     q_blocks = triton.cdiv(q_heads, block_hq) if q_heads else 0
     k_blocks = triton.cdiv(k_heads, block_hk) if k_heads else 0
     _qk_norm_rope_store_kv_kernel[(T, q_blocks + k_blocks)](
