@@ -19,6 +19,7 @@
 #   tree-0.6b-tp2-dp2    TP=2 x DP=2 on 4 GPUs (only where 4 are visible)       (bits vs tp1; tokens/s vs tp2)
 #   train-0.6b-tp2 / gate-0.6b-tp2   rlperf train (3 rollouts, abs diff 0 at each) and rlperf gate with
 #                        --train-backend megatron --tensor-model-parallel-size 2 on 2 GPUs
+#   train-0.6b-tp2-dp2 / gate-0.6b-tp2-dp2   the same on 4 GPUs, TP=2 x DP=2 (only where 4 are visible)
 #   gate-0.6b-tp2-sp     rlperf gate as above with --sequence-parallel
 # With --engine the responses come from rlperf's engine on GPU 0 (tree mode, bf16): the trainer's old
 # log-probs must equal the rollout log-probs exactly (train_rollout_logprob_abs_diff 0) at TP=1 and TP=2.
@@ -59,24 +60,34 @@ cli() {  # name command...
   echo "== $name"
   timeout ${MEGATRON_RUN_TIMEOUT:-240} "$@" >"$OUT/$name.log" 2>&1 || { echo "$name failed"; tail -20 "$OUT/$name.log"; status=1; }
 }
-TRAIN="--train-backend megatron --tensor-model-parallel-size 2 --actor-num-gpus-per-node 2 --device cuda
+TRAIN="--train-backend megatron --tensor-model-parallel-size 2 --device cuda
   --model qwen3-0.6b --rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32
   --rollout-max-response-len 16 --lr 1e-5 --true-on-policy-mode --use-dynamic-batch-size --max-tokens-per-gpu 4096
   --no-progress"
-cli train-0.6b-tp2 python3 -m rlperf train $TRAIN --num-rollout 3 --skip-gates --output-dir "$OUT/train-0.6b-tp2"
-if [ -f "$OUT/train-0.6b-tp2/metrics.jsonl" ]; then
-  python3 - "$OUT/train-0.6b-tp2/metrics.jsonl" <<'PY' || status=1
+train_and_gate() {  # SUFFIX GPUS: rlperf train (3 rollouts, abs diff 0 at each) and rlperf gate on GPUS ranks
+  local suffix=$1 gpus=$2
+  cli "train-0.6b-$suffix" python3 -m rlperf train $TRAIN --actor-num-gpus-per-node "$gpus" --num-rollout 3 --skip-gates \
+    --output-dir "$OUT/train-0.6b-$suffix"
+  if [ -f "$OUT/train-0.6b-$suffix/metrics.jsonl" ]; then
+    python3 - "$OUT/train-0.6b-$suffix/metrics.jsonl" "train-0.6b-$suffix" <<'PY' || status=1
 import json, sys
 lines = [json.loads(x) for x in open(sys.argv[1])]
 diffs = [m["train/train_rollout_logprob_abs_diff"] for m in lines]
-print("train-0.6b-tp2: rollouts", len(lines), "abs diffs", diffs, "rewards", [m["rollout/raw_reward"] for m in lines])
+print(f"{sys.argv[2]}: rollouts", len(lines), "abs diffs", diffs, "rewards", [m["rollout/raw_reward"] for m in lines])
 sys.exit(0 if len(lines) == 3 and all(d == 0.0 for d in diffs) else 1)
 PY
+  fi
+  cli "gate-0.6b-$suffix" python3 -m rlperf gate $TRAIN --actor-num-gpus-per-node "$gpus" \
+    --output-dir "$OUT/gate-0.6b-$suffix" --report-json "$OUT/gate-0.6b-$suffix.json"
+  [ -f "$OUT/gate-0.6b-$suffix.json" ] && grep -o '"passed": [a-z]*' "$OUT/gate-0.6b-$suffix.json" | head -1
+}
+train_and_gate tp2 2
+# TP=2 x DP=2 (4 ranks, only where 4 GPUs are visible)
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 4 ]; then
+  train_and_gate tp2-dp2 4
 fi
-cli gate-0.6b-tp2 python3 -m rlperf gate $TRAIN --output-dir "$OUT/gate-0.6b-tp2" --report-json "$OUT/gate-0.6b-tp2.json"
-[ -f "$OUT/gate-0.6b-tp2.json" ] && grep -o '"passed": [a-z]*' "$OUT/gate-0.6b-tp2.json" | head -1
 # the same gate with --sequence-parallel (its logprob_abs_diff gate: exactly 0 with --true-on-policy-mode)
-cli gate-0.6b-tp2-sp python3 -m rlperf gate $TRAIN --sequence-parallel --output-dir "$OUT/gate-0.6b-tp2-sp" \
+cli gate-0.6b-tp2-sp python3 -m rlperf gate $TRAIN --actor-num-gpus-per-node 2 --sequence-parallel --output-dir "$OUT/gate-0.6b-tp2-sp" \
   --report-json "$OUT/gate-0.6b-tp2-sp.json"
 [ -f "$OUT/gate-0.6b-tp2-sp.json" ] && grep -o '"passed": [a-z]*' "$OUT/gate-0.6b-tp2-sp.json" | head -1
 python3 -m rlperf.bench.megatron --summary "$OUT" | tee "$OUT/summary.json"

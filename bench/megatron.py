@@ -168,7 +168,8 @@ RUNS = ("fsdp-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp2", "tree-0.6b-tp2-sp", "
 
 def summary(folder: str) -> dict:
     """The issue's targets from the runs' JSON files in ``folder`` (those present): bit-equality at TP=1
-    vs TP=2, the engine abs diffs, and the three ratios, each against its anchor from the same machine."""
+    vs TP=2 (``None`` where a run of the pair is missing), the engine abs diffs, and the ratios, each
+    against its anchor from the same machine."""
     r = {}
     for n in RUNS:
         path = os.path.join(folder, n + ".json")
@@ -180,8 +181,10 @@ def summary(folder: str) -> dict:
     def ratio(a, b):
         return tps(a) / tps(b) if tps(a) and tps(b) else None
 
-    def same(a, b, key):
-        return bool(r[a] and r[b] and r[a].get(key) and r[a][key] == r[b][key])
+    def same(a, b, key):  # None where either run (or its digest) is missing: not measured, not "differs"
+        if not (r[a] and r[b] and r[a].get(key) and r[b].get(key)):
+            return None
+        return r[a][key] == r[b][key]
 
     return {
         "tokens_per_s": {n: tps(n) for n in RUNS},

@@ -64,9 +64,10 @@ def probe_host(ns: argparse.Namespace) -> None:
     device = run_device(ns)
     resolve_engine_layout(ns, device)  # --rollout-num-gpus: ns.disaggregated, ns.engine_gpus
     if getattr(ns, "rollout_backend", "rlperf") == "sglang":  # its packages, before the model is built
-        from .sglang_engines import check_sglang_installed
+        from .sglang_engines import check_sglang_installed, use_weight_sync_nccl_settings
 
         check_sglang_installed()
+        use_weight_sync_nccl_settings()  # before any rank or NCCL communicator starts: they inherit it
     policy = kernel_policy(ns, device)  # checked now; the run applies it (rlperf.loop.runner.Run.kernels)
     actor_ranks = check_actor_layout(ns, device).world_size  # --actor-num-*: ranks, GPUs, batch split
     if ns.train_backend == "megatron":

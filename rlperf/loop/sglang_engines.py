@@ -13,7 +13,7 @@ weight-update endpoints"):
    ``--skip-tokenizer-init`` — rlperf sends token ids and reads token ids, so the saved model needs no
    tokenizer — ``--load-format``, ``--enable-deterministic-inference``), each on its own GPUs
    (``CUDA_VISIBLE_DEVICES``), the trainer's GPU with ``--colocate``, or ``--device cpu`` on a CPU run,
-   with the trainer's ``NCCL_CUMEM_ENABLE`` (:func:`engine_nccl_env`).
+   with the trainer's ``NCCL_CUMEM_ENABLE`` (:func:`use_weight_sync_nccl_settings`, :func:`engine_nccl_env`).
    Before any is started, :func:`check_sglang_installed` looks for the packages; an engine that exits
    while starting fails the start at once with its last output, and one whose output shows a missing
    module is :class:`SGLangUnavailable` (a usage error: the command exits 2 naming the module). One
@@ -150,15 +150,34 @@ def start_sglang_servers(argvs: list[list[str]], envs: list[dict], log_dir: Path
     return procs, urls
 
 
-def engine_nccl_env(environ=None) -> dict[str, str]:
-    """NCCL settings each engine must share with the trainer, from the trainer's environment.
+WEIGHT_SYNC_NCCL_DEFAULTS = {"NCCL_CUMEM_ENABLE": "0"}
+"""NCCL settings the trainer and its SGLang engines share (module docstring of :func:`use_weight_sync_nccl_settings`)."""
 
-    ``NCCL_CUMEM_ENABLE``: SGLang sets it to 0 where the environment leaves it unset, while NCCL's own
-    default on the trainer's side is on. Two ranks of the weight-update group that differ fail the
-    first broadcast (NCCL's "Cuda failure 'invalid argument'" in SGLang's reply; H200, NCCL 2.28.9,
-    2026-11-27), so the engines get the trainer's value: its own setting if it has one, else 1."""
+
+def use_weight_sync_nccl_settings(environ=None) -> dict[str, str]:
+    """Put :data:`WEIGHT_SYNC_NCCL_DEFAULTS` into this process's environment where it has no value of its
+    own, before any NCCL communicator exists (NCCL reads them once per process), and return the values
+    in force. ``rlperf train --rollout-backend sglang`` calls it while it resolves its flags, so the
+    actor ranks it starts inherit them, and :func:`engine_nccl_env` hands the same values to the engines.
+
+    ``NCCL_CUMEM_ENABLE=0``: every rank of the weight-update group must agree on it (a trainer with
+    NCCL's default, on, against SGLang's, which sets 0 where the environment is silent, fails the first
+    broadcast with "Cuda failure 'invalid argument'"), and with it on in both, SGLang's side of the first
+    broadcast failed ("Failed to CUDA calloc async 8 bytes"; 4x H200, SGLang 0.5.17, NCCL 2.28.9,
+    2026-11-27). Off on both sides is the setting RL frameworks run SGLang's weight sync with. A value
+    the user set is kept, and given to the engines as it is."""
     environ = os.environ if environ is None else environ
-    return {"NCCL_CUMEM_ENABLE": environ.get("NCCL_CUMEM_ENABLE", "1")}
+    for key, value in WEIGHT_SYNC_NCCL_DEFAULTS.items():
+        environ.setdefault(key, value)
+    return {key: environ[key] for key in WEIGHT_SYNC_NCCL_DEFAULTS}
+
+
+def engine_nccl_env(environ=None) -> dict[str, str]:
+    """The NCCL settings each engine must share with the trainer, from the trainer's environment (its
+    own value of each :data:`WEIGHT_SYNC_NCCL_DEFAULTS` key, else the default): SGLang would otherwise
+    choose its own (:func:`use_weight_sync_nccl_settings`)."""
+    environ = os.environ if environ is None else environ
+    return {key: environ.get(key, value) for key, value in WEIGHT_SYNC_NCCL_DEFAULTS.items()}
 
 
 def _visible_gpu(index: int) -> str:

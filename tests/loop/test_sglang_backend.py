@@ -187,11 +187,16 @@ def _prompts(tmp_path):
     return ["--prompt-data", str(path)]
 
 
-def test_engines_share_the_trainers_nccl_cumem_setting():
-    """SGLang turns NCCL's cuMem off where the environment is silent; the trainer's NCCL has it on, and
-    ranks that differ fail the first broadcast: the engines get the trainer's value."""
-    assert S.engine_nccl_env({}) == {"NCCL_CUMEM_ENABLE": "1"}
-    assert S.engine_nccl_env({"NCCL_CUMEM_ENABLE": "0"}) == {"NCCL_CUMEM_ENABLE": "0"}
+def test_the_trainer_and_its_engines_share_one_nccl_cumem_setting():
+    """Ranks of the weight-update group that differ in NCCL's cuMem setting fail the first broadcast, and
+    with it on SGLang's side failed too: the trainer's process takes 0 where it has no value, the
+    engines get the trainer's value, and a value the user set is kept on both sides."""
+    env: dict[str, str] = {}
+    assert S.engine_nccl_env(env) == {"NCCL_CUMEM_ENABLE": "0"}
+    assert S.use_weight_sync_nccl_settings(env) == {"NCCL_CUMEM_ENABLE": "0"} and env == {"NCCL_CUMEM_ENABLE": "0"}
+    mine = {"NCCL_CUMEM_ENABLE": "1"}
+    assert S.use_weight_sync_nccl_settings(mine) == {"NCCL_CUMEM_ENABLE": "1"}
+    assert S.engine_nccl_env(mine) == {"NCCL_CUMEM_ENABLE": "1"}
 
 
 def test_gate_with_sglang_engines_reports_the_measured_distance(tmp_path, fake_sglang, monkeypatch, capsys):
@@ -212,7 +217,8 @@ def test_gate_with_sglang_engines_reports_the_measured_distance(tmp_path, fake_s
     assert oom["passed"] and "2 SGLang engine(s) hold a static 768 MiB, 768 MiB" in oom["message"], oom["message"]
     assert [e["kind"] for e in oom["measured"]["engines"]] == ["sglang_static"] * 2
     launches = fake_sglang("launch")
-    assert len(launches) == 2 and {r["nccl_cumem_enable"] for r in launches} == {"1"}
+    assert len(launches) == 2 and {r["nccl_cumem_enable"] for r in launches} == {"0"}
+    assert os.environ["NCCL_CUMEM_ENABLE"] == "0"  # the trainer's own NCCL too (monkeypatch restores it)
     for r in launches:
         a = r["argv"]
         assert a[a.index("--attention-backend") + 1] == "triton" and a[a.index("--load-format") + 1] == "dummy"

@@ -1,0 +1,28 @@
+"""``python -m rlperf.bench.megatron --summary``: the targets from the run files present, and no verdict
+on a pair of runs of which one did not run."""
+import json
+
+from rlperf.bench.megatron import summary
+
+
+def _run(folder, name, tokens_per_s, log_probs, grads, abs_diff=None):
+    doc = {"train_tokens_per_s": tokens_per_s, "gpu": "NVIDIA H100 80GB HBM3", "log_prob_digests": log_probs,
+           "grad_digests": grads}
+    if abs_diff is not None:
+        doc["train_rollout_logprob_abs_diff"] = abs_diff
+    (folder / f"{name}.json").write_text(json.dumps(doc))
+
+
+def test_summary_compares_the_runs_present_and_leaves_missing_pairs_unjudged(tmp_path):
+    _run(tmp_path, "tree-0.6b-tp1", 10_000.0, ["a", "b"], ["g"], abs_diff=0.0)
+    _run(tmp_path, "tree-0.6b-tp2", 12_000.0, ["a", "b"], ["g"], abs_diff=0.0)
+    _run(tmp_path, "tree-0.6b-tp2-dp2", 18_000.0, ["a", "b"], ["other"], abs_diff=0.0)
+    s = summary(str(tmp_path))
+    assert s["bits_0.6b_tp1_vs_tp2"] == {"log_probs": True, "grads": True}
+    assert s["bits_0.6b_tp1_vs_tp2_dp2"] == {"log_probs": True, "grads": False}  # measured and different
+    assert s["bits_0.6b_tp1_vs_pp2"] == {"log_probs": None, "grads": None}  # pp2 did not run: no verdict
+    assert s["bits_1.7b_tp1_vs_tp2"] == {"log_probs": None, "grads": None}
+    assert s["tp2_dp2_on_4_over_tp2_on_2_0.6b (>= 1.7)"] == 1.5
+    assert s["target3_tp2_over_tp1_1.7b (>= 1.6)"] is None
+    assert s["engine_abs_diff"] == {"tree-0.6b-tp1": 0.0, "tree-0.6b-tp2": 0.0, "tree-0.6b-tp2-dp2": 0.0}
+    assert s["gpus"] == ["NVIDIA H100 80GB HBM3"]
