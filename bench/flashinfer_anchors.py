@@ -10,9 +10,9 @@ Anchors (same inputs as rlperf's rows, bf16, Qwen3-8B-like heads Hq=32, Hkv=8, D
 * :func:`ragged_prefill` — ``BatchPrefillWithRaggedKVCacheWrapper`` (NHD), causal, on the packed
   ``[B*L, H, D]`` tokens with ``qo_indptr = kv_indptr = cu_seqlens``;
 * :func:`paged_decode` — ``BatchDecodeWithPagedKVCacheWrapper`` (NHD) on rlperf's own paged cache
-  ``[num_pages, page_size, Hkv, D]``: ``indptr[b] = b * pages_per_seq``, ``indices`` = the page table
-  row by row, ``last_page_len = (kv_len - 1) % page_size + 1``; tensor cores when Hq / Hkv >= 4, as
-  SGLang picks them;
+  ``[num_pages, page_size, Hkv, D]``, its page table in CSR form as the engine's FlashInfer backend
+  plans it (:func:`rlperf.rollout.flashinfer_attention.paged_kv_layout`); tensor cores when
+  Hq / Hkv >= 4, as SGLang picks them;
 * :func:`top_k_top_p_sampling` — ``top_k_top_p_sampling_from_probs`` (``top_k_first``,
   ``deterministic=True``) on ``softmax(logits / T)``, or ``top_p_sampling_from_probs`` /
   ``sampling_from_probs`` when top-k (top-p) is off; the probabilities are computed inside the timed call,
@@ -23,6 +23,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from rlperf.rollout.flashinfer_attention import paged_kv_layout
 
 NOT_INSTALLED = "flashinfer not installed"
 """The reason a row gives when ``import flashinfer`` fails for want of the package."""
@@ -62,16 +64,10 @@ def paged_decode(fi, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """A call of FlashInfer's batch decode on a paged cache: ``q [B, Hq, D]``, ``k_cache, v_cache
     [num_pages, page_size, Hkv, D]``, ``page_table [B, pages_per_seq]`` (sequence b's pages in order),
     ``kv_lens [B]``; returns ``[B, Hq, D]``."""
-    B, pages_per_seq = page_table.shape
     page, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    used = (kv_lens.long() + page - 1) // page
-    if bool((used > pages_per_seq).any()):
-        raise ValueError(f"kv_lens need up to {int(used.max())} pages, the table holds {pages_per_seq}")
-    indptr = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
-    indptr[1:] = used.cumsum(0)
-    keep = torch.arange(pages_per_seq, device=q.device)[None, :] < used[:, None]
-    indices = page_table[keep].to(torch.int32)
-    last = ((kv_lens.long() - 1) % page + 1).to(torch.int32)
+    # the engine's own CSR form of the page table (its FlashInfer backend plans with the same)
+    indptr, indices, last = (torch.tensor(x, dtype=torch.int32, device=q.device)
+                             for x in paged_kv_layout(page_table.tolist(), kv_lens.tolist(), page))
     wrapper = fi.decode.BatchDecodeWithPagedKVCacheWrapper(_workspace(q.device), "NHD",
                                                            use_tensor_cores=q.shape[1] // hkv >= 4)
     wrapper.plan(indptr, indices, last, q.shape[1], hkv, d, page, q_data_type=q.dtype, kv_data_type=k_cache.dtype)

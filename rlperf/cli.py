@@ -27,6 +27,14 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # an --api-key-file that cannot be read
         print(f"rlperf serve: {exc}", file=sys.stderr)
         return 2
+    if server_args.attention_backend == "flashinfer":
+        from rlperf.rollout.flashinfer_attention import FlashInferUnavailable, check_serve_flags
+
+        try:
+            check_serve_flags(server_args.mode, server_args.device)
+        except (FlashInferUnavailable, ValueError) as exc:
+            print(f"rlperf serve: --attention-backend flashinfer: {exc}", file=sys.stderr)
+            return 2
     if server_args.model_path not in PRESETS:
         # a checkpoint's config.json is read before any server starts (with --router N too): a missing
         # directory or config.json, or a model rlperf does not implement (scaled RoPE, ...), is bad usage

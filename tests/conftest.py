@@ -1,7 +1,8 @@
 """Test setup shared by the whole suite.
 
 * Without CUDA, ``TRITON_INTERPRET=1`` is set before any kernel module is imported, so the Triton
-  kernels run under Triton's interpreter on the CPU (Triton reads the variable at import time).
+  kernels run under Triton's interpreter on the CPU (Triton reads the variable at import time), and
+  rlperf's dispatch reads it at once (it keeps the first value it reads).
 * Tests marked ``gpu`` need CUDA: skipped without it, run on the device before an issue is resolved.
 * Under pytest-xdist (the README's test command runs 2 workers) each worker uses one CPU thread.
 """
@@ -14,6 +15,11 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# rlperf.kernels reads TRITON_INTERPRET once, on its first op: read it now, so a test that removes it
+# for the processes it starts (``no_interpreter``) cannot leave this process's later tests without it
+import rlperf.kernels  # noqa: E402
+
+rlperf.kernels.refresh_environment()
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one CPU thread per xdist worker (and for the processes it starts): the workers already keep the
     # cores busy, and more threads than cores make every torch op wait on the others

@@ -57,7 +57,7 @@ def test_paged_decode_plan_walks_each_sequences_pages_in_order():
     assert (hq, hkv_, d_, page_) == (8, hkv, d, page) and kw["q_data_type"] == q.dtype
     assert indptr.dtype == indices.dtype == last.dtype == torch.int32
     assert wrapper.init[1]["use_tensor_cores"] is True  # 8 / 2 query heads per KV head
-    with pytest.raises(ValueError, match="need up to 4 pages"):
+    with pytest.raises(ValueError, match="kv_len 13 needs 4 page"):
         FI.paged_decode(fi, q, kc, kc, table, torch.tensor([13, 1, 1]))
 
 

@@ -188,19 +188,24 @@ def decoder_layer_prefill(hidden, residual, w, cfg, rope, positions, cu_seqlens,
 
 
 def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slot_mapping, page_table,
-                        cu_seqlens_q, kv_lens, leaves: int | None = None, routing=None):
+                        cu_seqlens_q, kv_lens, leaves: int | None = None, routing=None, attention=None):
     """Engine step of one layer: store the new tokens' K/V in the paged cache, attend over it.
 
     hidden [T, H] (the new tokens of B sequences, packed); positions [T]; kv_cache (k_cache,
     v_cache), each [num_pages, PAGE_SIZE, Hkv, D]; slot_mapping [T] int64; page_table [B, max_pages]
     int32; cu_seqlens_q [B+1] int32; kv_lens [B] int32 (cached + new tokens). A decode step is
-    one new token per sequence; a chunked prefill is a chunk per sequence.
+    one new token per sequence; a chunked prefill is a chunk per sequence. ``attention(q, k_cache,
+    v_cache)``: the step's planned attention in place of :func:`rlperf.kernels.paged_attention` over
+    the same batch (the engine's FlashInfer backend, ``rlperf.rollout.flashinfer_attention``); None:
+    the kernel.
     """
     k_cache, v_cache = kv_cache
 
     def attend(q, k, v):
         if k is not None:  # not stored with k's norm + RoPE already (tree mode's per-head-block calls)
             K.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        if attention is not None:
+            return attention(q, k_cache, v_cache)
         return K.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens)
 
     return _layer(hidden, residual, w, cfg, rope, positions, attend, leaves, routing,

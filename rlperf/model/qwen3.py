@@ -144,17 +144,18 @@ class Qwen3ForCausalLM(nn.Module):
         return K.add_rmsnorm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def forward_paged(self, input_ids, positions, kv_caches, slot_mapping, page_table, cu_seqlens_q, kv_lens,
-                      routing: RoutingTrace | None = None):
+                      routing: RoutingTrace | None = None, attention=None):
         """Final hidden states [T, H] of the new tokens of an engine step (see ``decoder_layer_paged``).
 
         ``kv_caches``: one (k_cache, v_cache) pair per layer, each [num_pages, PAGE_SIZE, Hkv, D];
-        ``routing`` as in :meth:`forward_packed`.
+        ``routing`` as in :meth:`forward_packed`; ``attention``: the step's planned attention in every
+        layer (``decoder_layer_paged``), None for rlperf's kernel.
         """
         hidden, residual = self.embed_tokens[input_ids], None
         for layer, cache in zip(self.layers, kv_caches):
             hidden, residual = decoder_layer_paged(hidden, residual, layer.weights(), self.cfg, self.rope, positions,
                                                    cache, slot_mapping, page_table, cu_seqlens_q, kv_lens,
-                                                   self.reduction_leaves, routing)
+                                                   self.reduction_leaves, routing, attention)
         return K.add_rmsnorm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,

@@ -40,6 +40,9 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None
     """Replay decode steps of up to this many sequences from CUDA graphs; 0 disables. Default: 256 on a
     CUDA device (the GPU tests prove replayed steps give the eager bits), 0 on CPU (nothing to capture)."""
+    attention_backend: str = "rlperf"
+    """``rlperf`` (the paged-attention kernel) or ``flashinfer`` (fast mode only, CUDA: FlashInfer's paged
+    attention, ``rlperf.rollout.flashinfer_attention``)."""
     max_generate_body_bytes: int | None = None
     """Largest ``/generate`` body; default 1 MiB + 64 bytes per token of the context length
     (:func:`rlperf.rollout.server.generate_body_limit`). A larger one is refused (413) by its
@@ -143,6 +146,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         f"--api-key-file or the {API_KEY_ENV} environment variable (default: {API_KEY_ENV}, else no key)")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read the API key from this file (surrounding whitespace stripped)")
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=["rlperf", "flashinfer"],
+                   help="the engine's paged attention: rlperf (its kernel) or flashinfer (FlashInfer's, as SGLang "
+                        "runs it by default; --mode fast and CUDA only: invariant mode's attention stays rlperf's "
+                        "kernel, whose bits are the trainer's) (default: rlperf)")
     p.add_argument("--cuda-graph-max-bs", type=flags.nonnegative_int, default=d.cuda_graph_max_bs,
                    help="replay decode steps of up to N sequences from CUDA graphs; 0 disables "
                         "(default: 256 on CUDA, 0 on CPU)")

@@ -19,6 +19,11 @@ Modes: graphs are kept per (mode, bucket) — a graph replays the kernels of the
 in, so a mode switch captures anew rather than replaying the other mode's kernels. Both modes
 capture: fast mode's decode is cuBLAS plus rlperf's paged-decode kernel, with no host sync.
 
+Attention: rlperf's paged-decode kernel, or in fast mode with ``attention`` (the engine's FlashInfer
+backend, ``rlperf.rollout.flashinfer_attention``) a FlashInfer decode wrapper per bucket, planned
+before the capture and before every replay (FlashInfer's graph mode: the plan writes the page-table
+buffers the captured kernels read).
+
 Limits: pure decode steps only (a step with a prefill chunk runs eagerly), batches up to ``max_bs``. On a CPU
 device nothing is captured: the padded static-buffer path runs eagerly (that is what the CPU
 tests exercise).
@@ -45,10 +50,11 @@ class DecodeGraphs:
     """Static buffers and one captured graph per batch-size bucket (captured on first use, or all at
     once by :meth:`capture_all`)."""
 
-    def __init__(self, model, kv_layers, max_bs: int, max_pages: int):
+    def __init__(self, model, kv_layers, max_bs: int, max_pages: int, attention=None):
         if max_bs <= 0:
             raise ValueError(f"max_bs must be positive, got {max_bs}")
         self.model, self.kv_layers = model, kv_layers
+        self.attention = attention  # FlashInferAttention (fast mode only), or None
         self.buckets = sorted({b for b in BUCKETS if b < max_bs} | {max_bs})
         self.max_bs, self.max_pages = max_bs, max_pages
         dev = model.device
@@ -74,14 +80,20 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
+    def _flashinfer(self):
+        """The FlashInfer attention this mode's steps use: fast mode only (module docstring)."""
+        return self.attention if self.attention is not None and K.mode() == "fast" else None
+
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.model
         self.kv_lens[:bs].copy_(self.kv_lens64[:bs])  # int64 staging row -> the kernels' int32 (captured)
         hidden = m.forward_paged(self.ids[:bs], self.pos[:bs], self.kv_layers, self.slots[:bs], self.table[:bs],
-                                 self.cu[: bs + 1], self.kv_lens[:bs])
+                                 self.cu[: bs + 1], self.kv_lens[:bs], attention=self._flashinfer())
         return hidden, m.logits(hidden)
 
     def _capture(self, bs: int) -> None:
+        if self._flashinfer() is not None:  # captured over padding rows' plan (capture_all's inputs)
+            self._flashinfer().plan_graph(bs, [], [])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and warm every kernel outside the capture
@@ -142,12 +154,16 @@ class DecodeGraphs:
         if self.capture:
             self._copied = torch.cuda.Event()
             self._copied.record()
+        if self._flashinfer() is not None:
+            self._flashinfer().plan_graph(bs, table, kv_lens)
         if not self.capture:
             hidden, logits = self._forward(bs)
             return hidden[:B], logits[:B]
         key = (K.mode(), bs)
         if key not in self.graphs:
             self._capture(bs)
+            if self._flashinfer() is not None:  # the capture planned padding rows: this step's plan again
+                self._flashinfer().plan_graph(bs, table, kv_lens)
         graph, (hidden, logits) = self.graphs[key]
         graph.replay()
         return hidden[:B], logits[:B]

@@ -177,6 +177,10 @@ class SamplingParams:
         return params
 
 
+ATTENTION_BACKENDS = ("rlperf", "flashinfer")
+"""``EngineConfig.attention_backend`` values (``rlperf serve --attention-backend``)."""
+
+
 @dataclasses.dataclass
 class EngineConfig:
     """Engine limits (SGLang server-argument names)."""
@@ -199,6 +203,9 @@ class EngineConfig:
     """Replay decode steps of up to this many sequences from CUDA graphs (``rlperf.rollout.cuda_graph``);
     0 disables (the engine's default; ``rlperf serve`` uses 256 on CUDA). The GPU tests show the
     replayed steps give the eager bits."""
+    attention_backend: str = "rlperf"
+    """``rlperf`` (the paged-attention kernel) or ``flashinfer``: FlashInfer's paged attention in fast
+    mode (``rlperf.rollout.flashinfer_attention``; CUDA only); invariant mode keeps the kernel."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,23 +278,33 @@ class Request:
 class Engine:
     """Continuous-batching engine over one model (module docstring)."""
 
-    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig | None = None, attention=None):
+        """``attention``: the fast mode's attention object (a ``FlashInferAttention``; default: made
+        for ``config.attention_backend == "flashinfer"``, else None: rlperf's kernel)."""
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config or EngineConfig()
         if cfg.max_running_requests <= 0:
             raise ValueError(f"max_running_requests must be positive, got {cfg.max_running_requests}")
+        if cfg.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {cfg.attention_backend!r}")
         mcfg = model.cfg
         self.context_length = min(cfg.context_length or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         dtype, device = model.embed_tokens.dtype, model.device
         num_pages = plan_num_pages(mcfg, dtype, device, max_total_tokens=cfg.max_total_tokens,
                                    mem_fraction_static=cfg.mem_fraction_static)
         self.kv = PagedKVCache(mcfg, num_pages, dtype, device, poison=cfg.poison_kv_cache)
+        max_pages = min(self.kv.pages_for(self.context_length), self.kv.num_pages)
+        if attention is None and cfg.attention_backend == "flashinfer":
+            from .flashinfer_attention import FlashInferAttention
+
+            attention = FlashInferAttention(mcfg, self.kv.page_size, dtype, device, max_pages=max_pages)
+        self.attention = attention
         self.graphs = None
         if cfg.cuda_graph_max_bs > 0:
             from .cuda_graph import DecodeGraphs
 
-            max_pages = min(self.kv.pages_for(self.context_length), self.kv.num_pages)
-            self.graphs = DecodeGraphs(model, self.kv.layers, min(cfg.cuda_graph_max_bs, cfg.max_running_requests), max_pages)
+            self.graphs = DecodeGraphs(model, self.kv.layers, min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
+                                       max_pages, attention=attention)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -391,11 +408,14 @@ class Engine:
                 # a pure decode step: replay the captured graph of its batch-size bucket
                 hidden, logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
             else:
+                attention = self.attention if self.attention is not None and K.mode() == "fast" else None
+                if attention is not None:
+                    attention.plan_step(table, cu, kv_lens)
                 hidden = model.forward_paged(
                     torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
                     self.kv.layers, torch.tensor(slots, dtype=torch.int64, device=dev),
                     torch.tensor(table, dtype=torch.int32, device=dev), torch.tensor(cu, dtype=torch.int32, device=dev),
-                    torch.tensor(kv_lens, dtype=torch.int32, device=dev), routing)
+                    torch.tensor(kv_lens, dtype=torch.int32, device=dev), routing, attention=attention)
                 if routing is not None:
                     self._keep_routing(batch, cu, routing.experts().cpu())
                 if sample_reqs:

@@ -222,15 +222,46 @@ def compute_log_probs(model, samples: Sequence[Sample], temperature: float = 1.0
     ents: list[torch.Tensor | None] = [None] * len(samples)
     if micro_batch_pass is None:
         micro_batch_pass = functools.partial(micro_batch_log_probs, model, temperature=temperature)
+    lp_parts, ent_parts = HostCopies(), HostCopies()
     for mb in pack_micro_batches(samples, max_tokens_per_gpu, micro_batch_size, device=model.head_weight.device,
                                  replay_routing=replay_routing):
         out = micro_batch_pass(mb, with_entropy=with_entropy)
         lp, ent = out if with_entropy else (out, None)
-        for k, (i, part) in enumerate(zip(mb.indices, lp.split(mb.response_lengths))):
-            logps[i] = part.float().cpu()
-            if with_entropy:
-                ents[i] = ent.split(mb.response_lengths)[k].float().cpu()
+        lp_parts.add(mb.indices, mb.response_lengths, lp)
+        if with_entropy:
+            ent_parts.add(mb.indices, mb.response_lengths, ent)
+    for i, t in lp_parts.per_sample():
+        logps[i] = t
+    for i, t in ent_parts.per_sample():
+        ents[i] = t
     return (logps, ents) if with_entropy else logps
+
+
+class HostCopies:
+    """Per-sample float32 CPU slices of a pass's micro-batch outputs, brought to the host in one copy.
+
+    :meth:`add` keeps a float32 device copy of one micro-batch's values ``[sum lengths]`` (a copy: a
+    CUDA graph's replay overwrites its output buffer); :meth:`per_sample` concatenates them, copies
+    them to the host once and returns ``(sample index, [length] float32 CPU tensor)`` pairs, each its own
+    storage. One synchronization per pass instead of one per micro-batch, so the host queues the next
+    micro-batch while the GPU runs this one; the values are the same bits as a copy per micro-batch."""
+
+    def __init__(self):
+        self.parts: list[tuple[Sequence[int], Sequence[int], torch.Tensor]] = []
+
+    def add(self, indices: Sequence[int], lengths: Sequence[int], values: torch.Tensor) -> None:
+        self.parts.append((indices, lengths, values.detach().to(torch.float32, copy=True)))
+
+    def per_sample(self) -> list[tuple[int, torch.Tensor]]:
+        if not self.parts:
+            return []
+        flat = torch.cat([v for _, _, v in self.parts]).cpu()
+        out, offset = [], 0
+        for indices, lengths, _ in self.parts:
+            for i, n in zip(indices, lengths):
+                out.append((i, flat[offset:offset + n].clone()))
+                offset += n
+        return out
 
 
 @torch.no_grad()

@@ -43,7 +43,7 @@ from torch import nn
 from rlperf.model.expert_parallel import ExpertParallel
 from rlperf.model.moe import RoutingTrace
 
-from .batching import MicroBatch, micro_batch_log_probs, pack_micro_batches
+from .batching import HostCopies, MicroBatch, micro_batch_log_probs, pack_micro_batches
 from .sample import Sample
 from .trainer import Trainer
 
@@ -156,12 +156,12 @@ class ExpertParallelTrainer(Trainer):
     def sample_log_probs(self, model: nn.Module, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Every sample's log-probs (all-gathered), the micro-batches spread over the ranks by rounds."""
         mbs = self._global_micro_batches(samples)
-        mine = []
+        mine = HostCopies()
         for _, m, real in self._rounds(len(mbs)):
             lp = micro_batch_log_probs(model, mbs[m], self.args.rollout_temperature)
             if real:
-                mine += [(i, part.float().cpu()) for i, part in zip(mbs[m].indices, lp.split(mbs[m].response_lengths))]
-        return self._gather_by_index(mine, len(samples))
+                mine.add(mbs[m].indices, mbs[m].response_lengths, lp)
+        return self._gather_by_index(mine.per_sample(), len(samples))
 
     @torch.no_grad()
     def train_routed_experts(self, samples: Sequence[Sample]) -> list[torch.Tensor]:

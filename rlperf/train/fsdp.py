@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .args import GATHERED_STEP_MEMORY_FRACTION
-from .batching import MicroBatch, make_micro_batch, micro_batch_log_probs, partition
+from .batching import HostCopies, MicroBatch, make_micro_batch, micro_batch_log_probs, partition
 from .sample import Sample
 from .trainer import Trainer
 
@@ -302,12 +302,11 @@ class FSDPTrainer(Trainer):
         returns every sample's log-probs (the same bits as one process: a sample's log-probs do not
         depend on its micro-batch, the kernels are batch invariant)."""
         root = self.module if model is self.model else self.ref_module
-        mine: list[tuple[int, torch.Tensor]] = []
+        mine = HostCopies()  # one copy to the host after the last micro-batch, not one per micro-batch
         for mb in self._micro_batches_of(samples):
-            lp = root(mb, self.args.rollout_temperature)
-            mine += [(i, part.float().cpu()) for i, part in zip(mb.indices, lp.split(mb.response_lengths))]
+            mine.add(mb.indices, mb.response_lengths, root(mb, self.args.rollout_temperature))
         _reshard_all(root)  # a forward without backward leaves the root (and, gathered per step, every layer) gathered
-        return self._gather_by_index(mine, len(samples))
+        return self._gather_by_index(mine.per_sample(), len(samples))
 
     @torch.no_grad()
     def train_routed_experts(self, samples: Sequence[Sample]) -> list[torch.Tensor]:

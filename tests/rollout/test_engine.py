@@ -284,7 +284,7 @@ def test_a_step_that_fails_on_one_request_fails_only_that_one_on_the_engine_thre
     if where == "forward":
         forward = model.forward_paged
 
-        def broken(ids, pos, *args):
+        def broken(ids, pos, *args, **kw):
             if bool(((ids == POISON) & (pos == 0)).any()):
                 raise RuntimeError("a kernel failed")
             return forward(ids, pos, *args)

@@ -9,7 +9,7 @@ from rlperf.kernels.reference.logprob import token_logprobs
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.train import Sample, compute_log_probs, micro_batch_log_probs, pack_micro_batches, partition
-from rlperf.train.batching import make_micro_batch
+from rlperf.train.batching import HostCopies, make_micro_batch
 
 CFG = preset("tiny")
 
@@ -100,6 +100,24 @@ def test_response_log_probs_match_full_logits_and_do_not_depend_on_packing():
             torch.testing.assert_close(packed_ent[i], want_ent, atol=1e-5, rtol=1e-5)
             assert torch.equal(packed[i], alone[i]), i  # batch invariance: packing never changes the bits
             assert (packed[i] <= 0).all() and packed[i].shape == (R,)
+
+
+def test_host_copies_give_each_sample_its_own_slice_even_when_the_output_buffer_is_reused():
+    """A CUDA graph replays into the same output buffer: the copy kept at :meth:`HostCopies.add` must
+    not change when the buffer does, and each sample gets its own storage (pickled alone)."""
+    buffer = torch.arange(7, dtype=torch.float16)
+    copies = HostCopies()
+    copies.add([3, 0], [4, 3], buffer)  # micro-batch 1: samples 3 (4 tokens) and 0 (3 tokens)
+    buffer.fill_(-1)  # the next replay overwrites the buffer
+    copies.add([1], [5], torch.linspace(0, 1, 5, dtype=torch.bfloat16))
+    got = dict(copies.per_sample())
+    assert sorted(got) == [0, 1, 3]
+    assert torch.equal(got[3], torch.tensor([0.0, 1, 2, 3])) and torch.equal(got[0], torch.tensor([4.0, 5, 6]))
+    assert torch.equal(got[1], torch.linspace(0, 1, 5, dtype=torch.bfloat16).float())
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in got.values())
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 3
+    assert got[3].untyped_storage().nbytes() == 4 * 4
+    assert HostCopies().per_sample() == []
 
 
 def test_micro_batch_log_probs_are_differentiable_on_the_reference_backend():

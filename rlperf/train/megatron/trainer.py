@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..batching import MicroBatch, make_micro_batch, partition
+from ..batching import HostCopies, MicroBatch, make_micro_batch, partition
 from ..losses import policy_loss
 from ..sample import Sample
 from ..trainer import Trainer
@@ -182,14 +182,15 @@ class MegatronTrainer(Trainer):
         """Every sample's response log-probs ([R_i] float32, CPU) under ``model`` (the actor or the
         reference): this replica's share through the pipeline, then gathered (last stage -> the other
         stages, replicas -> each other)."""
-        mine: list[tuple[int, torch.Tensor]] = []
+        copies = HostCopies()  # one copy to the host after the last micro-batch
         for mb in self._micro_batches_of(samples, self._shard(len(samples))):
             if mb is None:
                 continue
             _, out = self._stage_forward(model, mb, grad=False)
             if model.last_stage:
                 lp = model.log_probs(out, mb.logit_rows, mb.targets, self.args.rollout_temperature)
-                mine += [(i, part.float().cpu()) for i, part in zip(mb.indices, lp.split(mb.response_lengths))]
+                copies.add(mb.indices, mb.response_lengths, lp)
+        mine = copies.per_sample()
         if self.pp_size > 1:
             box = [mine]
             dist.broadcast_object_list(box, group_src=self.pp_size - 1, group=self.pp_group)
