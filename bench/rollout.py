@@ -17,6 +17,9 @@ Cases (qwen3-0.6b shape, random bf16 weights, byte prompts, ``ignore_eos``):
 * **prefill**: one step that prefills 16 x 512 prompt tokens; anchor: the same step in fast mode.
 * **invariance cost**: the batch-64 decode step in invariant mode vs fast mode, both replayed from
   CUDA graphs (fast mode: cuBLAS matmuls; decode attention is rlperf's kernel in both modes).
+* **fast mode attention**: the batch-64 fast-mode decode step with rlperf's attention kernel vs the
+  same step with FlashInfer's (``--attention-backend flashinfer``), both graphed. Ratio > 1: rlperf's
+  kernel is faster.
 * **against transformers** (the full run only): the same decode shapes on transformers' own
   ``Qwen3ForCausalLM`` (same config, bf16, random weights), greedy ``generate`` with a static KV cache,
   whose decoding forward transformers compiles (``torch.compile``, CUDA graphs): a decode step's time
@@ -69,13 +72,16 @@ def _requests(engine: Engine, batch: int, prompt_len: int, new_tokens: int, seed
         engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=i, ignore_eos=True))
 
 
-def decoding_engine(model, batch: int, prompt_len: int, new_tokens: int, graph_bs: int = 0, warmup: int = 3) -> Engine:
+def decoding_engine(model, batch: int, prompt_len: int, new_tokens: int, graph_bs: int = 0, warmup: int = 3,
+                    attention_backend: str = "rlperf") -> Engine:
     """An engine whose ``batch`` requests (byte prompts of ``prompt_len``) are all decoding: prefilled
     until each has its first token, then ``warmup`` decode steps (graph capture and kernel compilation
-    stay out of what the caller times)."""
+    stay out of what the caller times). ``attention_backend``: ``EngineConfig.attention_backend``
+    (``flashinfer``: FlashInfer's attention in fast mode; FlashInferUnavailable where it cannot run)."""
     P = K.PAGE_SIZE
     cfg = EngineConfig(max_running_requests=batch, chunked_prefill_size=max(8192, prompt_len),
-                       max_total_tokens=batch * (-(-(prompt_len + new_tokens) // P) * P), cuda_graph_max_bs=graph_bs)
+                       max_total_tokens=batch * (-(-(prompt_len + new_tokens) // P) * P), cuda_graph_max_bs=graph_bs,
+                       attention_backend=attention_backend)
     engine = Engine(model, ByteTokenizer(model.cfg.vocab_size), cfg)
     _requests(engine, batch, prompt_len, new_tokens)
     while any(not r.output_ids for r in engine.requests.values()) or engine.waiting:
@@ -86,14 +92,14 @@ def decoding_engine(model, batch: int, prompt_len: int, new_tokens: int, graph_b
 
 
 def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int, graph_bs: int = 0,
-                warmup: int = 3) -> dict:
+                warmup: int = 3, attention_backend: str = "rlperf") -> dict:
     """Mean wall ms of a decode step of ``batch`` sequences, the mean cached tokens per sequence, and
     the kernel launches of one more decode step after the timed ones (:func:`measure_launches`: None
     without CUDA)."""
     if steps + warmup + 2 > new_tokens:
         raise ValueError(f"{steps} timed + {warmup} warm-up steps + 1 counted step need more than {new_tokens} "
                          f"new tokens")
-    engine = decoding_engine(model, batch, prompt_len, new_tokens, graph_bs, warmup)
+    engine = decoding_engine(model, batch, prompt_len, new_tokens, graph_bs, warmup, attention_backend)
     kv_before = sum(r.num_cached for r in engine.running) / batch
     _sync(model.device)
     t0 = time.perf_counter()
@@ -283,11 +289,17 @@ def run(quick: bool = False) -> list:
     with K.use_mode("fast"):
         pre_fast = prefill_case(model, 16, PROMPT, reps=2 if quick else 5)
         fast64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64)
+        try:  # the engine's fast mode with FlashInfer's attention (rlperf serve --attention-backend flashinfer)
+            fi64, fi_extra = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64, attention_backend="flashinfer"), {}
+        except Exception as e:  # an anchor that cannot run here is recorded, not dropped
+            fi64, fi_extra = {"ms": float("nan")}, {"anchor_unavailable": f"{type(e).__name__}: {str(e)[:200]}"}
     flops = 2 * 16 * PROMPT * sum(p.numel() for p in model.parameters())
     rows.append(BenchRow("rollout", f"prefill 16x{PROMPT}", "invariant step", pre_inv, "fast step", pre_fast, work=flops,
                          extra={"tokens_per_s": 16 * PROMPT / pre_inv * 1e3}))
     rows.append(BenchRow("rollout", "decode B=64 invariance cost", "invariant step", inv64["ms"], "fast step", fast64["ms"],
                          work=0.0, extra={"graph": inv64["graph"], "graph_fast": fast64["graph"]}))
+    rows.append(BenchRow("rollout", "decode B=64 fast mode attention", "rlperf kernel", fast64["ms"],
+                         "flashinfer attention", fi64["ms"], work=0.0, extra=fi_extra))
     if not quick:
         ours = {r.case: r for r in rows if r.anchor == "memory floor"}
         for b in batches:
@@ -331,6 +343,8 @@ def summarize(rows) -> dict:
             out["prefill_invariance_ratio"] = r.ratio
         elif "invariance cost" in r.case:
             out["decode_B=64_invariance_ratio"] = r.ratio
+        elif r.anchor == "flashinfer attention":
+            out["decode_B=64_fast_rlperf_attention_vs_flashinfer"] = r.ratio
         elif r.anchor == "transformers compiled":
             out[f"decode_{r.case.split()[1]}_vs_transformers"] = r.ratio
         elif r.anchor in SGLANG_MODES:

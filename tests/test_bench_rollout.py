@@ -1,5 +1,6 @@
 """The rollout benchmark's (``rlperf bench rollout``) measuring logic, on the tiny model on CPU (the
 timings themselves mean nothing here)."""
+import pytest
 import torch
 
 import rlperf.kernels as K
@@ -7,6 +8,7 @@ from rlperf.bench.harness import BenchRow
 from rlperf.bench.rollout import (decode_case, floor_ms, prefill_case, read_sglang_decode_ms, sglang_decode_ms, summarize,
                                   transformers_decode_ms)
 from rlperf.model import preset
+from rlperf.rollout.flashinfer_attention import FlashInferUnavailable
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.rollout.kv_cache import bytes_per_token
 
@@ -19,6 +21,9 @@ def test_decode_and_prefill_cases_run_the_engine_as_described(one_thread):
         # 20 prompt tokens cached by the prefill, +1 per warm-up step; timed step k reads 22 + k tokens
         assert d["kv_mean"] == 20 + 2 + (4 + 1) / 2
         assert prefill_case(model, batch=2, prompt_len=16, reps=1) > 0
+        with pytest.raises(FlashInferUnavailable, match="runs on CUDA devices"):  # the anchor row then says so
+            decode_case(model, batch=3, prompt_len=20, new_tokens=12, steps=4, warmup=2, graph_bs=4,
+                        attention_backend="flashinfer")
     fl, nbytes = floor_ms(model, 3, 25.0, bandwidth=1e9)
     weights = sum(p.numel() * 4 for p in model.parameters())
     assert nbytes == weights + 3 * 25.0 * bytes_per_token(model.cfg, torch.float32) and fl == nbytes / 1e9 * 1e3
@@ -28,6 +33,7 @@ def test_summarize_names_the_targets():
     rows = [BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "memory floor", 1.5, extra={"tokens_per_s": 32000.0}),
             BenchRow("rollout", "prefill 16x512", "invariant step", 10.0, "fast step", 8.0, extra={"tokens_per_s": 819200.0}),
             BenchRow("rollout", "decode B=64 invariance cost", "invariant step", 2.0, "fast step", 3.0),
+            BenchRow("rollout", "decode B=64 fast mode attention", "rlperf kernel", 2.0, "flashinfer attention", 2.4),
             BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "transformers compiled", 5.0),
             BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "sglang fast", 1.8),
             BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "sglang deterministic", 4.0)]
@@ -36,6 +42,7 @@ def test_summarize_names_the_targets():
     assert s["decode_B=64_vs_sglang_fast"] == 0.9 and s["decode_B=64_vs_sglang_deterministic"] == 2.0
     assert s["decode_B=64_floor_ratio"] == 0.75 and s["decode_B=64_tokens_per_s"] == 32000.0
     assert s["prefill_invariance_ratio"] == 0.8 and s["decode_B=64_invariance_ratio"] == 1.5
+    assert s["decode_B=64_fast_rlperf_attention_vs_flashinfer"] == 1.2
 
 
 def test_the_transformers_anchor_times_decode_steps_of_its_own_qwen3(one_thread):
