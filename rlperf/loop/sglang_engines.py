@@ -150,7 +150,7 @@ def start_sglang_servers(argvs: list[list[str]], envs: list[dict], log_dir: Path
     return procs, urls
 
 
-WEIGHT_SYNC_NCCL_DEFAULTS = {"NCCL_CUMEM_ENABLE": "0"}
+WEIGHT_SYNC_NCCL_DEFAULTS = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
 """NCCL settings the trainer and its SGLang engines share (module docstring of :func:`use_weight_sync_nccl_settings`)."""
 
 
@@ -164,8 +164,10 @@ def use_weight_sync_nccl_settings(environ=None) -> dict[str, str]:
     NCCL's default, on, against SGLang's, which sets 0 where the environment is silent, fails the first
     broadcast with "Cuda failure 'invalid argument'"), and with it on in both, SGLang's side of the first
     broadcast failed ("Failed to CUDA calloc async 8 bytes"; 4x H200, SGLang 0.5.17, NCCL 2.28.9,
-    2026-11-27). Off on both sides is the setting RL frameworks run SGLang's weight sync with. A value
-    the user set is kept, and given to the engines as it is."""
+    2026-11-27). Off on both sides is the setting RL frameworks run SGLang's weight sync with.
+    ``NCCL_NVLS_ENABLE=0`` (NVLink multicast): SGLang also sets it to 0 where the environment is silent,
+    while NCCL's default uses it where the NVSwitch offers it; off on both sides keeps the ranks alike
+    there too. A value the user set is kept, and given to the engines as it is."""
     environ = os.environ if environ is None else environ
     for key, value in WEIGHT_SYNC_NCCL_DEFAULTS.items():
         environ.setdefault(key, value)

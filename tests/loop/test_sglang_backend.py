@@ -191,16 +191,18 @@ def test_the_trainer_and_its_engines_share_one_nccl_cumem_setting():
     """Ranks of the weight-update group that differ in NCCL's cuMem setting fail the first broadcast, and
     with it on SGLang's side failed too: the trainer's process takes 0 where it has no value, the
     engines get the trainer's value, and a value the user set is kept on both sides."""
+    off = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
     env: dict[str, str] = {}
-    assert S.engine_nccl_env(env) == {"NCCL_CUMEM_ENABLE": "0"}
-    assert S.use_weight_sync_nccl_settings(env) == {"NCCL_CUMEM_ENABLE": "0"} and env == {"NCCL_CUMEM_ENABLE": "0"}
-    mine = {"NCCL_CUMEM_ENABLE": "1"}
-    assert S.use_weight_sync_nccl_settings(mine) == {"NCCL_CUMEM_ENABLE": "1"}
-    assert S.engine_nccl_env(mine) == {"NCCL_CUMEM_ENABLE": "1"}
+    assert S.engine_nccl_env(env) == off
+    assert S.use_weight_sync_nccl_settings(env) == off and env == off
+    mine = {"NCCL_CUMEM_ENABLE": "1", "PATH": "/bin"}
+    assert S.use_weight_sync_nccl_settings(mine) == {"NCCL_CUMEM_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+    assert S.engine_nccl_env(mine) == {"NCCL_CUMEM_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}
 
 
 def test_gate_with_sglang_engines_reports_the_measured_distance(tmp_path, fake_sglang, monkeypatch, capsys):
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     report = tmp_path / "gate.json"
     code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "2",
                  "--sglang-attention-backend", "triton", "--sglang-load-format", "dummy", *SMALL,
