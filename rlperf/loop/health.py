@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -40,6 +41,10 @@ from .config import HealthCheckConfig
 
 PROCESS_POLL_S = 0.2
 """Seconds between two looks at whether an engine or the router process has exited."""
+ENGINE_EXIT_SETTLE_S = 1.0
+"""Seconds the engines that failed a ``/health`` probe get, all together, to show an exit: as for the
+router (below), a killed engine's connection resets a moment before ``waitpid`` reports it, and "was
+killed by SIGKILL" names the cause better than the reset."""
 ROUTER_EXIT_SETTLE_S = 2.0
 """Seconds a router that stopped answering gets to show an exit: a killed process closes its sockets
 a moment before ``waitpid`` reports it, and the exit names the cause better than the refused request."""
@@ -150,7 +155,16 @@ class HealthMonitor:
             t.start()
         for t in threads:
             t.join(self.config.timeout + 1.0)
-        self._check_processes()  # an exit explains a failed probe better
+        # an exit explains a failed probe better; a killed engine's socket can reset before its exit is
+        # visible to poll(), so an engine that failed its probe gets a moment to show it
+        deadline = time.monotonic() + ENGINE_EXIT_SETTLE_S
+        for i in engines:
+            if answers.get(i, "") is not None:
+                try:
+                    self.fleet.cluster.servers[i].wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        self._check_processes()
         with self._lock:
             for i in engines:
                 why = answers.get(i, f"did not answer /health within {self.config.timeout:g} s")
