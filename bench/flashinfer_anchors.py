@@ -24,26 +24,16 @@ from typing import Callable
 
 import torch
 
-from rlperf.rollout.flashinfer_attention import paged_kv_layout
-
-NOT_INSTALLED = "flashinfer not installed"
-"""The reason a row gives when ``import flashinfer`` fails for want of the package."""
-WORKSPACE_BYTES = 128 << 20
-"""FlashInfer's float workspace per wrapper (its split-KV partial results)."""
-
+from rlperf.rollout.flashinfer_attention import (NOT_INSTALLED, WORKSPACE_BYTES, FlashInferUnavailable, import_flashinfer,
+                                                 paged_kv_layout)
 
 def flashinfer_or_reason():
     """``(flashinfer, None)``, or ``(None, why)``: :data:`NOT_INSTALLED`, or the import error of an
     installed FlashInfer that cannot load here (no CUDA, a missing ``apache-tvm-ffi``)."""
     try:
-        import flashinfer
-    except ModuleNotFoundError as exc:
-        if exc.name == "flashinfer":
-            return None, NOT_INSTALLED
-        return None, f"flashinfer cannot be imported: {exc}"
-    except (ImportError, OSError, RuntimeError) as exc:
-        return None, f"flashinfer cannot be imported: {exc}"
-    return flashinfer, None
+        return import_flashinfer(), None
+    except FlashInferUnavailable as exc:
+        return None, str(exc)
 
 
 def _workspace(device) -> torch.Tensor:

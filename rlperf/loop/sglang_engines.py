@@ -13,7 +13,8 @@ weight-update endpoints"):
    ``--skip-tokenizer-init`` — rlperf sends token ids and reads token ids, so the saved model needs no
    tokenizer — ``--load-format``, ``--enable-deterministic-inference``), each on its own GPUs
    (``CUDA_VISIBLE_DEVICES``), the trainer's GPU with ``--colocate``, or ``--device cpu`` on a CPU run,
-   with the trainer's ``NCCL_CUMEM_ENABLE`` (:func:`use_weight_sync_nccl_settings`, :func:`engine_nccl_env`).
+   with the trainer's ``NCCL_CUMEM_ENABLE`` and ``NCCL_NVLS_ENABLE`` (:func:`use_weight_sync_nccl_settings`,
+   :func:`engine_nccl_env`).
    Before any is started, :func:`check_sglang_installed` looks for the packages; an engine that exits
    while starting fails the start at once with its last output, and one whose output shows a missing
    module is :class:`SGLangUnavailable` (a usage error: the command exits 2 naming the module). One
@@ -151,7 +152,7 @@ def start_sglang_servers(argvs: list[list[str]], envs: list[dict], log_dir: Path
 
 
 WEIGHT_SYNC_NCCL_DEFAULTS = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
-"""NCCL settings the trainer and its SGLang engines share (module docstring of :func:`use_weight_sync_nccl_settings`)."""
+"""NCCL settings the trainer and its SGLang engines share (why: :func:`use_weight_sync_nccl_settings`)."""
 
 
 def use_weight_sync_nccl_settings(environ=None) -> dict[str, str]:

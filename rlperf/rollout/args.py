@@ -86,6 +86,8 @@ def resolve_api_key(key: str | None, key_file: str | None, flag: str = "--api-ke
 KERNEL_BACKENDS = ("auto", "triton", "interpreter", "reference")
 """``--kernel-backend`` values: ``auto`` and :data:`rlperf.kernels.BACKENDS` (kept equal by a test;
 this module stays light to import, so it does not import the kernels)."""
+ATTENTION_BACKENDS = ("rlperf", "flashinfer")
+"""``--attention-backend`` values (``EngineConfig.attention_backend``)."""
 KERNEL_MODES = ("invariant", "fast")
 """``--mode`` values: :data:`rlperf.kernels.MODES`."""
 
@@ -146,7 +148,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         f"--api-key-file or the {API_KEY_ENV} environment variable (default: {API_KEY_ENV}, else no key)")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read the API key from this file (surrounding whitespace stripped)")
-    p.add_argument("--attention-backend", default=d.attention_backend, choices=["rlperf", "flashinfer"],
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="the engine's paged attention: rlperf (its kernel) or flashinfer (FlashInfer's, as SGLang "
                         "runs it by default; --mode fast and CUDA only: invariant mode's attention stays rlperf's "
                         "kernel, whose bits are the trainer's) (default: rlperf)")

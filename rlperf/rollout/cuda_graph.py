@@ -34,6 +34,8 @@ import torch
 
 from rlperf import kernels as K
 
+from .flashinfer_attention import for_this_mode
+
 DEFAULT_MAX_BS = 256
 """``--cuda-graph-max-bs`` on a CUDA device when not given: ``rlperf serve`` and the loop's in-process engine."""
 
@@ -80,20 +82,17 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
-    def _flashinfer(self):
-        """The FlashInfer attention this mode's steps use: fast mode only (module docstring)."""
-        return self.attention if self.attention is not None and K.mode() == "fast" else None
-
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.model
         self.kv_lens[:bs].copy_(self.kv_lens64[:bs])  # int64 staging row -> the kernels' int32 (captured)
         hidden = m.forward_paged(self.ids[:bs], self.pos[:bs], self.kv_layers, self.slots[:bs], self.table[:bs],
-                                 self.cu[: bs + 1], self.kv_lens[:bs], attention=self._flashinfer())
+                                 self.cu[: bs + 1], self.kv_lens[:bs], attention=for_this_mode(self.attention))
         return hidden, m.logits(hidden)
 
     def _capture(self, bs: int) -> None:
-        if self._flashinfer() is not None:  # captured over padding rows' plan (capture_all's inputs)
-            self._flashinfer().plan_graph(bs, [], [])
+        attention = for_this_mode(self.attention)
+        if attention is not None:  # captured over padding rows' plan (capture_all's inputs)
+            attention.plan_graph(bs, [], [])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and warm every kernel outside the capture
@@ -154,16 +153,17 @@ class DecodeGraphs:
         if self.capture:
             self._copied = torch.cuda.Event()
             self._copied.record()
-        if self._flashinfer() is not None:
-            self._flashinfer().plan_graph(bs, table, kv_lens)
+        attention = for_this_mode(self.attention)
+        if attention is not None:
+            attention.plan_graph(bs, table, kv_lens)
         if not self.capture:
             hidden, logits = self._forward(bs)
             return hidden[:B], logits[:B]
         key = (K.mode(), bs)
         if key not in self.graphs:
             self._capture(bs)
-            if self._flashinfer() is not None:  # the capture planned padding rows: this step's plan again
-                self._flashinfer().plan_graph(bs, table, kv_lens)
+            if attention is not None:  # the capture planned padding rows: this step's plan again
+                attention.plan_graph(bs, table, kv_lens)
         graph, (hidden, logits) = self.graphs[key]
         graph.replay()
         return hidden[:B], logits[:B]

@@ -60,6 +60,8 @@ import torch
 from rlperf import kernels as K
 from rlperf.model.moe import RoutingTrace
 
+from .args import ATTENTION_BACKENDS
+from .flashinfer_attention import for_this_mode
 from .kv_cache import PagedKVCache, plan_num_pages
 from .sampling_params import check_sampling_values
 from .tokenizer import Tokenizer
@@ -175,10 +177,6 @@ class SamplingParams:
         check_sampling_values(params.temperature, params.top_p, params.top_k, error=BadRequest,
                               names={k: f"sampling_params.{k}" for k in ("temperature", "top_p", "top_k")})
         return params
-
-
-ATTENTION_BACKENDS = ("rlperf", "flashinfer")
-"""``EngineConfig.attention_backend`` values (``rlperf serve --attention-backend``)."""
 
 
 @dataclasses.dataclass
@@ -408,7 +406,7 @@ class Engine:
                 # a pure decode step: replay the captured graph of its batch-size bucket
                 hidden, logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
             else:
-                attention = self.attention if self.attention is not None and K.mode() == "fast" else None
+                attention = for_this_mode(self.attention)
                 if attention is not None:
                     attention.plan_step(table, cu, kv_lens)
                 hidden = model.forward_paged(

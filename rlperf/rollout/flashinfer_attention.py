@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import torch
 
+from rlperf import kernels as K
+
 WORKSPACE_BYTES = 128 << 20
 """FlashInfer's float workspace (split-KV partial results), shared by the engine's wrappers: they run
-one after the other on one stream."""
+one after the other on one stream (the benches' anchors take one of this size per wrapper)."""
+NOT_INSTALLED = "flashinfer not installed"
+"""Why FlashInfer cannot run where ``import flashinfer`` fails for want of the package."""
 
 
 class FlashInferUnavailable(RuntimeError):
@@ -42,11 +46,17 @@ def import_flashinfer():
         import flashinfer
     except ModuleNotFoundError as exc:
         if exc.name == "flashinfer":
-            raise FlashInferUnavailable("flashinfer is not installed (pip install flashinfer-python)") from None
+            raise FlashInferUnavailable(NOT_INSTALLED) from None
         raise FlashInferUnavailable(f"flashinfer cannot be imported: {exc}") from None
     except (ImportError, OSError, RuntimeError) as exc:
         raise FlashInferUnavailable(f"flashinfer cannot be imported: {exc}") from None
     return flashinfer
+
+
+def for_this_mode(attention):
+    """``attention`` where the current kernel mode uses it (fast mode), else None: invariant mode's
+    attention is rlperf's kernel (module docstring). The engine's eager steps and its decode graphs ask."""
+    return attention if attention is not None and K.mode() == "fast" else None
 
 
 def check_serve_flags(mode: str, device: str) -> None:
@@ -82,9 +92,9 @@ def paged_kv_layout(table: list[list[int]], kv_lens: list[int], page_size: int) 
 class FlashInferAttention:
     """The engine's FlashInfer wrappers and the plan of the current step (module docstring).
 
-    ``cfg``: the model config (heads, head_dim); ``graph_buckets``: the decode graphs' batch sizes (one
-    graph wrapper each, made on first use), ``max_pages`` their page-table width; ``fi``: the flashinfer
-    module (default: imported here; tests pass a stand-in)."""
+    ``cfg``: the model config (heads, head_dim); ``max_pages``: the decode graphs' page-table width (their
+    per-bucket wrappers are made on first use; 0: no graph plans); ``fi``: the flashinfer module
+    (default: imported here; tests pass a stand-in)."""
 
     def __init__(self, cfg, page_size: int, dtype: torch.dtype, device, max_pages: int = 0, fi=None):
         device = torch.device(device)
