@@ -236,8 +236,11 @@ def test_four_gpu_expert_parallel_on_the_reduced_30b_a3b_shape_gives_the_one_gpu
     EP=4 / EP=2 ratio)."""
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
+    import time
+
     results = {}
     for ep in (1, 2, 4):
+        started = time.perf_counter()
         ns = parse_train_args(_reduced_30b_flags(tmp_path, f"ep{ep}") + (
             ["--actor-num-gpus-per-node", str(ep), "--expert-model-parallel-size", str(ep)] if ep > 1 else []))
         # the checkpoint round trip is the CPU test's (its pickled whole state of ~1.8e9 parameters took
@@ -246,10 +249,12 @@ def test_four_gpu_expert_parallel_on_the_reduced_30b_a3b_shape_gives_the_one_gpu
         if ep == 1:  # in this process: its tensors go to the host and its cache is freed for the ranks' GPU 0
             results[ep] = _to_host(_digested(_first_step(ns)))
             torch.cuda.empty_cache()
-            continue
-        ns.dump = str(tmp_path / f"ep{ep}.pt")
-        assert LocalPlacement().launch_actors(_step_on_rank, ns, ActorLayout(1, ep, "cuda")) == 0
-        results[ep] = torch.load(ns.dump, weights_only=False, map_location="cpu")
+        else:
+            ns.dump = str(tmp_path / f"ep{ep}.pt")
+            assert LocalPlacement().launch_actors(_step_on_rank, ns, ActorLayout(1, ep, "cuda")) == 0
+            results[ep] = torch.load(ns.dump, weights_only=False, map_location="cpu")
+        print(f"\nEP={ep}: layout done in {time.perf_counter() - started:.1f} s (build, rollout, two steps, digests)",
+              flush=True)
     one = results[1]
     rate = {ep: r["train_tokens"] / r["train_seconds"] for ep, r in results.items()}
     print(f"\nqwen3-30b-a3b-2l train step, {one['train_tokens']} tokens: "
