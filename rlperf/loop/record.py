@@ -35,6 +35,14 @@ of its GPU; it reports no capacity, so the oom_headroom gate lists it without ch
 SGLANG_STATIC_PARTS = ("weight", "kvcache", "graph")
 
 
+def _gib(part) -> float:
+    """One ``memory_usage`` part in GiB: a number, or (SGLang 0.5.17's ``graph``) a mapping of its
+    phases (decode, prefill, ...) to GiB, summed; absent: 0."""
+    if isinstance(part, dict):
+        return sum(_gib(v) for v in part.values())
+    return float(part or 0.0)
+
+
 @dataclasses.dataclass
 class EngineMemory:
     """One rollout engine's memory after the first step's rollout and weight sync, as the engine reports
@@ -64,7 +72,7 @@ class EngineMemory:
         if not isinstance(mem, dict) and isinstance(usage, dict):
             # a real SGLang server: the GiB its weights, KV cache and CUDA graphs hold (a static budget it
             # sized to --mem-fraction-static of its GPU), no peak and no capacity
-            static = sum(float(usage.get(k) or 0.0) for k in SGLANG_STATIC_PARTS)
+            static = sum(_gib(usage.get(k)) for k in SGLANG_STATIC_PARTS)
             return cls(url, SGLANG_KIND, None, int(static * (1 << 30)), kv_pool_bytes=int(float(usage.get("kvcache") or 0)
                                                                                            * (1 << 30)))
         if not isinstance(mem, dict):
