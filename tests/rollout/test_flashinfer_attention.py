@@ -222,7 +222,7 @@ def test_gpu_flashinfer_attention_matches_rlperfs_kernel(q_lens, kv_lens):
                                  torch.tensor(cu, dtype=torch.int32, device="cuda"),
                                  torch.tensor(kv_lens, dtype=torch.int32, device="cuda"))
     # outputs are averages of unit-normal values (std ~ 0.02-1): a few bf16 units apart at most
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=1e-2)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=1e-2)
 
 
 @pytest.mark.gpu
