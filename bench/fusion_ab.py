@@ -1,0 +1,107 @@
+"""The engine's decode and prefill steps with and without the two decode-path fusions, same card, same
+process: is a change of the rollout bench's times theirs or the card's?
+
+* ``swiglu``: :func:`rlperf.kernels.linear_silu_mul` (the gate_up product with its SwiGLU epilogue, one
+  launch) against ``silu_mul(linear(x, w))`` (two launches);
+* ``kv``: :func:`rlperf.kernels.rmsnorm_rope_store_kv` (Q's and K's norm + RoPE and the K/V cache store,
+  one launch) against ``rmsnorm_rope`` twice and ``write_kv_cache`` (three launches).
+
+Both fused variants give the bits of their unfused calls (their kernel tests), so the four variants
+decode the same tokens; only the launches differ. Each variant is timed with the rollout bench's own
+cases (:func:`rlperf.bench.rollout.decode_case`, CUDA graphs on, and :func:`prefill_case`), in
+invariant mode on the qwen3-0.6b shape with random weights. Ratios are to the fused variant (both on,
+the engine's default) of the same run::
+
+    python -m rlperf.bench.fusion_ab [--batches 1,64,256] [--steps 16]
+
+Needs a CUDA GPU (exit 2 without one).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+import torch
+
+from rlperf import kernels as K
+
+VARIANTS = {"fused (default)": (True, True), "no swiglu epilogue": (False, True), "no kv-store fusion": (True, False),
+            "neither": (False, False)}
+"""Each variant's name and (swiglu fused, kv store fused)."""
+
+
+def _unfused_linear_silu_mul(x, w):
+    return K.silu_mul(K.linear(x, w))
+
+
+def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_cache, v_cache, slot_mapping):
+    K.write_kv_cache(K.rmsnorm_rope(k, k_weight, positions, cos, sin, eps), v, k_cache, v_cache, slot_mapping)
+    return K.rmsnorm_rope(q, q_weight, positions, cos, sin, eps)
+
+
+@contextlib.contextmanager
+def variant(swiglu: bool, kv: bool):
+    """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
+    kernels package: swap in the unfused calls for the variant's duration."""
+    saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv
+    try:
+        if not swiglu:
+            K.linear_silu_mul = _unfused_linear_silu_mul
+        if not kv:
+            K.rmsnorm_rope_store_kv = _unfused_store_kv
+        yield
+    finally:
+        K.linear_silu_mul, K.rmsnorm_rope_store_kv = saved
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlperf.bench.fusion_ab", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,64,256", help="decode batch sizes, comma-separated (default 1,64,256)")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per case (default 16)")
+    p.add_argument("--prefill", type=int, default=16, help="prompts of the prefill case (0: none; default 16)")
+    args = p.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+        if not batches or min(batches) < 1:
+            raise ValueError
+    except ValueError:
+        p.error(f"--batches: positive integers separated by commas, got {args.batches!r}")
+    if args.steps < 1:
+        p.error(f"--steps: at least 1, got {args.steps}")
+    if not torch.cuda.is_available():
+        print("fusion_ab: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from rlperf.model import Qwen3ForCausalLM, preset
+
+    from .rollout import MODEL, PROMPT, decode_case, prefill_case
+
+    model = Qwen3ForCausalLM.random(preset(MODEL), seed=0, dtype=torch.bfloat16, device="cuda")
+    new_tokens = args.steps + 8
+    times: dict[str, dict[str, float]] = {}
+    with K.use_mode("invariant"):
+        for name, (swiglu, kv) in VARIANTS.items():
+            with variant(swiglu, kv):
+                row = {}
+                for b in batches:
+                    d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches))
+                    row[f"decode B={b}"] = d["ms"]
+                    print(f"fusion_ab: {name}: decode B={b} {d['ms']:.3f} ms "
+                          f"({d['launches'].kernels if d['launches'] else '?'} kernels per step)", flush=True)
+                if args.prefill:
+                    row[f"prefill {args.prefill}x{PROMPT}"] = prefill_case(model, args.prefill, PROMPT, reps=3)
+                    print(f"fusion_ab: {name}: prefill {row[f'prefill {args.prefill}x{PROMPT}']:.3f} ms", flush=True)
+                times[name] = row
+    base = times["fused (default)"]
+    cases = list(base)
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | ms (ratio to the fused default)")
+    print("| variant | " + " | ".join(cases) + " |")
+    print("|---|" + "---:|" * len(cases))
+    for name, row in times.items():
+        print(f"| {name} | " + " | ".join(f"{row[c]:.3f} ({row[c] / base[c]:.2f}x)" for c in cases) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

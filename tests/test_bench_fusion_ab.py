@@ -1,0 +1,55 @@
+"""``python -m rlperf.bench.fusion_ab``: its variants reach the engine's layers and every variant decodes
+the same tokens (tiny model, CPU, reference kernels for speed: that the fused launches keep the bits of
+their unfused calls is the kernel tests' proof, tests/kernels/test_rope.py and test_matmul.py)."""
+import pytest
+import torch
+
+import rlperf.kernels as K
+from rlperf.bench import fusion_ab
+from rlperf.bench.rollout import decoding_engine
+from rlperf.model import preset
+from rlperf.model.qwen3 import Qwen3ForCausalLM
+
+
+def _decoded(model):
+    engine = decoding_engine(model, batch=2, prompt_len=5, new_tokens=4, warmup=1)
+    engine.step()
+    return sorted((list(r.prompt_ids), list(r.output_ids)) for r in engine.requests.values())
+
+
+def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread, monkeypatch):
+    model = Qwen3ForCausalLM.random(preset("tiny"), seed=0)
+    calls = {"swiglu": 0, "kv": 0}
+    unfused_mlp, unfused_kv = fusion_ab._unfused_linear_silu_mul, fusion_ab._unfused_store_kv
+
+    def mlp(*a):
+        calls["swiglu"] += 1
+        return unfused_mlp(*a)
+
+    def kv(*a):
+        calls["kv"] += 1
+        return unfused_kv(*a)
+
+    monkeypatch.setattr(fusion_ab, "_unfused_linear_silu_mul", mlp)
+    monkeypatch.setattr(fusion_ab, "_unfused_store_kv", kv)
+    fused_calls = K.linear_silu_mul, K.rmsnorm_rope_store_kv
+    tokens = {}
+    for name, (swiglu, kv_fused) in fusion_ab.VARIANTS.items():
+        before = dict(calls)
+        with fusion_ab.variant(swiglu, kv_fused), K.use_backend("reference"):
+            tokens[name] = _decoded(model)
+        assert (calls["swiglu"] > before["swiglu"]) == (not swiglu), name
+        assert (calls["kv"] > before["kv"]) == (not kv_fused), name
+        assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored
+    first = tokens["fused (default)"]
+    assert all(len(out) >= 3 for _, out in first)
+    assert all(t == first for t in tokens.values())
+
+
+def test_bad_flags_exit_2_naming_them(capsys):
+    with pytest.raises(SystemExit) as e:
+        fusion_ab.main(["--batches", "1,x"])
+    assert e.value.code == 2 and "--batches" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        fusion_ab.main(["--steps", "0"])
+    assert e.value.code == 2 and "--steps" in capsys.readouterr().err
