@@ -73,12 +73,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("fusion_ab: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from rlperf.model import Qwen3ForCausalLM, preset
+    from rlperf.model import preset
+    from rlperf.model.qwen3 import Qwen3ForCausalLM
 
-    from .rollout import MODEL, PROMPT, decode_case, prefill_case
+    from .rollout import MODEL, NEW, PROMPT, decode_case, prefill_case
 
     model = Qwen3ForCausalLM.random(preset(MODEL), seed=0, dtype=torch.bfloat16, device="cuda")
-    new_tokens = args.steps + 8
+    new_tokens = max(NEW, args.steps + 8)  # the rollout bench's: every request still decoding while the first prefill chunks finish
     times: dict[str, dict[str, float]] = {}
     with K.use_mode("invariant"):
         for name, (swiglu, kv) in VARIANTS.items():
