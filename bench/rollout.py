@@ -35,9 +35,11 @@ Cases (qwen3-0.6b shape, random bf16 weights, byte prompts, ``ignore_eos``):
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -240,14 +242,45 @@ def read_sglang_decode_ms(result_file, prompt_len: int, new_tokens: int) -> dict
     return out
 
 
+SGLANG_FREE_SHARE = 0.8
+"""The share of the GPU's free memory (at the anchor's start) that SGLang's static budget may take."""
+
+
+def sglang_mem_fraction(free_bytes: int, total_bytes: int) -> float:
+    """``--mem-fraction-static`` for an SGLang process on a GPU this process shares: SGLang reads it as a
+    share of the whole GPU for its weights and KV pool, and needs the rest for activations, CUDA graphs
+    and its deterministic mode's workspaces; whatever this process still holds (the caching allocator's
+    pools, compiled anchors' graphs) is not free. :data:`SGLANG_FREE_SHARE` of the free memory, as a
+    share of the total, rounded down to 0.01 (a run of the H100 bench with SGLang's own default ran out of
+    memory in the deterministic mode)."""
+    if total_bytes <= 0 or free_bytes <= 0:
+        raise ValueError(f"GPU memory: free {free_bytes} of {total_bytes} bytes")
+    return int(100 * SGLANG_FREE_SHARE * min(free_bytes, total_bytes) / total_bytes) / 100
+
+
+def failure_line(output: str) -> str:
+    """What a failed process's output says went wrong: its last line naming an error or exception
+    (a Python traceback's last line, CUDA's out-of-memory message), else its last 600 characters."""
+    for line in reversed(output.splitlines()):
+        if re.search(r"(Error|Exception|error:)", line):
+            return line.strip()[:600]
+    return output[-600:].strip()
+
+
 def sglang_decode_ms(cfg, batches, prompt_len: int, new_tokens: int, *, extra=(), attention_backend: str = "flashinfer",
                      timeout: float = 900.0) -> dict[int, float]:
     """Median decode step ms of real SGLang per batch (module docstring, "against real SGLang"): the
     model shape ``cfg`` written by :func:`write_bench_model` into a temporary folder, one
-    :func:`sglang_bench_argv` process. RuntimeError naming the cause (SGLang missing, the process's
-    exit and its output's tail, a batch it skipped)."""
+    :func:`sglang_bench_argv` process; on CUDA its ``--mem-fraction-static`` sized to the GPU's free
+    memory (:func:`sglang_mem_fraction`) unless ``extra`` names one. RuntimeError naming the cause
+    (SGLang missing, the process's exit and its error line (:func:`failure_line`), a batch it skipped)."""
     if importlib.util.find_spec("sglang") is None:
         raise RuntimeError("sglang is not installed (bench/pack_sglang.sh packs it for the GPU machines)")
+    extra = list(extra)
+    if torch.cuda.is_available() and "--mem-fraction-static" not in extra:
+        gc.collect()
+        torch.cuda.empty_cache()
+        extra += ["--mem-fraction-static", f"{sglang_mem_fraction(*torch.cuda.mem_get_info()):g}"]
     with tempfile.TemporaryDirectory(prefix="rlperf-sglang-") as tmp:
         model_dir, result = write_bench_model(cfg, Path(tmp, "model")), Path(tmp, "result.jsonl")
         argv = sglang_bench_argv(model_dir, batches, prompt_len, new_tokens, result,
@@ -258,7 +291,7 @@ def sglang_decode_ms(cfg, batches, prompt_len: int, new_tokens: int, *, extra=()
             raise RuntimeError(f"{SGLANG_BENCH_MODULE} did not finish within {timeout:g} s") from None
         tail = (proc.stdout + proc.stderr)[-600:].strip()
         if proc.returncode != 0 or not result.exists():
-            raise RuntimeError(f"{SGLANG_BENCH_MODULE} exited {proc.returncode}: {tail}")
+            raise RuntimeError(f"{SGLANG_BENCH_MODULE} exited {proc.returncode}: {failure_line(proc.stdout + proc.stderr)}")
         got = read_sglang_decode_ms(result, prompt_len, new_tokens)
     missing = [b for b in batches if b not in got]
     if missing:

@@ -66,6 +66,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+UNAVAILABLE_CHARS = 160
+"""A table cell's share of why an anchor did not run (the whole reason stays in the JSON's row)."""
+
+
+def _one_line(text: str) -> str:
+    """``text`` as one markdown table cell: whitespace runs as one space, ``|`` escaped, at most
+    :data:`UNAVAILABLE_CHARS` characters."""
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text if len(text) <= UNAVAILABLE_CHARS else text[:UNAVAILABLE_CHARS - 3].rstrip() + "..."
+
+
 def _markdown_section(name: str, rows: list[BenchRow], info: dict, summary: dict) -> str:
     lines = [
         f"<!-- bench:{name} start -->",
@@ -78,13 +89,17 @@ def _markdown_section(name: str, rows: list[BenchRow], info: dict, summary: dict
         "| case | kernel | ms | anchor | anchor ms | ratio (anchor/kernel) | rate | anchor rate |",
         "|---|---|---:|---|---:|---:|---:|---:|",
     ]
+    def rate(ms: float, r: BenchRow) -> str:  # rows without a work measure have no rate
+        value = r.rate(ms)
+        return "-" if value != value else f"{value:.1f} {r.unit}"
+
     for r in rows:
         anchor = r.anchor
         if r.extra.get("anchor_unavailable"):  # the row stays, saying why its anchor did not run
-            anchor = f"{r.anchor} ({r.extra['anchor_unavailable']})"
+            anchor = f"{r.anchor} (did not run: {_one_line(r.extra['anchor_unavailable'])})"
         lines.append(
             f"| {r.case} | {r.kernel} | {r.kernel_ms:.4f} | {anchor} | {r.anchor_ms:.4f} | {r.ratio:.3f} | "
-            f"{r.rate(r.kernel_ms):.1f} {r.unit} | {r.rate(r.anchor_ms):.1f} {r.unit} |"
+            f"{rate(r.kernel_ms, r)} | {rate(r.anchor_ms, r)} |"
         )
     lines += ["", "Summary: " + ", ".join(f"{k} = {v:.3f}" if isinstance(v, float) else f"{k} = {v}" for k, v in summary.items()), ""]
     lines.append(f"<!-- bench:{name} end -->")

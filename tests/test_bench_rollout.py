@@ -5,8 +5,8 @@ import torch
 
 import rlperf.kernels as K
 from rlperf.bench.harness import BenchRow
-from rlperf.bench.rollout import (decode_case, floor_ms, prefill_case, read_sglang_decode_ms, sglang_decode_ms, summarize,
-                                  transformers_decode_ms)
+from rlperf.bench.rollout import (decode_case, floor_ms, prefill_case, read_sglang_decode_ms, sglang_decode_ms,
+                                  sglang_mem_fraction, summarize, transformers_decode_ms)
 from rlperf.model import preset
 from rlperf.rollout.flashinfer_attention import FlashInferUnavailable
 from rlperf.model.qwen3 import Qwen3ForCausalLM
@@ -81,6 +81,37 @@ def test_the_sglang_anchor_runs_bench_one_batch_on_the_same_shape(monkeypatch):
     monkeypatch.setenv("FAKE_SGLANG_FAIL", "skip")
     with pytest.raises(RuntimeError, match=r"measured no batch \[64\]"):
         sglang_decode_ms(cfg, (1, 64), prompt_len=24, new_tokens=5)
+
+
+def test_a_failed_anchor_process_is_named_by_its_error_line():
+    from rlperf.bench.rollout import failure_line
+
+    out = ("loading weights\nTraceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out of "
+           "memory. Tried to allocate 20.00 MiB.\n32.54 MiB is reserved by PyTorch but unallocated. If reserved\n")
+    assert failure_line(out).startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB")
+    assert failure_line("a\nb\n") == "a\nb"  # no error line: the tail
+
+
+def test_an_anchor_that_did_not_run_is_one_short_table_cell():
+    from rlperf.bench.run import UNAVAILABLE_CHARS, _markdown_section
+
+    rows = [BenchRow("rollout", "decode B=1", "engine step", 2.5, "sglang fast", float("nan"),
+                     extra={"anchor_unavailable": "RuntimeError: a | b\n" + "x" * 400})]
+    section = _markdown_section("rollout", rows, {}, {})
+    line = next(ln for ln in section.splitlines() if ln.startswith("| decode B=1"))
+    assert "did not run: RuntimeError: a \\| b x" in line and "\n" not in line
+    cell = line.split(" | ")[3]
+    assert len(cell) <= len("sglang fast (did not run: )") + UNAVAILABLE_CHARS + 2 and cell.endswith("...)")
+    assert line.endswith("| nan | nan | - | - |")  # no work measure: no rates
+
+
+def test_sglangs_static_budget_is_a_share_of_the_free_memory():
+    gib = 1 << 30
+    assert sglang_mem_fraction(80 * gib, 80 * gib) == 0.8  # an empty GPU
+    assert sglang_mem_fraction(40 * gib, 80 * gib) == 0.4  # half held by this process
+    assert sglang_mem_fraction(int(79.2 * gib), 80 * gib) == 0.79  # rounded down
+    with pytest.raises(ValueError, match="free 0 of"):
+        sglang_mem_fraction(0, 80 * gib)
 
 
 def test_sglang_results_of_another_shape_or_a_broken_line_are_not_read_as_this_one(tmp_path):
