@@ -81,8 +81,10 @@ eager = load("loop-eager.json")
 base = eager["summary"]["loop"]["tokens_per_s"] if eager else None
 for name, label in (("loop-eager.json", "eager"), ("loop-graphed.json", f"graphed {buckets}")):
     doc = load(name)
-    if doc is None:
-        lines.append(f"| {label} | failed: see {name.replace('.json', '.log')} | | | | | | |")
+    if doc is None:  # a run that did not write its results: failed if it started (its log), else not asked for
+        log = name.replace(".json", ".log")
+        lines.append(f"| {label} | " + (f"failed: see {log}" if (out / log).exists() else "not run (STEPS)")
+                     + " | | | | | | |")
         continue
     s, e = doc["summary"]["loop"], train_row(doc)["extra"]
     ratio = f"{s['tokens_per_s'] / base:.2f}x" if base else "-"
