@@ -199,9 +199,13 @@ GPU_MS = (1, 2, 7, 16, 33, 64, 128, 255, 1024, 2048, 4097)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,i,k", [(1, 48, 33), (7, 130, 96), (33, 64, 130), (127, 5, 16)])
-def test_linear_silu_mul_is_the_two_calls_interpreter(interpreter, poison, dtype, m, i, k):
+def test_linear_silu_mul_is_the_two_calls_interpreter(interpreter, poison, monkeypatch, dtype, m, i, k):
     """One launch with the SwiGLU epilogue: the bits of silu_mul(matmul) (ragged tiles, odd I, K),
-    leading dims kept; with autograd, in fast mode and on the reference backend it is the two calls."""
+    leading dims kept; with autograd, in fast mode and on the reference backend it is the two calls.
+    The epilogue is tested at every M here (the threshold raised), whatever rows it takes by default."""
+    from rlperf.kernels import gemm
+
+    monkeypatch.setattr(gemm, "SWIGLU_EPILOGUE_MAX_ROWS", 1 << 20)
     x, w, _ = _inputs(m, 2 * i, k, dtype)
     fused = K.linear_silu_mul(x, w)
     assert fused.shape == (m, i) and fused.dtype == dtype
@@ -216,6 +220,23 @@ def test_linear_silu_mul_is_the_two_calls_interpreter(interpreter, poison, dtype
         assert torch.equal(K.linear_silu_mul(x, w), K.silu_mul(K.matmul(x, w)))
     with pytest.raises(ValueError, match="2I, K"):
         K.linear_silu_mul(x, w[:-1])
+
+
+def test_linear_silu_mul_takes_the_epilogue_up_to_its_row_threshold_only(interpreter, monkeypatch):
+    """Up to SWIGLU_EPILOGUE_MAX_ROWS rows the one fused launch runs, above it the plain product and
+    silu_mul; the bits are the same either way."""
+    from rlperf.kernels import gemm
+
+    launches = []
+    real = gemm.launch
+    monkeypatch.setattr(gemm, "launch", lambda *a, **kw: launches.append(kw.get("swiglu", False)) or real(*a, **kw))
+    monkeypatch.setattr(gemm, "SWIGLU_EPILOGUE_MAX_ROWS", 5)
+    x, w, _ = _inputs(6, 2 * 24, 16, torch.float32)
+    for m, fused in ((5, True), (6, False)):
+        launches.clear()
+        y = K.linear_silu_mul(x[:m], w)
+        assert (True in launches) == fused, m
+        assert torch.equal(y, K.silu_mul(K.matmul(x[:m], w)))
 
 
 def test_linear_silu_mul_bf16_under_the_interpreter_takes_the_two_calls(interpreter):
@@ -262,8 +283,12 @@ def test_batch_invariance_gpu(dtype, n, k, bias, out_dtype):
     (torch.float16, 3072, 1024),
     (torch.float32, 3072, 1024),
 ])
-def test_linear_silu_mul_is_the_two_calls_gpu(dtype, i, k):
-    """The SwiGLU epilogue gives the bits of matmul then silu_mul at every batch size, decode to prefill."""
+def test_linear_silu_mul_is_the_two_calls_gpu(monkeypatch, dtype, i, k):
+    """The SwiGLU epilogue gives the bits of matmul then silu_mul at every batch size, decode to prefill
+    (the threshold raised: the epilogue is proven where the default does not take it too)."""
+    from rlperf.kernels import gemm
+
+    monkeypatch.setattr(gemm, "SWIGLU_EPILOGUE_MAX_ROWS", 1 << 30)
     x, w, _ = _inputs(max(GPU_MS), 2 * i, k, dtype, device="cuda")
     for m in GPU_MS:
         fused = K.linear_silu_mul(x[:m], w)
