@@ -2,17 +2,17 @@
 process: is a change of the rollout bench's times theirs or the card's?
 
 * ``swiglu``: :func:`rlperf.kernels.linear_silu_mul` (the gate_up product with its SwiGLU epilogue, one
-  launch) against ``silu_mul(linear(x, w))`` (two launches);
+  launch) against ``silu_mul(linear(x, w))`` (two launches). The engine takes the epilogue for at most
+  ``SWIGLU_EPILOGUE_MAX_ROWS`` rows; the variants that name it take it at every size;
 * ``kv``: :func:`rlperf.kernels.rmsnorm_rope_store_kv` (Q's and K's norm + RoPE and the K/V cache store,
   one launch) against ``rmsnorm_rope`` twice and ``write_kv_cache`` (three launches).
 
-Both fused variants give the bits of their unfused calls (their kernel tests), so the four variants
-decode the same tokens; only the launches differ. Each variant is timed with the rollout bench's own
-cases (:func:`rlperf.bench.rollout.decode_case`, CUDA graphs on, and :func:`prefill_case`), in
-invariant mode on the qwen3-0.6b shape with random weights. Ratios are to the fused variant (both on,
-the engine's default) of the same run::
+Both fused forms give the bits of their unfused calls (their kernel tests), so every variant decodes
+the same tokens; only the launches differ. Each variant is timed with the rollout bench's own cases
+(:func:`rlperf.bench.rollout.decode_case`, CUDA graphs on, and :func:`prefill_case`), in invariant mode
+on the qwen3-0.6b shape with random weights. Ratios are to the engine's default of the same run::
 
-    python -m rlperf.bench.fusion_ab [--batches 1,64,256] [--steps 16]
+    python -m rlperf.bench.fusion_ab [--batches 1,64,256] [--steps 16] [--prefill 16]
 
 Needs a CUDA GPU (exit 2 without one).
 """
@@ -26,9 +26,11 @@ import torch
 
 from rlperf import kernels as K
 
-VARIANTS = {"fused (default)": (True, True), "no swiglu epilogue": (False, True), "no kv-store fusion": (True, False),
-            "neither": (False, False)}
-"""Each variant's name and (swiglu fused, kv store fused)."""
+ENGINE_DEFAULT = "engine default"
+VARIANTS = {ENGINE_DEFAULT: (None, True), "both fusions": (True, True), "no swiglu epilogue": (False, True),
+            "no kv-store fusion": (True, False), "neither": (False, False)}
+"""Each variant's name and (swiglu, kv store fused): swiglu None is the engine's own choice (the epilogue
+up to ``SWIGLU_EPILOGUE_MAX_ROWS`` rows), True the epilogue at every size, False never."""
 
 
 def _unfused_linear_silu_mul(x, w):
@@ -41,18 +43,23 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 
 
 @contextlib.contextmanager
-def variant(swiglu: bool, kv: bool):
+def variant(swiglu: bool | None, kv: bool):
     """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
-    kernels package: swap in the unfused calls for the variant's duration."""
-    saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv
+    kernels package: swap in the unfused calls (or lift the epilogue's row limit) for the variant's
+    duration."""
+    from rlperf.kernels import gemm
+
+    saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS
     try:
-        if not swiglu:
+        if swiglu is False:
             K.linear_silu_mul = _unfused_linear_silu_mul
+        elif swiglu:
+            gemm.SWIGLU_EPILOGUE_MAX_ROWS = 1 << 62
         if not kv:
             K.rmsnorm_rope_store_kv = _unfused_store_kv
         yield
     finally:
-        K.linear_silu_mul, K.rmsnorm_rope_store_kv = saved
+        K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS = saved
 
 
 def main(argv=None) -> int:
@@ -94,9 +101,9 @@ def main(argv=None) -> int:
                     row[f"prefill {args.prefill}x{PROMPT}"] = prefill_case(model, args.prefill, PROMPT, reps=3)
                     print(f"fusion_ab: {name}: prefill {row[f'prefill {args.prefill}x{PROMPT}']:.3f} ms", flush=True)
                 times[name] = row
-    base = times["fused (default)"]
+    base = times[ENGINE_DEFAULT]
     cases = list(base)
-    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | ms (ratio to the fused default)")
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | ms (ratio to the engine's default)")
     print("| variant | " + " | ".join(cases) + " |")
     print("|---|" + "---:|" * len(cases))
     for name, row in times.items():

@@ -6,6 +6,7 @@ import torch
 
 import rlperf.kernels as K
 from rlperf.bench import fusion_ab
+from rlperf.kernels import gemm
 from rlperf.bench.rollout import decoding_engine
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
@@ -33,15 +34,19 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     monkeypatch.setattr(fusion_ab, "_unfused_linear_silu_mul", mlp)
     monkeypatch.setattr(fusion_ab, "_unfused_store_kv", kv)
     fused_calls = K.linear_silu_mul, K.rmsnorm_rope_store_kv
+    limit = gemm.SWIGLU_EPILOGUE_MAX_ROWS
+    with fusion_ab.variant(True, True):  # the epilogue at every size
+        assert gemm.SWIGLU_EPILOGUE_MAX_ROWS > 1 << 40
     tokens = {}
     for name, (swiglu, kv_fused) in fusion_ab.VARIANTS.items():
         before = dict(calls)
         with fusion_ab.variant(swiglu, kv_fused), K.use_backend("reference"):
             tokens[name] = _decoded(model)
-        assert (calls["swiglu"] > before["swiglu"]) == (not swiglu), name
+        assert (calls["swiglu"] > before["swiglu"]) == (swiglu is False), name
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
         assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored
-    first = tokens["fused (default)"]
+        assert gemm.SWIGLU_EPILOGUE_MAX_ROWS == limit
+    first = tokens[fusion_ab.ENGINE_DEFAULT]
     assert all(len(out) >= 3 for _, out in first)
     assert all(t == first for t in tokens.values())
 
