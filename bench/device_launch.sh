@@ -117,6 +117,8 @@ for run in ("cold", "warm"):
     if done.exists():
         rc, seconds = done.read_text().split()
         stages = ", ".join(f"{k} {v:.1f} s" for k, v in (report or {}).get("stage_seconds", {}).items())
+        setup = ", ".join(f"{k} {v:.1f} s" for k, v in (report or {}).get("setup_seconds", {}).items())
+        stages += f" (setup: {setup})" if setup else ""
         lines.append(f"`rlperf gate --device cuda --model qwen3-0.6b`, {run} kernel cache: wall {seconds} s "
                      f"(exit {rc}), all gates passed: {report.get('passed') if report else None}"
                      + (f"; first step {report['seconds']:.1f} s: {stages}" if stages else ""))

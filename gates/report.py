@@ -33,12 +33,14 @@ class GateReport:
     """All gates' results for one first step; ``seconds``: wall time of the first step (the gates'
     checks after it are not counted); ``stage_seconds``: where it went, the first step's stages
     (:attr:`rlperf.loop.record.FirstStepRecord.stage_seconds`) and ``other``, the rest of ``seconds``
-    (building the record, closing the engines)."""
+    (building the record, closing the engines); ``setup_seconds``: the ``setup`` stage split
+    (:attr:`rlperf.loop.record.FirstStepRecord.setup_seconds`)."""
 
     results: list[GateResult]
     seconds: float = 0.0
     config: dict = dataclasses.field(default_factory=dict)
     stage_seconds: dict = dataclasses.field(default_factory=dict)
+    setup_seconds: dict = dataclasses.field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -55,7 +57,7 @@ class GateReport:
 
     def to_dict(self) -> dict:
         return _jsonable({"passed": self.passed, "failed": self.failed, "seconds": self.seconds,
-                          "stage_seconds": self.stage_seconds,
+                          "stage_seconds": self.stage_seconds, "setup_seconds": self.setup_seconds,
                           "gates": [r.to_dict() for r in self.results], "config": self.config})
 
     def table(self) -> str:

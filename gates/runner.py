@@ -73,7 +73,7 @@ class FirstStepGate:
         stages = dict(record.stage_seconds)
         if stages:
             stages["other"] = max(seconds - sum(stages.values()), 0.0)  # the record, closing the engines
-        return GateReport(results, seconds, _config(record), stages)
+        return GateReport(results, seconds, _config(record), stages, dict(record.setup_seconds))
 
     def run(self, first_step: Callable[[], FirstStepRecord], usage_errors: tuple = ()) -> GateReport:
         """Run ``first_step()`` and check its record. If it raises, every gate fails with the cause:

@@ -122,3 +122,9 @@ class FirstStepRecord:
     """Wall seconds of the first step's stages, in order: ``setup`` (the model, its reference copy, the
     trainer and the rollout engines), ``step`` (the initial weight sync, the rollout, the train step
     and its weight sync), ``probe`` (the worst-case memory probe). The gate report carries them."""
+    setup_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """``setup`` split, in order (:attr:`rlperf.loop.runner.Run.setup_seconds`): ``model`` (the policy
+    model built on its device), ``data`` (the prompts, tokenizer and reward), ``trainer`` (optimizer,
+    reference copy, kernel warm-up), ``engines`` (the rollout client: an in-process engine with its
+    KV cache and CUDA graphs, or engine processes started and healthy); the rest of ``setup`` is
+    parsing and device set-up."""

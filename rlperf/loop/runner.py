@@ -144,11 +144,16 @@ class Run:
         self.rank, self.world_size = rank_and_world()
         self.last_sync = None  # the SyncStats of the latest weight sync
         self.last_checksum = None  # the engines' weights checksum read back by the latest sync(checksum=True)
+        self.setup_seconds: dict[str, float] = {}  # where building this run went (the gates' report shows it)
         with self.kernels():
-            self._build_model()
-            self._build_data()
-            self._build_trainer(config.train.args)
-        self.client, self.fleet = self._build_client()  # fleet: the engine processes this run started, if any
+            with self._setup_stage("model"):
+                self._build_model()
+            with self._setup_stage("data"):
+                self._build_data()
+            with self._setup_stage("trainer"):
+                self._build_trainer(config.train.args)
+        with self._setup_stage("engines"):
+            self.client, self.fleet = self._build_client()  # fleet: the engine processes this run started, if any
         # MoE: the rollout returns every token's routed experts when the trainer replays them (and for
         # the first-step gates' routing agreement: record_routing)
         self.data_source = DataSource(self.dataset, self.client, self.tokenizer, self.reward_fn, self.custom_generate,
@@ -158,6 +163,20 @@ class Run:
         self.meter = PhaseMeter(self.device, self.timeline)
         self.trace = TrainerTrace(ns if self.rank == 0 else _without_profile(ns), self.out, self.start, self.device,
                                   error=UsageError)  # --profile-step-*
+
+    @contextlib.contextmanager
+    def _setup_stage(self, name: str):
+        """Time one part of building the run into :attr:`setup_seconds` (device work included: CUDA is
+        synchronized at both ends)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.setup_seconds[name] = time.perf_counter() - t0
 
     def _build_model(self) -> None:
         """``self.model`` (float32): ``--load`` > ``--hf-checkpoint`` > the ``--model`` preset at random
@@ -686,6 +705,7 @@ def first_step(args=None):
     try:
         record = _first_step_record(run, ns)
         record.stage_seconds = {"setup": setup_seconds, **record.stage_seconds}
+        record.setup_seconds = dict(run.setup_seconds)
         return record
     except Exception as exc:
         if run.world_size > 1:  # the gates cannot report it: the other ranks wait in a collective

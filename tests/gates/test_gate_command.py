@@ -265,6 +265,9 @@ def test_rlperf_gate_end_to_end(limit, failed, tmp_path, capsys):
     assert list(stages) == ["setup", "step", "probe", "other"] and min(stages.values()) >= 0.0
     assert stages["setup"] > 0 and stages["step"] > 0 and stages["probe"] > 0
     assert sum(stages.values()) == pytest.approx(report["seconds"], rel=1e-6)
+    setup = report["setup_seconds"]  # the setup stage's parts, in order, within it
+    assert list(setup) == ["model", "data", "trainer", "engines"] and min(setup.values()) >= 0.0
+    assert sum(setup.values()) <= stages["setup"]
 
 
 def test_rlperf_gate_bad_loop_flags_exit_2(tmp_path, capsys):
