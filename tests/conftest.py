@@ -20,6 +20,52 @@ if not HAS_CUDA:
 import rlperf.kernels  # noqa: E402
 
 rlperf.kernels.refresh_environment()
+
+
+def _interpreter_patches_once_per_launch():
+    """Triton's interpreter re-patches ``triton.language`` (``_patch_lang``: ``inspect.getmembers`` over
+    tl, tl.tensor, tl.math, ...) on *every* call of a ``@triton.jit`` helper inside a kernel, not just once
+    per launch: a fifth of the interpreter's time in helper-heavy kernels (norms, rope). The launch's own
+    patch (``GridExecutor``) stays, and so does each helper's first patch in a launch; a repeat call of the
+    same helper in the same launch would set the same attributes to equivalent wrappers again, and its
+    scope is never restored, so skipping it changes nothing the kernels compute. Applied only where
+    Triton's interpreter has the functions this relies on."""
+    import threading
+
+    try:
+        from triton.runtime import interpreter as interp
+    except Exception:
+        return
+    grid_call = getattr(getattr(interp, "GridExecutor", None), "__call__", None)
+    patch_lang = getattr(interp, "_patch_lang", None)
+    scope_cls = getattr(interp, "_LangPatchScope", None)
+    if grid_call is None or patch_lang is None or scope_cls is None:
+        return
+    local = threading.local()
+
+    def launch(self, *args, **kwargs):
+        outer = getattr(local, "patched", None)
+        local.patched = set()
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            local.patched = outer
+
+    def patch_once(fn):
+        patched = getattr(local, "patched", None)
+        if patched is None:
+            return patch_lang(fn)
+        if fn in patched:
+            return scope_cls()
+        patched.add(fn)
+        return patch_lang(fn)
+
+    interp.GridExecutor.__call__ = launch
+    interp._patch_lang = patch_once
+
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    _interpreter_patches_once_per_launch()
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one CPU thread per xdist worker (and for the processes it starts): the workers already keep the
     # cores busy, and more threads than cores make every torch op wait on the others
