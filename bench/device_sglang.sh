@@ -67,10 +67,12 @@ fi
 if [[ " $STAGES " == *" gate "* ]]; then
   run gate 560 python3 -m rlperf gate "${RUN_FLAGS[@]}" --output-dir "$OUT/gate" --report-json "$OUT/gate.json"
   cp "$OUT"/gate/engines/*.log "$OUT/" 2>/dev/null
+  rm -rf "$OUT/gate/sglang-model"  # the saved 0.6b model (1.2 GB): a lane's bundle must fit the call
 fi
 if [[ " $STAGES " == *" train "* ]]; then
   run train 560 python3 -m rlperf train "${RUN_FLAGS[@]}" --num-rollout 3 --output-dir "$OUT/train"
   cp "$OUT/train/metrics.jsonl" "$OUT/train-metrics.jsonl" 2>/dev/null
+  rm -rf "$OUT/train/sglang-model"
 fi
 if [[ " $STAGES " == *" profile "* ]]; then
   model_config /tmp/sglang-0.6b
@@ -97,7 +99,8 @@ if [[ " $STAGES " == *" profile "* ]]; then
 fi
 if [[ " $STAGES " == *" flashinfer "* ]]; then
   run bench-attention 400 python3 -m rlperf bench attention --json "$OUT/bench-attention.json" --markdown "$OUT/BENCHMARKS.md"
-  run bench-logprob 300 python3 -m rlperf bench logprob --quick --json "$OUT/bench-logprob.json" --markdown "$OUT/BENCHMARKS.md"
+  # FlashInfer's first sampling-kernel compiles take minutes (longer while another lane compiles the same)
+  run bench-logprob 480 python3 -m rlperf bench logprob --quick --json "$OUT/bench-logprob.json" --markdown "$OUT/BENCHMARKS.md"
 fi
 if [[ " $STAGES " == *" decode "* ]]; then
   # the full rollout bench: rlperf's decode steps, then the same shapes on transformers (compiled) and on
