@@ -30,7 +30,7 @@ def test_a_row_without_its_flashinfer_anchor_says_why():
     row = BenchRow("attention", "decode paged B=64 KV=4096", "rlperf.paged", 0.2, "flashinfer-paged", float("nan"),
                    1e9, "GB/s", {"phase": "decode", "anchor_unavailable": FI.NOT_INSTALLED})
     md = _markdown_section("attention", [row], {}, {})
-    assert "| flashinfer-paged (flashinfer not installed) | nan |" in md
+    assert "| flashinfer-paged (did not run: flashinfer not installed) | nan |" in md
 
 
 class _Recorder:
