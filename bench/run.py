@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import re
 import sys
 from pathlib import Path
@@ -89,9 +90,10 @@ def _markdown_section(name: str, rows: list[BenchRow], info: dict, summary: dict
         "| case | kernel | ms | anchor | anchor ms | ratio (anchor/kernel) | rate | anchor rate |",
         "|---|---|---:|---|---:|---:|---:|---:|",
     ]
+
     def rate(ms: float, r: BenchRow) -> str:  # rows without a work measure have no rate
         value = r.rate(ms)
-        return "-" if value != value else f"{value:.1f} {r.unit}"
+        return "-" if math.isnan(value) else f"{value:.1f} {r.unit}"
 
     for r in rows:
         anchor = r.anchor

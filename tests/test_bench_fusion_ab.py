@@ -58,3 +58,6 @@ def test_bad_flags_exit_2_naming_them(capsys):
     with pytest.raises(SystemExit) as e:
         fusion_ab.main(["--steps", "0"])
     assert e.value.code == 2 and "--steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        fusion_ab.main(["--prefill", "-1"])
+    assert e.value.code == 2 and "--prefill" in capsys.readouterr().err

@@ -124,7 +124,8 @@ class FirstStepRecord:
     and its weight sync), ``probe`` (the worst-case memory probe). The gate report carries them."""
     setup_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     """``setup`` split, in order (:attr:`rlperf.loop.runner.Run.setup_seconds`): ``model`` (the policy
-    model built on its device), ``data`` (the prompts, tokenizer and reward), ``trainer`` (optimizer,
-    reference copy, kernel warm-up), ``engines`` (the rollout client: an in-process engine with its
-    KV cache and CUDA graphs, or engine processes started and healthy); the rest of ``setup`` is
-    parsing and device set-up."""
+    model built on its device, random init or loaded, and the tokenizer), ``data`` (the prompts and the
+    reward), ``trainer`` (the embedded task's format warm-up, the reference copy, the trainer and its
+    optimizer, a ``--load`` state), ``engines`` (the rollout client: an in-process engine with its KV
+    cache, or engine processes started and healthy); the rest of ``setup`` is parsing and device
+    set-up."""
