@@ -113,13 +113,17 @@ class Qwen3ForCausalLM(nn.Module):
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu", std: float = 0.02,
                reduction_leaves: int | None = None):
-        """Random init (normal(0, std) matrices, unit norms), reproducible from ``seed`` on any device."""
+        """Random init (normal(0, std) matrices, unit norms), reproducible from ``seed`` on any device.
+
+        Every matrix is drawn in float32 by one CPU generator (the same values on every device), moved
+        to ``device``, scaled by ``std`` there (one float32 multiply: the same bits on CPU and GPU, and
+        it spares the host a pass over every weight) and then cast to ``dtype``."""
         model = cls(cfg, dtype, device, reduction_leaves)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.dim() >= 2:
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+                    p.copy_(torch.randn(p.shape, generator=gen).to(p.device).mul_(std))
         return model
 
     @property

@@ -136,3 +136,21 @@ def _paged_run(model, seqs, chunk, page_order, device="cpu"):
         for i, b in enumerate(rows):
             outs[b].append(hidden[cu[i]:cu[i + 1]])
     return [torch.cat(o) for o in outs]
+
+
+def test_random_init_draws_in_float32_then_casts():
+    """A half-precision init is the float32 init cast (the scale is applied before the cast)."""
+    full = Qwen3ForCausalLM.random(CFG, seed=4)
+    half = Qwen3ForCausalLM.random(CFG, seed=4, dtype=torch.bfloat16)
+    for (name, a), (_, b) in zip(full.named_parameters(), half.named_parameters()):
+        assert torch.equal(a.detach().to(torch.bfloat16), b.detach()), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_random_init_equals_the_cpu_init_bit_for_bit(dtype):
+    """The seeded init is the same on every device (its scale is applied on the GPU there)."""
+    cpu = Qwen3ForCausalLM.random(CFG, seed=4, dtype=dtype)
+    gpu = Qwen3ForCausalLM.random(CFG, seed=4, dtype=dtype, device="cuda")
+    for (name, a), (_, b) in zip(cpu.named_parameters(), gpu.named_parameters()):
+        assert torch.equal(a.detach(), b.detach().cpu()), name
