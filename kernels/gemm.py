@@ -518,12 +518,15 @@ def invariant_linear_grads(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, ne
     return dx, dw
 
 
-SWIGLU_EPILOGUE_MAX_ROWS = 64
+SWIGLU_EPILOGUE_MAX_ROWS = 0
 """The most rows (tokens) for which :func:`linear_silu_mul` takes its one fused launch; above, the two
-calls. Measured on an H100 (``python -m rlperf.bench.fusion_ab``, 0.6b shape): with the epilogue for
-every M, a B=256 decode step took 15.0 ms against 12.9 ms with the two calls, and a 16x512-token prefill
-46.7 / 29.0 ms; the epilogue saves a launch, which pays where a step is launch bound (decode batches),
-not where the product is large. Both forms give the same bits, so the threshold changes no token."""
+calls. 0: never, by default. Measured on an H100 (``python -m rlperf.bench.fusion_ab``, 0.6b shape,
+invariant mode, CUDA-graph decode): with the epilogue, decode steps took 2.86 / 3.36 / 5.16 ms at B =
+1 / 16 / 64 against 2.57 / 2.98 / 5.23 ms with the two calls (one GPU alone, 2026-11-27; a run beside
+three other GPUs' work agreed: 0.85x / 0.83x / 0.85x with the two calls), and at B=256 and in prefill
+it cost more still (15.0 against 12.9 ms, 46.7 against 29.0 ms). The launch it saves is worth less than
+the epilogue's wider tiles cost. Both forms give the same bits, so the limit changes no token; the
+fused form stays for the A/B bench and its bit tests, which raise the limit."""
 
 
 def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
