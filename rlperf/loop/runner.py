@@ -219,15 +219,24 @@ class Run:
             raise UsageError(str(exc)) from None
 
     def _build_trainer(self, train_args) -> None:
-        """The embedded task's format warm-up (a preset model only), the reference model (``--ref-load``,
-        else a frozen copy of the actor when a KL term needs one), the trainer (data parallel:
-        :meth:`_shard_trainer`) and, with ``--load``, its state (``self.start``: the first rollout)."""
+        """The embedded task's format warm-up (a preset model only; rank 0 alone runs it), the reference
+        model (``--ref-load``, else a frozen copy of the actor when a KL term needs one), on several
+        ranks rank 0's actor and reference broadcast to every rank, the trainer (data parallel:
+        :meth:`_shard_trainer`; expert parallel: :meth:`_expert_parallel_trainer`; megatron:
+        :meth:`_megatron_trainer`) and, with ``--load``, its state (``self.start``: the first rollout).
+
+        ``self.warmup_loss``: the warm-up's last loss where this process ran it, else None (a
+        ``--prompt-data`` run, a loaded model, a rank other than 0). The other ranks skip the warm-up
+        because nothing reads their actor before the broadcast overwrites it with rank 0's warmed
+        weights (their reference, a copy of their unwarmed actor, is overwritten with rank 0's warmed
+        reference alike); the warm-up draws no random numbers, so the ranks' generators stay alike."""
         from rlperf.data.embedded import EMBEDDED_TASK, format_warmup
         from rlperf.model.qwen3 import Qwen3ForCausalLM
         from rlperf.train import Trainer, frozen_copy
 
         m = self.config.model
-        if self.config.data.embedded and not m.init_path:
+        self.warmup_loss = None
+        if self.config.data.embedded and not m.init_path and self.rank == 0:
             self.warmup_loss = format_warmup(self.model, EMBEDDED_TASK, self.tokenizer)
         ref = None
         if m.ref_load:
@@ -236,6 +245,14 @@ class Run:
                                                        device=self.device)
         elif train_args.use_kl_loss or train_args.kl_coef:
             ref = frozen_copy(self.model)  # the actor as it starts (slime asks for --ref-load)
+        if self.world_size > 1:
+            # every rank starts from rank 0's weights, whatever each built or loaded (and rank 0 alone
+            # warmed up): every layout below (fsdp, expert parallel, megatron) shards these
+            from rlperf.train.fsdp import broadcast_parameters
+
+            broadcast_parameters(self.model)
+            if ref is not None:
+                broadcast_parameters(ref)
         # the model built above holds the float32 master weights; the trainer's compute copy (bf16 on
         # CUDA) is what forward/backward, weight sync, the engine and the checksum see
         if self.config.train.backend == "megatron":
@@ -266,30 +283,24 @@ class Run:
                               kernel_backend=self.policy.backend, rank=self.rank, world_size=self.world_size)
 
     def _shard_trainer(self, train_args, ref, engine_copy: bool = True) -> None:
-        """Data parallel: every rank starts from rank 0's weights, the actor (and reference) are
-        sharded by FSDP2 (:class:`rlperf.train.fsdp.FSDPTrainer`: its shards are the float32 masters),
-        and with ``engine_copy`` ``self.model`` becomes the rank's engine copy in the compute dtype (full
+        """Data parallel: every rank starts from rank 0's weights (broadcast by :meth:`_build_trainer`),
+        the actor (and reference) are sharded by FSDP2 (:class:`rlperf.train.fsdp.FSDPTrainer`: its
+        shards are the float32 masters), and with ``engine_copy`` ``self.model`` becomes the rank's engine copy in the compute dtype (full
         weights, loaded from the shards at every sync). Without it (disaggregated engines: the weights
         go to them from the gathered shards) there is no full copy and ``self.model`` is the sharded
         master model."""
         from rlperf.train.fsdp import FSDPTrainer
 
         dtype = compute_dtype(self.precision)
-        engine_model = self._rank_start(ref, dtype, engine_copy)
+        engine_model = self._engine_copy(dtype, engine_copy)
         self.trainer = FSDPTrainer(self.model, train_args, ref, compute_dtype=dtype,
                                    routing_replay=self.config.train.moe.routing_replay)
         self.master_model = self.trainer.master_model
         self.model = engine_model if engine_copy else self.master_model
 
-    def _rank_start(self, ref, dtype, engine_copy: bool):
-        """Every rank starts from rank 0's weights (``self.model`` and the reference ``ref``, broadcast);
-        returns, with ``engine_copy``, the rank's engine copy in ``dtype`` (its weights loaded at every
-        sync), else None."""
-        from rlperf.train.fsdp import broadcast_parameters
-
-        broadcast_parameters(self.model)
-        if ref is not None:
-            broadcast_parameters(ref)
+    def _engine_copy(self, dtype, engine_copy: bool):
+        """With ``engine_copy``, the rank's engine copy of ``self.model`` in ``dtype`` (its weights loaded
+        at every sync), else None."""
         if not engine_copy:
             return None
         engine_model = type(self.model)(self.model.cfg, dtype, self.device)
@@ -297,14 +308,15 @@ class Run:
         return engine_model
 
     def _expert_parallel_trainer(self, train_args, ref, engine_copy: bool = True) -> None:
-        """``--expert-model-parallel-size EP > 1``: every rank starts from rank 0's weights, keeps its share
-        of the experts (:class:`rlperf.train.expert_parallel.ExpertParallelTrainer`) and, with
+        """``--expert-model-parallel-size EP > 1``: every rank starts from rank 0's weights (broadcast by
+        :meth:`_build_trainer`), keeps its share of the experts
+        (:class:`rlperf.train.expert_parallel.ExpertParallelTrainer`) and, with
         ``engine_copy``, a full engine copy in the compute dtype (``self.model``), loaded from the
         gathered weights at every sync (as the data-parallel ranks' engines)."""
         from rlperf.train.expert_parallel import ExpertParallelTrainer
 
         dtype = compute_dtype(self.precision)
-        engine_model = self._rank_start(ref, dtype, engine_copy)
+        engine_model = self._engine_copy(dtype, engine_copy)
         moe = self.config.train.moe
         self.trainer = ExpertParallelTrainer(self.model, train_args, ref, compute_dtype=dtype,
                                              routing_replay=moe.routing_replay,
@@ -315,16 +327,16 @@ class Run:
     def _megatron_trainer(self, train_args, ref) -> None:
         """``--train-backend megatron``: megatron's tensor / pipeline / data-parallel groups over the actor
         ranks (a one-rank group of this process alone when there is no default group), this rank's stage
-        and shards of a ``GPTModel`` (and of the reference) loaded from rank 0's full HF weights, and a
-        :class:`rlperf.train.megatron.trainer.MegatronTrainer`. ``self.model`` becomes this rank's engine
-        copy: rlperf's model in the compute dtype, in the tree mode (``reduction_leaves``) whose bits are
-        the trainer's at any TP / PP (true on-policy), loaded at every sync from the gathered shards."""
+        and shards of a ``GPTModel`` (and of the reference) loaded from rank 0's full HF weights (broadcast
+        by :meth:`_build_trainer`), and a :class:`rlperf.train.megatron.trainer.MegatronTrainer`.
+        ``self.model`` becomes this rank's engine copy: rlperf's model in the compute dtype, in the tree
+        mode (``reduction_leaves``) whose bits are the trainer's at any TP / PP (true on-policy), loaded
+        at every sync from the gathered shards."""
         import torch.distributed as dist
 
         from rlperf.kernels.tree_reduce import TREE_LEAVES
         from rlperf.model.qwen3 import Qwen3ForCausalLM
         from rlperf.rollout.router import free_port
-        from rlperf.train.fsdp import broadcast_parameters
         from rlperf.train.megatron.model import RecomputeConfig, build_gpt_model
         from rlperf.train.megatron.runtime import ParallelLayout, initialize_model_parallel
         from rlperf.train.megatron.trainer import MegatronTrainer
@@ -334,10 +346,6 @@ class Run:
             dist.init_process_group("gloo" if self.device.type == "cpu" else "cpu:gloo,cuda:nccl",
                                     init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
             self._own_group = True
-        if self.world_size > 1:  # every rank starts from rank 0's weights, whatever each built or loaded
-            broadcast_parameters(self.model)
-            if ref is not None:
-                broadcast_parameters(ref)
         flags = (f"--tensor-model-parallel-size {mc.tensor_model_parallel_size} --pipeline-model-parallel-size "
                  f"{mc.pipeline_model_parallel_size}" + (" --sequence-parallel" if mc.sequence_parallel else ""))
         try:

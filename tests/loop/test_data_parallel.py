@@ -5,6 +5,7 @@ few seconds of start-up; the 1-rank runs run in this process. Bit-for-bit claims
 rollout (same weights, batch-invariant kernels, seeds by sample index); after an update the ranks'
 gradient sum differs from one process's in rounding only, so later rollouts are compared loosely.
 """
+import dataclasses
 import json
 from pathlib import Path
 
@@ -126,6 +127,63 @@ def test_two_ranks_generate_and_score_the_one_rank_samples_bit_for_bit(tmp_path)
         assert two["step"][key] == pytest.approx(one.step_metrics[key], rel=1e-5, abs=1e-7)
     assert two["step"]["train/train_rollout_logprob_abs_diff"] == one.step_metrics["train/train_rollout_logprob_abs_diff"]
     assert set(two["phases"]) == {"rollout", "log_prob", "train", "weight_sync"}
+
+
+def _with_reference(ns):
+    """``ns``'s train args with a reference model (a KL loss of coefficient 0, as the first step asks)."""
+    return dataclasses.replace(ns.train_args, use_kl_loss=True, kl_loss_coef=0.0)
+
+
+def _start_on_rank(ns) -> int:
+    """A rank's entry (spawned): the run built and its engine synced, no step; every rank's warm-up loss
+    and the checksums of its engine's weights and of the full reference (gathered from the shards),
+    all-gathered to rank 0, which saves them."""
+    import torch.distributed as dist
+
+    from rlperf.loop.runner import Run
+    from rlperf.sync import weights_checksum
+
+    with actor_process_group(ns) as place:
+        run = Run(ns, train_args=_with_reference(ns))
+        try:
+            run.sync(-1)
+            trainer = run.trainer
+            mine = {"warmup_loss": run.warmup_loss,
+                    "engine": weights_checksum(run.model.hf_state_dict().items()),
+                    "ref": weights_checksum(iter_hf_weights(trainer.ref_model, root=trainer.ref_module))}
+            every: list = [None] * place.world_size
+            dist.all_gather_object(every, mine)
+            if place.rank == 0:
+                torch.save(every, ns.dump)
+        finally:
+            run.close()
+    return 0
+
+
+def test_rank_0_alone_warms_up_and_every_rank_starts_from_its_warmed_weights(tmp_path):
+    """The embedded task's format warm-up runs on rank 0 alone (``warmup_loss`` None on rank 1), and
+    every rank's engine and the sharded reference hold the one-rank run's warmed weights, bit for bit."""
+    from rlperf.loop.runner import Run
+    from rlperf.sync import weights_checksum
+
+    flags = ["--device", "cpu", *FAST]
+    ns_one = parse_train_args(flags + ["--output-dir", str(tmp_path / "one")])
+    one = Run(ns_one, train_args=_with_reference(ns_one))
+    try:
+        one.sync(-1)
+        expect = {"warmup_loss": one.warmup_loss, "engine": weights_checksum(one.model.hf_state_dict().items()),
+                  "ref": weights_checksum(one.trainer.ref_model.hf_state_dict().items())}
+        cold = weights_checksum(Qwen3ForCausalLM.random(one.model.cfg, seed=one.config.runtime.seed)
+                                .hf_state_dict().items())
+    finally:
+        one.close()
+    assert isinstance(expect["warmup_loss"], float) and expect["engine"] == expect["ref"] != cold  # warmed up
+    ns = parse_train_args(flags + ["--output-dir", str(tmp_path / "two"), "--actor-num-gpus-per-node", "2"])
+    ns.dump = str(tmp_path / "two.pt")
+    assert LocalPlacement().launch_actors(_start_on_rank, ns, ActorLayout(1, 2)) == 0
+    rank0, rank1 = torch.load(ns.dump, weights_only=False)
+    assert rank0 == expect  # rank 0's warm-up is the one-rank run's, bit for bit
+    assert rank1 == {**expect, "warmup_loss": None}  # rank 1 ran none, and holds rank 0's warmed weights
 
 
 def test_two_ranks_learn_like_one_and_rank_0_alone_writes(tmp_path, capfd):
