@@ -60,24 +60,28 @@ on a GPU cost ~1.7 s of host-bound launches per step."""
 
 
 def format_warmup(model, task: EmbeddedTask, tokenizer, steps: int = 60, lr: float = 1e-2,
-                  graphed: bool | None = None) -> float:
+                  compute_dtype: torch.dtype | None = None, graphed: bool | None = None) -> float:
     """Supervised format steps (module docstring): each prompt followed by each letter then EOS, so
-    the cross-entropy is minimal for a uniform letter; returns the last loss. Deterministic.
+    the cross-entropy is minimal for a uniform letter; updates ``model`` in place and returns the last
+    loss. Deterministic.
 
     Every step is the same packed micro-batch (32 samples, 288 tokens with the embedded tokenizer):
-    forward, cross-entropy of the response tokens, backward, Adam. On CPU the loss is
-    ``cross_entropy`` of the model's float32 logits. On CUDA it is ``-mean`` of the fused log-prob
-    path's log-probs (:meth:`Qwen3ForCausalLM.token_logprobs`, what the trainer runs; the same loss
-    in exact arithmetic): the plain logits' backward there is a ``[rows, vocab] x [vocab, hidden]``
-    product whose reduction runs over the whole vocabulary in a few output tiles (the batch-invariant
-    matmul never splits K), 70 of the 106 ms of a 0.6b step on an H100. Adam is fused there.
+    forward, ``cross_entropy`` of the response tokens' float32 logits, backward, Adam on ``model``'s
+    parameters. ``compute_dtype`` (the run's, e.g. bfloat16 on CUDA; None: the model's own dtype) is
+    the dtype of the forward and backward, as in a train step (:mod:`rlperf.train.trainer`): with a
+    lower one, a copy of the model in that dtype computes, its gradients are copied into float32
+    gradients of ``model`` (the master weights, which Adam updates) and the masters are rounded back
+    into the copy after each step. Why: the float32 products of a 0.6b step took 72 of its 98 ms on an
+    H100 (the batch-invariant matmul's tf32x3 at 288 rows), 6 s of every 0.6b gate's start.
 
-    A CUDA step is then a few milliseconds of kernels behind ~880 launches from Python, so the first
+    On CUDA a step is then a few milliseconds of kernels behind ~880 launches from Python, so the first
     step runs eagerly (it compiles the kernels and allocates Adam's state) and the other ``steps - 1``
-    replay one CUDA graph of the step (:func:`_replay_steps`); Adam is ``capturable``, eager and
-    graphed alike. ``graphed``: None replays on CUDA, False runs every step eagerly (the GPU test's
-    reference). A replay runs the kernels of the eager step on the same buffers: the GPU test
+    replay one CUDA graph of the step (:func:`_replay_steps`); there Adam is fused and ``capturable``,
+    eager and graphed alike. ``graphed``: None replays on CUDA, False runs every step eagerly (the GPU
+    test's reference). A replay runs the kernels of the eager step on the same buffers: the GPU test
     (``tests/loop/test_format_warmup.py``) checks the graphed warm-up against the eager one bit for bit."""
+    import copy
+
     from rlperf.train import Sample, pack_micro_batches
 
     eos = tokenizer.eos_token_ids[0]
@@ -87,37 +91,47 @@ def format_warmup(model, task: EmbeddedTask, tokenizer, steps: int = 60, lr: flo
     on_cuda = model.device.type == "cuda"
     if graphed and not on_cuda:
         raise ValueError(f"format_warmup: graphed=True needs a model on CUDA, not on {model.device}")
-    opt = torch.optim.Adam(model.parameters(), lr=lr, capturable=on_cuda, fused=on_cuda or None)
-
-    def loss_and_grads() -> torch.Tensor:
-        rows = model.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens)[mb.logit_rows]
-        if on_cuda:
-            loss = -model.token_logprobs(rows, mb.targets).mean()
-        else:
-            loss = torch.nn.functional.cross_entropy(model.logits(rows).float(), mb.targets)
-        loss.backward()
-        return loss
+    masters = [p for p in model.parameters() if p.requires_grad]
+    mixed = compute_dtype is not None and compute_dtype != masters[0].dtype
+    if mixed and masters[0].dtype != torch.float32:
+        raise ValueError(f"format_warmup: a {compute_dtype} warm-up needs float32 master weights, not {masters[0].dtype}")
+    compute = copy.deepcopy(model).to(compute_dtype) if mixed else model
+    params = [p for p in compute.parameters() if p.requires_grad]  # the masters' order
+    if mixed:  # static float32 gradients, overwritten by every step
+        for m in masters:
+            m.grad = torch.zeros_like(m)
+    opt = torch.optim.Adam(masters, lr=lr, capturable=on_cuda, fused=on_cuda or None)
 
     def step() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        loss = loss_and_grads()
+        rows = compute.forward_packed(mb.input_ids, mb.positions, mb.cu_seqlens)[mb.logit_rows]
+        loss = torch.nn.functional.cross_entropy(compute.logits(rows).float(), mb.targets)
+        if mixed:
+            with torch.no_grad():
+                torch._foreach_copy_([m.grad for m in masters], torch.autograd.grad(loss, params, materialize_grads=True))
+        else:
+            opt.zero_grad(set_to_none=True)  # backward then writes fresh gradients (in a capture: its pool's)
+            loss.backward()
         opt.step()
+        if mixed:
+            with torch.no_grad():
+                torch._foreach_copy_(params, masters)
         return loss
 
     loss = torch.tensor(float("nan"))
     if on_cuda and graphed is not False and steps > 1:
-        loss = _replay_steps(step, loss_and_grads, opt, steps)
+        loss = _replay_steps(step, steps)
     else:
         for _ in range(steps):
             loss = step()
+    for m in masters:
+        m.grad = None
     return float(loss.detach())
 
 
-def _replay_steps(step, loss_and_grads, opt, steps: int) -> torch.Tensor:
-    """``steps`` warm-up steps on CUDA, on a side stream: one eager ``step()``, then one captured step
-    (gradients set to None before the capture, so the captured backward writes fresh gradients in the
-    graph's pool rather than adding to old ones) replayed ``steps - 1`` times. Returns the last
-    step's loss; the graph and its gradients are freed before returning.
+def _replay_steps(step, steps: int) -> torch.Tensor:
+    """``steps`` warm-up steps on CUDA, on a side stream: one eager ``step()``, then one captured
+    ``step()`` replayed ``steps - 1`` times. Returns the last step's loss; the graph is freed before
+    returning.
 
     The capture calls ``capture_begin``/``capture_end`` itself: ``torch.cuda.graph``'s entry also runs
     ``gc.collect()`` and ``empty_cache()``, 0.66 s of a 0.6b gate's start for memory this step does
@@ -127,17 +141,14 @@ def _replay_steps(step, loss_and_grads, opt, steps: int) -> torch.Tensor:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         step()
-        opt.zero_grad(set_to_none=True)
         graph.capture_begin()
         try:
-            loss = loss_and_grads()
-            opt.step()
+            loss = step()
         finally:
             graph.capture_end()
         for _ in range(steps - 1):
             graph.replay()
         loss = loss.detach().clone()
-        opt.zero_grad(set_to_none=True)
     torch.cuda.current_stream().wait_stream(side)
     del graph
     return loss

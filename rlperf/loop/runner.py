@@ -237,7 +237,8 @@ class Run:
         m = self.config.model
         self.warmup_loss = None
         if self.config.data.embedded and not m.init_path and self.rank == 0:
-            self.warmup_loss = format_warmup(self.model, EMBEDDED_TASK, self.tokenizer)
+            self.warmup_loss = format_warmup(self.model, EMBEDDED_TASK, self.tokenizer,
+                                             compute_dtype=compute_dtype(self.precision))
         ref = None
         if m.ref_load:
             with _usage_errors("--ref-load", m.ref_load):
