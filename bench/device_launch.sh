@@ -8,8 +8,8 @@
 #   rollout.json/.log    rlperf bench rollout --quick: decode step time and launches per decode step
 #   embedded/ + .log     rlperf train --device cuda on the embedded default (10 rollouts, gates skipped):
 #                        the median step and train phase per rollout (the issue's <= 0.1 s per step)
-#   gate-cold.log / gate-warm.log   rlperf gate on the qwen3-0.6b shape twice: wall seconds with the
-#                        kernel cache as the steps before left it, then warm, and the first step's
+#   gate-cold.log / gate-warm.log   rlperf gate on the qwen3-0.6b shape twice: wall seconds with an
+#                        empty kernel cache of its own, then with that cache warm, and the first step's
 #                        stages (the report's stage_seconds: setup, step, probe, other)
 #   summary.md           eager vs graphed: tokens/s, train phase s, MFU, the ratio to eager, launches per
 #                        micro-step and per log-prob pass; launches per decode step
@@ -54,6 +54,11 @@ if wanted embedded; then
     --num-rollout 10 --output-dir "$OUT/embedded"
 fi
 if wanted gate; then
+  # cold: an empty Triton cache of its own (whatever the steps before compiled); warm: the same cache
+  # again, filled by the cold run alone. Python bytecode is cached by device_setup.sh (a fresh machine
+  # writes it in its first python3 process: run another step first for a cold-kernels-only number).
+  TRITON_CACHE_DIR=$(mktemp -d)
+  export TRITON_CACHE_DIR  # the gates are the last step: nothing after them uses another cache
   for run in cold warm; do
     step gate-$run 90 python3 -m rlperf gate --device cuda --model qwen3-0.6b --no-progress \
       --output-dir "$OUT/gate-$run" --report-json "$OUT/gate-$run.json"
