@@ -70,6 +70,7 @@ from rlperf.telemetry import PhaseMeter, PhaseTimeline, TrainerTrace, default_pa
 from rlperf.telemetry.loggers import open_loggers
 
 from . import checkpoint as ckpt
+from . import warm_start
 from .args import UsageError, check_moe_model, is_resolved, memory_limit
 from .clients import ServerAuthError, client_for
 from .config import RunConfig
@@ -180,21 +181,43 @@ class Run:
 
     def _build_model(self) -> None:
         """``self.model`` (float32): ``--load`` > ``--hf-checkpoint`` > the ``--model`` preset at random
-        init; ``self.tokenizer``."""
+        init, or warmed already when an earlier run of this process kept its warm-up's result for the
+        same key (``self.warm_started``, :mod:`rlperf.loop.warm_start`); ``self.tokenizer``."""
         from rlperf.model import preset
         from rlperf.model.qwen3 import Qwen3ForCausalLM
         from rlperf.rollout.tokenizer import load_tokenizer
 
         m = self.config.model
         init_path = ckpt.model_dir(m.load) if m.load else m.hf_checkpoint
+        self.warm_started = None  # the warmed weights of an earlier run of this process, when they apply
         if init_path:
             with _usage_errors("--load" if m.load else "--hf-checkpoint", m.load or init_path):
                 self.model = Qwen3ForCausalLM.from_pretrained(init_path, dtype=torch.float32, device=self.device)
+        elif self._warms_up() and (kept := warm_start.lookup(self._warm_start_key(preset(m.preset)))):
+            self.warm_started = kept  # rlperf.loop.warm_start: no random init, no warm-up
+            self.model = Qwen3ForCausalLM(preset(m.preset), torch.float32, self.device)
+            kept.load_into(self.model)
         else:
             self.model = Qwen3ForCausalLM.random(preset(m.preset), seed=self.config.runtime.seed, device=self.device)
         self.tokenizer = load_tokenizer(m.hf_checkpoint, self.model.cfg.vocab_size)
         moe = self.config.train.moe
         check_moe_model(self.model.cfg, moe.expert_model_parallel_size, moe.routing_replay)
+
+    def _warms_up(self) -> bool:
+        """Whether this process gives the model the embedded task's format warm-up: a preset model (no
+        ``--load`` / ``--hf-checkpoint``) on the embedded task, on rank 0 (the others take its weights)."""
+        return self.config.data.embedded and not self.config.model.init_path and self.rank == 0
+
+    def _warm_start_key(self, cfg) -> tuple:
+        """Everything the warm-up's result depends on (:mod:`rlperf.loop.warm_start`): the preset model
+        ``cfg`` and the seed it is drawn from, the device, the compute dtype, the kernels (mode and the
+        backend they resolve to here), the CPU threads, deterministic algorithms, the task and the
+        warm-up function itself."""
+        from rlperf.data.embedded import EMBEDDED_TASK, format_warmup
+
+        return (cfg, self.config.runtime.seed, str(self.device), compute_dtype(self.precision), self.policy.mode,
+                self.policy.backend_for(self.device), torch.get_num_threads(),
+                torch.are_deterministic_algorithms_enabled(), EMBEDDED_TASK, format_warmup)
 
     def _build_data(self) -> None:
         """The prompts (``self.dataset``), the reward, the rollout function and the custom generate
@@ -225,7 +248,10 @@ class Run:
         :meth:`_shard_trainer`; expert parallel: :meth:`_expert_parallel_trainer`; megatron:
         :meth:`_megatron_trainer`) and, with ``--load``, its state (``self.start``: the first rollout).
 
-        ``self.warmup_loss``: the warm-up's last loss where this process ran it, else None (a
+        A preset model whose warmed weights an earlier run of this process kept (the gates' run before
+        the training run: :mod:`rlperf.loop.warm_start`) was loaded with them and is not warmed up again.
+
+        ``self.warmup_loss``: the warm-up's last loss where this process ran it (or took its result), else None (a
         ``--prompt-data`` run, a loaded model, a rank other than 0). The other ranks skip the warm-up
         because nothing reads their actor before the broadcast overwrites it with rank 0's warmed
         weights (their reference, a copy of their unwarmed actor, is overwritten with rank 0's warmed
@@ -236,9 +262,12 @@ class Run:
 
         m = self.config.model
         self.warmup_loss = None
-        if self.config.data.embedded and not m.init_path and self.rank == 0:
+        if self.warm_started is not None:
+            self.warmup_loss = self.warm_started.loss
+        elif self._warms_up():
             self.warmup_loss = format_warmup(self.model, EMBEDDED_TASK, self.tokenizer,
                                              compute_dtype=compute_dtype(self.precision))
+            warm_start.keep(self._warm_start_key(self.model.cfg), self.model, self.warmup_loss)
         ref = None
         if m.ref_load:
             with _usage_errors("--ref-load", m.ref_load):
