@@ -80,6 +80,10 @@ RECEIVE_TIMEOUT_S = 60.0
 """Seconds one ``/update_weights_from_distributed`` request over gloo may take to receive its bytes
 before it fails with 400 and the group is left (one 512 MiB bucket takes about a second on loopback;
 this only bounds how long a sender that stalls is waited for)."""
+COLLECTIVE_MARGIN_S = 10.0
+"""How much longer the receiver child's gloo collectives wait than the request's receive bound: the
+engine's bound always ends a stalled receive first (the child is killed, the reply names the bound:
+"no answer within N s"), never gloo's own timeout inside the child, whose error would race it."""
 _RANGE_ALIGN = 16
 _NAME = re.compile(r"[A-Za-z0-9_.:/\-]{1,128}")
 _HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]%]{1,255}")
@@ -315,7 +319,7 @@ class WeightGroups:
         try:
             if receiver is not None:
                 await asyncio.to_thread(receiver.join, req.master_address, req.master_port, req.rank,
-                                        req.world_size, self.join_timeout, self.receive_timeout)
+                                        req.world_size, self.join_timeout, self.receive_timeout + COLLECTIVE_MARGIN_S)
                 group = receiver
             else:
                 group = await asyncio.to_thread(
