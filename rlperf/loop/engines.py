@@ -29,7 +29,7 @@ from pathlib import Path
 
 from rlperf.rollout.args import ServerArgs, server_argv
 from rlperf.rollout.router import (Cluster, child_env, free_port, http_json, output_tail, spawn,
-                                   start_router, start_servers, wait_until)
+                                   start_router_on_free_port, start_servers, wait_until)
 
 from . import checkpoint as ckpt
 from .config import RunConfig
@@ -109,10 +109,9 @@ class EngineFleet:
                                           envs=envs, die_with_parent=True)
         except (RuntimeError, TimeoutError) as exc:
             raise EngineFleetError(f"the {n} rollout engine(s) on {where} did not start: {exc}") from None
-        port = free_port(args.host)
         try:
-            router = start_router(urls, args.host, port, env=env, log_dir=str(log_dir) if log_dir else None,
-                                  api_key=args.api_key, die_with_parent=True)
+            router, port = start_router_on_free_port(urls, args.host, env=env, api_key=args.api_key,
+                                                     log_dir=str(log_dir) if log_dir else None, die_with_parent=True)
         except BaseException as exc:
             Cluster(servers, None, urls, "").close()
             if isinstance(exc, (RuntimeError, TimeoutError)):

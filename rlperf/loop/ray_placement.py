@@ -477,15 +477,15 @@ class RayPlacement(Placement):
         """Start one engine per bundle of ``bundles`` (:class:`EngineActor`) with ``server_args`` (host and
         port are each engine's own), then the sglang-router here in front of them; the router's URL."""
         ray = self._ray
-        from rlperf.rollout.router import start_router
+        from rlperf.rollout.router import start_router_on_free_port
 
         actor = _remote(EngineActor)
         self._engines = [actor.options(**self._options(b)).remote(i, b) for i, b in enumerate(bundles)]
         self.slots += ray.get([e.where.remote() for e in self._engines])
         urls = ray.get([e.start.remote(server_args, log_dir, os.getcwd(), timeout) for e in self._engines])
         ip = ray.util.get_node_ip_address()
-        port = free_port(ip)
-        self._router = start_router(urls, ip, port, log_dir=log_dir, api_key=server_args.api_key, die_with_parent=True)
+        self._router, port = start_router_on_free_port(urls, ip, log_dir=log_dir, api_key=server_args.api_key,
+                                                       die_with_parent=True)
         return f"http://{ip}:{port}"
 
     def _engine_server_args(self, ns: argparse.Namespace):

@@ -55,8 +55,8 @@ import re
 import sys
 from pathlib import Path
 
-from rlperf.rollout.router import (Cluster, ProcessExited, _kill, free_port, http_json, spawn, start_router,
-                                   wait_until)
+from rlperf.rollout.router import (Cluster, ProcessExited, _kill, free_port, http_json, spawn,
+                                   start_router_on_free_port, wait_until)
 from rlperf.sync import SYNC_BUCKET_BYTES
 from rlperf.sync.distributed import (INIT_ENDPOINT, WeightBroadcaster, WeightSyncError, _address_towards, _in_thread,
                                      init_weight_update_group, master_store)
@@ -238,9 +238,8 @@ def start_sglang_fleet(config: RunConfig, model, *, env=None) -> EngineFleet:
           f"--attention-backend {s.attention_backend}) on {where} behind the sglang-router; logs in {log_dir}",
           file=sys.stderr, flush=True)
     servers, urls = start_sglang_servers(argvs, envs, log_dir, s.launch_timeout, env=env)
-    port = free_port(HOST)
     try:
-        router = start_router(urls, HOST, port, env=env, log_dir=str(log_dir), die_with_parent=True)
+        router, port = start_router_on_free_port(urls, HOST, env=env, log_dir=str(log_dir), die_with_parent=True)
     except BaseException as exc:
         Cluster(servers, None, urls, "").close()
         if isinstance(exc, (RuntimeError, TimeoutError)):

@@ -265,6 +265,25 @@ def start_router(worker_urls: list[str], host: str, port: int, policy: str = "ro
     return proc
 
 
+ADDRESS_IN_USE = "Address already in use"
+"""What the router prints (the OS's words) when a port it was given is taken."""
+PORT_ATTEMPTS = 3
+
+
+def start_router_on_free_port(worker_urls: list[str], host: str, **kwargs) -> tuple[subprocess.Popen, int]:
+    """:func:`start_router` on a port :func:`free_port` picks; ``(router, port)``. A free port can be
+    taken by another process between the pick and the router's bind (many clusters starting at once on
+    one host): a router that exits saying its address is in use is started again on new ports, at most
+    :data:`PORT_ATTEMPTS` times in all; any other failure is raised at once."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port(host)
+        try:
+            return start_router(worker_urls, host, port, **kwargs), port
+        except ProcessExited as exc:
+            if ADDRESS_IN_USE not in exc.output or attempt == PORT_ATTEMPTS:
+                raise
+
+
 def launch_cluster(args: ServerArgs, n: int, router_port: int, policy: str = "round_robin", env=None,
                    log_dir: str | None = None, ports: list[int] | None = None) -> Cluster:
     servers, urls = start_servers(args, n, env=env, log_dir=log_dir, ports=ports)

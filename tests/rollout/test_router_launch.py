@@ -84,3 +84,79 @@ def test_a_server_that_exits_at_start_is_quoted_too(free_ports, tmp_path):
         R.start_servers(args, 1, env=_env(), timeout=60)
     assert "exited with" in str(info.value) and "neither a preset" in str(info.value), str(info.value)
     assert sys.executable in str(info.value)
+
+
+def _taken_port():
+    """A listening socket on a port the OS picked (the caller closes it)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+def test_a_real_router_on_a_taken_port_says_its_address_is_in_use(tmp_path):
+    """The words :func:`start_router_on_free_port` retries on are the router's own."""
+    pytest.importorskip("sglang_router")
+    sock, port = _taken_port()
+    try:
+        with pytest.raises(R.ProcessExited) as info:
+            R.start_router(["http://127.0.0.1:1"], "127.0.0.1", port, env=_env(), log_dir=str(tmp_path), timeout=30)
+    finally:
+        sock.close()
+    assert R.ADDRESS_IN_USE in info.value.output
+
+
+def test_a_port_taken_after_its_pick_is_picked_again(monkeypatch, tmp_path):
+    """free_port's race (another process binds the port before the router does): the router is started
+    again on a new port. A stand-in router answers /workers with the workers it was given and, like
+    sglang-router, exits with the OS's words when its port is taken."""
+    (tmp_path / "standin_router.py").write_text(textwrap.dedent("""
+        import json, sys
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+        argv = sys.argv[1:]
+        host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
+        urls = argv[argv.index("--worker-urls") + 1:argv.index("--policy")]
+        class Workers(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = json.dumps({"workers": [{"url": u} for u in urls]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            def log_message(self, *a):
+                pass
+        try:
+            server = HTTPServer((host, port), Workers)
+        except OSError as exc:
+            print(f"Error starting router: {exc}", flush=True)
+            sys.exit(1)
+        server.serve_forever()
+    """))
+    monkeypatch.setattr(R, "ROUTER_MODULE", "standin_router")
+    sock, taken = _taken_port()
+    picks = iter([taken])
+    real = R.free_port
+    monkeypatch.setattr(R, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    try:
+        router, port = R.start_router_on_free_port(["http://127.0.0.1:1"], "127.0.0.1",
+                                                   env=_env(PYTHONPATH=str(tmp_path)), timeout=30)
+    finally:
+        sock.close()
+    try:
+        assert port != taken
+        status, body = R.http_json(f"http://127.0.0.1:{port}/workers", timeout=5)
+        assert status == 200 and body == {"workers": [{"url": "http://127.0.0.1:1"}]}
+    finally:
+        R._kill([router])
+
+
+def test_a_router_that_fails_otherwise_is_not_started_again(monkeypatch):
+    monkeypatch.setattr(R, "ROUTER_MODULE", "rlperf_no_such_router.launch_router")
+    calls = []
+    real = R.free_port
+    monkeypatch.setattr(R, "free_port", lambda host="127.0.0.1": calls.append(1) or real(host))
+    with pytest.raises(R.ProcessExited, match="No module named"):
+        R.start_router_on_free_port(["http://127.0.0.1:1"], "127.0.0.1", env=_env(), timeout=30)
+    assert len(calls) == 2  # one router port and its metrics port: one attempt
