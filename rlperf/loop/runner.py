@@ -190,10 +190,11 @@ class Run:
         m = self.config.model
         init_path = ckpt.model_dir(m.load) if m.load else m.hf_checkpoint
         self.warm_started = None  # the warmed weights of an earlier run of this process, when they apply
+        self.warm_key = self._warm_start_key(preset(m.preset)) if self._warms_up() else None  # rlperf.loop.warm_start
         if init_path:
             with _usage_errors("--load" if m.load else "--hf-checkpoint", m.load or init_path):
                 self.model = Qwen3ForCausalLM.from_pretrained(init_path, dtype=torch.float32, device=self.device)
-        elif self._warms_up() and (kept := warm_start.lookup(self._warm_start_key(preset(m.preset)))):
+        elif self.warm_key is not None and (kept := warm_start.lookup(self.warm_key)):
             self.warm_started = kept  # rlperf.loop.warm_start: no random init, no warm-up
             self.model = Qwen3ForCausalLM(preset(m.preset), torch.float32, self.device)
             kept.load_into(self.model)
@@ -264,10 +265,10 @@ class Run:
         self.warmup_loss = None
         if self.warm_started is not None:
             self.warmup_loss = self.warm_started.loss
-        elif self._warms_up():
+        elif self.warm_key is not None:
             self.warmup_loss = format_warmup(self.model, EMBEDDED_TASK, self.tokenizer,
                                              compute_dtype=compute_dtype(self.precision))
-            warm_start.keep(self._warm_start_key(self.model.cfg), self.model, self.warmup_loss)
+            warm_start.keep(self.warm_key, self.model, self.warmup_loss)
         ref = None
         if m.ref_load:
             with _usage_errors("--ref-load", m.ref_load):

@@ -15,24 +15,18 @@ from rlperf.rollout.tokenizer import load_tokenizer
 
 
 def _warmed(name: str, device: str, steps: int, graphed=None, compute_dtype=None):
-    """A fresh seeded model after ``steps`` warm-up steps (0: one eager step), its last loss and the
-    warm-up's seconds. CPU runs the torch reference kernels, as ``rlperf train`` does there."""
+    """A fresh seeded model after ``steps`` warm-up steps, its last loss and the warm-up's seconds.
+    CPU runs the torch reference kernels, as ``rlperf train`` does there."""
     with K.use_policy(K.KernelPolicy(backend=None if device == "cuda" else "reference")):
-        return _warm(name, device, steps, graphed, compute_dtype)
-
-
-def _warm(name: str, device: str, steps: int, graphed, compute_dtype):
-    model = Qwen3ForCausalLM.random(preset(name), seed=3, device=device)
-    tokenizer = load_tokenizer(None, model.cfg.vocab_size)
-    first = format_warmup(model, EMBEDDED_TASK, tokenizer, steps=1, compute_dtype=compute_dtype, graphed=False) if steps == 0 else None
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    loss = format_warmup(model, EMBEDDED_TASK, tokenizer, steps=steps, compute_dtype=compute_dtype,
-                                graphed=graphed) if steps else first
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return model, loss, time.perf_counter() - t0
+        model = Qwen3ForCausalLM.random(preset(name), seed=3, device=device)
+        tokenizer = load_tokenizer(None, model.cfg.vocab_size)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = format_warmup(model, EMBEDDED_TASK, tokenizer, steps=steps, compute_dtype=compute_dtype, graphed=graphed)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return model, loss, time.perf_counter() - t0
 
 
 def _differing(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
