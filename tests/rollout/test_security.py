@@ -212,7 +212,9 @@ def test_cli_serve_router_with_a_key_file_shows_the_key_on_no_command_line(tmp_p
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the CLI says when the cluster is up
             line = pool.submit(proc.stdout.readline).result(timeout=180).decode()
-        assert "sglang-router at" in line, line
+        if "sglang-router at" not in line:  # its first line names what failed; the rest quotes its output
+            proc.terminate()
+            pytest.fail(line + proc.communicate(timeout=30)[0].decode(errors="replace"))
         kids = _children(proc.pid)
         assert len(kids) == 2  # one server, one router
         for pid in [proc.pid, *kids]:

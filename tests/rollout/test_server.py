@@ -522,9 +522,7 @@ def test_cli_serve_router_starts_and_stops_the_cluster(tmp_path, free_ports):
     import signal
     import subprocess
 
-    port, router_port = free_ports(2)
-    while port + 1 == router_port:
-        port, router_port = free_ports(2)
+    port, _, router_port = free_ports(3, consecutive=True)  # the servers take port and port + 1
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.Popen([sys.executable, "-m", "rlperf", "serve", "--router", "2", "--port", str(port),
@@ -535,7 +533,9 @@ def test_cli_serve_router_starts_and_stops_the_cluster(tmp_path, free_ports):
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the CLI says when the cluster is up
             line = pool.submit(proc.stdout.readline).result(timeout=120).decode()
-        assert "sglang-router at" in line, line
+        if "sglang-router at" not in line:  # its first line names what failed; the rest quotes its output
+            proc.terminate()
+            pytest.fail(line + proc.communicate(timeout=30)[0].decode(errors="replace"))
         s, body = http_json(router + "/workers")
         assert s == 200 and {w["url"] for w in body["workers"]} == workers
         s, r = http_json(router + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
