@@ -111,7 +111,7 @@ JIT_KERNELS = {
 }
 
 _COMPILE_ONLY = r'''
-import importlib.util, json, re, subprocess, sys, types
+import importlib.util, json, os, re, subprocess, sys, types
 # flashinfer/__init__.py queries the CUDA device at import; its JIT package needs none: a bare package
 # object stands in for flashinfer so that only flashinfer.jit is imported
 spec = importlib.util.find_spec("flashinfer")
@@ -124,8 +124,44 @@ from flashinfer.jit.sampling import gen_sampling_module
 BF16 = (torch.bfloat16,) * 3
 jit = eval(sys.argv[1])
 jit.write_ninja()
-objects = [m.group(1) for m in re.finditer(r"^build (\S+\.o):", jit.ninja_path.read_text(), re.M)
-           if re.search(sys.argv[2], m.group(1))]
+ninja = jit.ninja_path.read_text()
+builds = [(m.group(1), m.group(2)) for m in re.finditer(r"^build (\S+\.o): \S+ (\S+)", ninja, re.M)
+          if re.search(sys.argv[2], m.group(1))]
+objects = [obj for obj, _ in builds]
+
+# the include path: the ninja file's -I/-isystem dirs and nvcc's own (from its dry run)
+home = re.search(r"^cuda_home = (.*)$", ninja, re.M).group(1)
+flags = ninja.replace("$cuda_home", home)
+dry = subprocess.run(["nvcc", "--dryrun", "-x", "cu", "-c", "/dev/null", "-o", "/dev/null"], capture_output=True,
+                     text=True)
+dirs = re.findall(r"(?:-I|-isystem\s+)(\S+)", flags) + re.findall(r'INCLUDES="-I([^"]+)"', dry.stderr + dry.stdout)
+
+def reach(sources):
+    """Every header the sources include, transitively, found on the include path; and those not found."""
+    seen, missing, todo = set(), set(), [os.path.abspath(s) for s in sources]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            text = open(path, errors="replace").read()
+        except OSError:
+            continue
+        for name in re.findall(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', text, re.M):
+            hits = [os.path.join(d, name) for d in [os.path.dirname(path), *dirs]]
+            found = next((h for h in hits if os.path.isfile(h)), None)
+            if found:
+                todo.append(os.path.abspath(found))
+            else:
+                missing.add(name)
+    return missing
+
+# a CUDA toolkit without cuRAND's headers cannot build sources that include them: say so without compiling
+absent = sorted(reach([src for _, src in builds]) & {"curand.h", "curand_kernel.h"})
+if absent:
+    print(json.dumps({"objects": len(objects), "rc": 1, "tail": f"{absent[0]}: No such file (not on the include path)"}))
+    sys.exit(0)
 r = subprocess.run(["ninja", "-C", str(jit.build_dir), *objects], capture_output=True, text=True)
 print(json.dumps({"objects": len(objects), "rc": r.returncode, "tail": (r.stdout + r.stderr)[-3000:]}))
 '''
@@ -135,7 +171,8 @@ print(json.dumps({"objects": len(objects), "rc": r.returncode, "tail": (r.stdout
 def test_flashinfer_jit_sources_compile_for_sm90a(kernel, tmp_path):
     """FlashInfer's JIT sources of each kernel the anchors use compile for sm_90a with this machine's nvcc
     (compile only: object files, no GPU, no link against the CUDA driver). Skips name why: no FlashInfer,
-    no nvcc, or a CUDA toolkit without cuRAND's headers, which the FA3 and sampling sources include."""
+    no nvcc, or a CUDA toolkit without cuRAND's headers, which the FA3 and sampling sources include
+    (seen before any compile, by following the sources' includes along the build's include path)."""
     import importlib.util
     import json
     import os
