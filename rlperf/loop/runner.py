@@ -367,15 +367,15 @@ class Run:
 
         from rlperf.kernels.tree_reduce import TREE_LEAVES
         from rlperf.model.qwen3 import Qwen3ForCausalLM
-        from rlperf.rollout.router import free_port
         from rlperf.train.megatron.model import RecomputeConfig, build_gpt_model
         from rlperf.train.megatron.runtime import ParallelLayout, initialize_model_parallel
         from rlperf.train.megatron.trainer import MegatronTrainer
 
         mc = self.config.train.megatron
         if not dist.is_initialized():
+            # one process: an in-memory store, no TCP port that another process could take first
             dist.init_process_group("gloo" if self.device.type == "cpu" else "cpu:gloo,cuda:nccl",
-                                    init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+                                    store=dist.HashStore(), rank=0, world_size=1)
             self._own_group = True
         flags = (f"--tensor-model-parallel-size {mc.tensor_model_parallel_size} --pipeline-model-parallel-size "
                  f"{mc.pipeline_model_parallel_size}" + (" --sequence-parallel" if mc.sequence_parallel else ""))
