@@ -136,8 +136,9 @@ dry = subprocess.run(["nvcc", "--dryrun", "-x", "cu", "-c", "/dev/null", "-o", "
                      text=True)
 dirs = re.findall(r"(?:-I|-isystem\s+)(\S+)", flags) + re.findall(r'INCLUDES="-I([^"]+)"', dry.stderr + dry.stdout)
 
-def reach(sources):
-    """Every header the sources include, transitively, found on the include path; and those not found."""
+def unresolved_includes(sources):
+    """The names the sources #include, directly or through the headers they reach, that are on no
+    directory of the include path (standard and system headers among them)."""
     seen, missing, todo = set(), set(), [os.path.abspath(s) for s in sources]
     while todo:
         path = todo.pop()
@@ -158,7 +159,7 @@ def reach(sources):
     return missing
 
 # a CUDA toolkit without cuRAND's headers cannot build sources that include them: say so without compiling
-absent = sorted(reach([src for _, src in builds]) & {"curand.h", "curand_kernel.h"})
+absent = sorted(unresolved_includes([src for _, src in builds]) & {"curand.h", "curand_kernel.h"})
 if absent:
     print(json.dumps({"objects": len(objects), "rc": 1, "tail": f"{absent[0]}: No such file (not on the include path)"}))
     sys.exit(0)
