@@ -27,6 +27,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from .sglang_anchor import PLUGIN_VARIANT, SGLANG_VARIANTS, plugin_target
+
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # > L2 of every current datacenter GPU (H100 50 MB, H200 60 MB)
 
 
@@ -382,6 +384,11 @@ def ratio_target(row: dict) -> float | None:
     if bench == "rollout" and anchor == "memory floor":  # decode step <= 2.5x the floor at B=64, <= 2.0x at B=256
         case = str(row.get("case", ""))
         return 1 / 2.5 if case.startswith("decode B=64 ") else 1 / 2.0 if case.startswith("decode B=256 ") else None
+    if bench == "rollout" and kernel == SGLANG_VARIANTS[PLUGIN_VARIANT].label:  # SGLang + rlperf's plugin: decode
+        case = str(row.get("case", ""))  # >= 1.0x SGLang deterministic (flashinfer), >= 0.9x its fast mode at B <= 64
+        if case.startswith("decode B="):
+            return plugin_target(str(anchor), int(case.split()[1].removeprefix("B=")))
+        return None
     if bench == "sync-distributed":  # the NCCL broadcast sync >= 0.7x one broadcast of the bytes
         return 0.7
     return None

@@ -26,18 +26,28 @@ Cases (qwen3-0.6b shape, random bf16 weights, byte prompts, ``ignore_eos``):
   is the difference of two generations' wall times over the difference of their new tokens (the
   prefill and compilation cancel). Ratio > 1: rlperf's engine step is faster. An anchor that cannot
   run on this transformers/torch is recorded with the reason, not dropped.
-* **against real SGLang** (the full run only): the same decode shapes on SGLang's own engine
-  (:func:`sglang_decode_ms`: ``python -m sglang.bench_one_batch`` on the same model shape, dummy weights,
-  its default CUDA graphs and FlashInfer attention; the median decode step of ``NEW`` steps after a
-  prompt of ``PROMPT``), once in SGLang's default fast mode and once with
-  ``--enable-deterministic-inference``. Ratio >= 1: rlperf's invariant engine step is no slower than
-  SGLang's. Without SGLang (or when it fails) the rows stay, with the reason.
+* **against real SGLang** (the full run only): the same decode shapes and the prefill on SGLang's own
+  engine (:func:`sglang_run`: ``python -m sglang.bench_one_batch`` on the same model shape, dummy
+  weights, CUDA graphs; the median decode step of ``NEW`` steps after a prompt of ``PROMPT``, and the
+  prefill of its ``PREFILL_BATCH`` x ``PROMPT`` batch, which its warm-up ran first), one process per
+  variant of :data:`rlperf.bench.sglang_anchor.SGLANG_VARIANTS` (``--sglang-variants``, default all):
+  ``sglang fast`` (SGLang's default mode, FlashInfer attention), ``sglang deterministic``
+  (``--enable-deterministic-inference``, FlashInfer), ``sglang deterministic triton`` (the same with
+  ``--attention-backend triton``) and ``sglang rlperf plugin`` (SGLang with rlperf's plugin:
+  ``--attention-backend rlperf --page-size 128 --enable-deterministic-inference``, started through
+  ``python -m rlperf.bench.sglang_anchor``, which loads SGLang's plugins first). Each is the anchor of
+  rlperf's engine step and prefill (ratio >= 1: rlperf's invariant engine is no slower). The plugin's
+  decode step and prefill are also the kernel of rows against ``sglang deterministic`` (target >= 1.0 at
+  every batch) and ``sglang fast`` (target >= 0.9 at batch <= 64). A variant that cannot run (SGLang or
+  the plugin missing, out of memory, a backend refused) leaves its rows with the reason in one line
+  (``anchor_unavailable``, ``kernel_unavailable``) and the other variants still run.
 """
 from __future__ import annotations
 
 import gc
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -56,6 +66,8 @@ from rlperf.rollout.kv_cache import bytes_per_token
 from rlperf.rollout.tokenizer import ByteTokenizer
 
 from .harness import BenchRow, cuda_time, format_launches, launch_fields, measure_launches
+from .sglang_anchor import (PLUGIN_TARGETS, PLUGIN_VARIANT, SGLANG_ANCHOR_MODULE, SGLANG_BENCH_MODULE, SGLANG_VARIANTS,
+                            plugin_target, rlperf_plugin_entry_points)
 
 MODEL = "qwen3-0.6b"
 PROMPT, NEW = 512, 256
@@ -190,20 +202,32 @@ def transformers_decode_ms(cfg, batch: int, prompt_len: int, steps: int, device=
     return (long - short) * 1e3 / steps
 
 
-SGLANG_MODES = {"sglang fast": [], "sglang deterministic": ["--enable-deterministic-inference"]}
-"""The SGLang anchors' names and the flags that make each (``rlperf bench rollout``, full run)."""
-SGLANG_BENCH_MODULE = "sglang.bench_one_batch"
+SGLANG_MODES = {v.label: [*v.flags] for v in SGLANG_VARIANTS.values()}
+"""The SGLang anchors' labels and the flags each adds to its attention backend's (``rlperf bench rollout``,
+full run; :data:`rlperf.bench.sglang_anchor.SGLANG_VARIANTS` holds both)."""
+PREFILL_BATCH = 16
+"""The prefill row's batch (``prefill 16x512``): SGLang's is the prefill of its run at this batch."""
 
 
 def sglang_bench_argv(model_dir, batches, prompt_len: int, new_tokens: int, result_file, *,
-                      attention_backend: str = "flashinfer", extra=()) -> list[str]:
-    """The command of one SGLang decode measurement: ``python -m sglang.bench_one_batch`` on the model
-    shape in ``model_dir`` (its ``config.json``; dummy weights, no tokenizer), every batch of ``batches``
+                      attention_backend: str = "flashinfer", extra=(), module: str = SGLANG_BENCH_MODULE) -> list[str]:
+    """The command of one SGLang decode measurement: ``python -m sglang.bench_one_batch`` (or ``module``)
+    on the model shape in ``model_dir`` (its ``config.json``; dummy weights), every batch of ``batches``
     with ``prompt_len`` prompt and ``new_tokens`` new tokens; results appended to ``result_file``."""
-    return [sys.executable, "-m", SGLANG_BENCH_MODULE, "--model-path", str(model_dir), "--load-format", "dummy",
+    return [sys.executable, "-m", module, "--model-path", str(model_dir), "--load-format", "dummy",
             "--batch-size", *map(str, batches), "--input-len", str(prompt_len),
             "--output-len", str(new_tokens), "--attention-backend", attention_backend,
             "--result-filename", str(result_file), *extra]
+
+
+def sglang_variant_argv(variant: str, model_dir, batches, prompt_len: int, new_tokens: int, result_file,
+                        extra=()) -> list[str]:
+    """The command of the SGLang variant ``variant`` (a name of :data:`SGLANG_VARIANTS`): its attention
+    backend and flags; the plugin's through :data:`SGLANG_ANCHOR_MODULE` (SGLang's plugins loaded first)."""
+    v = SGLANG_VARIANTS[variant]
+    return sglang_bench_argv(model_dir, batches, prompt_len, new_tokens, result_file,
+                             attention_backend=v.attention_backend, extra=[*v.flags, *extra],
+                             module=SGLANG_ANCHOR_MODULE if v.plugin else SGLANG_BENCH_MODULE)
 
 
 def write_bench_model(cfg, model_dir) -> Path:
@@ -223,23 +247,32 @@ def write_bench_model(cfg, model_dir) -> Path:
     return model_dir
 
 
-def read_sglang_decode_ms(result_file, prompt_len: int, new_tokens: int) -> dict[int, float]:
-    """``{batch: median decode step ms}`` from the JSON lines ``sglang.bench_one_batch`` appends to its
-    ``--result-filename`` (``batch_size``, ``input_len``, ``output_len``, ``median_decode_latency`` in
-    seconds); lines of other shapes are ignored. ValueError when the file holds none of this shape."""
-    out = {}
+def read_sglang_results(result_file, prompt_len: int, new_tokens: int) -> dict[str, dict[int, float]]:
+    """``{"decode": {batch: median decode step ms}, "prefill": {batch: prefill ms}}`` from the JSON lines
+    ``sglang.bench_one_batch`` appends to its ``--result-filename`` (``batch_size``, ``input_len``,
+    ``output_len``, ``median_decode_latency`` and ``prefill_latency`` in seconds: one prefill of the
+    whole batch, then the decode steps); lines of other shapes are ignored. ValueError when the file
+    holds none of this shape."""
+    out: dict[str, dict[int, float]] = {"decode": {}, "prefill": {}}
     for n, line in enumerate(Path(result_file).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             r = json.loads(line)
             if (r["input_len"], r["output_len"]) == (prompt_len, new_tokens):
-                out[int(r["batch_size"])] = float(r["median_decode_latency"]) * 1e3
+                out["decode"][int(r["batch_size"])] = float(r["median_decode_latency"]) * 1e3
+                if "prefill_latency" in r:
+                    out["prefill"][int(r["batch_size"])] = float(r["prefill_latency"]) * 1e3
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{result_file}:{n}: not a bench_one_batch result ({type(e).__name__}: {e})") from None
-    if not out:
+    if not out["decode"]:
         raise ValueError(f"{result_file} holds no result for input {prompt_len}, output {new_tokens}")
     return out
+
+
+def read_sglang_decode_ms(result_file, prompt_len: int, new_tokens: int) -> dict[int, float]:
+    """``{batch: median decode step ms}`` of :func:`read_sglang_results`."""
+    return read_sglang_results(result_file, prompt_len, new_tokens)["decode"]
 
 
 SGLANG_FREE_SHARE = 0.8
@@ -267,15 +300,28 @@ def failure_line(output: str) -> str:
     return output[-600:].strip()
 
 
-def sglang_decode_ms(cfg, batches, prompt_len: int, new_tokens: int, *, extra=(), attention_backend: str = "flashinfer",
-                     timeout: float = 900.0) -> dict[int, float]:
-    """Median decode step ms of real SGLang per batch (module docstring, "against real SGLang"): the
-    model shape ``cfg`` written by :func:`write_bench_model` into a temporary folder, one
-    :func:`sglang_bench_argv` process; on CUDA its ``--mem-fraction-static`` sized to the GPU's free
-    memory (:func:`sglang_mem_fraction`) unless ``extra`` names one. RuntimeError naming the cause
-    (SGLang missing, the process's exit and its error line (:func:`failure_line`), a batch it skipped)."""
+def sglang_run(cfg, batches, prompt_len: int, new_tokens: int, *, variant: str | None = None, extra=(),
+               attention_backend: str = "flashinfer", timeout: float = 900.0) -> dict:
+    """One real SGLang measurement (module docstring, "against real SGLang"): the model shape ``cfg``
+    written by :func:`write_bench_model` into a temporary folder, one process of :func:`sglang_variant_argv`
+    (``variant``, a name of :data:`SGLANG_VARIANTS`) or else of :func:`sglang_bench_argv`
+    (``attention_backend``); ``extra`` flags after the variant's. On CUDA its ``--mem-fraction-static`` is
+    sized to the GPU's free memory (:func:`sglang_mem_fraction`) unless ``extra`` names one. The plugin
+    variant runs with ``SGLANG_PLUGINS`` naming rlperf's entry points alone.
+
+    Returns ``{"decode": {batch: ms}, "prefill": {batch: ms}, "missing": {batch: why}}`` (``missing``: the
+    batches the process measured no result for, e.g. one beyond its KV pool). RuntimeError naming the
+    cause where nothing was measured: SGLang missing, rlperf's plugin not installed, the process's exit
+    and its error line (:func:`failure_line`), its timeout."""
     if importlib.util.find_spec("sglang") is None:
         raise RuntimeError("sglang is not installed (bench/pack_sglang.sh packs it for the GPU machines)")
+    env = dict(os.environ)
+    if variant is not None and SGLANG_VARIANTS[variant].plugin:
+        names = rlperf_plugin_entry_points()
+        if not names:
+            raise RuntimeError("rlperf's SGLang plugin is not installed: no 'sglang.srt.plugins' entry point loads "
+                               "rlperf (pip install -e . registers it)")
+        env["SGLANG_PLUGINS"] = ",".join(names)
     extra = list(extra)
     if torch.cuda.is_available() and "--mem-fraction-static" not in extra:
         gc.collect()
@@ -283,23 +329,138 @@ def sglang_decode_ms(cfg, batches, prompt_len: int, new_tokens: int, *, extra=()
         extra += ["--mem-fraction-static", f"{sglang_mem_fraction(*torch.cuda.mem_get_info()):g}"]
     with tempfile.TemporaryDirectory(prefix="rlperf-sglang-") as tmp:
         model_dir, result = write_bench_model(cfg, Path(tmp, "model")), Path(tmp, "result.jsonl")
-        argv = sglang_bench_argv(model_dir, batches, prompt_len, new_tokens, result,
-                                 attention_backend=attention_backend, extra=extra)
+        if variant is None:
+            argv = sglang_bench_argv(model_dir, batches, prompt_len, new_tokens, result,
+                                     attention_backend=attention_backend, extra=extra)
+        else:
+            argv = sglang_variant_argv(variant, model_dir, batches, prompt_len, new_tokens, result, extra=extra)
+        module = argv[2]
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{SGLANG_BENCH_MODULE} did not finish within {timeout:g} s") from None
-        tail = (proc.stdout + proc.stderr)[-600:].strip()
+            raise RuntimeError(f"{module} did not finish within {timeout:g} s") from None
+        output = proc.stdout + proc.stderr
         if proc.returncode != 0 or not result.exists():
-            raise RuntimeError(f"{SGLANG_BENCH_MODULE} exited {proc.returncode}: {failure_line(proc.stdout + proc.stderr)}")
-        got = read_sglang_decode_ms(result, prompt_len, new_tokens)
-    missing = [b for b in batches if b not in got]
-    if missing:
-        raise RuntimeError(f"{SGLANG_BENCH_MODULE} measured no batch {missing} (beyond its memory?): {tail}")
+            raise RuntimeError(f"{module} exited {proc.returncode}: {failure_line(output)}")
+        got = read_sglang_results(result, prompt_len, new_tokens)
+    got["missing"] = {}
+    for b in batches:
+        if b not in got["decode"]:  # SGLang prints "skipping (B, IN, OUT) due to max batch size limit"
+            said = next((ln.strip() for ln in output.splitlines() if f"skipping ({b}," in ln), "no result line")
+            got["missing"][b] = f"{module} measured no batch {b} ({said[:200]})"
+    got["tail"] = output[-600:].strip()
     return got
 
 
-def run(quick: bool = False) -> list:
+def sglang_decode_ms(cfg, batches, prompt_len: int, new_tokens: int, *, extra=(), attention_backend: str = "flashinfer",
+                     timeout: float = 900.0) -> dict[int, float]:
+    """Median decode step ms of real SGLang per batch: :func:`sglang_run` with ``attention_backend`` and
+    ``extra``; RuntimeError also when a batch has no result."""
+    got = sglang_run(cfg, batches, prompt_len, new_tokens, extra=extra, attention_backend=attention_backend,
+                     timeout=timeout)
+    if got["missing"]:
+        raise RuntimeError(f"{SGLANG_BENCH_MODULE} measured no batch {sorted(got['missing'])} (beyond its memory?): "
+                           f"{got['tail']}")
+    return got["decode"]
+
+
+def _sglang_cell(result: dict, phase: str, batch: int) -> tuple[float, str | None]:
+    """(ms, why not) of one SGLang variant's ``result`` (:func:`sglang_run`'s, or ``{"why": reason}``)."""
+    if result.get("why"):
+        return float("nan"), result["why"]
+    if batch in result.get(phase, {}):
+        return result[phase][batch], None
+    return float("nan"), result.get("missing", {}).get(batch) or f"no {phase} result at batch {batch}"
+
+
+def sglang_rows(results: dict, batches, ours_decode: dict, ours_prefill: float | None, prefill_work: float = 0.0,
+                prompt_len: int = PROMPT) -> list[BenchRow]:
+    """The rows of the SGLang variants in ``results`` (name of :data:`SGLANG_VARIANTS` -> what
+    :func:`sglang_run` returned, or ``{"why": reason}`` where it raised), in the variants' run order:
+
+    * per variant, rlperf's engine step (``ours_decode``: batch -> ms) against the variant's decode step at
+      every batch, then rlperf's invariant prefill of :data:`PREFILL_BATCH` x ``prompt_len``
+      (``ours_prefill``) against the variant's prefill of that batch;
+    * with the plugin: its decode steps and prefill against each variant of :data:`PLUGIN_TARGETS` that ran
+      (``extra["target"]``: the ratio the issue asks of that decode row).
+
+    A measurement that did not happen is NaN with its reason in ``extra`` (``anchor_unavailable``, or
+    ``kernel_unavailable`` where the plugin's side is missing), one line each."""
+    cases = [(f"decode B={b} prompt {prompt_len}", "decode", b, ours_decode[b], "engine step", 0.0) for b in batches]
+    if PREFILL_BATCH in batches and ours_prefill is not None:
+        cases.append((f"prefill {PREFILL_BATCH}x{prompt_len}", "prefill", PREFILL_BATCH, ours_prefill, "invariant step",
+                      prefill_work))
+    rows = []
+    for name in (n for n in SGLANG_VARIANTS if n in results):
+        for case, phase, b, ours_ms, kernel, work in cases:
+            ms, why = _sglang_cell(results[name], phase, b)
+            rows.append(BenchRow("rollout", case, kernel, ours_ms, SGLANG_VARIANTS[name].label, ms, work=work,
+                                 extra={"anchor_unavailable": why} if why else {}))
+    if PLUGIN_VARIANT in results:
+        for name in (n for n in PLUGIN_TARGETS if n in results):
+            for case, phase, b, _, _, work in cases:
+                ms, why = _sglang_cell(results[PLUGIN_VARIANT], phase, b)
+                anchor_ms, anchor_why = _sglang_cell(results[name], phase, b)
+                extra = {}
+                if why:
+                    extra["kernel_unavailable"] = why
+                if anchor_why:
+                    extra["anchor_unavailable"] = anchor_why
+                target = plugin_target(SGLANG_VARIANTS[name].label, b) if phase == "decode" else None
+                if target is not None:
+                    extra["target"] = target
+                rows.append(BenchRow("rollout", case, SGLANG_VARIANTS[PLUGIN_VARIANT].label, ms,
+                                     SGLANG_VARIANTS[name].label, anchor_ms, work=work, extra=extra))
+    return rows
+
+
+def describe_row(r: BenchRow) -> str:
+    """One printed line of an SGLang row: both times, the ratio and, where it has one, its target."""
+    def ms(value: float, why: str | None) -> str:
+        return f"{value:.3f} ms" if math.isfinite(value) else f"did not run ({' '.join(str(why).split())[:200]})"
+
+    line = (f"rollout: {r.case}: {r.kernel} {ms(r.kernel_ms, r.extra.get('kernel_unavailable'))}, "
+            f"{r.anchor} {ms(r.anchor_ms, r.extra.get('anchor_unavailable'))}")
+    if math.isfinite(r.ratio):
+        line += f", ratio {r.ratio:.3f}"
+        if "target" in r.extra:
+            line += f" (target >= {r.extra['target']:g}: {'met' if r.ratio >= r.extra['target'] else 'missed'})"
+    return line
+
+
+def sglang_anchor_rows(cfg, variants, batches, ours_decode: dict, ours_prefill: float | None, prefill_work: float = 0.0,
+                       prompt_len: int = PROMPT, new_tokens: int = NEW, measure=None) -> list[BenchRow]:
+    """Measure each SGLang variant of ``variants`` (names of :data:`SGLANG_VARIANTS`, run in that table's
+    order) with ``measure`` (default :func:`sglang_run`; one process each, the prefill batch first so that
+    SGLang's warm-up runs the prefill's shape) and return :func:`sglang_rows`. A variant that fails (SGLang
+    or the plugin missing, out of memory, a backend refused) is printed and recorded with its reason; the
+    others still run."""
+    measure = measure or sglang_run
+    order = tuple(b for b in batches if b == PREFILL_BATCH) + tuple(b for b in batches if b != PREFILL_BATCH)
+    results = {}
+    for name in (n for n in SGLANG_VARIANTS if n in variants):
+        t0 = time.perf_counter()
+        try:
+            results[name] = measure(cfg, order, prompt_len, new_tokens, variant=name)
+            print(f"rollout: {SGLANG_VARIANTS[name].label}: measured in {time.perf_counter() - t0:.0f} s")
+        except Exception as e:  # an anchor that cannot run here is recorded, not dropped
+            results[name] = {"why": " ".join(f"{type(e).__name__}: {str(e)[:300]}".split())}
+            print(f"rollout: {SGLANG_VARIANTS[name].label}: did not run ({time.perf_counter() - t0:.0f} s): "
+                  f"{results[name]['why']}")
+    if PLUGIN_VARIANT in results:
+        for name in PLUGIN_TARGETS:
+            if name not in results:
+                print(f"rollout: {SGLANG_VARIANTS[PLUGIN_VARIANT].label}: no target rows against "
+                      f"{SGLANG_VARIANTS[name].label} ({name} not in --sglang-variants)")
+    rows = sglang_rows(results, batches, ours_decode, ours_prefill, prefill_work, prompt_len)
+    for r in rows:
+        print(describe_row(r))
+    return rows
+
+
+def run(quick: bool = False, sglang_variants=None) -> list:
+    """The rows of the module docstring; ``sglang_variants``: the names of :data:`SGLANG_VARIANTS` to run
+    (``--sglang-variants``; default all of them; the full run only)."""
     if not torch.cuda.is_available():
         raise RuntimeError("the rollout benchmark needs a CUDA GPU")
     cfg = preset(MODEL)
@@ -317,18 +478,18 @@ def run(quick: bool = False) -> list:
                                  extra={"tokens_per_s": b / d["ms"] * 1e3, "graph": d["graph"], "kv_mean": d["kv_mean"],
                                         "copy_GBps": bw / 1e9, **launch_fields("decode_step", d["launches"])}))
             print(f"rollout: decode B={b}: {format_launches(d['launches'])} per decode step")
-        pre_inv = prefill_case(model, 16, PROMPT, reps=2 if quick else 5)
+        pre_inv = prefill_case(model, PREFILL_BATCH, PROMPT, reps=2 if quick else 5)
         inv64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64)
     with K.use_mode("fast"):
-        pre_fast = prefill_case(model, 16, PROMPT, reps=2 if quick else 5)
+        pre_fast = prefill_case(model, PREFILL_BATCH, PROMPT, reps=2 if quick else 5)
         fast64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64)
         try:  # the engine's fast mode with FlashInfer's attention (rlperf serve --attention-backend flashinfer)
             fi64, fi_extra = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64, attention_backend="flashinfer"), {}
         except Exception as e:  # an anchor that cannot run here is recorded, not dropped
             fi64, fi_extra = {"ms": float("nan")}, {"anchor_unavailable": f"{type(e).__name__}: {str(e)[:200]}"}
-    flops = 2 * 16 * PROMPT * sum(p.numel() for p in model.parameters())
-    rows.append(BenchRow("rollout", f"prefill 16x{PROMPT}", "invariant step", pre_inv, "fast step", pre_fast, work=flops,
-                         extra={"tokens_per_s": 16 * PROMPT / pre_inv * 1e3}))
+    flops = 2 * PREFILL_BATCH * PROMPT * sum(p.numel() for p in model.parameters())
+    rows.append(BenchRow("rollout", f"prefill {PREFILL_BATCH}x{PROMPT}", "invariant step", pre_inv, "fast step", pre_fast,
+                         work=flops, extra={"tokens_per_s": PREFILL_BATCH * PROMPT / pre_inv * 1e3}))
     rows.append(BenchRow("rollout", "decode B=64 invariance cost", "invariant step", inv64["ms"], "fast step", fast64["ms"],
                          work=0.0, extra={"graph": inv64["graph"], "graph_fast": fast64["graph"]}))
     rows.append(BenchRow("rollout", "decode B=64 fast mode attention", "rlperf kernel", fast64["ms"],
@@ -346,25 +507,23 @@ def run(quick: bool = False) -> list:
             print(f"rollout: decode B={b}: transformers compiled {hf_ms:.3f} ms, rlperf {ours[case].kernel_ms:.3f} ms")
         del model  # SGLang's engine runs in its own process on the same GPU
         torch.cuda.empty_cache()
-        for anchor, flags in SGLANG_MODES.items():
-            try:
-                sgl, why = sglang_decode_ms(cfg, batches, PROMPT, NEW, extra=flags), None
-            except Exception as e:  # an anchor that cannot run here is recorded, not dropped
-                sgl, why = {}, f"{type(e).__name__}: {str(e)[:300]}"
-            for b in batches:
-                case = f"decode B={b} prompt {PROMPT}"
-                extra = {"anchor_unavailable": why} if why else {}
-                rows.append(BenchRow("rollout", case, "engine step", ours[case].kernel_ms, anchor,
-                                     sgl.get(b, float("nan")), work=0.0, extra=extra))
-                print(f"rollout: decode B={b}: {anchor} " + (f"{sgl[b]:.3f} ms" if b in sgl else f"unavailable ({why})")
-                      + f", rlperf {ours[case].kernel_ms:.3f} ms")
+        ours_decode = {b: ours[f"decode B={b} prompt {PROMPT}"].kernel_ms for b in batches}
+        rows += sglang_anchor_rows(cfg, tuple(SGLANG_VARIANTS) if sglang_variants is None else sglang_variants,
+                                   batches, ours_decode, pre_inv, flops)
     return rows
 
 
 def summarize(rows) -> dict:
     out = {}
+    plugin = SGLANG_VARIANTS[PLUGIN_VARIANT].label
     for r in rows:
-        if r.case.startswith("decode B=") and r.anchor == "memory floor":
+        if r.anchor in SGLANG_MODES:  # rlperf's engine (or the plugin) against an SGLang variant
+            prefix, anchor = ("plugin_" if r.kernel == plugin else ""), r.anchor.replace(" ", "_")
+            if r.case.startswith("decode B="):
+                out[f"{prefix}decode_{r.case.split()[1]}_vs_{anchor}"] = r.ratio
+            else:
+                out[f"{prefix}prefill_vs_{anchor}"] = r.ratio
+        elif r.case.startswith("decode B=") and r.anchor == "memory floor":
             b = r.case.split()[1]
             out[f"decode_{b}_floor_ratio"] = r.ratio
             out[f"decode_{b}_tokens_per_s"] = r.extra["tokens_per_s"]
@@ -380,6 +539,4 @@ def summarize(rows) -> dict:
             out["decode_B=64_fast_rlperf_attention_vs_flashinfer"] = r.ratio
         elif r.anchor == "transformers compiled":
             out[f"decode_{r.case.split()[1]}_vs_transformers"] = r.ratio
-        elif r.anchor in SGLANG_MODES:
-            out[f"decode_{r.case.split()[1]}_vs_{r.anchor.replace(' ', '_')}"] = r.ratio
     return out

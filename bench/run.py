@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 from rlperf.flags import token_buckets
 
+from .sglang_anchor import parse_sglang_variants
+
 if TYPE_CHECKING:  # the harness imports torch: only a run needs it, not --help
     from .harness import BenchCase, BenchRow
 
@@ -60,6 +62,15 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="with loop: train with rlperf train --cuda-graph-buckets LIST (comma-separated token counts, "
                         "e.g. 1024,2048,4096): each packed micro-batch padded to its bucket and its log-prob pass and "
                         "train micro-step replayed from CUDA graphs; default: eager")
+    p.add_argument("--sglang-variants", default=None, metavar="LIST", type=parse_sglang_variants,
+                   help="with rollout (the full run): the SGLang anchors to run, comma-separated: "
+                        "fast (SGLang's default mode, flashinfer attention), det-flashinfer "
+                        "(--enable-deterministic-inference, flashinfer), det-triton (--enable-deterministic-inference "
+                        "--attention-backend triton), plugin (SGLang with rlperf's plugin: --attention-backend rlperf "
+                        "--page-size 128 --enable-deterministic-inference), all or none; they run in this order, one "
+                        "SGLang process each (tens of seconds of device time each). The plugin's target rows need fast "
+                        "and det-flashinfer in the same run. Example: rlperf bench rollout --sglang-variants "
+                        "fast,det-flashinfer,plugin. Default: all")
     p.add_argument("--json", default="results/bench.json", metavar="PATH", help="result file (default: %(default)s)")
     p.add_argument(
         "--markdown", default=None, metavar="PATH",
@@ -96,11 +107,13 @@ def _markdown_section(name: str, rows: list[BenchRow], info: dict, summary: dict
         return "-" if math.isnan(value) else f"{value:.1f} {r.unit}"
 
     for r in rows:
-        anchor = r.anchor
+        anchor, kernel = r.anchor, r.kernel
         if r.extra.get("anchor_unavailable"):  # the row stays, saying why its anchor did not run
             anchor = f"{r.anchor} (did not run: {_one_line(r.extra['anchor_unavailable'])})"
+        if r.extra.get("kernel_unavailable"):  # ... or why its measured side did not
+            kernel = f"{r.kernel} (did not run: {_one_line(r.extra['kernel_unavailable'])})"
         lines.append(
-            f"| {r.case} | {r.kernel} | {r.kernel_ms:.4f} | {anchor} | {r.anchor_ms:.4f} | {r.ratio:.3f} | "
+            f"| {r.case} | {kernel} | {r.kernel_ms:.4f} | {anchor} | {r.anchor_ms:.4f} | {r.ratio:.3f} | "
             f"{rate(r.kernel_ms, r)} | {rate(r.anchor_ms, r)} |"
         )
     lines += ["", "Summary: " + ", ".join(f"{k} = {v:.3f}" if isinstance(v, float) else f"{k} = {v}" for k, v in summary.items()), ""]
@@ -147,6 +160,16 @@ def run_benchmarks(args: argparse.Namespace) -> int:
                   "--cuda-graph-buckets LIST", file=sys.stderr)
             return 2
         run_kwargs["cuda_graph_buckets"] = args.cuda_graph_buckets
+    if getattr(args, "sglang_variants", None) is not None:
+        if names != ["rollout"]:
+            print("rlperf bench: --sglang-variants goes with the rollout benchmark alone: rlperf bench rollout "
+                  "--sglang-variants LIST", file=sys.stderr)
+            return 2
+        if args.quick:
+            print("rlperf bench: --sglang-variants picks the SGLang anchors of the full rollout run; --quick runs none",
+                  file=sys.stderr)
+            return 2
+        run_kwargs["sglang_variants"] = args.sglang_variants
     if getattr(args, "distributed", False):  # rlperf bench sync --distributed: its own module and markdown section
         if names != ["sync"]:
             print("rlperf bench: --distributed goes with the sync benchmark alone: rlperf bench sync --distributed",
