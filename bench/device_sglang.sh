@@ -104,7 +104,13 @@ if [[ " $STAGES " == *" flashinfer "* ]]; then
 fi
 if [[ " $STAGES " == *" decode "* ]]; then
   # the full rollout bench: rlperf's decode steps, then the same shapes on transformers (compiled) and on
-  # SGLang (python -m sglang.bench_one_batch, default fast mode and --enable-deterministic-inference)
-  run rlperf-rollout 560 python3 -m rlperf bench rollout --json "$OUT/bench-rollout.json" --markdown "$OUT/BENCHMARKS.md"
+  # SGLang (python -m sglang.bench_one_batch, one process per variant of $SGLANG_VARIANTS, default all:
+  # fast, det-flashinfer, det-triton, plugin = SGLang with rlperf's plugin, --attention-backend rlperf);
+  # when all four do not fit one call, SGLANG_VARIANTS=fast,det-flashinfer,plugin (the plugin's targets)
+  # and then SGLANG_VARIANTS=det-triton. The plugin needs rlperf's entry point (device_setup's pip install -e .)
+  python3 -c "from rlperf.bench.sglang_anchor import rlperf_plugin_entry_points as f; \
+print('rlperf SGLang plugin entry points:', f() or 'none (the plugin rows will say so)')"
+  run rlperf-rollout 560 python3 -m rlperf bench rollout --sglang-variants "${SGLANG_VARIANTS:-all}" \
+    --json "$OUT/bench-rollout.json" --markdown "$OUT/BENCHMARKS.md"
 fi
 exit $status
