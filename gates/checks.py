@@ -36,6 +36,11 @@ from .memory import format_bytes
 DEFAULT_OOM_HEADROOM = 0.10
 """Fraction of capacity kept free: a first step at 90% leaves no room for longer samples later."""
 DEFAULT_LOGPROB_ABS_DIFF_THRESHOLD = 0.05
+SGLANG_NUMERICS_NAMES = {
+    "rlperf": "SGLang engines, --sglang-numerics rlperf (rlperf's kernels through rlperf's SGLang plugin)",
+    "sglang": "SGLang engines, --sglang-numerics sglang (SGLang's own kernels)",
+}
+"""How the logprob_abs_diff gate names the rollout's numerics (``FirstStepRecord.sglang_numerics``)."""
 """Outside true-on-policy mode: bf16 rollout engines and trainers typically differ by ~1e-2 per token
 on average; 0.05 flags a mismatched model, tokenizer or temperature, not kernel rounding."""
 
@@ -178,7 +183,9 @@ def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None
     """Mean over loss-masked response tokens (all samples) of ``|log_probs - rollout_log_probs|``.
 
     Must be exactly 0 with ``record.true_on_policy`` (``--true-on-policy-mode``), else at most
-    ``options.logprob_abs_diff_threshold``. With true-on-policy mode, the trainer's own
+    ``options.logprob_abs_diff_threshold``; the same with SGLang engines of either ``--sglang-numerics``
+    (``record.sglang_numerics``, which the message names: ``sglang``, SGLang's own kernels, is about 0.03 apart
+    and fails true-on-policy mode, with a hint to ``rlperf``). With true-on-policy mode, the trainer's own
     ``train/train_rollout_logprob_abs_diff`` (when recorded) must be exactly 0 as well. The report
     names the worst token: sample, response position, token id, both values, and measures
     ``kl_rollout_train``: KL(rollout || train) per loss token, estimated from the rollout's own tokens
@@ -189,7 +196,10 @@ def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None
     options = options or GateOptions()
     name = "logprob_abs_diff"
     limit = 0.0 if record.true_on_policy else options.logprob_abs_diff_threshold
-    threshold = "exactly 0 (true-on-policy mode)" if record.true_on_policy else limit
+    numerics = record.sglang_numerics
+    threshold = (f"exactly 0 (true-on-policy mode{f', --sglang-numerics {numerics}' if numerics else ''})"
+                 if record.true_on_policy else limit)
+    named = f"; rollout: {SGLANG_NUMERICS_NAMES.get(numerics, numerics)}" if numerics else ""
     total = kl = 0.0
     count = 0
     worst = None  # (abs diff, sample, token, train, rollout)
@@ -224,32 +234,43 @@ def logprob_abs_diff(record: FirstStepRecord, options: GateOptions | None = None
         where = (f"worst at {_token(record, worst[1], worst[2])}: train {_fmt(worst[3])} vs rollout "
                  f"{_fmt(worst[4])}")
     if count == 0:
-        return GateResult(name, False, measured, threshold, "no loss-masked response token to compare",
+        return GateResult(name, False, measured, threshold, "no loss-masked response token to compare" + named,
                           "every sample's loss_mask is 0: check the rollout's loss masks")
     if record.true_on_policy:
         hint = ("true-on-policy needs the rollout engine and the trainer to run the same batch-invariant kernels "
                 "(same dtype, same attention and log-softmax reductions, same temperature); a difference means "
                 "one side took a fast path or a different sampling temperature")
+        if numerics == "sglang":
+            hint = ("--sglang-numerics sglang runs SGLang's own kernels, which do not compute rlperf's bits (about "
+                    "0.03 nats per token apart): --sglang-numerics rlperf runs rlperf's kernels in the SGLang engines "
+                    "(exactly 0), or leave out --true-on-policy-mode to gate at --logprob-abs-diff-threshold")
+        elif numerics == "rlperf":
+            hint = ("--sglang-numerics rlperf: the SGLang engines must compute with rlperf's kernels through rlperf's "
+                    "SGLang plugin; check in their logs (OUTPUT_DIR/engines) that the plugin loaded and served "
+                    "--attention-backend rlperf, and that they run the trainer's dtype and --rollout-temperature; "
+                    + hint)
         if mean != 0.0:
             return GateResult(name, False, measured, threshold,
                               f"mean |train - rollout| log-prob is {mean:.3g}, not exactly 0 (KL(rollout||train) "
-                              f"{kl_mean:.3g} per token); {where}", hint)
+                              f"{kl_mean:.3g} per token); {where}{named}", hint)
         if metric is not None and metric != 0.0:
             return GateResult(name, False, measured, threshold,
                               f"the trainer's train/train_rollout_logprob_abs_diff is {metric!r}, not exactly 0 "
-                              f"(the record's log-probs agree: the training forward differs from the recompute)", hint)
+                              f"(the record's log-probs agree: the training forward differs from the recompute)"
+                              f"{named}", hint)
         return GateResult(name, True, measured, threshold,
-                          f"{count} loss tokens: train and rollout log-probs identical")
+                          f"{count} loss tokens: train and rollout log-probs identical{named}")
     if not mean <= limit:
+        exact = " (with --rollout-backend sglang: --sglang-numerics rlperf)" if numerics else ""
         return GateResult(name, False, measured, threshold,
                           f"mean |train - rollout| log-prob {mean:.4g} > {limit:g} (KL(rollout||train) "
-                          f"{kl_mean:.4g} per token); {where}",
+                          f"{kl_mean:.4g} per token); {where}{named}",
                           "check that rollout and trainer load the same weights (weight sync), the same tokenizer "
                           "and chat template, and the same --rollout-temperature; --true-on-policy-mode makes "
-                          "the difference exactly 0")
+                          f"the difference exactly 0{exact}")
     return GateResult(name, True, measured, threshold,
                       f"mean |train - rollout| log-prob {mean:.4g} <= {limit:g} over {count} loss tokens"
-                      + (f"; {where}" if where else ""))
+                      + (f"; {where}" if where else "") + named)
 
 
 def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) -> GateResult:

@@ -152,7 +152,8 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--true-on-policy-mode", action="store_true",
                    help="train on the rollout's own policy: needs sync mode and --num-steps-per-rollout 1; the "
                         "logprob_abs_diff gate then requires train_rollout_logprob_abs_diff exactly 0 (engine and "
-                        "trainer compute log-probs with the same fused kernel)")
+                        "trainer compute log-probs with the same fused kernel; with --rollout-backend sglang that "
+                        "takes --sglang-numerics rlperf: SGLang's own kernels are not 0)")
     g.add_argument("--debug-rollout-only", action="store_true")
     g.add_argument("--debug-train-only", action="store_true")
     g.add_argument("--save-debug-rollout-data", default=None, help="path template with {rollout_id}")
@@ -223,6 +224,13 @@ ROLLOUT_BACKENDS = ("rlperf", "sglang")
 """``--rollout-backend`` values: rlperf's engines, or real SGLang engines (:mod:`rlperf.loop.sglang_engines`)."""
 SGLANG_ATTENTION_BACKENDS = ("flashinfer", "triton")
 """``--sglang-attention-backend`` values: SGLang's attention backends that run without FlashAttention 3."""
+DEFAULT_SGLANG_ATTENTION_BACKEND = "flashinfer"
+"""``--sglang-attention-backend`` when not given (with ``--sglang-numerics sglang``)."""
+SGLANG_NUMERICS = ("rlperf", "sglang")
+"""``--sglang-numerics`` values: ``rlperf``: the engines compute rlperf's kernels through rlperf's SGLang plugin
+(``--attention-backend rlperf``; their log-probs are the trainer's bit for bit); ``sglang``: SGLang's own kernels."""
+DEFAULT_SGLANG_NUMERICS = "sglang"
+"""Default ``--sglang-numerics``: SGLang's own kernels until a GPU run has proved rlperf's plugin (then ``rlperf``)."""
 SGLANG_LOAD_FORMATS = ("auto", "dummy")
 """``--sglang-load-format`` values: the weights rlperf saved, or random ones replaced before rollout 0."""
 SGLANG_LAUNCH_TIMEOUT_S = 600.0
@@ -238,9 +246,16 @@ def add_sglang_backend_arguments(p: argparse.ArgumentParser) -> None:
                         "real `python -m sglang.launch_server` engines behind the sglang-router, on --rollout-num-gpus "
                         "GPUs of their own (weights by NCCL broadcast, SGLang's /update_weights_from_distributed) or on "
                         "the trainer's GPU with --colocate (SGLang's /update_weights_from_tensor, CUDA IPC)")
-    g.add_argument("--sglang-attention-backend", default="flashinfer", choices=SGLANG_ATTENTION_BACKENDS,
-                   help="--rollout-backend sglang: the engines' --attention-backend (default flashinfer; both run "
-                        "without FlashAttention 3)")
+    g.add_argument("--sglang-numerics", default=DEFAULT_SGLANG_NUMERICS, choices=SGLANG_NUMERICS,
+                   help="--rollout-backend sglang: whose kernels the engines compute with. rlperf: rlperf's kernels "
+                        "through rlperf's SGLang plugin (engines started with --attention-backend rlperf and the "
+                        "page size of rlperf's attention), exact against rlperf's trainer (abs diff 0, as "
+                        "--true-on-policy-mode requires); sglang: SGLang's own kernels (--sglang-attention-backend), "
+                        f"~0.03 nats/token apart from the trainer's log-probs (default {DEFAULT_SGLANG_NUMERICS})")
+    g.add_argument("--sglang-attention-backend", default=None, choices=SGLANG_ATTENTION_BACKENDS,
+                   help=f"--rollout-backend sglang --sglang-numerics sglang: the engines' --attention-backend (default "
+                        f"{DEFAULT_SGLANG_ATTENTION_BACKEND}; both run without FlashAttention 3); not with "
+                        "--sglang-numerics rlperf, whose engines run rlperf's attention")
     g.add_argument("--sglang-enable-deterministic-inference", default=True, action=argparse.BooleanOptionalAction,
                    help="--rollout-backend sglang: start the engines with --enable-deterministic-inference (SGLang's "
                         "batch-invariant kernels; default on)")
@@ -255,12 +270,23 @@ def add_sglang_backend_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_sglang_backend_flags(ns: argparse.Namespace) -> None:
     """``--rollout-backend sglang``'s layout and options: :class:`UsageError` naming the flag for what it
-    cannot run (the host's GPUs are :func:`rlperf.loop.device.resolve_engine_layout`'s)."""
+    cannot run (the host's GPUs are :func:`rlperf.loop.device.resolve_engine_layout`'s). With
+    ``--sglang-numerics sglang`` a ``--sglang-attention-backend`` left out becomes
+    :data:`DEFAULT_SGLANG_ATTENTION_BACKEND`; with ``rlperf`` it stays None (the engines run rlperf's attention)
+    and giving it is an error naming both flags."""
     if getattr(ns, "rollout_backend", "rlperf") != "sglang":
-        for flag, default in (("sglang_attention_backend", "flashinfer"), ("sglang_load_format", "auto")):
+        for flag, default in (("sglang_attention_backend", None), ("sglang_load_format", "auto"),
+                              ("sglang_numerics", DEFAULT_SGLANG_NUMERICS)):
             if getattr(ns, flag, default) != default:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --rollout-backend sglang")
         return
+    if ns.sglang_numerics == "rlperf" and ns.sglang_attention_backend is not None:
+        raise UsageError(f"--sglang-attention-backend {ns.sglang_attention_backend} and --sglang-numerics rlperf "
+                         "exclude each other: with rlperf's numerics the engines run rlperf's attention "
+                         "(--attention-backend rlperf, rlperf's SGLang plugin); drop --sglang-attention-backend, or "
+                         "use --sglang-numerics sglang for SGLang's own kernels")
+    if ns.sglang_numerics == "sglang" and ns.sglang_attention_backend is None:
+        ns.sglang_attention_backend = DEFAULT_SGLANG_ATTENTION_BACKEND
     if ns.sglang_router_ip is not None:
         raise UsageError("--rollout-backend sglang starts its own SGLang engines and router; --sglang-router-ip uses "
                          "running ones (any SGLang-compatible router: leave --rollout-backend at rlperf)")

@@ -20,6 +20,12 @@ import dataclasses
 from rlperf.telemetry.loggers import LoggerConfig
 from rlperf.train.args import TrainArgs
 
+from .args import DEFAULT_SGLANG_ATTENTION_BACKEND, DEFAULT_SGLANG_NUMERICS
+
+RLPERF_ATTENTION_BACKEND = "rlperf"
+"""The attention backend rlperf's SGLang plugin registers (``--sglang-numerics rlperf``): an engine started with
+``--attention-backend rlperf`` runs rlperf's model classes, kernels and sampler."""
+
 ROLLOUT_ENGINES = ("in-process", "router", "disaggregated")
 """Where a run's rollouts are generated (:attr:`RolloutConfig.engine`); :func:`rlperf.loop.clients.client_for`
 builds the client of each."""
@@ -103,8 +109,9 @@ class SGLangConfig:
 
     tp_size: int = 1
     """``--rollout-num-gpus-per-engine``: GPUs (tensor-parallel ranks) per engine, SGLang's ``--tp-size``."""
-    attention_backend: str = "flashinfer"
-    """``--sglang-attention-backend``: ``flashinfer`` or ``triton`` (both run without FA3)."""
+    attention_backend: str = DEFAULT_SGLANG_ATTENTION_BACKEND
+    """``--sglang-attention-backend``: ``flashinfer`` or ``triton`` (both run without FA3); the engines' attention
+    with ``numerics`` ``sglang`` only (:attr:`engine_attention_backend`)."""
     deterministic: bool = True
     """``--sglang-enable-deterministic-inference``: SGLang's batch-invariant kernels."""
     load_format: str = "auto"
@@ -112,6 +119,16 @@ class SGLangConfig:
     sync, before rollout 0, brings the trainer's)."""
     launch_timeout: float = 600.0
     """``--sglang-launch-timeout``: seconds an engine may take to answer ``/health``."""
+    numerics: str = DEFAULT_SGLANG_NUMERICS
+    """``--sglang-numerics``: ``rlperf`` (the engines compute rlperf's kernels through rlperf's SGLang plugin,
+    started with ``--attention-backend rlperf`` and rlperf's page size; their log-probs are the trainer's bit for
+    bit) or ``sglang`` (SGLang's own kernels, ``attention_backend``)."""
+
+    @property
+    def engine_attention_backend(self) -> str:
+        """The engines' ``--attention-backend``: ``rlperf`` (rlperf's plugin) with rlperf's numerics, else
+        :attr:`attention_backend`."""
+        return RLPERF_ATTENTION_BACKEND if self.numerics == "rlperf" else self.attention_backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,5 +320,6 @@ def _megatron_config(ns: argparse.Namespace) -> MegatronConfig | None:
 def _sglang_config(ns: argparse.Namespace) -> SGLangConfig | None:
     if ns.rollout_backend != "sglang":
         return None
-    return SGLangConfig(ns.rollout_num_gpus_per_engine, ns.sglang_attention_backend,
-                        ns.sglang_enable_deterministic_inference, ns.sglang_load_format, ns.sglang_launch_timeout)
+    return SGLangConfig(ns.rollout_num_gpus_per_engine, ns.sglang_attention_backend or DEFAULT_SGLANG_ATTENTION_BACKEND,
+                        ns.sglang_enable_deterministic_inference, ns.sglang_load_format, ns.sglang_launch_timeout,
+                        numerics=ns.sglang_numerics)

@@ -109,6 +109,10 @@ class FirstStepRecord:
     memory_kind: str
     probe: PhaseMemory | None = None
     true_on_policy: bool = False
+    sglang_numerics: str | None = None
+    """``--rollout-backend sglang``: the engines' ``--sglang-numerics`` (``rlperf``: rlperf's kernels through rlperf's
+    SGLang plugin, held to exactly 0 in true-on-policy mode like rlperf's own engines; ``sglang``: SGLang's own
+    kernels); None for rlperf's engines. The logprob_abs_diff gate names it."""
     config: dict = dataclasses.field(default_factory=dict)
     """The run's arguments (for the report, and for the gates' hints: max_tokens_per_gpu ...)."""
     engines: list[EngineMemory] = dataclasses.field(default_factory=list)

@@ -794,6 +794,7 @@ def _first_step_record(run: Run, ns) -> FirstStepRecord:
         samples=run.last_train_samples, first_micro_step=first, step_metrics=m,
         phases=[PhaseMemory(p, peaks[p]) for p in PHASES],
         capacity_bytes=cap, memory_kind=run.meter.kind, probe=probe, true_on_policy=run.config.true_on_policy,
+        sglang_numerics=run.config.rollout.sglang.numerics if run.config.rollout.sglang is not None else None,
         config=config, engines=engines, ranks=run.world_size, train_routed_experts=train_routed,
         stage_seconds=stages)
 

@@ -14,7 +14,11 @@ weight-update endpoints"):
    tokenizer — ``--load-format``, ``--enable-deterministic-inference``), each on its own GPUs
    (``CUDA_VISIBLE_DEVICES``), the trainer's GPU with ``--colocate``, or ``--device cpu`` on a CPU run,
    with the trainer's ``NCCL_CUMEM_ENABLE`` and ``NCCL_NVLS_ENABLE`` (:func:`use_weight_sync_nccl_settings`,
-   :func:`engine_nccl_env`).
+   :func:`engine_nccl_env`). ``--sglang-numerics rlperf`` starts them with ``--attention-backend rlperf
+   --page-size`` rlperf's page size (:func:`numerics_argv`): rlperf's SGLang plugin (an entry point of
+   SGLang's plugin group, loaded by every engine process) serves that backend with rlperf's model classes,
+   kernels and seeded sampler, and :func:`engine_plugin_env` adds it to a ``SGLANG_PLUGINS`` whitelist that
+   leaves it out; ``sglang`` starts them with ``--sglang-attention-backend``, SGLang's own kernels.
    Before any is started, :func:`check_sglang_installed` looks for the packages; an engine that exits
    while starting fails the start at once with its last output, and one whose output shows a missing
    module is :class:`SGLangUnavailable` (a usage error: the command exits 2 naming the module). One
@@ -23,7 +27,9 @@ weight-update endpoints"):
    its own (:func:`rlperf.rollout.router.start_router`).
 4. **Generation**: ``POST /generate`` through the router, one request per sample with ``input_ids``,
    ``return_logprob`` and ``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``,
-   ``top_k``, ``sampling_seed``, ``no_stop_trim``); the reply's ``output_ids`` and
+   ``top_k``, ``sampling_seed``, ``no_stop_trim``; every sample its own seed,
+   :func:`rlperf.loop.generation.sample_seed`: SGLang's deterministic inference draws every request
+   without one from one default seed, so the n samples of a prompt would be alike); the reply's ``output_ids`` and
    ``meta_info.output_token_logprobs`` (``[logprob, token_id, null]`` triples) are the sample
    (:class:`rlperf.loop.clients.RouterClient`, which :class:`rlperf.loop.clients.SGLangClient` extends).
 5. **Weight sync**, with SGLang's own endpoints, on every worker the router lists:
@@ -75,6 +81,11 @@ INSTALL_HINT = ("install SGLang's pinned set beside this torch (bench/pack_sglan
                 "network; docs/gpu.md, 'SGLang and FlashInfer'), or use --rollout-backend rlperf")
 _MISSING_MODULE = re.compile(r"No module named '([^']+)'|cannot import name '([^']+)'")
 _IMPORT_FAILED = re.compile(r"\b(ModuleNotFoundError|ImportError)\b")
+SGLANG_PLUGIN = "rlperf"
+"""The name of rlperf's SGLang plugin: its entry point in SGLang's group ``sglang.srt.plugins``, which a
+whitelist in ``SGLANG_PLUGINS`` must name (:func:`engine_plugin_env`)."""
+SGLANG_PLUGINS_ENV = "SGLANG_PLUGINS"
+"""SGLang's plugin whitelist (comma-separated entry-point names; unset: every installed plugin loads)."""
 TENSOR_BUCKET_BYTES = SYNC_BUCKET_BYTES
 """Bytes of tensors per colocated ``/update_weights_from_tensor`` request (handles only travel)."""
 
@@ -94,9 +105,11 @@ def check_sglang_installed(find_spec=importlib.util.find_spec) -> None:
 def sglang_launch_argv(model_path: str, port: int, cfg: SGLangConfig, *, dtype: str, mem_fraction_static: float,
                        seed: int, device: str = "cuda", host: str = HOST) -> list[str]:
     """The arguments of ``python -m sglang.launch_server`` for one engine (module docstring, step 2).
-    ``dtype``: ``bfloat16`` or ``float32`` (the trainer's compute dtype); ``device``: ``cuda`` or ``cpu``."""
+    ``dtype``: ``bfloat16`` or ``float32`` (the trainer's compute dtype); ``device``: ``cuda`` or ``cpu``.
+    With ``cfg.numerics`` ``rlperf``: ``--attention-backend rlperf --page-size`` rlperf's page size
+    (:func:`numerics_argv`)."""
     argv = ["--model-path", str(model_path), "--host", host, "--port", str(port), "--tp-size", str(cfg.tp_size),
-            "--dtype", dtype, "--attention-backend", cfg.attention_backend,
+            "--dtype", dtype, *numerics_argv(cfg),
             "--mem-fraction-static", f"{mem_fraction_static:g}", "--random-seed", str(seed),
             "--skip-tokenizer-init", "--load-format", cfg.load_format]
     if cfg.deterministic:
@@ -104,6 +117,40 @@ def sglang_launch_argv(model_path: str, port: int, cfg: SGLangConfig, *, dtype: 
     if device == "cpu":
         argv += ["--device", "cpu"]
     return argv
+
+
+def numerics_argv(cfg: SGLangConfig) -> list[str]:
+    """The engine flags of ``cfg.numerics``: ``--attention-backend`` SGLang's (``sglang``), or ``--attention-backend
+    rlperf --page-size`` :data:`rlperf.kernels.attention.PAGE_SIZE` (``rlperf``: rlperf's SGLang plugin serves that
+    backend with rlperf's model, kernels and sampler; its KV cache pages are the attention kernel's KV blocks)."""
+    if cfg.numerics != "rlperf":
+        return ["--attention-backend", cfg.engine_attention_backend]
+    from rlperf.kernels.attention import PAGE_SIZE
+
+    return ["--attention-backend", cfg.engine_attention_backend, "--page-size", str(PAGE_SIZE)]
+
+
+def describe_numerics(cfg: SGLangConfig) -> str:
+    """The engines' numerics as the start-up line names them."""
+    if cfg.numerics == "rlperf":
+        return f"--sglang-numerics rlperf: rlperf's kernels through rlperf's SGLang plugin, {' '.join(numerics_argv(cfg))}"
+    return f"--sglang-numerics sglang: SGLang's kernels, --attention-backend {cfg.engine_attention_backend}"
+
+
+def engine_plugin_env(cfg: SGLangConfig, environ=None) -> dict[str, str]:
+    """What each engine's environment needs so that rlperf's SGLang plugin loads (``--sglang-numerics rlperf``):
+    SGLang loads every plugin of its entry-point group (``sglang.srt.plugins``) unless ``SGLANG_PLUGINS`` holds a
+    value, which makes it a whitelist of comma-separated names (each stripped). A whitelist without
+    :data:`SGLANG_PLUGIN` gets it appended (the value is kept as it is); unset or empty, nothing is added. Empty
+    for ``--sglang-numerics sglang``."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(SGLANG_PLUGINS_ENV, "")
+    if cfg.numerics != "rlperf" or not value:
+        return {}
+    if SGLANG_PLUGIN in {x.strip() for x in value.split(",")}:
+        return {}
+    names = value.rstrip(", \t")
+    return {SGLANG_PLUGINS_ENV: f"{names},{SGLANG_PLUGIN}" if names else SGLANG_PLUGIN}
 
 
 def missing_module(output: str) -> str | None:
@@ -231,11 +278,11 @@ def start_sglang_fleet(config: RunConfig, model, *, env=None) -> EngineFleet:
     frac = r.mem_fraction_static if r.mem_fraction_static is not None else 0.8
     argvs = [sglang_launch_argv(model_path, free_port(HOST), s, dtype=dtype, mem_fraction_static=frac,
                                 seed=config.runtime.seed, device=device) for _ in range(n)]
-    nccl = engine_nccl_env()
-    envs = [{"CUDA_VISIBLE_DEVICES": g, **nccl} for g in gpus] if gpus is not None else [dict(nccl) for _ in range(n)]
+    common = {**engine_nccl_env(), **engine_plugin_env(s, os.environ if env is None else env)}
+    envs = [{"CUDA_VISIBLE_DEVICES": g, **common} for g in gpus] if gpus is not None else [dict(common) for _ in range(n)]
     where = f"GPUs {' | '.join(gpus)}" if gpus is not None else device.upper()
     print(f"rlperf train: starting {n} SGLang engine(s) ({model_path}, {dtype}, --tp-size {s.tp_size}, "
-          f"--attention-backend {s.attention_backend}) on {where} behind the sglang-router; logs in {log_dir}",
+          f"{describe_numerics(s)}) on {where} behind the sglang-router; logs in {log_dir}",
           file=sys.stderr, flush=True)
     servers, urls = start_sglang_servers(argvs, envs, log_dir, s.launch_timeout, env=env)
     try:

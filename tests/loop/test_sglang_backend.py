@@ -239,3 +239,147 @@ def test_gate_exits_2_naming_the_module_sglang_lacks(tmp_path, fake_sglang, monk
                  *_prompts(tmp_path), "--output-dir", str(tmp_path / "g")])
     assert code == 2
     assert "sgl_kernel" in capsys.readouterr().err
+
+
+# ---- --sglang-numerics (issue #36): rlperf's kernels in the engines through rlperf's SGLang plugin ----------------
+
+
+def test_launch_argv_of_each_numerics():
+    from rlperf.kernels.attention import PAGE_SIZE
+
+    exact = S.sglang_launch_argv("/m", 1, SGLangConfig(numerics="rlperf"), dtype="bfloat16", mem_fraction_static=0.5,
+                                 seed=3)
+    i = exact.index("--attention-backend")
+    assert exact[i:i + 4] == ["--attention-backend", "rlperf", "--page-size", str(PAGE_SIZE)]
+    assert exact.count("--attention-backend") == 1 and "--enable-deterministic-inference" in exact
+    loose = S.sglang_launch_argv("/m", 1, SGLangConfig(numerics="rlperf", deterministic=False), dtype="bfloat16",
+                                 mem_fraction_static=0.5, seed=3)
+    assert "--enable-deterministic-inference" not in loose and "--page-size" in loose
+    own = S.sglang_launch_argv("/m", 1, SGLangConfig(attention_backend="triton", numerics="sglang"), dtype="bfloat16",
+                               mem_fraction_static=0.5, seed=3)
+    assert own[own.index("--attention-backend") + 1] == "triton" and "--page-size" not in own
+    assert "rlperf's SGLang plugin" in S.describe_numerics(SGLangConfig(numerics="rlperf"))
+    assert "--sglang-numerics sglang" in S.describe_numerics(SGLangConfig(numerics="sglang"))
+
+
+def test_numerics_default_is_one_constant_and_fills_the_attention_backend():
+    from rlperf.loop.args import DEFAULT_SGLANG_ATTENTION_BACKEND, DEFAULT_SGLANG_NUMERICS
+
+    base = ["--rollout-backend", "sglang", "--rollout-num-gpus", "1"]
+    ns = _flags(*base)
+    assert ns.sglang_numerics == DEFAULT_SGLANG_NUMERICS and SGLangConfig().numerics == DEFAULT_SGLANG_NUMERICS
+    ns = _flags(*base, "--sglang-numerics", "sglang")
+    check_sglang_backend_flags(ns)
+    assert ns.sglang_attention_backend == DEFAULT_SGLANG_ATTENTION_BACKEND
+    ns = _flags(*base, "--sglang-numerics", "rlperf")
+    check_sglang_backend_flags(ns)
+    assert ns.sglang_attention_backend is None  # the engines run rlperf's attention
+    check_sglang_backend_flags(ns)  # twice: still fine
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_an_attention_backend_with_rlperf_numerics_is_a_usage_error_naming_both(backend):
+    with pytest.raises(UsageError, match=r"--sglang-attention-backend .*--sglang-numerics rlperf"):
+        check_sglang_backend_flags(_flags("--rollout-backend", "sglang", "--rollout-num-gpus", "1",
+                                          "--sglang-numerics", "rlperf", "--sglang-attention-backend", backend))
+
+
+def test_numerics_other_than_the_default_need_the_sglang_backend():
+    from rlperf.loop.args import DEFAULT_SGLANG_NUMERICS, SGLANG_NUMERICS
+
+    other = next(x for x in SGLANG_NUMERICS if x != DEFAULT_SGLANG_NUMERICS)
+    with pytest.raises(UsageError, match=r"--sglang-numerics needs --rollout-backend sglang"):
+        check_sglang_backend_flags(_flags("--sglang-numerics", other))
+    with pytest.raises(UsageError, match=r"--sglang-attention-backend needs --rollout-backend sglang"):
+        check_sglang_backend_flags(_flags("--sglang-attention-backend", "flashinfer"))
+
+
+def test_gate_exits_2_naming_both_flags(tmp_path, fake_sglang, capsys):
+    code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "1",
+                 "--sglang-numerics", "rlperf", "--sglang-attention-backend", "triton", *SMALL, *_prompts(tmp_path),
+                 "--output-dir", str(tmp_path / "g")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--sglang-attention-backend triton" in err and "--sglang-numerics rlperf" in err
+    assert not fake_sglang("launch")  # refused before anything starts
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, {}),  # unset: SGLang loads every installed plugin
+    ({"SGLANG_PLUGINS": ""}, {}),  # empty: no whitelist either
+    ({"SGLANG_PLUGINS": "rlperf"}, {}),
+    ({"SGLANG_PLUGINS": "other, rlperf"}, {}),
+    ({"SGLANG_PLUGINS": "other"}, {"SGLANG_PLUGINS": "other,rlperf"}),
+    ({"SGLANG_PLUGINS": "a, b,"}, {"SGLANG_PLUGINS": "a, b,rlperf"}),
+    ({"SGLANG_PLUGINS": "rlperf_extra"}, {"SGLANG_PLUGINS": "rlperf_extra,rlperf"}),
+])
+def test_a_plugin_whitelist_without_rlperf_gets_it(environ, expected):
+    assert S.engine_plugin_env(SGLangConfig(numerics="rlperf"), environ) == expected
+    assert S.engine_plugin_env(SGLangConfig(numerics="sglang"), environ) == {}  # SGLang's kernels: left alone
+
+
+def _gate(tmp_path, *extra):
+    report = tmp_path / "gate.json"
+    code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "1",
+                 "--sglang-load-format", "dummy", *SMALL, *_prompts(tmp_path), *extra,
+                 "--output-dir", str(tmp_path / "g"), "--report-json", str(report)])
+    return code, {r["name"]: r for r in json.loads(report.read_text())["gates"]}
+
+
+def test_gate_with_rlperf_numerics_starts_the_plugins_engines_and_holds_them_to_0(tmp_path, fake_sglang, monkeypatch,
+                                                                                 capsys):
+    from rlperf.kernels.attention import PAGE_SIZE
+
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone_elses")
+    code, results = _gate(tmp_path, "--sglang-numerics", "rlperf", "--true-on-policy-mode")
+    err = capsys.readouterr().err
+    assert code == 1, err  # the stand-in answers FAKE_LOGPROB, not rlperf's log-probs
+    (launch,) = fake_sglang("launch")
+    a = launch["argv"]
+    assert a[a.index("--attention-backend") + 1] == "rlperf" and a[a.index("--page-size") + 1] == str(PAGE_SIZE)
+    assert "--enable-deterministic-inference" in a
+    assert launch["sglang_plugins"] == "someone_elses,rlperf"
+    line = next(x for x in err.splitlines() if "starting 1 SGLang engine(s)" in x)
+    assert "--sglang-numerics rlperf" in line and f"--attention-backend rlperf --page-size {PAGE_SIZE}" in line
+    diff = results["logprob_abs_diff"]
+    assert not diff["passed"] and diff["threshold"] == "exactly 0 (true-on-policy mode, --sglang-numerics rlperf)"
+    assert "not exactly 0" in diff["message"] and "--sglang-numerics rlperf" in diff["message"]
+    assert "rlperf's SGLang plugin" in diff["hint"]
+
+
+def test_gate_with_sglang_numerics_in_true_on_policy_mode_fails_naming_them(tmp_path, fake_sglang, monkeypatch):
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    code, results = _gate(tmp_path, "--sglang-numerics", "sglang", "--true-on-policy-mode")
+    assert code == 1
+    (launch,) = fake_sglang("launch")
+    assert launch["argv"][launch["argv"].index("--attention-backend") + 1] == "flashinfer"
+    assert "--page-size" not in launch["argv"] and launch["sglang_plugins"] is None
+    diff = results["logprob_abs_diff"]  # today's rule kept: exactly 0, which SGLang's own kernels do not give
+    assert not diff["passed"] and diff["threshold"] == "exactly 0 (true-on-policy mode, --sglang-numerics sglang)"
+    assert "--sglang-numerics sglang" in diff["message"] and "--sglang-numerics rlperf" in diff["hint"]
+
+
+def test_every_sample_sent_to_sglang_carries_its_own_seed(tmp_path, fake_sglang):
+    """SGLang's deterministic inference samples every request without a ``sampling_seed`` from one default
+    seed: the n samples of a prompt would come out alike. Each request carries its sample's seed, distinct
+    within a prompt's group, within a rollout and across rollouts."""
+    n_rollouts, n = 3, 2
+    code = main(["train", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "1",
+                 "--sglang-load-format", "dummy", *SMALL, *_prompts(tmp_path), "--num-rollout", str(n_rollouts),
+                 "--output-dir", str(tmp_path / "t"), "--no-progress", "--skip-gates"])
+    assert code == 0
+    seeds = [r["body"]["sampling_params"]["sampling_seed"] for r in fake_sglang("generate")]
+    per_rollout = 2 * n  # --rollout-batch-size 2 x --n-samples-per-prompt 2
+    assert len(seeds) >= n_rollouts * per_rollout and all(isinstance(s, int) for s in seeds)
+    assert len(set(seeds)) == len(seeds), seeds
+    by_prompt: dict[tuple, list] = {}
+    for r in fake_sglang("generate"):
+        by_prompt.setdefault(tuple(r["body"]["input_ids"]), []).append(r["body"]["sampling_params"]["sampling_seed"])
+    assert all(len(v) >= n and len(set(v)) == len(v) for v in by_prompt.values()), by_prompt
+
+
+def test_sample_seeds_are_distinct_over_rollouts_and_samples():
+    from rlperf.loop.generation import sample_seed
+
+    seeds = [sample_seed(1234, k, i) for k in range(50) for i in range(2048)]
+    assert len(set(seeds)) == len(seeds)

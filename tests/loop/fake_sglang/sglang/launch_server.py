@@ -1,7 +1,10 @@
 """``python -m sglang.launch_server`` for tests: a small HTTP server that parses SGLang's launch flags
 (unknown flags exit 2, as SGLang's parser does), answers SGLang's endpoints the way SGLang 0.5.9 does, and
 appends every request it gets to the JSON-lines file ``$FAKE_SGLANG_RECORD`` (one record per request,
-plus one ``launch`` record with its argv, ``CUDA_VISIBLE_DEVICES`` and ``NCCL_CUMEM_ENABLE``).
+plus one ``launch`` record with its argv, ``CUDA_VISIBLE_DEVICES``, ``NCCL_CUMEM_ENABLE`` and ``SGLANG_PLUGINS``).
+``--attention-backend rlperf`` (the backend rlperf's SGLang plugin registers) and ``--page-size`` are accepted
+and recorded with the argv; nothing here computes rlperf's numerics. Every ``/generate`` body is recorded, its
+``sampling_params.sampling_seed`` with it.
 
 * ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``): ``max_new_tokens`` tokens
   ``(sum(input_ids) + 7 * i) % vocab_size``, each with log-prob ``FAKE_LOGPROB``; reply ``output_ids``,
@@ -44,7 +47,9 @@ def parse(argv):
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--attention-backend", choices=["flashinfer", "triton", "torch_native", "fa3"])
+    # rlperf: the backend rlperf's SGLang plugin registers (--sglang-numerics rlperf), with its --page-size
+    p.add_argument("--attention-backend", choices=["flashinfer", "triton", "torch_native", "fa3", "rlperf"])
+    p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--mem-fraction-static", type=float)
     p.add_argument("--random-seed", type=int)
     p.add_argument("--skip-tokenizer-init", action="store_true")
@@ -159,7 +164,7 @@ def _numel(shape):
 if __name__ == "__main__":
     ARGS = parse(sys.argv[1:])
     record("launch", argv=sys.argv[1:], cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-           nccl_cumem_enable=os.environ.get("NCCL_CUMEM_ENABLE"))
+           nccl_cumem_enable=os.environ.get("NCCL_CUMEM_ENABLE"), sglang_plugins=os.environ.get("SGLANG_PLUGINS"))
     if os.environ.get("FAKE_SGLANG_FAIL") == "hang":
         while True:
             time.sleep(1)
