@@ -100,5 +100,10 @@ setup(
         "plot": ["matplotlib>=3.7"],  # rlperf plot, rlperf train --plot, the gate's and the profile's pictures
         "megatron": MEGATRON_CORE,  # the megatron trainer backend (rlperf.train.megatron)
     },
-    entry_points={"console_scripts": ["rlperf=rlperf.cli:main"]},
+    entry_points={
+        "console_scripts": ["rlperf=rlperf.cli:main"],
+        # SGLang (0.5.17) runs every plugin of this group in each of its processes: --attention-backend rlperf
+        # then computes with rlperf's kernels (rlperf/sglang_plugin/__init__.py)
+        "sglang.srt.plugins": ["rlperf=rlperf.sglang_plugin:register"],
+    },
 )

@@ -44,6 +44,8 @@ LAYERS = {
     "telemetry": 1,  # process memory, phase meter, timeline: imports nothing of rlperf; the loop and the
                      # rollout server (its /get_server_info memory) both measure with it
     "rollout": 2, "train": 2, "sync": 2, "data": 2,
+    "sglang_plugin": 2,  # rlperf's numerics inside SGLang's engine (model, attention, sampler): the rollout
+                         # side's peer, on the model and the kernels; SGLang loads it, nothing of rlperf does
     "loop": 3,
     "gates": 4,
     "cli": 5, "__main__": 5,

@@ -155,6 +155,9 @@ def config_from_hf_dict(raw: dict, where: str = "config.json",
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     present = {k: v for k, v in raw.items() if v is not None}
+    if "num_experts" not in present and "num_local_experts" in present:
+        # transformers 5's Qwen3MoeConfig keeps the expert count as num_local_experts (to_dict and saved files)
+        present["num_experts"] = present["num_local_experts"]
     if present.get("model_type") == "qwen3_moe":  # transformers' Qwen3MoeConfig defaults for absent fields
         present = {**QWEN3_MOE_DEFAULTS, **present}
     names = {f.name for f in dataclasses.fields(ModelConfig)} - {"rope_theta"}

@@ -246,3 +246,18 @@ def test_train_with_checkpoint_without_weights_exits_2(tmp_path, capsys):
                  "--skip-gates"])
     assert code == 2
     assert f"rlperf train: --hf-checkpoint {tmp_path}: {tmp_path}: no model.safetensors" in capsys.readouterr().err
+
+
+def test_transformers5_moe_expert_count_alias():
+    """transformers 5's Qwen3MoeConfig writes the expert count as num_local_experts (to_dict, save_pretrained):
+    the same config as num_experts; an explicit num_experts wins."""
+    from rlperf.model.config import config_from_hf_dict
+
+    base = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=301, num_experts_per_tok=2,
+                moe_intermediate_size=32)
+    alias, _ = config_from_hf_dict({**base, "num_local_experts": 6, "num_experts": None})
+    plain, _ = config_from_hf_dict({**base, "num_experts": 6})
+    assert alias == plain and alias.num_experts == 6
+    both, _ = config_from_hf_dict({**base, "num_experts": 4, "num_local_experts": 6})
+    assert both.num_experts == 4

@@ -1,0 +1,355 @@
+"""Checks of rlperf's SGLang plugin against the real SGLang 0.5.17 package, on the CPU.
+
+Run as a script in a process whose path holds SGLang 0.5.17 (``tests/sglang_plugin/test_plugin.py``
+starts it): it imports :mod:`sglang_boot` first, loads the plugins the way SGLang does
+(``sglang.srt.plugins.load_plugins``: the entry point rlperf declares), runs every ``check_*`` function
+and prints one JSON object ``{check: {"ok": bool, "detail": str}}`` as its last line.
+
+The engine steps use SGLang's own classes: ``ServerArgs``, ``ReqToTokenPool``, ``MHATokenToKVPool``
+(CPU tensors), ``ForwardBatch`` and ``ForwardMode``, ``SamplingBatchInfo``, the forward context, the
+model registry; only the model runner is left out (it needs CUDA): the steps call what it calls, in its
+order (``attn_backend.init_forward_metadata``, ``model.forward``, ``sampler``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+import tempfile
+import traceback
+
+import sglang_boot  # noqa: F401  (first: torchvision stand-in)
+import torch
+
+torch.set_default_dtype(torch.float32)
+
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+load_plugins()
+
+from sglang.srt import server_args as sa  # noqa: E402
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
+from sglang.srt.models.registry import ModelRegistry  # noqa: E402
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo  # noqa: E402
+from sglang.srt.sampling.sampling_params import TOP_K_ALL  # noqa: E402
+
+import rlperf.sglang_plugin as plugin  # noqa: E402
+from rlperf.kernels.attention import PAGE_SIZE as P  # noqa: E402
+from rlperf.model import ModelConfig  # noqa: E402
+from rlperf.model.qwen3 import Qwen3ForCausalLM as RlperfQwen3  # noqa: E402
+from rlperf.model.qwen3 import config_to_hf  # noqa: E402
+from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from rlperf.rollout.tokenizer import ByteTokenizer  # noqa: E402
+from rlperf.sglang_plugin.attention import RlperfAttnBackend  # noqa: E402
+from rlperf.sglang_plugin.models import ENTRY_CLASSES  # noqa: E402
+from rlperf.sglang_plugin.sampler import RlperfSampler, apply_min_p, request_temperature  # noqa: E402
+
+DENSE = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=301, max_position_embeddings=1024)
+MOE = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=301, max_position_embeddings=1024,
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+MODELS = pathlib.Path(tempfile.mkdtemp(prefix="rlperf-sglang-checks-"))
+
+
+def model_dir(cfg: ModelConfig, name: str, architectures=None) -> pathlib.Path:
+    path = MODELS / name
+    path.mkdir(exist_ok=True)
+    hf = config_to_hf(cfg, torch.float32)
+    if architectures is not None:
+        hf["architectures"] = architectures
+    (path / "config.json").write_text(json.dumps(hf))
+    return path
+
+
+def server_args(path, **kw):
+    base = dict(model_path=str(path), attention_backend="rlperf", page_size=P, enable_deterministic_inference=True,
+                skip_tokenizer_init=True, device="cpu")
+    return sa.ServerArgs(**{**base, **kw})
+
+
+def expect_error(fn, *needles) -> str:
+    try:
+        fn()
+    except plugin.PluginError as exc:
+        text = str(exc)
+        assert "\n" not in text, f"not one line: {text!r}"
+        for n in needles:
+            assert n in text, f"{n!r} not in {text!r}"
+        return text
+    raise AssertionError(f"no PluginError (wanted one naming {needles})")
+
+
+# ---- registration and start-up checks ---------------------------------------------------------
+def check_registration():
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("rlperf") == "rlperf.sglang_plugin:register", eps
+    for name, choices in (("attention", sa.ATTENTION_BACKEND_CHOICES),
+                          ("deterministic", sa.DETERMINISTIC_ATTENTION_BACKEND_CHOICES),
+                          ("radix deterministic", sa.RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND)):
+        assert choices.count("rlperf") == 1, (name, choices)
+    plugin.register()  # idempotent: a second call adds nothing
+    assert sa.ATTENTION_BACKEND_CHOICES.count("rlperf") == 1
+    assert "rlperf" in ATTENTION_BACKENDS
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sa.ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model-path", "m", "--attention-backend", "rlperf", "--page-size", str(P)])
+    return f"entry point {eps['rlperf']}; --attention-backend {ns.attention_backend} accepted"
+
+
+def check_server_args():
+    path = model_dir(DENSE, "dense")
+    args = server_args(path)
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    assert args.attention_backend == "rlperf" and args.page_size == P
+    assert not args.disable_radix_cache, "deterministic mode must keep the radix cache for rlperf"
+    assert args.cuda_graph_config.prefill.backend == Backend.DISABLED
+    other = sa.ServerArgs(model_path=str(path), attention_backend="triton", skip_tokenizer_init=True, device="cpu")
+    assert other.attention_backend == "triton"  # another backend: the plugin does nothing
+    errors = [
+        expect_error(lambda: server_args(path, page_size=64), "--page-size 128", "64"),
+        expect_error(lambda: server_args(path, page_size=1), "--page-size 128"),
+        expect_error(lambda: server_args(model_dir(DENSE, "llama", ["LlamaForCausalLM"])),
+                     "LlamaForCausalLM", "Qwen3ForCausalLM"),
+        expect_error(lambda: plugin.check_sglang_version("0.5.9"), "0.5.17", "0.5.9"),
+    ]
+    moe = server_args(model_dir(MOE, "moe"))
+    assert moe.attention_backend == "rlperf"
+    return "; ".join(errors)
+
+
+def check_model_registry():
+    path = model_dir(DENSE, "dense")
+    plain = sa.ServerArgs(model_path=str(path), attention_backend="triton", skip_tokenizer_init=True, device="cpu")
+    sa.set_global_server_args_for_scheduler(plain)
+    theirs, _ = ModelRegistry.resolve_model_cls(["Qwen3ForCausalLM"])
+    assert theirs.__module__.startswith("sglang."), theirs
+    sa.set_global_server_args_for_scheduler(server_args(path))
+    for arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        cls, got = ModelRegistry.resolve_model_cls([arch])
+        assert cls is ENTRY_CLASSES[arch] and got == arch, (cls, got)
+    err = expect_error(lambda: ModelRegistry.resolve_model_cls(["LlamaForCausalLM"]), "LlamaForCausalLM")
+    # the SGLANG_EXTERNAL_MODEL_PACKAGE route: every module's EntryClass, replacing SGLang's
+    ModelRegistry.register("rlperf.sglang_plugin.models", overwrite=True, strict=True)
+    assert ModelRegistry.models["Qwen3ForCausalLM"] is ENTRY_CLASSES["Qwen3ForCausalLM"]
+    assert ModelRegistry.models["Qwen3MoeForCausalLM"] is ENTRY_CLASSES["Qwen3MoeForCausalLM"]
+    from sglang.srt.layers.sampler import create_sampler
+
+    assert isinstance(create_sampler(), RlperfSampler)
+    sa.set_global_server_args_for_scheduler(plain)
+    from transformers import AutoConfig
+
+    expect_error(lambda: ENTRY_CLASSES["Qwen3ForCausalLM"](AutoConfig.from_pretrained(path)), "--attention-backend rlperf")
+    return err
+
+
+# ---- engine steps ---------------------------------------------------------------------------
+class Runner:
+    """What SGLang's model runner holds for a step: the pools, the attention backend, the model, the sampler."""
+
+    def __init__(self, cfg: ModelConfig, path, reference: RlperfQwen3, num_pages: int = 12, max_reqs: int = 8,
+                 context: int = 1024):
+        from transformers import AutoConfig
+
+        sa.set_global_server_args_for_scheduler(server_args(path))
+        self.page_size, self.device = P, "cpu"
+        self.req_to_token_pool = ReqToTokenPool(size=max_reqs, max_context_len=context, device="cpu",
+                                                enable_memory_saver=False)
+        self.token_to_kv_pool = MHATokenToKVPool(size=num_pages * P - P, page_size=P, dtype=torch.float32,
+                                                 head_num=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                                 layer_num=cfg.num_hidden_layers, device="cpu",
+                                                 enable_memory_saver=False)
+        self.attn_backend = ATTENTION_BACKENDS["rlperf"](self)
+        assert isinstance(self.attn_backend, RlperfAttnBackend)
+        cls, _ = ModelRegistry.resolve_model_cls(AutoConfig.from_pretrained(path).architectures)
+        self.model = cls(AutoConfig.from_pretrained(path))
+        self.model.load_weights(reference.hf_state_dict().items())
+        self.sampler = RlperfSampler()
+        self.free_pages = list(range(1, num_pages))  # page 0: SGLang's padding slots
+        self.pages: dict[int, list[int]] = {}
+
+    def slot(self, req: int, pos: int) -> int:
+        while len(self.pages[req]) <= pos // P:
+            page = self.free_pages.pop(0)
+            self.pages[req].append(page)
+            self.req_to_token_pool.req_to_token[req, (len(self.pages[req]) - 1) * P:len(self.pages[req]) * P] = \
+                torch.arange(page * P, page * P + P, dtype=torch.int32)
+        return self.pages[req][pos // P] * P + pos % P
+
+    def share_prefix(self, req: int, donor: int, pages: int) -> None:
+        """Radix-cache reuse: ``req`` starts with ``donor``'s first ``pages`` pages (already computed)."""
+        self.pages[req] = list(self.pages[donor][:pages])
+        self.req_to_token_pool.req_to_token[req, :pages * P] = self.req_to_token_pool.req_to_token[donor, :pages * P]
+
+    def step(self, reqs, new_tokens, cached, params, graph_bs: int | None = None):
+        """One forward + sample: ``reqs`` pool rows, ``new_tokens[i]`` the ids to run after ``cached[i]``
+        cached tokens; ``params[i]`` (temperature, top_p, top_k, seed). Returns (tokens, logprobs)."""
+        decode = all(len(t) == 1 for t in new_tokens) and all(c > 0 for c in cached)
+        for r in reqs:
+            self.pages.setdefault(r, [])
+        ids, pos, slots = [], [], []
+        for r, toks, c in zip(reqs, new_tokens, cached):
+            ids += toks
+            pos += range(c, c + len(toks))
+            slots += [self.slot(r, p) for p in range(c, c + len(toks))]
+        seq_lens = [c + len(t) for c, t in zip(cached, new_tokens)]
+        bs = len(reqs)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, batch_size=bs,
+            input_ids=torch.tensor(ids), req_pool_indices=torch.tensor(reqs), seq_lens=torch.tensor(seq_lens),
+            out_cache_loc=torch.tensor(slots), seq_lens_sum=sum(seq_lens), seq_lens_cpu=torch.tensor(seq_lens),
+            positions=torch.tensor(pos), return_logprob=True, top_logprobs_nums=[0] * bs,
+            token_ids_logprobs=[None] * bs)
+        if not decode:
+            fb.extend_seq_lens = torch.tensor([len(t) for t in new_tokens], dtype=torch.int32)
+            fb.extend_seq_lens_cpu = [len(t) for t in new_tokens]
+            fb.extend_prefix_lens = torch.tensor(cached, dtype=torch.int32)
+            fb.extend_prefix_lens_cpu = list(cached)
+            fb.extend_logprob_start_lens_cpu = [len(t) for t in new_tokens]  # output log-probs only
+        temps = [p[0] for p in params]
+        fb.sampling_info = SamplingBatchInfo(
+            temperatures=torch.tensor(temps, dtype=torch.float32).view(-1, 1),
+            top_ps=torch.tensor([p[1] for p in params], dtype=torch.float32),
+            top_ks=torch.tensor([p[2] if p[2] > 0 else TOP_K_ALL for p in params], dtype=torch.int32),
+            min_ps=torch.zeros(bs), is_all_greedy=False, is_any_greedy=False,
+            need_top_p_sampling=any(p[1] < 1 for p in params), need_top_k_sampling=any(p[2] > 0 for p in params),
+            need_min_p_sampling=False, vocab_size=self.model.cfg.vocab_size,
+            sampling_seed=torch.tensor([p[3] for p in params], dtype=torch.int64))
+        backend = self.attn_backend
+        if graph_bs is not None:  # the decode-graph path: static buffers, rows padded to graph_bs
+            assert decode and graph_bs >= bs
+            backend.init_cuda_graph_state(max_bs=graph_bs, max_num_tokens=graph_bs)
+            pad = graph_bs - bs
+            fb.batch_size = graph_bs
+            fb.req_pool_indices = torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=torch.int64)])
+            fb.seq_lens = torch.cat([fb.seq_lens, torch.full((pad,), backend.get_cuda_graph_seq_len_fill_value())])
+            fb.out_cache_loc = torch.cat([fb.out_cache_loc, torch.zeros(pad, dtype=torch.int64)])
+            fb.input_ids = torch.cat([fb.input_ids, torch.zeros(pad, dtype=torch.int64)])
+            fb.positions = torch.cat([fb.positions, torch.zeros(pad, dtype=torch.int64)])
+            backend.init_forward_metadata_out_graph(fb, in_capture=False)
+        else:
+            backend._graph = None
+            backend.init_forward_metadata(fb)
+        with forward_context(ForwardContext(attn_backend=backend)):
+            out = self.model.forward(fb.input_ids, fb.positions, fb)
+        if graph_bs is not None:  # the runner slices the replayed outputs to the real rows
+            out.next_token_logits, out.hidden_states = out.next_token_logits[:bs], out.hidden_states[:bs]
+            fb.positions = fb.positions[:bs]
+        positions = fb.positions if decode else torch.tensor(seq_lens) - 1  # what ModelRunner.sample passes
+        tokens = self.sampler(out, fb.sampling_info, True, fb.top_logprobs_nums, fb.token_ids_logprobs, positions)
+        return tokens.tolist(), out.next_token_logprobs.tolist()
+
+
+def engine_run(reference, prompts, params, new_tokens):
+    engine = Engine(reference, ByteTokenizer(reference.cfg.vocab_size), EngineConfig(max_total_tokens=4096))
+    sps = [SamplingParams(max_new_tokens=new_tokens, temperature=t, top_p=p, top_k=k if k > 0 else -1, seed=s,
+                          ignore_eos=True) for t, p, k, s in params]
+    return [(r.output_ids, r.output_logprobs) for r in engine.generate(prompts, sps)]
+
+
+def plugin_run(runner, reqs, prompts, params, new_tokens, graph_bs=None, prefix=None):
+    """Prefill every prompt (``prefix``: (req, donor, pages) shares a donor's cached pages first), then
+    decode ``new_tokens - 1`` steps; each request's (output ids, log-probs)."""
+    cached = [0] * len(reqs)
+    if prefix is not None:
+        req, donor, pages = prefix
+        runner.share_prefix(req, donor, pages)
+        cached[reqs.index(req)] = pages * P
+    outs = [([], []) for _ in reqs]
+    toks = [p[c:] for p, c in zip(prompts, cached)]
+    for step in range(new_tokens):
+        t, lp = runner.step(reqs, toks, cached, params, graph_bs=graph_bs if step > 0 else None)
+        for i in range(len(reqs)):
+            outs[i][0].append(t[i])
+            outs[i][1].append(lp[i])
+        cached = [c + len(x) for c, x in zip(cached, toks)]
+        toks = [[x] for x in t]
+    return outs
+
+
+def _bits(outs):
+    return [(ids, [float(x).hex() for x in lps]) for ids, lps in outs]
+
+
+def _steps_match_engine(cfg, name):
+    path = model_dir(cfg, name)
+    reference = RlperfQwen3.random(cfg, seed=3)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (150, 37, 129)]
+    params = [(0.7, 1.0, 0, 11), (1.0, 0.9, 20, 12), (0.85, 0.95, 0, 13)]
+    want = engine_run(reference, prompts, params, 4)
+    runner = Runner(cfg, path, reference)
+    got = plugin_run(runner, [1, 2, 3], prompts, params, 4)
+    assert _bits(got) == _bits(want), f"plugin {got} != rlperf engine {want}"
+    # the same requests in another batch (alone, other pool rows and pages) and through the decode-graph
+    # metadata path with padded rows: the same tokens and log-probs
+    alone = plugin_run(Runner(cfg, path, reference), [4], prompts[1:2], params[1:2], 4)
+    assert _bits(alone) == _bits(want[1:2]), (alone, want[1:2])
+    graphed = plugin_run(Runner(cfg, path, reference), [2, 5], prompts[:2], params[:2], 4, graph_bs=4)
+    assert _bits(graphed) == _bits(want[:2]), (graphed, want[:2])
+    # radix-cache reuse: request 6 finds request 1's first page cached and prefills only the rest
+    shared = Runner(cfg, path, reference)
+    plugin_run(shared, [1], prompts[:1], params[:1], 1)
+    reused = plugin_run(shared, [6], prompts[:1], params[:1], 4, prefix=(6, 1, 1))
+    assert _bits(reused) == _bits(want[:1]), (reused, want[:1])
+    return f"{len(prompts)} requests x 4 tokens: tokens and log-probs equal rlperf's engine bit for bit (batched, " \
+           f"alone, decode-graph metadata with padding, after a cached {P}-token prefix)"
+
+
+def check_dense_steps_match_rlperf_engine():
+    return _steps_match_engine(DENSE, "dense")
+
+
+def check_moe_steps_match_rlperf_engine():
+    return _steps_match_engine(MOE, "moe")
+
+
+def check_load_weights_errors():
+    path = model_dir(DENSE, "dense")
+    reference = RlperfQwen3.random(DENSE, seed=1)
+    runner = Runner(DENSE, path, reference)
+    m = runner.model
+    for name, t in reference.hf_state_dict().items():
+        assert torch.equal(m.model.hf_state_dict()[name], t), name
+    m.load_weights([("lm_head.weight", torch.zeros(DENSE.vocab_size, DENSE.hidden_size)),  # tied: skipped
+                    ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8))])
+    e1 = expect_error(lambda: m.load_weights([("model.layers.0.mlp.bogus.weight", torch.zeros(1))]), "bogus")
+    e2 = expect_error(lambda: m.load_weights([("model.norm.weight", torch.zeros(3))]), "model.norm.weight", "(3,)")
+    return f"{e1}; {e2}"
+
+
+def check_sampler_pieces():
+    for t in (0.7, 0.6, 1.0, 0.85, 0.123456):
+        stored = float(torch.tensor(t, dtype=torch.float32))
+        assert request_temperature(stored) == t, (t, stored)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -5.0], [0.0, 0.0, 0.0, 0.0]])
+    kept = apply_min_p(logits, torch.tensor([1.0, 1.0]), torch.tensor([0.3, 0.5]))
+    # row 0: p_i / p_max = e^(l_i - 2): 1, 0.37, 0.14, ~0 -> keep the first two
+    assert torch.isinf(kept[0, 2:]).all() and torch.isfinite(kept[0, :2]).all() and torch.isfinite(kept[1]).all()
+    assert math.isinf(float(apply_min_p(logits[:1], torch.tensor([2.0]), torch.tensor([0.5]))[0, 3]))
+    return "request_temperature round-trips 7-digit temperatures; min_p keeps p >= min_p * p_max"
+
+
+def main() -> int:
+    results = {}
+    for name, fn in sorted(globals().items()):
+        if name.startswith("check_") and callable(fn) and (len(sys.argv) < 2 or name in sys.argv[1:]):
+            try:
+                results[name] = {"ok": True, "detail": str(fn())}
+            except Exception:
+                results[name] = {"ok": False, "detail": traceback.format_exc(limit=-6)}
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

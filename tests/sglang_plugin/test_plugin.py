@@ -1,0 +1,52 @@
+"""rlperf's SGLang plugin against the real SGLang 0.5.17 package (CPU).
+
+SGLang 0.5.17 pins transformers 5.12.1 (the suite's transformers is newer), so it lives in its own
+folder, ``.sglang-cpu`` at the repository root (the README's test command installs it: ``pip install
+--no-deps --target .sglang-cpu sglang==0.5.17 ...``), and the checks run in one subprocess whose path
+puts that folder first (:mod:`sglang_checks`, which says what each check does). Its kernels run on the
+torch references rather than Triton's interpreter: the kernels' own tests cover the interpreter; the
+interpreter would take minutes over these multi-page prompts.
+
+What cannot run here: an SGLang engine process (its model runner needs CUDA), CUDA-graph capture, and
+bf16 — the GPU tests in ``tests/gpu/test_sglang_plugin.py`` start real engines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SITE = ROOT / ".sglang-cpu"
+HERE = pathlib.Path(__file__).resolve().parent
+CHECKS = ("check_registration", "check_server_args", "check_model_registry", "check_dense_steps_match_rlperf_engine",
+          "check_moe_steps_match_rlperf_engine", "check_load_weights_errors", "check_sampler_pieces")
+
+
+@pytest.fixture(scope="module")
+def results():
+    if not (SITE / "sglang" / "version.py").is_file():
+        pytest.skip(f"{SITE.name}/ holds no SGLang 0.5.17: run the README's test command (its pip install --target "
+                    f"{SITE.name} line)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["RLPERF_BACKEND"] = "reference"
+    proc = subprocess.run([sys.executable, str(HERE / "sglang_checks.py")], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=ROOT)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines, f"the checks did not run (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def test_every_check_ran(results):
+    assert sorted(results) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_check(results, name):
+    outcome = results[name]
+    assert outcome["ok"], outcome["detail"]
