@@ -255,7 +255,7 @@ def test_transformers5_moe_expert_count_alias():
 
     base = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=301, num_experts_per_tok=2,
-                moe_intermediate_size=32)
+                moe_intermediate_size=32, rope_theta=1e6)
     alias, _ = config_from_hf_dict({**base, "num_local_experts": 6, "num_experts": None})
     plain, _ = config_from_hf_dict({**base, "num_experts": 6})
     assert alias == plain and alias.num_experts == 6
