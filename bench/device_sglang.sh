@@ -3,13 +3,19 @@
 # nvidia-h100-x2 (trainer on GPU 0, SGLang engines on GPU 1; the profile stage uses both GPUs for two
 # workers). Logs, reports and results land in $OUT.
 #
-#   bash bench/device_sglang.sh STAGES     STAGES: any of "check gate train profile flashinfer decode"
+#   bash bench/device_sglang.sh STAGES     STAGES: any of "imports check gate train profile flashinfer decode"
 #
-# First, on the CPU machine: bash bench/pack_sglang.sh; then one device call per chunk:
-#   carry [".sglang-pack/MANIFEST", ".sglang-pack/chunk-NN"], command: bash bench/unpack_sglang.sh
-# until it says the site is complete; every stage below needs /tmp/sglang-site/site (it stops with exit 3
-# naming what is missing otherwise).
+# First, on the CPU machine: bash bench/pack_sglang.sh (one chunk). Then ONE device call, even on a bare
+# machine, unpacks the carried chunk and runs the stages:
+#   carry [".sglang-pack/MANIFEST", ".sglang-pack/chunk-00"], command: bash bench/device_sglang.sh "imports check"
+# Whenever .sglang-pack/MANIFEST came with the call, bench/unpack_sglang.sh runs first (nothing to do when
+# /tmp/sglang-site already holds that archive). Every stage needs /tmp/sglang-site/site (exit 3 naming
+# what is missing otherwise; a pack of several chunks still unpacks one chunk a call).
 #
+#   imports     bench/sglang_imports.py: SGLang's launch-path modules (launch_server, the router,
+#               bench_one_batch, the rlperf/flashinfer/triton attention backends, rlperf's plugin) from
+#               the unpacked site, each missing module on a line of its own; then --help of the three
+#               entry points (python -m sglang.launch_server, sglang_router.launch_router, sglang.bench_one_batch)
 #   check       import sglang, sgl_kernel, flashinfer, sglang_router from the unpacked site; the CPU
 #               tests of the backend; the FlashInfer GPU test (its JIT compiles here: 1-3 min per kernel)
 #   gate        rlperf gate --rollout-backend sglang on the qwen3-0.6b shape: one SGLang engine on GPU 1,
@@ -26,8 +32,20 @@ STAGES=${1:-check gate}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source bench/device_setup.sh
 SITE=${SGLANG_SITE:-/tmp/sglang-site/site}
+PACK_DIR=${PACK_DIR:-.sglang-pack}
+if [ -f "$PACK_DIR/MANIFEST" ] && [ "$(basename "$SITE")" = site ]; then
+  # the pack came with this call: unpack it (a no-op when $SITE already holds this archive)
+  PACK_DIR=$PACK_DIR DEST=$(dirname "$SITE") bash bench/unpack_sglang.sh
+  rc=$?
+  if [ $rc != 0 ] && [ ! -d "$SITE/sglang" ]; then
+    echo "device_sglang: bench/unpack_sglang.sh exit $rc and $SITE has no sglang"
+    exit 3
+  fi
+  [ $rc = 0 ] || echo "device_sglang: bench/unpack_sglang.sh exit $rc; going on with the site already in $SITE"
+fi
 if [ ! -d "$SITE/sglang" ]; then
-  echo "device_sglang: $SITE has no sglang: run bench/unpack_sglang.sh over the chunks of bench/pack_sglang.sh first"
+  echo "device_sglang: $SITE has no sglang: carry .sglang-pack/MANIFEST and .sglang-pack/chunk-00" \
+       "(bash bench/pack_sglang.sh on the CPU machine) or run bench/unpack_sglang.sh first"
   exit 3
 fi
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
@@ -57,6 +75,12 @@ path = pathlib.Path(sys.argv[1]); path.mkdir(parents=True, exist_ok=True)
 PY
 }
 
+if [[ " $STAGES " == *" imports "* ]]; then
+  run imports-launch-path 300 python3 bench/sglang_imports.py
+  run help-launch-server 120 python3 -m sglang.launch_server --help
+  run help-launch-router 120 python3 -m sglang_router.launch_router --help
+  run help-bench-one-batch 120 python3 -m sglang.bench_one_batch --help
+fi
 if [[ " $STAGES " == *" check "* ]]; then
   run imports 300 python3 -c "import sglang, sgl_kernel, flashinfer, sglang_router, transformers; \
 print('sglang', sglang.__version__, 'flashinfer', flashinfer.__version__, 'transformers', transformers.__version__); \

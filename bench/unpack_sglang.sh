@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Device side of bench/pack_sglang.sh: run it once per device call on the same warm GPU machine, each
-# call carrying .sglang-pack/MANIFEST and the chunk(s) it brings. The chunks gather in
+# Device side of bench/pack_sglang.sh: the pack is one chunk today, so one device call carrying
+# .sglang-pack/MANIFEST and .sglang-pack/chunk-00 unpacks it (bench/device_sglang.sh runs this script itself
+# when the MANIFEST came with the call). A pack of several chunks (CHUNK_BYTES smaller) still works one
+# chunk a call on the same warm machine, each call carrying the MANIFEST and its chunk. The chunks gather in
 # $DEST/.chunks (default /tmp/sglang-site, which outlives the call while the machine stays warm);
 # each is checked against the MANIFEST's sha256. Once all are there, the archive is checked,
 # unpacked into $DEST/site and a marker written; then `export PYTHONPATH=$DEST/site:$PYTHONPATH`
