@@ -3,7 +3,8 @@
 # nvidia-h100-x2 (trainer on GPU 0, SGLang engines on GPU 1; the profile stage uses both GPUs for two
 # workers). Logs, reports and results land in $OUT.
 #
-#   bash bench/device_sglang.sh STAGES     STAGES: any of "imports check gate train profile flashinfer decode"
+#   bash bench/device_sglang.sh STAGES     STAGES: any of "imports check gate train profile flashinfer decode
+#                                                  plugin-test plugin-gate plugin-colocate plugin-train plugin-moe"
 #
 # First, on the CPU machine: bash bench/pack_sglang.sh (one chunk). Then ONE device call, even on a bare
 # machine, unpacks the carried chunk and runs the stages:
@@ -24,6 +25,13 @@
 #   profile     two SGLang workers (dummy 0.6b weights, GPUs 0 and 1) behind the sglang-router, then
 #               rlperf profile run --router-url: traces merged into one Perfetto file, summary
 #   flashinfer  rlperf bench attention and logprob (FlashInfer anchors beside SDPA and torch)
+#   plugin-test tests/sglang_plugin/test_plugin_gpu.py: two SGLang + rlperf plugin engines behind the router,
+#               one seeded request in 50 mixed batches == rlperf's engine, bit for bit
+#   plugin-gate rlperf gate --sglang-numerics rlperf --true-on-policy-mode (qwen3-0.6b; engine on GPU 1, weights
+#               by NCCL broadcast through /update_weights_from_distributed): abs diff exactly 0
+#   plugin-colocate  the same on ONE GPU with --colocate (weights through /update_weights_from_tensor, CUDA IPC)
+#   plugin-train     rlperf train --sglang-numerics rlperf --true-on-policy-mode --num-rollout 3 (gate first)
+#   plugin-moe  plugin-gate on qwen3-30b-a3b-2l (RLPERF_PLUGIN_MOE_MODEL to change it)
 #   decode      rlperf bench rollout (full): rlperf's decode step at B = 1, 16, 64, 256 and, as anchors in
 #               the same run, SGLang's (sglang.bench_one_batch, dummy 0.6b weights, CUDA graphs on; default
 #               fast mode, then --enable-deterministic-inference) and compiled transformers
@@ -53,6 +61,9 @@ MODEL=${RLPERF_SGLANG_MODEL:-qwen3-0.6b}
 RUN_FLAGS=(--model "$MODEL" --device cuda --rollout-backend sglang --rollout-num-gpus 1
            --sglang-attention-backend "${SGLANG_ATTENTION:-flashinfer}" --rollout-batch-size 8
            --n-samples-per-prompt 4 --global-batch-size 32 --rollout-max-response-len 16 --lr 1e-5 --no-progress)
+PLUGIN_FLAGS=(--model "$MODEL" --device cuda --rollout-backend sglang --sglang-numerics rlperf --true-on-policy-mode
+              --rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32 --rollout-max-response-len 16
+              --lr 1e-5 --no-progress)
 status=0
 run() {  # run NAME TIMEOUT CMD...: the command's output in $OUT/NAME.log (tail shown), failure noted
   local name=$1 limit=$2
@@ -75,6 +86,34 @@ path = pathlib.Path(sys.argv[1]); path.mkdir(parents=True, exist_ok=True)
 PY
 }
 
+if [[ " $STAGES " == *" plugin-test "* ]]; then
+  run plugin-test 560 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/sglang_plugin/test_plugin_gpu.py
+fi
+if [[ " $STAGES " == *" plugin-gate "* ]]; then
+  run plugin-gate 560 python3 -m rlperf gate "${PLUGIN_FLAGS[@]}" --rollout-num-gpus 1 --output-dir "$OUT/plugin-gate" \
+    --report-json "$OUT/plugin-gate.json"
+  cp "$OUT"/plugin-gate/engines/*.log "$OUT/" 2>/dev/null
+  rm -rf "$OUT/plugin-gate/sglang-model"
+fi
+if [[ " $STAGES " == *" plugin-colocate "* ]]; then
+  run plugin-colocate 560 python3 -m rlperf gate "${PLUGIN_FLAGS[@]}" --colocate --sglang-mem-fraction-static 0.4 \
+    --output-dir "$OUT/plugin-colocate" --report-json "$OUT/plugin-colocate.json"
+  rm -rf "$OUT/plugin-colocate/sglang-model"
+fi
+if [[ " $STAGES " == *" plugin-train "* ]]; then
+  run plugin-train 560 python3 -m rlperf train "${PLUGIN_FLAGS[@]}" --rollout-num-gpus 1 --num-rollout 3 \
+    --output-dir "$OUT/plugin-train"
+  cp "$OUT/plugin-train/metrics.jsonl" "$OUT/plugin-train-metrics.jsonl" 2>/dev/null
+  rm -rf "$OUT/plugin-train/sglang-model"
+fi
+if [[ " $STAGES " == *" plugin-moe "* ]]; then
+  MOE_FLAGS=("${PLUGIN_FLAGS[@]}")
+  MOE_FLAGS[1]=${RLPERF_PLUGIN_MOE_MODEL:-qwen3-30b-a3b-2l}
+  run plugin-moe 560 python3 -m rlperf gate "${MOE_FLAGS[@]}" --rollout-num-gpus 1 --output-dir "$OUT/plugin-moe" \
+    --report-json "$OUT/plugin-moe.json"
+  cp "$OUT"/plugin-moe/engines/*.log "$OUT/" 2>/dev/null
+  rm -rf "$OUT/plugin-moe/sglang-model"
+fi
 if [[ " $STAGES " == *" imports "* ]]; then
   run imports-launch-path 300 python3 bench/sglang_imports.py
   run help-launch-server 120 python3 -m sglang.launch_server --help
