@@ -574,10 +574,12 @@ class SGLangClient(RouterClient):
 
     kind = "SGLang engines behind sglang-router"
 
-    def __init__(self, ip: str, port: int, tokenizer, *, colocate: bool, tp_size: int = 1, timeout: float = 600.0):
+    def __init__(self, ip: str, port: int, tokenizer, *, colocate: bool, tp_size: int = 1, timeout: float = 600.0,
+                 model_cfg=None):
         self.tp_size = tp_size
         self._checksum: str | None = None
-        super().__init__(ip, port, tokenizer, colocate=colocate, timeout=timeout, distributed=not colocate)
+        super().__init__(ip, port, tokenizer, colocate=colocate, timeout=timeout, distributed=not colocate,
+                         model_cfg=model_cfg)
 
     def load_weights(self, named_tensors, version: str) -> SyncStats:
         """Disaggregated: broadcast bucket by bucket (gap-free buckets, SGLang's layout); colocated: the
@@ -623,7 +625,7 @@ def sglang_client_for(config: RunConfig, model, tokenizer):
     fleet = start_sglang_fleet(config, model)
     try:
         client = SGLangClient(HOST, fleet.router_port, tokenizer, colocate=config.rollout.colocate,
-                              tp_size=config.rollout.sglang.tp_size)
+                              tp_size=config.rollout.sglang.tp_size, model_cfg=model.cfg)
         if config.rollout.sglang.load_format == "dummy":
             import torch
 

@@ -103,11 +103,12 @@ def check_sglang_installed(find_spec=importlib.util.find_spec) -> None:
 
 
 def sglang_launch_argv(model_path: str, port: int, cfg: SGLangConfig, *, dtype: str, mem_fraction_static: float,
-                       seed: int, device: str = "cuda", host: str = HOST) -> list[str]:
+                       seed: int, device: str = "cuda", host: str = HOST, routed_experts: bool = False) -> list[str]:
     """The arguments of ``python -m sglang.launch_server`` for one engine (module docstring, step 2).
     ``dtype``: ``bfloat16`` or ``float32`` (the trainer's compute dtype); ``device``: ``cuda`` or ``cpu``.
     With ``cfg.numerics`` ``rlperf``: ``--attention-backend rlperf --page-size`` rlperf's page size
-    (:func:`numerics_argv`)."""
+    (:func:`numerics_argv`). ``routed_experts`` (MoE models): ``--enable-return-routed-experts``, so a
+    request can ask for every token's experts (the routing-agreement gate, routing replay)."""
     argv = ["--model-path", str(model_path), "--host", host, "--port", str(port), "--tp-size", str(cfg.tp_size),
             "--dtype", dtype, *numerics_argv(cfg),
             "--mem-fraction-static", f"{mem_fraction_static:g}", "--random-seed", str(seed),
@@ -116,6 +117,8 @@ def sglang_launch_argv(model_path: str, port: int, cfg: SGLangConfig, *, dtype: 
         argv.append("--enable-deterministic-inference")
     if device == "cpu":
         argv += ["--device", "cpu"]
+    if routed_experts:
+        argv.append("--enable-return-routed-experts")
     return argv
 
 
@@ -277,7 +280,8 @@ def start_sglang_fleet(config: RunConfig, model, *, env=None) -> EngineFleet:
             ",".join(r.engine_gpus[i * s.tp_size:(i + 1) * s.tp_size]) for i in range(n)]
     frac = r.mem_fraction_static if r.mem_fraction_static is not None else 0.8
     argvs = [sglang_launch_argv(model_path, free_port(HOST), s, dtype=dtype, mem_fraction_static=frac,
-                                seed=config.runtime.seed, device=device) for _ in range(n)]
+                                seed=config.runtime.seed, device=device, routed_experts=bool(model.cfg.moe_layers))
+             for _ in range(n)]
     common = {**engine_nccl_env(), **engine_plugin_env(s, os.environ if env is None else env)}
     envs = [{"CUDA_VISIBLE_DEVICES": g, **common} for g in gpus] if gpus is not None else [dict(common) for _ in range(n)]
     where = f"GPUs {' | '.join(gpus)}" if gpus is not None else device.upper()

@@ -383,3 +383,13 @@ def test_sample_seeds_are_distinct_over_rollouts_and_samples():
 
     seeds = [sample_seed(1234, k, i) for k in range(50) for i in range(2048)]
     assert len(set(seeds)) == len(seeds)
+
+
+def test_moe_engines_return_routed_experts():
+    """MoE models: the engines start with --enable-return-routed-experts (the routing-agreement gate and routing
+    replay read meta_info['routed_experts']); dense models without it."""
+    moe = S.sglang_launch_argv("/m", 1, SGLangConfig(numerics="rlperf"), dtype="bfloat16", mem_fraction_static=0.5,
+                               seed=0, routed_experts=True)
+    dense = S.sglang_launch_argv("/m", 1, SGLangConfig(numerics="rlperf"), dtype="bfloat16", mem_fraction_static=0.5,
+                                 seed=0)
+    assert moe.count("--enable-return-routed-experts") == 1 and "--enable-return-routed-experts" not in dense

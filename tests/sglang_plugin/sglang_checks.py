@@ -313,6 +313,44 @@ def check_moe_steps_match_rlperf_engine():
     return _steps_match_engine(MOE, "moe")
 
 
+class _Recorder:
+    """Stands where SGLang's RoutedExpertsCapturer stands (``--enable-return-routed-experts``): keeps what
+    each MoE layer hands it."""
+
+    def __init__(self):
+        self.layers: dict[int, torch.Tensor] = {}
+
+    def capture(self, layer_id: int, topk_indices: torch.Tensor) -> None:
+        self.layers[layer_id] = topk_indices.clone()
+
+
+def check_moe_routed_experts_reach_sglangs_capturer():
+    from sglang.srt.state_capturer.routed_experts import set_global_experts_capturer
+
+    from rlperf.model.moe import RoutingTrace
+
+    path = model_dir(MOE, "moe")
+    reference = RlperfQwen3.random(MOE, seed=3)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, MOE.vocab_size, (n,), generator=g).tolist() for n in (133, 21)]
+    recorder = _Recorder()
+    set_global_experts_capturer(recorder)
+    try:
+        Runner(MOE, path, reference).step([1, 2], prompts, [0, 0], [(1.0, 1.0, 0, 1), (1.0, 1.0, 0, 2)])
+    finally:
+        set_global_experts_capturer(None)
+    assert sorted(recorder.layers) == MOE.moe_layers, sorted(recorder.layers)
+    want = []
+    for p in prompts:
+        trace = RoutingTrace()
+        reference.forward_packed(torch.tensor(p), torch.arange(len(p)), torch.tensor([0, len(p)], dtype=torch.int32),
+                                 trace)
+        want.append(trace.experts())
+    got = torch.stack([recorder.layers[i] for i in MOE.moe_layers], dim=1)
+    assert torch.equal(got, torch.cat(want)), "captured experts differ from the trainer's routing"
+    return f"{len(MOE.moe_layers)} MoE layers x {got.shape[0]} tokens: the trainer's experts, through SGLang's capturer"
+
+
 def check_load_weights_errors():
     path = model_dir(DENSE, "dense")
     reference = RlperfQwen3.random(DENSE, seed=1)

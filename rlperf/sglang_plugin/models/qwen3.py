@@ -17,6 +17,10 @@ SGLang's ``LogitsProcessorOutput`` for the sampled rows (each request's last new
   (:mod:`rlperf.sglang_plugin.sampler`) takes the drawn token's log-prob with the trainer's fused
   kernel.
 
+An engine started with ``--enable-return-routed-experts`` gets, for a MoE model, every token's experts
+in every MoE layer (rlperf's batch-invariant routing, recorded in the forward, also inside the decode
+graphs) through SGLang's capturer: ``meta_info["routed_experts"]``, what the trainer replays.
+
 A request that asks for input-token log-probs (``logprob_start_len`` inside its prompt) gets them from
 SGLang's own logits processor over the same hidden states, with rlperf's LM-head product; those are not
 the training path's numbers (the trainer recomputes the response's log-probs only).
@@ -30,6 +34,7 @@ from torch import nn
 
 from rlperf import kernels as K
 from rlperf.model.config import config_from_hf_dict
+from rlperf.model.moe import RoutingTrace
 from rlperf.model.qwen3 import Qwen3ForCausalLM as RlperfQwen3
 
 from ..contract import BACKEND_NAME, PluginError, active_server_args, uses_rlperf
@@ -137,9 +142,14 @@ class Qwen3ForCausalLM(nn.Module):
                               f"runs {type(backend).__name__}")
         meta = backend.forward_metadata
         caches = [backend.kv_cache(i) for i in range(self.cfg.num_hidden_layers)]
+        capturer = _experts_capturer() if self.cfg.moe_layers else None
+        routing = RoutingTrace() if capturer is not None else None
         hidden = self.model.forward_paged(input_ids, positions.to(torch.int64), caches,
                                           forward_batch.out_cache_loc.to(torch.int64), meta.page_table,
-                                          meta.cu_seqlens_q, meta.kv_lens)
+                                          meta.cu_seqlens_q, meta.kv_lens, routing)
+        if routing is not None:  # --enable-return-routed-experts: every MoE layer's [T, k] experts to SGLang
+            for layer_id, experts in zip(self.cfg.moe_layers, routing.recorded):
+                capturer.capture(layer_id=layer_id, topk_indices=experts)
         if forward_batch.forward_mode.is_decode_or_idle():
             last = hidden
         else:  # each request's last new token (a chunk that ends mid-prompt samples a token SGLang drops)
@@ -159,6 +169,16 @@ class Qwen3ForCausalLM(nn.Module):
         full = self._logits_processor(input_ids, hidden, _Head(self.model), forward_batch)
         full.next_token_logits, full.hidden_states = out.next_token_logits, out.hidden_states
         return full
+
+
+def _experts_capturer():
+    """SGLang's routed-experts capturer (an engine started with ``--enable-return-routed-experts``), or None."""
+    try:
+        from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
+
+        return get_global_experts_capturer()
+    except Exception:  # no runtime resources in this process: nothing captures
+        return None
 
 
 def _wants_input_logprobs(forward_batch) -> bool:

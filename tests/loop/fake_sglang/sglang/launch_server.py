@@ -56,6 +56,7 @@ def parse(argv):
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors"])
     p.add_argument("--enable-deterministic-inference", action="store_true")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--enable-return-routed-experts", action="store_true")  # MoE models: meta_info routed_experts
     return p.parse_args(argv)
 
 
