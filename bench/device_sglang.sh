@@ -31,7 +31,8 @@
 #               by NCCL broadcast through /update_weights_from_distributed): abs diff exactly 0
 #   plugin-colocate  the same on ONE GPU with --colocate (weights through /update_weights_from_tensor, CUDA IPC)
 #   plugin-train     rlperf train --sglang-numerics rlperf --true-on-policy-mode --num-rollout 3 (gate first)
-#   plugin-moe  plugin-gate on qwen3-30b-a3b-2l (RLPERF_PLUGIN_MOE_MODEL to change it)
+#   plugin-moe  plugin-gate on qwen3-30b-a3b-2l (RLPERF_PLUGIN_MOE_MODEL to change it; RLPERF_PLUGIN_MOE_LAYOUT
+#               for the layout flags, default "--rollout-num-gpus 1")
 #   decode      rlperf bench rollout (full): rlperf's decode step at B = 1, 16, 64, 256 and, as anchors in
 #               the same run, SGLang's (sglang.bench_one_batch, dummy 0.6b weights, CUDA graphs on; default
 #               fast mode, then --enable-deterministic-inference) and compiled transformers
@@ -109,7 +110,9 @@ fi
 if [[ " $STAGES " == *" plugin-moe "* ]]; then
   MOE_FLAGS=("${PLUGIN_FLAGS[@]}")
   MOE_FLAGS[1]=${RLPERF_PLUGIN_MOE_MODEL:-qwen3-30b-a3b-2l}
-  run plugin-moe 560 python3 -m rlperf gate "${MOE_FLAGS[@]}" --rollout-num-gpus 1 --output-dir "$OUT/plugin-moe" \
+  # RLPERF_PLUGIN_MOE_LAYOUT="--colocate --sglang-mem-fraction-static 0.4": trainer and engine on one GPU
+  read -r -a MOE_LAYOUT <<< "${RLPERF_PLUGIN_MOE_LAYOUT:---rollout-num-gpus 1}"
+  run plugin-moe 560 python3 -m rlperf gate "${MOE_FLAGS[@]}" "${MOE_LAYOUT[@]}" --output-dir "$OUT/plugin-moe" \
     --report-json "$OUT/plugin-moe.json"
   cp "$OUT"/plugin-moe/engines/*.log "$OUT/" 2>/dev/null
   rm -rf "$OUT/plugin-moe/sglang-model"
