@@ -429,6 +429,9 @@ class _FusedLogprob(torch.autograd.Function):
             v_offset, v_total = _tp_layout(weight, tp_group)
             m, s, t, tz = _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, with_entropy, False)
             logp, ent, lse = _tp_finalize(m, s, t, tz, targets, inv_t, v_total, tp_group)
+        # a log-prob is <= 0; for a near-certain token, rounding of lse = m + log(sum) can land a few ulps
+        # below its logit (+7.7e-07 seen in bf16): report 0 there. The backward reads lse, not logp.
+        logp = logp.clamp_(max=0.0)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.inv_t, ctx.with_entropy, ctx.tp_group, ctx.v_offset = inv_t, with_entropy, tp_group, v_offset
         ctx.mark_non_differentiable(lse)
@@ -495,7 +498,8 @@ def fused_logprob(
         tp_group: a ``torch.distributed`` process group over which the vocabulary is split, or None.
 
     Returns:
-        logp [N] float32 (and entropy [N] float32). Differentiable w.r.t. hidden and weight.
+        logp [N] float32, <= 0 (a value rounding put above 0 is reported as 0), and entropy [N] float32.
+        Differentiable w.r.t. hidden and weight.
     """
     T = _check_temperature(temperature)
     _check(hidden, weight, targets)

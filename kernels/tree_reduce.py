@@ -442,7 +442,8 @@ def _forward_stats(hidden, weight, targets, inv_t, leaves, group):
     m, s, e, tz = _gather_nodes(acc.result(), group, combine)
     log_s = torch.log(s)
     valid = (targets >= 0) & (targets < v_total)
-    logp = torch.where(valid, (tz - m) * inv_t - log_s, torch.full_like(log_s, math.nan))
+    # <= 0, as fused_logprob reports it (rounding can put a near-certain token a few ulps above 0)
+    logp = torch.where(valid, (tz - m) * inv_t - log_s, torch.full_like(log_s, math.nan)).clamp_(max=0.0)
     entropy = log_s - (e / s) * inv_t
     lse = m * inv_t + log_s
     return logp, entropy, lse

@@ -261,3 +261,20 @@ def test_gpu_candidate_configs(monkeypatch, cfg):
         for i in (0, 131, 299):
             a, b = K.fused_logprob(hidden[i : i + 1], weight, targets[i : i + 1], 1.0, True)
             assert torch.equal(a, lp[i : i + 1]) and torch.equal(b, ent[i : i + 1]), i
+
+
+def test_near_certain_tokens_report_log_prob_at_most_zero(interpreter):
+    """A log-prob is <= 0: for a near-certain token, lse = m + log(sum) can round a few ulps below its logit
+    (+7.7e-07 seen in bf16 on a GPU); the kernel reports 0 there, in the plain and the tree paths alike."""
+    from rlperf.kernels.tree_reduce import tree_logprob
+
+    g = torch.Generator().manual_seed(0)
+    N, V, H = 37, 100, 32  # V splits into the tree's 4 leaves
+    hidden = torch.randn(N, H, generator=g, dtype=torch.float16)
+    weight = (torch.randn(V, H, generator=g) * 0.01).to(torch.float16)
+    targets = torch.randint(0, V, (N,), generator=g)
+    # make each row's target dominant: its logit ~ 30 above the rest (probability 1 - ~1e-11)
+    weight[targets] = (hidden.float() * (30.0 / hidden.float().pow(2).sum(1, keepdim=True))).to(torch.float16)
+    for logp in (K.fused_logprob(hidden, weight, targets), tree_logprob(hidden, weight, targets, leaves=4)):
+        assert torch.isfinite(logp).all() and (logp <= 0).all(), logp.max()
+        assert (logp > -1e-3).sum() > N // 2  # most rows near-certain (a target shared by two rows is not)
