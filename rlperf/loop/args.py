@@ -229,8 +229,10 @@ DEFAULT_SGLANG_ATTENTION_BACKEND = "flashinfer"
 SGLANG_NUMERICS = ("rlperf", "sglang")
 """``--sglang-numerics`` values: ``rlperf``: the engines compute rlperf's kernels through rlperf's SGLang plugin
 (``--attention-backend rlperf``; their log-probs are the trainer's bit for bit); ``sglang``: SGLang's own kernels."""
-DEFAULT_SGLANG_NUMERICS = "sglang"
-"""Default ``--sglang-numerics``: SGLang's own kernels until a GPU run has proved rlperf's plugin (then ``rlperf``)."""
+DEFAULT_SGLANG_NUMERICS = "rlperf"
+"""Default ``--sglang-numerics`` (proved on H200s: abs diff 0 against real SGLang 0.5.17, dense and MoE), except
+where the plugin cannot run: an explicit ``--sglang-attention-backend`` or engines of several GPUs (the plugin runs
+at ``--tp-size`` 1 for now) resolve to ``sglang`` (:func:`check_sglang_backend_flags`)."""
 SGLANG_LOAD_FORMATS = ("auto", "dummy")
 """``--sglang-load-format`` values: the weights rlperf saved, or random ones replaced before rollout 0."""
 SGLANG_LAUNCH_TIMEOUT_S = 600.0
@@ -246,12 +248,13 @@ def add_sglang_backend_arguments(p: argparse.ArgumentParser) -> None:
                         "real `python -m sglang.launch_server` engines behind the sglang-router, on --rollout-num-gpus "
                         "GPUs of their own (weights by NCCL broadcast, SGLang's /update_weights_from_distributed) or on "
                         "the trainer's GPU with --colocate (SGLang's /update_weights_from_tensor, CUDA IPC)")
-    g.add_argument("--sglang-numerics", default=DEFAULT_SGLANG_NUMERICS, choices=SGLANG_NUMERICS,
+    g.add_argument("--sglang-numerics", default=None, choices=SGLANG_NUMERICS,
                    help="--rollout-backend sglang: whose kernels the engines compute with. rlperf: rlperf's kernels "
                         "through rlperf's SGLang plugin (engines started with --attention-backend rlperf and the "
                         "page size of rlperf's attention), exact against rlperf's trainer (abs diff 0, as "
                         "--true-on-policy-mode requires); sglang: SGLang's own kernels (--sglang-attention-backend), "
-                        f"~0.03 nats/token apart from the trainer's log-probs (default {DEFAULT_SGLANG_NUMERICS})")
+                        f"~0.03 nats/token apart from the trainer's log-probs (default {DEFAULT_SGLANG_NUMERICS}; "
+                        "sglang when --sglang-attention-backend is given or --rollout-num-gpus-per-engine > 1)")
     g.add_argument("--sglang-attention-backend", default=None, choices=SGLANG_ATTENTION_BACKENDS,
                    help=f"--rollout-backend sglang --sglang-numerics sglang: the engines' --attention-backend (default "
                         f"{DEFAULT_SGLANG_ATTENTION_BACKEND}; both run without FlashAttention 3); not with "
@@ -276,10 +279,13 @@ def check_sglang_backend_flags(ns: argparse.Namespace) -> None:
     and giving it is an error naming both flags."""
     if getattr(ns, "rollout_backend", "rlperf") != "sglang":
         for flag, default in (("sglang_attention_backend", None), ("sglang_load_format", "auto"),
-                              ("sglang_numerics", DEFAULT_SGLANG_NUMERICS)):
+                              ("sglang_numerics", None)):
             if getattr(ns, flag, default) != default:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --rollout-backend sglang")
         return
+    if ns.sglang_numerics is None:  # the default, where the plugin can run it (DEFAULT_SGLANG_NUMERICS)
+        ns.sglang_numerics = ("sglang" if ns.sglang_attention_backend is not None or ns.rollout_num_gpus_per_engine > 1
+                              else DEFAULT_SGLANG_NUMERICS)
     if ns.sglang_numerics == "rlperf" and ns.sglang_attention_backend is not None:
         raise UsageError(f"--sglang-attention-backend {ns.sglang_attention_backend} and --sglang-numerics rlperf "
                          "exclude each other: with rlperf's numerics the engines run rlperf's attention "

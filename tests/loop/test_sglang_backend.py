@@ -46,14 +46,15 @@ def fake_sglang(tmp_path, monkeypatch):
 
 
 def test_launch_argv_names_every_flag():
-    cfg = SGLangConfig(tp_size=2, attention_backend="triton", deterministic=True, load_format="dummy")
+    cfg = SGLangConfig(tp_size=2, attention_backend="triton", deterministic=True, load_format="dummy", numerics="sglang")
     argv = S.sglang_launch_argv("/m", 31001, cfg, dtype="bfloat16", mem_fraction_static=0.7, seed=5)
     pairs = dict(zip(argv[::1], argv[1:]))
     assert pairs["--model-path"] == "/m" and pairs["--port"] == "31001" and pairs["--tp-size"] == "2"
     assert pairs["--attention-backend"] == "triton" and pairs["--mem-fraction-static"] == "0.7"
     assert pairs["--load-format"] == "dummy" and pairs["--dtype"] == "bfloat16" and pairs["--random-seed"] == "5"
     assert "--enable-deterministic-inference" in argv and "--skip-tokenizer-init" in argv and "--device" not in argv
-    fast = S.sglang_launch_argv("/m", 1, SGLangConfig(deterministic=False), dtype="float32", mem_fraction_static=0.8,
+    fast = S.sglang_launch_argv("/m", 1, SGLangConfig(deterministic=False, numerics="sglang"), dtype="float32",
+                                mem_fraction_static=0.8,
                                 seed=0, device="cpu")
     assert "--enable-deterministic-inference" not in fast and fast[-2:] == ["--device", "cpu"]
     assert fast[fast.index("--attention-backend") + 1] == "flashinfer"
@@ -267,7 +268,15 @@ def test_numerics_default_is_one_constant_and_fills_the_attention_backend():
 
     base = ["--rollout-backend", "sglang", "--rollout-num-gpus", "1"]
     ns = _flags(*base)
-    assert ns.sglang_numerics == DEFAULT_SGLANG_NUMERICS and SGLangConfig().numerics == DEFAULT_SGLANG_NUMERICS
+    check_sglang_backend_flags(ns)
+    assert ns.sglang_numerics == DEFAULT_SGLANG_NUMERICS == "rlperf" and SGLangConfig().numerics == "rlperf"
+    # where the plugin cannot run, the default is SGLang's own kernels: an attention backend named, or TP engines
+    ns = _flags(*base, "--sglang-attention-backend", "triton")
+    check_sglang_backend_flags(ns)
+    assert ns.sglang_numerics == "sglang" and ns.sglang_attention_backend == "triton"
+    ns = _flags("--rollout-backend", "sglang", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2")
+    check_sglang_backend_flags(ns)
+    assert ns.sglang_numerics == "sglang"
     ns = _flags(*base, "--sglang-numerics", "sglang")
     check_sglang_backend_flags(ns)
     assert ns.sglang_attention_backend == DEFAULT_SGLANG_ATTENTION_BACKEND
