@@ -164,6 +164,47 @@ def _buffer(transport, nbytes: int) -> torch.Tensor:
     raise PayloadError(f"transport.kind must be one of {list(TRANSPORTS)}, got {kind!r}")
 
 
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISLNK, "a symbolic link"),
+                (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _what(mode: int) -> str:
+    return next((w for test, w in _NOT_REGULAR if test(mode)), f"mode {stat.filemode(mode)}")
+
+
+def _not_regular(name: str, what: str) -> PayloadError:
+    return PayloadError(f"transport.name: shared-memory segment {name!r} is not a regular file ({what})")
+
+
+def _open_regular_segment(name: str):
+    """``/dev/shm/<name>`` opened read-only (an unbuffered binary file) when it is a regular file;
+    anything else under the name (a directory, a FIFO, a symbolic link, a socket, a device) is a
+    :class:`PayloadError` naming ``transport.name`` and what the path is, before one byte is read.
+    ``O_NONBLOCK``: a FIFO (or a device) must not block the open; ``O_NOFOLLOW``: a link is never
+    followed (the open fails with ``ELOOP``; a socket fails with ``ENXIO``: ``lstat`` then names
+    it); ``fstat`` on the opened descriptor decides, so the path cannot change between the check and
+    the read."""
+    path = os.path.join(_SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        try:  # what the path is, without following a link (a link fails with ELOOP, a socket with ENXIO)
+            mode = os.lstat(path).st_mode
+        except OSError:
+            mode = None
+        if mode is not None and not stat.S_ISREG(mode):
+            raise _not_regular(name, _what(mode)) from None
+        raise PayloadError(f"transport.name: shared-memory segment {name!r} cannot be opened: {exc.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(name, _what(mode))
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _read_segment(name: str, nbytes: int) -> torch.Tensor:
     """A copy of the first ``nbytes`` of the sender's segment ``name`` (module docstring: which names,
     read-only, never tracked, so never unlinked by this process)."""
@@ -172,16 +213,9 @@ def _read_segment(name: str, nbytes: int) -> torch.Tensor:
                            f"({SHM_PREFIX}<pid>_<16 hex digits>), got {name[:80]!r}")
     if os.path.isdir(_SHM_DIR):
         # Linux: the segment is a file in /dev/shm; opened read-only, nothing registers it anywhere
-        # O_NONBLOCK: a FIFO (or a device) under the name must not block the open; only a regular
-        # file is read, and fstat says so before the first read
-        try:
-            fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as exc:
-            raise PayloadError(f"shared-memory segment {name!r} cannot be opened: {exc.strerror}") from None
-        with os.fdopen(fd, "rb", buffering=0) as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise PayloadError(f"shared-memory segment {name!r} is not a regular file")
+        f = _open_regular_segment(name)
+        with f:
+            st = os.fstat(f.fileno())
             if st.st_size != max(nbytes, 1):
                 raise PayloadError(f"shared-memory segment {name!r} has {st.st_size} bytes, the description's "
                                    f"nbytes is {nbytes}: not the segment of this bucket")

@@ -8,7 +8,8 @@
 * ``rlperf train`` talks to key-protected servers with ``--sglang-api-key[-file]`` or
   ``RLPERF_API_KEY`` and stops with exit 2 and one line naming the flag without it.
 * Shared memory: only rlperf's own per-transfer segments are opened, the checksum is required, a
-  mismatch reply holds no hash, and a segment the server opened outlives the server.
+  mismatch reply holds no hash, a segment the server opened outlives the server, and a directory,
+  FIFO, link or socket under a bucket's name is a 400 naming ``transport.name`` (issue #39, 4).
 """
 import base64
 import concurrent.futures
@@ -397,3 +398,51 @@ def test_a_segment_the_server_opened_outlives_the_server(free_ports):
             release(handle)
         except FileNotFoundError:  # unlinked by someone else: the failure above says who
             pass
+
+
+def _checksum(url):
+    status, reply = http_json(url + "/weights_checksum", headers=AUTH)
+    assert status == 200, reply
+    return reply
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="Linux /dev/shm")
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink to a segment", "dangling symlink", "socket"])
+def test_shm_refuses_anything_but_a_regular_file_under_a_bucket_name(cluster, kind, tmp_path):
+    """A directory (a 500 before), a FIFO, a link (even to a real segment of the right size) or a socket
+    under a bucket's name: 400 naming transport.name and what is there; the weights stay as they were."""
+    import socket as socketlib
+
+    url = cluster.worker_urls[0]
+    before = _checksum(url)
+    payload, handle = bucket_payload(_bucket(), "shm")  # a real segment of this bucket, the link's target
+    name = f"rlperf_bucket_{os.getpid()}_{os.urandom(8).hex()}"
+    path = os.path.join("/dev/shm", name)
+    sock = None
+    try:
+        if kind == "directory":
+            os.mkdir(path)
+        elif kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "symlink to a segment":
+            os.symlink(os.path.join("/dev/shm", payload["transport"]["name"]), path)
+        elif kind == "dangling symlink":
+            os.symlink(str(tmp_path / "nothing"), path)
+        else:
+            sock = socketlib.socket(socketlib.AF_UNIX)
+            sock.bind(path)
+        status, reply = _update(url, {**payload, "transport": {"kind": "shm", "name": name}})
+        what = {"directory": "a directory", "fifo": "a FIFO", "socket": "a socket"}.get(kind, "a symbolic link")
+        assert status == 400, reply
+        assert reply["error"]["message"].endswith(
+            f"transport.name: shared-memory segment {name!r} is not a regular file ({what})"), reply
+    finally:
+        release(handle)
+        if sock is not None:
+            sock.close()
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+    assert _checksum(url) == before
+    assert http_json(url + "/health", timeout=10)[0] == 200
