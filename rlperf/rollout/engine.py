@@ -63,7 +63,7 @@ from rlperf.model.moe import RoutingTrace
 from .args import ATTENTION_BACKENDS
 from .flashinfer_attention import for_this_mode
 from .kv_cache import PagedKVCache, plan_num_pages
-from .sampling_params import check_sampling_values
+from .sampling_params import check_sampling_values, check_stop_limits
 from .tokenizer import Tokenizer
 
 # sampling_params keys SGLang clients (slime) send that need no work here, with the value that is
@@ -152,11 +152,16 @@ class SamplingParams:
         stop = d.get("stop") or ()
         if isinstance(stop, str):
             stop = (stop,)
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        if not isinstance(stop, (list, tuple)):
             raise BadRequest(f"sampling_params.stop must be a non-empty string or a list of them, got {_short(stop)}")
         stop_ids = d.get("stop_token_ids") or ()
-        if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                              for t in stop_ids):
+        if not isinstance(stop_ids, (list, tuple)):
+            raise BadRequest(f"sampling_params.stop_token_ids must be a list of integers, got {_short(stop_ids)}")
+        # how many (and how long) before what: a huge list is refused before it is walked
+        check_stop_limits(stop, stop_ids, error=BadRequest)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise BadRequest(f"sampling_params.stop must be a non-empty string or a list of them, got {_short(stop)}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
             raise BadRequest(f"sampling_params.stop_token_ids must be a list of integers, got {_short(stop_ids)}")
         flags = {}
         for key in ("ignore_eos", "no_stop_trim", "skip_special_tokens"):

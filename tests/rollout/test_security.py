@@ -10,6 +10,8 @@
 * Shared memory: only rlperf's own per-transfer segments are opened, the checksum is required, a
   mismatch reply holds no hash, a segment the server opened outlives the server, and a directory,
   FIFO, link or socket under a bucket's name is a 400 naming ``transport.name`` (issue #39, 4).
+* Stop conditions: over their limits a 400 naming the field and the limit, at the limits served,
+  and another client's requests unaffected meanwhile (issue #39, 8).
 """
 import base64
 import concurrent.futures
@@ -446,3 +448,54 @@ def test_shm_refuses_anything_but_a_regular_file_under_a_bucket_name(cluster, ki
             os.unlink(path)
     assert _checksum(url) == before
     assert http_json(url + "/health", timeout=10)[0] == 200
+
+
+# ---- stop conditions: bounded per request (issue #39, 8) ----------------------------------------------
+
+
+def _generate(url, sampling_params, timeout=120):
+    t0 = time.perf_counter()
+    status, reply = http_json(url + "/generate", {"input_ids": [1, 2, 3], "sampling_params": {
+        "max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True, **sampling_params}}, timeout=timeout)
+    return status, reply, time.perf_counter() - t0
+
+
+def test_stop_strings_and_stop_token_ids_are_bounded_and_another_client_is_unaffected(cluster):
+    from rlperf.rollout.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+    url = cluster.worker_urls[0]
+    _generate(url, {})  # warm
+    alone = min(_generate(url, {})[2] for _ in range(3))
+    over = {
+        "75,000 stop strings": ({"stop": [f"s{i:05d}x" for i in range(75_000)]},
+                                f"sampling_params.stop holds 75000 strings, more than the limit of {MAX_STOP_STRINGS}"),
+        "one string too many": ({"stop": ["z"] * (MAX_STOP_STRINGS + 1)},
+                                f"more than the limit of {MAX_STOP_STRINGS}"),
+        "one character too many": ({"stop": ["q" * (MAX_STOP_CHARS // 2), "r" * (MAX_STOP_CHARS // 2 + 1)]},
+                                   f"sampling_params.stop holds {MAX_STOP_CHARS + 1} characters in all, "
+                                   f"more than the limit of {MAX_STOP_CHARS}"),
+        "one stop token id too many": ({"stop_token_ids": [7] * (MAX_STOP_TOKEN_IDS + 1)},
+                                       f"sampling_params.stop_token_ids holds {MAX_STOP_TOKEN_IDS + 1} ids, "
+                                       f"more than the limit of {MAX_STOP_TOKEN_IDS}"),
+    }
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        # another client's requests, sent while the over-limit ones arrive, take about their time alone
+        others = [pool.submit(_generate, url, {}) for _ in range(3)]
+        hostile = {k: [pool.submit(_generate, url, params) for _ in range(2)] for k, (params, _) in over.items()}
+        for k, futures in hostile.items():
+            for f in futures:
+                status, reply, seconds = f.result()
+                assert status == 400 and over[k][1] in reply["error"]["message"], (k, reply)
+                assert seconds < 10, (k, seconds)
+        for f in others:
+            status, reply, seconds = f.result()
+            assert status == 200 and reply["meta_info"]["completion_tokens"] == 64, reply
+            assert seconds < max(10 * alone, alone + 5.0), (seconds, alone)
+    # exactly at every limit: served (never-matching stop strings, ids above the vocabulary)
+    at_limit = {"stop": ["\x01" * (MAX_STOP_CHARS // MAX_STOP_STRINGS - 1) + chr(0x4e00 + i)
+                         for i in range(MAX_STOP_STRINGS)],
+                "stop_token_ids": list(range(10**6, 10**6 + MAX_STOP_TOKEN_IDS))}
+    assert sum(map(len, at_limit["stop"])) == MAX_STOP_CHARS
+    status, reply, seconds = _generate(url, at_limit)
+    assert status == 200 and reply["meta_info"]["completion_tokens"] == 64, reply
+    assert seconds < max(20 * alone, alone + 10.0), (seconds, alone)

@@ -1,0 +1,62 @@
+"""One ``rlperf train`` per directory: an exclusive lock on ``--output-dir`` and ``--save``.
+
+Two runs writing the same directory interleave ``metrics.jsonl`` and overwrite each other's
+checkpoints. :func:`lock_run_dirs` takes an exclusive ``fcntl.flock`` on ``DIR/.rlperf.lock`` of
+each directory (opened, never deleted) and writes the holder's pid into it. The kernel drops the
+lock when its holder's process ends, however it ends (SIGKILL included), so a lock file left by a
+dead run blocks nothing: no stale-lock heuristics. A second run finds the lock held and stops with
+:class:`RunDirLocked` (exit 2) naming the pid read from the file.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+LOCK_FILE = ".rlperf.lock"
+
+
+class RunDirLocked(RuntimeError):
+    """Another live ``rlperf train`` holds the directory; the message names it and its pid."""
+
+
+def lock_dir(directory, flag: str):
+    """Lock ``directory`` (created if missing) for this process: the open lock file, to keep open for
+    the run's lifetime (closing it, or the process ending, releases it). :class:`RunDirLocked` when
+    another process holds it."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    f = os.fdopen(fd, "r+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+            f.close()
+            raise
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RunDirLocked(f"{flag} {directory} is in use by another rlperf train (pid {holder}, lock {path}): "
+                           f"two runs would interleave its metrics and checkpoints; wait for it to end, stop it, "
+                           f"or choose another {flag}") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def lock_run_dirs(output_dir, save=None) -> list:
+    """Lock ``--output-dir`` and ``--save`` (when given and a different directory); the open lock files."""
+    held = [lock_dir(output_dir, "--output-dir")]
+    try:
+        if save and Path(save).resolve() != Path(output_dir).resolve():
+            held.append(lock_dir(save, "--save"))
+    except BaseException:
+        for f in held:
+            f.close()
+        raise
+    return held

@@ -1,0 +1,134 @@
+"""Issue #39, items 6 and 7: one ``rlperf train`` per directory, and a save stopped by a full disk or by
+SIGINT ends in one line with the resume command while the last complete checkpoint stays loadable.
+
+* Two real ``rlperf train`` processes on one ``--output-dir`` (or one ``--save``): the second exits 2
+  naming the first's pid; once the first is SIGKILLed, its lock file left behind blocks nothing.
+* A save whose write raises ``OSError(ENOSPC)``: exit 1, the line (directory and ``--load`` command), no
+  traceback, the pointer on the previous checkpoint, and the resume equals an uninterrupted run bit for bit.
+* SIGINT delivered to a real run in the middle of a save (``RLPERF_FAULT_AT=checkpoint:write-tmp:2:INT``):
+  exit 130 with the line, no traceback, the previous checkpoint intact.
+"""
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from rlperf.cli import main
+from rlperf.loop import checkpoint as ckpt
+from rlperf.loop import train
+from rlperf.loop.run_lock import LOCK_FILE
+from rlperf.model.qwen3 import Qwen3ForCausalLM
+
+FLAGS = ("--no-progress", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+         "--global-batch-size", "4")
+
+
+def _env(fault=None):
+    env = {k: v for k, v in os.environ.items() if k != ckpt.FAULT_ENV}
+    if fault:
+        env[ckpt.FAULT_ENV] = fault
+    return env
+
+
+def _cmd(*flags):
+    return [sys.executable, "-m", "rlperf", "train", "--skip-gates", *FLAGS, *map(str, flags)]
+
+
+def _wait_for_lock(path, pid, proc, timeout=180.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the first run ended early: rc {proc.returncode}"
+        if path.is_file() and path.read_text().strip() == str(pid):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{path} never named pid {pid}")
+
+
+def test_a_second_run_on_the_same_directory_is_refused_until_the_first_dies(tmp_path):
+    out, save = tmp_path / "out", tmp_path / "save"
+    first = subprocess.Popen(_cmd("--num-rollout", 100000, "--output-dir", out, "--save", save,
+                                  "--save-interval", 1000000),
+                             env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_lock(out / LOCK_FILE, first.pid, first)
+        _wait_for_lock(save / LOCK_FILE, first.pid, first)
+        for flags in (("--output-dir", out), ("--output-dir", tmp_path / "out2", "--save", save)):
+            second = subprocess.run(_cmd("--num-rollout", 1, *flags), env=_env(), capture_output=True, text=True,
+                                    timeout=300)
+            assert second.returncode == 2, second.stderr[-2000:]
+            assert f"pid {first.pid}" in second.stderr and "Traceback" not in second.stderr, second.stderr
+            flag = "--save" if "--save" in map(str, flags) else "--output-dir"
+            assert f"{flag} " in second.stderr.strip().splitlines()[-1], second.stderr
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+        first.stderr.close()
+    assert (out / LOCK_FILE).read_text().strip() == str(first.pid)  # left behind by the dead run
+    again = subprocess.run(_cmd("--num-rollout", 1, "--output-dir", out, "--save", save, "--overwrite-save"),
+                           env=_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+
+
+def _state(save):
+    d = ckpt.checkpoint_dir(save)
+    return (Qwen3ForCausalLM.from_pretrained(d / "model").hf_state_dict(),
+            torch.load(d / "trainer.pt", weights_only=True))
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _one_line(stderr: str, *needles: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    for n in needles:
+        assert n in last, f"{n!r} not in the last line: {last}"
+    return last
+
+
+def test_disk_full_during_a_save_ends_in_one_line_and_resumes_bit_for_bit(tmp_path, monkeypatch, capsys):
+    run = ["--num-rollout", "3", "--save-interval", "1"]
+    train([*FLAGS, *run, "--output-dir", str(tmp_path / "ref_out"), "--save", str(tmp_path / "ref")])
+    save, out = tmp_path / "save", tmp_path / "out"
+    real_save, calls = torch.save, []
+
+    def full_disk(obj, f, *a, **k):  # the checkpoint's trainer.pt write: the second save finds the disk full
+        calls.append(f)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    capsys.readouterr()
+    code = main(["train", "--skip-gates", *FLAGS, *run, "--output-dir", str(out), "--save", str(save)])
+    err = capsys.readouterr().err
+    monkeypatch.setattr(torch, "save", real_save)
+    assert code == 1, err[-3000:]
+    _one_line(err, "disk is full", str(save), "iter_0000001", f"--load {save}")
+    assert ckpt.latest_iteration(save) == 1 and not (save / "iter_0000002.tmp").exists()
+    ckpt.check_trainer_state(save)
+    assert main(["train", "--skip-gates", *FLAGS, *run, "--output-dir", str(out), "--save", str(save), "--load", str(save)]) == 0
+    assert ckpt.latest_iteration(save) == 3
+    assert _equal(_state(save), _state(tmp_path / "ref"))
+
+
+def test_sigint_during_a_save_exits_130_with_one_line(tmp_path):
+    save, out = tmp_path / "save", tmp_path / "out"
+    proc = subprocess.run(_cmd("--num-rollout", 3, "--save-interval", 1, "--output-dir", out, "--save", save),
+                          env=_env("checkpoint:write-tmp:2:INT"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    _one_line(proc.stderr, "interrupted (SIGINT)", str(save), "iter_0000001", f"--load {save}")
+    assert ckpt.latest_iteration(save) == 1 and not (save / "iter_0000002.tmp").exists()
+    ckpt.check_trainer_state(save)
+    ckpt.check_weights(ckpt.checkpoint_dir(save) / "model")
