@@ -22,13 +22,12 @@ stdout)::
     child  -> {"ok": true} | {"error": "..."}          (one broadcast per range, in order)
     engine closes stdin                               (the child leaves the group and exits)
 
-A short broadcast (fewer bytes than announced) completes in gloo as if it were whole. Before each
-receive the engine writes fresh random bytes (:data:`SENTINEL_BYTES`) at the end of every range of at
-least that size; a range whose last bytes still hold them afterwards was not filled, and the request is
-refused (a range filled in full holds those 16 random bytes at its end with probability 2**-128).
-A range shorter than :data:`SENTINEL_BYTES`, or a broadcast short by fewer bytes than that, is not
-caught by this check; rlperf's bucket ``description`` carries a checksum for that, and a sender's
-``GET /weights_checksum`` after the update sees the result either way.
+A short broadcast (fewer bytes than announced) completes in gloo as if it were whole. The child
+receives each range through :func:`rlperf.sync.exact_receive.receive_exact`, which knows from the
+kernel's page tables whether the range's last byte was written, and answers an error naming the
+announced bytes otherwise: a broadcast short by even one byte is refused and nothing is loaded.
+The engine's sentinel check (fresh random bytes, :data:`SENTINEL_BYTES`, at the end of every range of
+at least that size, which must be overwritten) stays as a second line.
 """
 from __future__ import annotations
 
@@ -244,6 +243,7 @@ def _watch_parent(parent: int) -> None:
 
 def _child_main() -> int:
     from .distributed import init_weight_update_group
+    from .exact_receive import receive_exact
 
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     out = sys.stdout.buffer
@@ -273,7 +273,7 @@ def _child_main() -> int:
                 maps[key] = torch.from_file(key[0], shared=True, size=key[1], dtype=torch.uint8)
             buf = maps[key]
             for offset, nbytes in cmd["ranges"]:
-                group.wait(group.broadcast(buf[offset:offset + nbytes]), host=True)
+                receive_exact(group, buf[offset:offset + nbytes])  # ShortBroadcast unless all of it came
         except Exception as exc:  # noqa: BLE001  (a failed or timed-out broadcast: the engine leaves the group)
             answer({"error": f"{type(exc).__name__}: {exc}"})
             break

@@ -3,7 +3,7 @@ loopback: this process is rank 0 (the sender) and an in-process ``rlperf serve``
 is rank 1, whose gloo membership lives in its receiver child (``rlperf.sync.receiver``).
 
 * A broadcast longer than announced never aborts the engine; half the announced bytes is not a
-  success; a broadcast that never comes times out while generation goes on. Each answers 400, the
+  success, nor 8 bytes or 1 byte short (issue #39, 5: the size must be exact); a broadcast that never comes times out while generation goes on. Each answers 400, the
   engine leaves the group (no longer listed) and keeps its previous weights bit for bit.
 * A join to a closed port fails within the join timeout; SIGTERM stops a real server mid-join.
 * What a well-behaved sender sends (a bucket, one broadcast per tensor) still loads.
@@ -292,3 +292,29 @@ def test_a_cuda_engine_over_gloo_loads_a_bucket_and_refuses_a_short_one():
             finally:
                 server.weight_groups.close_all()
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("short_by", [8, 1], ids=["8 bytes short", "1 byte short"])
+@pytest.mark.parametrize("load_format", ["flattened_bucket", None])
+def test_a_broadcast_short_by_a_few_bytes_is_a_400_naming_the_sizes(model, short_by, load_format):
+    """gloo completes a short receive as if whole; a shortfall under the engine's sentinel once loaded
+    the sentinel's bytes into the weights (issue #39, 5). The size must be exact."""
+    async def fn(server, client):
+        before = weights_checksum(server._hf_weights(server.engine))
+        group = await _join(client)
+        name, p = _param(server)
+        body = _bucket_body(name, p, load_format=load_format)
+        nbytes = p.numel() * p.element_size()
+        post = asyncio.create_task(client.post("/update_weights_from_distributed", json=body))
+        short = torch.randn(p.shape, dtype=p.dtype).view(torch.uint8).reshape(-1)[:nbytes - short_by].clone()
+        sender = _send_later(group, short)  # gloo sends bytes: the dtype is the sender's word
+        status, reply = await _json(await asyncio.wait_for(post, 60))
+        assert status == 400 and reply["success"] is False, reply
+        assert f"a broadcast of {nbytes} announced bytes arrived short: at most {nbytes - 1} bytes" \
+            in reply["message"], reply
+        assert "left the group" in reply["message"], reply
+        sender.join(30)
+        group.close()
+        assert weights_checksum(server._hf_weights(server.engine)) == before  # nothing was loaded
+        await _generate_ok(client, 30)
+    _run(model, fn)
