@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from rlperf.loop.record import PHASES, SGLANG_KIND, FirstStepRecord
+from rlperf.loop.record import PHASES, SGLANG_KIND, FirstStepRecord, static_share
 
 from .memory import format_bytes
 
@@ -278,6 +278,11 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
     ``<= (1 - options.oom_headroom) * record.capacity_bytes``; then every rollout engine of the run's own
     (``record.engines``) at most the same share of its own capacity.
 
+    Engines on the trainer's GPU (``colocated``: ``--colocate`` with SGLang's engine or rlperf serve
+    workers) are not checked on their own: each one's static share (:func:`rlperf.loop.record.static_share`,
+    as it reports it, else its ``--mem-fraction-static`` x capacity) comes off the trainer's limit, which
+    becomes ``(1 - headroom) * capacity - shares``; the message names both numbers.
+
     ``capacity_bytes`` is the device's memory (``memory_kind == "cuda"``) or ``--memory-limit``
     against the process RSS (``"cpu_rss"``); with several ranks the peaks are the worst rank's. A
     failure names the first phase over the limit, in step order, and gives slime's OOM remedies in
@@ -294,16 +299,35 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
                 "probe_tokens": record.probe.tokens if record.probe is not None else None}
     if record.ranks > 1:
         measured["ranks"] = record.ranks  # the peaks are the worst rank's
-    engines = list(record.engines)
+    colocated = [e for e in record.engines if e.colocated]  # on the trainer's GPU: their share comes off its limit
+    engines = [e for e in record.engines if not e.colocated]
     if engines:
         measured["engines"] = [_engine_measured(e, options.oom_headroom) for e in engines]
     if record.capacity_bytes is None or record.capacity_bytes <= 0:
         return GateResult(name, False, measured, None,
                           f"no capacity to check {record.memory_kind} peaks against",
                           "on the CPU pass --memory-limit (e.g. 8GiB); on a GPU the loop must record the device's memory")
-    limit = int((1.0 - options.oom_headroom) * record.capacity_bytes)
+    base = int((1.0 - options.oom_headroom) * record.capacity_bytes)
+    limit, shared = base, ""
+    if colocated:
+        shares = [(e, *static_share(e, record.capacity_bytes)) for e in colocated]
+        measured["colocated_engines"] = [{"url": e.url, "kind": e.kind, "static_share_bytes": b, "source": src,
+                                          "fraction": e.fraction} for e, b, src in shares]
+        unknown = [(e, src) for e, b, src in shares if b is None]
+        if unknown:
+            e, src = unknown[0]
+            return GateResult(name, False, measured, None,
+                              f"colocated engine {e.url} shares the trainer's GPU but {src}: cannot vouch for the "
+                              f"trainer's limit", "give --sglang-mem-fraction-static (the engine's share of the GPU)")
+        share = sum(b for _, b, _ in shares)
+        limit = base - share
+        measured["colocated_share_bytes"] = share
+        each = ", ".join(f"{e.url} {format_bytes(b)} ({src.split(':')[0]})" for e, b, src in shares)
+        shared = (f" - {format_bytes(share)} held by {len(shares)} colocated engine{'s' if len(shares) > 1 else ''} "
+                  f"on the same GPU: {each}")
     measured["limit_bytes"] = limit
-    threshold = f"<= {format_bytes(limit)} ((1 - {options.oom_headroom:g}) x {format_bytes(record.capacity_bytes)})"
+    threshold = (f"<= {format_bytes(limit)} ((1 - {options.oom_headroom:g}) x {format_bytes(record.capacity_bytes)}"
+                 f"{shared})")
     if engines:
         threshold += f"; each engine <= (1 - {options.oom_headroom:g}) x its own capacity"
     missing = [p for p in PHASES if p not in peaks]
@@ -324,13 +348,21 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
             if phase.startswith("probe:") and record.probe.tokens:
                 phase = f"{phase} (worst-case micro-batch of {record.probe.tokens} tokens)"
             ranks = f" on the worst of {record.ranks} ranks" if record.ranks > 1 else ""
+            if colocated:
+                alone = f"; the trainer alone would fit under {format_bytes(base)}" if peak <= base else ""
+                return GateResult(name, False, measured, threshold,
+                                  f"phase {phase}: trainer peak {format_bytes(peak)}{ranks} ({frac:.1%} of "
+                                  f"{format_bytes(record.capacity_bytes)} {record.memory_kind}) exceeds "
+                                  f"{format_bytes(limit)} = {format_bytes(base)} (headroom {options.oom_headroom:g})"
+                                  f"{shared}{alone}", hint)
             return GateResult(name, False, measured, threshold,
                               f"phase {phase}: peak {format_bytes(peak)}{ranks} ({frac:.1%} of "
                               f"{format_bytes(record.capacity_bytes)} {record.memory_kind}) exceeds {format_bytes(limit)} "
                               f"(headroom {options.oom_headroom:g})", hint)
-    sglang = [e for e in engines if e.kind == SGLANG_KIND]  # they size themselves: listed, not checked
+    sglang = [e for e in engines if e.kind == SGLANG_KIND]  # on GPUs of their own they size themselves: listed, not checked
+    own = [m for e, m in zip(engines, measured.get("engines", [])) if e.kind != SGLANG_KIND]
     engines = [e for e in engines if e.kind != SGLANG_KIND]
-    for e, m in zip(engines, [m for e, m in zip(record.engines, measured.get("engines", [])) if e.kind != SGLANG_KIND]):
+    for e, m in zip(engines, own):
         if e.peak_bytes is None or not e.capacity_bytes or e.capacity_bytes <= 0:
             what = "did not report its memory" if e.peak_bytes is None else "reported no capacity"
             return GateResult(name, False, measured, threshold,
@@ -360,6 +392,8 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
     if sglang:
         probe_note += (f"; {len(sglang)} SGLang engine(s) hold a static {', '.join(format_bytes(e.peak_bytes) for e in sglang)} "
                        f"(weights + KV cache + graphs, sized by their --mem-fraction-static): not checked")
+    if colocated:
+        probe_note += f"; trainer limit {format_bytes(limit)} = {format_bytes(base)}{shared}"
     return GateResult(name, True, measured, threshold,
                       f"highest peak {worst} {format_bytes(peak)} = {peak / cap:.1%} of {format_bytes(cap)}{of}{probe_note}")
 

@@ -31,7 +31,8 @@ class PhaseMemory:
 SGLANG_KIND = "sglang_static"
 """:attr:`EngineMemory.kind` of a real SGLang server: ``peak_bytes`` is its static budget (weights + KV cache +
 CUDA graphs, ``internal_states[0].memory_usage`` in GiB), which SGLang sized itself to ``--mem-fraction-static``
-of its GPU; it reports no capacity, so the oom_headroom gate lists it without checking it."""
+of its GPU; it reports no capacity, so the oom_headroom gate lists it without checking it when it has a GPU of its
+own, and subtracts it from the trainer's limit when it shares the trainer's GPU (``--colocate``)."""
 SGLANG_STATIC_PARTS = ("weight", "kvcache", "graph")
 
 
@@ -51,7 +52,10 @@ class EngineMemory:
     ``url``: the engine (a worker the router lists). ``kind``: ``"cuda"`` or ``"cpu_rss"``, as
     :attr:`FirstStepRecord.memory_kind`; ``capacity_bytes``: its own device's memory (CPU: the host's);
     ``peak_bytes``: its peak since it started (None: the engine did not report its memory);
-    ``kv_pool_bytes``: its KV cache's page pools.
+    ``kv_pool_bytes``: its KV cache's page pools; ``reserved_bytes``: CUDA's caching allocator (rlperf
+    serve on CUDA). ``fraction``: its ``--mem-fraction-static`` as ``/get_server_info`` reports it (or, when
+    it reports none, the run's flag). ``colocated``: it shares the trainer's GPU (``--colocate``), so the
+    oom_headroom gate subtracts its static share (:func:`static_share`) from the trainer's limit.
     """
 
     url: str
@@ -61,11 +65,16 @@ class EngineMemory:
     current_bytes: int | None = None
     kv_pool_bytes: int | None = None
     device: str | None = None
+    reserved_bytes: int | None = None
+    fraction: float | None = None
+    colocated: bool = False
 
     @classmethod
     def from_server_info(cls, url: str, info) -> EngineMemory:
         """From a ``/get_server_info`` reply; an engine that reports no memory (an SGLang server) gets
         ``peak_bytes`` None, which the oom_headroom gate reports as not measured."""
+        fraction = info.get("mem_fraction_static") if isinstance(info, dict) else None
+        fraction = float(fraction) if isinstance(fraction, (int, float)) and 0 < fraction <= 1 else None
         states = info.get("internal_states") if isinstance(info, dict) else None
         mem = states[0].get("memory") if states and isinstance(states[0], dict) else None
         usage = states[0].get("memory_usage") if states and isinstance(states[0], dict) else None
@@ -74,11 +83,27 @@ class EngineMemory:
             # sized to --mem-fraction-static of its GPU), no peak and no capacity
             static = sum(_gib(usage.get(k)) for k in SGLANG_STATIC_PARTS)
             return cls(url, SGLANG_KIND, None, int(static * (1 << 30)), kv_pool_bytes=int(float(usage.get("kvcache") or 0)
-                                                                                           * (1 << 30)))
+                                                                                           * (1 << 30)), fraction=fraction)
         if not isinstance(mem, dict):
-            return cls(url, None, None, None)
+            return cls(url, None, None, None, fraction=fraction)
         return cls(url, mem.get("kind"), mem.get("capacity_bytes"), mem.get("peak_bytes"), mem.get("current_bytes"),
-                   mem.get("kv_pool_bytes"), mem.get("device"))
+                   mem.get("kv_pool_bytes"), mem.get("device"), mem.get("reserved_bytes"), fraction)
+
+
+def static_share(e: EngineMemory, capacity_bytes: int) -> tuple[int | None, str]:
+    """What a colocated engine ``e`` holds of the GPU it shares with the trainer (``capacity_bytes``), and
+    where the number comes from: an SGLang server's reported static budget (weights + KV cache + graphs);
+    an rlperf serve process's reported peak or CUDA reservation, whichever is larger; where the engine
+    reports nothing usable, its ``fraction`` x capacity (said so); (None, why) when neither is known."""
+    if e.kind == SGLANG_KIND and e.peak_bytes:
+        return int(e.peak_bytes), "reported: weights + KV cache + graphs (/get_server_info memory_usage)"
+    reported = [v for v in (e.peak_bytes, e.reserved_bytes) if isinstance(v, int) and v > 0]
+    if e.kind != SGLANG_KIND and reported:
+        return max(reported), "reported: its process's peak / CUDA reservation (/get_server_info memory)"
+    if e.fraction:
+        return int(e.fraction * capacity_bytes), (f"configured: it reported no memory, so its --mem-fraction-static "
+                                                  f"{e.fraction:g} x capacity")
+    return None, "it reported no memory and no --mem-fraction-static"
 
 
 @dataclasses.dataclass
@@ -97,7 +122,10 @@ class FirstStepRecord:
     ``"cpu_rss"`` (process resident set). ``true_on_policy``: ``--true-on-policy-mode`` was on.
     With several data-parallel ranks (``ranks``) each phase's peak and the probe's are the worst
     rank's. ``engines``: with rollout engines of their own (``--rollout-num-gpus``), each engine's
-    memory (:class:`EngineMemory`), checked against its own capacity; empty otherwise. On an MoE model
+    memory (:class:`EngineMemory`), checked against its own capacity; with engine processes on the
+    trainer's GPU (``--colocate``: SGLang's, or rlperf serve workers behind ``--sglang-router-ip``), each
+    one's memory with ``colocated`` set, its static share subtracted from the trainer's limit; empty
+    otherwise (the in-process engine's memory is the trainer process's own, in the phases' peaks). On an MoE model
     the samples also carry ``rollout_routed_experts`` (the first step's rollout asks for them).
     """
 

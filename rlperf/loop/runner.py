@@ -802,7 +802,19 @@ def _first_step_record(run: Run, ns) -> FirstStepRecord:
 def _engine_memory(run: Run) -> list[EngineMemory]:
     """With engines of the run's own (``--rollout-num-gpus``): each one's memory as it reports it
     (:meth:`rlperf.loop.clients.RouterClient.engine_memory`; on several ranks rank 0 asks and every rank
-    gets the answer, so every rank's gates check the same record); else nothing."""
-    if not run.config.rollout.disaggregated:
+    gets the answer, so every rank's gates check the same record). With engine processes on the trainer's
+    GPU (``--colocate``: SGLang's engine, or rlperf serve workers behind ``--sglang-router-ip``): each one's,
+    marked ``colocated`` (its fraction, where it reports none, the run's ``--sglang-mem-fraction-static``),
+    for the oom_headroom gate to subtract from the trainer's limit. Else nothing: the in-process engine
+    lives in the trainer's process, its memory in the phases' peaks."""
+    r = run.config.rollout
+    if r.disaggregated:
+        return run.client.engine_memory()
+    if not r.colocate or not hasattr(run.client, "engine_memory"):
         return []
-    return run.client.engine_memory()
+    engines = run.client.engine_memory()
+    for e in engines:
+        e.colocated = True
+        if e.fraction is None:
+            e.fraction = r.mem_fraction_static
+    return engines

@@ -297,3 +297,66 @@ def test_a_probe_over_the_limit_fails_the_gate_naming_its_tokens():
     r = oom_headroom(record)
     assert not r.passed and r.message.startswith("phase probe:train (worst-case micro-batch of 8192 tokens)")
     assert r.measured["probe_tokens"] == 8192
+
+
+# -- oom_headroom: engines on the trainer's GPU (--colocate) -------------------------------------------------
+
+SGLANG_COLOCATED_INFO = {"mem_fraction_static": 0.45,  # SGLang's server_args, and its memory_usage in GiB
+                         "internal_states": [{"memory_usage": {"weight": 1.5, "kvcache": 33.0,
+                                                               "graph": {"decode": 0.5, "prefill": 1.0}}}]}
+
+
+def _colocated_record(trainer_peak_gib: float, info: dict, fraction_flag=None):
+    """A one-GPU (80 GiB) run whose worst-case probe peaks at ``trainer_peak_gib``, with one engine on the same
+    GPU recorded as the loop records it (:func:`rlperf.loop.runner._engine_memory` on ``info``)."""
+    from types import SimpleNamespace
+
+    from rlperf.loop.runner import _engine_memory
+
+    record = healthy_record()
+    record.capacity_bytes = 80 * GiB
+    record.probe = PhaseMemory("train", int(trainer_peak_gib * GiB))
+    client = SimpleNamespace(engine_memory=lambda: [EngineMemory.from_server_info(ENGINE_URLS[0], info)])
+    run = SimpleNamespace(client=client, config=SimpleNamespace(rollout=SimpleNamespace(
+        disaggregated=False, colocate=True, mem_fraction_static=fraction_flag)))
+    record.engines = _engine_memory(run)
+    return record
+
+
+def test_oom_headroom_counts_a_colocated_sglang_engines_static_share():
+    # the trainer alone (50 GiB) fits under 0.9 x 80 = 72 GiB; with SGLang's reported 36 GiB beside it, it does not
+    record = _colocated_record(50, SGLANG_COLOCATED_INFO)
+    assert record.engines[0].colocated and record.engines[0].peak_bytes == 36 * GiB
+    r = oom_headroom(record)
+    assert not r.passed, r.message
+    assert r.message.startswith("phase probe:train: trainer peak"), r.message
+    assert ("trainer peak 50 GiB (62.5% of 80 GiB cuda) exceeds 36 GiB = 72 GiB (headroom 0.1) - 36 GiB held by 1 "
+            f"colocated engine on the same GPU: {ENGINE_URLS[0]} 36 GiB (reported); the trainer alone would fit under "
+            "72 GiB") in r.message, r.message
+    assert r.measured["limit_bytes"] == 36 * GiB and r.measured["colocated_share_bytes"] == 36 * GiB
+    assert "engines" not in r.measured and r.measured["colocated_engines"][0]["fraction"] == 0.45
+    r = oom_headroom(_colocated_record(30, SGLANG_COLOCATED_INFO))  # 30 GiB + 36 GiB fits: a pass naming both
+    assert r.passed and "trainer limit 36 GiB = 72 GiB - 36 GiB held by 1 colocated engine" in r.message, r.message
+
+
+def test_oom_headroom_counts_a_colocated_rlperf_serve_engine_and_falls_back_to_its_fraction():
+    serve = {"mem_fraction_static": 0.3, "internal_states": [{"memory": {
+        "kind": "cuda", "device": "cuda:0", "capacity_bytes": 80 * GiB, "current_bytes": 20 * GiB,
+        "peak_bytes": 24 * GiB, "reserved_bytes": 30 * GiB, "kv_pool_bytes": 16 * GiB}}]}
+    r = oom_headroom(_colocated_record(50, serve))  # its CUDA reservation (30 GiB, above its peak) counts
+    assert not r.passed and "exceeds 42 GiB = 72 GiB (headroom 0.1) - 30 GiB held by 1 colocated engine" in r.message
+    # an engine that reports no memory: its --mem-fraction-static x capacity (0.3 x 80 = 24 GiB), said so
+    r = oom_headroom(_colocated_record(50, {"mem_fraction_static": 0.3, "internal_states": [{}]}))
+    assert not r.passed and "- 24 GiB held by 1 colocated engine" in r.message and "(configured)" in r.message
+    assert r.measured["colocated_engines"][0]["source"].startswith("configured: it reported no memory")
+    r = oom_headroom(_colocated_record(40, {"internal_states": [{}]}, fraction_flag=0.25))  # the run's flag
+    assert r.passed and "72 GiB - 20 GiB held by 1 colocated engine" in r.message, r.message
+    r = oom_headroom(_colocated_record(10, {"internal_states": [{}]}))  # nothing to go by: cannot vouch
+    assert not r.passed and "cannot vouch for the trainer's limit" in r.message
+
+
+def test_oom_headroom_keeps_disaggregated_engines_on_their_own_gpus():
+    record = layout_record()
+    assert not any(e.colocated for e in record.engines)
+    r = oom_headroom(record)
+    assert r.passed and "colocated" not in r.message and r.measured["limit_bytes"] == int(0.9 * 16 * GiB)
