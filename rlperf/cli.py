@@ -127,18 +127,25 @@ def _train(args: argparse.Namespace) -> int:
     from rlperf.loop import UsageError, resolve_args
     from rlperf.loop.launch import placement_for
     from rlperf.loop.placement import ActorLayout, needs_launch
+    from rlperf.loop.run_lock import RunDirLocked, lock_run_dirs
 
+    locks = []
     try:
         ns = resolve_args(args)
+        if os.environ.get("RANK", "0") == "0":  # one run per --output-dir / --save: rank 0 (or the launcher) holds it
+            locks = lock_run_dirs(ns.output_dir, ns.save)
         if needs_launch(ns):  # --actor-num-gpus-per-node N > 1: start N ranks here, each runs _train_rank
             code = placement_for(ns).launch_actors(_train_rank, ns, ActorLayout.of(ns, "cpu"))
             if code == 1:  # a rank failed or died (the placement named it): how to go on
                 print(f"rlperf train: the run stops. {resume_hint(ns)}", file=sys.stderr)
             return code
-    except UsageError as exc:
+        return _train_rank(ns)
+    except (UsageError, RunDirLocked) as exc:
         print(f"rlperf train: {exc}", file=sys.stderr)
         return 2
-    return _train_rank(ns)
+    finally:
+        for f in locks:
+            f.close()
 
 
 def _train_rank(ns: argparse.Namespace) -> int:
@@ -159,6 +166,7 @@ def _train_on_rank(ns: argparse.Namespace, place) -> int:
                 print(f"rlperf train: {'a first-step gate failed' if code == 1 else 'the gates could not run'}; "
                       f"stopping before step 1 (--skip-gates trains anyway)", file=sys.stderr)
             return code
+    from rlperf.loop.checkpoint import CheckpointInterrupted
     from rlperf.loop.engines import EngineFleetError
     from rlperf.loop.health import RolloutProcessFailure
     from rlperf.model.moe import RoutingReplayError
@@ -177,6 +185,9 @@ def _train_on_rank(ns: argparse.Namespace, place) -> int:
     except RoutingReplayError as exc:  # --use-rollout-routing-replay: a sample came without its routed experts
         print(f"rlperf train: --use-rollout-routing-replay: {exc}; the run stops. {resume_hint(ns)}", file=sys.stderr)
         return 1
+    except CheckpointInterrupted as exc:  # disk full (ENOSPC) or SIGINT in a save: the pointer is untouched
+        print(f"rlperf train: {exc}; the run stops. {resume_hint(ns)}", file=sys.stderr)
+        return exc.exit_code
     return 0
 
 

@@ -30,8 +30,14 @@ When the pointer names N and a kill falls between steps 3 and 4, ``iter_N/`` is 
 rewritten). Every loader goes through :func:`checkpoint_dir`.
 
 Fault injection (tests): ``RLPERF_FAULT_AT=checkpoint:<step>:<n>`` makes the process SIGKILL itself
-at the ``n``-th time (default 1) it reaches ``<step>``; :func:`fault_point` is the one place that
+at the ``n``-th time (default 1) it reaches ``<step>``; ``checkpoint:<step>:<n>:INT`` sends it SIGINT
+instead (an operator's Ctrl-C in the middle of a save). :func:`fault_point` is the one place that
 reads it.
+
+A save that fails because the disk is full (``OSError`` ENOSPC) or is interrupted by SIGINT
+(``KeyboardInterrupt``) removes its temporary ``iter_N.tmp/`` and raises :class:`CheckpointInterrupted`:
+the pointer still names the last complete checkpoint (steps above), so nothing is lost, and the CLI
+ends with one line naming the directory and the resume command (exit 1; 130 for SIGINT).
 
 A fresh run (no ``--load``) into a ``--save`` that already holds checkpoints would overwrite them and
 move the pointer back: :func:`check_save_dir` refuses it unless ``--overwrite-save`` is given (or
@@ -40,6 +46,7 @@ move the pointer back: :func:`check_save_dir` refuses it unless ``--overwrite-sa
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import shutil
 import signal
@@ -60,6 +67,15 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded; the message names the path, not a flag (callers add it)."""
 
 
+class CheckpointInterrupted(RuntimeError):
+    """A save that the disk being full (ENOSPC) or SIGINT stopped; the pointer is untouched or already on
+    the new checkpoint, never on a partial one. ``exit_code``: 1 (disk full) or 130 (SIGINT)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def fault_point(step: str, site: str = "checkpoint") -> None:
     """Die by SIGKILL here when ``$RLPERF_FAULT_AT`` is ``<site>:<step>[:<n>]`` and this is the
     ``n``-th time (default 1) this process reaches ``step`` (crash-consistency tests)."""
@@ -67,14 +83,19 @@ def fault_point(step: str, site: str = "checkpoint") -> None:
     if not spec:
         return
     parts = spec.split(":")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].isdigit()):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <site>:<step>[:<n>], e.g. checkpoint:update-pointer:2")
+    if len(parts) not in (2, 3, 4) or (len(parts) >= 3 and not parts[2].isdigit()) or (
+            len(parts) == 4 and parts[3] not in ("KILL", "INT")):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <site>:<step>[:<n>[:KILL|INT]], e.g. "
+                         f"checkpoint:update-pointer:2")
     if parts[0] == "checkpoint" and parts[1] not in STEPS:
         raise ValueError(f"{FAULT_ENV}={spec!r}: unknown checkpoint step {parts[1]!r}; choose from {', '.join(STEPS)}")
     if (parts[0], parts[1]) != (site, step):
         return
     _fault_hits[(site, step)] += 1
-    if _fault_hits[(site, step)] == int(parts[2] if len(parts) == 3 else 1):
+    if _fault_hits[(site, step)] == int(parts[2] if len(parts) >= 3 else 1):
+        if len(parts) == 4 and parts[3] == "INT":
+            os.kill(os.getpid(), signal.SIGINT)  # Python raises KeyboardInterrupt right here
+            return
         _die()
 
 
@@ -112,8 +133,27 @@ def _fsync_tree(root: Path) -> None:
 
 
 def save_checkpoint(save, iteration: int, model, trainer) -> Path:
-    """Write checkpoint ``iteration`` under ``save`` and point the pointer at it (steps: module docstring)."""
+    """Write checkpoint ``iteration`` under ``save`` and point the pointer at it (steps: module docstring).
+    :class:`CheckpointInterrupted` when the disk is full (ENOSPC) or SIGINT arrives meanwhile."""
     save = Path(save)
+    try:
+        return _save_checkpoint(save, iteration, model, trainer)
+    except (OSError, KeyboardInterrupt) as exc:
+        if isinstance(exc, OSError) and exc.errno != errno.ENOSPC:
+            raise
+        shutil.rmtree(_sibling(iter_dir(save, iteration), ".tmp"), ignore_errors=True)  # frees what it wrote
+        (save / (LATEST + ".tmp")).unlink(missing_ok=True)
+        try:
+            kept = f"the pointer stays on {checkpoint_dir(save).name}, the last complete checkpoint"
+        except (CheckpointError, OSError):
+            kept = "no earlier checkpoint was complete"
+        what = ("the disk is full (No space left on device)" if isinstance(exc, OSError)
+                else "interrupted (SIGINT)")
+        raise CheckpointInterrupted(f"{what} while saving checkpoint {iter_dir(save, iteration).name} in {save}: "
+                                    f"nothing is lost, {kept}", 1 if isinstance(exc, OSError) else 130) from None
+
+
+def _save_checkpoint(save: Path, iteration: int, model, trainer) -> Path:
     final = iter_dir(save, iteration)
     tmp, old = _sibling(final, ".tmp"), _sibling(final, ".old")
     shutil.rmtree(tmp, ignore_errors=True)
