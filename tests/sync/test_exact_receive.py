@@ -2,14 +2,12 @@
 by the guard page's presence, never by its content. A stand-in group writes the first ``sent`` bytes
 as gloo does for a message of that length; the real gloo path is in
 tests/rollout/test_weight_update_hostile.py."""
-import os
-
 import pytest
 import torch
 
-from rlperf.sync.exact_receive import PAGE, ShortBroadcast, receive_exact
+from rlperf.sync.exact_receive import PAGE, ShortBroadcast, pagemap_works, receive_exact
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux pagemap")
+pytestmark = pytest.mark.skipif(not pagemap_works(), reason="needs /proc/self/pagemap (Linux)")
 
 
 class _Group:
