@@ -70,7 +70,7 @@ from rlperf.sync.distributed import WeightBroadcaster, WeightSyncError
 from .config import RunConfig
 from .data_parallel import DataParallelEngineClient, Rank0EnginesClient
 from .engines import HOST, start_engine_fleet
-from .health import HealthMonitor
+from .health import EngineFailure, HealthMonitor
 from .record import EngineMemory
 from .sglang_engines import SGLangBroadcaster, push_tensors_to_sglang, start_sglang_fleet
 
@@ -293,6 +293,13 @@ def push_weights(url: str, named_tensors, *, config: SyncConfig | None = None, w
     return len(buckets)
 
 
+def _keeping(items, kept: list):
+    """``items`` (name, tensor) as they come, a host copy of each appended to ``kept`` (fault tolerance)."""
+    for name, t in items:
+        kept.append((name, t.detach().to("cpu", copy=True)))
+        yield name, t
+
+
 class RequestFailed(RuntimeError):
     """A request answered with an error status (``status``)."""
 
@@ -334,6 +341,9 @@ class RouterClient:
         self.broadcaster: WeightBroadcaster | None = None
         self._last_sync: SyncStats | None = None  # distributed: the latest broadcast's stats
         self._sent: dict | None = None  # otherwise: the tensors the latest sync pushed
+        # --use-fault-tolerance (distributed): a host copy of the weights of the latest sync, its version and
+        # device: what engines restarted between two syncs are given (every engine lost in a rollout)
+        self._kept: tuple[list, str, object] | None = None
         self.workers()
 
     def workers(self) -> list[str]:
@@ -432,14 +442,15 @@ class RouterClient:
                 threading.Thread(target=work, name="rlperf-generate", daemon=True).start()
 
         during = "during the rollout"
-        self.health.handle(during)
+        self._handle(during)
         start(max(1, min(n, self.max_inflight)))
         remaining, retries = n, [0] * n
         while remaining:
             try:
                 i, out, exc = done.get(timeout=0.25)
             except queue.Empty:
-                self.health.handle(during)  # raises, or takes a failed engine out (its requests then fail)
+                if self._handle(during):  # raises, or takes a failed engine out (its requests then fail)
+                    retries = [0] * n
                 continue
             if exc is None:
                 results[i], remaining = out, remaining - 1
@@ -452,7 +463,8 @@ class RouterClient:
             deadline = time.monotonic() + min(self.health.config.timeout, FAULT_SETTLE_S)
             while True:
                 self.health.check_now()
-                self.health.handle(during)  # raises without fault tolerance; with it, takes the engine out
+                if self._handle(during):  # raises without fault tolerance; with it, takes the engine out
+                    retries = [0] * n  # every engine was restarted: the samples start over
                 if self.health.router_down():
                     self.health.raise_router_down(during, exc)
                 if self.health.fault_tolerance and (self.health.out or self.health.events):
@@ -466,6 +478,48 @@ class RouterClient:
             todo.put(i)
             start(1)
         return results
+
+    def _handle(self, during: str) -> bool:
+        """:meth:`HealthMonitor.handle`; with fault tolerance, when that leaves no engine in service, every
+        engine is restarted now (:meth:`_recover_all`). Whether it was."""
+        self.health.handle(during)
+        if self.health.fault_tolerance and self.health.all_out():
+            self._recover_all(during)
+            return True
+        return False
+
+    def _recover_all(self, during: str) -> None:
+        """Every engine is out of service in the middle of a rollout: start them all again, form the
+        weight-update group anew and broadcast the host copy of the latest sync's weights (every engine's
+        checksum checked against it), then put them back in the router. Before the first sync the
+        engines serve the weights they start with, as at the run's start. A restart or a broadcast that
+        fails ends the run (:class:`EngineFailure`: one line)."""
+        outages = self._restart_taken_out()
+        if self._kept is not None and self.distributed:
+            kept, version, device = self._kept
+            try:
+                self._broadcast(((name, t.to(device)) for name, t in kept), version, device)
+            except WeightSyncError as exc:
+                raise EngineFailure(f"the rollout engines restarted {during} could not be given the current weights "
+                                    f"({exc})".replace("\n", " ")) from None
+        self.health.put_back(outages)
+
+    def _restart_taken_out(self, engines: list[int] | None = None) -> list:
+        """Start the engines taken out (or those of ``engines``) again (:meth:`HealthMonitor.restart`); the
+        group that had them in it is closed (a new one is formed with every engine at the next broadcast)."""
+        outages = self.health.restart(engines)
+        if outages and self.broadcaster is not None:
+            self.broadcaster, b = None, self.broadcaster
+            b.close()
+        return outages
+
+    def _broadcast(self, items, version: str, device) -> SyncStats:
+        """One broadcast of ``items`` to every engine (the group formed first if there is none)."""
+        if self.broadcaster is None:
+            urls = self.health.fleet.worker_urls if self.health is not None else self.workers()
+            self.broadcaster = WeightBroadcaster(urls, device=device, api_key=self.api_key, timeout=self.timeout)
+            self.broadcaster.connect()
+        return self.broadcaster.update_weights(items, version)  # every engine's checksum checked
 
     def take_fault_events(self) -> list:
         """Engine outages that ended (restarted and back) since the last call (:mod:`rlperf.loop.health`)."""
@@ -514,20 +568,36 @@ class RouterClient:
         if first is None:
             raise ValueError("load_weights got no tensors")
         items = itertools.chain([first], items)
+        device = first[1].device
+        ft = self.health is not None and self.health.fault_tolerance
+        kept: list = []
+        if ft:
+            items = _keeping(items, kept)
         outages = []
         if self.health is not None:
+            # a dead weight receiver shows only at /health: probe every engine now, not at the next interval
+            self.health.check_now()
             self.health.handle("before the weight sync")
-            outages = self.health.restart()  # engines taken out: started again, to join the group below
-            if outages and self.broadcaster is not None:
-                self.broadcaster, b = None, self.broadcaster
-                b.close()  # the group had the dead engine in it: a new one is formed with every engine
+            # engines taken out: started again, to join the group below (the group that had them is closed)
+            outages = self._restart_taken_out()
         try:
-            if self.broadcaster is None:
-                urls = self.health.fleet.worker_urls if self.health is not None else self.workers()
-                self.broadcaster = WeightBroadcaster(urls, device=first[1].device, api_key=self.api_key,
-                                                     timeout=self.timeout)
-                self.broadcaster.connect()
-            self._last_sync = self.broadcaster.update_weights(items, version)  # every engine's checksum checked
+            try:
+                self._last_sync = self._broadcast(items, version, device)
+            except WeightSyncError:
+                if self.health is None:
+                    raise
+                # an engine that failed during the broadcast: named (without fault tolerance), or taken out,
+                # restarted and given the whole host copy (the rest of the pairs is drawn into it first)
+                self.health.check_now()
+                failed = self.health.handle("during the weight sync")
+                if not ft or not failed:
+                    raise
+                for _ in items:
+                    pass
+                outages = [*outages, *self._restart_taken_out(failed)]
+                self._last_sync = self._broadcast(((n, t.to(device)) for n, t in kept), version, device)
+            if ft:
+                self._kept = (kept, version, device)
             if outages:
                 self.health.put_back(outages)
             return self._last_sync

@@ -19,6 +19,12 @@ that started it (``PR_SET_PDEATHSIG``, Linux), so none outlives a killed trainer
 its output to ``OUTPUT_DIR/engines/server-i.log`` and ``router.log``; one that exits while the fleet
 starts fails the start with its last lines (:class:`EngineFleetError`), and one that exited during
 the run is quoted when the fleet closes.
+
+Shared memory: an engine's weight-receive files (``/dev/shm/rlperf_receive_<pid>_*``, the model's bytes
+each, :mod:`rlperf.sync.receiver`) outlive an engine killed by SIGKILL. The fleet removes those of each
+engine once it is gone: one taken out or restarted (fault tolerance) and every engine at
+:meth:`EngineFleet.close`; an engine's start removes those of any engine whose process no longer exists
+(a trainer killed with its engines).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from pathlib import Path
 from rlperf.rollout.args import ServerArgs, server_argv
 from rlperf.rollout.router import (Cluster, child_env, free_port, http_json, output_tail, spawn,
                                    start_router_on_free_port, start_servers, wait_until)
+from rlperf.sync.receiver import remove_segments
 
 from . import checkpoint as ckpt
 from .config import RunConfig
@@ -130,6 +137,7 @@ class EngineFleet:
             raise RuntimeError(f"engine {i} still runs (pid {old.pid})")
         if getattr(old, "output", None) is not None:
             old.output.close()
+        remove_segments(old.pid)
         url = self.worker_urls[i]
         port = int(url.rsplit(":", 1)[1])
         self.restarts += 1
@@ -169,6 +177,8 @@ class EngineFleet:
         for report in self.exited():
             print(f"rlperf train: {report}", file=sys.stderr)
         self.cluster.close()
+        for p in self.cluster.servers:  # all have ended: a killed one's receive files are still there
+            remove_segments(p.pid)
 
     def __enter__(self) -> "EngineFleet":
         return self

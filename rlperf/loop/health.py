@@ -22,6 +22,13 @@ while it waits for a rollout's requests, whenever a request fails, and before ea
   formed anew with every engine, the current weights are broadcast and every engine's checksum is
   checked; then it is added back (``POST /workers``) and the event is reported
   (:meth:`take_events`: engine, reason, seconds out of service). A dead router still ends the run.
+  When every engine is out in the middle of a rollout, the client restarts them all at once instead
+  (:meth:`rlperf.loop.clients.RouterClient._recover_all`); a restart that fails raises
+  :class:`EngineFailure` (one line and the resume command).
+
+An engine whose weight-receiver child died answers ``/health`` with 503 (it could not take the next
+sync): it has failed like a dead one, and the client probes every engine before each weight sync. An
+engine taken out or restarted has its weight-receive files removed (:func:`rlperf.sync.receiver.remove_segments`).
 
 When the client closes, the engines found failed (:meth:`failed_urls`) are not asked to leave the
 weight-update group: a stopped engine would not answer, and the run would wait out the close timeout.
@@ -36,6 +43,7 @@ import threading
 import time
 
 from rlperf.rollout.router import http_json, wait_until
+from rlperf.sync.receiver import remove_segments
 
 from .config import HealthCheckConfig
 
@@ -74,6 +82,13 @@ def exit_reason(returncode: int) -> str:
         except ValueError:
             return f"was killed by signal {-returncode}"
     return f"exited with code {returncode}"
+
+
+def _why(reply) -> str:
+    """`` (its message)`` of an error reply (``{"error": {"message": ...}}``), else empty."""
+    err = reply.get("error") if isinstance(reply, dict) else None
+    msg = err.get("message") if isinstance(err, dict) else err if isinstance(err, str) else None
+    return f" ({str(msg)[:300]})" if msg else ""
 
 
 @dataclasses.dataclass
@@ -145,9 +160,9 @@ class HealthMonitor:
 
         def probe(i):
             try:
-                status, _ = http_json(self.fleet.worker_urls[i] + "/health", timeout=self.config.timeout,
+                status, reply = http_json(self.fleet.worker_urls[i] + "/health", timeout=self.config.timeout,
                                       headers=self.headers)
-                answers[i] = None if status == 200 else f"answered /health with {status}"
+                answers[i] = None if status == 200 else f"answered /health with {status}{_why(reply)}"
             except OSError as exc:
                 answers[i] = f"did not answer /health within {self.config.timeout:g} s ({exc})"
         threads = [threading.Thread(target=probe, args=(i,), daemon=True) for i in engines]
@@ -225,6 +240,7 @@ class HealthMonitor:
         if p.poll() is None:
             p.kill()  # SIGKILL also ends a stopped process; its connections close and its requests fail now
         p.wait()
+        remove_segments(p.pid)  # a killed engine leaves its weight-receive files behind
         self.fleet.handled.add(p)
         self._remove_from_router(url)
         with self._lock:
@@ -249,14 +265,28 @@ class HealthMonitor:
         wait_until(lambda: all(w.get("url") != url for w in self._router_workers()), ROUTER_UPDATE_TIMEOUT_S,
                    f"{self.router_name()} dropping {url}", [self.fleet.cluster.router])
 
-    def restart(self) -> list[EngineOutage]:
-        """Start every engine taken out again on its port (this thread must live as long as the engines:
-        they die with it) and wait for its ``/health``; the outages, to :meth:`put_back` once the engines
-        hold the current weights."""
-        outages = [self.out[i] for i in sorted(self.out)]
+    def restart(self, engines: list[int] | None = None) -> list[EngineOutage]:
+        """Start every engine taken out (or those of ``engines``) again on its port (this thread must live
+        as long as the engines: they die with it) and wait for its ``/health``; the outages, to
+        :meth:`put_back` once the engines hold the current weights. A restart that fails raises
+        :class:`EngineFailure` (the run ends with one line)."""
+        from .engines import EngineFleetError
+
+        outages = [self.out[i] for i in sorted(self.out) if engines is None or i in engines]
         for o in outages:
-            self.fleet.restart_engine(o.engine, RESTART_TIMEOUT_S)
+            try:
+                self.fleet.restart_engine(o.engine, RESTART_TIMEOUT_S)
+            except EngineFleetError as exc:  # the restart itself failed: the run ends with one line
+                p = self.fleet.cluster.servers[o.engine]
+                self.fleet.handled.add(p)
+                raise EngineFailure(f"{self.engine_name(o.engine)} {o.reason} and could not be restarted "
+                                    f"({exc})".replace("\n", " ")) from None
         return outages
+
+    def all_out(self) -> bool:
+        """Whether every engine is out of service (taken out, not yet back): nothing can generate."""
+        with self._lock:
+            return bool(self.fleet.worker_urls) and len(self.out) == len(self.fleet.worker_urls)
 
     def put_back(self, outages: list[EngineOutage]) -> None:
         """Add the restarted engines back to the router, wait until it lists them, record the events."""

@@ -14,7 +14,10 @@ Endpoints (SGLang's names and reply fields; docs/ARCHITECTURE.md, "Rollout serve
   before its own): the engine thread's first command compiles the kernels and captures every
   CUDA-graph decode size (:meth:`Engine.warm_up <rlperf.rollout.engine.Engine.warm_up>`), which
   leaves nothing a client can see; then 200 (``--skip-warmup``: at once). A request that comes
-  earlier waits behind the warm-up. ``GET /model_info``, ``/get_model_info``, ``/server_info``,
+  earlier waits behind the warm-up. ``/health`` answers 503 too while a weight-update group's
+  receiver child (:class:`rlperf.sync.receiver.GlooReceiver`) has died: the engine could not take
+  the next weight sync, so it has failed (a run's fault tolerance restarts it). ``GET /model_info``,
+  ``/get_model_info``, ``/server_info``,
   ``/get_server_info`` (with ``warmup_seconds``; ``internal_states[0]["memory"]``: the process's memory,
   :meth:`RolloutServer.memory`), ``/get_weight_version``.
 * ``GET /v1/models``: the OpenAI model list (one card: ``id`` and ``root`` are ``--model-path``).
@@ -78,6 +81,7 @@ from rlperf.sync import SYNC_BUCKET_BYTES, PayloadError, load_bucket, receive_bu
 from rlperf.telemetry.memory import process_memory
 
 from rlperf.model.moe import encode_routed_experts
+from rlperf.sync.receiver import sweep_dead_segments
 
 from .args import ServerArgs
 from .engine import BadRequest, Engine, EngineConfig, Request, SamplingParams
@@ -543,6 +547,9 @@ class RolloutServer:
 
     # ---- info ---------------------------------------------------------------------------------
     async def health(self, request):
+        broken = self.weight_groups.broken()
+        if broken:
+            return _error(503, "; ".join(broken) + ": this engine cannot take a weight update")
         return self._not_ready() or web.Response(text="")
 
     async def health_generate(self, request):
@@ -914,6 +921,10 @@ def serve(args: ServerArgs) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     K.set_mode(args.mode)
+    swept = sweep_dead_segments()  # receive files of engines killed before (SIGKILL, or with their trainer)
+    if swept:
+        print(f"rlperf serve: removed {len(swept)} weight-receive file(s) of exited engines: {', '.join(swept)}",
+              flush=True)
     model, tokenizer = load_model(args)
     server = RolloutServer(args, model, tokenizer)
     print(f"rlperf serve: {args.model_path} on {model.device} ({type(tokenizer).__name__}), "

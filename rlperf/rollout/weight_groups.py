@@ -59,7 +59,7 @@ import torch
 
 from rlperf.sync import DTYPES, FlattenedBucket, FlattenedTensorMetadata, PayloadError, dtype_from_name, load_bucket
 from rlperf.sync.distributed import BACKENDS, GROUP_NAME, WeightUpdateGroup, init_weight_update_group, sglang_bucket_layout
-from rlperf.sync.receiver import GlooReceiver, ReceiverError
+from rlperf.sync.receiver import GlooReceiver, ReceiverError, ReceiverGone
 
 from .engine import BadRequest
 
@@ -294,6 +294,7 @@ class WeightGroups:
         # of the load that last read it (module docstring of rlperf.sync.distributed: the pipeline)
         self._slots: list[list] = [[None, None] for _ in range(RECEIVE_SLOTS)]
         self._next_slot = 0
+        self._lost: list[str] = []  # receivers found dead at an update (ReceiverGone): this engine has failed
 
     def names(self) -> list[str]:
         return sorted(self.groups)
@@ -360,6 +361,13 @@ class WeightGroups:
         for name in self.names():
             self.leave(name)
 
+    def broken(self) -> list[str]:
+        """Why each gloo group's receiver child can no longer receive, or could not at an update (it died:
+        the engine has failed, and stays failed)."""
+        with self._lock:
+            groups = list(self.groups.values())
+        return [*self._lost, *(why for g in groups if isinstance(g, GlooReceiver) and (why := g.dead()) is not None)]
+
     def require(self, name: str) -> None:
         if name not in self.groups:
             raise BadRequest(f"'group_name': this engine is in no group named {name!r} (POST /init_weights_update_group "
@@ -375,6 +383,8 @@ class WeightGroups:
         try:
             return await asyncio.to_thread(receiver.receive, receive_ranges(req), self.receive_timeout)
         except ReceiverError as exc:
+            if isinstance(exc, ReceiverGone):
+                self._lost.append(str(exc))
             self.leave(req.group_name)
             raise WeightGroupError(f"Failed to update parameter online: {exc}. No weight was loaded; this engine "
                                    f"left the group {req.group_name!r} (the previous weights stay).") from None

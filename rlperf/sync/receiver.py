@@ -28,6 +28,12 @@ kernel's page tables whether the range's last byte was written, and answers an e
 announced bytes otherwise: a broadcast short by even one byte is refused and nothing is loaded.
 The engine's sentinel check (fresh random bytes, :data:`SENTINEL_BYTES`, at the end of every range of
 at least that size, which must be overwritten) stays as a second line.
+
+The receive file is named ``rlperf_receive_<engine pid>_<random>`` (:data:`SEGMENT_PREFIX`). An engine
+removes it when the group closes; one killed (SIGKILL) cannot, so whoever started the engine removes
+the files of its pid once it is gone (:func:`remove_segments`), and every engine start removes those
+whose process no longer exists (:func:`sweep_dead_segments`). A child that dies leaves its engine
+unable to receive: :meth:`GlooReceiver.dead` says so, and the engine's ``/health`` answers 503.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import os
 import secrets
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,11 +54,82 @@ import torch
 SENTINEL_BYTES = 16
 """Random bytes written at the end of each receive range to see whether the broadcast filled it."""
 SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "rlperf_receive_"
+"""Receive files are ``SEGMENT_PREFIX + "<engine pid>_<random>"``, under :data:`SHM_DIR` or the temporary directory."""
 _EXIT_WAIT_S = 5.0
+
+
+def _segment_dirs() -> list[str]:
+    return list(dict.fromkeys(d for d in (SHM_DIR, tempfile.gettempdir()) if os.path.isdir(d)))
+
+
+def segment_owner(name: str) -> int | None:
+    """The engine pid in a receive file's name (``rlperf_receive_<pid>_<random>``), else None."""
+    if not name.startswith(SEGMENT_PREFIX):
+        return None
+    pid, sep, rest = name[len(SEGMENT_PREFIX):].partition("_")
+    return int(pid) if sep and rest and pid.isdigit() and 0 < int(pid) < 1 << 22 else None
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists (any user's; a zombie counts until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: str) -> bool:
+    """Unlink ``path`` if it is a regular file (never follows a link); whether it was removed."""
+    try:
+        if not os.path.isfile(path) or os.path.islink(path):
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def remove_segments(pid: int) -> list[str]:
+    """Remove the receive files of engine ``pid`` (call it once that process is gone); the paths removed."""
+    out = []
+    for d in _segment_dirs():
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for name in names:
+            if segment_owner(name) == pid and _remove(os.path.join(d, name)):
+                out.append(os.path.join(d, name))
+    return out
+
+
+def sweep_dead_segments() -> list[str]:
+    """Remove every receive file whose engine process no longer exists (an engine killed by SIGKILL, or
+    with its trainer); a live process's files are kept. The paths removed."""
+    out = []
+    for d in _segment_dirs():
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for name in names:
+            pid = segment_owner(name)
+            if pid is not None and pid != os.getpid() and not process_exists(pid) and _remove(os.path.join(d, name)):
+                out.append(os.path.join(d, name))
+    return out
 
 
 class ReceiverError(RuntimeError):
     """The child failed, stalled, exited or refused; the group it held is gone (the child is killed)."""
+
+
+class ReceiverGone(ReceiverError):
+    """The child had died before the request came (not a sender's overlong broadcast): this engine cannot
+    take weight updates of that group any more, a failure of the engine (its ``/health`` says so)."""
 
 
 def _receive_dir(nbytes: int) -> str:
@@ -112,6 +190,10 @@ class GlooReceiver:
         with self._lock:
             if self.closed:
                 raise ReceiverError(f"the group {self.name!r} is closed")
+            gone = self.dead()
+            if gone is not None:
+                self.close()
+                raise ReceiverGone(f"{gone} before this update; the group {self.name!r} is left")
             size = max((o + n for o, n in ranges), default=0)
             view = self._file(max(size, 1))[:size]
             sentinels = []
@@ -158,13 +240,28 @@ class GlooReceiver:
             except OSError:
                 pass
 
+    def dead(self) -> str | None:
+        """Why the child can no longer receive (it exited or was killed outside :meth:`close`), else None."""
+        proc = self._proc
+        if self.closed or proc is None:
+            return None
+        code = proc.poll()
+        if code is None:
+            return None
+        how = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+        try:
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else how
+        except ValueError:
+            pass
+        return f"the weight receiver of group {self.name!r} (pid {proc.pid}) {how}"
+
     # ---- plumbing ------------------------------------------------------------------------------
     def _file(self, size: int) -> torch.Tensor:
         """The receive file mapped here, at least ``size`` bytes (a new, larger one replaces a smaller)."""
         if self._path is None or self._size < size:
             if self._path is not None:
                 os.unlink(self._path)
-            fd, self._path = tempfile.mkstemp(prefix=f"rlperf_receive_{os.getpid()}_", dir=_receive_dir(size))
+            fd, self._path = tempfile.mkstemp(prefix=f"{SEGMENT_PREFIX}{os.getpid()}_", dir=_receive_dir(size))
             try:
                 os.ftruncate(fd, size)
             finally:
@@ -179,7 +276,7 @@ class GlooReceiver:
             self._proc.stdin.flush()
         except (OSError, ValueError, AttributeError) as exc:
             self.close()
-            raise ReceiverError(f"the receiver process of group {self.name!r} is gone ({exc})") from None
+            raise ReceiverGone(f"the receiver process of group {self.name!r} is gone ({exc})") from None
 
     def _reply(self, deadline: float, what: str, timeout: float) -> dict:
         """The child's next line, read until ``deadline``; ReceiverError (child killed) on timeout or EOF."""

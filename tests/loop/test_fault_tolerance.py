@@ -6,6 +6,9 @@ resume command. A killed router is named as the router."""
 import json
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -15,6 +18,7 @@ from rlperf.cli import main
 from rlperf.loop import METRICS_FILE
 from rlperf.loop import clients as C
 from rlperf.loop import engines as E
+from rlperf.sync import receiver as R
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("sglang_router")
@@ -61,19 +65,60 @@ def faults(monkeypatch):
         if fault is not None:
             target, sig = fault
             cluster = fleets[-1].cluster
-            proc = cluster.router if target == "router" else cluster.servers[int(target[-1])]
-            os.kill(proc.pid, sig)
-            stopped.append(proc)
+            if target == "engines":  # every engine at once
+                procs = list(cluster.servers)
+            elif target.startswith("receiver"):  # the weight-receiver child of an engine
+                procs = [_Pid(_receiver_of(cluster.servers[int(target[-1])].pid))]
+            else:
+                procs = [cluster.router if target == "router" else cluster.servers[int(target[-1])]]
+            for proc in procs:
+                os.kill(proc.pid, sig)
+                killed.append(proc.pid)
+                stopped.append(proc)
         return one(self, ids, sp, *args, **kwargs)
 
-    stopped = []
+    stopped, killed = [], []
     monkeypatch.setattr(E.EngineFleet, "start", classmethod(recording_start))
     monkeypatch.setattr(C.RouterClient, "generate", counting_generate)
     monkeypatch.setattr(C.RouterClient, "_generate_one", faulty_one)
-    yield plan, fleets
+    yield plan, fleets, killed
     for p in stopped:  # a stopped process left behind would never end
         if p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
+
+
+class _Pid:
+    def __init__(self, pid):
+        self.pid = pid
+
+    def poll(self):
+        return None if R.process_exists(self.pid) else 0
+
+
+def _receiver_of(engine_pid: int) -> int:
+    """The pid of the ``python -m rlperf.sync.receiver`` child of ``engine_pid``."""
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == engine_pid and b"rlperf.sync.receiver" in cmd:
+            return int(d)
+    raise AssertionError(f"engine {engine_pid} has no receiver child")
+
+
+def _leaked(pids) -> list[str]:
+    """Receive files of any of ``pids`` left in /dev/shm or the temporary directory (every one of them dead)."""
+    import tempfile
+
+    out = []
+    for d in {R.SHM_DIR, tempfile.gettempdir()}:
+        if os.path.isdir(d):
+            out += [n for n in os.listdir(d) if R.segment_owner(n) in pids]
+    return out
 
 
 def _lines(run_dir):
@@ -87,7 +132,7 @@ def _stable(lines):
 def test_fault_tolerance_survives_a_kill_and_a_stop(tmp_path, capfd, faults, no_interpreter):
     """Acceptance: 6 rollouts, engine 1 killed (-9) in rollout 1 and engine 0 stopped (SIGSTOP) in rollout 3;
     every rollout is in metrics.jsonl once, with the metrics of the run without faults."""
-    plan, fleets = faults
+    plan, fleets, _ = faults
     plan[(1, 3)] = ("engine1", signal.SIGKILL)
     plan[(3, 5)] = ("engine0", signal.SIGSTOP)
     flags = [*FLAGS, "--num-rollout", "6"]
@@ -116,7 +161,7 @@ def test_fault_tolerance_survives_a_kill_and_a_stop(tmp_path, capfd, faults, no_
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_without_fault_tolerance_a_failed_engine_ends_the_run_with_one_line(tmp_path, capfd, faults, no_interpreter,
                                                                              sig):
-    plan, fleets = faults
+    plan, fleets, _ = faults
     plan[(1, 2)] = ("engine1", sig)
     save = tmp_path / "save"
     began = time.monotonic()
@@ -139,7 +184,7 @@ def test_without_fault_tolerance_a_failed_engine_ends_the_run_with_one_line(tmp_
 
 
 def test_a_killed_router_is_named_as_the_router(tmp_path, capfd, faults, no_interpreter):
-    plan, _ = faults
+    plan, _, _ = faults
     plan[(1, 2)] = ("router", signal.SIGKILL)
     code = main(["train", *FLAGS, "--num-rollout", "3", "--use-fault-tolerance", "--output-dir", str(tmp_path)])
     err = capfd.readouterr().err
@@ -223,3 +268,120 @@ def test_a_router_that_stops_answering_a_moment_before_it_exits_is_named_by_its_
         health.close()
         alive.kill()
         alive.wait()
+
+
+def test_fault_tolerance_survives_losing_every_engine_and_a_receiver(tmp_path, capfd, faults, no_interpreter):
+    """Issue #39 items 1-3: both engines killed (-9) at once in rollout 1, then engine 1's weight-receiver
+    child killed (-9) in rollout 2: every engine is restarted and given the current weights, the run
+    equals the run without faults, no traceback; no receive file of a dead engine is left, and a planted
+    one of a dead pid is swept when the engines start."""
+    plan, fleets, killed = faults
+    plan[(1, 3)] = ("engines", signal.SIGKILL)
+    plan[(2, 3)] = ("receiver1", signal.SIGKILL)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    shm = R.SHM_DIR if os.path.isdir(R.SHM_DIR) else tempfile.gettempdir()
+    planted = os.path.join(shm, f"{R.SEGMENT_PREFIX}{gone.pid}_planted")
+    with open(planted, "wb") as f:
+        f.write(b"w" * 64)
+    flags = [*FLAGS, "--num-rollout", "4"]
+    assert main(["train", *flags, "--use-fault-tolerance", "--output-dir", str(tmp_path / "ft")]) == 0
+    err = capfd.readouterr().err
+    assert not os.path.exists(planted)
+    assert "Traceback" not in err, err
+    assert main(["train", *flags, "--output-dir", str(tmp_path / "ok")]) == 0
+    ft, ok = _lines(tmp_path / "ft"), _lines(tmp_path / "ok")
+    assert [m["rollout_id"] for m in ft] == list(range(4))
+    assert _stable(ft) == _stable(ok)
+    restarts = {m["rollout_id"]: m for m in ft if "rollout/engine_restarts" in m}
+    assert sorted(restarts) == [1, 2], restarts
+    assert restarts[1]["rollout/engines_restarted"] == "0,1" and restarts[1]["rollout/engine_restarts"] == 2
+    assert restarts[2]["rollout/engines_restarted"] == "1"
+    taken_out = [x for x in err.splitlines() if "taken out of the router" in x]
+    assert len(taken_out) == 3, err
+    assert "weight receiver" in taken_out[2] and taken_out[2].startswith("rlperf train: rollout engine 1 ("), err
+    assert err.count("back in the router after") == 3
+    pids = {p.pid for f in fleets for p in f.cluster.servers} | set(killed)
+    assert len(pids) >= 5 and not any(R.process_exists(p) for p in pids)
+    assert _leaked(pids) == []
+
+
+def test_without_fault_tolerance_a_dead_receiver_ends_the_run_with_one_line(tmp_path, capfd, faults, no_interpreter):
+    plan, fleets, killed = faults
+    plan[(1, 2)] = ("receiver1", signal.SIGKILL)
+    save = tmp_path / "save"
+    code = main(["train", *FLAGS, "--num-rollout", "3", "--save", str(save), "--save-interval", "1",
+                 "--output-dir", str(tmp_path / "out")])
+    err = capfd.readouterr().err
+    assert code == 1, err
+    (line,) = [x for x in err.splitlines() if "the run stops" in x]
+    assert line.startswith("rlperf train: rollout engine 1 (http://127.0.0.1:") and "weight receiver" in line, err
+    assert "answered /health with 503" in line and f"--load {save}" in line
+    assert "Traceback" not in err and "WeightSyncError" not in err
+    assert [m["rollout_id"] for m in _lines(tmp_path / "out")] == [0]
+    pids = {p.pid for f in fleets for p in f.cluster.servers}
+    assert _leaked(pids) == []
+
+
+def test_a_failed_restart_of_every_engine_ends_the_run_with_one_line(tmp_path, capfd, faults, no_interpreter,
+                                                                     monkeypatch):
+    plan, fleets, killed = faults
+    plan[(1, 3)] = ("engines", signal.SIGKILL)
+
+    def no_restart(self, i, timeout=0):
+        raise E.EngineFleetError(f"rollout engine {i} did not restart: it exited with 1; its last output:\n  | boom")
+    monkeypatch.setattr(E.EngineFleet, "restart_engine", no_restart)
+    save = tmp_path / "save"
+    code = main(["train", *FLAGS, "--num-rollout", "3", "--use-fault-tolerance", "--save", str(save),
+                 "--save-interval", "1", "--output-dir", str(tmp_path / "out")])
+    err = capfd.readouterr().err
+    assert code == 1, err
+    (line,) = [x for x in err.splitlines() if "the run stops" in x]
+    assert line.startswith("rlperf train: rollout engine 0 (") and "could not be restarted" in line, err
+    assert f"--load {save}" in line and "Traceback" not in err
+    pids = {p.pid for f in fleets for p in f.cluster.servers} | set(killed)
+    assert _leaked(pids) == []
+
+
+@pytest.mark.parametrize("tolerant", [True, False])
+def test_a_receiver_that_dies_at_the_weight_sync(tmp_path, capfd, faults, no_interpreter, monkeypatch, tolerant):
+    """Engine 1's receiver child killed (-9) just as the sync after rollout 1 begins its broadcast (after
+    the probe before the sync): with fault tolerance the engine is restarted and given the whole weights
+    from the host copy, and the run equals the run without faults; without it, one line and the resume
+    command."""
+    from rlperf.sync.distributed import WeightBroadcaster
+
+    plan, fleets, killed = faults
+    update, calls = WeightBroadcaster.update_weights, []
+
+    def killing_update(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the sync after rollout 1 (the first is before rollout 0)
+            pid = _receiver_of(fleets[-1].cluster.servers[1].pid)
+            os.kill(pid, signal.SIGKILL)
+            while R.process_exists(pid) and _Pid(pid).poll() is None:
+                time.sleep(0.01)
+            time.sleep(0.3)
+        return update(self, *args, **kwargs)
+    monkeypatch.setattr(WeightBroadcaster, "update_weights", killing_update)
+    save = tmp_path / "save"
+    flags = [*FLAGS, "--num-rollout", "3", "--save", str(save), "--save-interval", "1"]
+    began = time.monotonic()
+    code = main(["train", *flags, *(["--use-fault-tolerance"] if tolerant else []), "--output-dir", str(tmp_path / "a")])
+    took = time.monotonic() - began
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    pids = {p.pid for f in fleets for p in f.cluster.servers}
+    assert _leaked(pids) == []
+    if not tolerant:
+        assert code == 1, err
+        (line,) = [x for x in err.splitlines() if "the run stops" in x]
+        assert line.startswith("rlperf train: rollout engine 1 (") and "weight receiver" in line, err
+        assert f"--load {save}" in line
+        return
+    assert code == 0, err
+    monkeypatch.setattr(WeightBroadcaster, "update_weights", update)
+    assert main(["train", *FLAGS, "--num-rollout", "3", "--output-dir", str(tmp_path / "ok")]) == 0
+    assert _stable(_lines(tmp_path / "a")) == _stable(_lines(tmp_path / "ok"))
+    assert "back in the router after" in err, err
+    assert took < 150, took
