@@ -127,7 +127,7 @@ def _train(args: argparse.Namespace) -> int:
     from rlperf.loop import UsageError, resolve_args
     from rlperf.loop.launch import placement_for
     from rlperf.loop.placement import ActorLayout, needs_launch
-    from rlperf.loop.run_lock import RunDirLocked, lock_run_dirs
+    from rlperf.loop.run_lock import RunDirLocked, lock_run_dirs, release_run_dirs
 
     locks = []
     try:
@@ -144,8 +144,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"rlperf train: {exc}", file=sys.stderr)
         return 2
     finally:
-        for f in locks:
-            f.close()
+        release_run_dirs(locks)
 
 
 def _train_rank(ns: argparse.Namespace) -> int:

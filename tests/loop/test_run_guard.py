@@ -71,6 +71,8 @@ def test_a_second_run_on_the_same_directory_is_refused_until_the_first_dies(tmp_
     again = subprocess.run(_cmd("--num-rollout", 1, "--output-dir", out, "--save", save, "--overwrite-save"),
                            env=_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
+    # a run that ends removes its lock files: the directories hold only what it wrote
+    assert not (out / LOCK_FILE).exists() and not (save / LOCK_FILE).exists()
 
 
 def _state(save):
@@ -132,3 +134,19 @@ def test_sigint_during_a_save_exits_130_with_one_line(tmp_path):
     assert ckpt.latest_iteration(save) == 1 and not (save / "iter_0000002.tmp").exists()
     ckpt.check_trainer_state(save)
     ckpt.check_weights(ckpt.checkpoint_dir(save) / "model")
+
+
+def test_release_removes_only_its_own_lock_file(tmp_path):
+    from rlperf.loop.run_lock import lock_dir, release_run_dirs
+
+    held = lock_dir(tmp_path, "--output-dir")
+    release_run_dirs([held])
+    assert not (tmp_path / LOCK_FILE).exists()
+    # a lock file replaced under the name (another run's) is not removed by the one that held the old file
+    held = lock_dir(tmp_path, "--output-dir")
+    (tmp_path / LOCK_FILE).unlink()
+    other = lock_dir(tmp_path, "--output-dir")
+    release_run_dirs([held])
+    assert (tmp_path / LOCK_FILE).exists()
+    release_run_dirs([other])
+    assert not (tmp_path / LOCK_FILE).exists()
