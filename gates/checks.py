@@ -46,10 +46,28 @@ on average; 0.05 flags a mismatched model, tokenizer or temperature, not kernel 
 
 OOM_REMEDIES = (
     "lower --max-tokens-per-gpu",
-    "add context parallelism (--context-parallel-size)",
+    "spread the trainer over more GPUs",
     "lower --sglang-mem-fraction-static (the in-process engine's share of the device; servers: --mem-fraction-static)",
 )
-"""slime's order of remedies for an out-of-memory first step (its docs' OOM advice)."""
+"""The order of remedies for an out-of-memory first step (slime's: smaller micro-batches, more model
+parallelism, a smaller engine share); :func:`oom_remedies` names, for the second, only what the run's layout
+can take (context parallelism is not implemented, so it is never advised)."""
+
+
+def oom_remedies(config: dict) -> list[str]:
+    """:data:`OOM_REMEDIES` for a run of arguments ``config`` (``FirstStepRecord.config``), each with the flag
+    that works in its layout and the flag's current value."""
+    remedies = list(OOM_REMEDIES)
+    if config.get("max_tokens_per_gpu"):
+        remedies[0] += f" (now {config['max_tokens_per_gpu']})"
+    if config.get("train_backend") == "megatron":
+        remedies[1] = (f"split the model over more GPUs: --tensor-model-parallel-size (now "
+                       f"{config.get('tensor_model_parallel_size', 1)}) or --pipeline-model-parallel-size (now "
+                       f"{config.get('pipeline_model_parallel_size', 1)})")
+    else:
+        remedies[1] = (f"shard the trainer over more GPUs: --actor-num-gpus-per-node (now "
+                       f"{config.get('actor_num_gpus_per_node', 1)}; FSDP2 splits weights, gradients and Adam state)")
+    return remedies
 ENGINE_OOM_REMEDIES = (
     "lower --sglang-mem-fraction-static (on a GPU the engine's KV pool takes that share of its memory, less the weights)",
     "lower --sglang-cuda-graph-max-bs (fewer decode batch sizes captured)",
@@ -335,11 +353,7 @@ def oom_headroom(record: FirstStepRecord, options: GateOptions | None = None) ->
         return GateResult(name, False, measured, threshold,
                           f"phase(s) {', '.join(missing)} not measured: cannot vouch for their peak",
                           "the loop must measure every phase with rlperf.telemetry.PhaseMeter")
-    max_tokens = record.config.get("max_tokens_per_gpu")
-    remedies = list(OOM_REMEDIES)
-    if max_tokens:
-        remedies[0] += f" (now {max_tokens})"
-    hint = "in order: " + "; ".join(f"{k + 1}. {r}" for k, r in enumerate(remedies))
+    hint = "in order: " + "; ".join(f"{k + 1}. {r}" for k, r in enumerate(oom_remedies(record.config)))
     order = [p for p in PHASES] + [p for p in peaks if p not in PHASES]  # step order, then extras and the probe
     for phase in order:
         peak = peaks[phase]

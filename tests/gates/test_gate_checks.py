@@ -133,10 +133,22 @@ def test_oom_headroom_fails_on_a_too_low_capacity_naming_the_first_phase_over():
     record.capacity_bytes = 3 * GiB  # limit 2.7 GiB: log_prob is the first phase over it
     r = oom_headroom(record, GateOptions(oom_headroom=0.1))
     assert not r.passed and r.message.startswith("phase log_prob: peak 3 GiB")
-    # slime's order of remedies, with the current --max-tokens-per-gpu
-    i = [r.hint.index(x) for x in ("1. lower --max-tokens-per-gpu (now 4096)", "2. add context parallelism",
+    # slime's order of remedies, with the current --max-tokens-per-gpu, naming only what the layout takes
+    i = [r.hint.index(x) for x in ("1. lower --max-tokens-per-gpu (now 4096)",
+                                   "2. shard the trainer over more GPUs: --actor-num-gpus-per-node (now 1",
                                    "3. lower --sglang-mem-fraction-static")]
-    assert i == sorted(i)
+    assert i == sorted(i) and "context" not in r.hint
+
+
+def test_oom_remedies_name_what_the_layout_takes():
+    from rlperf.gates.checks import oom_remedies
+
+    fsdp = oom_remedies({"train_backend": "fsdp", "actor_num_gpus_per_node": 2, "max_tokens_per_gpu": 512})
+    assert fsdp[0] == "lower --max-tokens-per-gpu (now 512)" and "--actor-num-gpus-per-node (now 2" in fsdp[1]
+    megatron = oom_remedies({"train_backend": "megatron", "tensor_model_parallel_size": 2,
+                             "pipeline_model_parallel_size": 1})
+    assert "--tensor-model-parallel-size (now 2)" in megatron[1] and "--pipeline-model-parallel-size (now 1)" in megatron[1]
+    assert not any("context" in x for x in fsdp + megatron)
 
 
 def test_oom_headroom_checks_the_probe_and_the_boundary():
