@@ -93,23 +93,8 @@ def _remove(path: str) -> bool:
         return False
 
 
-def remove_segments(pid: int) -> list[str]:
-    """Remove the receive files of engine ``pid`` (call it once that process is gone); the paths removed."""
-    out = []
-    for d in _segment_dirs():
-        try:
-            names = os.listdir(d)
-        except OSError:
-            continue
-        for name in names:
-            if segment_owner(name) == pid and _remove(os.path.join(d, name)):
-                out.append(os.path.join(d, name))
-    return out
-
-
-def sweep_dead_segments() -> list[str]:
-    """Remove every receive file whose engine process no longer exists (an engine killed by SIGKILL, or
-    with its trainer); a live process's files are kept. The paths removed."""
+def _remove_segments_of(owners) -> list[str]:
+    """Remove every receive file whose owner pid ``owners(pid)`` accepts; the paths removed."""
     out = []
     for d in _segment_dirs():
         try:
@@ -118,9 +103,20 @@ def sweep_dead_segments() -> list[str]:
             continue
         for name in names:
             pid = segment_owner(name)
-            if pid is not None and pid != os.getpid() and not process_exists(pid) and _remove(os.path.join(d, name)):
+            if pid is not None and owners(pid) and _remove(os.path.join(d, name)):
                 out.append(os.path.join(d, name))
     return out
+
+
+def remove_segments(pid: int) -> list[str]:
+    """Remove the receive files of engine ``pid`` (call it once that process is gone); the paths removed."""
+    return _remove_segments_of(lambda owner: owner == pid)
+
+
+def sweep_dead_segments() -> list[str]:
+    """Remove every receive file whose engine process no longer exists (an engine killed by SIGKILL, or
+    with its trainer); a live process's files are kept. The paths removed."""
+    return _remove_segments_of(lambda owner: owner != os.getpid() and not process_exists(owner))
 
 
 class ReceiverError(RuntimeError):

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from checkpoint_state import bit_equal, saved_state
 from rlperf.loop import METRICS_FILE, train
 from rlperf.loop import checkpoint as ckpt
 from rlperf.model.qwen3 import Qwen3ForCausalLM
@@ -53,22 +54,6 @@ def _metrics(out):
     return [json.loads(x) for x in (out / METRICS_FILE).read_text().splitlines()]
 
 
-def _state(save):
-    d = ckpt.checkpoint_dir(save)
-    return (Qwen3ForCausalLM.from_pretrained(d / "model").hf_state_dict(),
-            torch.load(d / "trainer.pt", weights_only=True))
-
-
-def _equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def test_kill_at_every_checkpoint_step_then_resume(tmp_path):
     reference = train(["--output-dir", str(tmp_path / "ref_out"), "--save", str(tmp_path / "ref_save"), *FLAGS])
     save, out = tmp_path / "save", tmp_path / "out"
@@ -89,8 +74,8 @@ def test_kill_at_every_checkpoint_step_then_resume(tmp_path):
     lines = _metrics(out)
     assert [m["rollout_id"] for m in lines] == list(range(NUM_ROLLOUT))  # each rollout exactly once
     assert [_stable(m) for m in lines] == [_stable(m) for m in reference]
-    (w, t), (rw, rt) = _state(save), _state(tmp_path / "ref_save")
-    assert _equal(w, rw) and _equal(t, rt)  # bit-identical to the uninterrupted run
+    (w, t), (rw, rt) = saved_state(save), saved_state(tmp_path / "ref_save")
+    assert bit_equal(w, rw) and bit_equal(t, rt)  # bit-identical to the uninterrupted run
     # beside the checkpoints: the pointer and the run lock (rlperf.loop.run_lock, left by the killed runs)
     # the killed runs' lock files were taken over; the run that ended removed its own
     assert sorted(p.name for p in save.iterdir() if not p.name.startswith("iter_0")) == [ckpt.LATEST]

@@ -17,11 +17,11 @@ import time
 
 import torch
 
+from checkpoint_state import bit_equal, saved_state
 from rlperf.cli import main
 from rlperf.loop import checkpoint as ckpt
 from rlperf.loop import train
 from rlperf.loop.run_lock import LOCK_FILE
-from rlperf.model.qwen3 import Qwen3ForCausalLM
 
 FLAGS = ("--no-progress", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
          "--global-batch-size", "4")
@@ -75,22 +75,6 @@ def test_a_second_run_on_the_same_directory_is_refused_until_the_first_dies(tmp_
     assert not (out / LOCK_FILE).exists() and not (save / LOCK_FILE).exists()
 
 
-def _state(save):
-    d = ckpt.checkpoint_dir(save)
-    return (Qwen3ForCausalLM.from_pretrained(d / "model").hf_state_dict(),
-            torch.load(d / "trainer.pt", weights_only=True))
-
-
-def _equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def _one_line(stderr: str, *needles: str) -> str:
     assert "Traceback" not in stderr, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
@@ -122,7 +106,7 @@ def test_disk_full_during_a_save_ends_in_one_line_and_resumes_bit_for_bit(tmp_pa
     ckpt.check_trainer_state(save)
     assert main(["train", "--skip-gates", *FLAGS, *run, "--output-dir", str(out), "--save", str(save), "--load", str(save)]) == 0
     assert ckpt.latest_iteration(save) == 3
-    assert _equal(_state(save), _state(tmp_path / "ref"))
+    assert bit_equal(saved_state(save), saved_state(tmp_path / "ref"))
 
 
 def test_sigint_during_a_save_exits_130_with_one_line(tmp_path):

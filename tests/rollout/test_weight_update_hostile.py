@@ -111,17 +111,23 @@ async def _generate_ok(client, timeout):
     return time.perf_counter() - t0
 
 
+async def _announce_one_bucket(server, client, load_format):
+    """Join the weight-update group and announce one parameter's bucket: (weights checksum before, the
+    group, the parameter, the request body, its bytes, the pending ``/update_weights_from_distributed`` request)."""
+    before = weights_checksum(server._hf_weights(server.engine))
+    group = await _join(client)
+    name, p = _param(server)
+    body = _bucket_body(name, p, load_format=load_format)
+    post = asyncio.create_task(client.post("/update_weights_from_distributed", json=body))
+    return before, group, p, body, p.numel() * p.element_size(), post
+
+
 @pytest.mark.parametrize("factor", [4, 0.5], ids=["overlong", "half"])
 @pytest.mark.parametrize("load_format", ["flattened_bucket", None])
 def test_a_broadcast_of_another_size_than_announced_is_a_400_and_a_left_group(model, factor, load_format):
     async def fn(server, client):
-        before = weights_checksum(server._hf_weights(server.engine))
-        group = await _join(client)
-        name, p = _param(server)
-        body = _bucket_body(name, p, load_format=load_format)
-        nbytes = p.numel() * p.element_size()
+        before, group, p, body, nbytes, post = await _announce_one_bucket(server, client, load_format)
         assert nbytes >= 64
-        post = asyncio.create_task(client.post("/update_weights_from_distributed", json=body))
         sender = _send_later(group, torch.full((int(nbytes * factor),), 7, dtype=torch.uint8))
         status, reply = await _json(await asyncio.wait_for(post, 60))
         assert status == 400 and reply["success"] is False, reply
@@ -302,12 +308,7 @@ def test_a_broadcast_short_by_a_few_bytes_is_a_400_naming_the_sizes(model, short
     """gloo completes a short receive as if whole; a shortfall under the engine's sentinel once loaded
     the sentinel's bytes into the weights (issue #39, 5). The size must be exact."""
     async def fn(server, client):
-        before = weights_checksum(server._hf_weights(server.engine))
-        group = await _join(client)
-        name, p = _param(server)
-        body = _bucket_body(name, p, load_format=load_format)
-        nbytes = p.numel() * p.element_size()
-        post = asyncio.create_task(client.post("/update_weights_from_distributed", json=body))
+        before, group, p, body, nbytes, post = await _announce_one_bucket(server, client, load_format)
         short = torch.randn(p.shape, dtype=p.dtype).view(torch.uint8).reshape(-1)[:nbytes - short_by].clone()
         sender = _send_later(group, short)  # gloo sends bytes: the dtype is the sender's word
         status, reply = await _json(await asyncio.wait_for(post, 60))
