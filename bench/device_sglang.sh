@@ -33,6 +33,9 @@
 #   plugin-train     rlperf train --sglang-numerics rlperf --true-on-policy-mode --num-rollout 3 (gate first)
 #   plugin-moe  plugin-gate on qwen3-30b-a3b-2l (RLPERF_PLUGIN_MOE_MODEL to change it; RLPERF_PLUGIN_MOE_LAYOUT
 #               for the layout flags, default "--rollout-num-gpus 1")
+#   decode-profile  where a decode step's GPU time goes (python -m rlperf.bench.kernel_profile): rlperf's
+#               engine, then SGLang with rlperf's plugin and SGLang's fast mode (bench_one_batch --profile)
+#               at B = $PROFILE_BATCHES (default "1 64 256")
 #   decode      rlperf bench rollout (full): rlperf's decode step at B = 1, 16, 64, 256 and, as anchors in
 #               the same run, SGLang's (sglang.bench_one_batch, dummy 0.6b weights, CUDA graphs on; default
 #               fast mode, then --enable-deterministic-inference) and compiled transformers
@@ -167,6 +170,13 @@ if [[ " $STAGES " == *" flashinfer "* ]]; then
   run bench-attention 400 python3 -m rlperf bench attention --json "$OUT/bench-attention.json" --markdown "$OUT/BENCHMARKS.md"
   # FlashInfer's first sampling-kernel compiles take minutes (longer while another lane compiles the same)
   run bench-logprob 480 python3 -m rlperf bench logprob --quick --json "$OUT/bench-logprob.json" --markdown "$OUT/BENCHMARKS.md"
+fi
+if [[ " $STAGES " == *" decode-profile "* ]]; then
+  read -r -a PB <<< "${PROFILE_BATCHES:-1 64 256}"
+  run profile-rlperf-decode 300 python3 -m rlperf.bench.kernel_profile decode --batch "${PB[@]}" --top 40
+  read -r -a PV <<< "${PROFILE_VARIANTS:-plugin fast}"
+  run profile-sglang-decode 500 python3 -m rlperf.bench.kernel_profile sglang --variants "${PV[@]}" --batch "${PB[@]}" \
+    --steps 5 --top 40
 fi
 if [[ " $STAGES " == *" decode "* ]]; then
   # the full rollout bench: rlperf's decode steps, then the same shapes on transformers (compiled) and on

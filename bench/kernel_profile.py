@@ -11,14 +11,27 @@ Cases (qwen3-0.6b shape, random bf16 weights, invariant mode unless ``--mode fas
   graphs as ``rlperf serve`` runs it (warm-up steps first, then ``--steps`` profiled steps);
 * ``train``: one micro-step of the trainer's work on ``--tokens`` packed tokens (sequences of 512):
   forward to the fused log-prob, ``backward()`` of their sum — what ``perf/train_time`` repeats
-  per micro-batch, without the optimizer.
+  per micro-batch, without the optimizer;
+* ``trace FILE ...``: the same table from a saved Chrome trace of the torch profiler (``.json`` or
+  ``.json.gz``, e.g. what ``sglang.bench_one_batch --profile`` writes for SGLang's decode steps, with or
+  without rlperf's plugin), its GPU time divided by ``--steps`` (the steps the trace covers). The GPU
+  time is the sum of kernel, memcpy and memset durations; the trace's own span stands in for the wall.
+
+* ``sglang``: real SGLang's decode steps at ``--batch`` (prompt 512) for each of ``--variants``
+  (names of ``rlperf bench rollout --sglang-variants``: ``plugin`` is SGLang with rlperf's plugin):
+  ``sglang.bench_one_batch --profile`` over ``--steps`` steps, its traces summarized as ``trace`` does,
+  the step's median time (bench_one_batch's own, with a device sync per step) as the wall.
 
     python -m rlperf.bench.kernel_profile decode --batch 1 64
     python -m rlperf.bench.kernel_profile train --tokens 8192
+    python -m rlperf.bench.kernel_profile sglang --variants plugin fast --batch 1 64
+    python -m rlperf.bench.kernel_profile trace --steps 3 /tmp/prof_batch1_input512_output32_decode.trace.json.gz
 """
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import time
 
 import torch
@@ -56,6 +69,48 @@ def _train_step(model, tokens: int, seq: int = 512):
     return step
 
 
+GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+"""The Chrome-trace categories of work on the GPU (torch profiler's export)."""
+
+
+def trace_kernels(path) -> tuple[dict[str, list], float]:
+    """``({name: [total us, calls]}, span us)`` of the GPU events (:data:`GPU_EVENT_CATEGORIES`) in the
+    Chrome trace ``path`` (``.gz`` read as gzip); span: first start to last end of those events.
+    ValueError naming the file when it is not a trace or holds no GPU event."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    try:
+        with opener(path, "rt") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a Chrome trace ({type(e).__name__}: {e})") from None
+    events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
+    kernels: dict[str, list] = {}
+    first, last = float("inf"), float("-inf")
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X" or e.get("cat") not in GPU_EVENT_CATEGORIES:
+            continue
+        ts, dur = float(e.get("ts", 0.0)), float(e.get("dur", 0.0))
+        d = kernels.setdefault(str(e.get("name", "?")), [0.0, 0])
+        d[0] += dur
+        d[1] += 1
+        first, last = min(first, ts), max(last, ts + dur)
+    if not kernels:
+        raise ValueError(f"{path}: no GPU events (categories {', '.join(GPU_EVENT_CATEGORIES)}): was the CUDA "
+                         f"activity profiled?")
+    return kernels, last - first
+
+
+def _table(label: str, kernels: dict[str, list], wall_ms: float, steps: int, top: int, wall_what: str = "wall") -> None:
+    """Print one case: ``kernels`` ``{name: [total us, calls]}`` over ``steps`` steps of ``wall_ms`` each."""
+    gpu_ms = sum(v[0] for v in kernels.values()) / 1e3 / steps
+    print(f"\n== {label}: {wall_what} {wall_ms:.3f} ms/step, GPU busy {gpu_ms:.3f} ms/step "
+          f"({gpu_ms / wall_ms:.0%} of {wall_what}), {sum(v[1] for v in kernels.values()) / steps:.0f} kernels/step")
+    print(f"{'ms/step':>9} {'share':>6} {'calls':>6}  kernel")
+    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        ms = us / 1e3 / steps
+        print(f"{ms:9.4f} {ms / gpu_ms:6.1%} {n / steps:6.1f}  {name[:110]}")
+
+
 def _profile(label: str, fn, steps: int, top: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -75,28 +130,77 @@ def _profile(label: str, fn, steps: int, top: int) -> None:
             d = kernels.setdefault(e.name, [0.0, 0])
             d[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
             d[1] += 1
-    gpu_ms = sum(v[0] for v in kernels.values()) / 1e3 / steps
-    print(f"\n== {label}: wall {wall_ms:.3f} ms/step, GPU busy {gpu_ms:.3f} ms/step "
-          f"({gpu_ms / wall_ms:.0%} of wall), {sum(v[1] for v in kernels.values()) / steps:.0f} kernels/step")
-    print(f"{'ms/step':>9} {'share':>6} {'calls':>6}  kernel")
-    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
-        ms = us / 1e3 / steps
-        print(f"{ms:9.4f} {ms / gpu_ms:6.1%} {n / steps:6.1f}  {name[:110]}")
+    _table(label, kernels, wall_ms, steps, top)
+
+
+def _sglang_cases(variants, batches, steps: int, top: int, model: str) -> None:
+    """The ``sglang`` case (module docstring): one ``bench_one_batch --profile`` process per variant."""
+    import glob
+    import os
+    import tempfile
+
+    from .rollout import sglang_run
+
+    for variant in variants:
+        with tempfile.TemporaryDirectory(prefix="rlperf-sglang-trace-") as tmp:
+            os.environ["SGLANG_TORCH_PROFILER_DIR"] = tmp
+            try:
+                got = sglang_run(preset(model), batches, 512, 32 + steps, variant=variant,
+                                 extra=["--profile", "--profile-stage", "decode", "--profile-steps", str(steps),
+                                        "--profile-start-step", "16", "--profile-prefix", variant])
+            except RuntimeError as e:
+                print(f"\n== sglang {variant}: did not run: {e}")
+                continue
+            finally:
+                os.environ.pop("SGLANG_TORCH_PROFILER_DIR", None)
+            for b in batches:
+                paths = sorted(glob.glob(os.path.join(tmp, f"{variant}_batch{b}_*decode*.trace.json*")))
+                if not paths or b not in got["decode"]:
+                    print(f"\n== sglang {variant} B={b}: no trace ({got['missing'].get(b, 'no decode result')})")
+                    continue
+                kernels, _ = trace_kernels(paths[0])
+                _table(f"sglang {variant} decode B={b}", kernels, got["decode"][b], steps, top,
+                       wall_what="median step")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m rlperf.bench.kernel_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("case", choices=("decode", "train"))
+    p.add_argument("case", choices=("decode", "train", "trace", "sglang"))
+    p.add_argument("traces", nargs="*", metavar="FILE", help="trace: Chrome traces of the torch profiler (.json[.gz])")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="decode batch sizes (default: 1 64)")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192], help="train micro-batch tokens (default: 8192)")
     p.add_argument("--steps", type=int, default=10, help="profiled steps per case (default: 10)")
     p.add_argument("--top", type=int, default=25, help="kernels listed per case (default: 25)")
     p.add_argument("--mode", choices=K.MODES, default="invariant")
+    p.add_argument("--variants", nargs="+", default=["plugin", "fast"],
+                   help="sglang: SGLang variants, names of rlperf bench rollout --sglang-variants (default: plugin fast)")
     p.add_argument("--model", default=MODEL)
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
+    if a.case == "trace":
+        if not a.traces:
+            p.error("trace: name at least one Chrome trace FILE")
+        if a.steps < 1:
+            p.error(f"--steps must be >= 1, got {a.steps}")
+        for path in a.traces:
+            try:
+                kernels, span_us = trace_kernels(path)
+            except ValueError as e:
+                p.error(str(e))
+            _table(str(path), kernels, span_us / 1e3 / a.steps, a.steps, a.top, wall_what="trace span")
+        return
+    if a.traces:
+        p.error(f"{a.case} takes no FILE arguments (only trace does)")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    if a.case == "sglang":
+        from .sglang_anchor import SGLANG_VARIANTS
+
+        unknown = [v for v in a.variants if v not in SGLANG_VARIANTS]
+        if unknown:
+            p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(SGLANG_VARIANTS)}")
+        _sglang_cases(a.variants, a.batch, a.steps, a.top, a.model)
+        return
     model = Qwen3ForCausalLM.random(preset(a.model), seed=0, dtype=torch.bfloat16, device="cuda")
     with K.use_mode(a.mode):
         if a.case == "decode":
