@@ -17,7 +17,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from rlperf import loop
+from rlperf import flags, loop
 from rlperf.loop.args import add_loop_arguments, has_loop_flags
 from rlperf.loop.record import FirstStepRecord
 from rlperf.train.args import add_train_arguments, train_args_from
@@ -155,7 +155,7 @@ def add_gate_command_arguments(p: argparse.ArgumentParser, with_loop: bool = Tru
 
 
 def build_gate_parser(prog: str = "rlperf gate", with_loop: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = flags.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=flags.RawDescriptionHelpFormatter)
     add_gate_command_arguments(p, with_loop)
     return p
 

@@ -66,20 +66,20 @@ def add_profile_command_arguments(p: argparse.ArgumentParser) -> None:
                        description="Profile every worker behind the router under a built-in load, merge their traces "
                                    "into one Perfetto trace (a process per worker, plus the requests) and summarize.")
     _add_target(r, required_url=True)
-    r.add_argument("--num-prompts", type=flags.positive_int, default=16)
+    r.add_argument("--num-prompts", type=flags.positive_int, default=16, help="requests sent")
     r.add_argument("--input-len", type=flags.positive_int, default=128, help="random prompts of this many token ids")
     r.add_argument("--output-len", type=flags.positive_int, default=64, help="tokens generated per request (ignore_eos)")
     r.add_argument("--concurrency", type=flags.positive_int, default=8, help="requests in flight at a time")
     r.add_argument("--dataset", default=None,
                    help="a jsonl of prompts ({'text'|'prompt'|'input_ids', optional 'max_new_tokens'}) instead of random ones")
-    r.add_argument("--seed", type=flags.seed, default=0)
-    r.add_argument("--temperature", type=float, default=1.0)
+    r.add_argument("--seed", type=flags.seed, default=0, help="seed of the random prompts and of each request's sampling")
+    r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the requests")
     r.add_argument("--top-n", type=flags.positive_int, default=15, help="kernels (or CPU ops) listed in the summary")
     r.add_argument("--png", default=None, metavar="PATH", help=PNG_HELP)
     s = sub.add_parser("summarize", prog=f"{p.prog} summarize", help="summarize existing trace files (SGLang's *.trace.json.gz too)",
                        usage="%(prog)s TRACE [TRACE ...] [--top-n N] [--json FILE]")
-    s.add_argument("traces", nargs="+", metavar="TRACE")
-    s.add_argument("--top-n", type=flags.positive_int, default=15)
+    s.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (.json or .json.gz)")
+    s.add_argument("--top-n", type=flags.positive_int, default=15, help="kernels (or CPU ops) listed in the summary")
     s.add_argument("--json", default=None, help="also write the summary as JSON to this file")
     s.add_argument("--png", default=None, metavar="PATH", help=PNG_HELP)
 

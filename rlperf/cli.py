@@ -232,7 +232,9 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from rlperf import flags
+
+    parser = flags.ArgumentParser(
         prog="rlperf",
         description="rlperf: batch-invariant kernels, first-step gates and profiling for RL post-training of LLMs.",
     )
@@ -243,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "bench",
-        help="run the kernel microbenchmarks (GPU) and print each result with its anchor from the same run",
+        help="run the benchmarks on a GPU (kernels, layer stack, flatten, log-prob, rollout, sync, loop, MoE), each "
+             "result next to its anchor from the same run",
         description=(
             "Run rlperf's benchmarks on the GPU. Every row is timed (CUDA events, warm-up, median of many "
             "repetitions; the cross-process weight sync by wall clock) next to its anchor measured in the same "
@@ -280,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one rollout and one train step and check kl_zero, logprob_abs_diff, oom_headroom, sanity "
              "(and routing_agreement on MoE models)",
         description=GATE_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=flags.RawDescriptionHelpFormatter,
     )
     add_gate_command_arguments(p)
     p.set_defaults(func=_gate)

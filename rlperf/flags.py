@@ -1,10 +1,13 @@
-"""Value checks of command-line flags, shared by every command: argparse ``type=`` functions.
+"""Command-line flags, shared by every command: the parser class, its help format, and argparse
+``type=`` value checks.
 
-Each one takes the flag's text and returns its value, or raises ``argparse.ArgumentTypeError`` with
-what the flag takes; argparse then prints ``error: argument --flag: <that message>`` and exits 2
-(the CLI's exit code of bad usage), so no bad value reaches a server, an engine or a trainer as a
-traceback or, worse, silently. Light to import: nothing of rlperf, torch only where a flag needs it
-(``--device cuda`` asks whether CUDA is there).
+:class:`ArgumentParser` is every ``rlperf`` command's parser: a bad value or a missing argument prints
+one line, ``rlperf COMMAND: error: <what> (see rlperf COMMAND --help)``, and exits 2 (the CLI's exit
+code of bad usage), without the usage block; its :class:`HelpFormatter` shows each flag's default in
+``--help``. Each ``type=`` function takes the flag's text and returns its value, or raises
+``argparse.ArgumentTypeError`` with what the flag takes (``argument --flag: <that message>``), so no
+bad value reaches a server, an engine or a trainer as a traceback or, worse, silently. Light to
+import: nothing of rlperf, torch only where a flag needs it (``--device cuda`` asks whether CUDA is there).
 """
 from __future__ import annotations
 
@@ -19,6 +22,57 @@ MAX_SEED = (1 << 63) - 1
 """The largest seed a flag takes (torch's generators take 64-bit seeds)."""
 _HOSTNAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9\-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9\-]{0,61}[A-Za-z0-9])?)*\.?")
 _DEVICE = re.compile(r"(auto|cpu|cuda)(:(\d{1,4}))?")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` with every flag's default: ``(default: X)`` ends a flag's help unless the help already
+    says its default in its own words. Nothing is added where there is nothing to show: a switch off by
+    default, a default of None (the help says what its absence means) or an empty list."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (text == argparse.SUPPRESS or default in (None, False, argparse.SUPPRESS) or default == ()
+                or "default" in text.lower()):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class RawDescriptionHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """:class:`HelpFormatter` for a command whose description is laid out by hand (a table)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """A command's parser: a usage error is one line naming what is wrong and where the help is, exit 2.
+
+    argparse's own ``error`` prints the whole usage block first (88 lines for ``rlperf train``), which
+    buries the line that matters. Subcommand parsers made by :meth:`add_subparsers` are of this class too,
+    and take :class:`HelpFormatter` unless told otherwise."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    _COMMAND = "_rlperf_command_parser"
+    """Where :meth:`parse_known_args` leaves the innermost (sub)command's parser for :meth:`parse_args`."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extra = super().parse_known_args(args, namespace)
+        if not hasattr(ns, self._COMMAND):  # a subcommand's parser ran first and set itself
+            setattr(ns, self._COMMAND, self)
+        return ns, extra
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but an unknown flag is reported by the command it was given to (``rlperf train:
+        error: unrecognized arguments: ...``), and the namespace carries no parser (ranks pickle it)."""
+        ns, extra = self.parse_known_args(args, namespace)
+        command = vars(ns).pop(self._COMMAND, self)
+        if extra:
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _int(text: str) -> int:

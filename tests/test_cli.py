@@ -57,12 +57,94 @@ def test_console_script_is_installed_and_runs_the_same_parser():
     assert out.startswith("usage: rlperf ") and all(f"\n    {name} " in out for name in SUBCOMMANDS), out
 
 
-@pytest.mark.parametrize("command", ["train", "gate", "serve", "profile", "bench"])
+@pytest.mark.parametrize("command", SUBCOMMANDS)
 def test_every_subcommand_help_renders_and_exits_0(command, capsys):
     with pytest.raises(SystemExit) as done:  # argparse expands every flag's help text (a bare % breaks it)
         main([command, "--help"])
     assert done.value.code == 0
     assert "usage: rlperf " + command in capsys.readouterr().out
+
+
+HIDDEN_FLAGS = {"--wandb-key"}
+"""Flags left out of ``--help`` on purpose: accepted only to be refused with the safe way to do it."""
+
+
+def _every_option(parser: argparse.ArgumentParser, prog: str = "rlperf"):
+    """(command, parser, action) for every option and positional of every command and mode."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _every_option(sub, f"{prog} {name}")
+        elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            yield prog, parser, action
+
+
+def _shown(value) -> set[str]:
+    """The ways a default may be written in a help text."""
+    out = {str(value)}
+    if isinstance(value, float):
+        out.add(f"{value:g}")
+    if isinstance(value, bool):
+        out.add("default on" if value else "default off")
+    if isinstance(value, (list, tuple)):
+        out |= {", ".join(map(str, value)), " ".join(map(str, value))}
+    return out
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default():
+    from rlperf.loop.args import TASK_DEFAULTS
+
+    missing, no_default, no_task_default = [], [], []
+    options = list(_every_option(build_parser()))
+    assert len(options) > 250  # every command's parser was walked (train alone has > 100 options)
+    for prog, parser, action in options:
+        name = "/".join(action.option_strings) or action.dest
+        if action.help == argparse.SUPPRESS:
+            assert set(action.option_strings) <= HIDDEN_FLAGS, f"{prog} {name} is hidden from --help"
+            continue
+        if not (action.help or "").strip():
+            missing.append(f"{prog} {name}")
+            continue
+        text = parser._get_formatter()._expand_help(action)  # what --help prints for it, %(default)s filled in
+        default = action.default
+        if default not in (None, False, ()) and not any(s in text for s in _shown(default)):
+            no_default.append(f"{prog} {name} (default {default!r}): {text}")
+        if action.dest in TASK_DEFAULTS and action.option_strings and not (
+                "for the embedded task" in text and "with --prompt-data" in text):
+            no_task_default.append(f"{prog} {name}: {text}")
+    assert not missing, f"options without help text: {missing}"
+    assert not no_default, "defaults --help does not show:\n" + "\n".join(no_default)
+    assert not no_task_default, "task-dependent defaults not stated for both tasks:\n" + "\n".join(no_task_default)
+
+
+def test_help_formatter_adds_the_default_once():
+    from rlperf import flags
+
+    p = flags.ArgumentParser(prog="x")
+    p.add_argument("--a", type=int, default=7, help="seven")
+    p.add_argument("--b", type=int, default=3, help="three (default 3, the usual)")
+    p.add_argument("--c", default=None, help="none")
+    p.add_argument("--d", action="store_true", help="off")
+    text = " ".join(p.format_help().split())
+    assert "seven (default: 7)" in text and "(default 3, the usual)" in text and text.count("default") == 2
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["train", "--lr", "abc"], "--lr"),
+    (["gate", "--num-rollout"], "--num-rollout"),
+    (["profile", "run"], "--router-url"),
+    (["train", "--no-such-flag"], "--no-such-flag"),
+], ids=["train-lr", "gate-missing-value", "profile-run-missing-required", "train-unknown"])
+def test_a_bad_value_is_one_line_pointing_at_help_and_exit_2(argv, flag):
+    """As a user types it: the console script in a fresh process; stderr is the one error line, not the
+    usage block (88 lines for train) above it (serve: tests/test_flags.py)."""
+    proc = subprocess.run(["rlperf", *argv], capture_output=True, text=True, timeout=120)
+    command = " ".join(["rlperf", *argv[:1 + (argv[0] == "profile")]])
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{command}: error: ") and flag in lines[0], lines[0]
+    assert lines[0].endswith(f"(see {command} --help)"), lines[0]
 
 
 def test_bench_without_cuda_refuses_with_exit_2():

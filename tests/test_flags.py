@@ -62,7 +62,8 @@ def test_serve_refuses_a_bad_port_as_a_process_with_one_line(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].endswith("argument --port: must be a TCP port in [1, 65535], got 70000")
+    assert proc.stderr.splitlines() == ["rlperf serve: error: argument --port: must be a TCP port in [1, 65535], got "
+                                        "70000 (see rlperf serve --help)"], proc.stderr  # one line, no usage block
 
 
 PROFILE_CASES = [

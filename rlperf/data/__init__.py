@@ -9,7 +9,7 @@
 from rlperf.lazy_exports import lazy_exports
 
 _EXPORTS = {
-    'EMBEDDED_DEFAULTS': '.embedded',
+    'EMBEDDED_DEFAULTS': '.embedded_defaults',
     'EMBEDDED_TASK': '.embedded',
     'EmbeddedTask': '.embedded',
     'format_warmup': '.embedded',

@@ -58,18 +58,22 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     flags whose default depends on the task (:data:`TASK_DEFAULTS`) parse to None."""
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=None, help="jsonl prompts (default: the embedded task)")
-    g.add_argument("--input-key", default="input")
-    g.add_argument("--label-key", default="label")
-    g.add_argument("--metadata-key", default="metadata")
+    g.add_argument("--input-key", default="input", help="--prompt-data: the field of each line that holds the prompt")
+    g.add_argument("--label-key", default="label",
+                   help="--prompt-data: the field holding the label the reward compares against (optional)")
+    g.add_argument("--metadata-key", default="metadata",
+                   help="--prompt-data: the field holding an optional object passed to custom rewards as sample.metadata")
     g.add_argument("--apply-chat-template", action="store_true", help="the input field is a list of chat messages")
     g = p.add_argument_group("rollout")
     g.add_argument("--rollout-batch-size", type=int, default=None, help="prompts per rollout")
-    g.add_argument("--num-steps-per-rollout", type=int, default=None)
+    g.add_argument("--num-steps-per-rollout", type=int, default=None,
+                   help="optimizer steps per rollout (rollout-batch-size x n-samples-per-prompt = global-batch-size x this)")
     g.add_argument("--num-rollout", type=int, default=None, help="rollouts (steps) to run")
     g.add_argument("--rollout-max-response-len", type=flags.positive_int, default=None,
                    help="tokens a response may have (at most the model's context length less the prompt)")
-    g.add_argument("--rollout-top-p", type=float, default=1.0)
-    g.add_argument("--rollout-top-k", type=int, default=-1)
+    g.add_argument("--rollout-top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                   "whose probability reaches this (1: all)")
+    g.add_argument("--rollout-top-k", type=int, default=-1, help="sample among the k most likely tokens (-1: all)")
     g.add_argument("--rollout-function-path", default=None,
                    help="python path of fn(args, rollout_id, data_source, evaluation=False) -> samples")
     g.add_argument("--custom-generate-function-path", default=None,
@@ -78,7 +82,7 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--rm-type", default=None, choices=["exact", "boxed_math"], help="built-in rule reward")
     g.add_argument("--sglang-router-ip", type=flags.host, default=None,
                    help="rollout through this sglang-router (default: an in-process engine)")
-    g.add_argument("--sglang-router-port", type=flags.port, default=None)
+    g.add_argument("--sglang-router-port", type=flags.port, default=None, help="port of --sglang-router-ip's router")
     g.add_argument("--sglang-api-key", default=None, metavar="KEY",
                    help="API key of the router and its rlperf serve workers (their --api-key), sent as 'Authorization: "
                         f"Bearer KEY' on every request. On the command line it shows in ps: prefer --sglang-api-key-file "
@@ -123,7 +127,8 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--rollout-health-check-timeout", type=flags.positive_seconds, default=30.0, metavar="S",
                    help="seconds an engine may take to answer /health before it counts as failed (default 30)")
     g = p.add_argument_group("model and checkpoints")
-    g.add_argument("--model", default=None, help="preset when no --hf-checkpoint/--load (default tiny)")
+    g.add_argument("--model", default=None, help="preset (tiny, qwen3-0.6b, qwen3-4b, ...: random weights) when no "
+                   "--hf-checkpoint/--load")
     g.add_argument("--hf-checkpoint", default=None, help="initial weights (HF safetensors directory)")
     g.add_argument("--load", default=None, help="resume from this --save directory")
     g.add_argument("--ref-load", default=None, help="reference model (HF directory or a --save directory)")
@@ -142,20 +147,27 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="--precision fp32")
     add_kernel_arguments(p.add_argument_group("kernels"), auto_cpu="the torch reference (the trainer's CPU path)")
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=flags.seed, default=1234)
+    g.add_argument("--seed", type=flags.seed, default=1234,
+                   help="seeds the initial weights, the data order and every sample's sampling")
     g.add_argument("--output-dir", default=OUTPUT_DIRS[command],
                    help="every file the run writes goes under it: metrics.jsonl, the phase timeline, torch traces, "
                         f"engine logs (default: {OUTPUT_DIRS[command]}, printed when the command starts)")
     g.add_argument("--async", dest="async_mode", action="store_true",
                    help="overlap rollout k+1 with training k (one step off-policy)")
-    g.add_argument("--deterministic-mode", action="store_true")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="torch's deterministic algorithms (torch.use_deterministic_algorithms; cuBLAS's fixed "
+                        "workspace) for the ops outside rlperf's kernels")
     g.add_argument("--true-on-policy-mode", action="store_true",
                    help="train on the rollout's own policy: needs sync mode and --num-steps-per-rollout 1; the "
                         "logprob_abs_diff gate then requires train_rollout_logprob_abs_diff exactly 0 (engine and "
                         "trainer compute log-probs with the same fused kernel; with --rollout-backend sglang that "
                         "takes --sglang-numerics rlperf: SGLang's own kernels are not 0)")
-    g.add_argument("--debug-rollout-only", action="store_true")
-    g.add_argument("--debug-train-only", action="store_true")
+    g.add_argument("--debug-rollout-only", action="store_true",
+                   help="rollouts and rewards only: no training, no weight sync, no gates (with "
+                        "--save-debug-rollout-data: record rollouts to replay)")
+    g.add_argument("--debug-train-only", action="store_true",
+                   help="train on rollouts recorded by --save-debug-rollout-data (needs --load-debug-rollout-data): "
+                        "no generation, no gates")
     g.add_argument("--save-debug-rollout-data", default=None, help="path template with {rollout_id}")
     g.add_argument("--load-debug-rollout-data", default=None, help="path template with {rollout_id}")
     g.add_argument("--no-progress", action="store_true",
@@ -218,6 +230,24 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     # --placement ray sets it on its ranks when it started the run's engines (their router's URL:
     # rlperf.loop.ray_placement.ENGINE_ROUTER_ATTR); no flag sets it
     p.set_defaults(engine_router_url=None)
+    _state_task_defaults(p)
+
+
+def _state_task_defaults(p: argparse.ArgumentParser) -> None:
+    """End the help of every flag whose default depends on the task with both defaults: the embedded
+    task's (:data:`rlperf.data.embedded_defaults.EMBEDDED_DEFAULTS`) and :data:`TASK_DEFAULTS`."""
+    from rlperf.data.embedded_defaults import EMBEDDED_DEFAULTS
+
+    def shown(dest: str, value) -> str:
+        if value is None:
+            return {"global_batch_size": "rollout-batch-size x n-samples-per-prompt / num-steps-per-rollout",
+                    "max_tokens_per_gpu": "none"}[dest]
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
+
+    for action in p._actions:
+        if action.dest in TASK_DEFAULTS and action.option_strings and action.help != argparse.SUPPRESS:
+            action.help = (f"{action.help} (default: {shown(action.dest, EMBEDDED_DEFAULTS[action.dest])} for the "
+                           f"embedded task, {shown(action.dest, TASK_DEFAULTS[action.dest])} with --prompt-data)")
 
 
 ROLLOUT_BACKENDS = ("rlperf", "sglang")

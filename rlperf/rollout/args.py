@@ -129,19 +129,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-path", default=None,
                    help="local HF tokenizer directory (default: the checkpoint's, else the built-in byte tokenizer)")
     p.add_argument("--host", type=flags.host, default=d.host, help="bind address (default 127.0.0.1: local only)")
-    p.add_argument("--port", type=flags.port, default=d.port)
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--port", type=flags.port, default=d.port, help="port of the server (with --router N: of the first)")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and compute dtype; auto: a checkpoint's saved dtype, a preset in bfloat16 on CUDA and "
+                        "float32 on CPU")
     add_device_arguments(p)
     add_kernel_arguments(p, auto_cpu="the torch reference, or the Triton interpreter when TRITON_INTERPRET=1")
     p.add_argument("--mem-fraction-static", type=flags.fraction, default=None,
                    help="CUDA: fraction of GPU memory for weights + KV cache (default 0.85)")
     p.add_argument("--max-total-tokens", type=flags.positive_int, default=None,
                    help="KV cache size in tokens (overrides --mem-fraction-static; CPU default: a 64 MiB pool)")
-    p.add_argument("--max-running-requests", type=flags.positive_int, default=d.max_running_requests)
+    p.add_argument("--max-running-requests", type=flags.positive_int, default=d.max_running_requests,
+                   help="sequences decoded together at most; more requests wait in the queue")
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                    help="prefill tokens per engine step; <= 0 disables chunked prefill")
-    p.add_argument("--context-length", type=flags.positive_int, default=None)
-    p.add_argument("--random-seed", type=flags.seed, default=d.random_seed)
+    p.add_argument("--context-length", type=flags.positive_int, default=None,
+                   help="most tokens of prompt + response (default: the model's max_position_embeddings)")
+    p.add_argument("--random-seed", type=flags.seed, default=d.random_seed,
+                   help="seed of a preset's random weights and of the seeds given to requests that send none")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on admin endpoints (weights, pause, flush, abort, profile); "
                         f"with --router N the router requires it too. A key on the command line shows in ps: prefer "
@@ -170,7 +175,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="start N servers (ports --port, --port+1, ...) and the sglang-router in front of them")
     p.add_argument("--router-port", type=flags.port, default=30080, help="port of the sglang-router (with --router)")
     p.add_argument("--router-policy", default="round_robin",
-                   choices=["random", "round_robin", "cache_aware", "power_of_two"])
+                   choices=["random", "round_robin", "cache_aware", "power_of_two"],
+                   help="how the sglang-router picks a worker for each request (with --router)")
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:

@@ -159,29 +159,33 @@ def add_train_arguments(p, skip=(), task_defaults=()) -> None:
         else:
             add(flag, action="store_true", help=help)
 
-    add("--advantage-estimator", default=d.advantage_estimator, choices=ADVANTAGE_ESTIMATORS)
+    add("--advantage-estimator", default=d.advantage_estimator, choices=ADVANTAGE_ESTIMATORS,
+        help="how rewards become per-token advantages (grpo: group-normalized rewards)")
     add("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt, help="samples per prompt (group size)")
     switch("--disable-rewards-normalization", "grpo/gspo/reinforce_plus_plus_baseline: keep raw rewards")
     switch("--disable-grpo-std-normalization", "grpo/gspo: center group rewards without dividing by their std")
     switch("--normalize-advantages", "whiten advantages over the rollout's loss tokens")
     add("--kl-coef", type=float, default=d.kl_coef, help="reward-shaping KL for reinforce_plus_plus*")
     add("--gamma", type=float, default=d.gamma, help="discount of reinforce_plus_plus returns")
-    add("--eps-clip", type=float, default=d.eps_clip)
+    add("--eps-clip", type=float, default=d.eps_clip, help="PPO clip: the ratio is clipped to [1 - eps-clip, 1 + eps-clip-high]")
     add("--eps-clip-high", type=float, default=None, help="upper clip (default: --eps-clip)")
     switch("--use-kl-loss", "add kl_loss_coef * KL(actor || reference) to the loss")
-    add("--kl-loss-coef", type=float, default=d.kl_loss_coef)
-    add("--kl-loss-type", default=d.kl_loss_type, choices=KL_LOSS_TYPES)
-    add("--entropy-coef", type=float, default=d.entropy_coef)
+    add("--kl-loss-coef", type=float, default=d.kl_loss_coef, help="weight of the KL loss (with --use-kl-loss)")
+    add("--kl-loss-type", default=d.kl_loss_type, choices=KL_LOSS_TYPES,
+        help="KL estimator: k1 (log r), k2 ((log r)^2 / 2), k3 (exp(-log r) - 1 + log r), low_var_kl (k3 clamped to "
+             "[-10, 10])")
+    add("--entropy-coef", type=float, default=d.entropy_coef, help="weight of the entropy bonus (subtracted from the loss)")
     switch("--use-tis", "truncated importance sampling from the rollout's log-probs")
-    add("--tis-clip", type=float, default=d.tis_clip)
-    add("--tis-clip-low", type=float, default=d.tis_clip_low)
+    add("--tis-clip", type=float, default=d.tis_clip, help="--use-tis: upper bound of the importance weight")
+    add("--tis-clip-low", type=float, default=d.tis_clip_low, help="--use-tis: lower bound of the importance weight")
     switch("--calculate-per-token-loss", "average the loss over tokens instead of over samples")
-    add("--rollout-temperature", type=float, default=d.rollout_temperature)
-    switch("--use-dynamic-batch-size", "pack micro-batches up to --max-tokens-per-gpu tokens (default: on for the "
-                                       "embedded task, off with --prompt-data)")
+    add("--rollout-temperature", type=float, default=d.rollout_temperature,
+        help="sampling temperature; log-probs are of softmax(logits / temperature), rollout and train alike")
+    switch("--use-dynamic-batch-size", "pack micro-batches up to --max-tokens-per-gpu tokens")
     add("--max-tokens-per-gpu", type=int, default=None, help="with --use-dynamic-batch-size: the most tokens of one "
-                                                             "packed micro-batch (default: 4096 for the embedded task)")
-    add("--micro-batch-size", type=int, default=d.micro_batch_size)
+                                                             "packed micro-batch")
+    add("--micro-batch-size", type=int, default=d.micro_batch_size,
+        help="samples per micro-batch without --use-dynamic-batch-size")
     add("--global-batch-size", type=int, default=None, help="samples per optimizer step")
     add("--cuda-graph-buckets", type=token_buckets, default=(), metavar="LIST",
         help="CUDA only: pad each packed micro-batch with masked tokens to the smallest of these token counts >= its "
@@ -194,12 +198,12 @@ def add_train_arguments(p, skip=(), task_defaults=()) -> None:
              "after the last micro-batch (step), or around every micro-batch (micro-batch: least memory); "
              "auto: step when full parameters + float32 gradients take at most "
              f"{GATHERED_STEP_MEMORY_FRACTION * 100:g}%% of the device (default: auto)")
-    add("--lr", type=float, default=d.lr)
-    add("--weight-decay", type=float, default=d.weight_decay)
-    add("--adam-beta1", type=float, default=d.adam_beta1)
-    add("--adam-beta2", type=float, default=d.adam_beta2)
-    add("--adam-eps", type=float, default=d.adam_eps)
-    add("--clip-grad", type=float, default=d.clip_grad)
+    add("--lr", type=float, default=d.lr, help="AdamW learning rate")
+    add("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (decoupled)")
+    add("--adam-beta1", type=float, default=d.adam_beta1, help="AdamW beta1")
+    add("--adam-beta2", type=float, default=d.adam_beta2, help="AdamW beta2")
+    add("--adam-eps", type=float, default=d.adam_eps, help="AdamW epsilon")
+    add("--clip-grad", type=float, default=d.clip_grad, help="clip the global gradient norm to this (0: no clipping)")
 
 
 _NEGATED = {"rewards_normalization": "disable_rewards_normalization",
