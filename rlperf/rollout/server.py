@@ -23,7 +23,8 @@ Endpoints (SGLang's names and reply fields; docs/ARCHITECTURE.md, "Rollout serve
 * ``GET /v1/models``: the OpenAI model list (one card: ``id`` and ``root`` are ``--model-path``).
 * ``POST /generate``: ``text`` or ``input_ids``, single or batched; ``sampling_params`` (one object
   or one per prompt), ``return_logprob``, ``rid``, ``stream`` (parsed by
-  :meth:`GenerateRequest.from_json`). Reply ``{text, output_ids, meta_info: {id, finish_reason,
+  :meth:`GenerateRequest.from_json
+  <rlperf.rollout.generate_request.GenerateRequest.from_json>`). Reply ``{text, output_ids, meta_info: {id, finish_reason,
   prompt_tokens, completion_tokens, cached_tokens, weight_version, e2e_latency,
   output_token_logprobs: [[logprob, token_id, null], ...]}}`` (a list for a batch). MoE models:
   ``return_routed_experts`` (a boolean, or one per prompt) adds ``meta_info["routed_experts"]`` to
@@ -49,25 +50,28 @@ Endpoints (SGLang's names and reply fields; docs/ARCHITECTURE.md, "Rollout serve
   :func:`rlperf.sync.weights_checksum` of the engine's weights and its ``weight_version``, what a
   sender compares after any weight update.
 
-Client errors are 4xx with a message, never 500 (docs/security.md): a body over its route's limit
-is 413 by its Content-Length before it is read (:data:`GENERATE_BODY_BASE_BYTES` and the flags
-``--max-generate-body-bytes``, ``--max-weights-body-bytes``); a body that is not UTF-8 JSON, holds
-a lone surrogate or nests deeper than :data:`MAX_JSON_DEPTH` is 400, as is any value the engine or
-the sampling kernel cannot take; a body that stops arriving for :data:`BODY_IDLE_TIMEOUT_S` is 408
-and its connection is closed. A stopping server (SIGTERM) first kills its weight-update children, so
-a join or receive under way ends at once, then gives the other requests :data:`SHUTDOWN_TIMEOUT_S`. A request that still makes an engine step fail fails alone: its
-reply is an HTTP error with the engine's message (a stream: an error event), and the other
-requests go on (:meth:`rlperf.rollout.engine.Engine.recover`). Profile traces go only below
-``--profile-root`` (:mod:`rlperf.rollout.profiler`). No request body is ever unpickled.
+This module is the routes: the application, its route table, the info and admin handlers, the
+start-up warm-up and ``serve``. The other jobs live beside it, one file each:
+
+* :mod:`rlperf.rollout.http_body` — the wire: request-body limits (413 by Content-Length before a
+  byte is read), reading (408 and the connection closed when a body stops arriving), JSON decoding and
+  checks (400), the error replies and the middleware every route shares. Client errors are 4xx with
+  one message, never 500 (docs/security.md); no request body is ever unpickled;
+* :mod:`rlperf.rollout.generate_request` — the ``/generate`` request model (:class:`GenerateRequest`);
+* :mod:`rlperf.rollout.scheduling` — requests queued on the engine thread, their replies and streams;
+  a request that makes an engine step fail fails alone (:meth:`rlperf.rollout.engine.Engine.recover`);
+* :mod:`rlperf.rollout.weight_updates` — the weight-update endpoints and ``/weights_checksum``.
+
+A stopping server (SIGTERM) first kills its weight-update children, so a join or receive under way
+ends at once, then gives the other requests :data:`SHUTDOWN_TIMEOUT_S`. Profile traces go only below
+``--profile-root`` (:mod:`rlperf.rollout.profiler`).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import hmac
-import json
 import os
-import re
 import sys
 import time
 import traceback
@@ -77,45 +81,24 @@ import torch
 from aiohttp import web
 
 from rlperf import kernels as K
-from rlperf.sync import SYNC_BUCKET_BYTES, PayloadError, load_bucket, receive_bucket, weights_checksum
+from rlperf.sync.receiver import sweep_dead_segments
 from rlperf.telemetry.memory import process_memory
 
-from rlperf.model.moe import encode_routed_experts
-from rlperf.sync.receiver import sweep_dead_segments
-
 from .args import ServerArgs
-from .engine import BadRequest, Engine, EngineConfig, Request, SamplingParams
+from .engine import BadRequest, Engine, EngineConfig, SamplingParams
 from .engine_loop import PAUSE_MODES, EngineLoop
+from .generate_request import GenerateRequest
+from .http_body import (BODY_LIMITS, DISTRIBUTED_BODY_BYTES, WEIGHTS_BODY_BYTES, RequestFailed, body_limit_middleware,
+                        error_middleware, error_reply, generate_body_limit, json_body)
+from .scheduling import GenerateScheduler
 from .tokenizer import has_hf_tokenizer, load_tokenizer
-from .weight_groups import DistributedUpdateRequest, InitGroupRequest, WeightGroupError, WeightGroups, group_name_of
+from .weight_updates import WeightUpdates
 
 VERSION = "rlperf-0.1.0"
 
-# Request-body limits, checked against Content-Length before a byte is read (413), and while reading
-# a body without one (chunked). /generate: sized to the context length (--max-generate-body-bytes);
-# /update_weights_from_tensor: inline weight buckets arrive base64-encoded (--max-weights-body-bytes);
-# every other route takes a small JSON object.
-GENERATE_BODY_BASE_BYTES = 1 << 20
-GENERATE_BODY_BYTES_PER_TOKEN = 64
-"""Default /generate limit: 1 MiB plus 64 bytes per token of the context length (a token id, or a
-token's text escaped as JSON, takes far less; a batch of prompts shares it)."""
-WEIGHTS_BODY_BYTES = 1 << 30
-"""Default limit of ``/update_weights_from_tensor`` (one inline bucket, base64: 4/3 of its bytes)."""
-DISTRIBUTED_BODY_BYTES = 8 << 20
-"""Limit of ``/update_weights_from_distributed`` (names, dtypes and shapes of one bucket's tensors;
-the bytes travel by broadcast)."""
-OTHER_BODY_BYTES = 64 << 10
-BODY_IDLE_TIMEOUT_S = 30.0
-"""Seconds a request body may go without a byte arriving (a client that sends its headers and then
-nothing, or stops halfway): the request gets 408 and its connection is closed."""
 SHUTDOWN_TIMEOUT_S = 5.0
 """Seconds a stopping server (SIGTERM, SIGINT) waits for the requests still running before it cancels
 them: weight-update joins and receives end at once (their child processes are killed first)."""
-MAX_JSON_DEPTH = 32
-"""Deepest nesting of objects and arrays a body may have (a /generate batch needs 3)."""
-_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
-
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -139,257 +122,12 @@ def load_model(args: ServerArgs):
     return model, load_tokenizer(tok_path, model.cfg.vocab_size)
 
 
-def generate_body_limit(context_length: int) -> int:
-    """The default ``/generate`` body limit for a context length (:data:`GENERATE_BODY_BASE_BYTES`)."""
-    return GENERATE_BODY_BASE_BYTES + GENERATE_BODY_BYTES_PER_TOKEN * context_length
-
-
-_MAX_MESSAGE = 2000
-
-
-def _error(status: int, message: str) -> web.Response:
-    if len(message) > _MAX_MESSAGE:  # a message that quotes a client's value stays short
-        message = message[:_MAX_MESSAGE - 3] + "..."
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
-
-
-def _failed(message: str) -> web.Response:
-    """SGLang's reply to an accepted request whose operation failed (a rendezvous, a broadcast):
-    ``{"success": false, "message"}`` with status 400."""
-    return web.json_response({"success": False, "message": message[:_MAX_MESSAGE]}, status=400)
-
-
-class BodyTooLarge(BadRequest):
-    """A request body over its route's limit: 413."""
-
-
-class BodyTimeout(BadRequest):
-    """A request body that stopped arriving (:data:`BODY_IDLE_TIMEOUT_S`): 408, connection closed."""
-
-
-class RequestFailed(Exception):
-    """A request the engine failed (SGLang's abort with a ``status_code``): answered with that status."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-BODY_LIMITS = web.AppKey("rlperf_body_limits", dict)
-"""The application's ``{path: (limit in bytes, the flag that sets it)}``; other paths: OTHER_BODY_BYTES."""
-BODY_IDLE_TIMEOUT = web.AppKey("rlperf_body_idle_timeout", float)
-"""The application's body idle timeout in seconds (default :data:`BODY_IDLE_TIMEOUT_S`)."""
-
-
-def _body_limit(request: web.Request) -> tuple[int, str | None]:
-    return request.app.get(BODY_LIMITS, {}).get(request.path, (OTHER_BODY_BYTES, None))
-
-
-@web.middleware
-async def _errors(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except web.HTTPException:
-        raise
-    except BodyTooLarge as exc:  # the rest of the body is not read: the connection closes after the reply
-        resp = _error(413, str(exc))
-        resp.force_close()
-        return resp
-    except BodyTimeout as exc:  # the reply, then the connection closes now (no lingering read of a body
-        resp = _error(408, str(exc))  # that is not coming)
-        resp.force_close()
-        await resp.prepare(request)
-        await resp.write_eof()
-        if request.protocol is not None:
-            request.protocol.force_close()
-        return resp
-    except RequestFailed as exc:
-        return _error(exc.status, str(exc))
-    except (BadRequest, PayloadError) as exc:  # a refused request, or a refused weight bucket
-        return _error(400, str(exc))
-    except Exception as exc:  # the server keeps serving; the client learns what went wrong
-        return _error(500, f"{type(exc).__name__}: {exc}")
-
-
-def _too_large(request: web.Request, size: str) -> BodyTooLarge:
-    limit, flag = _body_limit(request)
-    how = f" (rlperf serve {flag})" if flag else ""
-    return BodyTooLarge(f"the request body is {size} bytes; {request.path} takes at most {limit} bytes{how}")
-
-
-async def _read_body(request: web.Request) -> bytes:
-    """The body, refused (:class:`BodyTooLarge`) by its Content-Length before reading, or as soon as
-    a body without one (chunked) passes the route's limit; :class:`BodyTimeout` when no byte of it
-    arrives for :data:`BODY_IDLE_TIMEOUT_S`."""
-    limit, _ = _body_limit(request)
-    if request.content_length is not None and request.content_length > limit:
-        raise _too_large(request, str(request.content_length))
-    chunks, size = [], 0
-    idle = request.app.get(BODY_IDLE_TIMEOUT, BODY_IDLE_TIMEOUT_S)
-    while True:
-        try:
-            chunk = await asyncio.wait_for(request.content.readany(), idle)
-        except asyncio.TimeoutError:
-            raise BodyTimeout(f"no byte of the request body arrived for {idle:g} s "
-                              f"({size} bytes read); the connection is closed") from None
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(request, f"more than {limit}")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _not_a_json_constant(name):
-    raise ValueError(f"{name} is not JSON (numbers must be finite)")
-
-
-def _check_tree(body, strings: bool) -> None:
-    """BadRequest for nesting deeper than :data:`MAX_JSON_DEPTH` or (``strings``) a string or key with
-    a lone surrogate (a ``\\ud800`` escape without its pair: not text, and no tokenizer takes it)."""
-    stack = [(body, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise BadRequest(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
-        values = v.values() if isinstance(v, dict) else v
-        if strings:
-            for t in (*v, *values) if isinstance(v, dict) else values:
-                if isinstance(t, str) and not t.isascii():
-                    try:
-                        t.encode("utf-8")
-                    except UnicodeEncodeError:
-                        raise BadRequest("a string in the JSON body holds a lone surrogate (an unpaired "
-                                         "\\ud800-\\udfff escape): not Unicode text") from None
-        stack.extend((x, depth + 1) for x in values if type(x) is dict or type(x) is list)
-
-
-async def _json_body(request: web.Request, allow_empty: bool = False) -> dict:
-    """The body as a JSON object; BadRequest (400) or BodyTooLarge (413) with a message otherwise."""
-    raw = await _read_body(request)
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise BadRequest("the request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_not_a_json_constant)
-    except UnicodeDecodeError as exc:
-        raise BadRequest(f"the request body is not UTF-8: {exc}") from None
-    except RecursionError:
-        raise BadRequest(f"the JSON body nests too deeply (at most {MAX_JSON_DEPTH} levels)") from None
-    except ValueError as exc:  # JSONDecodeError, an integer of more than 4300 digits, NaN
-        raise BadRequest(f"malformed JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    _check_tree(body, strings=_SURROGATE_ESCAPE.search(raw) is not None)
-    return body
-
-
 def _model_type(cfg) -> dict:
     """``model_type`` and ``architectures`` as transformers names the model (dense or MoE)."""
     if cfg.num_experts:
         return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
     return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
 
-
-@dataclasses.dataclass
-class GenerateRequest:
-    """A ``/generate`` body, checked and normalised to one entry per prompt (SGLang's ``GenerateReqInput``).
-
-    Exactly one of ``text`` and ``input_ids`` is set. ``is_batch`` says whether the body was a batch
-    (the reply is then a list, or stream chunks carry ``index``). Other fields SGLang clients send
-    (``lora_path: null``, ``logprob_start_len``, ``return_text_in_logprobs``, ...) are ignored.
-    """
-
-    text: list[str] | None
-    input_ids: list[list[int]] | None
-    sampling_params: list[SamplingParams]
-    return_logprob: list[bool]
-    rid: list[str | None]
-    stream: bool = False
-    is_batch: bool = False
-    return_routed_experts: list[bool] | None = None
-
-    def __len__(self) -> int:
-        return len(self.sampling_params)
-
-    @classmethod
-    def from_json(cls, body: dict) -> "GenerateRequest":
-        """Parse a decoded JSON body; :class:`BadRequest` naming the field on anything wrong."""
-        text, input_ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (input_ids is None):
-            raise BadRequest("give exactly one of 'text' and 'input_ids'")
-        if text is not None:
-            if isinstance(text, str):
-                batch, text = False, [text]
-            elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-                batch, text = True, list(text)
-            else:
-                raise BadRequest("'text' must be a string or a non-empty list of strings")
-            n = len(text)
-        else:
-            if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
-                batch, input_ids = True, [list(p) for p in input_ids]
-            elif isinstance(input_ids, list):
-                batch, input_ids = False, [list(input_ids)]
-            else:
-                raise BadRequest("'input_ids' must be a list of token ids or a non-empty list of such lists")
-            for p in input_ids:
-                if not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                    raise BadRequest("'input_ids' must hold non-empty lists of integers")
-            n = len(input_ids)
-
-        def per_prompt(key, default, check, what):
-            v = body.get(key, default)
-            if v is None:
-                v = default
-            if batch and isinstance(v, list):
-                if len(v) != n:
-                    raise BadRequest(f"'{key}' has {len(v)} entries for {n} prompts")
-                vals = v
-            else:
-                vals = [v] * n
-            for x in vals:
-                if not check(x):
-                    raise BadRequest(f"'{key}' must be {what}, got {x!r}")
-            return vals
-
-        sps = [SamplingParams.from_dict(d) for d in per_prompt("sampling_params", {}, lambda x: isinstance(x, dict), "an object")]
-        lps = per_prompt("return_logprob", False, lambda x: isinstance(x, bool), "a boolean")
-        routed = per_prompt("return_routed_experts", False, lambda x: isinstance(x, bool), "a boolean")
-        rid = body.get("rid")
-        if rid is None:
-            rids = [None] * n
-        elif batch and isinstance(rid, list) and len(rid) == n and all(isinstance(x, str) for x in rid):
-            rids = list(rid)
-        elif isinstance(rid, str):
-            rids = [rid] if not batch else [f"{rid}-{i}" for i in range(n)]
-        else:
-            raise BadRequest("'rid' must be a string (or a list of strings, one per prompt)")
-        stream = body.get("stream")
-        if stream is not None and not isinstance(stream, bool):
-            raise BadRequest(f"'stream' must be a boolean, got {stream!r}")
-        return cls(text=text, input_ids=input_ids, sampling_params=sps, return_logprob=lps, rid=rids,
-                   stream=bool(stream), is_batch=batch, return_routed_experts=routed)
-
-    def prompt_ids(self, tokenizer) -> list[list[int]]:
-        """The prompts as token ids (``text`` encoded with ``tokenizer``)."""
-        return self.input_ids if self.input_ids is not None else [tokenizer.encode(t) for t in self.text]
-
-
-def _failure(reply: dict) -> tuple[int, str] | None:
-    """(status, message) of a reply whose request the engine failed (an abort with a ``status_code``:
-    :meth:`rlperf.rollout.engine.Engine.recover`), else None."""
-    reason = reply["meta_info"]["finish_reason"] or {}
-    if reason.get("type") == "abort" and reason.get("status_code"):
-        return reason["status_code"], reason.get("message", "the request failed")
-    return None
-
-
-def _sse(chunk) -> bytes:
-    """One server-sent event: ``data: <json>`` and a blank line."""
-    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
 WARMUP_PROMPT_LENGTHS = (7, 1000)
@@ -437,21 +175,14 @@ class RolloutServer:
                           "--max-generate-body-bytes"),
             "/update_weights_from_tensor": (args.max_weights_body_bytes or WEIGHTS_BODY_BYTES, "--max-weights-body-bytes"),
             "/update_weights_from_distributed": (DISTRIBUTED_BODY_BYTES, None)}
-        self.weight_groups = WeightGroups(model.device)
+        self.scheduler = GenerateScheduler(self.loop, tokenizer)
+        self.weights = WeightUpdates(self.loop)
+        self.weight_groups = self.weights.groups
         """Disaggregated weight sync: the process groups this engine joined (SGLang's /init_weights_update_group)."""
-        self.weights_bytes = sum(t.numel() * t.element_size() for t in model.hf_state_dict().values())
         for limit, flag in self.body_limits.values():
             if flag and limit <= 0:
                 raise ValueError(f"{flag} must be positive, got {limit}")
-
-        @web.middleware
-        async def body_limit(request: web.Request, handler):
-            """Refuse a body by its Content-Length before anything reads it (:func:`_read_body` bounds the rest)."""
-            if request.content_length is not None and request.content_length > _body_limit(request)[0]:
-                raise _too_large(request, str(request.content_length))
-            return await handler(request)
-
-        self.app = web.Application(middlewares=[_errors, body_limit],
+        self.app = web.Application(middlewares=[error_middleware, body_limit_middleware],
                                    client_max_size=max(limit for limit, _ in self.body_limits.values()))
         self.app[BODY_LIMITS] = self.body_limits
         self.app.on_startup.append(self._startup)
@@ -469,16 +200,16 @@ class RolloutServer:
         r.add_post("/generate", self.generate)
         admin = {"/pause_generation": self.pause, "/continue_generation": self.resume, "/flush_cache": self.flush,
                  "/abort_request": self.abort, "/start_profile": self.start_profile, "/stop_profile": self.stop_profile,
-                 "/update_weights_from_tensor": self.update_weights,
-                 "/init_weights_update_group": self.init_weights_update_group,
-                 "/update_weights_from_distributed": self.update_weights_from_distributed,
-                 "/destroy_weights_update_group": self.destroy_weights_update_group}
+                 "/update_weights_from_tensor": self.weights.update_from_tensor,
+                 "/init_weights_update_group": self.weights.init_group,
+                 "/update_weights_from_distributed": self.weights.update_from_distributed,
+                 "/destroy_weights_update_group": self.weights.destroy_group}
         for path, handler in admin.items():
             r.add_post(path, self._admin(handler))
         for path in ("/flush_cache", "/start_profile", "/stop_profile"):  # SGLang takes GET there too
             r.add_get(path, self._admin(admin[path]))
         r.add_get("/profile_trace", self._admin(self.profile_trace))
-        r.add_get("/weights_checksum", self._admin(self.weights_checksum))
+        r.add_get("/weights_checksum", self._admin(self.weights.checksum))
 
     async def _startup(self, app):
         self.loop.start()
@@ -513,11 +244,11 @@ class RolloutServer:
     def _not_ready(self) -> web.Response | None:
         """503 while the server cannot serve yet (as SGLang answers before its warm-up is done), else None."""
         if not self.loop.alive:
-            return _error(503, f"the engine thread is not running: {self.loop.error or 'stopped'}")
+            return error_reply(503, f"the engine thread is not running: {self.loop.error or 'stopped'}")
         if self.warmup_error is not None:
-            return _error(503, "the warm-up failed: " + self.warmup_error.splitlines()[-1])
+            return error_reply(503, "the warm-up failed: " + self.warmup_error.splitlines()[-1])
         if not self.ready:
-            return _error(503, "warming up: compiling kernels and capturing CUDA graphs")
+            return error_reply(503, "warming up: compiling kernels and capturing CUDA graphs")
         return None
 
     async def _shutdown(self, app):
@@ -538,7 +269,7 @@ class RolloutServer:
                 given = request.headers.getall("Authorization", [])
                 raw = given[0].encode("utf-8", "surrogateescape") if len(given) == 1 else b""
                 if not hmac.compare_digest(raw, f"Bearer {key}".encode("utf-8", "surrogateescape")):
-                    return _error(401, "this endpoint needs the server's API key (Authorization: Bearer <key>)")
+                    return error_reply(401, "this endpoint needs the server's API key (Authorization: Bearer <key>)")
             return await handler(request)
         return wrapped
 
@@ -549,7 +280,7 @@ class RolloutServer:
     async def health(self, request):
         broken = self.weight_groups.broken()
         if broken:
-            return _error(503, "; ".join(broken) + ": this engine cannot take a weight update")
+            return error_reply(503, "; ".join(broken) + ": this engine cannot take a weight update")
         return self._not_ready() or web.Response(text="")
 
     async def health_generate(self, request):
@@ -557,13 +288,13 @@ class RolloutServer:
         if not_ready is not None:
             return not_ready
         if self.loop.paused:  # a paused engine would hold the probe until /continue_generation
-            return _error(503, "generation is paused")
+            return error_reply(503, "generation is paused")
         try:
-            results = await self._submit([[0]], [SamplingParams(max_new_tokens=1, temperature=0.0)], [None], [False])
+            results = await self.scheduler.submit([[0]], [SamplingParams(max_new_tokens=1, temperature=0.0)], [None], [False])
         except RequestFailed as exc:
-            return _error(503, f"health generate failed: {exc}")
+            return error_reply(503, f"health generate failed: {exc}")
         if results[0]["meta_info"]["finish_reason"]["type"] == "abort":
-            return _error(503, "health generate was aborted: " + str(results[0]["meta_info"]["finish_reason"]))
+            return error_reply(503, "health generate was aborted: " + str(results[0]["meta_info"]["finish_reason"]))
         return web.Response(text="")
 
     async def model_info(self, request):
@@ -602,136 +333,12 @@ class RolloutServer:
         return web.json_response({"weight_version": self.engine.weight_version})
 
     # ---- generate -----------------------------------------------------------------------------
-    def _reply(self, r: Request, return_logprob: bool, t0: float, n: int | None = None, text: str | None = None) -> dict:
-        """SGLang's reply for ``r``: the final one, or (``n``) a stream chunk of its first ``n`` tokens.
-
-        A chunk is read on the event loop while the engine thread appends to ``r``: tokens before
-        ``n`` (and their log-probs) are already written and never change.
-        """
-        final = n is None
-        ids = list(r.output_ids) if final else r.output_ids[:n]
-        meta = {"id": r.rid, "finish_reason": r.finish_reason if final else None, "prompt_tokens": len(r.prompt_ids),
-                "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.engine.weight_version}
-        if final:
-            meta["e2e_latency"] = time.time() - t0
-        if return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, ids)]
-        if final and r.return_routed_experts and r.routed_chunks:  # none when it never ran a step
-            meta["routed_experts"] = encode_routed_experts(r.result().routed_experts, self.engine.model.cfg)
-        return {"text": r.text if final else text, "output_ids": ids, "meta_info": meta}
-
-    async def _start(self, prompts, params, rids, return_logprob, on_finish, on_token=None,
-                     return_routed_experts=None) -> tuple[list[Request], float]:
-        """Queue the requests (all or none) and return them with their start time.
-
-        On the event loop: ``on_finish(i, reply)`` once when request ``i`` finishes, and
-        ``on_token(i, n)`` when it has ``n`` tokens and goes on (streaming only).
-        """
-        aio = asyncio.get_running_loop()
-        t0 = time.time()
-        routed = return_routed_experts or [False] * len(prompts)
-
-        def add_all(engine: Engine):
-            added = []
-            try:
-                for i, (p, sp, rid, lp, re) in enumerate(zip(prompts, params, rids, return_logprob, routed)):
-                    def done(r, i=i, lp=lp):
-                        aio.call_soon_threadsafe(on_finish, i, self._reply(r, lp, t0))
-
-                    def token(r, i=i):
-                        aio.call_soon_threadsafe(on_token, i, len(r.output_ids))
-                    added.append(engine.add_request(p, sp, rid, on_finish=done, on_token=token if on_token else None,
-                                                    return_routed_experts=re))
-            except BaseException:
-                for r in added:  # all or nothing: a bad prompt in a batch runs none of it
-                    r.on_finish = r.on_token = None
-                    engine.abort(r.rid)
-                raise
-            return added
-
-        return await self._on_engine(add_all), t0
-
-    def _abort_later(self, reqs: list[Request], message: str = "client disconnected") -> None:
-        """Abort those of ``reqs`` still in the engine (between steps; nobody waits for it)."""
-        def abort(engine: Engine):
-            for r in reqs:
-                if engine.requests.get(r.rid) is r:
-                    engine.abort(r.rid, message)
-        self.loop.call(abort)
-
-    async def _submit(self, prompts, params, rids, return_logprob, return_routed_experts=None) -> list[dict]:
-        futures = [asyncio.get_running_loop().create_future() for _ in prompts]
-
-        def finished(i, reply):
-            if not futures[i].done():
-                futures[i].set_result(reply)
-
-        reqs, _ = await self._start(prompts, params, rids, return_logprob, finished,
-                                    return_routed_experts=return_routed_experts)
-        try:
-            results = list(await asyncio.gather(*futures))
-        except asyncio.CancelledError:  # the client went away: stop spending steps on it
-            self._abort_later(reqs)
-            raise
-        for i, reply in enumerate(results):
-            failure = _failure(reply)
-            if failure is not None:  # as SGLang answers an abort with a status code: the request's error
-                status, message = failure
-                raise RequestFailed(status, message if len(results) == 1 else f"request {i} of the batch: {message}")
-        return results
-
-    def _chunk(self, r: Request, return_logprob: bool, t0: float, n: int, prev_text: str) -> dict:
-        """A stream chunk of ``r``'s first ``n`` tokens; its text is ``prev_text`` while the new text
-        ends in a character cut in the middle (U+FFFD), as SGLang holds it back."""
-        text = self.tokenizer.decode(r.output_ids[:n], skip_special_tokens=r.params.skip_special_tokens)
-        return self._reply(r, return_logprob, t0, n=n, text=prev_text if text.endswith("\ufffd") else text)
-
-    async def _stream(self, request: web.Request, req: GenerateRequest, prompts) -> web.StreamResponse:
-        """Server-sent events of ``req`` (module docstring): cumulative chunks, then ``[DONE]``."""
-        updates: asyncio.Queue = asyncio.Queue()  # (i, n tokens so far) or (i, final reply), in engine order
-        reqs, t0 = await self._start(prompts, req.sampling_params, req.rid, req.return_logprob,
-                                     on_finish=lambda i, reply: updates.put_nowait((i, reply)),
-                                     on_token=lambda i, n: updates.put_nowait((i, n)),
-                                     return_routed_experts=req.return_routed_experts)
-        finished, texts = [False] * len(reqs), [""] * len(reqs)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        try:
-            await resp.prepare(request)
-            try:
-                while not all(finished):
-                    latest = dict([await updates.get()])
-                    while not updates.empty():  # the engine ran ahead of the client: one chunk per request
-                        i, u = updates.get_nowait()
-                        latest[i] = u
-                    out = []
-                    for i, u in sorted(latest.items()):
-                        if isinstance(u, dict):
-                            chunk, finished[i] = u, True
-                            failure = _failure(u)
-                            if failure is not None:  # the request failed in the engine: its error event
-                                chunk = {"error": {"message": failure[1], "code": failure[0]}}
-                        else:
-                            chunk = self._chunk(reqs[i], req.return_logprob[i], t0, u, texts[i])
-                            texts[i] = chunk["text"]
-                        out.append(_sse({**chunk, "index": i} if req.is_batch else chunk))
-                    await resp.write(b"".join(out))
-            except ConnectionError:
-                raise
-            except Exception as exc:  # the headers are out: the error goes as an event, as SGLang sends it
-                await resp.write(_sse({"error": {"message": f"{type(exc).__name__}: {exc}", "code": 500}}))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        finally:  # cancelled (the client went away), a write to a closed connection, or an error above
-            if not all(finished):
-                self._abort_later([r for r, f in zip(reqs, finished) if not f], "the stream ended early")
-
     async def generate(self, request):
-        req = GenerateRequest.from_json(await _json_body(request))
+        req = GenerateRequest.from_json(await json_body(request))
         prompts = req.prompt_ids(self.tokenizer)
         if req.stream:
-            return await self._stream(request, req, prompts)
-        results = await self._submit(prompts, req.sampling_params, req.rid, req.return_logprob,
+            return await self.scheduler.stream(request, req, prompts)
+        results = await self.scheduler.submit(prompts, req.sampling_params, req.rid, req.return_logprob,
                                      req.return_routed_experts)
         return web.json_response(results if req.is_batch else results[0])
 
@@ -744,7 +351,7 @@ class RolloutServer:
 
     # ---- admin --------------------------------------------------------------------------------
     async def pause(self, request):
-        body = await _json_body(request, allow_empty=True)
+        body = await json_body(request, allow_empty=True)
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise BadRequest(f"mode must be abort, retract or in_place, got {mode!r}")
@@ -760,7 +367,7 @@ class RolloutServer:
         return web.json_response({"success": True, "message": "Cache flushed."})
 
     async def abort(self, request):
-        body = await _json_body(request)
+        body = await json_body(request)
         rid, abort_all = body.get("rid"), body.get("abort_all", False)
         if not isinstance(abort_all, bool) or (rid is not None and not isinstance(rid, str)):
             raise BadRequest("abort_request takes 'rid' (string) or 'abort_all' (boolean)")
@@ -770,7 +377,7 @@ class RolloutServer:
         return web.json_response({"success": True, "num_aborted": n})
 
     async def start_profile(self, request):
-        body = await _json_body(request, allow_empty=True)
+        body = await json_body(request, allow_empty=True)
         kw = {}
         for key, kind in (("output_dir", str), ("num_steps", int), ("with_stack", bool), ("record_shapes", bool),
                           ("profile_by_stage", bool), ("profile_id", str)):
@@ -805,115 +412,11 @@ class RolloutServer:
         its path is in the ``X-Trace-Path`` header (a caller waiting for a ``num_steps`` trace compares it)."""
         last = await self._on_engine(lambda engine: self.loop.profiler.open_last_trace())
         if last is None:
-            return _error(404, "no profile trace has been written yet (POST /start_profile, then /stop_profile)")
+            return error_reply(404, "no profile trace has been written yet (POST /start_profile, then /stop_profile)")
         path, f = last
         with f:
             data = await asyncio.to_thread(f.read)
         return web.Response(body=data, content_type="application/gzip", headers={"X-Trace-Path": str(path)})
-
-    async def update_weights(self, request):
-        body = await _json_body(request)
-        if body.get("load_format") != "flattened_bucket":
-            raise BadRequest(f"load_format must be 'flattened_bucket', got {body.get('load_format')!r}")
-        payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or len(payloads) != 1:
-            raise BadRequest("serialized_named_tensors must be a list with one bucket payload (tp_size is 1)")
-        version = body.get("weight_version")
-        if version is not None and not isinstance(version, str):
-            raise BadRequest(f"weight_version must be a string, got {version!r}")
-        flush = body.get("flush_cache", False)
-        abort_all = body.get("abort_all_requests", False)
-        if not isinstance(flush, bool) or not isinstance(abort_all, bool):
-            raise BadRequest("flush_cache and abort_all_requests must be booleans")
-        bucket = await asyncio.to_thread(receive_bucket, payloads[0], self.model.device)
-
-        def apply(engine: Engine):
-            if abort_all:
-                engine.abort(None, "aborted for a weight update")
-            names = load_bucket(bucket, engine.model.hf_state_dict())
-            self._weights_loaded(engine, version, flush)
-            return names
-        names = await self._on_engine(apply)
-        return web.json_response({"success": True, "message": f"loaded {len(names)} tensors",
-                                  "weight_version": self.engine.weight_version})
-
-    def _hf_weights(self, engine: Engine) -> dict:
-        """``engine.model.hf_state_dict()``, built once per model (hundreds of views: a bucket request of
-        a large model would rebuild them every time); they stay valid because every load copies into
-        the parameters in place."""
-        cached = getattr(self, "_hf_weights_cache", None)
-        if cached is None or cached[0] is not engine.model:
-            cached = self._hf_weights_cache = (engine.model, engine.model.hf_state_dict())
-        return cached[1]
-
-    def _weights_loaded(self, engine: Engine, version: str | None, flush: bool, synchronize: bool = False) -> None:
-        """On the engine thread, after either update endpoint loaded weights: the new ``weight_version``,
-        and with ``flush`` a KV-cache flush when idle; ``synchronize`` waits for the device, so the reply
-        means the weights are in place (not only queued)."""
-        if version is not None:
-            engine.weight_version = version
-        if flush and not engine.has_work():
-            engine.flush()
-        if synchronize and engine.model.device.type == "cuda":
-            torch.cuda.synchronize(engine.model.device)
-
-    async def weights_checksum(self, request):
-        """``GET /weights_checksum``: :func:`rlperf.sync.weights_checksum` of the engine's weights (computed
-        on the engine thread, between steps), with ``weight_version``: what a sender compares after a sync."""
-        raw = request.query.get("bucket_bytes")
-        bucket_bytes = SYNC_BUCKET_BYTES
-        if raw is not None:
-            if not raw.isascii() or not raw.isdigit() or len(raw) > 14 or not 0 < int(raw) <= 1 << 40:
-                raise BadRequest(f"'bucket_bytes' must be an integer in [1, {1 << 40}], got {raw[:40]!r}")
-            bucket_bytes = int(raw)
-        checksum, version = await self._on_engine(
-            lambda engine: (weights_checksum(engine.model.hf_state_dict(), bucket_bytes), engine.weight_version))
-        return web.json_response({"weights_checksum": checksum, "weight_version": version, "bucket_bytes": bucket_bytes})
-
-    # ---- disaggregated weight sync (rlperf.rollout.weight_groups) ------------------------------------
-    async def init_weights_update_group(self, request):
-        req = InitGroupRequest.from_json(await _json_body(request))
-        try:
-            message = await self.weight_groups.join(req)
-        except WeightGroupError as exc:
-            return _failed(str(exc))
-        return web.json_response({"success": True, "message": message})
-
-    async def update_weights_from_distributed(self, request):
-        req = DistributedUpdateRequest.from_json(await _json_body(request), self.weights_bytes)
-        groups = self.weight_groups
-        groups.require(req.group_name)
-        received = None
-        if groups.isolated(req.group_name):  # gloo: the bytes arrive in the group's child, generation goes on
-            try:
-                received = await groups.receive_isolated(req)
-            except WeightGroupError as exc:
-                return _failed(str(exc))
-
-        def apply(engine: Engine):
-            if req.abort_all_requests:
-                engine.abort(None, "aborted for a weight update")
-            if received is not None:
-                n = groups.load_received(req, received, self._hf_weights(engine))
-            else:
-                n = groups.receive(req, self._hf_weights(engine))
-            self._weights_loaded(engine, req.weight_version, req.flush_cache, synchronize=req.flush_cache)
-            return n
-        try:
-            n = await self._on_engine(apply)
-        except WeightGroupError as exc:
-            return _failed(str(exc))
-        message = "Succeeded to update parameter online."
-        if req.weight_version is not None:
-            message += f" Weight version updated to {req.weight_version}."
-        return web.json_response({"success": True, "message": message, "num_tensors": n,
-                                  "weight_version": self.engine.weight_version})
-
-    async def destroy_weights_update_group(self, request):
-        name = group_name_of(await _json_body(request, allow_empty=True))
-        if not await self._on_engine(lambda engine: self.weight_groups.leave(name)):
-            return _failed(f"The group to be destroyed does not exist: this engine is in no group named {name!r}.")
-        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
 
 def serve(args: ServerArgs) -> int:

@@ -4,7 +4,7 @@ import pytest
 pytest.importorskip("aiohttp")
 
 from rlperf.rollout.engine import BadRequest, SamplingParams  # noqa: E402
-from rlperf.rollout.server import GenerateRequest  # noqa: E402
+from rlperf.rollout.generate_request import GenerateRequest  # noqa: E402
 from rlperf.rollout.tokenizer import ByteTokenizer  # noqa: E402
 
 

@@ -28,7 +28,8 @@ pytest.importorskip("aiohttp")
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from inprocess_server import cpu_args, serve  # noqa: E402
 
-from rlperf.rollout.server import BODY_IDLE_TIMEOUT, RolloutServer  # noqa: E402
+from rlperf.rollout.http_body import BODY_IDLE_TIMEOUT  # noqa: E402
+from rlperf.rollout.server import RolloutServer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ pytest.importorskip("aiohttp")
 
 from inprocess_server import cpu_args, serve  # noqa: E402
 
-from rlperf.rollout.server import OTHER_BODY_BYTES, generate_body_limit  # noqa: E402
+from rlperf.rollout.http_body import OTHER_BODY_BYTES, generate_body_limit  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ async def _join(client, name="g"):
 
 
 def _param(server, name="model.norm.weight"):
-    return name, server._hf_weights(server.engine)[name]
+    return name, server.weights.hf_weights(server.engine)[name]
 
 
 def _bucket_body(name, p, group="g", **kw):
@@ -114,7 +114,7 @@ async def _generate_ok(client, timeout):
 async def _announce_one_bucket(server, client, load_format):
     """Join the weight-update group and announce one parameter's bucket: (weights checksum before, the
     group, the parameter, the request body, its bytes, the pending ``/update_weights_from_distributed`` request)."""
-    before = weights_checksum(server._hf_weights(server.engine))
+    before = weights_checksum(server.weights.hf_weights(server.engine))
     group = await _join(client)
     name, p = _param(server)
     body = _bucket_body(name, p, load_format=load_format)
@@ -136,7 +136,7 @@ def test_a_broadcast_of_another_size_than_announced_is_a_400_and_a_left_group(mo
         group.close()
         assert await _groups(client) == []  # the dead group is not listed
         await _generate_ok(client, 30)  # the engine lives and serves
-        assert weights_checksum(server._hf_weights(server.engine)) == before  # nothing was loaded
+        assert weights_checksum(server.weights.hf_weights(server.engine)) == before  # nothing was loaded
         # and a new group forms and loads
         group = await _join(client, "g2")
         new = torch.randn(p.shape, dtype=p.dtype)
@@ -153,7 +153,7 @@ def test_a_broadcast_of_another_size_than_announced_is_a_400_and_a_left_group(mo
 
 def test_a_broadcast_that_never_comes_times_out_and_generation_goes_on_meanwhile(model):
     async def fn(server, client):
-        before = weights_checksum(server._hf_weights(server.engine))
+        before = weights_checksum(server.weights.hf_weights(server.engine))
         group = await _join(client)
         name, p = _param(server)
         t0 = time.perf_counter()
@@ -166,7 +166,7 @@ def test_a_broadcast_that_never_comes_times_out_and_generation_goes_on_meanwhile
         assert status == 400 and "no answer within" in reply["message"], reply
         assert RECEIVE_TIMEOUT - 0.5 <= elapsed < RECEIVE_TIMEOUT + 10
         assert await _groups(client) == []
-        assert weights_checksum(server._hf_weights(server.engine)) == before
+        assert weights_checksum(server.weights.hf_weights(server.engine)) == before
         group.close()
     _run(model, fn)
 
@@ -174,7 +174,7 @@ def test_a_broadcast_that_never_comes_times_out_and_generation_goes_on_meanwhile
 def test_well_behaved_per_tensor_broadcasts_load_every_tensor(model):
     async def fn(server, client):
         group = await _join(client)
-        weights = server._hf_weights(server.engine)
+        weights = server.weights.hf_weights(server.engine)
         names = ["model.norm.weight", "model.layers.0.self_attn.q_norm.weight", "model.embed_tokens.weight"]
         new = {n: torch.randn(weights[n].shape, dtype=weights[n].dtype) for n in names}
         body = {"names": names, "dtypes": [str(new[n].dtype).removeprefix("torch.") for n in names],
@@ -318,6 +318,6 @@ def test_a_broadcast_short_by_a_few_bytes_is_a_400_naming_the_sizes(model, short
         assert "left the group" in reply["message"], reply
         sender.join(30)
         group.close()
-        assert weights_checksum(server._hf_weights(server.engine)) == before  # nothing was loaded
+        assert weights_checksum(server.weights.hf_weights(server.engine)) == before  # nothing was loaded
         await _generate_ok(client, 30)
     _run(model, fn)
