@@ -34,6 +34,11 @@ warps, stages, TMA loads) on both workloads and checks, per config, that decode 
 equal the prefill rows bit for bit — how ``_CONFIG`` in ``kernels/attention.py`` was chosen.
 ``--test-config cfg.json -- <pytest args>`` runs the tests with a candidate config (tuning only).
 ``--sweep-backward`` times candidate backward configs (``BackwardConfig``) at the backward case.
+``--sweep-decode`` times candidate decode-only launch configs (``_DECODE_CONFIG``) as a decode step runs
+them: Qwen3-0.6B heads, one paged cache per layer (28), one CUDA graph of the 28 calls, at the batches
+and KV lengths of ``rlperf bench rollout`` (:data:`DECODE_SWEEP_CASES`); each config's time is printed as
+a ratio to the current ``_DECODE_CONFIG`` in the same run, with whether its rows equal the current
+config's and the prefill's bit for bit.
 """
 from __future__ import annotations
 
@@ -425,6 +430,87 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
     return best["cfg"] if best else {}
 
 
+DECODE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA); BLOCK_N is the page size and stays 128
+    (64, 128, 4, 3, True), (64, 128, 4, 2, True), (64, 128, 4, 1, True), (64, 128, 4, 2, False),
+    (64, 128, 4, 1, False), (64, 128, 8, 2, True), (64, 128, 8, 1, True), (128, 128, 8, 3, True),
+]
+DECODE_SWEEP_CASES = ((1, 540), (16, 540), (64, 540), (256, 540), (64, 4096))
+"""(batch, KV length) of the decode sweep: ``rlperf bench rollout``'s decode (prompt 512 and a few dozen
+new tokens) and the attention bench's long-context decode."""
+
+
+def sweep_decode(configs=DECODE_SWEEP, cases=DECODE_SWEEP_CASES, hq: int = 16, hkv: int = 8, layers: int = 28,
+                 reps: int = 20) -> dict:
+    """Time decode-only launches of each config (module docstring, ``--sweep-decode``). Returns the config
+    with the lowest geometric mean time over the cases among those whose bits equal the current
+    ``_DECODE_CONFIG``'s on every case ({} when none): the current config's rows equal the prefill's
+    (``tests/kernels/test_attention.py``'s GPU tests), so equal bits carry the contract over."""
+    from rlperf.kernels import PAGE_SIZE
+    from rlperf.kernels.attention import _DECODE_CONFIG, attention_forward
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    current = dict(_DECODE_CONFIG)
+    rows = {c: {"times": [], "same_bits": True} for c in configs}
+    for B, L in cases:
+        stack = []  # one (q, k_cache, v_cache, page_table) per layer: the graph reads ~layers x the KV bytes
+        for _ in range(layers):
+            k = torch.randn(B * L, hkv, D, device=DEVICE, generator=gen).bfloat16()
+            v = torch.randn(B * L, hkv, D, device=DEVICE, generator=gen).bfloat16()
+            stack.append((torch.randn(B, hq, D, device=DEVICE, generator=gen).bfloat16(),
+                          *_paged_cache(k, v, B, L, PAGE_SIZE, gen)))
+            del k, v
+        cu = torch.arange(B + 1, dtype=torch.int32, device=DEVICE)
+        lens = torch.full((B,), L, dtype=torch.int32, device=DEVICE)
+        nbytes = layers * 2.0 * B * L * hkv * D * 2
+        ref = attention_forward(stack[0][0], stack[0][1], stack[0][2], cu, lens, stack[0][3], config=current)
+        base_ms = None
+        for c in [tuple(current[k_] for k_ in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"))] + list(configs):
+            cfg = _config(*c)
+            try:
+                def step(cfg=cfg):
+                    for q, kc, vc, table in stack:
+                        attention_forward(q, kc, vc, cu, lens, table, config=cfg)
+
+                out = attention_forward(stack[0][0], stack[0][1], stack[0][2], cu, lens, stack[0][3], config=cfg)
+                step()  # compile, and settle the stage count that fits
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                ms = cuda_time(graph.replay, warmup=3, reps=reps, flush_l2=True).median_ms / layers
+                same = bool(torch.equal(out, ref))
+                del graph
+            except Exception as e:  # a config that does not compile or fit
+                print(f"B={B} L={L} {c}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+                if c in rows:
+                    rows[c]["times"].append(float("nan"))
+                continue
+            if base_ms is None:
+                base_ms = ms
+                print(f"B={B} KV={L}: current {current} {ms * 1e3:.1f} us/call "
+                      f"({nbytes / layers / ms / 1e6:.0f} GB/s)", flush=True)
+                continue
+            rows[c]["times"].append(ms)
+            rows[c]["same_bits"] &= same
+            print(f"B={B} KV={L} BM={c[0]} BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])}: {ms * 1e3:.1f} us/call "
+                  f"({nbytes / layers / ms / 1e6:.0f} GB/s), {base_ms / ms:.3f}x the current config, "
+                  f"bits {'equal' if same else 'DIFFER'}", flush=True)
+        del stack
+        torch.cuda.empty_cache()
+    best, best_t = None, float("inf")
+    for c, r in rows.items():
+        t = geomean(r["times"]) if r["times"] and all(x == x for x in r["times"]) else float("nan")
+        ok = r["same_bits"] and t == t  # the current decode config's rows equal the prefill's (GPU tests)
+        print(f"BM={c[0]} BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])}: geomean {t * 1e3:.1f} us, "
+              f"bits {'ok' if ok else 'NOT ok'}")
+        if ok and t < best_t:
+            best, best_t = c, t
+    if best is None:
+        return {}
+    print(f"best decode config: BM={best[0]} BN={best[1]} w={best[2]} s={best[3]} tma={int(best[4])}")
+    return _config(*best)
+
+
 BACKWARD_SWEEP = [  # (BLOCK_KV, STEP_Q, BLOCK_Q, STEP_KV, num_warps, num_stages); the first is the default
     (128, 64, 128, 64, 8, 3), (128, 64, 128, 64, 8, 2), (128, 32, 128, 32, 4, 3), (128, 32, 128, 32, 8, 3),
     (128, 64, 64, 64, 8, 3), (64, 64, 64, 64, 4, 3), (64, 32, 128, 32, 4, 4),
@@ -495,14 +581,15 @@ def _main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true", help="time the candidate launch configs")
     p.add_argument("--sweep-backward", action="store_true", help="time the candidate backward configs")
+    p.add_argument("--sweep-decode", action="store_true", help="time the candidate decode-only configs (_DECODE_CONFIG)")
     p.add_argument("--best-json", metavar="PATH", help="with --sweep / --sweep-backward: write the best config here")
     p.add_argument("--test-config", metavar="PATH", help="run the pytest args after -- with this config (JSON)")
     p.add_argument("--quick", action="store_true")
     args, rest = p.parse_known_args()
     from .harness import format_table
 
-    if args.sweep or args.sweep_backward:
-        best = sweep() if args.sweep else sweep_backward()
+    if args.sweep or args.sweep_backward or args.sweep_decode:
+        best = sweep() if args.sweep else sweep_backward() if args.sweep_backward else sweep_decode()
         if args.best_json:
             with open(args.best_json, "w") as f:
                 json.dump(best, f)

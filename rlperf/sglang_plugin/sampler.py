@@ -14,6 +14,12 @@ their final hidden states ``[B, H]``):
   ``softmax(logits / T)`` before top-k / top-p, one call per temperature present (a row's bits do not
   depend on the other rows of the call).
 
+Greedy requests: SGLang stores a request with temperature 0 as ``top_k = 1`` (and temperature 1); those
+rows are drawn as rlperf's greedy rule (temperature 0 to :func:`rlperf.kernels.sample`: the argmax,
+lowest index on ties — rlperf's engine's greedy tokens), and a batch of greedy rows only needs no
+filter, so its step makes no host sync. The request temperatures the log-prob kernel takes are read
+to the host once per batch composition (:func:`host_temperatures`), not at every step.
+
 Top log-probs and token-id log-probs, when a request asks for them, are SGLang's own processing of
 ``log_softmax(logits / T)``; the sampled token's log-prob stays the exact one above.
 """
@@ -57,6 +63,23 @@ def request_temperature(stored: float) -> float:
     return float(str(np.float32(stored)))
 
 
+_HOST_TEMPERATURES: tuple | None = None  # (weakref of the tensor, its version, its request temperatures)
+
+
+def host_temperatures(temperatures: torch.Tensor) -> list[float]:
+    """The request temperatures (:func:`request_temperature`) of the rows of SGLang's ``temperatures``
+    tensor, copied to the host once for as long as that tensor object is unchanged: SGLang builds a new
+    tensor whenever the batch's requests change and keeps it for every decode step in between, so a
+    steady decode batch makes no host sync here (a sync would stall SGLang's overlapped scheduling)."""
+    global _HOST_TEMPERATURES
+    cached = _HOST_TEMPERATURES
+    if cached is not None and cached[0]() is temperatures and cached[1] == temperatures._version:
+        return cached[2]
+    values = [request_temperature(t) for t in temperatures.reshape(-1).tolist()]
+    _HOST_TEMPERATURES = (weakref.ref(temperatures), temperatures._version, values)
+    return values
+
+
 def apply_min_p(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) the logits whose probability under ``softmax(logits / T)`` is below ``min_p`` times
     the row's largest: ``(logit - max) / T < log(min_p)``. ``logits [B, V]``, ``temperatures [B]``,
@@ -81,18 +104,24 @@ class RlperfSampler(Sampler):
         if hidden is None or hidden.shape[0] != logits.shape[0]:
             raise PluginError("rlperf's sampler needs the sampled rows' hidden states from rlperf's model")
         B = logits.shape[0]
-        temperatures = sampling_info.temperatures.reshape(-1)
+        stored = sampling_info.temperatures
+        temperatures = stored.reshape(-1)
         if sampling_info.need_min_p_sampling:
             logits = apply_min_p(logits, temperatures, sampling_info.min_ps)
         seeds = sampling_info.sampling_seed
         if seeds is None:  # not deterministic mode: a fresh seed per row and step
             seeds = torch.randint(0, 1 << 62, (B,), dtype=torch.int64, device=logits.device)
         counters = positions.to(torch.int64) + 1  # the index of the token being drawn
-        tokens = K.sample(logits, temperatures, sampling_info.top_ps, sampling_info.top_ks, seeds, counters,
-                          check_values=False,
-                          filtered=sampling_info.need_top_p_sampling or sampling_info.need_top_k_sampling)
+        top_ks = sampling_info.top_ks
+        if sampling_info.is_all_greedy:  # every row top_k <= 1: the argmax, which no filter changes
+            draw_t, filtered = torch.zeros_like(temperatures), False
+        else:
+            draw_t = torch.where(top_ks == 1, 0.0, temperatures) if sampling_info.is_any_greedy else temperatures
+            filtered = sampling_info.need_top_p_sampling or sampling_info.need_top_k_sampling
+        tokens = K.sample(logits, draw_t, sampling_info.top_ps, top_ks, seeds, counters, check_values=False,
+                          filtered=filtered)
         if return_logprob:
-            logprobs = self._token_logprobs(hidden, tokens, temperatures)
+            logprobs = self._token_logprobs(hidden, tokens, stored)
             wants_more = (any(x > 0 for x in top_logprobs_nums or [])
                           or any(x is not None for x in token_ids_logprobs or []))
             if wants_more:
@@ -107,9 +136,10 @@ class RlperfSampler(Sampler):
 
     @staticmethod
     def _token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        """``temperatures``: SGLang's tensor itself (``[B, 1]`` float32), the key of :func:`host_temperatures`."""
         model = bound_model()
-        # one host copy: the kernel takes one temperature per call, the request's own value (request_temperature)
-        temps = [request_temperature(t) for t in temperatures.tolist()]
+        # the kernel takes one temperature per call, the request's own value (request_temperature)
+        temps = host_temperatures(temperatures)
         groups = sorted(set(temps))
         if len(groups) == 1:
             t = groups[0]
@@ -121,4 +151,4 @@ class RlperfSampler(Sampler):
         return out
 
 
-__all__ = ["RlperfSampler", "apply_min_p", "bind_model", "bound_model", "request_temperature"]
+__all__ = ["RlperfSampler", "apply_min_p", "bind_model", "bound_model", "host_temperatures", "request_temperature"]

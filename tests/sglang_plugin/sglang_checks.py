@@ -46,7 +46,7 @@ from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams  # noqa: 
 from rlperf.rollout.tokenizer import ByteTokenizer  # noqa: E402
 from rlperf.sglang_plugin.attention import RlperfAttnBackend  # noqa: E402
 from rlperf.sglang_plugin.models import ENTRY_CLASSES  # noqa: E402
-from rlperf.sglang_plugin.sampler import RlperfSampler, apply_min_p, request_temperature  # noqa: E402
+from rlperf.sglang_plugin.sampler import RlperfSampler, apply_min_p, host_temperatures, request_temperature  # noqa: E402
 
 DENSE = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, vocab_size=301, max_position_embeddings=1024)
@@ -215,13 +215,16 @@ class Runner:
             fb.extend_prefix_lens = torch.tensor(cached, dtype=torch.int32)
             fb.extend_prefix_lens_cpu = list(cached)
             fb.extend_logprob_start_lens_cpu = [len(t) for t in new_tokens]  # output log-probs only
+        # SGLang's SamplingParams: temperature 0 is stored as temperature 1 with top_k 1; top_k -1 as TOP_K_ALL
+        params = [(1.0, p[1], 1, p[3]) if p[0] == 0 else p for p in params]
         temps = [p[0] for p in params]
+        top_ks = [p[2] if p[2] > 0 else TOP_K_ALL for p in params]
         fb.sampling_info = SamplingBatchInfo(
             temperatures=torch.tensor(temps, dtype=torch.float32).view(-1, 1),
             top_ps=torch.tensor([p[1] for p in params], dtype=torch.float32),
-            top_ks=torch.tensor([p[2] if p[2] > 0 else TOP_K_ALL for p in params], dtype=torch.int32),
-            min_ps=torch.zeros(bs), is_all_greedy=False, is_any_greedy=False,
-            need_top_p_sampling=any(p[1] < 1 for p in params), need_top_k_sampling=any(p[2] > 0 for p in params),
+            top_ks=torch.tensor(top_ks, dtype=torch.int32),
+            min_ps=torch.zeros(bs), is_all_greedy=all(k <= 1 for k in top_ks), is_any_greedy=any(k <= 1 for k in top_ks),
+            need_top_p_sampling=any(p[1] < 1 for p in params), need_top_k_sampling=any(k != TOP_K_ALL for k in top_ks),
             need_min_p_sampling=False, vocab_size=self.model.cfg.vocab_size,
             sampling_seed=torch.tensor([p[3] for p in params], dtype=torch.int64))
         backend = self.attn_backend
@@ -363,6 +366,26 @@ def check_load_weights_errors():
     e1 = expect_error(lambda: m.load_weights([("model.layers.0.mlp.bogus.weight", torch.zeros(1))]), "bogus")
     e2 = expect_error(lambda: m.load_weights([("model.norm.weight", torch.zeros(3))]), "model.norm.weight", "(3,)")
     return f"{e1}; {e2}"
+
+
+def check_greedy_rows_and_host_temperatures():
+    path = model_dir(DENSE, "dense")
+    reference = RlperfQwen3.random(DENSE, seed=3)
+    g = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(0, DENSE.vocab_size, (n,), generator=g).tolist() for n in (61, 140)]
+    for params in ([(0.0, 1.0, 0, 21), (0.0, 1.0, 0, 22)],     # all greedy: SGLang's top_k 1, no filter, no sync
+                   [(0.0, 1.0, 0, 21), (0.7, 0.9, 0, 11)]):    # a greedy row beside a filtered sampled one
+        want = engine_run(reference, prompts, params, 4)
+        got = plugin_run(Runner(DENSE, path, reference), [1, 2], prompts, params, 4)
+        assert _bits(got) == _bits(want), f"{params}: plugin {got} != rlperf engine {want}"
+    temps = torch.tensor([0.7, 1.0], dtype=torch.float32).view(-1, 1)
+    first = host_temperatures(temps)
+    assert first == [0.7, 1.0] and host_temperatures(temps) is first, "a steady batch reads its temperatures once"
+    temps.mul_(2.0)  # changed in place: read again
+    assert host_temperatures(temps) == [1.4, 2.0]
+    assert host_temperatures(torch.tensor([[0.5]])) == [0.5]
+    return "greedy requests (SGLang's top_k 1) give rlperf's greedy tokens and log-probs, alone and beside " \
+           "sampled rows; a batch's temperatures are read to the host once per tensor"
 
 
 def check_sampler_pieces():

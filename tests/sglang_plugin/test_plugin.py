@@ -24,7 +24,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SITE = ROOT / ".sglang-cpu"
 HERE = pathlib.Path(__file__).resolve().parent
 CHECKS = ("check_registration", "check_server_args", "check_model_registry", "check_dense_steps_match_rlperf_engine",
-          "check_moe_steps_match_rlperf_engine", "check_moe_routed_experts_reach_sglangs_capturer", "check_load_weights_errors", "check_sampler_pieces")
+          "check_moe_steps_match_rlperf_engine", "check_moe_routed_experts_reach_sglangs_capturer",
+          "check_load_weights_errors", "check_sampler_pieces", "check_greedy_rows_and_host_temperatures")
 
 
 @pytest.fixture(scope="module")
