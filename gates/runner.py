@@ -198,7 +198,8 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None, an
         return 2
     limit = args.memory_limit
     if announce and has_loop_flags(args):
-        print(f"rlperf gate: the first step writes under {args.output_dir} (--output-dir)", file=sys.stderr, flush=True)
+        print(f"rlperf gate: one rollout and one train step, then the gates; the step writes under {args.output_dir} "
+              f"(--output-dir)", file=sys.stderr, flush=True)
     records = []  # the step's record, for --report-png
 
     def step() -> FirstStepRecord:

@@ -6,7 +6,9 @@ test), 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -54,10 +56,89 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(server_args)
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread (:func:`_sigterm_raises`) so that the run's ``finally`` blocks run
+    (engines and ranks stopped, the timeline written, locks released) and the command ends with one line.
+    Not an ``Exception``: no handler of a run's own errors takes it for one."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While the block runs, SIGTERM raises :class:`Terminated`; a second SIGTERM kills at once (the
+    default action), should the cleanup itself hang."""
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminated)
+    except ValueError:  # not the main thread (main() called from a thread): SIGTERM keeps its handler
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _new_dirs(*paths) -> list[Path]:
+    """The directories among ``paths`` that do not exist yet: the ones this command creates."""
+    return [Path(p) for p in paths if p and not Path(p).exists()]
+
+
+def _remove_if_empty(dirs: list[Path]) -> None:
+    """A command that ends having written nothing leaves no empty directory behind (rmdir removes only
+    an empty one)."""
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def _stopped(command: str, exc: BaseException, ns: argparse.Namespace, resume: bool) -> int:
+    """The one line of a command stopped by SIGTERM or SIGINT: what it left under ``--output-dir`` (after
+    :func:`_remove_if_empty`) and, for ``rlperf train`` (``resume``), how to go on; the shell's exit code
+    of that signal (143, 130)."""
+    from rlperf.loop import METRICS_FILE
+
+    name, code = ("SIGTERM", 143) if isinstance(exc, Terminated) else ("SIGINT", 130)
+    out = Path(getattr(ns, "output_dir", None) or ".")
+    files = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not files:
+        left = "it wrote nothing" + ("" if out.is_dir() else f" ({out} removed)")
+    else:
+        metrics = out / METRICS_FILE
+        rollouts = sum(1 for line in metrics.open("rb") if line.strip()) if metrics.is_file() else 0
+        left = f"{out} keeps what it wrote: " + ", ".join(
+            f"{f} ({rollouts} rollouts)" if f == METRICS_FILE else f for f in files)
+        if rollouts and resume:
+            left += " (a new run into it needs --overwrite-output-dir, or --load to resume)"
+    line = f"rlperf {command}: stopped by {name}; {left}"
+    if resume:
+        line += f". {resume_hint(ns)}"
+    print(line, file=sys.stderr)
+    return code
+
+
 def _gate(args: argparse.Namespace) -> int:
+    created = _new_dirs(args.output_dir)
+    try:
+        with _sigterm_raises():
+            return _gate_command(args)
+    except (Terminated, KeyboardInterrupt) as exc:
+        _remove_if_empty(created)
+        return _stopped("gate", exc, args, resume=False)
+    finally:
+        _remove_if_empty(created)
+
+
+def _gate_command(args: argparse.Namespace) -> int:
+    from rlperf.loop.device import cpu_memory_warning
     from rlperf.loop.launch import placement_for
     from rlperf.loop.placement import ActorLayout, needs_launch
 
+    warning = cpu_memory_warning(args)  # before anything is allocated
+    if warning:
+        print(f"rlperf gate: {warning}", file=sys.stderr, flush=True)
     if needs_launch(args):  # --actor-num-gpus-per-node N > 1: the gates run on every rank
         import copy
 
@@ -124,27 +205,47 @@ def _gates_on_ranks(ns: argparse.Namespace, place, announce: bool = False) -> in
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rlperf.loop import UsageError, resolve_args
-    from rlperf.loop.launch import placement_for
-    from rlperf.loop.placement import ActorLayout, needs_launch
-    from rlperf.loop.run_lock import RunDirLocked, lock_run_dirs, release_run_dirs
+    from rlperf.loop import UsageError
+    from rlperf.loop.run_lock import RunDirLocked, release_run_dirs
 
-    locks = []
+    locks, created, stopped = [], _new_dirs(args.output_dir, args.save), None
     try:
-        ns = resolve_args(args)
-        if os.environ.get("RANK", "0") == "0":  # one run per --output-dir / --save: rank 0 (or the launcher) holds it
-            locks = lock_run_dirs(ns.output_dir, ns.save)
-        if needs_launch(ns):  # --actor-num-gpus-per-node N > 1: start N ranks here, each runs _train_rank
-            code = placement_for(ns).launch_actors(_train_rank, ns, ActorLayout.of(ns, "cpu"))
-            if code == 1:  # a rank failed or died (the placement named it): how to go on
-                print(f"rlperf train: the run stops. {resume_hint(ns)}", file=sys.stderr)
-            return code
-        return _train_rank(ns)
+        with _sigterm_raises():
+            return _train_command(args, locks)
     except (UsageError, RunDirLocked) as exc:
         print(f"rlperf train: {exc}", file=sys.stderr)
         return 2
+    except (Terminated, KeyboardInterrupt) as exc:  # SIGTERM, SIGINT (one inside a save is the save's own line)
+        stopped = exc
     finally:
         release_run_dirs(locks)
+        _remove_if_empty(created)
+    return _stopped("train", stopped, args, resume=True)
+
+
+def _train_command(args: argparse.Namespace, locks: list) -> int:
+    """``rlperf train`` with SIGTERM raising (:func:`_train`): resolve the flags, warn of a large model on
+    the CPU, lock the directories (into ``locks``), refuse to replace an earlier run's metrics, run."""
+    from rlperf.loop import resolve_args
+    from rlperf.loop.device import cpu_memory_warning
+    from rlperf.loop.launch import placement_for
+    from rlperf.loop.placement import ActorLayout, needs_launch
+    from rlperf.loop.resolve import check_earlier_metrics
+    from rlperf.loop.run_lock import lock_run_dirs
+
+    ns = resolve_args(args)
+    if os.environ.get("RANK", "0") == "0":  # rank 0 (or the launcher) speaks and holds the directories
+        warning = cpu_memory_warning(ns)  # before anything is allocated
+        if warning:
+            print(f"rlperf train: {warning}", file=sys.stderr, flush=True)
+        locks.extend(lock_run_dirs(ns.output_dir, ns.save))  # one run per --output-dir / --save
+        check_earlier_metrics(ns)
+    if needs_launch(ns):  # --actor-num-gpus-per-node N > 1: start N ranks here, each runs _train_rank
+        code = placement_for(ns).launch_actors(_train_rank, ns, ActorLayout.of(ns, "cpu"))
+        if code == 1:  # a rank failed or died (the placement named it): how to go on
+            print(f"rlperf train: the run stops. {resume_hint(ns)}", file=sys.stderr)
+        return code
+    return _train_rank(ns)
 
 
 def _train_rank(ns: argparse.Namespace) -> int:
@@ -159,6 +260,9 @@ def _train_on_rank(ns: argparse.Namespace, place) -> int:
     if not (ns.skip_gates or ns.debug_rollout_only or ns.debug_train_only):
         # the first-step gates run one rollout and one train step on a run of their own; the
         # training run then starts from the same initial state (nothing is saved by the gates)
+        if place.rank == 0:  # seconds of work before the gates' table: say what they are
+            print("rlperf train: first-step gates: one rollout and one train step, checked before step 1 "
+                  "(--skip-gates skips them)", file=sys.stderr, flush=True)
         code = _gates_on_ranks(ns, place)
         if code != 0:
             if place.rank == 0:

@@ -106,3 +106,45 @@ def resolve_engine_layout(ns: argparse.Namespace, device, visible_gpus: int | No
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [x.strip() for x in listed.split(",")] if listed else [str(i) for i in range(visible)]
     ns.engine_gpus = ids[actor:actor + n * per]
+
+
+CPU_RUN_MODEL_COPIES = 6
+"""float32 copies of the model's parameters a CPU run holds: the actor's weights, its gradients and AdamW's
+two moments, the reference model (the first-step gates always build one) and the in-process engine's weights."""
+LARGE_CPU_RUN_BYTES = 2 << 30
+"""A CPU run estimated above this (before activations) is warned about before it allocates: the embedded
+task's tiny model needs a few MiB; qwen3-0.6b needs ~13 GiB and minutes per step."""
+
+
+def cpu_memory_warning(ns: argparse.Namespace) -> str | None:
+    """For a run on the CPU whose model needs more than :data:`LARGE_CPU_RUN_BYTES`: one line with the
+    estimated memory (:data:`CPU_RUN_MODEL_COPIES` x parameters x 4 bytes) and the machine's, said before
+    anything is allocated; else None. Reads the flags and at most a ``config.json`` (before or after
+    :func:`rlperf.loop.resolve.resolve_args`); what it cannot read is left to the checks that report it."""
+    from rlperf.model.config import preset, read_hf_config
+    from rlperf.telemetry.memory import system_memory_bytes
+
+    from .args import TASK_DEFAULTS
+
+    try:
+        if run_device(ns).type != "cpu":
+            return None
+        if ns.load or ns.hf_checkpoint:
+            from .checkpoint import model_dir
+
+            cfg, name = read_hf_config(model_dir(ns.load) if ns.load else ns.hf_checkpoint)[0], "the model"
+        else:
+            model = ns.model or TASK_DEFAULTS["model"]
+            cfg, name = preset(model), f"--model {model}"
+    except (OSError, ValueError):  # UsageError too: resolve_args names the flag
+        return None
+    need = CPU_RUN_MODEL_COPIES * 4 * cfg.num_parameters
+    if need <= LARGE_CPU_RUN_BYTES:
+        return None
+    have = system_memory_bytes() or 0  # the cgroup's limit when one is set
+    machine = (f", more than this machine's {have / 2**30:.1f} GiB: expect it to run out of memory" if need > have > 0
+               else f" of this machine's {have / 2**30:.1f} GiB" if have else "")
+    return (f"{name} on the CPU: {cfg.num_parameters / 1e6:.0f}M parameters need about {need / 2**30:.1f} GiB "
+            f"before activations ({CPU_RUN_MODEL_COPIES} float32 copies: weights, gradients, AdamW's two moments, "
+            f"the reference and the engine's weights){machine}; each step takes minutes. The CPU path is made for "
+            f"the tiny presets (--model tiny, qwen3-moe-tiny), larger models for --device cuda")

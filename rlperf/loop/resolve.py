@@ -276,6 +276,28 @@ def check_outputs(ns: argparse.Namespace) -> None:
     ns.logger_config = logger_config_from(ns, error=UsageError)  # a missing package is bad usage, before a step
 
 
+def check_earlier_metrics(ns: argparse.Namespace) -> None:
+    """A run that does not resume (no ``--load``) refuses an ``--output-dir`` whose ``metrics.jsonl`` holds an
+    earlier run's lines, unless ``--overwrite-output-dir``: it would start the file afresh and lose them
+    (a run resuming with ``--load`` keeps the lines of the rollouts before its checkpoint). ``rlperf train``
+    checks it once it holds the directory's lock (:mod:`rlperf.loop.run_lock`), so a live run is named
+    by its lock first."""
+    from rlperf.loop import METRICS_FILE
+
+    path = Path(ns.output_dir) / METRICS_FILE
+    if ns.load or getattr(ns, "overwrite_output_dir", False) or not path.is_file():
+        return
+    try:
+        with open(path, "rb") as f:
+            lines = sum(1 for line in f if line.strip())
+    except OSError:
+        return
+    if lines:
+        raise UsageError(f"--output-dir {ns.output_dir} holds the metrics of an earlier run ({path}, {lines} "
+                         f"rollout(s)) and this run would replace them: choose another --output-dir, resume that run "
+                         f"with --load, or add --overwrite-output-dir to replace them")
+
+
 def check_writable_dir(path, flag: str) -> None:
     """Create ``path`` if needed and prove a file can be written there (removed again)."""
     p = Path(path)

@@ -68,6 +68,7 @@ from rlperf import kernels as K
 from rlperf.sync import SYNC_BUCKET_BYTES, weights_checksum
 from rlperf.telemetry import PhaseMeter, PhaseTimeline, TrainerTrace, default_path
 from rlperf.telemetry.loggers import open_loggers
+from rlperf.telemetry.notice import SETUP_DESCRIPTIONS, slow_phase_notice
 
 from . import checkpoint as ckpt
 from . import warm_start
@@ -146,6 +147,8 @@ class Run:
         self.last_sync = None  # the SyncStats of the latest weight sync
         self.last_checksum = None  # the engines' weights checksum read back by the latest sync(checksum=True)
         self.setup_seconds: dict[str, float] = {}  # where building this run went (the gates' report shows it)
+        # rank 0 says what a phase is doing once it has run a few seconds (a large model on the CPU)
+        self.notice = f"rlperf {getattr(ns, 'command', None) or 'train'}" if self.rank == 0 else None
         with self.kernels():
             with self._setup_stage("model"):
                 self._build_model()
@@ -161,7 +164,7 @@ class Run:
                                       return_routed_experts=config.train.moe.routing_replay)
         self.out = Path(config.telemetry.output_dir)
         self.timeline = PhaseTimeline(default_path(self.out)) if self.rank == 0 else None
-        self.meter = PhaseMeter(self.device, self.timeline)
+        self.meter = PhaseMeter(self.device, self.timeline, notice=self.notice)
         self.trace = TrainerTrace(ns if self.rank == 0 else _without_profile(ns), self.out, self.start, self.device,
                                   error=UsageError)  # --profile-step-*
 
@@ -173,7 +176,8 @@ class Run:
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         try:
-            yield
+            with slow_phase_notice(SETUP_DESCRIPTIONS[name], self.notice or "", enabled=self.notice is not None):
+                yield
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

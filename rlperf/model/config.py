@@ -83,6 +83,18 @@ class ModelConfig:
         """The indices of the sparse expert layers, in order (empty for a dense model)."""
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the model these shapes build (:class:`rlperf.model.qwen3.Qwen3ForCausalLM`),
+        counted without building it: what a run's memory is estimated from before it allocates."""
+        h = self.hidden_size
+        attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * self.head_dim + 2 * h
+        dense = 3 * self.intermediate_size * h
+        sparse = self.num_experts * h + self.num_experts * 3 * self.moe_intermediate_size * h
+        layers = sum(attention + (sparse if self.is_moe_layer(i) else dense) for i in range(self.num_hidden_layers))
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return layers + embeddings + h
+
 
 _QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
                       num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,

@@ -11,6 +11,8 @@
   steps (``--profile-step-start/-end``, ``--profile-target``);
 * :mod:`~rlperf.telemetry.loggers` — each metrics line also to TensorBoard (``--use-tensorboard``),
   Weights & Biases (``--use-wandb``) and the run's redrawn picture (``--plot``), rank 0 only.
+* :mod:`~rlperf.telemetry.notice` — :func:`slow_phase_notice`: a phase still running after a few seconds
+  says what it is doing (a large model on the CPU), rank 0 only.
 
 The profile harness for rollout servers (``rlperf profile``) is a tool on top, :mod:`rlperf.profiles`.
 """
@@ -30,13 +32,14 @@ _EXPORTS = {
     'PhaseTimeline': '.timeline',
     'default_path': '.timeline',
     'perfetto_available': '.timeline',
+    'slow_phase_notice': '.notice',
     'TrainerTrace': '.trainer_trace',
     'add_trace_window_arguments': '.trainer_trace',
     'check_profile_args': '.trainer_trace',
 }
 """Each exported name -> the submodule that defines it (imported when the name is first used)."""
 __all__ = ["PhaseMeter", "PhaseSample", "PhaseTimeline", "TrainerTrace", "default_path", "perfetto_available",
-           "add_trace_window_arguments", "check_profile_args", "memory_counters", "rss_bytes", "peak_rss_bytes",
+           "add_trace_window_arguments", "check_profile_args", "slow_phase_notice", "memory_counters", "rss_bytes", "peak_rss_bytes",
            "reset_peak_rss", "memory_kind", "capacity_bytes", "process_memory", "system_memory_bytes"]
 
 

@@ -35,6 +35,7 @@ import time
 import torch
 
 from .memory import memory_kind, peak_rss_bytes, reset_peak_rss
+from .notice import phase_description, slow_phase_notice
 
 
 @dataclasses.dataclass
@@ -55,10 +56,11 @@ class PhaseMeter:
     loop arms it for a run; the gates' first step never does).
     """
 
-    def __init__(self, device=None, timeline=None):
+    def __init__(self, device=None, timeline=None, notice: str | None = None):
         self.device = torch.device(device if device is not None else "cpu")
         self.timeline = timeline
         self.trace = None
+        self.notice = notice  # a prefix ("rlperf train"): a phase still running after a few seconds says so
         self.kind = memory_kind(self.device)
         self.times: dict[str, float] = {}
         self.peaks: dict[str, int] = {}
@@ -69,7 +71,8 @@ class PhaseMeter:
     def phase(self, name: str, step: int | None = None):
         """Measure the ``with`` block as phase ``name`` (of step ``step``); yields its :class:`PhaseSample`."""
         # the torch trace (when armed) wraps the measurement: its start and export stay out of the phase's time
-        with self.trace.phase(name, step) if self.trace is not None else contextlib.nullcontext(), \
+        with slow_phase_notice(phase_description(name, step), self.notice or "", enabled=self.notice is not None), \
+                self.trace.phase(name, step) if self.trace is not None else contextlib.nullcontext(), \
                 self._measure(name, step) as sample:
             yield sample
 

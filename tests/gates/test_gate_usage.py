@@ -86,6 +86,7 @@ def test_gate_writes_only_under_its_named_default_output_dir(tmp_path, capsys, m
     code = rlperf(["gate", "--device", "cpu", *CHEAP])
     err = capsys.readouterr().err
     assert code == 0, err
-    assert "rlperf gate: the first step writes under rlperf-gate (--output-dir)" in err
+    assert "rlperf gate: one rollout and one train step, then the gates; the step writes under rlperf-gate " \
+           "(--output-dir)" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rlperf-gate"]
     assert any((tmp_path / "rlperf-gate").iterdir())  # the first step's timeline

@@ -68,7 +68,8 @@ def test_a_second_run_on_the_same_directory_is_refused_until_the_first_dies(tmp_
         first.wait(timeout=60)
         first.stderr.close()
     assert (out / LOCK_FILE).read_text().strip() == str(first.pid)  # left behind by the dead run
-    again = subprocess.run(_cmd("--num-rollout", 1, "--output-dir", out, "--save", save, "--overwrite-save"),
+    again = subprocess.run(_cmd("--num-rollout", 1, "--output-dir", out, "--save", save, "--overwrite-save",
+                                "--overwrite-output-dir"),
                            env=_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     # a run that ends removes its lock files: the directories hold only what it wrote

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rlperf.kernels as K
-from rlperf.model import preset
+from rlperf.model import PRESETS, preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 
 CFG = preset("tiny")
@@ -154,3 +154,11 @@ def test_gpu_random_init_equals_the_cpu_init_bit_for_bit(dtype):
     gpu = Qwen3ForCausalLM.random(CFG, seed=4, dtype=dtype, device="cuda")
     for (name, a), (_, b) in zip(cpu.named_parameters(), gpu.named_parameters()):
         assert torch.equal(a.detach(), b.detach().cpu()), name
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_num_parameters_counts_what_the_model_builds(name):
+    """The count a run's memory estimate uses before it allocates: the built model's, on the meta device
+    (no memory), for dense, tied and untied, and MoE shapes."""
+    model = Qwen3ForCausalLM(PRESETS[name], torch.float32, "meta")
+    assert PRESETS[name].num_parameters == sum(p.numel() for p in model.parameters())
