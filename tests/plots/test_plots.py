@@ -72,6 +72,45 @@ def test_runs_overlay_and_labels(tmp_path, png_ink):
     assert main(["plot", str(a), str(b), "--label", "only-one"]) == 2
 
 
+def _panel(fig, title: str):
+    return next(ax for ax in fig.axes if ax.get_title() == title)
+
+
+def test_panels_read_true_at_a_glance():
+    """Issue #40 item 6, on the figure itself: the response length and peak memory start at 0 (one shorter
+    answer is not a cliff), the longest-sample rate has an axis of its own (not a line flat at 0 beside
+    thousands of tokens/s), a run whose KL and gap are all exactly 0 has no empty log axis and its zero
+    marks are whole, and rollouts count 1..N as the console does."""
+    from rlperf.plots.runs import draw_runs
+
+    rows = [{**_metrics_line(k, abs_diff=1e-3), "rollout/response_length": 2.0 - (k == 3) / 128, "perf/tokens_per_sec": 2000.0 + k,
+             "perf/longest_sample_tokens_per_sec": 14.0 + k % 2} for k in range(80)]
+    fig = draw_runs({"run": rows})
+    length = _panel(fig, "response length")
+    assert length.get_ylim()[0] == 0.0 and 2.0 < length.get_ylim()[1] < 3.0
+    assert _panel(fig, "peak memory (largest phase)").get_ylim()[0] == 0.0
+    tps = _panel(fig, "throughput")
+    (longest,) = [ax for ax in fig.axes if ax is not tps and ax.bbox.bounds == tps.bbox.bounds]  # its twin
+    (dashed,) = longest.get_lines()
+    assert dashed.get_linestyle() == "--" and max(dashed.get_ydata()) > 0.5 * longest.get_ylim()[1]
+    (solid,) = tps.get_lines()
+    assert list(solid.get_xdata()[[0, -1]]) == [1, 80]  # rollout k/80 on the console is x = k
+    assert 2080 < tps.get_ylim()[1] < 3000 and tps.get_ylim()[0] == 0.0
+
+    gap = _panel(fig, "KL and train/rollout log-prob gap")
+    assert gap.get_yscale() == "log" and len(gap.get_lines()) == 2  # the nonzero values of both series
+    strip = fig.axes[fig.axes.index(gap) + 1]
+    zero_rows = [t.get_text() for t in strip.get_yticklabels()]
+    assert sorted(zero_rows) == ["logprob abs diff = 0 (1/80)", "|ppo_kl| = 0 (1/80)"]  # rollout 1 of each is 0
+    low, high = strip.get_ylim()
+    assert low <= -0.5 and high >= len(zero_rows) - 0.5  # every row of marks inside the strip, whole
+
+    zeros = [{**r, "train/ppo_kl": 0.0, "train/train_rollout_logprob_abs_diff": 0.0} for r in rows]
+    gap = _panel(draw_runs({"run": zeros}), "KL and train/rollout log-prob gap")
+    assert gap.get_yscale() == "linear" and not gap.get_yticks().size and not gap.get_lines()
+    assert [t.get_text() for t in gap.texts] == ["every value is exactly 0\n(marked below)"]
+
+
 def test_bench_bars(tmp_path, png_ink, capsys):
     rows = [{"bench": "matmul", "case": f"M={m}", "kernel": "rlperf.matmul", "anchor": "cuBLAS", "kernel_ms": 1.0,
              "anchor_ms": r, "ratio": r, "extra": {"M": m}} for m, r in ((16, 0.7), (1024, 0.93), (4096, 0.95))]
