@@ -45,6 +45,7 @@ invariant; it exists to measure the price of invariance.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -72,6 +73,28 @@ PAGE_SIZE: int = _CONFIG["BLOCK_N"]
 # 127/128 padding at decode). BLOCK_M 16/32 with 4 warps (mma.sync) differed in a few rows: not used.
 # tests/kernels/test_attention.py's GPU tests prove the equality for the shapes the model uses.
 _DECODE_CONFIG = {**_CONFIG, "BLOCK_M": 64, "num_warps": 4}
+# The software pipeline's depth (num_stages) moves no bit: the same loads, the same math in the same
+# order, only how far ahead the loads are issued (launch_with_fitting_stages already lowers it where
+# shared memory is short). A decode launch takes its depth from its grid: with at most one program per
+# SM, a 2-deep pipeline hides the loads of each program's few KV blocks; with more programs than SMs,
+# one stage (64 KiB of K/V tiles) lets three programs share an SM, which hides them better. H200,
+# Qwen3-0.6B heads, prompt 512, a graphed 28-layer stack (`python -m rlperf.bench.attention
+# --sweep-decode`, fba5d7c): against 3 stages, 2 stages 1.02x / 1.04x at B = 1 / 16; 1 stage 1.24x /
+# 1.30x at B = 64 / 256 and 1.10x at B = 64 KV 4096 (but 0.77x at B = 1); bits equal at every depth.
+_DECODE_STAGES_FEW_PROGRAMS, _DECODE_STAGES_MANY_PROGRAMS = 2, 1
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _decode_stages(programs: int, device: torch.device) -> int:
+    """The pipeline depth of a decode launch of ``programs`` live programs (comment above)."""
+    if device.type != "cuda":
+        return _DECODE_CONFIG["num_stages"]  # the interpreter has no pipeline
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _DECODE_STAGES_FEW_PROGRAMS if programs <= sms else _DECODE_STAGES_MANY_PROGRAMS
 
 __all__ = ["PAGE_SIZE", "write_kv_cache", "paged_attention", "varlen_attention"]
 
@@ -554,7 +577,10 @@ def paged_attention(
         if page_table.stride(1) != 1:
             page_table = page_table.contiguous()
         # decode-only (T == B: every sequence has one query) takes the decode tile: same bits (above)
-        config = _DECODE_CONFIG if q.shape[0] == cu_seqlens_q.numel() - 1 else None
+        config = None
+        if q.shape[0] == cu_seqlens_q.numel() - 1:
+            config = {**_DECODE_CONFIG,
+                      "num_stages": _decode_stages(q.shape[0] * k_cache.shape[-2], q.device)}
         return attention_forward(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, scale, config=config)
     return _ref.paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale).to(q.dtype)
 

@@ -354,6 +354,35 @@ def test_gpu_batch_composition_bit_identical(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_decode_pipeline_depth_bit_identical(dtype):
+    """Decode takes its pipeline depth from its grid (2 stages up to one program per SM, else 1): a
+    decode step of 48 sequences (48 x 8 programs) and of each sequence alone (8 programs) equal the
+    prefill rows, and so does every depth forced on the same launch."""
+    from rlperf.kernels.attention import _DECODE_CONFIG, attention_forward
+
+    many = [int(x) for x in torch.randint(1, 1500, (48,), generator=torch.Generator().manual_seed(5)).tolist()]
+    q, k, v, cu = make_tokens(many, 32, 8, 128, dtype, "cuda")
+    base = run_varlen(q, k, v, many)
+    batched = run_chunked(q, k, v, many, chunk=1, prompt=3)  # three decode steps of all 48 at once
+    assert torch.equal(batched, base)
+    for b in (0, 17, 47):
+        s = slice(int(cu[b]), int(cu[b + 1]))
+        assert torch.equal(run_chunked(q[s], k[s], v[s], [many[b]], chunk=1, prompt=2), base[s])
+    cache = PagedCache(many, 8, 128, dtype, "cuda")
+    rows = torch.cat([torch.arange(int(cu[b]), int(cu[b + 1])) for b in range(len(many))]).cuda()
+    K.write_kv_cache(k[rows], v[rows], cache.k, cache.v,
+                     torch.cat([cache.slots(b, 0, many[b]) for b in range(len(many))]).cuda())
+    last = (cu[1:] - 1).long()
+    kv = torch.tensor(many, dtype=torch.int32, device="cuda")
+    step = torch.arange(len(many) + 1, dtype=torch.int32, device="cuda")
+    for stages in (1, 2, 3):
+        out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table,
+                                config={**_DECODE_CONFIG, "num_stages": stages})
+        assert torch.equal(out, base[last]), f"{stages} stages"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_fast_mode_accuracy(dtype):
     lens = [700, 1, 1300]
     q, k, v, cu = make_tokens(lens, 32, 8, 128, dtype, "cuda")
