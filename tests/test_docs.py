@@ -71,6 +71,21 @@ def test_every_subcommand_has_its_page_linked_from_the_readme():
         assert f"(docs/{name}.md)" in readme, f"README.md does not link docs/{name}.md"
 
 
+def test_every_docs_page_has_the_one_nav_bar_naming_every_page():
+    """The line under each page's title links the README and every page of docs/ (a page added without
+    joining the bar, or a bar left behind, fails here)."""
+    docs = sorted((ROOT / "docs").glob("*.md"))
+    bars = {}
+    for page in docs:
+        lines = page.read_text().splitlines()
+        assert lines[0].startswith("# ") and lines[1] == "", f"{page.name}: a title, then a blank line"
+        bars[page.name] = lines[2]
+    assert len(set(bars.values())) == 1, {k: v[:60] for k, v in bars.items()}
+    (bar,) = set(bars.values())
+    targets = relative_links(bar)
+    assert targets[0] == "../README.md" and sorted(targets[1:]) == sorted(p.name for p in docs), targets
+
+
 def test_the_link_checker_finds_a_missing_file_and_a_missing_heading(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("# Title\n\n## Some `code` part\n")
