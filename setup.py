@@ -9,7 +9,7 @@ The C++/CUDA extension (csrc/) needs torch at build time, so install with
 still installs, without `rlperf._C`, and the Python fallbacks warn at run time.
 
 An editable install builds in a fresh temporary directory every time, so adding an extra later
-(`pip install -e ".[plot]"`) compiled the extension again (34 s on 2 cores). The build keeps a key of
+(`pip install -e ".[plot]"`) compiled the extension again (most of the install's time). The build keeps a key of
 what it compiled from (the sources, torch, Python, the flags) beside the in-tree copy of the
 extension (`rlperf/_C*.so.key`); a build whose key matches copies that extension instead of compiling
 (`RLPERF_REBUILD_EXTENSION=1` compiles anyway).

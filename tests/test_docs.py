@@ -1,6 +1,7 @@
 """The README is a front door and every page it leads to exists: relative links in README.md and
 docs/*.md resolve (files, and #anchors to a heading of the target page), the README stays short,
 its CI test block is where .ci/run reads it, and every subcommand has its page."""
+import argparse
 import re
 from pathlib import Path
 
@@ -69,6 +70,19 @@ def test_every_subcommand_has_its_page_linked_from_the_readme():
     for name in action.choices:
         assert (ROOT / "docs" / f"{name}.md").exists(), f"rlperf {name} has no docs/{name}.md"
         assert f"(docs/{name}.md)" in readme, f"README.md does not link docs/{name}.md"
+
+
+def test_the_default_runs_time_is_one_number_in_the_readme_docs_and_help():
+    """`rlperf train --help`, the README and docs/train.md state the one measured wall time of the default run."""
+    from rlperf.cli import build_parser
+
+    (action,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    help_text = " ".join(action.choices["train"].description.split())
+    (seconds,) = re.findall(r"\((\d+) s on an idle 2-core", help_text)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    train = " ".join((ROOT / "docs" / "train.md").read_text().split())
+    assert f"took {seconds} s in all" in readme and f"took {seconds} s of wall time" in train
+    assert not re.search(r"under a minute|\b69 s\b", readme + train + help_text)
 
 
 def test_every_docs_page_has_the_one_nav_bar_naming_every_page():
