@@ -2,7 +2,9 @@
 
 * :func:`train` — run a training loop from ``rlperf train`` flags; returns the metrics lines;
 * :func:`first_step` — one rollout + one train step as a :class:`FirstStepRecord` (the hook of the
-  first-step gates, which import the record and this hook from here);
+  first-step gates, which import the record and this hook from here; :mod:`~rlperf.loop.first_step`);
+* :mod:`~rlperf.loop.build` — the parts built before the trainer: model, tokenizer, data, warm-up, reference;
+* :mod:`~rlperf.loop.metrics` — what each rollout's ``metrics.jsonl`` line holds, the file, the step line;
 * :mod:`~rlperf.loop.record` — :class:`FirstStepRecord`, :class:`PhaseMemory`, :class:`EngineMemory`,
   :data:`PHASES`: what the first step hands to the gates;
 * :mod:`~rlperf.loop.probe` — :func:`worst_case_probe`: forward + backward at the largest micro-batch;
@@ -21,7 +23,7 @@
   ``--actor-num-gpus-per-node``, ``--placement``): layout checks, :class:`~rlperf.loop.placement.LocalPlacement`,
   torchrun's environment, the ranks' process group;
 * :mod:`~rlperf.loop.data_parallel` — what changes on several ranks: sharded rollout, rank 0's samples,
-  worst-rank memory peaks (the trainer side is :mod:`rlperf.train.fsdp`);
+  worst-rank memory peaks (the trainer side is the backends', :mod:`rlperf.train.backend`);
 * :func:`parse_train_args` — flags -> a checked namespace (:class:`UsageError` before any step).
 
 Phase times, memory peaks, the phase timeline and torch traces are the loop's telemetry
@@ -43,11 +45,11 @@ _EXPORTS = {
     'EngineMemory': '.record',
     'FirstStepRecord': '.record',
     'PhaseMemory': '.record',
-    'METRICS_FILE': '.runner',
+    'METRICS_FILE': '.metrics',
+    'summary_line': '.metrics',
     'Run': '.runner',
-    'first_step': '.runner',
-    'summary_line': '.runner',
     'train': '.runner',
+    'first_step': '.first_step',
 }
 """Each exported name -> the submodule that defines it (imported when the name is first used)."""
 __all__ = ["RunConfig", "RolloutClient", "client_for", "UsageError", "add_loop_arguments", "parse_train_args", "resolve_args", "Run", "train", "first_step",

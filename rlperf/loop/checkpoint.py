@@ -132,12 +132,13 @@ def _fsync_tree(root: Path) -> None:
         _fsync_path(Path(d))
 
 
-def save_checkpoint(save, iteration: int, model, trainer) -> Path:
-    """Write checkpoint ``iteration`` under ``save`` and point the pointer at it (steps: module docstring).
+def save_checkpoint(save, iteration: int, model, trainer_state: dict) -> Path:
+    """Write checkpoint ``iteration`` under ``save`` and point the pointer at it (steps: module docstring):
+    ``model``'s ``save_pretrained`` files and ``trainer_state`` (:meth:`rlperf.train.Trainer.state_dict`).
     :class:`CheckpointInterrupted` when the disk is full (ENOSPC) or SIGINT arrives meanwhile."""
     save = Path(save)
     try:
-        return _save_checkpoint(save, iteration, model, trainer)
+        return _save_checkpoint(save, iteration, model, trainer_state)
     except (OSError, KeyboardInterrupt) as exc:
         if isinstance(exc, OSError) and exc.errno != errno.ENOSPC:
             raise
@@ -153,14 +154,14 @@ def save_checkpoint(save, iteration: int, model, trainer) -> Path:
                                     f"nothing is lost, {kept}", 1 if isinstance(exc, OSError) else 130) from None
 
 
-def _save_checkpoint(save: Path, iteration: int, model, trainer) -> Path:
+def _save_checkpoint(save: Path, iteration: int, model, trainer_state: dict) -> Path:
     final = iter_dir(save, iteration)
     tmp, old = _sibling(final, ".tmp"), _sibling(final, ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     # 1. write-tmp
     model.save_pretrained(tmp / "model")
     fault_point("write-tmp")  # halfway: a temporary without trainer.pt
-    torch.save({"trainer": trainer.state_dict(), "iteration": iteration}, tmp / "trainer.pt")
+    torch.save({"trainer": trainer_state, "iteration": iteration}, tmp / "trainer.pt")
     # 2. fsync: the data is on disk before any name points at it
     _fsync_tree(tmp)
     fault_point("fsync")

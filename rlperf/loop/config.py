@@ -7,8 +7,8 @@ namespace itself still reaches one place: custom rollout and generate functions,
 
 Sections: :class:`DataConfig` (prompts, rewards), :class:`RolloutConfig` (sampling and where the
 rollout runs: :attr:`RolloutConfig.engine`), :class:`ModelConfig` (initial, reference and saved
-weights), :class:`TrainConfig` (the training core's :class:`rlperf.train.TrainArgs`, precision, steps, the
-megatron layout, :class:`MoEConfig`),
+weights), :class:`TrainConfig` (the trainer's section, defined beside the trainers in :mod:`rlperf.train.config`:
+the training core's :class:`rlperf.train.TrainArgs`, precision, steps, the backend and its layout),
 :class:`RuntimeConfig` (device, threads, kernel policy, seed), :class:`PlacementConfig` (actor
 ranks), :class:`TelemetryConfig` (outputs, progress). Light to import.
 """
@@ -19,6 +19,7 @@ import dataclasses
 
 from rlperf.telemetry.loggers import LoggerConfig
 from rlperf.train.args import TrainArgs
+from rlperf.train.config import MegatronConfig, MoEConfig, TrainConfig
 
 from .args import DEFAULT_SGLANG_ATTENTION_BACKEND, DEFAULT_SGLANG_NUMERICS
 
@@ -164,57 +165,6 @@ class ModelConfig:
         """The directory the actor is loaded from (``--load``'s latest model, else ``--hf-checkpoint``),
         unresolved; None: the preset."""
         return self.load or self.hf_checkpoint
-
-
-@dataclasses.dataclass(frozen=True)
-class MegatronConfig:
-    """The megatron backend's parallel layout and recompute (slime's flags; ``world = TP x PP x DP``)."""
-
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    recompute_granularity: str | None
-    """``full`` (CUDA) or None; selective and context parallel are refused by
-    :func:`rlperf.loop.args.check_megatron_flags`."""
-    recompute_method: str | None
-    recompute_num_layers: int | None
-    sequence_parallel: bool = False
-    """``--sequence-parallel``: activations between the tensor-parallel layers split over the tokens."""
-    use_distributed_optimizer: bool = False
-    """``--use-distributed-optimizer``: AdamW's moments sharded over the data-parallel replicas."""
-    transformer_impl: str = "local"
-    """``--transformer-impl``: only ``local`` runs (``transformer_engine`` is refused at resolve time)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """Mixture-of-experts training (MoE models only; :func:`rlperf.loop.args.check_moe_model`)."""
-
-    routing_replay: bool = False
-    """``--use-rollout-routing-replay``: the rollout returns every token's routed experts and the
-    trainer's forwards route as the rollout did (:func:`rlperf.train.batching.replayed_routing`)."""
-    expert_model_parallel_size: int = 1
-    """``--expert-model-parallel-size``: actor ranks each MoE layer's experts are split over
-    (:class:`rlperf.train.expert_parallel.ExpertParallelTrainer`); 1: every rank holds every expert."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """The trainer: its core options, precision and steps per rollout. A data-parallel run
-    (:attr:`PlacementConfig.world_size` > 1) trains with FSDP2 (:class:`rlperf.train.fsdp.FSDPTrainer`),
-    unless :attr:`backend` is ``megatron`` (:class:`rlperf.train.megatron.trainer.MegatronTrainer`, laid
-    out by :attr:`megatron`)."""
-
-    args: TrainArgs
-    """The training core's options (losses, advantages, batching, optimizer)."""
-    precision: str
-    """``bf16`` (float32 masters, bf16 compute weights) or ``fp32`` (resolved from ``auto``)."""
-    num_steps_per_rollout: int
-    backend: str = "fsdp"
-    """``--train-backend``: ``fsdp`` (rlperf's model; FSDP2 on several ranks) or ``megatron``."""
-    megatron: MegatronConfig | None = None
-    """The megatron backend's layout (``backend == "megatron"`` only)."""
-    moe: MoEConfig = MoEConfig()
-    """Routing replay and expert parallel (MoE models)."""
 
 
 @dataclasses.dataclass(frozen=True)

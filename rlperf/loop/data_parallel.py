@@ -30,6 +30,8 @@ engine on the same device.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -150,19 +152,38 @@ class Rank0EnginesClient:
             self.inner.close()
 
 
+@contextlib.contextmanager
+def errors_end_the_ranks(what: str, keep: tuple = ()):
+    """On several ranks an error in the block (other than ``keep``) becomes :class:`RankFailure` ("rank R:
+    ``what``: the error"), which no gate can swallow while the other ranks wait in a collective; in one
+    process it propagates as it is."""
+    try:
+        yield
+    except keep:
+        raise
+    except Exception as exc:
+        rank, world = rank_and_world()
+        if world > 1:
+            raise RankFailure(f"rank {rank}: {what}: {type(exc).__name__}: {exc}") from exc
+        raise
+
+
 def broadcast_from_rank0(obj):
     """Rank 0's ``obj`` on every rank (a pickled broadcast over the CPU group): a rollout's samples,
-    the gates' exit code."""
+    the gates' exit code. One process: ``obj`` itself."""
+    if rank_and_world()[1] == 1:
+        return obj
     box = [obj if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
 def max_over_ranks(values: dict[str, int]) -> dict[str, int]:
-    """Each value's maximum over the ranks (every rank has the same keys): the worst rank's memory peaks."""
+    """Each value's maximum over the ranks (every rank has the same keys): the worst rank's memory peaks.
+    One process: a copy of ``values``."""
     keys = sorted(values)
-    if not keys:
-        return values
+    if not keys or rank_and_world()[1] == 1:
+        return dict(values)
     t = torch.tensor([int(values[k]) for k in keys], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(keys, (int(v) for v in t.tolist())))

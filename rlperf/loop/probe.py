@@ -54,15 +54,14 @@ def probe_samples(args, sample_length: int, vocab_size: int, seed: int = 0) -> l
 
 
 def worst_case_probe(trainer, sample_length: int, phase: str = "train") -> PhaseMemory:
-    """Peak memory of one forward + backward of ``trainer`` (:class:`rlperf.train.Trainer`) on the
+    """Peak memory of one forward + backward of ``trainer`` (:class:`rlperf.train.backend.TrainerBackend`) on the
     worst-case micro-batch; ``PhaseMemory(phase, peak_bytes, tokens)``. Weights, gradients and the
     optimizer are left as they were (gradients are saved and restored)."""
     from rlperf.train import pack_micro_batches
 
     a = trainer.args
     model = trainer.model
-    staged = hasattr(trainer, "probe_step")  # the megatron trainer: its stages run it together (pipeline)
-    samples = probe_samples(a, sample_length, model.cfg.vocab_size if staged else model.head_weight.shape[0])
+    samples = probe_samples(a, sample_length, model.cfg.vocab_size)
     # one micro-batch by construction: all samples in one group
     (mb,) = pack_micro_batches(samples, None, len(samples), device=trainer.device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -78,13 +77,7 @@ def worst_case_probe(trainer, sample_length: int, phase: str = "train") -> Phase
                 old = torch.full_like(log_probs, -1.0)
                 return -(torch.exp(log_probs - old)).sum() - a.entropy_coef * entropy.sum()
 
-            if staged:
-                trainer.probe_step(mb, loss_of)
-            else:
-                log_probs, entropy = trainer.forward_log_probs(mb, with_entropy=True)  # FSDP: through its root
-                loss = loss_of(log_probs, entropy)
-                loss.backward()
-                del log_probs, entropy, loss
+            trainer.probe_step(mb, loss_of)  # the trainer's own path (FSDP: its root; megatron: its stages)
     finally:
         for p, gr in zip(params, saved):
             p.grad = gr

@@ -59,7 +59,7 @@ def probe_host(ns: argparse.Namespace) -> None:
             cfg = preset(ns.model)
         except ValueError as exc:
             raise UsageError(f"--model {ns.model}: {exc}") from None
-        # a checkpoint's model is checked when the run builds it (rlperf.loop.runner.Run._build_model)
+        # a checkpoint's model is checked when the run builds it (rlperf.loop.build.build_model)
         check_moe_model(cfg, ns.expert_model_parallel_size, ns.use_rollout_routing_replay)
     device = run_device(ns)
     resolve_engine_layout(ns, device)  # --rollout-num-gpus: ns.disaggregated, ns.engine_gpus

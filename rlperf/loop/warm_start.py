@@ -4,8 +4,8 @@
 (``rlperf.cli``): both build the same preset model from the same seed and give it the same format
 warm-up (:func:`rlperf.data.embedded.format_warmup`, 60 Adam steps). The second run takes the
 first's result instead: a host copy of the float32 master weights after the warm-up and its last
-loss, kept under a key of everything that result depends on (:meth:`rlperf.loop.runner.Run`'s
-``_warm_start_key``: the model config, seed, device, compute dtype, kernel mode and backend, CPU
+loss, kept under a key of everything that result depends on (:func:`rlperf.loop.build.warm_start_key`:
+the model config, seed, device, compute dtype, kernel mode and backend, CPU
 threads, deterministic algorithms, the task and the warm-up function). The run that finds it skips
 the random init and the warm-up and loads these weights: the bits a fresh warm-up would give.
 

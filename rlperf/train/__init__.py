@@ -10,11 +10,19 @@
 * :mod:`~rlperf.train.trainer` — :class:`Trainer` (AdamW + grad clipping), metrics with slime's names.
 * :mod:`~rlperf.train.fsdp` — :class:`~rlperf.train.fsdp.FSDPTrainer`, the data-parallel trainer over
   FSDP2 shards, and the bucket-by-bucket gather of the full weights (imported on its own: it loads
-  ``torch.distributed``).
+  ``torch.distributed``); :mod:`~rlperf.train.expert_parallel` and :mod:`~rlperf.train.megatron` likewise;
+* :mod:`~rlperf.train.config` — :class:`TrainConfig`, the trainer's typed configuration;
+* :mod:`~rlperf.train.backend` — :class:`TrainerBackend`, the one protocol the loop trains through, and
+  the registry from ``--train-backend`` and the layout flags to its implementations (:func:`build_trainer`).
 """
 from rlperf.lazy_exports import lazy_exports
 
 _EXPORTS = {
+    'TrainerBackend': '.backend',
+    'TrainerSetup': '.backend',
+    'build_trainer': '.backend',
+    'register_trainer_backend': '.backend',
+    'TrainConfig': '.config',
     'compute_advantages': '.advantages',
     'masked_whiten': '.advantages',
     'normalize_rewards': '.advantages',
@@ -43,6 +51,7 @@ __all__ = [
     "Sample", "MicroBatch", "pack_micro_batches", "partition", "micro_batch_log_probs", "compute_log_probs",
     "compute_routed_experts",
     "compute_approx_kl", "compute_policy_loss", "policy_loss", "sample_reducer", "Trainer", "frozen_copy",
+    "TrainConfig", "TrainerBackend", "TrainerSetup", "build_trainer", "register_trainer_backend",
 ]
 
 

@@ -43,6 +43,7 @@ from torch import nn
 from rlperf.model.expert_parallel import ExpertParallel
 from rlperf.model.moe import RoutingTrace
 
+from .backend import TrainerSetup, describe_ranks, register_trainer_backend, shard_from_rank0
 from .batching import HostCopies, MicroBatch, micro_batch_log_probs, pack_micro_batches
 from .sample import Sample
 from .trainer import Trainer
@@ -329,3 +330,17 @@ class ExpertParallelTrainer(Trainer):
                         st[k] = v[lo:lo + per].clone()
         state["optimizer"] = optim
         super().load_state_dict(state)
+
+    def describe(self) -> str:
+        return f"{describe_ranks(self.world_size)}, experts split over {self.groups.size} ranks (expert parallel)"
+
+
+@register_trainer_backend("expert-parallel")
+def build_expert_parallel_trainer(setup: TrainerSetup) -> ExpertParallelTrainer:
+    """``--expert-model-parallel-size EP > 1``: every rank starts from rank 0's weights and keeps its share of
+    the experts (:class:`ExpertParallelTrainer`); its ``engine_model`` is a full engine copy in the compute
+    dtype, loaded from the gathered weights at every sync (engines elsewhere: the sharded master model)."""
+    moe = setup.config.moe
+    return shard_from_rank0(setup, lambda: ExpertParallelTrainer(
+        setup.model, setup.config.args, setup.ref_model, compute_dtype=setup.compute_dtype,
+        routing_replay=moe.routing_replay, expert_parallel_size=moe.expert_model_parallel_size))

@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .args import GATHERED_STEP_MEMORY_FRACTION
+from .backend import TrainerSetup, describe_ranks, register_trainer_backend, shard_from_rank0
 from .batching import HostCopies, MicroBatch, make_micro_batch, micro_batch_log_probs, partition
 from .sample import Sample
 from .trainer import Trainer
@@ -168,14 +169,6 @@ def shard_model(model: nn.Module, compute_dtype: torch.dtype | None = None) -> P
     return root
 
 
-@torch.no_grad()
-def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
-    """Overwrite every parameter of ``model`` with rank ``src``'s (before sharding: all ranks then
-    shard the same weights, whatever each built or loaded)."""
-    for p in model.parameters():
-        dist.broadcast(p.data, src)
-
-
 def _reshard_all(module: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 
@@ -254,7 +247,7 @@ class FSDPTrainer(Trainer):
     """:class:`rlperf.train.Trainer` over FSDP2 shards (module docstring); every rank of the default
     process group builds one and calls the same methods with the same samples.
 
-    ``model``: the full float32 model (the same weights on every rank: :func:`broadcast_parameters`);
+    ``model``: the full float32 model (the same weights on every rank: :func:`rlperf.train.backend.start_from_rank0`);
     it is sharded in place and stays :attr:`master_model` (= :attr:`model`; DTensor parameters).
     ``compute_dtype``: FSDP2's ``param_dtype`` (bf16 on CUDA). ``ref_model``: sharded the same way.
     """
@@ -392,3 +385,17 @@ class FSDPTrainer(Trainer):
             if copy is not None:
                 params[name].copy_(full)
         return copy
+
+    def describe(self) -> str:
+        return describe_ranks(self.world_size)
+
+
+@register_trainer_backend("fsdp")
+def build_fsdp_trainer(setup: TrainerSetup) -> FSDPTrainer:
+    """``--train-backend fsdp`` on several actor ranks: every rank starts from rank 0's weights, then
+    :class:`FSDPTrainer` shards them (its shards are the float32 masters). Its ``engine_model`` is the rank's
+    full engine copy in the compute dtype (loaded from the gathered shards at every sync), or, with the
+    engines elsewhere, the sharded master model."""
+    return shard_from_rank0(setup, lambda: FSDPTrainer(setup.model, setup.config.args, setup.ref_model,
+                                                       compute_dtype=setup.compute_dtype,
+                                                       routing_replay=setup.config.moe.routing_replay))

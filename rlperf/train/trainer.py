@@ -55,6 +55,7 @@ import torch
 
 from .advantages import compute_advantages
 from .args import TrainArgs
+from .backend import CheckpointState, TrainerSetup, register_trainer_backend
 from .batching import MicroBatch, compute_log_probs, compute_routed_experts, micro_batch_log_probs, pack_micro_batches
 from .losses import compute_approx_kl, policy_loss
 from .sample import Sample
@@ -69,10 +70,12 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class Trainer:
-    """Actor + frozen reference + AdamW; ``train(samples)`` runs one rollout's optimizer steps."""
+    """Actor + frozen reference + AdamW; ``train(samples)`` runs one rollout's optimizer steps. The
+    one-process :class:`rlperf.train.backend.TrainerBackend`, and the base of the distributed ones."""
 
     routing_replay: bool = False
     """Rollout routing replay (:meth:`__init__`); a class default for subclasses that build their own state."""
+    _engine_model = None
 
     def __init__(self, model: torch.nn.Module, args: TrainArgs, ref_model: torch.nn.Module | None = None,
                  compute_dtype: torch.dtype | None = None, routing_replay: bool = False):
@@ -122,6 +125,36 @@ class Trainer:
     @property
     def device(self) -> torch.device:
         return self.model.head_weight.device
+
+    # ---- the TrainerBackend protocol beyond training (rlperf.train.backend) -------------------------
+    @property
+    def engine_model(self) -> torch.nn.Module:
+        """The model an in-process engine of this process runs: the compute weights themselves here; a
+        distributed backend sets its full engine copy (:attr:`rlperf.train.backend.TrainerBackend.engine_model`)."""
+        return self._engine_model if self._engine_model is not None else self.model
+
+    @engine_model.setter
+    def engine_model(self, model: torch.nn.Module) -> None:
+        self._engine_model = model
+
+    def describe(self) -> str:
+        """The layout in words for the run's first line: nothing to say for one process."""
+        return ""
+
+    def gather_model(self) -> torch.nn.Module | None:
+        """The actor with its whole float32 master weights, as a checkpoint writes it: the master model
+        itself in one process (the distributed trainers gather it to rank 0: a collective)."""
+        return self.master_model
+
+    def checkpoint_state(self) -> CheckpointState | None:
+        """What a checkpoint writes (:meth:`gather_model`, :meth:`state_dict`); None on the ranks that write
+        nothing (where :meth:`gather_model` gives None). A collective where the weights are sharded."""
+        model = self.gather_model()
+        state = self.state_dict()
+        return CheckpointState(model, state) if model is not None else None
+
+    def close(self) -> None:
+        """Nothing to release in one process (the megatron backend leaves its process groups)."""
 
     def _packing(self) -> dict:
         a = self.args
@@ -191,6 +224,13 @@ class Trainer:
             return graphs.log_probs(mb, with_entropy=with_entropy)
         log_probs, entropy = graphs.log_probs_with_grad(mb)
         return (log_probs, entropy) if with_entropy else log_probs
+
+    def probe_step(self, mb: MicroBatch, loss_of) -> None:
+        """One forward with grad and one backward of ``mb`` under the loss ``loss_of(log_probs, entropy)``,
+        through the trainer's own log-prob path: what the first-step gates' memory probe runs. Leaves the
+        gradients in ``.grad`` (the probe saves and restores them)."""
+        log_probs, entropy = self.forward_log_probs(mb, with_entropy=True)
+        loss_of(log_probs, entropy).backward()
 
     def reduce_metric_sums(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This process's share of the step's metric sums (each already divided by the global
@@ -384,3 +424,11 @@ class Trainer:
         with phase("train"):
             return [self.train_step(samples[i:i + gbs], on_first_micro_step if i == 0 else None)
                     for i in range(0, len(samples), gbs)]
+
+
+@register_trainer_backend("one-process")
+def build_one_process_trainer(setup: TrainerSetup) -> Trainer:
+    """``--train-backend fsdp`` on one actor rank: :class:`Trainer` on the whole model; its compute copy (bf16
+    on CUDA) is what forward, backward, weight sync and an in-process engine see."""
+    return Trainer(setup.model, setup.config.args, setup.ref_model, compute_dtype=setup.compute_dtype,
+                   routing_replay=setup.config.moe.routing_replay)

@@ -320,10 +320,10 @@ SGLANG_COLOCATED_INFO = {"mem_fraction_static": 0.45,  # SGLang's server_args, a
 
 def _colocated_record(trainer_peak_gib: float, info: dict, fraction_flag=None):
     """A one-GPU (80 GiB) run whose worst-case probe peaks at ``trainer_peak_gib``, with one engine on the same
-    GPU recorded as the loop records it (:func:`rlperf.loop.runner._engine_memory` on ``info``)."""
+    GPU recorded as the loop records it (:func:`rlperf.loop.first_step.engine_memory` on ``info``)."""
     from types import SimpleNamespace
 
-    from rlperf.loop.runner import _engine_memory
+    from rlperf.loop.first_step import engine_memory
 
     record = healthy_record()
     record.capacity_bytes = 80 * GiB
@@ -331,7 +331,7 @@ def _colocated_record(trainer_peak_gib: float, info: dict, fraction_flag=None):
     client = SimpleNamespace(engine_memory=lambda: [EngineMemory.from_server_info(ENGINE_URLS[0], info)])
     run = SimpleNamespace(client=client, config=SimpleNamespace(rollout=SimpleNamespace(
         disaggregated=False, colocate=True, mem_fraction_static=fraction_flag)))
-    record.engines = _engine_memory(run)
+    record.engines = engine_memory(run)
     return record
 
 

@@ -58,11 +58,11 @@ def test_resaving_the_pointed_iteration_never_leaves_the_pointer_on_a_missing_ch
     """Item 7: re-saving the iteration the pointer names; a kill at any step leaves it loadable."""
     old_model, old_trainer = _model(1)
     new_model, new_trainer = _model(2)
-    ckpt.save_checkpoint(tmp_path, 3, old_model, old_trainer)
+    ckpt.save_checkpoint(tmp_path, 3, old_model, old_trainer.state_dict())
     old, new = old_model.hf_state_dict(), new_model.hf_state_dict()
     kill_at(step)
     with pytest.raises(Killed):
-        ckpt.save_checkpoint(tmp_path, 3, new_model, new_trainer)
+        ckpt.save_checkpoint(tmp_path, 3, new_model, new_trainer.state_dict())
     assert ckpt.latest_iteration(tmp_path) == 3
     loaded = _weights(tmp_path)  # loadable at every step: the old copy until the new one is in place
     in_place = ckpt.STEPS.index(step) >= ckpt.STEPS.index("rename-into-place")
@@ -72,7 +72,7 @@ def test_resaving_the_pointed_iteration_never_leaves_the_pointer_on_a_missing_ch
     assert ckpt.load_trainer_state(tmp_path, _model(3)[1]) == 3
     # the next save leaves no temporaries or old copies behind, and iteration 3 as the pointer knew it
     kill_at(None)
-    ckpt.save_checkpoint(tmp_path, 4, new_model, new_trainer)
+    ckpt.save_checkpoint(tmp_path, 4, new_model, new_trainer.state_dict())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003", "iter_0000004", ckpt.LATEST]
     assert _same(_weights(tmp_path / "iter_0000003" / "model"), loaded)
 

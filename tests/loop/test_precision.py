@@ -59,7 +59,7 @@ def test_bf16_loop_on_cpu_is_true_on_policy_and_saves_float32_masters(tmp_path):
     run = Run(_ns(tmp_path / "o", "--bf16", "--device", "cpu", "--true-on-policy-mode", "--num-rollout", "2",
                   "--save", str(tmp_path / "ckpt"), *SMALL))
     assert all(p.dtype == torch.bfloat16 for p in run.model.parameters())  # compute weights
-    assert all(p.dtype == torch.float32 for p in run.master_model.parameters())  # masters
+    assert all(p.dtype == torch.float32 for p in run.trainer.master_model.parameters())  # masters
     assert all(p.dtype == torch.bfloat16 for p in run.client.model.parameters())  # the engine runs bf16
     hist = run.run()
     assert [m["train/train_rollout_logprob_abs_diff"] for m in hist] == [0.0, 0.0]
@@ -108,7 +108,7 @@ def test_gpu_bf16_true_on_policy_with_cuda_graphs(tmp_path, engine_weights, caps
     assert ns.precision == "bf16"
     run = Run(ns)
     assert all(p.dtype == torch.bfloat16 for p in run.model.parameters())
-    assert all(p.dtype == torch.float32 for p in run.master_model.parameters())
+    assert all(p.dtype == torch.float32 for p in run.trainer.master_model.parameters())
     engine = run.client.engine
     assert all(p.dtype == torch.bfloat16 for p in run.client.model.parameters())
     assert engine.graphs is not None and engine.graphs.capture
@@ -130,7 +130,7 @@ def test_gpu_bf16_true_on_policy_with_cuda_graphs(tmp_path, engine_weights, caps
 def test_gpu_fp32_flag_keeps_float32_and_eager_decode(tmp_path):
     run = Run(_ns(tmp_path / "o", "--device", "cuda", "--fp32", "--sglang-cuda-graph-max-bs", "0",
                   "--true-on-policy-mode", "--num-rollout", "2"))
-    assert run.model is run.master_model and all(p.dtype == torch.float32 for p in run.model.parameters())
+    assert run.model is run.trainer.master_model and all(p.dtype == torch.float32 for p in run.model.parameters())
     assert run.client.engine.graphs is None
     hist = run.run()
     assert [m["train/train_rollout_logprob_abs_diff"] for m in hist] == [0.0, 0.0]

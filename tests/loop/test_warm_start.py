@@ -4,18 +4,18 @@ import pytest
 import torch
 
 from rlperf.loop import warm_start
-from rlperf.loop.runner import Run, _resolve
+from rlperf.loop.runner import Run, resolve
 
 SMALL = ("--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16")
 
 
 def _run(tmp, *flags) -> Run:
-    return Run(_resolve(["--output-dir", str(tmp), "--no-progress", "--device", "cpu", "--num-rollout", "1",
+    return Run(resolve(["--output-dir", str(tmp), "--no-progress", "--device", "cpu", "--num-rollout", "1",
                          *SMALL, *flags]))
 
 
 def _weights(run: Run) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in run.master_model.named_parameters()}
+    return {n: p.detach().clone() for n, p in run.trainer.master_model.named_parameters()}
 
 
 def _same(a: dict, b: dict) -> bool:
