@@ -1,0 +1,65 @@
+"""``python -m rlperf.bench.kernel_profile trace``: the kernel table of a saved torch-profiler trace (CPU).
+
+The traces are real Chrome-trace files in the layout torch's profiler exports (what
+``sglang.bench_one_batch --profile`` writes); the GPU cases themselves need a device."""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlperf.bench.kernel_profile import trace_kernels
+
+
+def _write(path, events, compress):
+    opener = gzip.open if compress else open
+    with opener(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
+EVENTS = [
+    {"ph": "X", "cat": "kernel", "name": "_matmul_kernel", "ts": 100.0, "dur": 10.0},
+    {"ph": "X", "cat": "kernel", "name": "_attn_fwd_kernel", "ts": 112.0, "dur": 6.0},
+    {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 120.0, "dur": 1.0},
+    {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 90.0, "dur": 500.0},  # host work: not GPU time
+    {"ph": "X", "cat": "kernel", "name": "_matmul_kernel", "ts": 130.0, "dur": 14.0},
+    {"ph": "i", "cat": "kernel", "name": "instant", "ts": 131.0},  # not a complete event
+]
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_trace_kernels_sums_gpu_events(tmp_path, compress):
+    path = _write(tmp_path / ("t.trace.json" + (".gz" if compress else "")), EVENTS, compress)
+    kernels, span = trace_kernels(path)
+    assert kernels == {"_matmul_kernel": [24.0, 2], "_attn_fwd_kernel": [6.0, 1],
+                       "Memcpy DtoH (Device -> Pinned)": [1.0, 1]}
+    assert span == pytest.approx(44.0)  # 100 .. 144: GPU events only
+
+
+def test_trace_command_prints_per_step_table(tmp_path):
+    path = _write(tmp_path / "t.trace.json.gz", EVENTS, True)
+    proc = subprocess.run([sys.executable, "-m", "rlperf.bench.kernel_profile", "trace", "--steps", "2", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    head = next(ln for ln in lines if ln.startswith("== "))
+    assert "trace span 0.022 ms/step" in head and "GPU busy 0.015 ms/step" in head and "2 kernels/step" in head
+    rows = [ln.split() for ln in lines if ln.strip().endswith("_matmul_kernel")]
+    assert rows and rows[0][0] == "0.0120" and rows[0][2] == "1.0"  # 24 us over 2 steps, one call per step
+
+
+def test_trace_command_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    empty = _write(tmp_path / "cpu-only.json", [e for e in EVENTS if e["cat"] == "cpu_op"], False)
+    for path, needle in ((bad, "not a Chrome trace"), (empty, "no GPU events")):
+        proc = subprocess.run([sys.executable, "-m", "rlperf.bench.kernel_profile", "trace", str(path)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and str(path) in proc.stderr and needle in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "rlperf.bench.kernel_profile", "trace"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "name at least one Chrome trace FILE" in proc.stderr
