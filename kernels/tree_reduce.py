@@ -25,6 +25,7 @@ Ops (``group``: the tensor-parallel process group, None for one rank):
   ``dx``, ``dw`` have no reduction across the split);
 * :func:`column_parallel_linear` — ``y = x @ w.T`` with N split (no reduction in the forward; the
   backward's ``dx = g @ w`` is the tree over N's leaves);
+* :func:`column_shard_matmul` — a rank's columns of a product, in the whole product's tile config;
 * :func:`tree_logprob` — the vocabulary-parallel log-prob and entropy: per leaf ``(max, sum-exp,
   entropy sum, target logit)``, combined in the tree; the backward's ``d hidden`` is the tree too.
 
@@ -258,6 +259,13 @@ def _matmul_out(a, b, out_dtype, config_n=None):
         cfg = gemm.matmul_config(a.dtype, config_n or b.shape[0], a.shape[1])
         return gemm.launch(a, b, None, out_dtype, config=cfg)
     return leaf_product(a, b, config_n).to(out_dtype)
+
+
+def column_shard_matmul(x: torch.Tensor, w: torch.Tensor, n_total: int, out_dtype: torch.dtype | None = None):
+    """``x [M, K] @ w[N_local, K].T`` -> [M, N_local] in ``out_dtype`` (default x's), in the tile config of
+    the whole ``[n_total, K]`` product: each column the bits it has in the unsplit product (e.g. a rank's
+    vocabulary slice of the LM-head logits). No autograd (an engine's forward)."""
+    return _matmul_out(x, w, out_dtype or x.dtype, config_n=n_total)
 
 
 def tree_matmul(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, group=None) -> torch.Tensor:

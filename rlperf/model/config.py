@@ -139,6 +139,54 @@ SUPPORTED_ROPE = ("rlperf implements only rope_type 'default' (plain RoPE with o
                   "rope_scaling null or {'rope_type': 'default'})")
 
 
+REDUCTION_LEAVES_KEY = "rlperf_reduction_leaves"
+"""The ``config.json`` key that names the leaf count S of the tensor-parallel-invariant tree numerics
+(``rlperf.kernels.tree_reduce``; the model's ``reduction_leaves``) an engine loading the folder must compute
+with: what rlperf's loop writes into the model folder it saves for SGLang engines when its trainer computes
+in the tree (the megatron backend), and what rlperf's SGLang plugin reads. Absent: the plain numerics."""
+
+
+def reduction_leaves_from_hf_dict(raw: dict, where: str = "config.json") -> int | None:
+    """The tree leaf count a parsed ``config.json`` names (:data:`REDUCTION_LEAVES_KEY`), or None when it
+    names none; ValueError (naming ``where``) for a value that is not a power of two >= 1."""
+    value = raw.get(REDUCTION_LEAVES_KEY)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{where}: {REDUCTION_LEAVES_KEY} must be a power of two >= 1 (the trainer's tree leaf "
+                         f"count, 8 by default), got {value!r}")
+    return value
+
+
+def check_tensor_parallel(cfg: ModelConfig, leaves: int | None, tp_size: int) -> None:
+    """ValueError (one line) unless ``cfg`` computes in the tree of ``leaves`` leaves split over ``tp_size``
+    tensor-parallel ranks the way the megatron trainer backend splits it: q/k/v heads and gate/up rows by
+    rank, ``o_proj`` / ``down_proj`` K slices whose tree nodes are whole leaves, the vocabulary in rank
+    slices of whole leaves. ``tp_size`` 1 checks the tree alone (``leaves`` None passes: plain numerics)."""
+    if leaves is None:
+        if tp_size > 1:
+            raise ValueError(f"tensor parallelism ({tp_size} ranks) computes in rlperf's tree numerics: it needs a "
+                             f"tree leaf count (reduction_leaves)")
+        return
+    if leaves < 1 or leaves & (leaves - 1):
+        raise ValueError(f"the tree leaf count must be a power of two >= 1, got {leaves}")
+    if tp_size < 1 or leaves % tp_size:
+        raise ValueError(f"{tp_size} tensor-parallel ranks do not divide the tree's {leaves} leaves")
+    if tp_size > 1 and cfg.num_experts:
+        raise ValueError(f"an MoE model runs at tensor-parallel size 1 (rlperf's trainers have no MoE tensor "
+                         f"parallelism to match), got {tp_size}")
+    blocks = min(leaves, cfg.num_key_value_heads)
+    if (blocks & (blocks - 1) or cfg.num_key_value_heads % blocks or cfg.num_attention_heads % blocks
+            or blocks % tp_size):
+        raise ValueError(f"{cfg.num_attention_heads} query / {cfg.num_key_value_heads} key-value heads do not split "
+                         f"into {blocks} head blocks over {tp_size} tensor-parallel ranks")
+    dense = len(cfg.moe_layers) < cfg.num_hidden_layers
+    for what, n in (("the query width (heads x head_dim)", cfg.q_size), ("the key-value width", cfg.kv_size),
+                    ("intermediate_size", cfg.intermediate_size if dense else 0), ("vocab_size", cfg.vocab_size)):
+        if n % leaves:
+            raise ValueError(f"{what} {n} does not split into the tree's {leaves} leaves")
+
+
 def read_hf_config(path: str | Path, has_lm_head: bool | None = None) -> tuple[ModelConfig, str]:
     """The :class:`ModelConfig` and the saved dtype name of an HF ``config.json`` (a file or its directory).
 

@@ -132,31 +132,60 @@ def _norm_rope(x, weight, positions, rope: RopeTable, eps: float, blocks: int | 
                       for b in range(blocks)], dim=1)
 
 
-def _row_linear(x, w, leaves: int | None):
-    """A row-parallel-able projection (o_proj, down_proj): the plain kernel, or K summed in the fixed tree."""
+def _row_linear(x, w, leaves: int | None, tp_group=None):
+    """A row-parallel-able projection (o_proj, down_proj): the plain kernel, or K summed in the fixed tree
+    (this rank's K slice under ``tp_group``, the ranks' tree nodes added in the tree's top levels)."""
     if leaves is None:
         return K.linear(x, w)
-    return tree_reduce.row_parallel_linear(x, w, leaves)
+    return tree_reduce.row_parallel_linear(x, w, leaves, tp_group)
+
+
+def _column_linear(x, w, leaves: int | None, tp_group=None):
+    """A column-parallel-able projection (q/k/v, gate/up): the plain kernel, or under ``tp_group`` this
+    rank's rows in the tile config of the whole layer (each column the bits it has at TP=1)."""
+    if tp_group is None:
+        return K.linear(x, w)
+    return tree_reduce.column_parallel_linear(x, w, leaves, tp_group)
+
+
+def tp_size_of(tp_group) -> int:
+    """The size of a tensor-parallel process group (1 for None)."""
+    if tp_group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(tp_group)
 
 
 def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: RopeTable, positions, attend,
-           leaves: int | None = None, routing: RoutingTrace | None = None, kv_store=None):
+           leaves: int | None = None, routing: RoutingTrace | None = None, kv_store=None, tp_group=None):
     """One decoder layer; ``attend(q, k, v)`` -> [T, heads, D]. ``kv_store``: (k_cache, v_cache,
     slot_mapping) of the engine's paged step: q's and k's norm + RoPE run in one launch that also
     stores k and v into the cache (:func:`rlperf.kernels.rmsnorm_rope_store_kv`, the bits of the
-    separate calls) and ``attend`` gets ``k = v = None``; None: ``attend`` gets k and v."""
+    separate calls) and ``attend`` gets ``k = v = None``; None: ``attend`` gets k and v.
+
+    ``tp_group`` (tree mode only): ``w`` is this rank's shard of a tensor-parallel layer, split as the
+    megatron backend splits it (``rlperf.model.qwen3.hf_shard``): q/k/v heads and gate/up rows of rank
+    r are its contiguous ``1 / TP`` of each part, ``o_proj`` / ``down_proj`` hold its K slice; attention
+    runs on its heads and the row-parallel products add the ranks' tree nodes, so every rank returns the
+    TP=1 tree's bits."""
     t = hidden.shape[0]
+    tp = tp_size_of(tp_group)
+    if tp > 1 and (leaves is None or w.router is not None):
+        raise ValueError("a tensor-parallel layer runs the tree numerics (reduction_leaves) of a dense layer")
+    heads, kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
+    q_size, kv_size = heads * cfg.head_dim, kv_heads * cfg.head_dim
     blocks = None if leaves is None else tree_reduce.head_blocks(cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                                 leaves)
+                                                                 leaves) // tp
     if residual is None:
         x, residual = K.rmsnorm(hidden, w.input_layernorm, cfg.rms_norm_eps), hidden
     else:
         x, residual = K.add_rmsnorm(hidden, residual, w.input_layernorm, cfg.rms_norm_eps)
-    qkv = K.linear(x, w.qkv_proj)
-    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    q = q.reshape(t, cfg.num_attention_heads, cfg.head_dim)
-    k = k.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
-    v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+    qkv = _column_linear(x, w.qkv_proj, leaves, tp_group)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(t, heads, cfg.head_dim)
+    k = k.reshape(t, kv_heads, cfg.head_dim)
+    v = v.reshape(t, kv_heads, cfg.head_dim)
     # q/k norm and RoPE read the strided views of qkv in place; the prefill (trainer) and the paged
     # step (engine) run the same kernel programs, so they agree bit for bit
     if kv_store is not None and blocks is None:  # Q, and K/V into the cache: one launch
@@ -167,28 +196,34 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
         q = _norm_rope(q, w.q_norm, positions, rope, cfg.rms_norm_eps, blocks)
         k = _norm_rope(k, w.k_norm, positions, rope, cfg.rms_norm_eps, blocks)
     a = attend(q, k, v)
-    x, residual = K.add_rmsnorm(_row_linear(a.reshape(t, cfg.q_size), w.o_proj, leaves), residual,
+    x, residual = K.add_rmsnorm(_row_linear(a.reshape(t, q_size), w.o_proj, leaves, tp_group), residual,
                                 w.post_attention_layernorm, cfg.rms_norm_eps)
     if w.router is not None:
         return sparse_moe_block(x, w.router, w.experts_gate_up, w.experts_down, cfg, routing,
                                 w.expert_parallel), residual
-    return _row_linear(K.linear_silu_mul(x, w.gate_up_proj), w.down_proj, leaves), residual
+    if tp_group is None:
+        gated = K.linear_silu_mul(x, w.gate_up_proj)
+    else:  # this rank's [gate | up] rows: silu_mul of the rounded product, as linear_silu_mul computes it
+        gated = K.silu_mul(_column_linear(x, w.gate_up_proj, leaves, tp_group))
+    return _row_linear(gated, w.down_proj, leaves, tp_group), residual
 
 
 def decoder_layer_prefill(hidden, residual, w, cfg, rope, positions, cu_seqlens, leaves: int | None = None,
-                          routing=None):
+                          routing=None, tp_group=None):
     """Training forward of one layer over packed sequences.
 
     hidden [T, H]; residual [T, H] or None (first layer); positions [T] int64 (position within its
     sequence); cu_seqlens [B+1] int32; routing: a :class:`RoutingTrace` (MoE layers record or
-    replay their experts) or None. Returns (hidden_out [T, H], residual [T, H]).
+    replay their experts) or None; tp_group: ``w`` is this rank's shard (:func:`_layer`). Returns
+    (hidden_out [T, H], residual [T, H]).
     """
     return _layer(hidden, residual, w, cfg, rope, positions,
-                  lambda q, k, v: K.varlen_attention(q, k, v, cu_seqlens), leaves, routing)
+                  lambda q, k, v: K.varlen_attention(q, k, v, cu_seqlens), leaves, routing, tp_group=tp_group)
 
 
 def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slot_mapping, page_table,
-                        cu_seqlens_q, kv_lens, leaves: int | None = None, routing=None, attention=None):
+                        cu_seqlens_q, kv_lens, leaves: int | None = None, routing=None, attention=None,
+                        tp_group=None):
     """Engine step of one layer: store the new tokens' K/V in the paged cache, attend over it.
 
     hidden [T, H] (the new tokens of B sequences, packed); positions [T]; kv_cache (k_cache,
@@ -197,7 +232,8 @@ def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slo
     one new token per sequence; a chunked prefill is a chunk per sequence. ``attention(q, k_cache,
     v_cache)``: the step's planned attention in place of :func:`rlperf.kernels.paged_attention` over
     the same batch (the engine's FlashInfer backend, ``rlperf.rollout.flashinfer_attention``); None:
-    the kernel.
+    the kernel. ``tp_group``: ``w`` is this rank's shard and ``kv_cache`` holds this rank's key-value
+    heads (:func:`_layer`).
     """
     k_cache, v_cache = kv_cache
 
@@ -209,4 +245,4 @@ def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slo
         return K.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens)
 
     return _layer(hidden, residual, w, cfg, rope, positions, attend, leaves, routing,
-                  kv_store=(k_cache, v_cache, slot_mapping))
+                  kv_store=(k_cache, v_cache, slot_mapping), tp_group=tp_group)

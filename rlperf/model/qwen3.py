@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from rlperf import kernels as K
-from rlperf.kernels.tree_reduce import tree_logprob
+from rlperf.kernels.tree_reduce import column_shard_matmul, tree_logprob
 
-from .config import ModelConfig, read_hf_config
+from .config import REDUCTION_LEAVES_KEY, ModelConfig, check_tensor_parallel, read_hf_config
 from .layer import DecoderLayerWeights, RopeTable, decoder_layer_paged, decoder_layer_prefill
 from .moe import RoutingTrace
 
@@ -40,17 +40,22 @@ class DecoderLayer(nn.Module):
     """Parameters of layer ``index`` (fused layout; see :class:`DecoderLayerWeights` for shapes): a
     dense MLP, or the sparse expert block where ``cfg.is_moe_layer(index)``."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, index: int = 0):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, index: int = 0, tp_size: int = 1):
         super().__init__()
         self.cfg = cfg
         self.is_moe = cfg.is_moe_layer(index)
-        h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        if self.is_moe and tp_size > 1:
+            raise ValueError("a sparse (MoE) layer is not split over tensor-parallel ranks")
+        # tp_size > 1: this rank's shard (:func:`hf_shard`): 1 / tp_size of the heads, the gate/up rows
+        # and the o_proj / down_proj columns
+        h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // tp_size
+        q, kv = cfg.q_size // tp_size, cfg.kv_size // tp_size
         kw = dict(dtype=dtype, device=device)
         self.input_layernorm = nn.Parameter(torch.ones(h, **kw))
-        self.qkv_proj = nn.Parameter(torch.empty(cfg.q_size + 2 * cfg.kv_size, h, **kw))
+        self.qkv_proj = nn.Parameter(torch.empty(q + 2 * kv, h, **kw))
         self.q_norm = nn.Parameter(torch.ones(d, **kw))
         self.k_norm = nn.Parameter(torch.ones(d, **kw))
-        self.o_proj = nn.Parameter(torch.empty(h, cfg.q_size, **kw))
+        self.o_proj = nn.Parameter(torch.empty(h, q, **kw))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h, **kw))
         if self.is_moe:
             e, mi = cfg.num_experts, cfg.moe_intermediate_size
@@ -66,14 +71,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeTable, positions: torch.Tensor,
                 cu_seqlens: torch.Tensor, leaves: int | None = None,
-                routing: RoutingTrace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                routing: RoutingTrace | None = None, tp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The training forward of this layer over packed sequences (:func:`decoder_layer_prefill`).
 
         :meth:`Qwen3ForCausalLM.forward_packed` calls each layer as a module (``layer(...)``), so
         module hooks run around it: FSDP2 (``fully_shard`` per layer, :mod:`rlperf.train.fsdp`)
         gathers the layer's parameters before it and frees them after.
         """
-        return decoder_layer_prefill(hidden, residual, self.weights(), self.cfg, rope, positions, cu_seqlens, leaves, routing)
+        return decoder_layer_prefill(hidden, residual, self.weights(), self.cfg, rope, positions, cu_seqlens, leaves, routing,
+                                     tp_group)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -86,18 +92,36 @@ class Qwen3ForCausalLM(nn.Module):
     tensor-parallel size, so an engine on one GPU stays bit-equal to a TP=2 trainer. It changes this
     model's bits (not its math): trainer and engine must use the same setting. May be set after
     construction (an attribute; forwards read it per call).
+
+    ``tp_group`` (a torch.distributed process group of TP ranks, tree mode only): this process holds
+    rank r's shard of a tensor-parallel model, split as the megatron trainer backend splits it
+    (:func:`hf_shard`: q/k/v heads, gate/up rows, ``o_proj`` / ``down_proj`` K slices, a vocabulary slice
+    of the embedding and the LM head); every rank runs the forwards on the same tokens and gets the
+    bits of the one-process model with the same ``reduction_leaves`` (the row-parallel products add the
+    ranks' tree nodes, the embedding rows and the logits are gathered, :meth:`token_logprobs` is the
+    vocabulary-parallel tree). :meth:`hf_state_dict` then holds this rank's shards. An SGLang engine at
+    ``--tp-size`` N runs one per worker (``rlperf.sglang_plugin``).
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
-                 reduction_leaves: int | None = None):
+                 reduction_leaves: int | None = None, tp_group=None):
         super().__init__()
         self.cfg = cfg
         self.reduction_leaves = reduction_leaves
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = 1, 0
+        if tp_group is not None:
+            import torch.distributed as dist
+
+            self.tp_size, self.tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+            check_tensor_parallel(cfg, reduction_leaves, self.tp_size)
         kw = dict(dtype=dtype, device=device)
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, n) for n in range(cfg.num_hidden_layers))
+        vocab = cfg.vocab_size // self.tp_size
+        self.embed_tokens = nn.Parameter(torch.empty(vocab, cfg.hidden_size, **kw))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, n, self.tp_size)
+                                    for n in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, **kw))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(vocab, cfg.hidden_size, **kw))
         self.rope = RopeTable(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
 
     def _apply(self, fn, recurse=True):
@@ -142,9 +166,10 @@ class Qwen3ForCausalLM(nn.Module):
 
         ``routing``: a :class:`RoutingTrace` whose MoE layers record (or replay) their experts; None
         for a dense model or when nobody asks."""
-        hidden, residual = self.embed_tokens[input_ids], None
+        hidden, residual = self.embed(input_ids), None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, self.rope, positions, cu_seqlens, self.reduction_leaves, routing)
+            hidden, residual = layer(hidden, residual, self.rope, positions, cu_seqlens, self.reduction_leaves, routing,
+                                     self.tp_group)
         return K.add_rmsnorm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def forward_paged(self, input_ids, positions, kv_caches, slot_mapping, page_table, cu_seqlens_q, kv_lens,
@@ -155,11 +180,11 @@ class Qwen3ForCausalLM(nn.Module):
         ``routing`` as in :meth:`forward_packed`; ``attention``: the step's planned attention in every
         layer (``decoder_layer_paged``), None for rlperf's kernel.
         """
-        hidden, residual = self.embed_tokens[input_ids], None
+        hidden, residual = self.embed(input_ids), None
         for layer, cache in zip(self.layers, kv_caches):
             hidden, residual = decoder_layer_paged(hidden, residual, layer.weights(), self.cfg, self.rope, positions,
                                                    cache, slot_mapping, page_table, cu_seqlens_q, kv_lens,
-                                                   self.reduction_leaves, routing, attention)
+                                                   self.reduction_leaves, routing, attention, self.tp_group)
         return K.add_rmsnorm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -170,11 +195,27 @@ class Qwen3ForCausalLM(nn.Module):
         if self.reduction_leaves is None:
             return K.fused_logprob(hidden, self.head_weight, targets, temperature, return_entropy=return_entropy)
         return tree_logprob(hidden, self.head_weight, targets, temperature, return_entropy=return_entropy,
-                            leaves=self.reduction_leaves)
+                            leaves=self.reduction_leaves, group=self.tp_group)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM-head logits [T, V] in float32 from final hidden states [T, H]."""
-        return K.linear(hidden, self.head_weight, out_dtype=torch.float32)
+        """LM-head logits [T, V] in float32 from final hidden states [T, H]. Under ``tp_group`` each rank
+        computes its vocabulary slice in the whole head's tile config and the slices are concatenated:
+        every rank holds the one-process logits, bit for bit."""
+        if self.tp_group is None:
+            return K.linear(hidden, self.head_weight, out_dtype=torch.float32)
+        local = column_shard_matmul(hidden, self.head_weight, self.cfg.vocab_size, torch.float32)
+        return torch.cat(_all_gather(local, self.tp_group), dim=-1)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows [T, H] of ``input_ids`` [T]. Under ``tp_group`` each rank looks up the ids of its
+        vocabulary slice and every rank takes each row from its owner (a gather, not a sum: exact)."""
+        if self.tp_group is None:
+            return self.embed_tokens[input_ids]
+        v = self.embed_tokens.shape[0]
+        rows = self.embed_tokens[(input_ids - self.tp_rank * v).clamp(0, v - 1)]
+        owner = torch.div(input_ids, v, rounding_mode="floor").clamp(0, self.tp_size - 1)
+        every = torch.stack(_all_gather(rows, self.tp_group))  # [TP, T, H]
+        return every[owner, torch.arange(input_ids.shape[0], device=input_ids.device)]
 
     # ---- Hugging Face names -------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -186,7 +227,7 @@ class Qwen3ForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         out = {}
         for name in self.hf_param_order():
-            out.update(hf_views(self.cfg, name, params[name]))
+            out.update(hf_views(self.cfg, name, params[name], self.tp_size))
         return out
 
     def hf_param_order(self) -> list[str]:
@@ -216,6 +257,8 @@ class Qwen3ForCausalLM(nn.Module):
         """Write ``config.json`` and safetensors shards (+ index when more than one) under ``path``."""
         from safetensors.torch import save_file
 
+        if self.tp_size > 1:
+            raise ValueError("save_pretrained writes a whole model; this one holds a tensor-parallel rank's shards")
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.hf_state_dict().items()}
@@ -264,12 +307,13 @@ _HF_LAYER_NAMES = {"input_layernorm": "input_layernorm", "post_attention_layerno
                    "down_proj": "mlp.down_proj"}
 
 
-def hf_views(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def hf_views(cfg: ModelConfig, name: str, tensor: torch.Tensor, tp_size: int = 1) -> list[tuple[str, torch.Tensor]]:
     """The HF names and tensors of one in-memory parameter ``name`` (a ``named_parameters`` name of
     :class:`Qwen3ForCausalLM`) holding ``tensor`` (the parameter itself, or a full copy of it, e.g.
     gathered from FSDP shards): fused ``qkv_proj`` [(Hq + 2 Hkv) D, H] gives the q, k and v row
     slices, ``gate_up_proj`` [2I, H] the gate and up slices (views, no copy); every other parameter
-    maps to one name. ValueError for a name the model does not have.
+    maps to one name. ``tp_size`` > 1: ``tensor`` is a tensor-parallel rank's shard (its parts are
+    ``1 / tp_size`` of each, :func:`hf_shard`). ValueError for a name the model does not have.
     """
     top = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
     if name in top:
@@ -278,7 +322,7 @@ def hf_views(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[st
     if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit():
         raise ValueError(f"{name!r} is not a parameter of Qwen3ForCausalLM")
     prefix, field = f"model.layers.{parts[1]}.", parts[2]
-    q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    q, kv, i = cfg.q_size // tp_size, cfg.kv_size // tp_size, cfg.intermediate_size // tp_size
     if field == "qkv_proj":
         return [(prefix + "self_attn.q_proj.weight", tensor[:q]), (prefix + "self_attn.k_proj.weight", tensor[q : q + kv]),
                 (prefix + "self_attn.v_proj.weight", tensor[q + kv :])]
@@ -296,6 +340,48 @@ def hf_views(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[st
     if field not in _HF_LAYER_NAMES:
         raise ValueError(f"{name!r} is not a parameter of Qwen3ForCausalLM")
     return [(prefix + _HF_LAYER_NAMES[field] + ".weight", tensor)]
+
+
+_ROW_SHARDED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "mlp.gate_proj.weight", "mlp.up_proj.weight")
+"""HF names (suffixes) of a layer's column-parallel weights: a rank holds a contiguous 1 / TP of their rows."""
+_COLUMN_SHARDED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+"""HF names (suffixes) of a layer's row-parallel weights: a rank holds a contiguous 1 / TP of their columns (K)."""
+
+
+def hf_shard_dim(name: str) -> int | None:
+    """The dimension of HF tensor ``name`` that tensor parallelism splits (:func:`hf_shard`), None when
+    every rank holds it whole (the norms)."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight") or name.endswith(_ROW_SHARDED):
+        return 0
+    if name.endswith(_COLUMN_SHARDED):
+        return 1
+    return None
+
+
+def hf_shard(name: str, tensor: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s part (a view) of the whole HF tensor ``name``, as the megatron trainer backend
+    splits the model over ``tp_size`` ranks: contiguous ``1 / tp_size`` blocks of the q/k/v heads, of the
+    gate/up rows and of the vocabulary (embedding, LM head); of K for ``o_proj`` / ``down_proj``; the
+    norms whole. ValueError when the split dimension does not divide."""
+    dim = hf_shard_dim(name) if tp_size > 1 else None
+    if dim is None:
+        return tensor
+    if tensor.dim() <= dim or tensor.shape[dim] % tp_size:
+        raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not split over {tp_size} tensor-parallel ranks "
+                         f"along dim {dim}")
+    n = tensor.shape[dim] // tp_size
+    return tensor.narrow(dim, tp_rank * n, n)
+
+
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape on each), in rank order."""
+    import torch.distributed as dist
+
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    return parts
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -318,9 +404,10 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, reduction_leaves: int | None = None) -> dict:
     """An HF ``Qwen3Config``-compatible dict (transformers 4 layout, which transformers 5 reads too);
-    ``Qwen3MoeConfig`` for a model with experts."""
+    ``Qwen3MoeConfig`` for a model with experts. ``reduction_leaves``: also name the tree numerics an
+    engine loading it must compute with (:data:`rlperf.model.config.REDUCTION_LEAVES_KEY`)."""
     d = dataclasses.asdict(cfg)
     if cfg.num_experts:
         d.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", mlp_only_layers=list(cfg.mlp_only_layers))
@@ -330,6 +417,8 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
             d.pop(field)
         d.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
     d.update(hidden_act="silu", torch_dtype=str(dtype).removeprefix("torch."), attention_bias=False)
+    if reduction_leaves is not None:
+        d[REDUCTION_LEAVES_KEY] = reduction_leaves
     return d
 
 
