@@ -28,9 +28,18 @@ tokens (true on-policy), and a request's tokens do not depend on the batch it ra
 Nothing changes for an engine started with another attention backend: the model registry and the
 sampler are redirected only when the server's attention backend is ``rlperf``. An engine asking for
 ``rlperf`` with something the plugin does not support (another SGLang version, another model
-architecture, another page size, tensor parallelism, speculative decoding, a quantized KV cache)
-stops at start with one line that names it (:class:`PluginError`); there is no silent fallback to
-SGLang's kernels.
+architecture, another page size, pipeline or data parallelism, speculative decoding, a quantized KV
+cache) stops at start with one line that names it (:class:`PluginError`); there is no silent fallback
+to SGLang's kernels.
+
+Tensor parallelism (``--tp-size N``) runs rlperf's tensor-parallel-invariant **tree numerics**, the
+megatron trainer backend's: the model's ``config.json`` names the tree's leaf count S
+(``"rlperf_reduction_leaves": 8``, which ``rlperf train`` writes into the folder it saves for its
+engines); each worker holds its shard of the model (:class:`rlperf.model.qwen3.Qwen3ForCausalLM` with
+SGLang's TP group) and every rank gets the bits of one GPU computing the same tree — equal to the
+trainer's at TP=1, TP=2 (+SP) and PP=2. With that key and ``--tp-size 1`` the engine computes the tree
+on one GPU; without it, ``--tp-size`` > 1 is refused (one line saying what to set). MoE models run at
+``--tp-size 1`` (rlperf's trainers have no MoE tensor parallelism to match).
 
 ``SGLANG_EXTERNAL_MODEL_PACKAGE=rlperf.sglang_plugin.models`` registers the two model classes the
 other way SGLang offers; they still need ``--attention-backend rlperf`` (they say so otherwise).
@@ -40,7 +49,7 @@ from __future__ import annotations
 import logging
 
 from .contract import (BACKEND_NAME, SUPPORTED_ARCHITECTURES, SUPPORTED_SGLANG_VERSIONS, PluginError,
-                       active_server_args, check_sglang_version, uses_rlperf)
+                       active_server_args, check_sglang_version, tree_leaves_of, uses_rlperf)
 
 logger = logging.getLogger(__name__)
 _registered = False
@@ -96,8 +105,7 @@ def check_server_args(server_args) -> None:
     if server_args.page_size != PAGE_SIZE:
         raise PluginError(f"--attention-backend {BACKEND_NAME} needs --page-size {PAGE_SIZE} (rlperf's KV block); "
                           f"got --page-size {server_args.page_size}")
-    for flag, value, ok in (("--tp-size", server_args.tp_size, 1), ("--pp-size", server_args.pp_size, 1),
-                            ("--dp-size", server_args.dp_size, 1)):
+    for flag, value, ok in (("--pp-size", server_args.pp_size, 1), ("--dp-size", server_args.dp_size, 1)):
         if value != ok:
             raise PluginError(f"--attention-backend {BACKEND_NAME} runs at {flag} 1 for now; got {flag} {value}")
     if server_args.speculative_algorithm is not None:
@@ -107,13 +115,19 @@ def check_server_args(server_args) -> None:
         raise PluginError(f"--attention-backend {BACKEND_NAME} keeps the KV cache in the model's dtype; "
                           f"got --kv-cache-dtype {server_args.kv_cache_dtype}")
     try:
-        archs = server_args.get_model_config().hf_config.architectures or []
+        hf_config = server_args.get_model_config().hf_config
+        archs = hf_config.architectures or []
     except Exception as exc:  # SGLang reports an unreadable model itself; nothing to add here
         logger.debug("rlperf plugin: model config not readable yet (%s)", exc)
-        archs = []
+        hf_config, archs = None, []
     if archs and not set(archs) & set(SUPPORTED_ARCHITECTURES):
         raise PluginError(f"--attention-backend {BACKEND_NAME} supports {', '.join(SUPPORTED_ARCHITECTURES)}; "
                           f"the model at {server_args.model_path} is {', '.join(archs)}")
+    if hf_config is not None:  # the tree numerics and the --tp-size split, checked before any worker starts
+        tree_leaves_of(hf_config.to_dict(), server_args.tp_size, f"{server_args.model_path}/config.json")
+    elif server_args.tp_size > 1:
+        raise PluginError(f"--attention-backend {BACKEND_NAME} at --tp-size {server_args.tp_size} needs the model's "
+                          f"config.json (its rlperf_reduction_leaves); {server_args.model_path} has none readable")
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     config = getattr(server_args, "cuda_graph_config", None)

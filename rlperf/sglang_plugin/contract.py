@@ -36,3 +36,45 @@ def active_server_args():
         return get_server_args()
     except Exception:
         return None
+
+
+def tensor_parallel_group():
+    """This worker's tensor-parallel process group: SGLang's ``get_tp_group().device_group`` at ``--tp-size``
+    > 1, None at 1 or where SGLang made no groups (a model built outside an engine). The one place the
+    plugin looks the group up (its tests put a gloo group of their own processes here)."""
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    try:
+        coordinator = get_tp_group()
+    except AssertionError:  # no model-parallel groups in this process
+        return None
+    return coordinator.device_group if coordinator.world_size > 1 else None
+
+
+def tree_leaves_of(hf_config: dict, tp_size: int, where: str) -> int | None:
+    """The tree leaf count the engine computes with (``rlperf_reduction_leaves`` in the model's
+    ``config.json``, :data:`rlperf.model.config.REDUCTION_LEAVES_KEY`; None: rlperf's plain numerics),
+    checked against the model's shapes and ``tp_size``: :class:`PluginError`, one line, for a value or a
+    layout the tree cannot run (``--tp-size`` > 1 without a leaf count among them)."""
+    from rlperf.model.config import REDUCTION_LEAVES_KEY, check_tensor_parallel, config_from_hf_dict, \
+        reduction_leaves_from_hf_dict
+
+    try:
+        leaves = reduction_leaves_from_hf_dict(hf_config, where)
+    except ValueError as exc:
+        raise PluginError(str(exc)) from None
+    if leaves is None and tp_size > 1:
+        raise PluginError(f"--attention-backend {BACKEND_NAME} at --tp-size {tp_size} computes rlperf's "
+                          f"tensor-parallel-invariant tree numerics: add \"{REDUCTION_LEAVES_KEY}\": 8 (the trainer's "
+                          f"tree leaf count) to {where} (rlperf train --train-backend megatron writes it), or run at "
+                          f"--tp-size 1")
+    if leaves is None:
+        return None
+    cfg, _ = config_from_hf_dict(hf_config, where)
+    try:
+        check_tensor_parallel(cfg, leaves, tp_size)
+    except ValueError as exc:
+        raise PluginError(f"--attention-backend {BACKEND_NAME} at --tp-size {tp_size} with {REDUCTION_LEAVES_KEY} "
+                          f"{leaves}: {exc}") from None
+    return leaves
+

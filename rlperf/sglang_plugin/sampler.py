@@ -10,7 +10,8 @@ their final hidden states ``[B, H]``):
   per sample, or n samples of one prompt come out identical); ``min_p`` masks the logits below
   ``max + T log(min_p)`` first (a per-row rule, batch-invariant);
 * its log-prob is the trainer's: ``model.token_logprobs(hidden, token, T)``
-  (:func:`rlperf.kernels.fused_logprob`, or the vocabulary tree in tree mode) under
+  (:func:`rlperf.kernels.fused_logprob`, or the vocabulary tree in tree mode, over the TP group's
+  vocabulary slices at ``--tp-size`` N) under
   ``softmax(logits / T)`` before top-k / top-p, one call per temperature present (a row's bits do not
   depend on the other rows of the call).
 
@@ -94,7 +95,7 @@ class RlperfSampler(Sampler):
     """The sampler of an engine with ``--attention-backend rlperf`` (module docstring)."""
 
     def __init__(self):
-        nn.Module.__init__(self)  # not Sampler.__init__: no tensor-parallel group to sync tokens over (TP 1)
+        nn.Module.__init__(self)  # not Sampler.__init__: the ranks draw the same tokens without a sync (same logits, seeds)
         self.output_logprob_processor = OutputLogprobProcessor()
 
     def forward(self, logits_output, sampling_info, return_logprob: bool, top_logprobs_nums, token_ids_logprobs,
@@ -109,8 +110,8 @@ class RlperfSampler(Sampler):
         if sampling_info.need_min_p_sampling:
             logits = apply_min_p(logits, temperatures, sampling_info.min_ps)
         seeds = sampling_info.sampling_seed
-        if seeds is None:  # not deterministic mode: a fresh seed per row and step
-            seeds = torch.randint(0, 1 << 62, (B,), dtype=torch.int64, device=logits.device)
+        if seeds is None:  # not deterministic mode: a fresh seed per row and step (TP rank 0's on every rank)
+            seeds = _same_on_every_rank(torch.randint(0, 1 << 62, (B,), dtype=torch.int64, device=logits.device))
         counters = positions.to(torch.int64) + 1  # the index of the token being drawn
         top_ks = sampling_info.top_ks
         if sampling_info.is_all_greedy:  # every row top_k <= 1: the argmax, which no filter changes
@@ -149,6 +150,18 @@ class RlperfSampler(Sampler):
             rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=hidden.device)
             out[rows] = model.token_logprobs(hidden[rows], tokens[rows], t if t > 0 else 1.0)
         return out
+
+
+def _same_on_every_rank(seeds: torch.Tensor) -> torch.Tensor:
+    """``seeds`` of the model's tensor-parallel rank 0 on every rank (the ranks hold the same logits, so
+    with the same seeds they draw the same tokens, as SGLang's workers must)."""
+    group = getattr(bound_model(), "tp_group", None)
+    if group is None:
+        return seeds
+    import torch.distributed as dist
+
+    dist.broadcast(seeds, src=dist.get_global_rank(group, 0), group=group)
+    return seeds
 
 
 __all__ = ["RlperfSampler", "apply_min_p", "bind_model", "bound_model", "host_temperatures", "request_temperature"]

@@ -53,13 +53,17 @@ DENSE = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, n
 MOE = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=301, max_position_embeddings=1024,
                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+TREE = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=304, max_position_embeddings=1024)
+"""DENSE with a vocabulary that splits into the tree's leaves (tensor-parallel checks)."""
+LEAVES = 8
 MODELS = pathlib.Path(tempfile.mkdtemp(prefix="rlperf-sglang-checks-"))
 
 
-def model_dir(cfg: ModelConfig, name: str, architectures=None) -> pathlib.Path:
+def model_dir(cfg: ModelConfig, name: str, architectures=None, leaves=None) -> pathlib.Path:
     path = MODELS / name
     path.mkdir(exist_ok=True)
-    hf = config_to_hf(cfg, torch.float32)
+    hf = config_to_hf(cfg, torch.float32, leaves)
     if architectures is not None:
         hf["architectures"] = architectures
     (path / "config.json").write_text(json.dumps(hf))
@@ -157,15 +161,16 @@ class Runner:
     """What SGLang's model runner holds for a step: the pools, the attention backend, the model, the sampler."""
 
     def __init__(self, cfg: ModelConfig, path, reference: RlperfQwen3, num_pages: int = 12, max_reqs: int = 8,
-                 context: int = 1024):
+                 context: int = 1024, tp_size: int = 1):
         from transformers import AutoConfig
 
-        sa.set_global_server_args_for_scheduler(server_args(path))
+        sa.set_global_server_args_for_scheduler(server_args(path, tp_size=tp_size))
         self.page_size, self.device = P, "cpu"
         self.req_to_token_pool = ReqToTokenPool(size=max_reqs, max_context_len=context, device="cpu",
                                                 enable_memory_saver=False)
+        # a TP worker's pool holds its share of the key-value heads (SGLang's get_num_kv_heads(tp_size))
         self.token_to_kv_pool = MHATokenToKVPool(size=num_pages * P - P, page_size=P, dtype=torch.float32,
-                                                 head_num=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                                 head_num=cfg.num_key_value_heads // tp_size, head_dim=cfg.head_dim,
                                                  layer_num=cfg.num_hidden_layers, device="cpu",
                                                  enable_memory_saver=False)
         self.attn_backend = ATTENTION_BACKENDS["rlperf"](self)
@@ -398,6 +403,79 @@ def check_sampler_pieces():
     assert torch.isinf(kept[0, 2:]).all() and torch.isfinite(kept[0, :2]).all() and torch.isfinite(kept[1]).all()
     assert math.isinf(float(apply_min_p(logits[:1], torch.tensor([2.0]), torch.tensor([0.5]))[0, 3]))
     return "request_temperature round-trips 7-digit temperatures; min_p keeps p >= min_p * p_max"
+
+
+# ---- tensor parallelism: the tree numerics (rlperf_reduction_leaves) at --tp-size 1 and 2 -------------------
+def check_tree_and_tp_server_args():
+    from rlperf.model.config import REDUCTION_LEAVES_KEY
+
+    plain, tree = model_dir(TREE, "tree-plain"), model_dir(TREE, "tree", leaves=LEAVES)
+    assert server_args(tree, tp_size=2).tp_size == 2 and server_args(tree).tp_size == 1
+    assert plugin.contract.tensor_parallel_group() is None  # no SGLang groups in this process: TP 1
+    bad = model_dir(TREE, "tree-6", leaves=6)
+    wide = ModelConfig(**{**TREE.__dict__, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16})
+    errors = [
+        expect_error(lambda: server_args(plain, tp_size=2), "--tp-size 2", REDUCTION_LEAVES_KEY),
+        expect_error(lambda: server_args(bad, tp_size=2), REDUCTION_LEAVES_KEY, "power of two"),
+        expect_error(lambda: server_args(tree, tp_size=4), "--tp-size 4", "head"),
+        expect_error(lambda: server_args(tree, tp_size=3), "3 tensor-parallel ranks"),
+        expect_error(lambda: server_args(model_dir(wide, "wide", leaves=LEAVES), tp_size=2), "3 key-value heads"),
+        expect_error(lambda: server_args(model_dir(MOE, "moe-tree", leaves=LEAVES), tp_size=2), "MoE"),
+        expect_error(lambda: server_args(model_dir(DENSE, "dense-tree", leaves=LEAVES)), "vocab_size 301"),
+    ]
+    return "; ".join(errors)
+
+
+def _tp_rank(rank: int, world: int, init: str, path, prompts, params, out: str) -> None:
+    """One SGLang TP worker's part of :func:`check_tp2_steps_match_tree_engine` (a forked process)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        plugin.contract.tensor_parallel_group = lambda: dist.group.WORLD  # SGLang's TP group, in a worker
+        reference = RlperfQwen3.random(TREE, seed=3)  # whole tensors: every worker keeps its shard
+        runner = Runner(TREE, path, reference, tp_size=world)
+        assert runner.model.model.tp_size == world and runner.model.model.reduction_leaves == LEAVES
+        # a worker takes whole tensors and keeps its shard; a wrong whole shape is named as a whole shape
+        expect_error(lambda: runner.model.load_weights([("model.embed_tokens.weight", torch.zeros(300, 64))]),
+                     "(300, 64)", f"({TREE.vocab_size}, {TREE.hidden_size})")
+        got = plugin_run(runner, [1, 2, 3], prompts, params, 4)
+        pathlib.Path(out).write_text(json.dumps(_bits(got)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def check_tp2_steps_match_tree_engine():
+    import multiprocessing
+
+    path = model_dir(TREE, "tree", leaves=LEAVES)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, TREE.vocab_size, (n,), generator=g).tolist() for n in (150, 37, 129)]
+    params = [(0.7, 1.0, 0, 11), (1.0, 0.9, 20, 12), (0.0, 1.0, 0, 13)]
+    world, tmp = 2, pathlib.Path(tempfile.mkdtemp(prefix="rlperf-tp-"))
+    # fork: the workers start with SGLang imported (each import would take ~20 s of CPU)
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_tp_rank, args=(r, world, f"file://{tmp}/init", path, prompts, params,
+                                                 str(tmp / f"rank{r}.json"))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0, f"TP worker exited with {p.exitcode}"
+    ranks = [[tuple(x) for x in json.loads((tmp / f"rank{r}.json").read_text())] for r in range(world)]
+    tree_model = RlperfQwen3.random(TREE, seed=3, reduction_leaves=LEAVES)
+    want = _bits(engine_run(tree_model, prompts, params, 4))
+    one = _bits(plugin_run(Runner(TREE, path, RlperfQwen3.random(TREE, seed=3)), [1, 2, 3], prompts, params, 4))
+    plain = _bits(engine_run(RlperfQwen3.random(TREE, seed=3), prompts, params, 4))
+    assert one == want, f"plugin --tp-size 1 tree {one} != rlperf engine (reduction_leaves {LEAVES}) {want}"
+    for r, got in enumerate(ranks):
+        assert [(list(i), list(l)) for i, l in got] == [(list(i), list(l)) for i, l in want], \
+            f"--tp-size {world} rank {r} {got} != rlperf engine (reduction_leaves {LEAVES}) {want}"
+    assert plain != want, "the tree and the plain numerics should differ on this model"
+    return f"{len(prompts)} requests x 4 tokens (prefill + 3 decode steps): --tp-size {world} (both ranks) and " \
+           f"--tp-size 1 with {LEAVES} tree leaves give rlperf's engine's tree tokens and log-probs bit for bit"
 
 
 def main() -> int:

@@ -7,8 +7,13 @@ puts that folder first (:mod:`sglang_checks`, which says what each check does). 
 torch references rather than Triton's interpreter: the kernels' own tests cover the interpreter; the
 interpreter would take minutes over these multi-page prompts.
 
-What cannot run here: an SGLang engine process (its model runner needs CUDA), CUDA-graph capture, and
-bf16 — the GPU tests in ``tests/gpu/test_sglang_plugin.py`` start real engines.
+Tensor parallelism: the model class at ``--tp-size 2`` runs in two forked workers joined by a gloo group
+(standing where SGLang's TP group stands, ``rlperf.sglang_plugin.contract.tensor_parallel_group``), each
+with its own KV pool of its key-value heads, and both must give rlperf's engine's tree-mode bits.
+
+What cannot run here: an SGLang engine process (its model runner needs CUDA), CUDA-graph capture, NCCL,
+and bf16 — the GPU tests in ``tests/sglang_plugin/test_plugin_gpu.py`` start real engines (the
+``--tp-size 2`` engine needs two GPUs, issue #42).
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ SITE = ROOT / ".sglang-cpu"
 HERE = pathlib.Path(__file__).resolve().parent
 CHECKS = ("check_registration", "check_server_args", "check_model_registry", "check_dense_steps_match_rlperf_engine",
           "check_moe_steps_match_rlperf_engine", "check_moe_routed_experts_reach_sglangs_capturer",
-          "check_load_weights_errors", "check_sampler_pieces", "check_greedy_rows_and_host_temperatures")
+          "check_load_weights_errors", "check_sampler_pieces", "check_greedy_rows_and_host_temperatures",
+          "check_tree_and_tp_server_args", "check_tp2_steps_match_tree_engine")
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,11 @@ An engine started with ``--enable-return-routed-experts`` gets, for a MoE model,
 in every MoE layer (rlperf's batch-invariant routing, recorded in the forward, also inside the decode
 graphs) through SGLang's capturer: ``meta_info["routed_experts"]``, what the trainer replays.
 
+At ``--tp-size`` N (tree numerics, :mod:`rlperf.sglang_plugin`) the rlperf model is this worker's shard
+over SGLang's TP group (:func:`rlperf.sglang_plugin.contract.tensor_parallel_group`), SGLang's KV pool
+holds this worker's key-value heads, and ``next_token_logits`` are the whole vocabulary's, gathered: every
+rank samples the same token.
+
 A request that asks for input-token log-probs (``logprob_start_len`` inside its prompt) gets them from
 SGLang's own logits processor over the same hidden states, with rlperf's LM-head product; those are not
 the training path's numbers (the trainer recomputes the response's log-probs only).
@@ -36,7 +41,9 @@ from rlperf import kernels as K
 from rlperf.model.config import config_from_hf_dict
 from rlperf.model.moe import RoutingTrace
 from rlperf.model.qwen3 import Qwen3ForCausalLM as RlperfQwen3
+from rlperf.model.qwen3 import hf_shard, hf_shard_dim
 
+from .. import contract
 from ..contract import BACKEND_NAME, PluginError, active_server_args, uses_rlperf
 from ..attention import RlperfAttnBackend
 
@@ -79,15 +86,20 @@ class Qwen3ForCausalLM(nn.Module):
                               f"start the engine with --attention-backend {BACKEND_NAME}")
         if quant_config is not None:
             raise PluginError(f"rlperf's {arch} runs unquantized weights; got {type(quant_config).__name__}")
-        cfg, _ = config_from_hf_dict(config.to_dict(), f"the model's config.json ({arch})")
+        where = f"the model's config.json ({arch})"
+        cfg, _ = config_from_hf_dict(config.to_dict(), where)
         self.config = config
         self.quant_config = None
         self.cfg = cfg
+        group = contract.tensor_parallel_group()
+        self.tp_size = 1 if group is None else torch.distributed.get_world_size(group)
+        self.tp_rank = 0 if group is None else torch.distributed.get_rank(group)
+        leaves = contract.tree_leaves_of(config.to_dict(), self.tp_size, where)
         dtype, device = torch.get_default_dtype(), torch.get_default_device()
         # SGLang builds models under `with torch.device(target)`; rlperf's RoPE tables are computed on
         # the CPU (float64, then float32) and moved, as the trainer's are: the same bits on every device
         with torch.device("cpu"):
-            self.model = RlperfQwen3(cfg, dtype, device)
+            self.model = RlperfQwen3(cfg, dtype, device, reduction_leaves=leaves, tp_group=group)
         self._hf_targets: dict[str, torch.Tensor] | None = None
         self._logits_processor = None
         from ..sampler import bind_model
@@ -99,6 +111,8 @@ class Qwen3ForCausalLM(nn.Module):
     def load_weights(self, weights) -> None:
         """Copy HF-named ``(name, tensor)`` pairs into the fused parameters (slices of q/k/v and gate/up).
 
+        At ``--tp-size`` N every worker gets the whole tensors (SGLang's loader and both weight-update
+        endpoints hand each rank all of them) and keeps its shard (:func:`rlperf.model.qwen3.hf_shard`).
         ``lm_head.weight`` of a tied model and RoPE's ``inv_freq`` buffers are skipped; any other name the
         model does not have, or a wrong shape, is a :class:`PluginError` naming it (a weight update
         never drops a tensor silently)."""
@@ -111,9 +125,13 @@ class Qwen3ForCausalLM(nn.Module):
                 if name.endswith(_ROTARY_BUFFER) or (name == "lm_head.weight" and self.model.lm_head is None):
                     continue
                 raise PluginError(f"rlperf's {type(self).__name__} has no weight {name!r}")
-            if tuple(tensor.shape) != tuple(dst.shape):
-                raise PluginError(f"weight {name!r}: shape {tuple(tensor.shape)}, the model expects {tuple(dst.shape)}")
-            dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
+            whole = list(dst.shape)
+            dim = hf_shard_dim(name) if self.tp_size > 1 else None
+            if dim is not None:
+                whole[dim] *= self.tp_size
+            if list(tensor.shape) != whole:
+                raise PluginError(f"weight {name!r}: shape {tuple(tensor.shape)}, the model expects {tuple(whole)}")
+            dst.copy_(hf_shard(name, tensor, self.tp_size, self.tp_rank).to(device=dst.device, dtype=dst.dtype))
 
     def get_input_embeddings(self) -> torch.Tensor:
         return self.model.embed_tokens
