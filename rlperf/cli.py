@@ -241,8 +241,9 @@ def _train_command(args: argparse.Namespace, locks: list) -> int:
         locks.extend(lock_run_dirs(ns.output_dir, ns.save))  # one run per --output-dir / --save
         check_earlier_metrics(ns)
     if needs_launch(ns):  # --actor-num-gpus-per-node N > 1: start N ranks here, each runs _train_rank
-        code = placement_for(ns).launch_actors(_train_rank, ns, ActorLayout.of(ns, "cpu"))
-        if code == 1:  # a rank failed or died (the placement named it): how to go on
+        placement = placement_for(ns)
+        code = placement.launch_actors(_train_rank, ns, ActorLayout.of(ns, "cpu"))
+        if code == 1 and not placement.rank_said_why:  # a rank failed or died (the placement named it): how to go on
             print(f"rlperf train: the run stops. {resume_hint(ns)}", file=sys.stderr)
         return code
     return _train_rank(ns)

@@ -92,8 +92,9 @@ def client_for(config: RunConfig, model, tokenizer, *, kv_tokens: int | None = N
 
     * ``router`` — a :class:`RouterClient` on ``--sglang-router-ip:--sglang-router-port``;
     * ``disaggregated`` — rank 0 starts the engines and their router (``--placement local``; under
-      ``--placement ray`` the placement started them and names their router) and holds a
-      :class:`RouterClient` with broadcast weight sync; on several ranks every rank gets a
+      ``--placement ray`` the placement started them and names their router, and rank 0 watches them
+      through :class:`rlperf.loop.ray_placement.RayEngineFleet`) and holds a
+      :class:`RouterClient` with broadcast weight sync and their health monitor; on several ranks every rank gets a
       :class:`rlperf.loop.data_parallel.Rank0EnginesClient` around it (None on the others);
     * ``in-process`` — an :class:`EngineClient` on ``model`` (``--engine-weights``; the KV cache holds
       ``kv_tokens``); on several ranks each rank's engine runs on its own full copy (``model``),
@@ -110,10 +111,14 @@ def client_for(config: RunConfig, model, tokenizer, *, kv_tokens: int | None = N
     if r.engine == "disaggregated":
         fleet = inner = None
         if rank == 0:
-            if r.engine_router_url:  # --placement ray started the engines
+            if r.engine_router_url:  # --placement ray started the engines; this rank watches them all the same
+                from .ray_placement import RayEngineFleet
+
                 host, port = r.engine_router_url.rsplit("/", 1)[-1].rsplit(":", 1)
                 inner = RouterClient(host, int(port), tokenizer, api_key=r.api_key, distributed=True,
                                      model_cfg=model.cfg)
+                fleet = RayEngineFleet.attach(r.engine_router_url, inner.workers())
+                inner.health = HealthMonitor(fleet, r.health_check, _auth_headers(r.api_key))
             else:
                 fleet = start_engine_fleet(config, kernel_backend)
                 try:
@@ -517,7 +522,9 @@ class RouterClient:
         """One broadcast of ``items`` to every engine (the group formed first if there is none)."""
         if self.broadcaster is None:
             urls = self.health.fleet.worker_urls if self.health is not None else self.workers()
-            self.broadcaster = WeightBroadcaster(urls, device=device, api_key=self.api_key, timeout=self.timeout)
+            # the monitor's findings end a broadcast that an engine died or stopped in (within its bound)
+            self.broadcaster = WeightBroadcaster(urls, device=device, api_key=self.api_key, timeout=self.timeout,
+                                                 watch=self.health.found_failed if self.health is not None else None)
             self.broadcaster.connect()
         return self.broadcaster.update_weights(items, version)  # every engine's checksum checked
 

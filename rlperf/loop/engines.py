@@ -153,6 +153,10 @@ class EngineFleet:
         except (RuntimeError, TimeoutError) as exc:
             raise EngineFleetError(f"rollout engine {i} did not restart: {exc}") from None
 
+    def remove_files(self, proc) -> None:
+        """Remove what engine process ``proc`` left behind once it is gone (its weight-receive files)."""
+        remove_segments(proc.pid)
+
     def exited(self) -> list[str]:
         """Each process of the fleet that has exited, with its exit code and last output."""
         named = [(f"rollout engine {i} ({url}, pid {p.pid})", p)
@@ -169,13 +173,24 @@ class EngineFleet:
 
     def close(self) -> None:
         """Stop the router and the engines (idempotent). An engine that had exited by itself is reported
-        on stderr with its last output."""
+        on stderr with its last output. When an engine was found failed (:mod:`rlperf.loop.health`: the
+        run ends because of it) every process of the fleet is killed instead of stopped gracefully: a
+        server's stop gives the requests in flight (the abandoned rollout's) 5 s, a stopped server's
+        too, and the router's takes a second, several on a loaded 2-core machine; the run would add them
+        to the bound on naming the engine (docs/scale-out.md). The fleet removes the engines' files
+        either way, and their weight receivers exit within a second of their engine."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
         for report in self.exited():
             print(f"rlperf train: {report}", file=sys.stderr)
+        if any(p in self.handled for p in self.cluster.servers):
+            procs = [p for p in [*self.cluster.servers, self.cluster.router] if p is not None and p.poll() is None]
+            for p in procs:
+                p.kill()
+            for p in procs:
+                p.wait()
         self.cluster.close()
         for p in self.cluster.servers:  # all have ended: a killed one's receive files are still there
             remove_segments(p.pid)

@@ -1,12 +1,18 @@
 """Health checks of the run's own rollout engines (``--rollout-num-gpus``) and what a failure does.
 
-A :class:`HealthMonitor` watches an :class:`rlperf.loop.engines.EngineFleet` from a daemon thread:
+A :class:`HealthMonitor` watches an :class:`rlperf.loop.engines.EngineFleet` (or the engines of
+``--placement ray``, :class:`rlperf.loop.ray_placement.RayEngineFleet`) from a daemon thread:
 
 * every 0.2 s it asks each engine process and the router process whether they have exited (a
   ``kill -9`` is seen at once);
 * after ``--rollout-health-check-first-wait`` seconds, then every ``--rollout-health-check-interval``
-  seconds, it sends ``GET /health`` to every engine in service; one that does not answer 200 within
-  ``--rollout-health-check-timeout`` seconds (stopped with SIGSTOP, hung, or gone) has failed.
+  seconds after the last round of probes ended, it sends ``GET /health`` to every engine in service;
+  one that does not answer 200 within ``--rollout-health-check-timeout`` seconds (stopped with
+  SIGSTOP, hung, or gone) has failed. The probes run on threads of their own: a probe waiting out its
+  timeout never delays the look at the processes, and nothing is added to the timeout (an engine
+  whose connection was refused or reset gets :data:`ENGINE_EXIT_SETTLE_S` to show an exit; one that
+  timed out is named at once). So an engine stopped at time t is found failed by
+  t + max(first wait, interval) + timeout + 0.2 s.
 
 The :class:`rlperf.loop.clients.RouterClient` of the fleet asks the monitor (:meth:`HealthMonitor.handle`)
 while it waits for a rollout's requests, whenever a request fails, and before each weight sync:
@@ -14,7 +20,9 @@ while it waits for a rollout's requests, whenever a request fails, and before ea
 * without ``--use-fault-tolerance`` a failed engine raises :class:`EngineFailure`, a dead router
   :class:`RouterFailure` (both :class:`RolloutProcessFailure`): one line naming the process, which the
   CLI prints with the command that resumes the run. A rollout never waits for a stopped engine longer
-  than the first wait plus one interval plus the timeout.
+  than the first wait plus one interval plus the timeout (and the 0.25 s the rollout takes to look);
+  a weight sync neither (:meth:`watch`: the broadcast gives up on an engine found failed while it
+  runs); the fleet then kills the failed engine instead of waiting for its graceful stop.
 * with it, a failed engine is killed (a stopped one too: its open requests then fail at once), removed
   from the router (``DELETE /workers/{id}``, sglang-router 0.3.2's API; it has no ``/remove_worker``),
   and every request that failed is sent again through the router to the engines left. At the next
@@ -43,16 +51,16 @@ import threading
 import time
 
 from rlperf.rollout.router import http_json, wait_until
-from rlperf.sync.receiver import remove_segments
 
 from .config import HealthCheckConfig
 
 PROCESS_POLL_S = 0.2
 """Seconds between two looks at whether an engine or the router process has exited."""
 ENGINE_EXIT_SETTLE_S = 1.0
-"""Seconds the engines that failed a ``/health`` probe get, all together, to show an exit: as for the
-router (below), a killed engine's connection resets a moment before ``waitpid`` reports it, and "was
-killed by SIGKILL" names the cause better than the reset."""
+"""Seconds the engines whose ``/health`` probe was refused or reset get, all together, to show an exit:
+as for the router (below), a killed engine's connection resets a moment before ``waitpid`` reports it,
+and "was killed by SIGKILL" names the cause better than the reset. A probe that timed out gets none (a
+killed engine never leaves a probe waiting): it would only add to the bound on finding a stopped one."""
 ROUTER_EXIT_SETTLE_S = 2.0
 """Seconds a router that stopped answering gets to show an exit: a killed process closes its sockets
 a moment before ``waitpid`` reports it, and the exit names the cause better than the refused request."""
@@ -116,6 +124,7 @@ class HealthMonitor:
         self._router_failure: str | None = None
         self._stop = threading.Event()
         self._next_probe = time.monotonic() + config.first_wait
+        self._probing: threading.Thread | None = None  # the round of probes under way (its own thread)
         self._thread = threading.Thread(target=self._watch, name="rlperf-engine-health", daemon=True)
         self._thread.start()
 
@@ -129,24 +138,37 @@ class HealthMonitor:
 
     def router_name(self) -> str:
         p = self.fleet.cluster.router
-        return f"the sglang-router ({self.fleet.router_url}, pid {p.pid})"
+        pid = getattr(p, "pid", None)  # a router in another process's care (--placement ray) has none here
+        return f"the sglang-router ({self.fleet.router_url}" + (f", pid {pid})" if pid is not None else ")")
 
     # ---- finding failures ------------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._stop.wait(PROCESS_POLL_S):
             try:
                 self._check_processes()
-                if time.monotonic() >= self._next_probe:
-                    self._probe_engines()
-                    self._next_probe = time.monotonic() + self.config.interval
+                if (self._probing is None or not self._probing.is_alive()) and time.monotonic() >= self._next_probe:
+                    self._probing = threading.Thread(target=self._probe_round, name="rlperf-engine-probes", daemon=True)
+                    self._probing.start()
             except Exception as exc:  # noqa: BLE001  (the watch must go on; a failure shows in the next look)
-                print(f"rlperf train: engine health check: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                self._report(exc)
+
+    def _probe_round(self) -> None:
+        try:
+            self._probe_engines()
+        except Exception as exc:  # noqa: BLE001
+            self._report(exc)
+        finally:
+            self._next_probe = time.monotonic() + self.config.interval
+
+    @staticmethod
+    def _report(exc: BaseException) -> None:
+        print(f"rlperf train: engine health check: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
     def _check_processes(self) -> None:
         with self._lock:
             for i, p in enumerate(self.fleet.cluster.servers):
                 if i not in self.out and i not in self._failed and p.poll() is not None:
-                    self._failed[i] = exit_reason(p.returncode)
+                    self._failed[i] = getattr(p, "exit_reason", None) or exit_reason(p.returncode)
             router = self.fleet.cluster.router
             if self._router_failure is None and router is not None and router.poll() is not None:
                 self._router_failure = exit_reason(router.returncode)
@@ -157,6 +179,7 @@ class HealthMonitor:
         with self._lock:
             engines = [i for i in range(len(self.fleet.worker_urls)) if i not in self.out and i not in self._failed]
         answers: dict[int, str | None] = {}
+        refused: set[int] = set()  # refused or reset, not timed out: the engine may be exiting
 
         def probe(i):
             try:
@@ -164,21 +187,23 @@ class HealthMonitor:
                                       headers=self.headers)
                 answers[i] = None if status == 200 else f"answered /health with {status}{_why(reply)}"
             except OSError as exc:
+                if not (isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError)):
+                    refused.add(i)
                 answers[i] = f"did not answer /health within {self.config.timeout:g} s ({exc})"
         threads = [threading.Thread(target=probe, args=(i,), daemon=True) for i in engines]
+        deadline = time.monotonic() + self.config.timeout
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(self.config.timeout + 1.0)
-        # an exit explains a failed probe better; a killed engine's socket can reset before its exit is
-        # visible to poll(), so an engine that failed its probe gets a moment to show it
+        for t in threads:  # urllib's timeout bounds each socket operation: the round as a whole is bounded here
+            t.join(max(0.0, deadline - time.monotonic()) + 0.05)
+        # an exit explains a refused or reset probe better; a killed engine's socket can reset before its
+        # exit is visible to poll(), so such an engine gets a moment to show it
         deadline = time.monotonic() + ENGINE_EXIT_SETTLE_S
-        for i in engines:
-            if answers.get(i, "") is not None:
-                try:
-                    self.fleet.cluster.servers[i].wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+        for i in sorted(refused):
+            try:
+                self.fleet.cluster.servers[i].wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
         self._check_processes()
         with self._lock:
             for i in engines:
@@ -206,6 +231,13 @@ class HealthMonitor:
                     self._router_failure = exit_reason(router.returncode)
             self.handle(during)  # raises, naming the exit
         raise RouterFailure(f"{self.router_name()} does not answer {during} ({error})")
+
+    def found_failed(self) -> dict[str, str]:
+        """The engines found failed and not acted on yet, URL -> why: what a weight broadcast under way
+        looks at (:class:`rlperf.sync.distributed.WeightBroadcaster`'s ``watch``), so that it gives up on
+        an engine that died or stopped in the middle of it instead of waiting out the group's timeout."""
+        with self._lock:
+            return {self.fleet.worker_urls[i]: why for i, why in sorted(self._failed.items())}
 
     def check_now(self) -> None:
         """Look at the processes and probe every engine now (a request failed: find out whose fault)."""
@@ -240,7 +272,7 @@ class HealthMonitor:
         if p.poll() is None:
             p.kill()  # SIGKILL also ends a stopped process; its connections close and its requests fail now
         p.wait()
-        remove_segments(p.pid)  # a killed engine leaves its weight-receive files behind
+        self.fleet.remove_files(p)  # a killed engine leaves its weight-receive files behind
         self.fleet.handled.add(p)
         self._remove_from_router(url)
         with self._lock:
@@ -263,7 +295,7 @@ class HealthMonitor:
                 if status not in (200, 202, 404):
                     raise RouterFailure(f"{self.router_name()} refused to remove {url} ({status}: {reply!r})")
         wait_until(lambda: all(w.get("url") != url for w in self._router_workers()), ROUTER_UPDATE_TIMEOUT_S,
-                   f"{self.router_name()} dropping {url}", [self.fleet.cluster.router])
+                   f"{self.router_name()} dropping {url}", [p for p in [self.fleet.cluster.router] if p is not None])
 
     def restart(self, engines: list[int] | None = None) -> list[EngineOutage]:
         """Start every engine taken out (or those of ``engines``) again on its port (this thread must live
@@ -297,7 +329,7 @@ class HealthMonitor:
                 raise RouterFailure(f"{self.router_name()} refused to add {o.url} back ({status}: {reply!r})")
         for o in outages:
             wait_until(lambda: any(w.get("url") == o.url for w in self._router_workers()), ROUTER_UPDATE_TIMEOUT_S,
-                       f"{self.router_name()} listing {o.url}", [self.fleet.cluster.router])
+                       f"{self.router_name()} listing {o.url}", [p for p in [self.fleet.cluster.router] if p is not None])
             o.out_s = time.monotonic() - o.since
             with self._lock:
                 self.out.pop(o.engine, None)

@@ -146,6 +146,9 @@ class Placement(abc.ABC):
     """Where actor ranks (and, later, engines) run (module docstring)."""
 
     name: str
+    rank_said_why: bool = False
+    """Set by :meth:`launch_actors` when the failing rank returned its code itself, having printed why (and
+    how to resume): the launcher then adds no line of its own."""
 
     @abc.abstractmethod
     def check(self, layout: ActorLayout) -> None:

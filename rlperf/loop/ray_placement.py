@@ -76,6 +76,11 @@ drops what it has not forwarded yet (the last step's summary line, a rank's trac
 ENGINE_ROUTER_ATTR = "engine_router_url"
 """The attribute of the ranks' namespace that names the router in front of the engines this placement
 started (``http://IP:PORT``); absent when the ranks start their own engines or have none."""
+ENGINE_ACTOR_PREFIX = "rlperf-engine-"
+"""Engine actors are named ``ENGINE_ACTOR_PREFIX + "<run token>-<index>"`` in the run's Ray namespace:
+rank 0 finds them by name (:meth:`RayEngineFleet.attach`) to watch and replace them."""
+ENGINE_CALL_TIMEOUT_S = 30.0
+"""Seconds rank 0 waits for an engine actor to kill its server (a dead actor fails at once)."""
 FORWARDED_ENV_PREFIXES = ("RLPERF_", "TRITON_")
 """This process's environment variables that reach every actor (a ``ray start`` cluster's workers
 inherit the environment of ``ray start``, not of the driver): rlperf's and Triton's switches. The API
@@ -264,10 +269,14 @@ class RankActor:
 
 
 class EngineActor:
-    """One rollout engine on its bundle: an ``rlperf serve`` child on this node, with this actor's GPU."""
+    """One rollout engine on its bundle: an ``rlperf serve`` child on this node, with this actor's GPU.
+    Rank 0 watches it through :class:`RayEngineFleet` (``poll``, ``kill_server``, ``spec``)."""
 
     def __init__(self, index: int, bundle: int):
         self.index, self.bundle, self.proc = index, bundle, None
+        self._spec: dict | None = None
+        self._reported = False  # its failure was named by rank 0's health check: not reported again at stop
+        self._code: int | None = None  # the exit code of a server that kill_server ended
 
     def __repr__(self) -> str:
         return f"engine {self.index}"
@@ -275,9 +284,11 @@ class EngineActor:
     def where(self) -> Slot:
         return _where("engine", self.index, self.bundle)
 
-    def start(self, server_args, log_dir: str | None, cwd: str, timeout: float = ENGINE_START_TIMEOUT_S) -> str:
-        """Start ``rlperf serve`` with ``server_args`` on this node's IP and a free port; its URL once it
-        answers ``/health``. The child inherits ``CUDA_VISIBLE_DEVICES`` and dies with this actor."""
+    def start(self, server_args, log_dir: str | None, cwd: str, timeout: float = ENGINE_START_TIMEOUT_S,
+              port: int | None = None, log_name: str | None = None) -> str:
+        """Start ``rlperf serve`` with ``server_args`` on this node's IP and ``port`` (default a free one); its
+        URL once it answers ``/health``. The child inherits ``CUDA_VISIBLE_DEVICES`` and dies with this
+        actor. ``log_name``: its log under ``log_dir`` (default ``server-I.log``)."""
         import ray
 
         from rlperf.rollout.args import server_argv
@@ -286,11 +297,14 @@ class EngineActor:
         if os.path.isdir(cwd):
             os.chdir(cwd)
         ip = ray.util.get_node_ip_address()
-        args = dataclasses.replace(server_args, host=ip, port=free_port(ip))
+        args = dataclasses.replace(server_args, host=ip, port=port or free_port(ip))
+        self._spec = {"index": self.index, "bundle": self.bundle, "server_args": server_args, "log_dir": log_dir,
+                      "cwd": cwd, "port": args.port, "url": f"http://{ip}:{args.port}",
+                      "num_gpus": 1 if ray.get_gpu_ids() else 0}
         log = None
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
-            log = os.path.join(log_dir, f"server-{self.index}.log")
+            log = os.path.join(log_dir, log_name or f"server-{self.index}.log")
         self.proc = spawn([sys.executable, "-m", "rlperf", "serve", *server_argv(args)],
                           env=child_env(None, args.api_key), log_path=log, die_with_parent=True)
         url = f"http://{ip}:{args.port}"
@@ -301,25 +315,57 @@ class EngineActor:
     def server_pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    def spec(self) -> dict:
+        """How this engine was started (what a replacement on the same bundle needs), its URL and pid."""
+        return {**(self._spec or {}), "pid": self.server_pid()}
+
+    def poll(self) -> int | None:
+        """The server's exit code, None while it runs."""
+        return self.proc.poll() if self.proc is not None else self._code
+
+    def kill_server(self) -> int | None:
+        """Kill the server (SIGKILL, which ends a stopped one too) if it still runs and remove its
+        weight-receive files on this node; its exit code. It is not reported again at :meth:`stop` (rank
+        0's health check named it)."""
+        from rlperf.sync.receiver import remove_segments
+
+        if self.proc is None:
+            return self._code
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self._code = self.proc.wait()
+        remove_segments(self.proc.pid)
+        self._reported = True
+        self.proc.output.close()
+        self.proc = None  # let go here: a Popen collected while Ray stops this actor prints a traceback
+        return self._code
+
     def stop(self) -> str | None:
-        """Stop the server; its last output when it had exited by itself before (else None)."""
+        """Stop the server (a stopped one is continued to take its SIGTERM) and remove its weight-receive
+        files; its last output when it had exited by itself before (else None)."""
+        import signal
+
         from rlperf.rollout.router import output_tail
+        from rlperf.sync.receiver import remove_segments
 
         if self.proc is None:
             return None
         exited = self.proc.poll()
         report = None
         if exited is not None:
-            report = f"exited with {exited}; its last output:" + "".join(
-                f"\n  | {line}" for line in output_tail(self.proc).splitlines())
+            if not self._reported:
+                report = f"exited with {exited}; its last output:" + "".join(
+                    f"\n  | {line}" for line in output_tail(self.proc).splitlines())
         else:
             self.proc.terminate()
+            self.proc.send_signal(signal.SIGCONT)
             try:
                 self.proc.wait(timeout=10)
             except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: it did not stop, kill it
                 self.proc.kill()
                 self.proc.wait()
         self.proc.output.close()
+        remove_segments(self.proc.pid)  # a server killed by SIGKILL leaves its receive files
         self.proc = None
         return report
 
@@ -344,12 +390,179 @@ def _entry_name(entry: Callable) -> tuple[str, str]:
     return module, name
 
 
+def _bundle_options(pg, bundle: int, num_gpus: int) -> dict:
+    """An actor's options for bundle ``bundle`` of placement group ``pg``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return dict(num_cpus=1, num_gpus=num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                     placement_group_bundle_index=bundle),
+                runtime_env={"env_vars": forwarded_env()})
+
+
 def forwarded_env(environ=None) -> dict[str, str]:
     """The variables every actor gets (:data:`FORWARDED_ENV_PREFIXES`, less the API key's)."""
     from rlperf.rollout.args import API_KEY_ENV
 
     env = os.environ if environ is None else environ
     return {k: v for k, v in env.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k != API_KEY_ENV}
+
+
+# ---- the engines, as rank 0 watches them --------------------------------------------------------------
+class _RayServer:
+    """An :class:`EngineActor`'s ``rlperf serve`` child as :class:`rlperf.loop.health.HealthMonitor` sees a
+    process (``pid``, ``poll``, ``kill``, ``wait``, ``returncode``), through calls to the actor. A look
+    never blocks: one ``poll`` call is in flight at a time and its answer is read at the next look
+    (the monitor looks every 0.2 s). An actor that is gone (its node died, or it was killed) took its
+    server with it: ``exit_reason`` says so."""
+
+    def __init__(self, ray, actor, pid: int | None):
+        import threading
+
+        self._ray, self.actor, self.pid = ray, actor, pid
+        self.returncode: int | None = None
+        self.exit_reason: str | None = None
+        self._pending = None
+        self._lock = threading.Lock()
+
+    def _gone(self, exc: BaseException) -> None:
+        self.returncode = -9
+        self.exit_reason = f"is gone with its Ray actor ({type(exc).__name__})"
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is not None:
+                return self.returncode
+            if self._pending is None:
+                self._pending = self.actor.poll.remote()
+            ready, _ = self._ray.wait([self._pending], timeout=0)
+            if not ready:
+                return None
+            ref, self._pending = self._pending, None
+            try:
+                self.returncode = self._ray.get(ref)
+            except self._ray.exceptions.RayError as exc:
+                self._gone(exc)
+            return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the server on its node (its receive files removed there)."""
+        try:
+            code = self._ray.get(self.actor.kill_server.remote(), timeout=ENGINE_CALL_TIMEOUT_S)
+        except self._ray.exceptions.RayError as exc:  # the actor is gone, and its server with it
+            with self._lock:
+                if self.returncode is None:
+                    self._gone(exc)
+            return
+        with self._lock:
+            if self.returncode is None:
+                self.returncode = code
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("rlperf serve", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+@dataclasses.dataclass
+class _RayCluster:
+    """What :class:`rlperf.loop.health.HealthMonitor` reads of a fleet's processes. The router runs in
+    the driver, not here: its liveness is its ``/health`` (the monitor asks it when a request fails)."""
+
+    servers: list
+    router: object = None
+
+
+class RayEngineFleet:
+    """The engines ``--placement ray`` started, as rank 0 watches and replaces them: the interface of
+    :class:`rlperf.loop.engines.EngineFleet` that :class:`rlperf.loop.health.HealthMonitor` uses, so
+    ``--use-fault-tolerance`` (and, without it, the one-line end) treats them as the engines a run starts
+    itself. A failed engine's server is killed by its actor (its receive files removed on its node); a
+    restart is a **new** :class:`EngineActor` on the same bundle of the placement group (rank 0 runs in a
+    bundle of that group), serving on the same node and port, so its URL, which the router and the
+    weight-update group know, stays the same. The replacements belong to rank 0 (Ray ends them with it);
+    :meth:`close` stops them, and the driver stops the engines it started."""
+
+    def __init__(self, ray, router_url: str, actors: list):
+        self._ray, self.router_url = ray, router_url
+        specs = ray.get([a.spec.remote() for a in actors])
+        self._specs = specs
+        self.cluster = _RayCluster([_RayServer(ray, a, sp["pid"]) for a, sp in zip(actors, specs)])
+        self.worker_urls = [sp["url"] for sp in specs]
+        self.handled: set = set()
+        self.restarts = 0
+        self._started: list = []  # the replacement actors (rank 0's)
+
+    @classmethod
+    def attach(cls, router_url: str, urls: list[str]) -> "RayEngineFleet":
+        """The fleet of the engine actors of this Ray job that serve ``urls`` (the router's workers), in
+        engine order. :class:`RuntimeError` when one is not found."""
+        ray = import_ray()
+        names = [n for n in ray.util.list_named_actors() if isinstance(n, str) and n.startswith(ENGINE_ACTOR_PREFIX)]
+        actors = [ray.get_actor(n) for n in names]
+        specs = ray.get([a.spec.remote() for a in actors])
+        mine = sorted((sp["index"], a) for a, sp in zip(actors, specs) if sp.get("url") in set(urls))
+        if len(mine) != len(urls):
+            raise RuntimeError(f"--placement ray: found {len(mine)} engine actor(s) for the router's {len(urls)} "
+                               f"worker(s) {urls}")
+        return cls(ray, router_url, [a for _, a in mine])
+
+    def remove_files(self, proc) -> None:
+        """A failed engine's receive files go on its own node (:meth:`EngineActor.kill_server`)."""
+        proc.kill()
+
+    def restart_engine(self, i: int, timeout: float = ENGINE_START_TIMEOUT_S) -> None:
+        """Start engine ``i`` again as a new :class:`EngineActor` on its bundle, node and port (its old
+        actor, whose server has exited, is killed); return once it answers ``/health``.
+        :class:`rlperf.loop.engines.EngineFleetError` when it does not come up."""
+        from .engines import EngineFleetError
+
+        ray, old, spec = self._ray, self.cluster.servers[i], self._specs[i]
+        if old.poll() is None:
+            raise RuntimeError(f"engine {i} still runs (pid {old.pid})")
+        try:
+            ray.kill(old.actor)
+        except Exception:  # noqa: BLE001 - an actor that is gone already
+            pass
+        self.restarts += 1
+        pg = ray.util.get_current_placement_group()
+        if pg is None:
+            raise EngineFleetError(f"rollout engine {i} cannot be restarted: this rank runs in no placement group")
+        actor = _remote(EngineActor).options(**_bundle_options(pg, spec["bundle"], spec["num_gpus"])).remote(
+            i, spec["bundle"])
+        self._started.append(actor)
+        try:
+            url = ray.get(actor.start.remote(spec["server_args"], spec["log_dir"], spec["cwd"], timeout,
+                                             port=spec["port"], log_name=f"server-{i}.restart-{self.restarts}.log"),
+                          timeout=timeout + ENGINE_CALL_TIMEOUT_S)
+            new = ray.get(actor.spec.remote(), timeout=ENGINE_CALL_TIMEOUT_S)
+        except (ray.exceptions.RayError, RuntimeError, TimeoutError) as exc:
+            raise EngineFleetError(f"rollout engine {i} did not restart: {exc}".replace("\n", " ")) from None
+        if url != self.worker_urls[i]:
+            raise EngineFleetError(f"rollout engine {i} came back at {url}, not at {self.worker_urls[i]}")
+        self._specs[i] = new
+        self.cluster.servers[i] = _RayServer(ray, actor, new["pid"])
+
+    def close(self) -> None:
+        """Kill the engines found failed (the run ends because of one: nothing waits for its graceful
+        stop, and the driver does not report it again) and stop the replacements this rank started."""
+        ray = self._ray
+        for p in self.cluster.servers:
+            if p in self.handled and p.poll() is None:
+                p.kill()
+        failed = any(p in self.handled for p in self.cluster.servers)
+        for a in self._started:
+            try:
+                ray.get(a.kill_server.remote() if failed else a.stop.remote(), timeout=ENGINE_CALL_TIMEOUT_S)
+            except ray.exceptions.RayError:
+                pass
+            ray.kill(a)
+        self._started = []
 
 
 # ---- the placement ------------------------------------------------------------------------------------
@@ -384,6 +597,7 @@ class RayPlacement(Placement):
         self._actors: list = []
         self._engines: list = []
         self._router = None
+        self._ended_by_rank = False  # a rank ended the run on a failure it named: close kills, not stops
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> "RayPlacement":
@@ -464,12 +678,7 @@ class RayPlacement(Placement):
         return order_bundles(dict(nodes), ips, ray.get_runtime_context().get_node_id())
 
     def _options(self, bundle: int) -> dict:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        return dict(num_cpus=1, num_gpus=1 if self.gpu_bundles else 0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self._pg, placement_group_bundle_index=bundle),
-                    runtime_env={"env_vars": forwarded_env()})
+        return _bundle_options(self._pg, bundle, 1 if self.gpu_bundles else 0)
 
     # -- engines -------------------------------------------------------------------------------------
     def launch_engines(self, server_args, bundles: list[int], log_dir: str | None = None,
@@ -480,7 +689,9 @@ class RayPlacement(Placement):
         from rlperf.rollout.router import start_router_on_free_port
 
         actor = _remote(EngineActor)
-        self._engines = [actor.options(**self._options(b)).remote(i, b) for i, b in enumerate(bundles)]
+        token = f"{ENGINE_ACTOR_PREFIX}{os.getpid()}-{time.monotonic_ns()}-"
+        self._engines = [actor.options(**self._options(b), name=f"{token}{i}").remote(i, b)
+                         for i, b in enumerate(bundles)]
         self.slots += ray.get([e.where.remote() for e in self._engines])
         urls = ray.get([e.start.remote(server_args, log_dir, os.getcwd(), timeout) for e in self._engines])
         ip = ray.util.get_node_ip_address()
@@ -539,6 +750,7 @@ class RayPlacement(Placement):
             calls = {a.run.remote(entry_name, rank_ns, {**env, "RANK": str(r)}, list(sys.path), os.getcwd()): r
                      for r, a in enumerate(self._actors)}
             code = self._wait(calls, w)
+            self._ended_by_rank = self.rank_said_why  # a rank ended the run on a failure it named
             time.sleep(LOG_DRAIN_S)
             return code
         except ray.exceptions.RayError as exc:  # an actor that could not start or died (its error quoted)
@@ -559,9 +771,11 @@ class RayPlacement(Placement):
             except ray.exceptions.RayError as exc:
                 code, error = 1, str(exc)
             if code:
-                how = f"failed:\n{error}" if error else f"exited with code {code}"
-                print(f"rlperf: actor rank {rank} of {world_size} {how} (the other ranks were stopped)",
-                      file=sys.stderr)
+                if error is None:  # the rank returned its code, having said why (one line, with the resume)
+                    self.rank_said_why = True
+                else:
+                    print(f"rlperf: actor rank {rank} of {world_size} failed:\n{error} (the other ranks were "
+                          f"stopped)", file=sys.stderr)
                 return code if code in (1, 2) else 1
         return 0
 
@@ -574,18 +788,25 @@ class RayPlacement(Placement):
 
     def close(self) -> None:
         """Stop the router, the engines and the ranks, remove the group, and leave the cluster when this
-        placement joined it (idempotent)."""
+        placement joined it (idempotent). After a rank ended the run on a failure it named (an engine's,
+        say) the router and the engines are killed, not stopped gracefully: the abandoned rollout's
+        requests would hold a server's stop 5 s and the router's a second or more (docs/scale-out.md's
+        bound on ending the run)."""
         ray = self._ray
         if ray is None:
             return
+        abrupt = self._ended_by_rank
         if self._router is not None:
             from rlperf.rollout.router import Cluster
 
+            if abrupt and self._router.poll() is None:
+                self._router.kill()
             Cluster([], self._router, [], "").close()
             self._router = None
         for e in self._engines:
             try:
-                report = ray.get(e.stop.remote(), timeout=30)
+                report = ray.get(e.kill_server.remote() if abrupt else e.stop.remote(), timeout=30)
+                report = report if isinstance(report, str) else None
                 if report:
                     print(f"rlperf: --placement ray: a rollout engine {report}", file=sys.stderr)
             except ray.exceptions.RayError:

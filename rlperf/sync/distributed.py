@@ -57,6 +57,15 @@ waits there for every peer's side of the setup; that one call runs in a daemon t
 replies are watched, so an engine whose setup failed (SGLang answers the request with NCCL's error)
 fails the update with its message too. An update that fails with a broadcast unfinished leaves the group (NCCL
 aborts it); the next update forms a new one.
+
+An engine that dies or stops in the middle of an update (a killed process whose NCCL peer never
+completes, a stopped one that never answers) would hold the sender until :data:`GROUP_TIMEOUT_S`,
+or until the HTTP timeout for a reply that never comes. A ``watch`` (the run's engine health monitor,
+:meth:`rlperf.loop.health.HealthMonitor.found_failed`) names the engines found failed meanwhile; every
+wait of the update (forming the group, each broadcast, the replies) looks at it every
+:data:`_WATCH_POLL_S` and fails at once with :class:`EngineLost` naming them. The group is then
+aborted as for any unfinished broadcast, and the engines lost are not asked to leave it or to continue
+(they would not answer either): the update ends within the health check's own bound.
 """
 from __future__ import annotations
 
@@ -73,7 +82,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -125,6 +134,8 @@ class WeightUpdateGroup:
     started: bool = False
     """Whether a :meth:`broadcast` call has returned: NCCL sets up its communicator inside the first
     call, which waits there for every peer's side of the setup (see :meth:`_Update.start_broadcast`)."""
+    _works: list = dataclasses.field(default_factory=list, repr=False)
+    """Broadcasts not seen complete (what :meth:`close` must not destroy the group under)."""
 
     def broadcast(self, tensor: torch.Tensor):
         """Start the broadcast of ``tensor`` from rank 0 (rank 0 sends it, the others receive into it:
@@ -133,7 +144,9 @@ class WeightUpdateGroup:
 
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        return self._pg.broadcast([tensor], opts)
+        work = self._pg.broadcast([tensor], opts)
+        self._works = [w for w in self._works if not w.is_completed()] + [work]
+        return work
 
     def wait(self, work, *, host: bool) -> None:
         """Wait for a :meth:`broadcast`. gloo: on the host. NCCL: this thread's current stream waits
@@ -161,6 +174,25 @@ class WeightUpdateGroup:
         # a communicator whose setup a failed peer left half done may not end at once: this side goes
         # on after CLOSE_TIMEOUT_S (the abort carries on in its daemon thread)
         concurrent.futures.wait([_in_thread(end)], timeout=CLOSE_TIMEOUT_S)
+        _reap_abandoned()
+        stuck = [w for w in self._works if not w.is_completed()]
+        self._works = []
+        if stuck:
+            # a gloo group's destructor joins its worker threads, holding the GIL: one still sending to a
+            # stopped peer would freeze every thread of this process (the health checks too) until the
+            # collective's timeout. Such a group is kept until its broadcasts end (the peer killed closes
+            # the connection) and only then let go (_reap_abandoned, at the next close or join).
+            _ABANDONED.append((pg, stuck))
+        del pg
+
+
+_ABANDONED: list[tuple[object, list]] = []
+"""Groups left with broadcasts unfinished (:meth:`WeightUpdateGroup.close`), kept until those end."""
+
+
+def _reap_abandoned() -> None:
+    """Let go of the abandoned groups whose broadcasts have all ended (destroying them no longer blocks)."""
+    _ABANDONED[:] = [(pg, works) for pg, works in _ABANDONED if not all(w.is_completed() for w in works)]
 
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int, *,
@@ -176,6 +208,7 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore
 
+    _reap_abandoned()
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     td = _timedelta(timeout)
@@ -235,6 +268,17 @@ class WeightSyncError(RuntimeError):
     def __init__(self, message: str, status: int = 0):
         super().__init__(message)
         self.status = status
+
+
+class EngineLost(WeightSyncError):
+    """Engines found failed (dead, stopped, not answering their health check) while an update waited on
+    them; ``gone``: their URLs, which the update's clean-up does not ask again."""
+
+    unfinished_broadcast = True
+
+    def __init__(self, failed: Mapping[str, str]):
+        super().__init__("; ".join(f"{url} {why}" for url, why in failed.items()) + " during the weight update")
+        self.gone = tuple(failed)
 
 
 def _message(reply) -> str:
@@ -425,6 +469,8 @@ class WeightBroadcaster:
     bucket_bytes : bucket size of each broadcast (default :data:`rlperf.sync.DISTRIBUTED_BUCKET_BYTES`).
     max_inflight : buckets whose broadcast may be unfinished on this side (each holds its packed buffer)
         before the next one is packed; the replies are awaited at the end (module docstring).
+    watch : called while an update waits on the engines: the engines found failed meanwhile (URL -> why),
+        on which the update gives up at once (:class:`EngineLost`, module docstring); None: no watch.
 
     :meth:`connect` forms the group (:meth:`update_weights` does it the first time); :meth:`close`
     leaves it. Only trainer rank 0 uses this; other trainer ranks take part in gathering the full
@@ -434,7 +480,7 @@ class WeightBroadcaster:
     def __init__(self, engine_urls: Sequence[str], *, device, api_key: str | None = None,
                  group_name: str = GROUP_NAME, master_address: str | None = None,
                  bucket_bytes: int = DISTRIBUTED_BUCKET_BYTES, timeout: float = GROUP_TIMEOUT_S,
-                 max_inflight: int = 2):
+                 max_inflight: int = 2, watch: Callable[[], Mapping[str, str]] | None = None):
         if not engine_urls:
             raise ValueError("WeightBroadcaster needs at least one engine URL")
         if max_inflight < 1:
@@ -447,7 +493,19 @@ class WeightBroadcaster:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.group_name, self.master_address = group_name, master_address
         self.bucket_bytes, self.timeout, self.max_inflight = bucket_bytes, timeout, max_inflight
+        self.watch = watch
         self.group: WeightUpdateGroup | None = None
+        self._next_look = 0.0
+
+    def check_engines(self) -> None:
+        """:class:`EngineLost` when ``watch`` names an engine of this group as failed (looked at once per
+        :data:`_WATCH_POLL_S` however often this is called)."""
+        if self.watch is None or time.monotonic() < self._next_look:
+            return
+        self._next_look = time.monotonic() + _WATCH_POLL_S
+        failed = {u.rstrip("/"): why for u, why in self.watch().items() if u.rstrip("/") in self.urls}
+        if failed:
+            raise EngineLost(failed)
 
     # ---- HTTP ----------------------------------------------------------------------------------
     def _call(self, url: str, path: str, body=None, timeout: float | None = None) -> dict:
@@ -485,7 +543,9 @@ class WeightBroadcaster:
                             backend=self.backend, device=self.device, timeout=self.timeout, store=store)
         pending = set(engines) | {joined}
         while pending:
-            done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            self.check_engines()
+            done, pending = concurrent.futures.wait(pending, timeout=_WATCH_POLL_S,
+                                                    return_when=concurrent.futures.FIRST_COMPLETED)
             failed = [f for f in done if f.exception() is not None]
             if failed:  # a refusal: the others would wait for it until the timeout
                 exc = failed[0].exception()
@@ -552,6 +612,7 @@ class WeightBroadcaster:
             for c in conns:
                 c.close()
             conns = []
+            live = [u for u in self.urls if u not in getattr(exc, "gone", ())]  # a lost engine would not answer
             if getattr(exc, "unfinished_broadcast", False):
                 # a collective that cannot finish: abort this side first (gloo peers see their pending
                 # receives fail; NCCL's aborts here), then ask the engines to leave too
@@ -560,11 +621,11 @@ class WeightBroadcaster:
                 del group
                 gc.collect()  # a work the failure's frames still reach would keep gloo's connections open
                 try:
-                    self._all(DESTROY_ENDPOINT, {"group_name": self.group_name}, timeout=CLOSE_TIMEOUT_S)
+                    self._all(DESTROY_ENDPOINT, {"group_name": self.group_name}, timeout=CLOSE_TIMEOUT_S, urls=live)
                 except WeightSyncError:
                     pass  # an engine that cannot leave now fails the next connect, which says so
             try:  # the pipelined /continue_generation may not have gone out: ask again on a fresh connection
-                self._all("/continue_generation", {}, timeout=CLOSE_TIMEOUT_S)
+                self._all("/continue_generation", {}, timeout=CLOSE_TIMEOUT_S, urls=live)
             except WeightSyncError:
                 pass
             raise
@@ -632,7 +693,9 @@ class _Update:
         return call.result()
 
     def check_replies(self) -> None:
-        """A reply that failed already fails the update."""
+        """A reply that failed already fails the update, and so does an engine the sender's ``watch`` found
+        failed (:meth:`WeightBroadcaster.check_engines`)."""
+        self.sender.check_engines()
         still = []
         for what, fut in self.outstanding:
             if not fut.done():
@@ -704,12 +767,16 @@ class _Update:
         replies = []
         deadline = time.monotonic() + sender.timeout
         for what, fut in self.requests:
-            try:
-                replies.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
-            except concurrent.futures.TimeoutError:
-                raise WeightSyncError(f"{what}: no reply within {sender.timeout:g} s") from None
-            except WeightSyncError as exc:
-                raise _failed_reply(what, exc) from None
+            while True:
+                sender.check_engines()  # a reply that never comes (a stopped engine) is not waited out
+                try:
+                    replies.append(fut.result(timeout=min(_WATCH_POLL_S, max(0.0, deadline - time.monotonic()))))
+                    break
+                except concurrent.futures.TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise WeightSyncError(f"{what}: no reply within {sender.timeout:g} s") from None
+                except WeightSyncError as exc:
+                    raise _failed_reply(what, exc) from None
         checksum = combine_checksums(checksums) if checksums else None
         if check_checksum:
             got = [r.get("weights_checksum") for r in replies[-2 * engines:-engines]]
@@ -722,6 +789,8 @@ class _Update:
 
 _POLL_S = 50e-6
 """How often the sender looks at a broadcast it waits for (and at the engines' replies meanwhile)."""
+_WATCH_POLL_S = 0.05
+"""How often a waiting update looks at its ``watch`` (the engines found failed)."""
 _FIRST_CALL_POLL_S = 1e-3
 """How often the sender looks at the engines' replies while the group's first broadcast call (NCCL's
 communicator setup) has not returned."""

@@ -24,6 +24,9 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("sglang_router")
 
 VOLATILE = ("perf/", "memory/", "rollout/engine")
+NAMED_WITHIN_S = 1 + 4 + 1
+"""docs/scale-out.md's bound on ending the run after an engine failed, at FLAGS' health check: interval +
+timeout + 1 s."""
 FLAGS = ["--device", "cpu", "--rollout-num-gpus", "2", "--true-on-policy-mode", "--no-progress", "--skip-gates",
          "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
          "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "4"]
@@ -40,8 +43,8 @@ def faults(monkeypatch):
     """``faults[(rollout_call, request)] = (target, signal)``: on the ``request``-th ``/generate`` of the
     ``rollout_call``-th ``generate`` call (0-based; call 0 is rollout 0), send ``signal`` to ``target``
     (``"engine0"``, ``"engine1"`` or ``"router"``) of the run's fleet, once. Returns the plan and the
-    fleets started."""
-    plan, fleets, state = {}, [], {"call": -1, "request": 0}
+    fleets started; ``plan.sent_at``: ``time.monotonic()`` of each signal sent, in order."""
+    plan, fleets, state = _Plan(), [], {"call": -1, "request": 0}
     start = E.EngineFleet.start.__func__
     lock = threading.Lock()
 
@@ -73,6 +76,7 @@ def faults(monkeypatch):
                 procs = [cluster.router if target == "router" else cluster.servers[int(target[-1])]]
             for proc in procs:
                 os.kill(proc.pid, sig)
+                plan.sent_at.append(time.monotonic())
                 killed.append(proc.pid)
                 stopped.append(proc)
         return one(self, ids, sp, *args, **kwargs)
@@ -85,6 +89,12 @@ def faults(monkeypatch):
     for p in stopped:  # a stopped process left behind would never end
         if p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
+
+
+class _Plan(dict):
+    def __init__(self):
+        super().__init__()
+        self.sent_at: list[float] = []
 
 
 class _Pid:
@@ -161,13 +171,15 @@ def test_fault_tolerance_survives_a_kill_and_a_stop(tmp_path, capfd, faults, no_
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_without_fault_tolerance_a_failed_engine_ends_the_run_with_one_line(tmp_path, capfd, faults, no_interpreter,
                                                                              sig):
+    """Issue #39 item 9: the run ends (the line printed, exit 1) within NAMED_WITHIN_S of the signal, on a
+    loaded 2-core machine too: the probes never wait for one another, a timed-out probe adds nothing,
+    and the fleet kills its processes instead of giving the abandoned requests their 5 s grace."""
     plan, fleets, _ = faults
     plan[(1, 2)] = ("engine1", sig)
     save = tmp_path / "save"
-    began = time.monotonic()
     code = main(["train", *FLAGS, "--num-rollout", "3", "--save", str(save), "--save-interval", "1",
                  "--output-dir", str(tmp_path / "out")])
-    took = time.monotonic() - began
+    took = time.monotonic() - plan.sent_at[0]
     err = capfd.readouterr().err
     assert code == 1
     why = "was killed by SIGKILL" if sig == signal.SIGKILL else "did not answer /health within 4 s"
@@ -176,7 +188,9 @@ def test_without_fault_tolerance_a_failed_engine_ends_the_run_with_one_line(tmp_
     assert f"--load {save}" in line and "rlperf train " in line
     assert "Traceback" not in err and "a rollout engine process" not in err
     assert [m["rollout_id"] for m in _lines(tmp_path / "out")] == [0]
-    assert took < 120, took  # no 10-minute wait for the stopped engine
+    assert took <= NAMED_WITHIN_S, took  # 10.9 s before: a 1 s settle after the probe's timeout, 4-8 s of teardown
+    pids = {p.pid for f in fleets for p in f.cluster.servers}
+    assert _leaked(pids) == []
     # the resume the line gives works without cleanup
     assert main(["train", *FLAGS, "--num-rollout", "3", "--save", str(save), "--load", str(save),
                  "--output-dir", str(tmp_path / "out")]) == 0
@@ -385,3 +399,81 @@ def test_a_receiver_that_dies_at_the_weight_sync(tmp_path, capfd, faults, no_int
     assert _stable(_lines(tmp_path / "a")) == _stable(_lines(tmp_path / "ok"))
     assert "back in the router after" in err, err
     assert took < 150, took
+
+
+_FAULT_FREE: dict = {}
+
+
+def _fault_free(tmp_path_factory, rollouts: int) -> list[dict]:
+    """The stable metrics of the run without faults (FLAGS, ``rollouts`` rollouts), run once per module."""
+    if rollouts not in _FAULT_FREE:
+        out = tmp_path_factory.mktemp("fault-free")
+        assert main(["train", *FLAGS, "--num-rollout", str(rollouts), "--output-dir", str(out)]) == 0
+        _FAULT_FREE[rollouts] = _stable(_lines(out))
+    return _FAULT_FREE[rollouts]
+
+
+@pytest.mark.parametrize("sig,tolerant", [(signal.SIGSTOP, False), (signal.SIGSTOP, True), (signal.SIGKILL, True)])
+def test_an_engine_lost_in_the_middle_of_a_weight_broadcast(tmp_path, tmp_path_factory, capfd, faults, no_interpreter,
+                                                            monkeypatch, sig, tolerant):
+    """Issue #39 item 9: engine 1 stopped (SIGSTOP) or killed (-9) in the weight sync after rollout 1, once
+    its bucket request is on the wire and before the bucket's broadcast: the sync gives up on it within the
+    health check's bound (interval + timeout + 1 s), not the group's timeout (600 s here) nor a reply that
+    never comes. Without fault tolerance: one line naming the engine and the resume command, exit 1; with
+    it: the engine is taken out, restarted and given the whole weights, and the run equals the run without
+    faults bit for bit. No receive file of a dead engine is left."""
+    from rlperf.loop.health import HealthMonitor
+    from rlperf.sync import distributed as D
+
+    plan, fleets, killed = faults
+    start, updates, marks = D._Update.start_broadcast, [], {}
+
+    def stopping_start(self, buffer):
+        if self.sender.group is not None and not marks and len(updates) == 3:
+            engine = fleets[-1].cluster.servers[1]
+            os.kill(engine.pid, sig)
+            marks["sent"] = time.monotonic()
+            killed.append(engine.pid)
+        return start(self, buffer)
+
+    run = D._Update.run
+
+    def counting_run(self, *args, **kwargs):
+        updates.append(1)  # 1: before rollout 0, 2: after it, 3: after rollout 1
+        return run(self, *args, **kwargs)
+
+    take_out = HealthMonitor.take_out
+
+    def timed_take_out(self, i, why, during):
+        marks.setdefault("taken_out", time.monotonic())
+        return take_out(self, i, why, during)
+    monkeypatch.setattr(D._Update, "start_broadcast", stopping_start)
+    monkeypatch.setattr(D._Update, "run", counting_run)
+    monkeypatch.setattr(HealthMonitor, "take_out", timed_take_out)
+    save = tmp_path / "save"
+    flags = [*FLAGS, "--num-rollout", "3", "--save", str(save), "--save-interval", "1"]
+    code = main(["train", *flags, *(["--use-fault-tolerance"] if tolerant else []), "--output-dir", str(tmp_path / "a")])
+    ended = time.monotonic()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    assert "sent" in marks, "the fault was never injected"
+    pids = {p.pid for f in fleets for p in f.cluster.servers} | set(killed)
+    assert not any(R.process_exists(p) for p in pids) and _leaked(pids) == []
+    why = "did not answer /health within 4 s" if sig == signal.SIGSTOP else "was killed by SIGKILL"
+    if not tolerant:
+        assert code == 1, err
+        (line,) = [x for x in err.splitlines() if "the run stops" in x]
+        assert line.startswith("rlperf train: rollout engine 1 (") and why in line and "during the weight sync" in line, err
+        assert f"--load {save}" in line
+        assert ended - marks["sent"] <= NAMED_WITHIN_S, ended - marks["sent"]
+        assert [m["rollout_id"] for m in _lines(tmp_path / "a")] == [0]
+        return
+    assert code == 0, err
+    assert marks["taken_out"] - marks["sent"] <= NAMED_WITHIN_S, marks["taken_out"] - marks["sent"]
+    (taken,) = [x for x in err.splitlines() if "taken out of the router" in x]
+    assert taken.startswith("rlperf train: rollout engine 1 (") and why in taken, err
+    assert "back in the router after" in err, err
+    monkeypatch.setattr(D._Update, "start_broadcast", start)
+    ft = _lines(tmp_path / "a")
+    assert _stable(ft) == _fault_free(tmp_path_factory, 3)
+    assert [m.get("rollout/engines_restarted") for m in ft] == [None, "1", None]

@@ -302,3 +302,85 @@ def test_bundle_order_puts_the_driver_node_first_then_nodes_by_ip():
     ips = {"a": "10.0.0.2", "b": "10.0.0.10", "c": "10.0.0.1"}
     assert R.order_bundles(nodes, ips, first_node="b") == [0, 4, 2, 1, 3]
     assert R.order_bundles(nodes, ips, first_node=None) == [2, 1, 3, 0, 4]  # 10.0.0.2 < 10.0.0.10 as numbers
+
+
+RAY_ENGINE_SIGNALLER = '''
+import json, os, signal, time
+from rlperf.data.rewards import BUILTIN_REWARDS
+
+def reward(args, sample):
+    """The boxed-math reward; at the 4th sample of rollout 1, engine 1's server (an EngineActor's child)
+    gets RLPERF_TEST_SIGNAL, once; its pid, every engine's and the time go to RLPERF_TEST_DIR/signalled."""
+    d = os.environ["RLPERF_TEST_DIR"]
+    with open(os.path.join(d, "rewards"), "a") as f:
+        f.write("x")
+    if os.path.getsize(os.path.join(d, "rewards")) == 16 + 4:
+        import ray
+        from rlperf.loop.ray_placement import ENGINE_ACTOR_PREFIX
+
+        pids = {n.rsplit("-", 1)[1]: ray.get(ray.get_actor(n).server_pid.remote())
+                for n in ray.util.list_named_actors() if n.startswith(ENGINE_ACTOR_PREFIX)}
+        os.kill(pids["1"], getattr(signal, os.environ["RLPERF_TEST_SIGNAL"]))
+        with open(os.path.join(d, "signalled"), "w") as f:
+            json.dump({"pids": pids, "at": time.time()}, f)
+    return BUILTIN_REWARDS["boxed_math"](args, sample)
+'''
+
+
+@pytest.mark.parametrize("sig,tolerant", [("SIGKILL", True), ("SIGSTOP", False)])
+def test_fault_tolerance_watches_the_engines_ray_placed(cluster, tmp_path, capfd, monkeypatch, sig, tolerant):
+    """Issue #39 item 9: engines under --placement ray are watched as the run's own. Engine 1's server
+    killed (-9) in rollout 1 with --use-fault-tolerance: a new engine actor takes its bundle and port, is
+    given the weights (checksum checked) and put back, and the run equals the run without the fault bit
+    for bit. Stopped (SIGSTOP) without it: one line naming the engine and the resume command, exit 1,
+    within the health check's bound. No receive file of a dead engine is left."""
+    from rlperf.sync import receiver as Rcv
+
+    (tmp_path / "ray_engine_signaller.py").write_text(RAY_ENGINE_SIGNALLER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("RLPERF_TEST_DIR", str(tmp_path))
+    monkeypatch.setenv("RLPERF_TEST_SIGNAL", sig)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    flags = ["--device", "cpu", "--num-rollout", "3", "--true-on-policy-mode", "--no-progress", "--skip-gates",
+             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+             "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "4"]
+    save = tmp_path / "save"
+    code = main(["train", "--placement", "ray", "--rollout-num-gpus", "2", "--custom-rm-path",
+                 "ray_engine_signaller.reward", *(["--use-fault-tolerance"] if tolerant else []), "--save", str(save),
+                 "--save-interval", "1",
+                 "--output-dir", str(tmp_path / "ray"), *flags])
+    ended = time.time()
+    err = capfd.readouterr().err
+    signalled = json.loads((tmp_path / "signalled").read_text())
+    assert "Traceback" not in err, err
+    pids = {int(p) for p in signalled["pids"].values()}
+    assert not any(_alive(p) for p in pids)
+    assert [n for d in (Rcv.SHM_DIR, "/tmp") if os.path.isdir(d) for n in os.listdir(d)
+            if Rcv.segment_owner(n) in pids] == []
+    assert _given_back()
+    if not tolerant:
+        assert code == 1, err
+        lines = [x for x in err.splitlines() if "the run stops" in x]
+        assert len(lines) == 1, err
+        assert "rlperf train: rollout engine 1 (http://" in lines[0] and "did not answer /health within 4 s" in lines[0]
+        assert f"--load {save}" in lines[0], lines[0]
+        # docs/scale-out.md: interval + timeout + 5 s under Ray (its 1.5 s log drain, the actors' stop)
+        assert ended - signalled["at"] <= 1 + 4 + 5, ended - signalled["at"]
+        return
+    assert code == 0, err
+    # the same reward, on the in-process engine (the rewards counted past rollout 1: nothing is signalled)
+    assert main(["train", "--output-dir", str(tmp_path / "local"), "--custom-rm-path", "ray_engine_signaller.reward",
+                 *flags]) == 0
+
+    def metrics(run):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x) for x in lines]
+
+    ray_run, local = metrics("ray"), metrics("local")
+    assert [m.get("rollout/engines_restarted") for m in ray_run] == [None, "1", None]
+    stable = ("perf/", "memory/", "rollout/engine")
+    assert [{k: v for k, v in m.items() if not k.startswith(stable)} for m in ray_run] == \
+        [{k: v for k, v in m.items() if not k.startswith(stable)} for m in local]
+    assert "was killed by SIGKILL" in err and "taken out of the router" in err and "back in the router" in err, err
+    assert sorted(p.name for p in (tmp_path / "ray" / "engines").iterdir()) == [
+        "router.log", "server-0.log", "server-1.log", "server-1.restart-1.log"]
