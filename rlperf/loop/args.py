@@ -264,8 +264,9 @@ SGLANG_NUMERICS = ("rlperf", "sglang")
 (``--attention-backend rlperf``; their log-probs are the trainer's bit for bit); ``sglang``: SGLang's own kernels."""
 DEFAULT_SGLANG_NUMERICS = "rlperf"
 """Default ``--sglang-numerics`` (proved on H200s: abs diff 0 against real SGLang 0.5.17, dense and MoE), except
-where the plugin cannot run: an explicit ``--sglang-attention-backend`` or engines of several GPUs (the plugin runs
-at ``--tp-size`` 1 for now) resolve to ``sglang`` (:func:`check_sglang_backend_flags`)."""
+where the plugin cannot match the trainer: an explicit ``--sglang-attention-backend``, or engines of several GPUs
+(``--tp-size`` > 1 runs the plugin's tree numerics) beside a trainer other than ``--train-backend megatron``, resolve
+to ``sglang`` (:func:`check_sglang_backend_flags`)."""
 SGLANG_LOAD_FORMATS = ("auto", "dummy")
 """``--sglang-load-format`` values: the weights rlperf saved, or random ones replaced before rollout 0."""
 SGLANG_LAUNCH_TIMEOUT_S = 600.0
@@ -287,7 +288,8 @@ def add_sglang_backend_arguments(p: argparse.ArgumentParser) -> None:
                         "page size of rlperf's attention), exact against rlperf's trainer (abs diff 0, as "
                         "--true-on-policy-mode requires); sglang: SGLang's own kernels (--sglang-attention-backend), "
                         f"~0.03 nats/token apart from the trainer's log-probs (default {DEFAULT_SGLANG_NUMERICS}; "
-                        "sglang when --sglang-attention-backend is given or --rollout-num-gpus-per-engine > 1)")
+                        "sglang when --sglang-attention-backend is given, or --rollout-num-gpus-per-engine > 1 without "
+                        "--train-backend megatron: engines of several GPUs compute rlperf's tree numerics, megatron's)")
     g.add_argument("--sglang-attention-backend", default=None, choices=SGLANG_ATTENTION_BACKENDS,
                    help=f"--rollout-backend sglang --sglang-numerics sglang: the engines' --attention-backend (default "
                         f"{DEFAULT_SGLANG_ATTENTION_BACKEND}; both run without FlashAttention 3); not with "
@@ -316,9 +318,15 @@ def check_sglang_backend_flags(ns: argparse.Namespace) -> None:
             if getattr(ns, flag, default) != default:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --rollout-backend sglang")
         return
+    tree_trainer = ns.train_backend == "megatron"  # the trainer whose numerics are the TP-invariant tree
     if ns.sglang_numerics is None:  # the default, where the plugin can run it (DEFAULT_SGLANG_NUMERICS)
-        ns.sglang_numerics = ("sglang" if ns.sglang_attention_backend is not None or ns.rollout_num_gpus_per_engine > 1
-                              else DEFAULT_SGLANG_NUMERICS)
+        ns.sglang_numerics = ("sglang" if ns.sglang_attention_backend is not None
+                              or (ns.rollout_num_gpus_per_engine > 1 and not tree_trainer) else DEFAULT_SGLANG_NUMERICS)
+    if ns.sglang_numerics == "rlperf" and ns.rollout_num_gpus_per_engine > 1 and not tree_trainer:
+        raise UsageError(f"--sglang-numerics rlperf with --rollout-num-gpus-per-engine {ns.rollout_num_gpus_per_engine} "
+                         f"runs SGLang at --tp-size {ns.rollout_num_gpus_per_engine} in rlperf's tensor-parallel-invariant "
+                         f"tree numerics, which only --train-backend megatron trains in: add --train-backend megatron, "
+                         f"or use --rollout-num-gpus-per-engine 1 or --sglang-numerics sglang")
     if ns.sglang_numerics == "rlperf" and ns.sglang_attention_backend is not None:
         raise UsageError(f"--sglang-attention-backend {ns.sglang_attention_backend} and --sglang-numerics rlperf "
                          "exclude each other: with rlperf's numerics the engines run rlperf's attention "
@@ -347,9 +355,6 @@ def check_sglang_backend_flags(ns: argparse.Namespace) -> None:
     if ns.actor_num_nodes * ns.actor_num_gpus_per_node != 1:
         raise UsageError("--rollout-backend sglang drives its engines from one actor rank: --actor-num-gpus-per-node "
                          "and --actor-num-nodes must be 1")
-    if ns.train_backend != "fsdp":
-        raise UsageError(f"--rollout-backend sglang saves the fsdp trainer's weights for its engines; --train-backend "
-                         f"{ns.train_backend} is not built for it")
     if ns.sglang_api_key or ns.sglang_api_key_file:
         raise UsageError("--rollout-backend sglang: the SGLang engines it starts take no API key (SGLang reads its "
                          "key from its command line only, which ps shows to every user of the host)")

@@ -242,16 +242,19 @@ def _visible_gpu(index: int) -> str:
 
 def save_engine_model(model, path: Path, load_format: str) -> Path:
     """Write ``model`` (rlperf's Qwen3, its weights as the engines must start with them) where the engines
-    load it: ``config.json`` and safetensors, or with ``load_format`` ``dummy`` ``config.json`` only."""
+    load it: ``config.json`` and safetensors, or with ``load_format`` ``dummy`` ``config.json`` only. A model
+    in the tree numerics (``reduction_leaves``: the megatron backend's engine copy) names its leaf count in
+    ``config.json`` (``rlperf_reduction_leaves``), so that rlperf's SGLang plugin computes the same tree, at
+    any ``--tp-size``."""
     import json
 
     from rlperf.model.qwen3 import CONFIG_FILE, config_to_hf
 
     path.mkdir(parents=True, exist_ok=True)
-    if load_format == "dummy":
-        (path / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.cfg, model.embed_tokens.dtype), indent=2))
-    else:
+    if load_format != "dummy":
         model.save_pretrained(path)
+    hf = config_to_hf(model.cfg, model.embed_tokens.dtype, getattr(model, "reduction_leaves", None))
+    (path / CONFIG_FILE).write_text(json.dumps(hf, indent=2))
     return path
 
 

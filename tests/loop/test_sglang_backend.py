@@ -76,7 +76,8 @@ def _flags(*argv):
     (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-router-ip", "1.2.3.4",
       "--sglang-router-port", "1"], "--sglang-router-ip"),
     (["--sglang-load-format", "dummy"], "needs --rollout-backend sglang"),
-    (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--train-backend", "megatron"], "--train-backend"),
+    (["--rollout-backend", "sglang", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
+      "--sglang-numerics", "rlperf"], "--train-backend megatron"),
 ])
 def test_layouts_sglang_cannot_run_are_usage_errors(argv, message):
     with pytest.raises(UsageError, match=message.replace("-", r"\-")):
@@ -277,6 +278,11 @@ def test_numerics_default_is_one_constant_and_fills_the_attention_backend():
     ns = _flags("--rollout-backend", "sglang", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2")
     check_sglang_backend_flags(ns)
     assert ns.sglang_numerics == "sglang"
+    # beside the megatron trainer, whose numerics are the TP-invariant tree, TP engines run the plugin's tree
+    ns = _flags("--rollout-backend", "sglang", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
+                "--train-backend", "megatron")
+    check_sglang_backend_flags(ns)
+    assert ns.sglang_numerics == "rlperf"
     ns = _flags(*base, "--sglang-numerics", "sglang")
     check_sglang_backend_flags(ns)
     assert ns.sglang_attention_backend == DEFAULT_SGLANG_ATTENTION_BACKEND
@@ -402,3 +408,48 @@ def test_moe_engines_return_routed_experts():
     dense = S.sglang_launch_argv("/m", 1, SGLangConfig(numerics="rlperf"), dtype="bfloat16", mem_fraction_static=0.5,
                                  seed=0)
     assert moe.count("--enable-return-routed-experts") == 1 and "--enable-return-routed-experts" not in dense
+
+
+# ---- --rollout-num-gpus-per-engine N with rlperf's numerics: the plugin's tree over SGLang's TP group ------------
+def test_tp_engines_with_rlperf_numerics_need_the_tree_trainer(capsys, tmp_path):
+    code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "2",
+                 "--rollout-num-gpus-per-engine", "2", "--sglang-numerics", "rlperf", *SMALL, *_prompts(tmp_path),
+                 "--output-dir", str(tmp_path / "g")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--train-backend megatron" in err and "--rollout-num-gpus-per-engine 2" in err, err
+    ns = _flags("--rollout-backend", "sglang", "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2",
+                "--train-backend", "megatron", "--sglang-numerics", "rlperf")
+    check_sglang_backend_flags(ns)
+    argv = S.sglang_launch_argv("/m", 1, SGLangConfig(tp_size=2, numerics="rlperf"), dtype="bfloat16",
+                                mem_fraction_static=0.5, seed=0)
+    assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--attention-backend") + 1] == "rlperf"
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_the_saved_model_names_the_trainers_tree(tmp_path, load_format):
+    from rlperf.model import ModelConfig
+    from rlperf.model.config import REDUCTION_LEAVES_KEY, reduction_leaves_from_hf_dict
+    from rlperf.model.qwen3 import Qwen3ForCausalLM
+
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, vocab_size=64)
+    tree = S.save_engine_model(Qwen3ForCausalLM.random(cfg, reduction_leaves=8), tmp_path / "tree", load_format)
+    plain = S.save_engine_model(Qwen3ForCausalLM.random(cfg), tmp_path / "plain", load_format)
+    assert reduction_leaves_from_hf_dict(json.loads((tree / "config.json").read_text())) == 8
+    assert REDUCTION_LEAVES_KEY not in json.loads((plain / "config.json").read_text())
+    assert (tree / "model.safetensors").exists() == (load_format == "auto")
+
+
+def test_gate_with_the_megatron_trainer_starts_tree_engines(tmp_path, fake_sglang, monkeypatch):
+    pytest.importorskip("megatron.core")
+    from rlperf.model.config import REDUCTION_LEAVES_KEY
+
+    code, results = _gate(tmp_path, "--train-backend", "megatron", "--sglang-numerics", "rlperf")
+    (launch,) = fake_sglang("launch")
+    a = launch["argv"]
+    assert a[a.index("--attention-backend") + 1] == "rlperf"
+    saved = json.loads((Path(a[a.index("--model-path") + 1]) / "config.json").read_text())
+    assert saved[REDUCTION_LEAVES_KEY] == 8
+    assert fake_sglang("update_weights_from_distributed"), "the megatron trainer's weights reached the engine"
+    assert results["logprob_abs_diff"]["passed"] is not None
+
