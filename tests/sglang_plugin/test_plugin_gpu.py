@@ -104,3 +104,49 @@ def test_seeded_request_in_50_mixed_batches_equals_rlperf_engine(tmp_path, free_
             out = os.environ.get("OUT")
             if out:
                 (__import__("pathlib").Path(out) / f"plugin-gpu-{f.name}").write_text(f.read_text()[-200_000:])
+
+
+needs_two = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or importlib.util.find_spec("sglang") is None,
+    reason="needs 2 GPUs and SGLang 0.5.17 (issue #42: the --tp-size 2 engine)")
+
+
+@needs_two
+def test_tp2_engine_equals_rlperf_tree_engine(tmp_path, free_ports):
+    """One ``--tp-size 2`` engine (the tree numerics: ``rlperf_reduction_leaves`` in config.json) against
+    rlperf's engine on one GPU with ``reduction_leaves`` 8: a seeded request, alone and beside others, the
+    same ids and log-probs bit for bit."""
+    from rlperf.kernels.tree_reduce import TREE_LEAVES
+    from rlperf.loop.sglang_engines import save_engine_model, start_sglang_servers
+    from rlperf.model import preset
+    from rlperf.model.qwen3 import Qwen3ForCausalLM
+    from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
+    from rlperf.rollout.tokenizer import ByteTokenizer
+
+    cfg = preset("qwen3-0.6b")
+    model = Qwen3ForCausalLM.random(cfg, seed=0, dtype=torch.bfloat16, device="cuda", reduction_leaves=TREE_LEAVES)
+    save_engine_model(model, tmp_path / "model", "auto")
+    g = random.Random(1)
+    prompt = [g.randrange(1000, 50000) for _ in range(PROMPT_LEN)]
+    engine = Engine(model, ByteTokenizer(cfg.vocab_size), EngineConfig(max_total_tokens=1 << 15))
+    ref = engine.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=SEED,
+                                                   ignore_eos=True))[0]
+    want = (tuple(ref.output_ids), tuple(float(x).hex() for x in ref.output_logprobs))
+    del engine, model
+    torch.cuda.empty_cache()
+    (port,) = free_ports(1)
+    argv = ["--model-path", str(tmp_path / "model"), "--host", "127.0.0.1", "--port", str(port), "--tp-size", "2",
+            "--attention-backend", "rlperf", "--page-size", "128", "--enable-deterministic-inference",
+            "--skip-tokenizer-init", "--mem-fraction-static", "0.5", "--random-seed", "0", "--dtype", "bfloat16"]
+    procs, urls = start_sglang_servers([argv], [{"CUDA_VISIBLE_DEVICES": "0,1"}], tmp_path, timeout=600)
+    try:
+        alone = _output(_post(urls[0] + "/generate", _request(prompt, SEED, NEW_TOKENS)))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            bodies = [_request([g.randrange(1000, 50000) for _ in range(g.randrange(1, 500))], g.randrange(1 << 30),
+                               g.randrange(1, 30)) for _ in range(7)] + [_request(prompt, SEED, NEW_TOKENS)]
+            mixed = _output(list(pool.map(lambda b: _post(urls[0] + "/generate", b), bodies))[-1])
+        assert alone == mixed == want, f"--tp-size 2 {alone} / {mixed} != rlperf's tree engine {want}"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
