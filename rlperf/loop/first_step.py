@@ -11,10 +11,10 @@ import torch
 
 from .args import UsageError, memory_limit
 from .data_parallel import errors_end_the_ranks, max_over_ranks
+from .metrics import rollout_metrics
 from .probe import worst_case_probe
 from .record import PHASES, EngineMemory, FirstStepRecord, PhaseMemory
 from .runner import Run, resolve
-from .metrics import rollout_metrics
 
 SECRET_FLAGS = ("sglang_api_key",)
 """Flags no record, report or log of the run may show."""
