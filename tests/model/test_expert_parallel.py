@@ -3,10 +3,10 @@ output, input and routing-weight gradients, and its experts' weight gradients eq
 expert block over both ranks' tokens, bit for bit."""
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import rlperf.kernels as K
 from rlperf.loop.placement import leave_process
+from spawned_ranks import run_ranks
 
 WORLD, E, TOP_K, H, I = 2, 6, 2, 24, 20
 TOKENS = (7, 12)  # uneven: the ranks send and receive different counts
@@ -50,13 +50,7 @@ def _rank(rank: int, tmp: str) -> None:
 
 
 def test_two_ranks_equal_one_process_bit_for_bit(tmp_path, interpreter):
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-        assert p.exitcode == 0, f"an expert-parallel rank exited with {p.exitcode}"
+    run_ranks(_rank, WORLD, str(tmp_path), timeout=600, what="an expert-parallel rank")
 
     w_gate_up, w_down, x, experts, weights, grad = _data()
     xs, ws, wg, wd = _leaves(x, weights, w_gate_up, w_down)

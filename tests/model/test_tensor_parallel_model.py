@@ -6,7 +6,6 @@ that does not split is one ValueError line."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import rlperf.kernels as K
 from rlperf.kernels.attention import PAGE_SIZE
@@ -14,6 +13,7 @@ from rlperf.loop.placement import leave_process
 from rlperf.model import ModelConfig
 from rlperf.model.config import check_tensor_parallel
 from rlperf.model.qwen3 import Qwen3ForCausalLM, hf_shard
+from spawned_ranks import run_ranks
 
 WORLD, LEAVES = 2, 8
 CFG = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -76,13 +76,7 @@ def _rank(rank: int, tmp: str) -> None:
 
 
 def test_two_ranks_give_the_one_process_tree_bits(tmp_path):
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0, f"a tensor-parallel rank exited with {p.exitcode}"
+    run_ranks(_rank, WORLD, str(tmp_path), what="a tensor-parallel rank")
     with K.use_backend("reference"):
         want_steps, want_packed = _run(_whole(), CFG.num_key_value_heads)
         plain_steps, _ = _run(_whole(None), CFG.num_key_value_heads)

@@ -48,25 +48,34 @@ def _output(reply: dict) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return tuple(t[1] for t in triples), tuple(float(t[0]).hex() for t in triples)
 
 
+def _engine_reference(model, prompt_seed: int):
+    """A random prompt of PROMPT_LEN ids (``random.Random(prompt_seed)``) and rlperf's own engine's output
+    for it (ids, log-probs as hex) with the test's seed and temperature; ``model`` is freed after."""
+    from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
+    from rlperf.rollout.tokenizer import ByteTokenizer
+
+    g = random.Random(prompt_seed)
+    prompt = [g.randrange(1000, 50000) for _ in range(PROMPT_LEN)]
+    engine = Engine(model, ByteTokenizer(model.cfg.vocab_size), EngineConfig(max_total_tokens=1 << 15))
+    ref = engine.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=SEED,
+                                                   ignore_eos=True))[0]
+    del engine
+    torch.cuda.empty_cache()
+    return prompt, (tuple(ref.output_ids), tuple(float(x).hex() for x in ref.output_logprobs))
+
+
 @needs
 def test_seeded_request_in_50_mixed_batches_equals_rlperf_engine(tmp_path, free_ports):
     from rlperf.loop.sglang_engines import start_sglang_servers
     from rlperf.model import preset
     from rlperf.model.qwen3 import Qwen3ForCausalLM
-    from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
     from rlperf.rollout.router import start_router
-    from rlperf.rollout.tokenizer import ByteTokenizer
 
     cfg = preset("qwen3-0.6b")
     model = Qwen3ForCausalLM.random(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     model.save_pretrained(tmp_path / "model")
-    g = random.Random(0)
-    prompt = [g.randrange(1000, 50000) for _ in range(PROMPT_LEN)]
-    engine = Engine(model, ByteTokenizer(cfg.vocab_size), EngineConfig(max_total_tokens=1 << 15))
-    ref = engine.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=SEED,
-                                                   ignore_eos=True))[0]
-    want = (tuple(ref.output_ids), tuple(float(x).hex() for x in ref.output_logprobs))
-    del engine, model
+    prompt, want = _engine_reference(model, 0)
+    del model
     torch.cuda.empty_cache()
 
     ports = free_ports(3)
@@ -120,19 +129,12 @@ def test_tp2_engine_equals_rlperf_tree_engine(tmp_path, free_ports):
     from rlperf.loop.sglang_engines import save_engine_model, start_sglang_servers
     from rlperf.model import preset
     from rlperf.model.qwen3 import Qwen3ForCausalLM
-    from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
-    from rlperf.rollout.tokenizer import ByteTokenizer
 
     cfg = preset("qwen3-0.6b")
     model = Qwen3ForCausalLM.random(cfg, seed=0, dtype=torch.bfloat16, device="cuda", reduction_leaves=TREE_LEAVES)
     save_engine_model(model, tmp_path / "model", "auto")
-    g = random.Random(1)
-    prompt = [g.randrange(1000, 50000) for _ in range(PROMPT_LEN)]
-    engine = Engine(model, ByteTokenizer(cfg.vocab_size), EngineConfig(max_total_tokens=1 << 15))
-    ref = engine.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=SEED,
-                                                   ignore_eos=True))[0]
-    want = (tuple(ref.output_ids), tuple(float(x).hex() for x in ref.output_logprobs))
-    del engine, model
+    prompt, want = _engine_reference(model, 1)
+    del model
     torch.cuda.empty_cache()
     (port,) = free_ports(1)
     argv = ["--model-path", str(tmp_path / "model"), "--host", "127.0.0.1", "--port", str(port), "--tp-size", "2",
