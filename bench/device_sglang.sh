@@ -186,7 +186,10 @@ if [[ " $STAGES " == *" decode "* ]]; then
   # and then SGLANG_VARIANTS=det-triton. The plugin needs rlperf's entry point (device_setup's pip install -e .)
   python3 -c "from rlperf.bench.sglang_anchor import rlperf_plugin_entry_points as f; \
 print('rlperf SGLang plugin entry points:', f() or 'none (the plugin rows will say so)')"
-  run rlperf-rollout 560 python3 -m rlperf bench rollout --sglang-variants "${SGLANG_VARIANTS:-all}" \
+  # ROLLOUT_BENCH_FLAGS=--no-transformers-anchor leaves out the compiled-transformers rows: with them, three
+  # SGLang variants ran past one 600 s call on an H200
+  read -r -a RBF <<< "${ROLLOUT_BENCH_FLAGS:-}"
+  run rlperf-rollout 560 python3 -m rlperf bench rollout "${RBF[@]}" --sglang-variants "${SGLANG_VARIANTS:-all}" \
     --json "$OUT/bench-rollout.json" --markdown "$OUT/BENCHMARKS.md"
 fi
 exit $status

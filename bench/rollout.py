@@ -458,9 +458,10 @@ def sglang_anchor_rows(cfg, variants, batches, ours_decode: dict, ours_prefill: 
     return rows
 
 
-def run(quick: bool = False, sglang_variants=None) -> list:
+def run(quick: bool = False, sglang_variants=None, transformers_anchor: bool = True) -> list:
     """The rows of the module docstring; ``sglang_variants``: the names of :data:`SGLANG_VARIANTS` to run
-    (``--sglang-variants``; default all of them; the full run only)."""
+    (``--sglang-variants``; default all of them; the full run only); ``transformers_anchor``: False leaves
+    out the compiled-transformers rows (``--no-transformers-anchor``)."""
     if not torch.cuda.is_available():
         raise RuntimeError("the rollout benchmark needs a CUDA GPU")
     cfg = preset(MODEL)
@@ -496,7 +497,7 @@ def run(quick: bool = False, sglang_variants=None) -> list:
                          "flashinfer attention", fi64["ms"], work=0.0, extra=fi_extra))
     if not quick:
         ours = {r.case: r for r in rows if r.anchor == "memory floor"}
-        for b in batches:
+        for b in batches if transformers_anchor else ():
             case = f"decode B={b} prompt {PROMPT}"
             try:
                 hf_ms, extra = transformers_decode_ms(cfg, b, PROMPT, steps), {}

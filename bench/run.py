@@ -71,6 +71,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "SGLang process each (tens of seconds of device time each). The plugin's target rows need fast "
                         "and det-flashinfer in the same run. Example: rlperf bench rollout --sglang-variants "
                         "fast,det-flashinfer,plugin. Default: all")
+    p.add_argument("--no-transformers-anchor", action="store_true",
+                   help="with rollout (the full run): leave out the compiled-transformers rows (transformers compiles a "
+                        "decoding graph per batch: minutes of device time), e.g. so the SGLang anchors fit one "
+                        "10-minute device call: rlperf bench rollout --no-transformers-anchor --sglang-variants "
+                        "fast,det-flashinfer,plugin. Default: the rows run")
     p.add_argument("--json", default="results/bench.json", metavar="PATH", help="result file (default: %(default)s)")
     p.add_argument(
         "--markdown", default=None, metavar="PATH",
@@ -170,6 +175,12 @@ def run_benchmarks(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         run_kwargs["sglang_variants"] = args.sglang_variants
+    if getattr(args, "no_transformers_anchor", False):
+        if names != ["rollout"] or args.quick:
+            print("rlperf bench: --no-transformers-anchor goes with the full rollout run alone (--quick runs no "
+                  "transformers rows): rlperf bench rollout --no-transformers-anchor", file=sys.stderr)
+            return 2
+        run_kwargs["transformers_anchor"] = False
     if getattr(args, "distributed", False):  # rlperf bench sync --distributed: its own module and markdown section
         if names != ["sync"]:
             print("rlperf bench: --distributed goes with the sync benchmark alone: rlperf bench sync --distributed",

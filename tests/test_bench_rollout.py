@@ -181,6 +181,14 @@ def test_the_variant_flag_takes_known_names_in_run_order(capsys):
     assert "--quick runs none" in capsys.readouterr().err
 
 
+def test_the_transformers_anchor_flag_goes_with_the_full_rollout_run_alone(capsys):
+    from rlperf.cli import main
+
+    for argv in (["bench", "matmul", "--no-transformers-anchor"], ["bench", "rollout", "--quick", "--no-transformers-anchor"]):
+        assert main(argv) == 2
+        assert "--no-transformers-anchor goes with the full rollout run alone" in capsys.readouterr().err
+
+
 def test_rlperfs_plugin_is_found_by_its_entry_point(monkeypatch):
     from importlib.metadata import EntryPoint
 
