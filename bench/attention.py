@@ -34,11 +34,11 @@ warps, stages, TMA loads) on both workloads and checks, per config, that decode 
 equal the prefill rows bit for bit — how ``_CONFIG`` in ``kernels/attention.py`` was chosen.
 ``--test-config cfg.json -- <pytest args>`` runs the tests with a candidate config (tuning only).
 ``--sweep-backward`` times candidate backward configs (``BackwardConfig``) at the backward case.
-``--sweep-decode`` times candidate decode-only launch configs (``_DECODE_CONFIG``) as a decode step runs
+``--sweep-decode`` times candidate decode-only launch configs (``_decode_config``'s) as a decode step runs
 them: Qwen3-0.6B heads, one paged cache per layer (28), one CUDA graph of the 28 calls, at the batches
 and KV lengths of ``rlperf bench rollout`` (:data:`DECODE_SWEEP_CASES`); each config's time is printed as
-a ratio to the current ``_DECODE_CONFIG`` in the same run, with whether its rows equal the current
-config's and the prefill's bit for bit.
+a ratio to the config decode runs today at that batch in the same run, with whether its rows equal that
+config's bit for bit (whose rows equal the prefill's: the GPU tests of ``tests/kernels/test_attention.py``).
 """
 from __future__ import annotations
 
@@ -442,14 +442,13 @@ new tokens) and the attention bench's long-context decode."""
 def sweep_decode(configs=DECODE_SWEEP, cases=DECODE_SWEEP_CASES, hq: int = 16, hkv: int = 8, layers: int = 28,
                  reps: int = 20) -> dict:
     """Time decode-only launches of each config (module docstring, ``--sweep-decode``). Returns the config
-    with the lowest geometric mean time over the cases among those whose bits equal the current
-    ``_DECODE_CONFIG``'s on every case ({} when none): the current config's rows equal the prefill's
+    with the lowest geometric mean time over the cases among those whose bits equal those of the config
+    decode runs today (``_decode_config``) on every case ({} when none): that config's rows equal the prefill's
     (``tests/kernels/test_attention.py``'s GPU tests), so equal bits carry the contract over."""
     from rlperf.kernels import PAGE_SIZE
-    from rlperf.kernels.attention import _DECODE_CONFIG, attention_forward
+    from rlperf.kernels.attention import _decode_config, attention_forward
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    current = dict(_DECODE_CONFIG)
     rows = {c: {"times": [], "same_bits": True} for c in configs}
     for B, L in cases:
         stack = []  # one (q, k_cache, v_cache, page_table) per layer: the graph reads ~layers x the KV bytes
@@ -462,6 +461,7 @@ def sweep_decode(configs=DECODE_SWEEP, cases=DECODE_SWEEP_CASES, hq: int = 16, h
         cu = torch.arange(B + 1, dtype=torch.int32, device=DEVICE)
         lens = torch.full((B,), L, dtype=torch.int32, device=DEVICE)
         nbytes = layers * 2.0 * B * L * hkv * D * 2
+        current = _decode_config(B * hkv, torch.device(DEVICE))  # what paged_attention launches for this batch
         ref = attention_forward(stack[0][0], stack[0][1], stack[0][2], cu, lens, stack[0][3], config=current)
         base_ms = None
         for c in [tuple(current[k_] for k_ in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"))] + list(configs):

@@ -45,7 +45,6 @@ invariant; it exists to measure the price of invariance.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -55,7 +54,7 @@ import triton.language as tl
 from .attention_backward import attention_backward
 from .autograd import with_recompute_backward
 from .dispatch import mode, route
-from .pipeline import launch_with_fitting_stages
+from .pipeline import launch_with_fitting_stages, num_sms
 from .tile_dot import dot_acc, dot_fresh
 from .reference import attention as _ref
 
@@ -81,20 +80,15 @@ _DECODE_CONFIG = {**_CONFIG, "BLOCK_M": 64, "num_warps": 4}
 # Qwen3-0.6B heads, prompt 512, a graphed 28-layer stack (`python -m rlperf.bench.attention
 # --sweep-decode`, fba5d7c): against 3 stages, 2 stages 1.02x / 1.04x at B = 1 / 16; 1 stage 1.24x /
 # 1.30x at B = 64 / 256 and 1.10x at B = 64 KV 4096 (but 0.77x at B = 1); bits equal at every depth.
-_DECODE_STAGES_FEW_PROGRAMS, _DECODE_STAGES_MANY_PROGRAMS = 2, 1
+_DECODE_FEW_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 2}
+_DECODE_MANY_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 1}
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _decode_stages(programs: int, device: torch.device) -> int:
-    """The pipeline depth of a decode launch of ``programs`` live programs (comment above)."""
+def _decode_config(programs: int, device: torch.device) -> dict:
+    """The launch config of a decode step of ``programs`` live programs (comment above)."""
     if device.type != "cuda":
-        return _DECODE_CONFIG["num_stages"]  # the interpreter has no pipeline
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return _DECODE_STAGES_FEW_PROGRAMS if programs <= sms else _DECODE_STAGES_MANY_PROGRAMS
+        return _DECODE_CONFIG  # the interpreter has no pipeline
+    return _DECODE_FEW_PROGRAMS if programs <= num_sms(device) else _DECODE_MANY_PROGRAMS
 
 __all__ = ["PAGE_SIZE", "write_kv_cache", "paged_attention", "varlen_attention"]
 
@@ -577,10 +571,8 @@ def paged_attention(
         if page_table.stride(1) != 1:
             page_table = page_table.contiguous()
         # decode-only (T == B: every sequence has one query) takes the decode tile: same bits (above)
-        config = None
-        if q.shape[0] == cu_seqlens_q.numel() - 1:
-            config = {**_DECODE_CONFIG,
-                      "num_stages": _decode_stages(q.shape[0] * k_cache.shape[-2], q.device)}
+        decode = q.shape[0] == cu_seqlens_q.numel() - 1
+        config = _decode_config(q.shape[0] * k_cache.shape[-2], q.device) if decode else None  # B x Hkv programs
         return attention_forward(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, scale, config=config)
     return _ref.paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale).to(q.dtype)
 

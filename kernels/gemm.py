@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .autograd import matmul_with_grad
 from .dispatch import mode, route
-from .pipeline import launch_with_fitting_stages
+from .pipeline import launch_with_fitting_stages, num_sms
 from .tile_dot import dot_acc
 from .reference.matmul import matmul_ref
 
@@ -238,11 +238,6 @@ _INTERPRETER_PROGRAMS = 3  # a small persistent grid on CPU, so the tile-stride 
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
 def _tma_capable(index: int) -> bool:
     return TensorDescriptor is not None and torch.cuda.get_device_capability(index)[0] >= 9
 
@@ -366,7 +361,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
         if interpreted:
             programs = _INTERPRETER_PROGRAMS
         else:
-            programs = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+            programs = num_sms(x.device)
         programs = min(programs, num_tiles)
         # A wider output (float32 logits from a bf16 lm-head) needs a larger epilogue buffer in
         # shared memory: fewer stages then (kernels/pipeline.py; the bits stay).

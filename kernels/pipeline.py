@@ -8,8 +8,10 @@ launches go straight to it.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 
+import torch
 from triton.runtime.errors import OutOfResources
 
 _STAGES_THAT_FIT: dict = {}
@@ -30,3 +32,14 @@ def launch_with_fitting_stages(launch: Callable[[int], object], key: Hashable, n
             stages -= 1
     _STAGES_THAT_FIT[key] = stages
     return stages
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """The streaming multiprocessors of CUDA ``device`` (its index, else the current device), cached: what
+    a launch sizes a persistent grid or a pipeline depth by."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
