@@ -99,7 +99,8 @@ class _TreeStack:
         return self.stack[0][1]
 
 
-def _tp(group) -> tuple[int, int]:
+def group_size_rank(group) -> tuple[int, int]:
+    """``(size, rank)`` of a tensor-parallel process group; ``(1, 0)`` for None (one rank)."""
     if group is None:
         return 1, 0
     import torch.distributed as dist
@@ -107,9 +108,23 @@ def _tp(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+
+def all_gather(x: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``x`` (the same shape on each), in rank order: a copy, no arithmetic."""
+    size, _ = group_size_rank(group)
+    if size == 1:
+        return [x]
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return parts
+
+
 def _local_leaves(leaves: int, group, what: str) -> int:
     _check_leaves(leaves)
-    size, _ = _tp(group)
+    size, _ = group_size_rank(group)
     if leaves % size:
         raise ValueError(f"{what}: {leaves} tree leaves cannot be split over {size} tensor-parallel ranks "
                          f"(the leaf count must be a multiple of the TP size)")
@@ -118,7 +133,7 @@ def _local_leaves(leaves: int, group, what: str) -> int:
 
 def _gather_nodes(node, group, combine=None):
     """All ranks' tree nodes (this rank's included), added in the top levels of the tree."""
-    size, _ = _tp(group)
+    size, _ = group_size_rank(group)
     if size == 1:
         return node
     import torch.distributed as dist
@@ -142,7 +157,7 @@ def _scatter_nodes(node: torch.Tensor, group) -> torch.Tensor:
     """The tree reduce-scatter over tokens: ``node`` [T, ...] is this rank's tree node for every token;
     returns [T / TP, ...], this rank's contiguous token slice of the full tree sum (the ranks' nodes
     added in the tree's top levels, as :func:`_gather_nodes` adds them: the same bits per token)."""
-    size, _ = _tp(group)
+    size, _ = group_size_rank(group)
     if size == 1:
         return node
     import torch.distributed as dist
@@ -160,20 +175,13 @@ def _scatter_nodes(node: torch.Tensor, group) -> torch.Tensor:
 
 def _all_gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
     """[T / TP, ...] per rank -> [T, ...]: the ranks' token slices concatenated in rank order."""
-    size, _ = _tp(group)
-    if size == 1:
-        return x
-    import torch.distributed as dist
-
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=0)
+    parts = all_gather(x, group)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def _own_tokens(x: torch.Tensor, group) -> torch.Tensor:
     """This rank's contiguous slice [T / TP, ...] of the tokens [T, ...]."""
-    size, rank = _tp(group)
+    size, rank = group_size_rank(group)
     if size == 1:
         return x
     if x.shape[0] % size:
@@ -326,7 +334,7 @@ def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEA
 
     ``sequence_parallel``: x [T, K_local] holds every token, the result [T / TP, N] this rank's tokens
     (the tree reduce-scatter, module docstring); the backward all-gathers the tokens' gradient."""
-    size, _ = _tp(group)
+    size, _ = group_size_rank(group)
     lead = x.shape[:-1]
     y = _RowParallel.apply(x.reshape(-1, x.shape[-1]), w, leaves, group, w.shape[1] * size, sequence_parallel)
     if sequence_parallel:
@@ -379,7 +387,7 @@ def column_parallel_linear(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_
 
     ``sequence_parallel``: x [T / TP, K] holds this rank's tokens; they are all-gathered first (the
     result is [T, N_local]) and ``dx`` is the tree reduce-scatter back to this rank's tokens."""
-    size, _ = _tp(group)
+    size, _ = group_size_rank(group)
     local = _local_leaves(leaves, group, "column_parallel_linear")
     if w.shape[0] % local:
         raise ValueError(f"column_parallel_linear: N = {w.shape[0]} on this rank does not split into {local} leaves")
@@ -435,7 +443,7 @@ def _leaf_stats(hidden, weight, targets, inv_t: float, v_offset: int, v_total: i
 
 
 def _forward_stats(hidden, weight, targets, inv_t, leaves, group):
-    size, rank = _tp(group)
+    size, rank = group_size_rank(group)
     local = _local_leaves(leaves, group, "tree_logprob")
     v_local = weight.shape[0]
     if v_local % local:
@@ -490,7 +498,7 @@ class _TreeLogprob(torch.autograd.Function):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.contiguous().float()
         g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.contiguous().float()
-        size, rank = _tp(ctx.group)
+        size, rank = group_size_rank(ctx.group)
         local = ctx.leaves // size
         width = weight.shape[0] // local
         acc = _TreeStack()

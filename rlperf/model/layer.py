@@ -148,15 +148,6 @@ def _column_linear(x, w, leaves: int | None, tp_group=None):
     return tree_reduce.column_parallel_linear(x, w, leaves, tp_group)
 
 
-def tp_size_of(tp_group) -> int:
-    """The size of a tensor-parallel process group (1 for None)."""
-    if tp_group is None:
-        return 1
-    import torch.distributed as dist
-
-    return dist.get_world_size(tp_group)
-
-
 def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: RopeTable, positions, attend,
            leaves: int | None = None, routing: RoutingTrace | None = None, kv_store=None, tp_group=None):
     """One decoder layer; ``attend(q, k, v)`` -> [T, heads, D]. ``kv_store``: (k_cache, v_cache,
@@ -170,7 +161,7 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
     runs on its heads and the row-parallel products add the ranks' tree nodes, so every rank returns the
     TP=1 tree's bits."""
     t = hidden.shape[0]
-    tp = tp_size_of(tp_group)
+    tp, _ = tree_reduce.group_size_rank(tp_group)
     if tp > 1 and (leaves is None or w.router is not None):
         raise ValueError("a tensor-parallel layer runs the tree numerics (reduction_leaves) of a dense layer")
     heads, kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp

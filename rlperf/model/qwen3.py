@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from rlperf import kernels as K
-from rlperf.kernels.tree_reduce import column_shard_matmul, tree_logprob
+from rlperf.kernels.tree_reduce import all_gather, column_shard_matmul, group_size_rank, tree_logprob
 
 from .config import REDUCTION_LEAVES_KEY, ModelConfig, check_tensor_parallel, read_hf_config
 from .layer import DecoderLayerWeights, RopeTable, decoder_layer_paged, decoder_layer_prefill
@@ -109,11 +109,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.cfg = cfg
         self.reduction_leaves = reduction_leaves
         self.tp_group = tp_group
-        self.tp_size, self.tp_rank = 1, 0
+        self.tp_size, self.tp_rank = group_size_rank(tp_group)
         if tp_group is not None:
-            import torch.distributed as dist
-
-            self.tp_size, self.tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
             check_tensor_parallel(cfg, reduction_leaves, self.tp_size)
         kw = dict(dtype=dtype, device=device)
         vocab = cfg.vocab_size // self.tp_size
@@ -204,7 +201,7 @@ class Qwen3ForCausalLM(nn.Module):
         if self.tp_group is None:
             return K.linear(hidden, self.head_weight, out_dtype=torch.float32)
         local = column_shard_matmul(hidden, self.head_weight, self.cfg.vocab_size, torch.float32)
-        return torch.cat(_all_gather(local, self.tp_group), dim=-1)
+        return torch.cat(all_gather(local, self.tp_group), dim=-1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows [T, H] of ``input_ids`` [T]. Under ``tp_group`` each rank looks up the ids of its
@@ -214,7 +211,7 @@ class Qwen3ForCausalLM(nn.Module):
         v = self.embed_tokens.shape[0]
         rows = self.embed_tokens[(input_ids - self.tp_rank * v).clamp(0, v - 1)]
         owner = torch.div(input_ids, v, rounding_mode="floor").clamp(0, self.tp_size - 1)
-        every = torch.stack(_all_gather(rows, self.tp_group))  # [TP, T, H]
+        every = torch.stack(all_gather(rows, self.tp_group))  # [TP, T, H]
         return every[owner, torch.arange(input_ids.shape[0], device=input_ids.device)]
 
     # ---- Hugging Face names -------------------------------------------------------------------
@@ -373,15 +370,6 @@ def hf_shard(name: str, tensor: torch.Tensor, tp_size: int, tp_rank: int) -> tor
     n = tensor.shape[dim] // tp_size
     return tensor.narrow(dim, tp_rank * n, n)
 
-
-def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
-    """Every rank's ``t`` (same shape on each), in rank order."""
-    import torch.distributed as dist
-
-    t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t, group=group)
-    return parts
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:

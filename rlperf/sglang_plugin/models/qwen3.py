@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from rlperf import kernels as K
+from rlperf.kernels.tree_reduce import group_size_rank
 from rlperf.model.config import config_from_hf_dict
 from rlperf.model.moe import RoutingTrace
 from rlperf.model.qwen3 import Qwen3ForCausalLM as RlperfQwen3
@@ -92,8 +93,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.quant_config = None
         self.cfg = cfg
         group = contract.tensor_parallel_group()
-        self.tp_size = 1 if group is None else torch.distributed.get_world_size(group)
-        self.tp_rank = 0 if group is None else torch.distributed.get_rank(group)
+        self.tp_size, self.tp_rank = group_size_rank(group)
         leaves = contract.tree_leaves_of(config.to_dict(), self.tp_size, where)
         dtype, device = torch.get_default_dtype(), torch.get_default_device()
         # SGLang builds models under `with torch.device(target)`; rlperf's RoPE tables are computed on
