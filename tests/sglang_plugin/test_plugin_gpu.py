@@ -91,6 +91,7 @@ def test_seeded_request_in_50_mixed_batches_equals_rlperf_engine(tmp_path, free_
         router = start_router(urls, "127.0.0.1", ports[2], log_dir=str(tmp_path))
         base = f"http://127.0.0.1:{ports[2]}"
         seen = []
+        g = random.Random(100)  # the other requests of each mixed batch
         with concurrent.futures.ThreadPoolExecutor(max_workers=24) as pool:
             for batch in range(50):
                 others = [_request([g.randrange(1000, 50000) for _ in range(g.randrange(1, 700))], g.randrange(1 << 30),
@@ -141,6 +142,7 @@ def test_tp2_engine_equals_rlperf_tree_engine(tmp_path, free_ports):
             "--attention-backend", "rlperf", "--page-size", "128", "--enable-deterministic-inference",
             "--skip-tokenizer-init", "--mem-fraction-static", "0.5", "--random-seed", "0", "--dtype", "bfloat16"]
     procs, urls = start_sglang_servers([argv], [{"CUDA_VISIBLE_DEVICES": "0,1"}], tmp_path, timeout=600)
+    g = random.Random(101)  # the other requests of the mixed batch
     try:
         alone = _output(_post(urls[0] + "/generate", _request(prompt, SEED, NEW_TOKENS)))
         with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
