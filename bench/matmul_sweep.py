@@ -48,6 +48,13 @@ CANDIDATES = {
     "m128n128k64w8s6": (128, 128, 64, 8, 6, True, True),
     "m64n128k64w4s8": (64, 128, 64, 4, 8, True, True),
     "m128n256k64w8s4p": (128, 256, 64, 8, 4, True, False),
+    # round 5: narrow tiles for the small-M bucket (M <= 64), where one row of tiles leaves N / BLOCK_N
+    # programs to stream the weights
+    "m64n32k128w4s8": (64, 32, 128, 4, 8, True, True),
+    "m64n16k128w4s8": (64, 16, 128, 4, 8, True, True),
+    "m64n32k256w4s4": (64, 32, 256, 4, 4, True, True),
+    "m64n64k128w4s5": (64, 64, 128, 4, 5, True, True),
+    "m64n32k64w4s10": (64, 32, 64, 4, 10, True, True),
 }
 
 

@@ -12,8 +12,14 @@ Invariance contract: the bits of ``out[m, :]`` depend only on ``x[m, :]``, ``w``
 never on M, on the other rows, or on where row m sits in the batch. The kernel guarantees it by
 construction:
 
-* one tile config per (dtype, N, K) (:func:`matmul_config`), never a function of M: no autotune
-  keyed on M, so the instruction sequence that computes an output element is fixed;
+* one ``BLOCK_K`` per (dtype, N, K) and every tile a Hopper wgmma (``BLOCK_M`` 64 or 128), so an
+  output element is the same chain of k16 tensor-core steps in increasing K whatever the tile shape.
+  The tile shape itself (:func:`matmul_config`) comes from one of two fixed configs of the shape:
+  one for decode-sized batches (``M <= SMALL_M``) and one beyond, both with that ``BLOCK_K``. No
+  autotune, no other dependence on M. On the GPU the tests prove the two configs' bits equal
+  across the edge (``tests/kernels/test_matmul.py``: M from 1 to 4097); under the interpreter each
+  BLOCK_K tile's product is exact (float64) and rounded once into the float32 accumulator, so the
+  shared BLOCK_K is what keeps the bits there;
 * every tile runs the full K loop in one program, in increasing K order, into one float32
   accumulator: no split-K or stream-K, whose partial sums (and their number) would depend on
   how many tiles the launch has;
@@ -164,12 +170,14 @@ def _matmul_kernel(
 
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
-    """Tile shape and launch parameters of one (dtype, N, K); the same for every M.
+    """Tile shape and launch parameters of one (dtype, N, K) and M bucket (:func:`matmul_config`).
 
-    ``BLOCK_K`` sets the K steps of the reduction; ``BLOCK_M``/``BLOCK_N``/warps/stages decide how
-    work is cut and scheduled. (On the H200 every wgmma config of the sweep gave the same bits,
-    BLOCK_K 64 and 128 included; the contract does not rely on that.) ``flatten`` lets Triton software-pipeline across tiles of the
-    persistent loop (the next tile's first loads overlap this tile's epilogue).
+    ``BLOCK_K`` sets the K steps of the reduction and is the same in both buckets of a shape;
+    ``BLOCK_M``/``BLOCK_N``/warps/stages decide how work is cut and scheduled. (On the H200 every
+    wgmma config of the sweeps gave the same bits, BLOCK_K 64, 128 and 256 included; the contract
+    keeps BLOCK_K fixed anyway, which the interpreter's exact tile products need.) ``flatten`` lets
+    Triton software-pipeline across tiles of the persistent loop (the next tile's first loads overlap
+    this tile's epilogue).
     """
 
     BLOCK_M: int
@@ -184,30 +192,45 @@ class MatmulConfig:
 # Why these tiles (bf16/fp16; measured on an H200 by CUDA-graph replay, bench/NOTES-matmul.md):
 # * BLOCK_M is 64 or 128, so every dot is a Hopper wgmma (m64 per warpgroup, k16 per step) whatever
 #   the config: an output element is always the same chain of k16 steps in increasing K.
+# * Large M (here: M > SMALL_M) is compute-bound: wide tiles (128x128, 128x256) reuse each loaded
+#   tile most. The table below is the config each shape runs there.
 # * Small M is memory-bound and has one row of tiles: N / BLOCK_N programs stream the weights, and
 #   each streams at most ~60 GB/s (its wgmma also computes BLOCK_M - M padding rows), so narrow
-#   tiles and BLOCK_M 64 win there. Large M is compute-bound: wide tiles (128x128, 128x256) reuse
-#   each loaded tile most. One config must serve both (the invariance contract), so each shape
-#   takes the config that best balances the two on the Pareto front of the sweep: the point
-#   closest to the targets (>= 0.75x cuBLAS at M <= 64, >= 0.90x at M >= 1024, geomeans).
+#   tiles and BLOCK_M 64 win there (:func:`_small_m_config`, derived from the large config's BLOCK_K).
 # * BLOCK_K 128 with 4 stages (BLOCK_M 64) keeps ~96 KB of weights in flight per SM; BLOCK_K 64
-#   with 5 stages for the 128-row tiles (shared memory caps the product at ~200 KB).
+#   with 5-6 stages for the 128-row tiles (shared memory caps the product at ~200 KB).
 _C = MatmulConfig
 _TUNED_16BIT: dict[tuple[int, int], MatmulConfig] = {
-    # (N, K): config                     # Qwen3 layer; sweep ratio small-M / large-M (H200)
-    (4096, 1024): _C(64, 128, 128, 8, 4, 4),    # 0.6B qkv      0.89 / 0.88
-    (1024, 2048): _C(64, 128, 128, 8, 4, 4),    # 0.6B o_proj   0.95 / 0.88
-    (6144, 1024): _C(64, 128, 128, 8, 4, 4),    # 0.6B gate_up  0.94 / 0.86
-    (1024, 3072): _C(64, 128, 128, 8, 4, 4),    # 0.6B down     0.77 / 0.85
-    (6144, 2560): _C(128, 128, 64, 8, 8, 5),    # 4B qkv        0.69 / 0.93
-    (2560, 4096): _C(128, 128, 64, 8, 8, 5),    # 4B o_proj     0.57 / 0.85
-    (19456, 2560): _C(128, 256, 64, 8, 8, 4),   # 4B gate_up    0.94 / 0.95
-    (2560, 9728): _C(64, 128, 128, 8, 4, 4),    # 4B down       0.63 / 0.76
-    (6144, 4096): _C(128, 128, 64, 8, 8, 5),    # 8B qkv        0.65 / 0.92
-    (4096, 4096): _C(128, 128, 64, 8, 8, 5),    # 8B o_proj     0.62 / 0.92
-    (24576, 4096): _C(64, 256, 64, 8, 4, 4),    # 8B gate_up    0.97 / 0.90
-    (4096, 12288): _C(128, 128, 64, 8, 8, 5),   # 8B down       0.53 / 0.91
+    # (N, K): config for M > SMALL_M       # Qwen3 layer; sweep ratio to cuBLAS at M = 256 / 1024 / 4096 / 8192
+    (4096, 1024): _C(64, 128, 128, 8, 4, 4),    # 0.6B qkv      0.99 0.91 0.89 0.87
+    (1024, 2048): _C(64, 128, 128, 8, 4, 4),    # 0.6B o_proj   0.83 0.96 0.86 0.82
+    (6144, 1024): _C(64, 128, 128, 8, 4, 4),    # 0.6B gate_up  0.85 0.89 0.87 0.84
+    (1024, 3072): _C(64, 128, 128, 8, 4, 4),    # 0.6B down     0.75 0.95 0.82 0.78
+    (6144, 2560): _C(128, 128, 64, 8, 8, 5),    # 4B qkv        0.82 0.97 0.94 0.91
+    (2560, 4096): _C(128, 128, 64, 8, 8, 5),    # 4B o_proj     0.64 0.68 0.94 0.94
+    (19456, 2560): _C(128, 128, 64, 8, 8, 6),   # 4B gate_up    0.90 0.99 0.95 0.94
+    (2560, 9728): _C(64, 128, 128, 8, 4, 4),    # 4B down       0.85 0.72 0.78 0.80
+    (6144, 4096): _C(128, 128, 64, 8, 8, 5),    # 8B qkv        0.81 0.97 0.94 0.92
+    (4096, 4096): _C(128, 128, 64, 8, 8, 5),    # 8B o_proj     0.81 0.95 0.94 0.94
+    (24576, 4096): _C(128, 128, 64, 8, 8, 6),   # 8B gate_up    0.94 0.93 0.96 0.95
+    (4096, 12288): _C(128, 128, 64, 8, 8, 5),   # 8B down       0.70 0.95 0.90 0.92
 }
+
+# Batches of at most SMALL_M rows (decode) take the shape's small-M config. 64 is one BLOCK_M of the
+# narrow tiles: up to there a launch has one row of tiles and is bound by how many programs stream w.
+SMALL_M = 64
+
+
+def _small_m_config(large: MatmulConfig, N: int) -> MatmulConfig:
+    """The config for ``M <= SMALL_M``: the large config's BLOCK_K (the same reduction) in narrower
+    tiles, so more programs stream the weights. Sweep ratios to cuBLAS at M = 1 / 16 / 64 (H200,
+    bench/NOTES-matmul.md run 5), old single config -> this one: 0.6B down 0.74 0.75 0.77 -> 0.90 0.92
+    0.99, 0.6B o_proj 1.39 0.78 0.77 -> 1.62 0.94 0.93, 8B down 0.51 0.50 0.57 -> 0.65 0.70 0.84."""
+    if large.BLOCK_K >= 128:
+        return MatmulConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=large.BLOCK_K, GROUP_M=8, num_warps=4, num_stages=6)
+    if N >= 16384:  # wide layers (gate_up, lm-head): 256-wide tiles still leave >= 64 programs
+        return MatmulConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=large.BLOCK_K, GROUP_M=8, num_warps=4, num_stages=4)
+    return MatmulConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=large.BLOCK_K, GROUP_M=8, num_warps=4, num_stages=8)
 
 
 def _default_config(dtype: torch.dtype, N: int, K: int) -> MatmulConfig:
@@ -215,19 +238,24 @@ def _default_config(dtype: torch.dtype, N: int, K: int) -> MatmulConfig:
         # tf32 wgmma reads 4-byte elements: BLOCK_K 32 moves the same bytes per stage as 64 bf16.
         return MatmulConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
     if N >= 16384:
-        # Wide layers (gate_up, lm-head): even 256-wide tiles leave >= 64 of them at small M.
+        # Wide layers (gate_up, lm-head)
         return MatmulConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-    # The all-rounder of the sweep (0.63-0.95x at small M, 0.76-0.88x at large M).
+    # The all-rounder of the sweeps
     return MatmulConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
 
 
-def matmul_config(dtype: torch.dtype, N: int, K: int) -> MatmulConfig:
-    """The one tile config used for ``dtype`` inputs with ``w`` of shape [N, K], whatever M is."""
+def matmul_config(dtype: torch.dtype, N: int, K: int, M: int) -> MatmulConfig:
+    """The tile config for ``dtype`` inputs ``x`` [M, K] and ``w`` [N, K]: the shape's large-M config,
+    or for ``M <= SMALL_M`` its small-M config (same BLOCK_K). float32 (tf32x3) has one config."""
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"matmul: dtype {dtype} not supported; expected one of {SUPPORTED_DTYPES}")
     if dtype != torch.float32 and (N, K) in _TUNED_16BIT:
-        return _TUNED_16BIT[(N, K)]
-    return _default_config(dtype, N, K)
+        large = _TUNED_16BIT[(N, K)]
+    else:
+        large = _default_config(dtype, N, K)
+    if dtype == torch.float32 or M > SMALL_M:
+        return large
+    return _small_m_config(large, N)
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,7 +362,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
     M, K = x.shape
     N = w.shape[1] if w_kn else w.shape[0]
     out_dtype = out_dtype or x.dtype
-    cfg = config if config is not None else matmul_config(x.dtype, N, K)
+    cfg = config if config is not None else matmul_config(x.dtype, N, K, M)
     if swiglu:  # the plain product's config (its bits), over the I output columns
         if w_kn or bias is not None or N % 2:
             raise ValueError("launch: swiglu takes an [2I, K] w, without bias or w_kn")

@@ -251,7 +251,7 @@ def leaf_product(a: torch.Tensor, b: torch.Tensor, config_n: int | None = None) 
     if how in ("triton", "interpreter"):
         from . import gemm
 
-        cfg = gemm.matmul_config(a.dtype, config_n or b.shape[0], a.shape[1])
+        cfg = gemm.matmul_config(a.dtype, config_n or b.shape[0], a.shape[1], a.shape[0])
         return gemm.launch(a, b, None, torch.float32, config=cfg)
     if how == "reference":
         return (a.double() @ b.double().T).float()
@@ -264,7 +264,7 @@ def _matmul_out(a, b, out_dtype, config_n=None):
     if how in ("triton", "interpreter"):
         from . import gemm
 
-        cfg = gemm.matmul_config(a.dtype, config_n or b.shape[0], a.shape[1])
+        cfg = gemm.matmul_config(a.dtype, config_n or b.shape[0], a.shape[1], a.shape[0])
         return gemm.launch(a, b, None, out_dtype, config=cfg)
     return leaf_product(a, b, config_n).to(out_dtype)
 

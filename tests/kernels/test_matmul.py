@@ -83,6 +83,9 @@ def test_bias_added_in_float32_before_the_cast(interpreter):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k", [(130, 96), (96, 130)])
 def test_batch_invariance_interpreter(interpreter, dtype, n, k):
+    # rows 1..64 run the small-M config, larger batches the large-M one (16-bit): bits equal across
+    small, large = (K.matmul_config(dtype, n, k, m) for m in (1, 300))
+    assert (small != large) == (dtype != torch.float32) and small.BLOCK_K == large.BLOCK_K
     x, w, b = _inputs(300, n, k, dtype, bias=True)
     full = K.matmul(x, w, b)
     for row in (0, 5, 128, 299):  # rows in different tiles and tile positions
@@ -149,16 +152,26 @@ def test_bad_arguments_name_the_shapes():
         K.matmul(x, w, out=torch.empty(4, 9))
 
 
-def test_config_ignores_m_and_fixes_the_reduction():
-    cfg = K.matmul_config(torch.bfloat16, 6144, 2560)
-    assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"} <= set(vars(cfg))
-    assert cfg == K.matmul_config(torch.bfloat16, 6144, 2560)  # no M argument exists at all
+def test_config_takes_two_buckets_of_m_that_share_the_reduction():
+    from rlperf.kernels import gemm
+
+    shapes = [(33, 33), (1024, 3072), (4096, 1024), (6144, 2560), (24576, 4096), (151936, 1024)] + list(gemm._TUNED_16BIT)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for n, k in ((33, 33), (1024, 3072), (24576, 4096)):
-            c = K.matmul_config(dtype, n, k)
-            assert c.BLOCK_M % 64 == 0 and c.BLOCK_K >= 16  # wgmma-sized tiles
+        for n, k in shapes:
+            small = K.matmul_config(dtype, n, k, 1)
+            large = K.matmul_config(dtype, n, k, gemm.SMALL_M + 1)
+            assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"} <= set(vars(large))
+            # every M of a bucket gets its config; both buckets are wgmma tiles with one BLOCK_K
+            assert all(K.matmul_config(dtype, n, k, m) == small for m in (1, 2, 17, gemm.SMALL_M))
+            assert all(K.matmul_config(dtype, n, k, m) == large for m in (gemm.SMALL_M + 1, 1000, 1 << 20))
+            assert small.BLOCK_K == large.BLOCK_K >= 16, (dtype, n, k, small, large)
+            assert small.BLOCK_M % 64 == 0 and large.BLOCK_M % 64 == 0
+            if dtype == torch.float32:
+                assert small == large
+    # decode-sized batches of a small-N layer run narrower tiles than its large-M config
+    assert K.matmul_config(torch.bfloat16, 1024, 3072, 1).BLOCK_N < K.matmul_config(torch.bfloat16, 1024, 3072, 4096).BLOCK_N
     with pytest.raises(TypeError, match="not supported"):
-        K.matmul_config(torch.float64, 8, 8)
+        K.matmul_config(torch.float64, 8, 8, 1)
 
 
 # ------------------------------------------------------------------------------------ GPU
