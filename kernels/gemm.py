@@ -164,7 +164,7 @@ def _matmul_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Config table: one config per (dtype, N, K), never a function of M
+# Config table: per (dtype, N, K) one BLOCK_K and two tile shapes (M <= SMALL_M and beyond)
 # --------------------------------------------------------------------------------------------
 
 
