@@ -132,7 +132,7 @@ setup(
     cmdclass=cmdclass,
     install_requires=["torch>=2.6", "triton>=3.3", "numpy", "safetensors>=0.4", "aiohttp>=3.9", "tqdm", "perfetto>=0.59"],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "pytest-benchmark>=4", "sglang-router>=0.3.2", "transformers>=4.51",
+        "test": ["pytest>=8", "pyflakes>=3", "pytest-xdist>=3.5", "pytest-benchmark>=4", "sglang-router>=0.3.2", "transformers>=4.51",
                  "perfetto>=0.59", "ray[default]>=2.40", "tensorboard>=2.14", "wandb>=0.17", "matplotlib>=3.7", *MEGATRON_CORE],
         "serve": ["sglang-router>=0.3.2"],
         "hf": ["transformers>=4.51"],

@@ -495,7 +495,7 @@ def sweep_decode(configs=DECODE_SWEEP, cases=DECODE_SWEEP_CASES, hq: int = 16, h
             print(f"B={B} KV={L} BM={c[0]} BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])}: {ms * 1e3:.1f} us/call "
                   f"({nbytes / layers / ms / 1e6:.0f} GB/s), {base_ms / ms:.3f}x the current config, "
                   f"bits {'equal' if same else 'DIFFER'}", flush=True)
-        del stack
+        stack = None  # the KV pools go (a name, not a del: the timed closures above read it)
         torch.cuda.empty_cache()
     best, best_t = None, float("inf")
     for c, r in rows.items():

@@ -156,7 +156,7 @@ def main(argv=None) -> int:
                         base = (name, y)
                     bits[f"{model} {layer} {name} == {base[0]}"] = bool(torch.equal(y, base[1]))
             print(f"{model} {layer} N={n} K={k} done ({time.time() - t0:.0f}s)", flush=True)
-            del w, x_all
+            w = x_all = None  # free before the next shape (the timed lambdas read these names)
 
     # Per (N, K) and config: geomean ratio over M groups.
     table = []

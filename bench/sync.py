@@ -355,7 +355,7 @@ def measure(shapes, device: torch.device, timer, *, transport: str = "cuda_ipc",
     src = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device, generator=gen)
     dst = torch.empty_like(src)
     t_copy = timer(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # the anchor's buffers go (the timed lambda reads these names)
     print(f"sync: d2d copy {t_copy.median_ms:.3f} ms", flush=True)
 
     results = []  # (kernel, Timing, extra)
@@ -374,7 +374,7 @@ def measure(shapes, device: torch.device, timer, *, transport: str = "cuda_ipc",
         print(f"sync: in-process {mib:g} MiB buckets ({n_buckets}): {t.median_ms:.3f} ms (bits checked)", flush=True)
         results.append((f"sync in-process ({mib:g} MiB buckets)", t,
                         {"path": "in-process", "bucket_bytes": bucket_bytes, "buckets": n_buckets}))
-    del engine
+    engine = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -414,7 +414,7 @@ def measure(shapes, device: torch.device, timer, *, transport: str = "cuda_ipc",
     src = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device, generator=gen)
     dst = torch.empty_like(src)
     t_copy2 = timer(lambda: dst.copy_(src))  # repeat: the spread of the anchor
-    del src, dst
+    src = dst = None  # the anchor's buffers go (the timed lambda reads these names)
 
     common = {"tensors": len(params), "bytes": total, "flatten_backend": backend, "copy_ms_repeat": t_copy2.median_ms,
               "default_bucket_bytes": bucket_sizes[0]}

@@ -183,7 +183,7 @@ class WeightUpdateGroup:
             # collective's timeout. Such a group is kept until its broadcasts end (the peer killed closes
             # the connection) and only then let go (_reap_abandoned, at the next close or join).
             _ABANDONED.append((pg, stuck))
-        del pg
+        pg = None  # this frame's reference goes; end() may still be running and reads the name
 
 
 _ABANDONED: list[tuple[object, list]] = []
