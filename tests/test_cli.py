@@ -134,7 +134,8 @@ def test_help_formatter_adds_the_default_once():
     (["gate", "--num-rollout"], "--num-rollout"),
     (["profile", "run"], "--router-url"),
     (["train", "--no-such-flag"], "--no-such-flag"),
-], ids=["train-lr", "gate-missing-value", "profile-run-missing-required", "train-unknown"])
+    (["gate", "--overwrite-output-dir"], "--overwrite-output-dir"),  # train's flag: the gate has nothing to refuse
+], ids=["train-lr", "gate-missing-value", "profile-run-missing-required", "train-unknown", "gate-train-only-flag"])
 def test_a_bad_value_is_one_line_pointing_at_help_and_exit_2(argv, flag):
     """As a user types it: the console script in a fresh process; stderr is the one error line, not the
     usage block (88 lines for train) above it (serve: tests/test_flags.py)."""

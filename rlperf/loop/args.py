@@ -152,9 +152,10 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
     g.add_argument("--output-dir", default=OUTPUT_DIRS[command],
                    help="every file the run writes goes under it: metrics.jsonl, the phase timeline, torch traces, "
                         f"engine logs (default: {OUTPUT_DIRS[command]}, printed when the command starts)")
-    g.add_argument("--overwrite-output-dir", action="store_true",
-                   help="rlperf train: let a run that does not resume (no --load) replace the metrics.jsonl an "
-                        "earlier run left in --output-dir (without it such a run stops with exit 2)")
+    if command == "train":  # the gate's one step writes its own files afresh each time: nothing to refuse there
+        g.add_argument("--overwrite-output-dir", action="store_true",
+                       help="let a run that does not resume (no --load) replace the metrics.jsonl an earlier run "
+                            "left in --output-dir (without it such a run stops with exit 2)")
     g.add_argument("--async", dest="async_mode", action="store_true",
                    help="overlap rollout k+1 with training k (one step off-policy)")
     g.add_argument("--deterministic-mode", action="store_true",
