@@ -21,6 +21,9 @@
 #                        --train-backend megatron --tensor-model-parallel-size 2 on 2 GPUs
 #   train-0.6b-tp2-dp2 / gate-0.6b-tp2-dp2   the same on 4 GPUs, TP=2 x DP=2 (only where 4 are visible)
 #   gate-0.6b-tp2-sp     rlperf gate as above with --sequence-parallel
+#   te-0.6b-tp1          plain Megatron-core with Transformer Engine layers, 1 GPU (the plain user's step:
+#                        the anchor of what the tree numerics cost); only when TE is usable here (carry
+#                        .te-pack/MANIFEST and .te-pack/chunk-00 from bash bench/pack_te.sh: bench/device_te.sh)
 # With --engine the responses come from rlperf's engine on GPU 0 (tree mode, bf16): the trainer's old
 # log-probs must equal the rollout log-probs exactly (train_rollout_logprob_abs_diff 0) at TP=1 and TP=2.
 set -uo pipefail
@@ -42,6 +45,13 @@ bench() {  # name nproc args...
     --out "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || { echo "$name failed"; tail -20 "$OUT/$name.log"; status=1; }
 }
 bench fsdp-0.6b-tp1 1 --backend fsdp --shape qwen3-0.6b --tp 1
+if { [ "$RUNS" = all ] || [[ " $RUNS " == *" te-0.6b-tp1 "* ]]; } && { [ -f .te-pack/MANIFEST ] || [ -d /tmp/te-site/site ]; }; then
+  if source bench/device_te.sh; then
+    bench te-0.6b-tp1 1 --backend megatron-te --shape qwen3-0.6b --tp 1
+  else
+    status=1
+  fi
+fi
 bench tree-0.6b-tp1 1 --backend megatron --shape qwen3-0.6b --tp 1 --engine
 bench tree-0.6b-tp2 2 --backend megatron --shape qwen3-0.6b --tp 2 --engine
 bench tree-0.6b-tp2-sp 2 --backend megatron --shape qwen3-0.6b --tp 2 --sequence-parallel --engine

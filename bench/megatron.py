@@ -4,8 +4,11 @@ Launched once per configuration (``torchrun --nproc-per-node N -m rlperf.bench.m
 process per GPU, NCCL; ``--device cpu`` runs the same on gloo for a smoke test):
 
 * ``--backend megatron`` (tree numerics, the TP-invariant mode), ``megatron-plain`` (Megatron's own
-  all-reduce order: the anchor of the tree's cost) or ``fsdp`` (rlperf's one-GPU trainer: the anchor
-  of the backend's speed) at ``--tp`` x ``--pp`` ranks per model replica; the N launched processes
+  all-reduce order: the anchor of the tree's cost), ``fsdp`` (rlperf's one-GPU trainer: the anchor
+  of the backend's speed) or ``megatron-te`` (:func:`run_te`: plain Megatron-core with Transformer
+  Engine layers and its fusions, the layers a plain-Megatron user trains with: the anchor of what
+  exactness costs; CUDA with Transformer Engine, ``bench/device_te.sh``) at ``--tp`` x ``--pp`` ranks per
+  model replica; the N launched processes
   split into N / (tp x pp) data-parallel replicas, each of which trains on its share of the samples;
 * synthetic samples (``--samples`` of ``--tokens`` tokens, the last ``--response`` of them the
   response), or with ``--engine`` the responses of rlperf's engine on rank 0's GPU (tree mode, bf16),
@@ -103,6 +106,8 @@ def run(ns) -> dict:
     out = {"backend": ns.backend, "shape": ns.shape, "tp": ns.tp, "pp": ns.pp, "dp": world // (ns.tp * ns.pp),
            "sequence_parallel": ns.sequence_parallel, "world": world, "device": ns.device,
            "gpu": torch.cuda.get_device_name() if cuda else None, "tokens_per_step": sum(s.total_length for s in samples)}
+    if ns.backend == "megatron-te":
+        return run_te(ns, cfg, samples, device, out)
     if ns.backend == "fsdp":
         if world != 1:
             raise SystemExit("--backend fsdp here is the one-GPU trainer: launch 1 process")
@@ -151,6 +156,95 @@ def run(ns) -> dict:
     return out
 
 
+def te_model(cfg, tp: int):
+    """Megatron-core's ``GPTModel`` for ``cfg`` with Transformer Engine's layer spec (TE linear layers,
+    TE's fused attention and RMSNorm, Megatron's fusions on), bf16 parameters, random init: the model a
+    plain-Megatron user trains, for timing only (no rlperf numerics, not batch- or TP-invariant)."""
+    import dataclasses
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from rlperf.train.megatron.model import transformer_config
+
+    config = dataclasses.replace(
+        transformer_config(cfg, torch.bfloat16, tp, 1), bias_dropout_fusion=True, apply_rope_fusion=True,
+        masked_softmax_fusion=True, gradient_accumulation_fusion=False, persist_layer_norm=True,
+        use_cpu_initialization=False, perform_initialization=True)
+    return GPTModel(config, get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True), vocab_size=cfg.vocab_size,
+                    max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
+                    rotary_base=int(cfg.rope_theta), share_embeddings_and_output_weights=cfg.tie_word_embeddings)
+
+
+def te_refusal(ns) -> str | None:
+    """Why ``--backend megatron-te`` cannot run with these flags here (one line), or None."""
+    if ns.device != "cuda":
+        return "--backend megatron-te runs Transformer Engine's CUDA layers: --device cuda"
+    if ns.pp != 1 or ns.sequence_parallel or ns.engine:
+        return ("--backend megatron-te times --tp N replicas on the synthetic samples only (no --pp, "
+                "--sequence-parallel or --engine)")
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError as exc:
+        return (f"--backend megatron-te needs Transformer Engine ({exc}): bash bench/pack_te.sh on the CPU machine, "
+                f"then bash bench/device_te.sh on the GPU machine puts it on the path")
+    return None
+
+
+def run_te(ns, cfg, samples, device, out: dict) -> dict:
+    """``--backend megatron-te``: ``--steps`` timed steps (after one warm-up) of forward, backward and a
+    fused AdamW update of :func:`te_model` on the same samples as the other backends, as a [samples,
+    tokens] batch (they are equally long) with the loss the mean cross-entropy of the response tokens.
+    bf16 parameters and optimizer state (no float32 master copy: a lower bound on the plain step's
+    cost). No log-prob or gradient digests: its numerics are not rlperf's."""
+    from rlperf.train.megatron.runtime import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+
+    initialize_model_parallel(ParallelLayout(tensor_model_parallel_size=ns.tp, pipeline_model_parallel_size=1))
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(1234)
+    model = te_model(cfg, ns.tp).to(device)
+    dp = dist.get_world_size() // ns.tp
+    mine = samples[(dist.get_rank() // ns.tp) % dp::dp]  # this replica's share
+    ids = torch.stack([torch.as_tensor(s.tokens) for s in mine]).to(device)  # [B, S]
+    labels = torch.roll(ids, -1, dims=1)
+    positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    response = torch.zeros_like(ids, dtype=torch.bool)
+    for i, s in enumerate(mine):
+        response[i, s.total_length - s.response_length - 1:s.total_length - 1] = True
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    from megatron.core import parallel_state as ps
+
+    replicas = ps.get_data_parallel_group()  # the ranks holding the same tensor-parallel shard
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(ids, positions, attention_mask=None, labels=labels)  # [B, S] per-token cross-entropy
+        (loss[response].float().mean()).backward()
+        if dp > 1:
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=replicas)
+        opt.step()
+
+    step()  # warm-up
+    times = []
+    for _ in range(ns.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    out["step_s_median"] = times[len(times) // 2] if times else None
+    out["train_tokens_per_s"] = out["tokens_per_step"] / out["step_s_median"] if times else None
+    out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    import transformer_engine
+
+    out["transformer_engine"] = transformer_engine.__version__
+    destroy_model_parallel()
+    return out
+
+
 def compare(a_path: str, b_path: str) -> dict:
     """Bit-equality of two runs' digests (log-probs, first-step gradients) and their throughput ratio."""
     a, b = json.load(open(a_path)), json.load(open(b_path))
@@ -161,7 +255,7 @@ def compare(a_path: str, b_path: str) -> dict:
             "tokens_per_s_ratio_b_over_a": ratio}
 
 
-RUNS = ("fsdp-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp2", "tree-0.6b-tp2-sp", "tree-0.6b-pp2", "plain-0.6b-tp2",
+RUNS = ("fsdp-0.6b-tp1", "te-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp2", "tree-0.6b-tp2-sp", "tree-0.6b-pp2", "plain-0.6b-tp2",
         "tree-1.7b-tp1", "tree-1.7b-tp2", "tree-0.6b-tp2-dp2")
 """The runs of ``bench/device_megatron.sh`` (``<backend>-<shape>-tp<N>.json`` in its output folder)."""
 
@@ -206,6 +300,8 @@ def summary(folder: str) -> dict:
         "target2_tree_step_over_plain_step_tp2_0.6b (<= 1.15)": ratio("plain-0.6b-tp2", "tree-0.6b-tp2"),
         "target3_tp2_over_tp1_1.7b (>= 1.6)": ratio("tree-1.7b-tp2", "tree-1.7b-tp1"),
         "tp2_dp2_on_4_over_tp2_on_2_0.6b (>= 1.7)": ratio("tree-0.6b-tp2-dp2", "tree-0.6b-tp2"),
+        "tree_tp1_over_transformer_engine_tp1_0.6b": ratio("tree-0.6b-tp1", "te-0.6b-tp1"),
+        "fsdp_over_transformer_engine_tp1_0.6b": ratio("fsdp-0.6b-tp1", "te-0.6b-tp1"),
     }
 
 
@@ -213,7 +309,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m rlperf.bench.megatron", description=__doc__.split("\n\n")[0])
     p.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), help="compare two runs' results and exit")
     p.add_argument("--summary", metavar="DIR", help="the targets from bench/device_megatron.sh's run files in DIR")
-    p.add_argument("--backend", choices=("megatron", "megatron-plain", "fsdp"), default="megatron")
+    p.add_argument("--backend", choices=("megatron", "megatron-plain", "fsdp", "megatron-te"), default="megatron")
     p.add_argument("--shape", default="qwen3-0.6b", help="a preset name or qwen3-1.7b")
     p.add_argument("--tp", type=int, default=1, help="--tensor-model-parallel-size")
     p.add_argument("--pp", type=int, default=1, help="--pipeline-model-parallel-size (processes / (tp x pp): data parallel)")
@@ -235,6 +331,8 @@ def main(argv=None) -> int:
         return 0
     if ns.response >= ns.tokens:
         p.error("--response must be smaller than --tokens")
+    if ns.backend == "megatron-te" and (why := te_refusal(ns)):
+        p.error(why)
     result = run(ns)
     if dist.get_rank() == 0:
         text = json.dumps(result, indent=2)

@@ -190,17 +190,8 @@ if [ "$STRIP" = 1 ] && command -v strip > /dev/null; then
   find "$site" -name '*.so' -type f -not -path "$site/sgl_kernel/*" -exec strip --strip-unneeded {} +
 fi
 after=$(du -sb "$site" | cut -f1)
-tar -C "$PACK_DIR" -cf - site | xz -T0 "-$XZ_LEVEL" > "$PACK_DIR/sglang-site.tar.xz"
-split -b "$CHUNK_BYTES" -d -a 2 "$PACK_DIR/sglang-site.tar.xz" "$PACK_DIR/chunk-"
+PACK_DIR=$PACK_DIR CHUNK_BYTES=$CHUNK_BYTES XZ_LEVEL=$XZ_LEVEL bash bench/pack_chunks.sh  # the archive, its chunks, MANIFEST
 chunks=("$PACK_DIR"/chunk-*)
-{
-  echo "archive $(sha256sum "$PACK_DIR/sglang-site.tar.xz" | cut -d' ' -f1) $(stat -c %s "$PACK_DIR/sglang-site.tar.xz") ${#chunks[@]}"
-  for c in "${chunks[@]}"; do
-    echo "chunk $(basename "$c") $(sha256sum "$c" | cut -d' ' -f1) $(stat -c %s "$c")"
-  done
-  ls "$site" | grep -E '\.dist-info$' | sed 's/\.dist-info$//; s/^/package /'
-} > "$PACK_DIR/MANIFEST"
-rm -f "$PACK_DIR/sglang-site.tar.xz"
 echo "pack_sglang: $site $((before >> 20)) MiB installed, $((after >> 20)) MiB trimmed;" \
      "${#chunks[@]} chunk(s) of <= $((CHUNK_BYTES >> 20)) MiB in $PACK_DIR:"
 for c in "${chunks[@]}"; do echo "  $(basename "$c") $(( $(stat -c %s "$c") >> 10 )) KiB"; done

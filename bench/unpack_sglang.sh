@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device side of bench/pack_sglang.sh: the pack is one chunk today, so one device call carrying
+# Device side of bench/pack_sglang.sh (and of every pack in bench/pack_chunks.sh's format: bench/pack_te.sh's,
+# with PACK_DIR=.te-pack DEST=/tmp/te-site): the pack is one chunk today, so one device call carrying
 # .sglang-pack/MANIFEST and .sglang-pack/chunk-00 unpacks it (bench/device_sglang.sh runs this script itself
 # when the MANIFEST came with the call). A pack of several chunks (CHUNK_BYTES smaller) still works one
 # chunk a call on the same warm machine, each call carrying the MANIFEST and its chunk. The chunks gather in
