@@ -16,7 +16,10 @@ With ``t`` ranks (``t`` divides ``S``), rank ``r`` holds the contiguous leaves
 own node, the ``t`` nodes are all-gathered (float32) and every rank adds them in the tree's top
 levels. TP=1 (all leaves on one rank), TP=2, TP=4 and TP=8 perform the same float32 additions on
 the same operands: the bits are the same. The leaf partial itself is a function of the leaf only
-(the matmul tile config is pinned to the full layer's shape, :func:`leaf_product`).
+(the matmul tile config is pinned to the full layer's shape, :func:`leaf_product`). On the Triton
+backends a rank's node of a split-K product is one launch (:func:`_tree_node`: each leaf's K chain
+into its own float32 accumulator and the tree's additions in registers), with the bits of a launch
+per leaf and :func:`tree_sum` (``FUSED_LEAF_PRODUCTS``).
 
 Ops (``group``: the tensor-parallel process group, None for one rank):
 
@@ -49,8 +52,11 @@ import math
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from .dispatch import route
+from .tile_dot import dot_acc
 
 TREE_LEAVES = 8
 """Default leaf count S: the tree serves tensor-parallel sizes 1, 2, 4 and 8."""
@@ -258,6 +264,89 @@ def leaf_product(a: torch.Tensor, b: torch.Tensor, config_n: int | None = None) 
     return F.linear(a.float(), b.float())
 
 
+# One launch per tree node: every leaf's partial product and the tree over them, in registers.
+FUSED_LEAF_PRODUCTS = True
+"""Compute a rank's tree node of a split-K product (:func:`tree_matmul`, ``column_parallel_linear``'s
+``dx``) in one launch of :func:`_tree_node_kernel` instead of a launch per leaf plus the tree's adds
+(2 S - 1 launches). The bits are the same either way (each leaf's BLOCK_K chain and the tree's float32
+additions are those of :func:`leaf_product` and :func:`tree_sum`); False keeps the per-leaf launches,
+for A/B timing and tests."""
+_FUSED_TREE_SIZES = (1, 2, 4, 8)  # the node sizes the kernel unrolls (TREE_LEAVES / TP for TP 1..8)
+
+
+@triton.jit
+def _leaf_partial(x, w, leaf, LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # x[rows, leaf's K] @ w[cols, leaf's K].T into a fresh float32 accumulator, BLOCK_K at a time in
+    # increasing K: the chain gemm's kernel runs on the leaf's slice (its tail zero-masked in both).
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    k0 = leaf * LEAF_K
+    for ki in range(tl.cdiv(LEAF_K, BLOCK_K)):
+        k = ki * BLOCK_K + offs_k
+        inside = k < LEAF_K
+        a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + (k0 + k)[None, :] * stride_xk,
+                    mask=inside[None, :], other=0.0)
+        b = tl.load(w + cols.to(tl.int64)[:, None] * stride_wn + (k0 + k)[None, :] * stride_wk,
+                    mask=inside[None, :], other=0.0)
+        acc = dot_acc(a, b.T, acc, PRECISION)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tree_node_kernel(x, w, out, M, N, LEAF_K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+                      LEAVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    # out[m, n] = the balanced tree over LEAVES leaf partials (tree_sum's order: adjacent pairs first),
+    # in float32. Rows past M / columns past N read row / column 0 and are never stored.
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(offs_m < M, offs_m, 0)
+    cols = tl.where(offs_n < N, offs_n, 0)
+    args = (LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    if LEAVES == 1:
+        node = _leaf_partial(x, w, 0, *args)
+    elif LEAVES == 2:
+        node = _leaf_partial(x, w, 0, *args) + _leaf_partial(x, w, 1, *args)
+    elif LEAVES == 4:
+        left = _leaf_partial(x, w, 0, *args) + _leaf_partial(x, w, 1, *args)
+        node = left + (_leaf_partial(x, w, 2, *args) + _leaf_partial(x, w, 3, *args))
+    else:  # 8
+        a01 = _leaf_partial(x, w, 0, *args) + _leaf_partial(x, w, 1, *args)
+        a0123 = a01 + (_leaf_partial(x, w, 2, *args) + _leaf_partial(x, w, 3, *args))
+        a45 = _leaf_partial(x, w, 4, *args) + _leaf_partial(x, w, 5, *args)
+        a4567 = a45 + (_leaf_partial(x, w, 6, *args) + _leaf_partial(x, w, 7, *args))
+        node = a0123 + a4567
+    o_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, node, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _tree_node(a: torch.Tensor, b: torch.Tensor, leaves: int, config_n: int | None = None) -> torch.Tensor:
+    """This rank's tree node of ``a [M, K_local] @ b[N, K_local].T`` -> [M, N] float32: ``leaves`` equal
+    K slices, each :func:`leaf_product` (tile config of ``config_n``, default N), added in the tree.
+    One launch of :func:`_tree_node_kernel` where the policy runs Triton kernels and ``leaves`` is one
+    of its sizes; else a launch per leaf and the tree's adds (the same bits)."""
+    width = a.shape[1] // leaves
+    how = route("matmul", a.device)
+    if FUSED_LEAF_PRODUCTS and how in ("triton", "interpreter") and leaves in _FUSED_TREE_SIZES and a.shape[0] > 0:
+        from . import gemm
+
+        M, N = a.shape[0], b.shape[0]
+        block_k = gemm.matmul_config(a.dtype, config_n or N, width, M).BLOCK_K  # the leaf products' K steps
+        out = torch.empty((M, N), dtype=torch.float32, device=a.device)
+        block_m = block_n = 64  # wgmma tiles (bits do not depend on them); at most log2(S) + 2 live accumulators
+        grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+        _tree_node_kernel[grid](a, b, out, M, N, width, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                                out.stride(0), out.stride(1), LEAVES=leaves, BLOCK_M=block_m, BLOCK_N=block_n,
+                                BLOCK_K=block_k, PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
+                                num_warps=4, num_stages=3)
+        return out
+    acc = _TreeStack()
+    for c in range(leaves):
+        acc.push(leaf_product(a[:, c * width:(c + 1) * width], b[:, c * width:(c + 1) * width], config_n))
+    return acc.result()
+
+
 def _matmul_out(a, b, out_dtype, config_n=None):
     """``a @ b.T`` in ``out_dtype``: rounded once from float32 (the kernel's cast on the GPU)."""
     how = route("matmul", a.device)
@@ -289,11 +378,7 @@ def _local_tree_matmul(x: torch.Tensor, w: torch.Tensor, leaves: int, group) -> 
     local = _local_leaves(leaves, group, "tree_matmul")
     if x.shape[1] % local:
         raise ValueError(f"tree_matmul: K = {x.shape[1]} on this rank does not split into {local} equal leaves")
-    width = x.shape[1] // local
-    acc = _TreeStack()
-    for c in range(local):
-        acc.push(leaf_product(x[:, c * width:(c + 1) * width], w[:, c * width:(c + 1) * width], config_n=w.shape[0]))
-    return acc.result()
+    return _tree_node(x, w, local, config_n=w.shape[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,16 +444,12 @@ class _ColumnParallel(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # dx [M, K] = g [M, N_local] @ w [N_local, K]: N is split over the ranks -> the tree
             local = _local_leaves(ctx.leaves, ctx.group, "column_parallel_linear")
-            n = w.shape[0]
-            width = n // local
             wt = w.T.contiguous()  # [K, N_local]: the leaf products read its column slices
-            acc = _TreeStack()
-            for c in range(local):
-                acc.push(leaf_product(g[:, c * width:(c + 1) * width], wt[:, c * width:(c + 1) * width]))
+            node = _tree_node(g, wt, local)
             if ctx.sequence_parallel:
-                gx = _scatter_nodes(acc.result(), ctx.group).to(x.dtype)
+                gx = _scatter_nodes(node, ctx.group).to(x.dtype)
             else:
-                gx = _gather_nodes(acc.result(), ctx.group).to(x.dtype)
+                gx = _gather_nodes(node, ctx.group).to(x.dtype)
         if ctx.needs_input_grad[1]:
             # dw [N_local, K] = g.T @ x: rows of dw are rows of the product (batch invariance)
             gw = _matmul_out(g.T.contiguous(), x.T.contiguous(), w.dtype)

@@ -119,6 +119,42 @@ def test_triton_path_under_the_interpreter(interpreter):
     assert torch.allclose(hid.grad, hr.grad, atol=1e-5) and torch.allclose(head.grad, wr.grad, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("leaves,m,n,k", [(8, 37, 70, 8 * 48), (4, 1, 33, 4 * 136), (2, 65, 64, 2 * 40), (1, 3, 5, 24)])
+def test_one_launch_tree_node_has_the_per_leaf_bits_under_the_interpreter(interpreter, poison, monkeypatch, dtype,
+                                                                         leaves, m, n, k):
+    """The fused tree node (one launch: every leaf's BLOCK_K chain and the tree's adds in registers) gives the
+    bits of a launch per leaf plus tree_sum: odd M and N, leaf widths that are not a multiple of BLOCK_K
+    (the zero-masked tail), a row-parallel forward and a column-parallel input gradient."""
+    from rlperf.kernels import gemm
+
+    g = torch.Generator().manual_seed(leaves * 1000 + m)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    launches = []
+    real_launch = gemm.launch
+    monkeypatch.setattr(gemm, "launch", lambda *a, **kw: launches.append(1) or real_launch(*a, **kw))
+    with K.use_backend("interpreter"):
+        fused = T._tree_node(x, w, leaves, config_n=n)
+        assert launches == []  # one Triton launch, not one per leaf
+        monkeypatch.setattr(T, "FUSED_LEAF_PRODUCTS", False)
+        per_leaf = T._tree_node(x, w, leaves, config_n=n)
+        assert len(launches) == leaves
+        assert torch.equal(fused, per_leaf)
+        # the layers: a row-parallel forward and a column-parallel layer's dx, fused against per-leaf
+        xg = x.clone().requires_grad_()
+        w_col = (torch.randn(leaves * 6, k, generator=g) / k**0.5).to(dtype)
+        results = {}
+        for fused_on in (True, False):
+            monkeypatch.setattr(T, "FUSED_LEAF_PRODUCTS", fused_on)
+            xg.grad = None
+            y = T.row_parallel_linear(xg, w, leaves=leaves)
+            z = T.column_parallel_linear(xg, w_col, leaves=leaves)
+            (y.float().sum() + z.float().square().sum()).backward()
+            results[fused_on] = (y.detach(), xg.grad.clone())
+    assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [2, 4])
 def test_gpu_bits_do_not_depend_on_the_split(split):
@@ -139,3 +175,20 @@ def test_gpu_bits_do_not_depend_on_the_split(split):
         nodes = [T.tree_matmul(x2[:, r * k:(r + 1) * k], w2[:, r * k:(r + 1) * k], leaves=8 // split)
                  for r in range(split)]
         assert torch.equal(T.tree_sum(nodes), T.tree_matmul(x2, w2, leaves=8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("leaves", [1, 2, 4, 8])
+def test_gpu_one_launch_tree_node_has_the_per_leaf_bits(monkeypatch, leaves):
+    # bf16 on the GPU: the fused tree node (64x64 wgmma tiles) against a launch per leaf (gemm's configs,
+    # both M buckets) plus tree_sum, for o_proj / down_proj shapes, decode-sized and training-sized M
+    with K.use_backend("triton"):
+        g = torch.Generator(device="cuda").manual_seed(leaves)
+        for m, n, k in ((1, 1024, 2048), (37, 1024, 3072), (64, 2048, 6144), (65, 1024, 3072), (4096, 1024, 3072)):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16()
+            monkeypatch.setattr(T, "FUSED_LEAF_PRODUCTS", True)
+            fused = T._tree_node(x, w, leaves, config_n=n)
+            monkeypatch.setattr(T, "FUSED_LEAF_PRODUCTS", False)
+            per_leaf = T._tree_node(x, w, leaves, config_n=n)
+            assert torch.equal(fused, per_leaf), (m, n, k, (fused - per_leaf).abs().max().item())
