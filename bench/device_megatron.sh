@@ -21,6 +21,8 @@
 #                        --train-backend megatron --tensor-model-parallel-size 2 on 2 GPUs
 #   train-0.6b-tp2-dp2 / gate-0.6b-tp2-dp2   the same on 4 GPUs, TP=2 x DP=2 (only where 4 are visible)
 #   gate-0.6b-tp2-sp     rlperf gate as above with --sequence-parallel
+#   tree-0.6b-tp1-perleaf  tree-0.6b-tp1 with a launch per tree leaf (--per-leaf-tree: the fused tree
+#                        node's A/B; the same bits)
 #   te-0.6b-tp1          plain Megatron-core with Transformer Engine layers, 1 GPU (the plain user's step:
 #                        the anchor of what the tree numerics cost); only when TE is usable here (carry
 #                        .te-pack/MANIFEST and .te-pack/chunk-00 from bash bench/pack_te.sh: bench/device_te.sh)
@@ -53,6 +55,7 @@ if { [ "$RUNS" = all ] || [[ " $RUNS " == *" te-0.6b-tp1 "* ]]; } && { [ -f .te-
   fi
 fi
 bench tree-0.6b-tp1 1 --backend megatron --shape qwen3-0.6b --tp 1 --engine
+bench tree-0.6b-tp1-perleaf 1 --backend megatron --shape qwen3-0.6b --tp 1 --engine --per-leaf-tree
 bench tree-0.6b-tp2 2 --backend megatron --shape qwen3-0.6b --tp 2 --engine
 bench tree-0.6b-tp2-sp 2 --backend megatron --shape qwen3-0.6b --tp 2 --sequence-parallel --engine
 bench tree-0.6b-pp2 2 --backend megatron --shape qwen3-0.6b --pp 2 --engine

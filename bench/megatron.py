@@ -89,6 +89,9 @@ def run(ns) -> dict:
     from rlperf.train.megatron.runtime import ParallelLayout, destroy_model_parallel, initialize_model_parallel
     from rlperf.train.megatron.trainer import MegatronTrainer
 
+    from rlperf.kernels import tree_reduce
+
+    tree_reduce.FUSED_LEAF_PRODUCTS = not ns.per_leaf_tree
     cuda = ns.device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -104,7 +107,8 @@ def run(ns) -> dict:
     if world % (ns.tp * ns.pp):
         raise SystemExit(f"{world} processes do not split into --tp {ns.tp} x --pp {ns.pp} replicas")
     out = {"backend": ns.backend, "shape": ns.shape, "tp": ns.tp, "pp": ns.pp, "dp": world // (ns.tp * ns.pp),
-           "sequence_parallel": ns.sequence_parallel, "world": world, "device": ns.device,
+           "sequence_parallel": ns.sequence_parallel, "fused_tree_node": not ns.per_leaf_tree, "world": world,
+           "device": ns.device,
            "gpu": torch.cuda.get_device_name() if cuda else None, "tokens_per_step": sum(s.total_length for s in samples)}
     if ns.backend == "megatron-te":
         return run_te(ns, cfg, samples, device, out)
@@ -255,7 +259,7 @@ def compare(a_path: str, b_path: str) -> dict:
             "tokens_per_s_ratio_b_over_a": ratio}
 
 
-RUNS = ("fsdp-0.6b-tp1", "te-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp2", "tree-0.6b-tp2-sp", "tree-0.6b-pp2", "plain-0.6b-tp2",
+RUNS = ("fsdp-0.6b-tp1", "te-0.6b-tp1", "tree-0.6b-tp1", "tree-0.6b-tp1-perleaf", "tree-0.6b-tp2", "tree-0.6b-tp2-sp", "tree-0.6b-pp2", "plain-0.6b-tp2",
         "tree-1.7b-tp1", "tree-1.7b-tp2", "tree-0.6b-tp2-dp2")
 """The runs of ``bench/device_megatron.sh`` (``<backend>-<shape>-tp<N>.json`` in its output folder)."""
 
@@ -301,6 +305,9 @@ def summary(folder: str) -> dict:
         "target3_tp2_over_tp1_1.7b (>= 1.6)": ratio("tree-1.7b-tp2", "tree-1.7b-tp1"),
         "tp2_dp2_on_4_over_tp2_on_2_0.6b (>= 1.7)": ratio("tree-0.6b-tp2-dp2", "tree-0.6b-tp2"),
         "tree_tp1_over_transformer_engine_tp1_0.6b": ratio("tree-0.6b-tp1", "te-0.6b-tp1"),
+        "fused_tree_node_over_per_leaf_tp1_0.6b": ratio("tree-0.6b-tp1", "tree-0.6b-tp1-perleaf"),
+        "bits_0.6b_fused_vs_per_leaf": {"log_probs": same("tree-0.6b-tp1", "tree-0.6b-tp1-perleaf", "log_prob_digests"),
+                                        "grads": same("tree-0.6b-tp1", "tree-0.6b-tp1-perleaf", "grad_digests")},
         "fsdp_over_transformer_engine_tp1_0.6b": ratio("fsdp-0.6b-tp1", "te-0.6b-tp1"),
     }
 
@@ -320,6 +327,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens-per-gpu", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps after the warm-up step")
     p.add_argument("--engine", action="store_true", help="responses from rlperf's engine on rank 0 (abs diff check)")
+    p.add_argument("--per-leaf-tree", action="store_true",
+                   help="megatron: a launch per tree leaf and the tree's adds instead of one launch per tree node "
+                        "(rlperf.kernels.tree_reduce.FUSED_LEAF_PRODUCTS = False; the same bits), for the A/B")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="write the JSON result here (rank 0)")
     ns = p.parse_args(argv)

@@ -26,3 +26,15 @@ def test_summary_compares_the_runs_present_and_leaves_missing_pairs_unjudged(tmp
     assert s["target3_tp2_over_tp1_1.7b (>= 1.6)"] is None
     assert s["engine_abs_diff"] == {"tree-0.6b-tp1": 0.0, "tree-0.6b-tp2": 0.0, "tree-0.6b-tp2-dp2": 0.0}
     assert s["gpus"] == ["NVIDIA H100 80GB HBM3"]
+
+
+def test_summary_names_the_fused_tree_nodes_ab_and_the_transformer_engine_anchor(tmp_path):
+    _run(tmp_path, "fsdp-0.6b-tp1", 60_000.0, ["a"], ["g"])
+    _run(tmp_path, "tree-0.6b-tp1", 12_000.0, ["a"], ["g"], abs_diff=0.0)
+    _run(tmp_path, "tree-0.6b-tp1-perleaf", 10_000.0, ["a"], ["g"], abs_diff=0.0)
+    _run(tmp_path, "te-0.6b-tp1", 48_000.0, [], [])  # TE's run has no digests: its numerics are not rlperf's
+    s = summary(str(tmp_path))
+    assert s["fused_tree_node_over_per_leaf_tp1_0.6b"] == 1.2
+    assert s["bits_0.6b_fused_vs_per_leaf"] == {"log_probs": True, "grads": True}
+    assert s["tree_tp1_over_transformer_engine_tp1_0.6b"] == 0.25
+    assert s["fsdp_over_transformer_engine_tp1_0.6b"] == 1.25
