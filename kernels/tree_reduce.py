@@ -293,6 +293,28 @@ def _leaf_partial(x, w, leaf, LEAF_K, rows, cols, stride_xm, stride_xk, stride_w
     return acc
 
 
+@triton.jit
+def _leaf_pair(x, w, first, LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # leaves first, first + 1 added: a height-1 node of the tree
+    a = _leaf_partial(x, w, first, LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk,
+                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    b = _leaf_partial(x, w, first + 1, LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk,
+                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    return a + b
+
+
+@triton.jit
+def _leaf_quad(x, w, first, LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # leaves first .. first + 3: (p0 + p1) + (p2 + p3), a height-2 node
+    left = _leaf_pair(x, w, first, LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk,
+                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    right = _leaf_pair(x, w, first + 2, LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk,
+                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    return left + right
+
+
 @triton.jit(do_not_specialize=["M"])
 def _tree_node_kernel(x, w, out, M, N, LEAF_K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
                       LEAVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -303,20 +325,22 @@ def _tree_node_kernel(x, w, out, M, N, LEAF_K, stride_xm, stride_xk, stride_wn, 
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(offs_m < M, offs_m, 0)
     cols = tl.where(offs_n < N, offs_n, 0)
-    args = (LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    # explicit calls (no *args): the leaf index is the only argument that changes
     if LEAVES == 1:
-        node = _leaf_partial(x, w, 0, *args)
+        node = _leaf_partial(x, w, 0, LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk,
+                             BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     elif LEAVES == 2:
-        node = _leaf_partial(x, w, 0, *args) + _leaf_partial(x, w, 1, *args)
+        node = _leaf_pair(x, w, 0, LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     elif LEAVES == 4:
-        left = _leaf_partial(x, w, 0, *args) + _leaf_partial(x, w, 1, *args)
-        node = left + (_leaf_partial(x, w, 2, *args) + _leaf_partial(x, w, 3, *args))
+        node = _leaf_quad(x, w, 0, LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     else:  # 8
-        a01 = _leaf_partial(x, w, 0, *args) + _leaf_partial(x, w, 1, *args)
-        a0123 = a01 + (_leaf_partial(x, w, 2, *args) + _leaf_partial(x, w, 3, *args))
-        a45 = _leaf_partial(x, w, 4, *args) + _leaf_partial(x, w, 5, *args)
-        a4567 = a45 + (_leaf_partial(x, w, 6, *args) + _leaf_partial(x, w, 7, *args))
-        node = a0123 + a4567
+        left = _leaf_quad(x, w, 0, LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        right = _leaf_quad(x, w, 4, LEAF_K, rows, cols, stride_xm, stride_xk, stride_wn, stride_wk,
+                           BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        node = left + right
     o_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(o_ptrs, node, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
