@@ -192,3 +192,39 @@ def test_gpu_one_launch_tree_node_has_the_per_leaf_bits(monkeypatch, leaves):
             monkeypatch.setattr(T, "FUSED_LEAF_PRODUCTS", False)
             per_leaf = T._tree_node(x, w, leaves, config_n=n)
             assert torch.equal(fused, per_leaf), (m, n, k, (fused - per_leaf).abs().max().item())
+
+
+AOT_SCRIPT = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rlperf.kernels import tree_reduce as T
+
+fn = T._tree_node_kernel
+names = fn.arg_names
+for dtype, block_k, precision, sizes in (("bf16", 128, "tf32", (1, 2, 4, 8)), ("fp32", 32, "tf32x3", (8,))):
+    for leaves in sizes:
+        sig = {n: {"x": "*" + dtype, "w": "*" + dtype, "out": "*fp32"}.get(n, "i32") for n in names}
+        const = {"LEAVES": leaves, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": block_k, "PRECISION": precision}
+        sig.update({c: "constexpr" for c in const})
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        assert "wgmma" in kernel.asm["ptx"], (dtype, leaves)
+        print(dtype, leaves, "cubin", len(kernel.asm["cubin"]))
+"""
+
+
+def test_tree_node_kernel_compiles_for_the_h100_h200_on_this_cpu(tmp_path):
+    """The interpreter accepts Python a GPU compile may refuse: compile the fused tree node ahead of time for
+    SM 90 (Triton's own compiler and ptxas, no GPU) at every tree size in bf16 and at 8 leaves in float32, and check its dots
+    became wgmma instructions (the instruction family the bits rest on)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # a fresh compile, not a cache hit
+    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("cubin") == 5, proc.stdout
