@@ -13,7 +13,7 @@ a device call to find. This tool
    ``i32``, ``tensordesc<...>``), constexpr values, ``num_warps`` and ``num_stages``, deduplicated;
 2. compiles each distinct launch ahead of time for ``--arch`` (default SM 90, the H100/H200) in a
    process without the interpreter, with Triton's own compiler and its bundled ptxas: no GPU needed;
-3. prints one line per failure (kernel, constexprs, the compiler's first error line) and a count;
+3. prints one line per failure (kernel, constexprs, the last line of the compiler's error) and a count;
    exit 1 when any launch fails to compile, 2 when the tests themselves failed or recorded nothing.
 
 What it proves: the recorded launches compile for that GPU with this machine's Triton (CI: 3.9; the
@@ -110,15 +110,17 @@ def pytest_configure(config):  # the recorder, as a pytest plugin (-p rlperf.ben
     InterpretedFunction.run = run
 
 
-def compile_specs(lines: list[str], arch: int) -> list[tuple[dict, str]]:
-    """Compile each recorded launch for SM ``arch``; the (spec, first error line) of each failure. Runs in a
-    process where ``TRITON_INTERPRET`` is unset (the kernels are then real ``JITFunction`` objects)."""
+def compile_specs(lines: list[str], arch: int) -> tuple[list[tuple[dict, str]], list[tuple[dict, object]]]:
+    """Compile each recorded launch (a JSON line of :func:`launch_spec`) for SM ``arch``: ``(failures,
+    compiled)``, the (spec, last line of the compiler's error) of each failure and the (spec, compiled kernel:
+    ``.asm["ptx"]`` ...) of each success. Runs in a process where ``TRITON_INTERPRET`` is unset (the kernels
+    are then real ``JITFunction`` objects)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    failures = []
+    failures, compiled = [], []
     for line in lines:
         spec = json.loads(line)
         if "unrecorded" in spec:
@@ -133,11 +135,11 @@ def compile_specs(lines: list[str], arch: int) -> list[tuple[dict, str]]:
                     value = getattr(tl, value["dtype"])
                 constexprs[(names.index(name),)] = value
             src = ASTSource(fn=fn, signature=spec["signature"], constexprs=constexprs)
-            triton.compile(src, target=GPUTarget("cuda", arch, 32), options=spec["options"])
+            compiled.append((spec, triton.compile(src, target=GPUTarget("cuda", arch, 32), options=spec["options"])))
         except Exception as exc:  # noqa: BLE001  (every failure is reported, not just the first)
             text = str(exc).strip().splitlines()
             failures.append((spec, text[-1] if text else type(exc).__name__))
-    return failures
+    return failures, compiled
 
 
 def _describe(spec: dict) -> str:
@@ -153,7 +155,7 @@ def main(argv=None) -> int:
     if args.compile:
         # one line per distinct launch (test workers each record theirs: the same launch may come twice)
         lines = sorted({x for x in Path(args.compile).read_text().splitlines() if x.strip()})
-        failures = compile_specs(lines, args.arch)
+        failures, _ = compile_specs(lines, args.arch)
         for spec, why in failures:
             print(f"aot_preflight: FAIL {_describe(spec)}: {why}")
         print(f"aot_preflight: {len(lines) - len(failures)} of {len(lines)} launch(es) compiled for SM {args.arch}")

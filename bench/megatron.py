@@ -162,7 +162,7 @@ def run(ns) -> dict:
 
 def te_model(cfg, tp: int):
     """Megatron-core's ``GPTModel`` for ``cfg`` with Transformer Engine's layer spec (TE linear layers,
-    TE's fused attention and RMSNorm, Megatron's fusions on), bf16 parameters, random init: the model a
+    TE's fused attention and RMSNorm, fused bias-dropout-add and RoPE), bf16 parameters, random init: the model a
     plain-Megatron user trains, for timing only (no rlperf numerics, not batch- or TP-invariant)."""
     import dataclasses
 
@@ -172,7 +172,6 @@ def te_model(cfg, tp: int):
 
     config = dataclasses.replace(
         transformer_config(cfg, torch.bfloat16, tp, 1), bias_dropout_fusion=True, apply_rope_fusion=True,
-        masked_softmax_fusion=True, gradient_accumulation_fusion=False, persist_layer_norm=True,
         use_cpu_initialization=False, perform_initialization=True)
     return GPTModel(config, get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True), vocab_size=cfg.vocab_size,
                     max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",

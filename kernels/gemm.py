@@ -221,6 +221,7 @@ _TUNED_16BIT: dict[tuple[int, int], MatmulConfig] = {
 SMALL_M = 64
 
 
+@functools.lru_cache(maxsize=None)  # on every decode launch: one object per shape, not one per call
 def _small_m_config(large: MatmulConfig, N: int) -> MatmulConfig:
     """The config for ``M <= SMALL_M``: the large config's BLOCK_K (the same reduction) in narrower
     tiles, so more programs stream the weights. Sweep ratios to cuBLAS at M = 1 / 16 / 64 (H200,

@@ -195,23 +195,25 @@ def test_gpu_one_launch_tree_node_has_the_per_leaf_bits(monkeypatch, leaves):
 
 
 AOT_SCRIPT = r"""
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
+from rlperf.bench.aot_preflight import compile_specs
 from rlperf.kernels import tree_reduce as T
 
-fn = T._tree_node_kernel
-names = fn.arg_names
+names = T._tree_node_kernel.arg_names
+lines = []
 for dtype, block_k, precision, sizes in (("bf16", 128, "tf32", (1, 2, 4, 8)), ("fp32", 32, "tf32x3", (8,))):
     for leaves in sizes:
-        sig = {n: {"x": "*" + dtype, "w": "*" + dtype, "out": "*fp32"}.get(n, "i32") for n in names}
         const = {"LEAVES": leaves, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": block_k, "PRECISION": precision}
+        sig = {n: {"x": "*" + dtype, "w": "*" + dtype, "out": "*fp32"}.get(n, "i32") for n in names}
         sig.update({c: "constexpr" for c in const})
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-        assert "wgmma" in kernel.asm["ptx"], (dtype, leaves)
-        print(dtype, leaves, "cubin", len(kernel.asm["cubin"]))
+        lines.append(json.dumps({"module": T.__name__, "file": T.__file__, "name": "_tree_node_kernel",
+                                 "signature": sig, "constexprs": const,
+                                 "options": {"num_warps": 4, "num_stages": 3}}))
+failures, compiled = compile_specs(lines, 90)
+assert not failures, failures
+for spec, kernel in compiled:
+    assert "wgmma" in kernel.asm["ptx"], spec["constexprs"]
+    print(spec["signature"]["x"], spec["constexprs"]["LEAVES"], "cubin", len(kernel.asm["cubin"]))
 """
 
 
