@@ -14,14 +14,14 @@
 # Size: xz of the whole library is 137 MiB (three device calls). `python -m rlperf.bench.fatbin_keep_arch`
 # keeps the SM 90 cubins and zeroes the other architectures' device code in place (the file keeps its
 # layout), which compresses to ~9 MiB: the pack is one chunk, carried with one call. The library then
-# runs on SM 90 GPUs only (H100, H200), which is what the device kinds lend.
+# runs on SM 90 GPUs only (H100, H200): the GPUs these scripts are run on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PACK_DIR=${PACK_DIR:-.te-pack}
 TE_VERSION=${TE_VERSION:-2.12.0}
 TE_SM=${TE_SM:-90}
 PYTHON=${PYTHON:-python3}
-# what TE's PyTorch front end imports that the GPU image lacks (docs: KINDS.md's package list)
+# what TE's PyTorch front end imports that the GPU image lacks (it has einops, onnx, onnxscript, pybind11, cuDNN)
 DEPS=(pydantic pydantic-core annotated-types typing-inspection nvdlfw-inspect)
 PLATFORM=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
           --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
@@ -43,7 +43,6 @@ mv "$lib.kept" "$lib"
 rm -rf "$PACK_DIR/site/transformer_engine/jax"  # the JAX front end (its extension is another package)
 find "$PACK_DIR/site" -name __pycache__ -type d -prune -exec rm -rf {} +
 rm -rf "$PACK_DIR/wheels"
-echo "sm $TE_SM" > "$PACK_DIR/site/_sdist/TARGET"
 PACK_DIR=$PACK_DIR bash bench/pack_chunks.sh
 chunks=("$PACK_DIR"/chunk-*)
 echo "pack_te: Transformer Engine $TE_VERSION (SM $TE_SM device code) in ${#chunks[@]} chunk(s) in $PACK_DIR:"
