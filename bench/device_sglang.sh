@@ -4,7 +4,8 @@
 # workers). Logs, reports and results land in $OUT.
 #
 #   bash bench/device_sglang.sh STAGES     STAGES: any of "imports check gate train profile flashinfer decode
-#                                                  plugin-test plugin-gate plugin-colocate plugin-train plugin-moe"
+#                                                  plugin-test plugin-gate plugin-colocate plugin-train plugin-moe
+#                                                  plugin-tp2-gate plugin-tp2-train"
 #
 # First, on the CPU machine: bash bench/pack_sglang.sh (one chunk). Then ONE device call, even on a bare
 # machine, unpacks the carried chunk and runs the stages:
@@ -31,6 +32,10 @@
 #               by NCCL broadcast through /update_weights_from_distributed): abs diff exactly 0
 #   plugin-colocate  the same on ONE GPU with --colocate (weights through /update_weights_from_tensor, CUDA IPC)
 #   plugin-train     rlperf train --sglang-numerics rlperf --true-on-policy-mode --num-rollout 3 (gate first)
+#   plugin-tp2-gate  rlperf gate --train-backend megatron --colocate --rollout-num-gpus-per-engine 2 (2 GPUs: one
+#               SGLang engine at --tp-size 2 in the plugin's tree numerics, rank 0 beside the trainer on GPU 0, rank 1
+#               on GPU 1; weights through /update_weights_from_tensor to both ranks): abs diff exactly 0
+#   plugin-tp2-train the same layout, rlperf train --num-rollout 3 (gate first)
 #   plugin-moe  plugin-gate on qwen3-30b-a3b-2l (RLPERF_PLUGIN_MOE_MODEL to change it; RLPERF_PLUGIN_MOE_LAYOUT
 #               for the layout flags, default "--rollout-num-gpus 1")
 #   decode-profile  where a decode step's GPU time goes (python -m rlperf.bench.kernel_profile): rlperf's
@@ -109,6 +114,19 @@ if [[ " $STAGES " == *" plugin-train "* ]]; then
     --output-dir "$OUT/plugin-train"
   cp "$OUT/plugin-train/metrics.jsonl" "$OUT/plugin-train-metrics.jsonl" 2>/dev/null
   rm -rf "$OUT/plugin-train/sglang-model"
+fi
+TP2_FLAGS=("${PLUGIN_FLAGS[@]}" --train-backend megatron --colocate --rollout-num-gpus-per-engine 2
+           --sglang-mem-fraction-static 0.4)
+if [[ " $STAGES " == *" plugin-tp2-gate "* ]]; then
+  run plugin-tp2-gate 560 python3 -m rlperf gate "${TP2_FLAGS[@]}" --output-dir "$OUT/plugin-tp2-gate" \
+    --report-json "$OUT/plugin-tp2-gate.json"
+  cp "$OUT"/plugin-tp2-gate/engines/*.log "$OUT/" 2>/dev/null
+  rm -rf "$OUT/plugin-tp2-gate/sglang-model"
+fi
+if [[ " $STAGES " == *" plugin-tp2-train "* ]]; then
+  run plugin-tp2-train 560 python3 -m rlperf train "${TP2_FLAGS[@]}" --num-rollout 3 --output-dir "$OUT/plugin-tp2-train"
+  cp "$OUT/plugin-tp2-train/metrics.jsonl" "$OUT/plugin-tp2-train-metrics.jsonl" 2>/dev/null
+  rm -rf "$OUT/plugin-tp2-train/sglang-model"
 fi
 if [[ " $STAGES " == *" plugin-moe "* ]]; then
   MOE_FLAGS=("${PLUGIN_FLAGS[@]}")

@@ -340,13 +340,11 @@ def check_sglang_backend_flags(ns: argparse.Namespace) -> None:
                          "running ones (any SGLang-compatible router: leave --rollout-backend at rlperf)")
     if not ns.colocate and ns.rollout_num_gpus < 1:
         raise UsageError("--rollout-backend sglang needs --rollout-num-gpus N (engines on GPUs of their own) or "
-                         "--colocate (one engine on the trainer's GPU)")
+                         "--colocate (one engine on the trainer's GPU and, with --rollout-num-gpus-per-engine K, the K - 1 "
+                         "GPUs after it)")
     if ns.rollout_num_gpus_per_engine < 1 or (ns.rollout_num_gpus and ns.rollout_num_gpus % ns.rollout_num_gpus_per_engine):
         raise UsageError(f"--rollout-num-gpus {ns.rollout_num_gpus} must be a multiple of --rollout-num-gpus-per-engine "
                          f"{ns.rollout_num_gpus_per_engine} (>= 1): each SGLang engine takes that many GPUs (--tp-size)")
-    if ns.colocate and ns.rollout_num_gpus_per_engine != 1:
-        raise UsageError("--rollout-backend sglang --colocate runs one engine on the trainer's GPU: "
-                         "--rollout-num-gpus-per-engine must be 1")
     if ns.use_fault_tolerance:
         raise UsageError("--use-fault-tolerance restarts rlperf serve engines; it is not built for "
                          "--rollout-backend sglang")

@@ -83,6 +83,8 @@ def resolve_engine_layout(ns: argparse.Namespace, device, visible_gpus: int | No
                          "tensor-parallel engines are not built yet)")
     if n < 0:
         raise UsageError(f"--rollout-num-gpus must be >= 0, got {n}")
+    if ns.colocate and per > 1 and device.type == "cuda":
+        _check_colocated_tp_gpus(ns, device, per, visible_gpus)
     if n == 0 or ns.colocate:
         return  # the in-process engine, or engines that share the trainer's GPUs
     if ns.sglang_router_ip is not None:
@@ -106,6 +108,21 @@ def resolve_engine_layout(ns: argparse.Namespace, device, visible_gpus: int | No
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [x.strip() for x in listed.split(",")] if listed else [str(i) for i in range(visible)]
     ns.engine_gpus = ids[actor:actor + n * per]
+
+
+def _check_colocated_tp_gpus(ns: argparse.Namespace, device, per: int, visible_gpus: int | None) -> None:
+    """``--colocate --rollout-num-gpus-per-engine K`` (SGLang engines of K ranks): the engine's rank 0 shares
+    the trainer's GPU and ranks 1..K-1 take the K - 1 visible GPUs after it, so the trainer's GPU index plus K
+    must not pass the visible count. :class:`UsageError` naming the flags otherwise."""
+    import torch
+
+    visible = torch.cuda.device_count() if visible_gpus is None else visible_gpus
+    first = device.index or 0
+    if first + per > visible:
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UsageError(f"--colocate --rollout-num-gpus-per-engine {per}: the engine's {per} ranks take the trainer's "
+                         f"GPU (cuda:{first}) and the {per - 1} after it, cuda:{first}..cuda:{first + per - 1}, but "
+                         f"{visible} are visible" + (f" (CUDA_VISIBLE_DEVICES={listed})" if listed is not None else ""))
 
 
 CPU_RUN_MODEL_COPIES = 6

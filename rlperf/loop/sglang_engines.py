@@ -12,7 +12,8 @@ weight-update endpoints"):
    port, ``--tp-size``, dtype, ``--attention-backend``, ``--mem-fraction-static``, ``--random-seed``,
    ``--skip-tokenizer-init`` — rlperf sends token ids and reads token ids, so the saved model needs no
    tokenizer — ``--load-format``, ``--enable-deterministic-inference``), each on its own GPUs
-   (``CUDA_VISIBLE_DEVICES``), the trainer's GPU with ``--colocate``, or ``--device cpu`` on a CPU run,
+   (``CUDA_VISIBLE_DEVICES``), the trainer's GPU with ``--colocate`` (an engine of K ranks: the trainer's GPU
+   and the K - 1 after it), or ``--device cpu`` on a CPU run,
    with the trainer's ``NCCL_CUMEM_ENABLE`` and ``NCCL_NVLS_ENABLE`` (:func:`use_weight_sync_nccl_settings`,
    :func:`engine_nccl_env`). ``--sglang-numerics rlperf`` starts them with ``--attention-backend rlperf
    --page-size`` rlperf's page size (:func:`numerics_argv`): rlperf's SGLang plugin (an entry point of
@@ -43,8 +44,9 @@ weight-update endpoints"):
      the engines paused around it). SGLang answers once its broadcast is received and loaded.
    - colocated (``--colocate``, CUDA): ``/pause_generation``, then per bucket ``POST
      /update_weights_from_tensor`` whose ``serialized_named_tensors`` holds, once per TP rank, the
-     base64 of a pickled list of ``(name, tensor)`` pairs (torch's CUDA IPC reductions: the engine opens
-     the trainer's memory, nothing is copied through HTTP), ``flush_cache`` on the last bucket,
+     base64 of a pickled list of ``(name, tensor)`` pairs (torch's CUDA IPC reductions, the device named
+     by its UUID: every rank opens the trainer's memory on the trainer's GPU, whatever its own
+     ``CUDA_VISIBLE_DEVICES`` numbers it; nothing is copied through HTTP), ``flush_cache`` on the last bucket,
      ``weight_version``; then ``/continue_generation`` (:func:`push_tensors_to_sglang`).
 
 SGLang has no ``/weights_checksum``: the run's ``sync/weights_checksum`` is the checksum of the bytes
@@ -275,7 +277,8 @@ def start_sglang_fleet(config: RunConfig, model, *, env=None) -> EngineFleet:
         if device != "cuda":
             raise UsageError("--rollout-backend sglang --colocate needs CUDA: SGLang's /update_weights_from_tensor "
                              "takes the tensors' CUDA IPC handles (on the CPU use --rollout-num-gpus N)")
-        gpus = [_visible_gpu(model.device.index or 0)]
+        first = model.device.index or 0  # rank 0 on the trainer's GPU, ranks 1..tp-1 on the GPUs after it
+        gpus = [",".join(_visible_gpu(first + k) for k in range(s.tp_size))]
         n = 1
     else:
         n = r.num_engines
@@ -305,16 +308,50 @@ def start_sglang_fleet(config: RunConfig, model, *, env=None) -> EngineFleet:
 # ---- colocated weight push ------------------------------------------------------------------------
 
 
+CUDA_REDUCTION_DEVICE_ARG = 6
+"""Where torch's ``reduce_tensor`` puts a CUDA tensor's device index among ``rebuild_cuda_tensor``'s
+arguments (torch 2.x: class, size, stride, offset, storage class, dtype, **device**, handle, ...)."""
+
+
+def _cuda_reduction_by_uuid(t):
+    """torch's IPC reduction of the CUDA tensor ``t`` with its device index replaced by the device's UUID:
+    an index means a different GPU in a process whose ``CUDA_VISIBLE_DEVICES`` differs (a rank of a
+    colocated engine of several GPUs sees the trainer's GPU under its own numbering). SGLang's workers
+    rebuild with reductions that turn a UUID into their own index (they patch torch's
+    ``rebuild_cuda_tensor`` before they unpickle; an int passes through unchanged)."""
+    import torch
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(t)
+    args = list(args)
+    index = args[CUDA_REDUCTION_DEVICE_ARG]
+    if isinstance(index, str):  # a process whose reductions already name the UUID (SGLang's patch)
+        return rebuild, tuple(args)
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise RuntimeError(f"torch's reduce_tensor changed: argument {CUDA_REDUCTION_DEVICE_ARG} is {index!r}, "
+                           "not the device index")
+    args[CUDA_REDUCTION_DEVICE_ARG] = str(torch.cuda.get_device_properties(index).uuid)
+    return rebuild, tuple(args)
+
+
 def serialize_named_tensors(named: list) -> str:
     """One entry of ``serialized_named_tensors``: base64 of the ``(name, tensor)`` list pickled with
-    torch's multiprocessing reductions (a CUDA tensor becomes its IPC handle; SGLang's
-    ``MultiprocessingSerializer.deserialize`` rebuilds it in the engine)."""
+    torch's multiprocessing reductions (a CUDA tensor becomes its IPC handle on the device named by UUID,
+    :func:`_cuda_reduction_by_uuid`; SGLang's ``MultiprocessingSerializer.deserialize`` rebuilds it in
+    the engine)."""
     from multiprocessing.reduction import ForkingPickler
 
+    import torch
     import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
 
+    class _Pickler(ForkingPickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                return _cuda_reduction_by_uuid(obj)
+            return NotImplemented
+
     buf = io.BytesIO()
-    ForkingPickler(buf).dump([(name, t.detach()) for name, t in named])
+    _Pickler(buf).dump([(name, t.detach()) for name, t in named])
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

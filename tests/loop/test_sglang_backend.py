@@ -5,6 +5,7 @@ bodies (broadcast bytes checked by sha256), the gate's measured distance, and ex
 when SGLang cannot start."""
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -423,6 +424,54 @@ def test_tp_engines_with_rlperf_numerics_need_the_tree_trainer(capsys, tmp_path)
     argv = S.sglang_launch_argv("/m", 1, SGLangConfig(tp_size=2, numerics="rlperf"), dtype="bfloat16",
                                 mem_fraction_static=0.5, seed=0)
     assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--attention-backend") + 1] == "rlperf"
+
+
+def test_a_colocated_tp_engine_spans_the_trainers_gpu_and_the_ones_after_it(monkeypatch):
+    """``--colocate --rollout-num-gpus-per-engine K``: the flags pass, rank 0 shares the trainer's GPU and ranks
+    1..K-1 take the next visible GPUs; too few visible GPUs is a usage error naming the flags and the GPUs."""
+    from rlperf.loop.device import resolve_engine_layout
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    ns = _flags("--rollout-backend", "sglang", "--colocate", "--rollout-num-gpus-per-engine", "2",
+                "--sglang-mem-fraction-static", "0.4", "--train-backend", "megatron")
+    check_sglang_backend_flags(ns)
+    assert ns.sglang_numerics == "rlperf"  # beside the tree trainer, the plugin's tree
+    resolve_engine_layout(ns, torch.device("cuda"), visible_gpus=2)
+    assert not ns.disaggregated
+    with pytest.raises(UsageError, match=r"--colocate --rollout-num-gpus-per-engine 2: .*cuda:0\.\.cuda:1, but 1 are"):
+        resolve_engine_layout(ns, torch.device("cuda"), visible_gpus=1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    with pytest.raises(UsageError, match=r"cuda:1\.\.cuda:2, but 2 are visible \(CUDA_VISIBLE_DEVICES=3,5\)"):
+        resolve_engine_layout(ns, torch.device("cuda:1"), visible_gpus=2)
+    resolve_engine_layout(ns, torch.device("cpu"))  # on the CPU the fleet refuses --colocate itself
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None,
+                    reason="needs CUDA and SGLang (its reductions rebuild the handles)")
+def test_gpu_colocated_handles_name_the_gpu_by_uuid_for_every_rank(tmp_path):
+    """A pushed tensor's IPC handle names its GPU by UUID, so a rank that numbers the GPUs differently (here a
+    process with CUDA_VISIBLE_DEVICES reversed, as rank 1 of a colocated engine of 2 GPUs sees them on a
+    2-GPU machine) rebuilds it on the trainer's GPU with SGLang's own reductions and reads the same bytes."""
+    t = torch.arange(4096, dtype=torch.float32, device="cuda").reshape(64, 64) * 0.5
+    entry = S.serialize_named_tensors([("w", t)])
+    n = torch.cuda.device_count()
+    order = ",".join(str(i) for i in reversed(range(n)))
+    code = ("import base64, sys, torch\n"
+            "from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions\n"
+            "from sglang.srt.utils import MultiprocessingSerializer\n"
+            "monkey_patch_torch_reductions()\n"
+            "(name, w), = MultiprocessingSerializer.deserialize(sys.stdin.read())\n"
+            "print(name, w.device.index, torch.cuda.get_device_properties(w.device).uuid, float(w.double().sum()))\n")
+    import subprocess
+    import sys as _sys
+    out = subprocess.run([_sys.executable, "-c", code], input=entry, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": order})
+    assert out.returncode == 0, out.stderr[-3000:]
+    name, index, uuid, total = out.stdout.split()
+    assert name == "w" and uuid == str(torch.cuda.get_device_properties(t.device).uuid)
+    assert int(index) == n - 1 - (t.device.index or 0) and float(total) == float(t.double().sum())
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("load_format", ["auto", "dummy"])
