@@ -21,7 +21,9 @@ te_main() {
   fi
   [ -d "$site/transformer_engine" ] || { echo "device_te: no $site/transformer_engine (carry $pack/MANIFEST and its chunk)"; return 3; }
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
-  if ! ls "$site"/transformer_engine_torch*.so > /dev/null 2>&1; then
+  # TE looks for its torch extension (transformer_engine_torch*.so) in the site's top level, in
+  # transformer_engine/ or in transformer_engine/wheel_lib/ (transformer_engine/common/__init__.py)
+  if [ -z "$(find "$site" -maxdepth 3 -name 'transformer_engine_torch*.so' -print -quit)" ]; then
     local build=/tmp/te-build
     rm -rf "$build" && mkdir -p "$build/out"
     tar -xzf "$site"/_sdist/transformer_engine_torch-*.tar.gz -C "$build"
@@ -34,7 +36,11 @@ te_main() {
       tail -30 "$out/te-build.log"
       return 3
     fi
-    cp -a "$build"/out/transformer_engine_torch* "$site"/
+    cp -a "$build"/out/transformer_engine_torch*.dist-info "$site"/
+    # the built extension, wherever the sdist's wheel put it, goes to the top level (TE's first search place)
+    find "$build/out" -name 'transformer_engine_torch*.so' -exec cp -a {} "$site"/ \;
+    [ -n "$(find "$site" -maxdepth 1 -name 'transformer_engine_torch*.so' -print -quit)" ] \
+      || { echo "device_te: the build made no transformer_engine_torch*.so; what it made:"; find "$build/out" -maxdepth 3 | head -30; return 3; }
     echo "device_te: built in $((SECONDS - t0)) s"
   fi
   python3 - <<'PY' || { echo "device_te: Transformer Engine does not run here (above)"; return 3; }
