@@ -25,7 +25,7 @@ from .gemm import linear, linear_silu_mul, matmul, matmul_config
 from .logprob import log_softmax, token_logprobs
 from .moe import grouped_matmul, moe_combine, moe_experts, moe_plan, moe_route, moe_route_weights, moe_slot_rows
 from .norm import add_rmsnorm, rmsnorm
-from .rope import rmsnorm_rope, rmsnorm_rope_store_kv
+from .rope import rmsnorm_rope, rmsnorm_rope_blocks, rmsnorm_rope_store_kv
 from .sampling import check_sampling_rows, sample
 
 __all__ = [
@@ -33,6 +33,6 @@ __all__ = [
     "set_mode", "use_backend", "use_mode", "use_policy",
     "matmul", "linear", "linear_silu_mul", "matmul_config", "rmsnorm", "add_rmsnorm", "PAGE_SIZE", "write_kv_cache",
     "paged_attention", "varlen_attention", "log_softmax", "token_logprobs", "fused_logprob", "sample", "check_sampling_rows", "silu_mul",
-    "rmsnorm_rope", "rmsnorm_rope_store_kv", "moe_route", "moe_route_weights", "moe_plan", "grouped_matmul", "moe_combine", "moe_experts",
+    "rmsnorm_rope", "rmsnorm_rope_blocks", "rmsnorm_rope_store_kv", "moe_route", "moe_route_weights", "moe_plan", "grouped_matmul", "moe_combine", "moe_experts",
     "moe_slot_rows",
 ]

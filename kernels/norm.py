@@ -217,27 +217,34 @@ def _rmsnorm_bwd_kernel(
 
 
 @triton.jit(do_not_specialize=["n"])
-def _sum_partials_kernel(p_ptr, out_ptr, n, H, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # column block of the [n, H] float32 partials; rows added in a fixed order (tile by tile,
-    # elementwise, then one tl.sum over the tile's rows)
+def _sum_partials_kernel(p_ptr, out_ptr, n, H, row_stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # column block program_id(0) of group program_id(1) of the [n, G, H] float32 partials (row stride
+    # G * H); rows added in a fixed order (tile by tile, elementwise, then one tl.sum over the tile's
+    # rows). A group's columns sit in the tiles they have when the group is summed alone (G = 1).
+    g = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = cols < H
     rr = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for r0 in range(0, n, BLOCK_R):
         r = (r0 + rr).to(tl.int64)
-        acc += tl.load(p_ptr + r[:, None] * H + cols[None, :], mask=(r < n)[:, None] & cm[None, :], other=0.0)
-    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cm)
+        acc += tl.load(p_ptr + r[:, None] * row_stride + g * H + cols[None, :], mask=(r < n)[:, None] & cm[None, :],
+                       other=0.0)
+    tl.store(out_ptr + g * H + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cm)
 
 
 def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``partials.sum(0)`` of a contiguous [n, H] float32 buffer, in a fixed order, rounded once to ``dtype``."""
-    n, H = partials.shape
-    out = torch.empty(H, dtype=dtype, device=partials.device)
-    if H:
+    """``partials.sum(0)`` of a contiguous [n, H] float32 buffer, in a fixed order, rounded once to ``dtype``;
+    or of a contiguous [n, G, H] buffer, [G, H]: each group's sum with the bits of :func:`sum_partials` of
+    that group's [n, H] slice alone (one launch for the G groups)."""
+    n, H = partials.shape[0], partials.shape[-1]
+    groups = partials.shape[1] if partials.dim() == 3 else 1
+    out = torch.empty(partials.shape[1:], dtype=dtype, device=partials.device)
+    if H and groups:
         if n == 0:
             return out.zero_()
-        _sum_partials_kernel[(triton.cdiv(H, 64),)](partials, out, n, H, BLOCK_R=64, BLOCK_C=64, num_warps=4)
+        _sum_partials_kernel[(triton.cdiv(H, 64), groups)](partials, out, n, H, groups * H, BLOCK_R=64, BLOCK_C=64,
+                                                            num_warps=4)
     return out
 
 

@@ -93,16 +93,20 @@ def _norm_rope_rows(x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, t, h, c, cm, m, hea
 @triton.jit
 def _rmsnorm_rope_kernel(
     x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr,
-    heads, stride_xt, stride_xh, stride_yt, stride_yh, stride_cs, eps,
+    per, subs, stride_w, stride_xt, stride_xh, stride_yt, stride_yh, stride_cs, eps,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
+    # program (t, b * subs + j): token t's heads j * BLOCK_H ... of head block b (``per`` heads, its own
+    # weight row b): the program of a launch over that block alone (one block: every head, subs tiles)
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    b = tl.program_id(1) // subs
+    hl = (tl.program_id(1) % subs) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h = b * per + hl
     c = tl.arange(0, BLOCK_HALF)
     cm = c < HALF
-    m = (h < heads)[:, None] & cm[None, :]
-    o1, o2 = _norm_rope_rows(x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, t, h, c, cm, m, heads, stride_xt, stride_xh,
-                             stride_cs, eps, HALF)
+    m = (hl < per)[:, None] & cm[None, :]
+    o1, o2 = _norm_rope_rows(x_ptr, w_ptr + b * stride_w, pos_ptr, cos_ptr, sin_ptr, t, h, c, cm, m, per, stride_xt,
+                             stride_xh, stride_cs, eps, HALF)
     y_off = t * stride_yt + h[:, None] * stride_yh + c[None, :]
     tl.store(y_ptr + y_off, o1, mask=m)
     tl.store(y_ptr + y_off + HALF, o2, mask=m)
@@ -157,16 +161,22 @@ def _qk_norm_rope_store_kv_kernel(
 @triton.jit(do_not_specialize=["T", "tokens_per_program"])
 def _rmsnorm_rope_bwd_kernel(
     x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, do_ptr, dx_ptr, dwp_ptr,
-    T, heads, tokens_per_program,
+    T, per, tokens_per_program, stride_w,
     stride_xt, stride_xh, stride_dot, stride_doh, stride_dxt, stride_dxh, stride_cs, eps,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
+    # program (p, b): tokens p * tokens_per_program ... of head block b (``per`` heads, weight row b),
+    # the program p of a launch over that block alone; its dweight partial is row (p, b) of the
+    # [programs, blocks, D] buffer
     pid = tl.program_id(0)
+    b = tl.program_id(1)
+    blocks = tl.num_programs(1)
     t_start = pid * tokens_per_program
     t_end = tl.minimum(t_start + tokens_per_program, T)
     c = tl.arange(0, BLOCK_HALF)
     cm = c < HALF
     hh = tl.arange(0, BLOCK_H)
+    w_ptr += b * stride_w
     w1 = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + HALF + c, mask=cm, other=0.0).to(tl.float32)[None, :]
     dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
@@ -178,9 +188,9 @@ def _rmsnorm_rope_bwd_kernel(
         pos = tl.load(pos_ptr + t).to(tl.int64)
         cos = tl.load(cos_ptr + pos * stride_cs + c, mask=cm, other=0.0)[None, :]
         sin = tl.load(sin_ptr + pos * stride_cs + c, mask=cm, other=0.0)[None, :]
-        for h0 in range(0, heads, BLOCK_H):
-            h = h0 + hh
-            m = (h < heads)[:, None] & cm[None, :]
+        for h0 in range(0, per, BLOCK_H):
+            h = b * per + h0 + hh
+            m = (h0 + hh < per)[:, None] & cm[None, :]
             x_off = t * stride_xt + h[:, None] * stride_xh + c[None, :]
             do_off = t * stride_dot + h[:, None] * stride_doh + c[None, :]
             x1 = tl.load(x_ptr + x_off, mask=m, other=0.0).to(tl.float32)
@@ -200,8 +210,9 @@ def _rmsnorm_rope_bwd_kernel(
             tl.store(dx_ptr + dx_off + HALF, ((g2 - xh2 * mean_gx) * rstd).to(dx_ty), mask=m)
             dw1 += dy1 * xh1  # masked heads and columns add 0
             dw2 += dy2 * xh2
-    tl.store(dwp_ptr + pid * (2 * HALF) + c, tl.sum(dw1, axis=0), mask=cm)
-    tl.store(dwp_ptr + pid * (2 * HALF) + HALF + c, tl.sum(dw2, axis=0), mask=cm)
+    row = (pid * blocks + b) * (2 * HALF)
+    tl.store(dwp_ptr + row + c, tl.sum(dw1, axis=0), mask=cm)
+    tl.store(dwp_ptr + row + HALF + c, tl.sum(dw2, axis=0), mask=cm)
 
 
 def _check(x, weight, positions, cos, sin, eps) -> None:
@@ -231,40 +242,58 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _blocked_weight(weight: torch.Tensor, heads: int) -> tuple[torch.Tensor, int, int]:
+    """([blocks, D] weight rows, blocks, heads per block) of a [D] weight (one block of every head) or a
+    [blocks, D] one (head block b = heads b * per ... (b + 1) * per - 1 takes row b; any row stride,
+    0 included: one weight expanded over the blocks is read in place)."""
+    if weight.dim() == 1:
+        return weight.contiguous()[None], 1, heads
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    return w, w.shape[0], heads // w.shape[0]
+
+
 def rmsnorm_rope_forward(x, weight, positions, cos, sin, eps) -> torch.Tensor:
-    """Launch the forward kernel (module docstring): [T, heads, D] -> contiguous [T, heads, D] in x's dtype."""
+    """Launch the forward kernel (module docstring): [T, heads, D] -> contiguous [T, heads, D] in x's dtype.
+    ``weight`` [D], or [blocks, D]: head block b normalized with row b, each block by the programs of
+    a launch over that block alone (:func:`rmsnorm_rope_blocks`)."""
     T, heads, D = x.shape
     x = _last_dim_contiguous(x)
     cos, sin = cos.contiguous(), sin.contiguous()
     y = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
+    w, blocks, per = _blocked_weight(weight, heads)
     if T and heads and D:
-        block_h, block_half, num_warps = _config(heads, D)
-        _rmsnorm_rope_kernel[(T, triton.cdiv(heads, block_h))](
-            x, weight.contiguous(), positions.contiguous(), cos, sin, y,
-            heads, x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), float(eps),
+        block_h, block_half, num_warps = _config(per, D)
+        subs = triton.cdiv(per, block_h)
+        _rmsnorm_rope_kernel[(T, blocks * subs)](
+            x, w, positions.contiguous(), cos, sin, y,
+            per, subs, w.stride(0), x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), float(eps),
             HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=num_warps,
         )
     return y
 
 
 def rmsnorm_rope_backward(dout, x, weight, positions, cos, sin, eps) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients (module docstring): ``(dx [T, heads, D] in x's dtype, dweight [D] in weight's dtype)``."""
+    """Gradients (module docstring): ``(dx [T, heads, D] in x's dtype, dweight in weight's dtype and shape)``;
+    with a [blocks, D] weight, row b of dweight is block b's sum alone (the bits of this backward over
+    that block's heads with its own [D] weight)."""
     T, heads, D = x.shape
     x, dout = _last_dim_contiguous(x), _last_dim_contiguous(dout)
     cos, sin = cos.contiguous(), sin.contiguous()
     dx = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
+    w, blocks, per = _blocked_weight(weight, heads)
     per_program = BWD_TOKENS_PER_PROGRAM
     programs = triton.cdiv(T, per_program) if heads and D else 0
-    partials = torch.empty((programs, D), dtype=torch.float32, device=x.device)
+    partials = torch.empty((programs, blocks, D), dtype=torch.float32, device=x.device)
     if programs:
-        block_h, block_half, num_warps = _config(heads, D)
-        _rmsnorm_rope_bwd_kernel[(programs,)](
-            x, weight.contiguous(), positions.contiguous(), cos, sin, dout, dx, partials,
-            T, heads, per_program, x.stride(0), x.stride(1), dout.stride(0), dout.stride(1),
+        block_h, block_half, num_warps = _config(per, D)
+        _rmsnorm_rope_bwd_kernel[(programs, blocks)](
+            x, w, positions.contiguous(), cos, sin, dout, dx, partials,
+            T, per, per_program, w.stride(0), x.stride(0), x.stride(1), dout.stride(0), dout.stride(1),
             dx.stride(0), dx.stride(1), cos.stride(0), float(eps),
             HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=num_warps,
         )
-    return dx, sum_partials(partials, weight.dtype)
+    dw = sum_partials(partials if weight.dim() == 2 else partials.view(programs, D), weight.dtype)
+    return dx, dw
 
 
 class _RMSNormRope(torch.autograd.Function):
@@ -379,3 +408,30 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
     if how == "reference":
         return _ref.rmsnorm_rope(x, weight, positions, cos, sin, eps)
     return rmsnorm_rope_forward(x, weight, positions, cos, sin, eps)
+
+
+def rmsnorm_rope_blocks(x: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """:func:`rmsnorm_rope` of each head block with its own weight row, in one launch: x [T, heads, D] cut
+    into ``blocks`` blocks of ``per = heads / blocks`` consecutive heads, block b normalized with
+    ``weights[b]`` ([blocks, D], e.g. the replicas of :func:`rlperf.kernels.tree_reduce.block_replicas`).
+
+    Equal bit for bit to ``torch.cat([rmsnorm_rope(x[:, b*per:(b+1)*per], weights[b], ...) for b], 1)``
+    and to its gradients: each block runs the programs and tile shapes (``_config(per, D)``) of a launch
+    over that block alone, and the backward's ``dweights[b]`` adds that launch's partials in its order
+    (``sum_partials`` of a [programs, blocks, D] buffer, one group per block). Forward one launch,
+    backward two (instead of ``blocks`` and ``2 * blocks`` plus the slices' gradient adds). The
+    reference backend and fast mode's stock op run the per-block calls themselves."""
+    if weights.dim() != 2 or x.dim() != 3 or weights.shape[0] < 1 or x.shape[1] % weights.shape[0]:
+        raise ValueError(f"rmsnorm_rope_blocks: weights [blocks, D] with blocks dividing x's heads, got x "
+                         f"{list(x.shape)} and weights {list(weights.shape)}")
+    _check(x, weights[0], positions, cos, sin, eps)
+    blocks, per = weights.shape[0], x.shape[1] // weights.shape[0]
+    how = route("rmsnorm_rope", x.device, (x, weights))
+    fused = how not in ("stock", "reference") and not (how == "autograd" and route("rmsnorm_rope", x.device) == "stock")
+    if not fused:
+        outs = [rmsnorm_rope(x[:, b * per:(b + 1) * per], weights[b], positions, cos, sin, eps) for b in range(blocks)]
+        return torch.cat(outs, dim=1) if blocks > 1 else outs[0]
+    if how == "autograd":
+        return _RMSNormRope.apply(x, weights, positions, cos, sin, eps)
+    return rmsnorm_rope_forward(x, weights, positions, cos, sin, eps)

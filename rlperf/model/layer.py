@@ -124,12 +124,11 @@ class RopeTable:
 
 
 def _norm_rope(x, weight, positions, rope: RopeTable, eps: float, blocks: int | None):
-    """q/k RMSNorm + RoPE of x [T, heads, D]: one kernel call, or one per head block (tree mode)."""
+    """q/k RMSNorm + RoPE of x [T, heads, D]: one kernel call, or in tree mode each head block as a call
+    over that block alone computes it (:func:`rlperf.kernels.rmsnorm_rope_blocks`, still one launch)."""
     if blocks is None or blocks == 1:
         return K.rmsnorm_rope(x, weight, positions, rope.cos, rope.sin, eps)
-    per = x.shape[1] // blocks
-    return torch.cat([K.rmsnorm_rope(x[:, b * per:(b + 1) * per], weight, positions, rope.cos, rope.sin, eps)
-                      for b in range(blocks)], dim=1)
+    return K.rmsnorm_rope_blocks(x, weight[None].expand(blocks, -1), positions, rope.cos, rope.sin, eps)
 
 
 def _row_linear(x, w, leaves: int | None, tp_group=None):

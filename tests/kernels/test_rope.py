@@ -227,6 +227,63 @@ def test_store_kv_on_the_reference_backend_and_in_the_engine_step(interpreter):
     assert fused == unfused and all(len(ids) == 4 for ids, _ in fused)
 
 
+def _blocks_both_ways(x, w, pos, cos, sin, blocks, dout):
+    """(one launch, per-block calls) of rmsnorm_rope over ``blocks`` head blocks, each block's weight a
+    replica of ``w`` (as the tree mode's block_replicas gives them): outputs, dx and d(replicas)."""
+    per = x.shape[1] // blocks
+    results = []
+    for fused in (True, False):
+        xx = x.detach().clone().requires_grad_(True)
+        reps = w.detach()[None].expand(blocks, -1).clone().requires_grad_(True)
+        if fused:
+            out = K.rmsnorm_rope_blocks(xx, reps, pos, cos, sin, EPS)
+        else:
+            out = torch.cat([K.rmsnorm_rope(xx[:, b * per:(b + 1) * per], reps[b], pos, cos, sin, EPS)
+                             for b in range(blocks)], dim=1)
+        gx, gw = torch.autograd.grad(out, (xx, reps), dout.to(out.dtype))
+        results.append((out.detach(), gx, gw))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,heads,blocks,D", [(1, 4, 4, 16), (7, 6, 3, 32), (33, 8, 2, 128), (17, 3, 1, 32),
+                                              (40, 16, 8, 32)])
+def test_blocks_in_one_launch_equal_the_per_block_calls(interpreter, poison, dtype, T, heads, blocks, D):
+    """rmsnorm_rope_blocks (one launch forward, one backward + one partial sum) against a call per head
+    block and the slices' gradients: output, dx and every block's weight gradient bit for bit, at odd
+    token counts (a backward program's tail), odd block sizes and one block; then the forward alone."""
+    x, w, pos = _inputs(T, heads, D, dtype, seed=11)
+    table = _table(D)
+    dout = torch.randn(T, heads, D, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    (y, gx, gw), (ry, rgx, rgw) = _blocks_both_ways(x, w, pos, table.cos, table.sin, blocks, dout)
+    assert gw.shape == (blocks, D) and gw.dtype == dtype
+    assert torch.equal(y, ry) and torch.equal(gw, rgw)
+    assert torch.equal(gx, rgx)  # equal values (the slices' gradient adds may turn a -0.0 into +0.0)
+    with torch.no_grad():
+        reps = w[None].expand(blocks, -1).contiguous()
+        assert torch.equal(K.rmsnorm_rope_blocks(x, reps, pos, table.cos, table.sin, EPS), ry)
+
+
+def test_blocks_small_tiles_and_the_reference_backend(interpreter, monkeypatch):
+    """A block wider than the tile (BLOCK_H = 1: a loop over each block's heads, several programs per
+    block) still has the per-block bits; on the reference backend the per-block calls run; bad weights
+    name the shapes."""
+    monkeypatch.setattr(rope_mod, "BWD_TOKENS_PER_PROGRAM", 4)
+    monkeypatch.setattr(rope_mod, "MAX_HALF_TILE", 16)
+    x, w, pos = _inputs(11, 6, 32, torch.float32, seed=13)
+    table = _table(32)
+    dout = torch.randn(11, 6, 32, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+    (y, gx, gw), (ry, rgx, rgw) = _blocks_both_ways(x, w, pos, table.cos, table.sin, 2, dout)
+    assert torch.equal(y, ry) and torch.equal(gx, rgx) and torch.equal(gw, rgw)
+    with K.use_policy(K.KernelPolicy(backend="reference")):
+        reps = w[None].expand(3, -1).contiguous()
+        got = K.rmsnorm_rope_blocks(x, reps, pos, table.cos, table.sin, EPS)
+        assert torch.equal(got, torch.cat([K.rmsnorm_rope(x[:, 2 * b:2 * b + 2], w, pos, table.cos, table.sin, EPS)
+                                           for b in range(3)], dim=1))
+    with pytest.raises(ValueError, match=r"blocks dividing x's heads"):
+        K.rmsnorm_rope_blocks(x, w[None].expand(4, -1), pos, table.cos, table.sin, EPS)
+
+
 # ----------------------------------------------------------------------------- GPU (device)
 
 QWEN3_06B = {"T": 8192, "q_heads": 16, "kv_heads": 8, "D": 128}
@@ -282,3 +339,19 @@ def test_gpu_store_kv_is_rmsnorm_rope_then_the_cache_write(dtype):
         fused, separate, _ = _store_kv_both_ways(T, QWEN3_06B["q_heads"], QWEN3_06B["kv_heads"], QWEN3_06B["D"],
                                                  dtype, "cuda", page=16, pages=80)
         assert all(torch.equal(a, b) for a, b in zip(fused, separate)), T
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_blocks_in_one_launch_equal_the_per_block_calls(dtype):
+    """The tree mode's q/k norm on the qwen3-0.6b shape (8 head blocks: 16 Q heads of 128 in blocks of 2,
+    8 KV heads in blocks of 1), 8192 and 5 tokens: one launch gives the per-block calls' output, dx and
+    block weight gradients bit for bit on the GPU."""
+    for T in (8192, 5):
+        for heads in (QWEN3_06B["q_heads"], QWEN3_06B["kv_heads"]):
+            x, w, pos = _inputs(T, heads, QWEN3_06B["D"], dtype, "cuda", seed=15, other_heads=32 - heads)
+            table = _table(QWEN3_06B["D"], "cuda")
+            dout = torch.randn(T, heads, QWEN3_06B["D"], generator=torch.Generator().manual_seed(16),
+                               dtype=torch.float64).cuda()
+            (y, gx, gw), (ry, rgx, rgw) = _blocks_both_ways(x, w, pos, table.cos, table.sin, 8, dout)
+            assert torch.equal(y, ry) and torch.equal(gw, rgw) and torch.equal(gx, rgx), (T, heads)

@@ -302,13 +302,10 @@ class QKNormRopeAttention(nn.Module):
         if self.plain:  # one call over this rank's heads; the weight's gradient all-reduced
             w = _PlainReplicated.apply(weight, self.tp) if self.tp.size > 1 else weight
             return K.rmsnorm_rope(x, w, positions, self.rope_cos, self.rope_sin, self.eps)
-        group = self.tp.group
-        local_blocks = self.blocks // self.tp.size
-        replicas = tree.block_replicas(weight, self.blocks, group)
-        per = x.shape[1] // local_blocks
-        outs = [K.rmsnorm_rope(x[:, b * per:(b + 1) * per], replicas[b], positions, self.rope_cos, self.rope_sin, self.eps)
-                for b in range(local_blocks)]
-        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        # each head block with its own replica of the weight, as a call over that block alone computes
+        # it (one launch forward, one backward); the replicas' gradients add in the fixed tree
+        replicas = tree.block_replicas(weight, self.blocks, self.tp.group)
+        return K.rmsnorm_rope_blocks(x, replicas, positions, self.rope_cos, self.rope_sin, self.eps)
 
     def forward(self, q, k, v, cu_seqlens):
         t = q.shape[0]
