@@ -89,7 +89,8 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
                         f"or the {API_KEY_ENV} environment variable (default: {API_KEY_ENV}, else no key)")
     g.add_argument("--sglang-api-key-file", default=None, metavar="PATH",
                    help="read the API key from this file (surrounding whitespace stripped)")
-    g.add_argument("--colocate", action="store_true", help="trainer and engines share the GPU (weights by CUDA IPC)")
+    g.add_argument("--colocate", action="store_true", help="trainer and engines share the GPU (weights by CUDA IPC); an SGLang engine of K ranks "
+                        "(--rollout-num-gpus-per-engine K) takes the trainer's GPU and the K - 1 after it")
     g.add_argument("--rollout-num-gpus", type=int, default=0, metavar="N",
                    help="disaggregated engines (without --colocate): start N rlperf serve engines, one per GPU after the "
                         "actor's, behind the sglang-router, and sync the weights to them by NCCL broadcast from the "
