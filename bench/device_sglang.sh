@@ -5,7 +5,8 @@
 #
 #   bash bench/device_sglang.sh STAGES     STAGES: any of "imports check gate train profile flashinfer decode
 #                                                  plugin-test plugin-gate plugin-colocate plugin-train plugin-moe
-#                                                  plugin-tp2-gate plugin-tp2-train"
+#                                                  plugin-tp2-gate plugin-tp2-train plugin-megatron-tp2
+#                                                  plugin-moe-ep2"
 #
 # First, on the CPU machine: bash bench/pack_sglang.sh (one chunk). Then ONE device call, even on a bare
 # machine, unpacks the carried chunk and runs the stages:
@@ -36,6 +37,10 @@
 #               SGLang engine at --tp-size 2 in the plugin's tree numerics, rank 0 beside the trainer on GPU 0, rank 1
 #               on GPU 1; weights through /update_weights_from_tensor to both ranks): abs diff exactly 0
 #   plugin-tp2-train the same layout, rlperf train --num-rollout 3 (gate first)
+#   plugin-megatron-tp2  4 GPUs: the megatron trainer at TP=2 on GPUs 0-1 (2 actor ranks), one --tp-size 2 engine
+#               on GPUs 2-3 (weights by NCCL broadcast from rank 0): rlperf gate, then rlperf train --num-rollout 3
+#   plugin-moe-ep2   3+ GPUs: qwen3-30b-a3b-2l, the trainer at --expert-model-parallel-size 2 on GPUs 0-1, one
+#               engine on GPU 2: rlperf gate with and without --use-rollout-routing-replay
 #   plugin-moe  plugin-gate on qwen3-30b-a3b-2l (RLPERF_PLUGIN_MOE_MODEL to change it; RLPERF_PLUGIN_MOE_LAYOUT
 #               for the layout flags, default "--rollout-num-gpus 1")
 #   decode-profile  where a decode step's GPU time goes (python -m rlperf.bench.kernel_profile): rlperf's
@@ -127,6 +132,25 @@ if [[ " $STAGES " == *" plugin-tp2-train "* ]]; then
   run plugin-tp2-train 560 python3 -m rlperf train "${TP2_FLAGS[@]}" --num-rollout 3 --output-dir "$OUT/plugin-tp2-train"
   cp "$OUT/plugin-tp2-train/metrics.jsonl" "$OUT/plugin-tp2-train-metrics.jsonl" 2>/dev/null
   rm -rf "$OUT/plugin-tp2-train/sglang-model"
+fi
+MEG_TP2_FLAGS=("${PLUGIN_FLAGS[@]}" --train-backend megatron --tensor-model-parallel-size 2 --actor-num-gpus-per-node 2
+               --rollout-num-gpus 2 --rollout-num-gpus-per-engine 2)
+if [[ " $STAGES " == *" plugin-megatron-tp2 "* ]]; then
+  run plugin-megatron-tp2-gate 560 python3 -m rlperf gate "${MEG_TP2_FLAGS[@]}" --output-dir "$OUT/plugin-megatron-tp2-gate" \
+    --report-json "$OUT/plugin-megatron-tp2-gate.json"
+  run plugin-megatron-tp2-train 560 python3 -m rlperf train "${MEG_TP2_FLAGS[@]}" --num-rollout 3 \
+    --output-dir "$OUT/plugin-megatron-tp2-train"
+  cp "$OUT/plugin-megatron-tp2-train/metrics.jsonl" "$OUT/plugin-megatron-tp2-train-metrics.jsonl" 2>/dev/null
+  rm -rf "$OUT"/plugin-megatron-tp2-*/sglang-model
+fi
+if [[ " $STAGES " == *" plugin-moe-ep2 "* ]]; then
+  EP2_FLAGS=("${PLUGIN_FLAGS[@]}" --expert-model-parallel-size 2 --actor-num-gpus-per-node 2 --rollout-num-gpus 1)
+  EP2_FLAGS[1]=${RLPERF_PLUGIN_MOE_MODEL:-qwen3-30b-a3b-2l}
+  run plugin-moe-ep2 560 python3 -m rlperf gate "${EP2_FLAGS[@]}" --output-dir "$OUT/plugin-moe-ep2" \
+    --report-json "$OUT/plugin-moe-ep2.json"
+  run plugin-moe-ep2-replay 560 python3 -m rlperf gate "${EP2_FLAGS[@]}" --use-rollout-routing-replay \
+    --output-dir "$OUT/plugin-moe-ep2-replay" --report-json "$OUT/plugin-moe-ep2-replay.json"
+  rm -rf "$OUT"/plugin-moe-ep2*/sglang-model
 fi
 if [[ " $STAGES " == *" plugin-moe "* ]]; then
   MOE_FLAGS=("${PLUGIN_FLAGS[@]}")

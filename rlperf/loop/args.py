@@ -302,7 +302,7 @@ def add_sglang_backend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-load-format", default="auto", choices=SGLANG_LOAD_FORMATS,
                    help="--rollout-backend sglang: auto: the engines load the model rlperf saves under --output-dir; "
                         "dummy: random weights (only config.json is written), replaced by a weight sync before "
-                        "rollout 0 (benchmarks)")
+                        "rollout 0 (benchmarks; always with several actor ranks, whose weights are sharded)")
     g.add_argument("--sglang-launch-timeout", type=flags.positive_seconds, default=SGLANG_LAUNCH_TIMEOUT_S,
                    metavar="S", help=f"--rollout-backend sglang: seconds an engine may take to answer /health "
                                      f"(default {SGLANG_LAUNCH_TIMEOUT_S:g}); an engine that exits fails at once")
@@ -353,8 +353,13 @@ def check_sglang_backend_flags(ns: argparse.Namespace) -> None:
         raise UsageError("--placement ray starts rlperf serve engines; --rollout-backend sglang runs with "
                          "--placement local")
     if ns.actor_num_nodes * ns.actor_num_gpus_per_node != 1:
-        raise UsageError("--rollout-backend sglang drives its engines from one actor rank: --actor-num-gpus-per-node "
-                         "and --actor-num-nodes must be 1")
+        if ns.colocate:
+            raise UsageError("--rollout-backend sglang --colocate puts one engine on the trainer's GPU: with several "
+                             "actor ranks (--actor-num-gpus-per-node, --actor-num-nodes) give the engines GPUs of their "
+                             "own (--rollout-num-gpus N) instead")
+        # rank 0 starts the engines, and its model is not the trainer's sharded weights: the engines start
+        # on a config.json alone and get the weights from the first sync, which every rank takes part in
+        ns.sglang_load_format = "dummy"
     if ns.sglang_api_key or ns.sglang_api_key_file:
         raise UsageError("--rollout-backend sglang: the SGLang engines it starts take no API key (SGLang reads its "
                          "key from its command line only, which ps shows to every user of the host)")

@@ -88,7 +88,9 @@ def client_for(config: RunConfig, model, tokenizer, *, kv_tokens: int | None = N
     :class:`rlperf.loop.engines.EngineFleet` it started (None when it started none).
 
     * ``--rollout-backend sglang`` — a :class:`SGLangClient` on real SGLang engines the run starts
-      (:func:`sglang_client_for`, :mod:`rlperf.loop.sglang_engines`);
+      (:func:`sglang_client_for`, :mod:`rlperf.loop.sglang_engines`); on several ranks rank 0 starts
+      them and holds that client, and every rank gets a :class:`rlperf.loop.data_parallel.Rank0EnginesClient`
+      around it (None on the others), as for ``disaggregated`` below;
 
     * ``router`` — a :class:`RouterClient` on ``--sglang-router-ip:--sglang-router-port``;
     * ``disaggregated`` — rank 0 starts the engines and their router (``--placement local``; under
@@ -103,8 +105,11 @@ def client_for(config: RunConfig, model, tokenizer, *, kv_tokens: int | None = N
     ``kernel_backend``: the run's resolved backend, which the engines it starts use too.
     """
     r = config.rollout
-    if r.backend == "sglang":  # real SGLang engines (one actor rank: rlperf.loop.args.check_sglang_backend_flags)
-        return sglang_client_for(config, model, tokenizer)
+    if r.backend == "sglang":  # real SGLang engines; on several ranks rank 0 starts and drives them
+        if world_size == 1:
+            return sglang_client_for(config, model, tokenizer)
+        inner, fleet = sglang_client_for(config, model, tokenizer, push_weights=False) if rank == 0 else (None, None)
+        return Rank0EnginesClient(inner, rank, world_size), fleet
     if r.engine == "router":
         return RouterClient(r.router_ip, r.router_port, tokenizer, r.colocate, api_key=r.api_key,
                             model_cfg=model.cfg), None
@@ -696,14 +701,15 @@ class SGLangClient(RouterClient):
         return self._checksum
 
 
-def sglang_client_for(config: RunConfig, model, tokenizer):
+def sglang_client_for(config: RunConfig, model, tokenizer, push_weights: bool = True):
     """The :class:`SGLangClient` of a ``--rollout-backend sglang`` run and the fleet it started; with
-    ``--sglang-load-format dummy`` the trainer's weights (``model``'s) are pushed before it is returned."""
+    ``--sglang-load-format dummy`` the trainer's weights (``model``'s) are pushed before it is returned,
+    unless ``push_weights`` is off (several ranks: the run's first sync, a collective, brings them)."""
     fleet = start_sglang_fleet(config, model)
     try:
         client = SGLangClient(HOST, fleet.router_port, tokenizer, colocate=config.rollout.colocate,
                               tp_size=config.rollout.sglang.tp_size, model_cfg=model.cfg)
-        if config.rollout.sglang.load_format == "dummy":
+        if config.rollout.sglang.load_format == "dummy" and push_weights:
             import torch
 
             with torch.no_grad():

@@ -73,7 +73,6 @@ def _flags(*argv):
     (["--rollout-backend", "sglang", "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "multiple of"),
     (["--rollout-backend", "sglang", "--colocate"], "--sglang-mem-fraction-static"),
     (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--use-fault-tolerance"], "--use-fault-tolerance"),
-    (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "2"], "one actor rank"),
     (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-router-ip", "1.2.3.4",
       "--sglang-router-port", "1"], "--sglang-router-ip"),
     (["--sglang-load-format", "dummy"], "needs --rollout-backend sglang"),
@@ -392,6 +391,35 @@ def test_every_sample_sent_to_sglang_carries_its_own_seed(tmp_path, fake_sglang)
     for r in fake_sglang("generate"):
         by_prompt.setdefault(tuple(r["body"]["input_ids"]), []).append(r["body"]["sampling_params"]["sampling_seed"])
     assert all(len(v) >= n and len(set(v)) == len(v) for v in by_prompt.values()), by_prompt
+
+
+def test_two_actor_ranks_drive_sglang_engines_from_rank_0(tmp_path, fake_sglang):
+    """``--actor-num-gpus-per-node 2`` with SGLang engines (two gloo ranks on the CPU): rank 0 starts the
+    engine on a config.json alone (its model is not the trainer's sharded weights) and every sync, the
+    first included, sends the bytes the one-rank run sends (the same SHA-256 per tensor, version by
+    version); the samples come through rank 0 and the two runs' metrics agree."""
+    def run(name, *extra):
+        code = main(["train", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "1", *SMALL,
+                     *_prompts(tmp_path), "--num-rollout", "2", "--output-dir", str(tmp_path / name), "--no-progress",
+                     "--skip-gates", *extra])
+        assert code == 0, name
+        port = fake_sglang("launch")[-1]["port"]
+        syncs = [(r["body"]["weight_version"], r["sha256"]) for r in fake_sglang("update_weights_from_distributed")
+                 if r["port"] == port]
+        metrics = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return fake_sglang("launch")[-1]["argv"], syncs, metrics
+
+    argv1, syncs1, m1 = run("one")
+    argv2, syncs2, m2 = run("two", "--actor-num-gpus-per-node", "2")
+    assert argv2[argv2.index("--load-format") + 1] == "dummy" and argv1[argv1.index("--load-format") + 1] == "auto"
+    assert not list((tmp_path / "two" / S.MODEL_DIR).glob("*.safetensors"))
+    assert [v for v, _ in syncs2] == ["0", "1", "2"] and syncs2 == syncs1  # one full copy per sync, the same bytes
+    for a, b in zip(m1, m2):
+        assert a["rollout/raw_reward"] == b["rollout/raw_reward"]
+        assert a["train/train_rollout_logprob_abs_diff"] == b["train/train_rollout_logprob_abs_diff"]
+    with pytest.raises(UsageError, match="--colocate puts one engine on the trainer's GPU"):
+        check_sglang_backend_flags(_flags("--rollout-backend", "sglang", "--colocate", "--sglang-mem-fraction-static",
+                                          "0.4", "--actor-num-gpus-per-node", "2"))
 
 
 def test_sample_seeds_are_distinct_over_rollouts_and_samples():
