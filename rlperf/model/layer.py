@@ -125,7 +125,9 @@ class RopeTable:
 
 def _norm_rope(x, weight, positions, rope: RopeTable, eps: float, blocks: int | None):
     """q/k RMSNorm + RoPE of x [T, heads, D]: one kernel call, or in tree mode each head block as a call
-    over that block alone computes it (:func:`rlperf.kernels.rmsnorm_rope_blocks`, still one launch)."""
+    over that block alone computes it (:func:`rlperf.kernels.rmsnorm_rope_blocks`, still one launch). Tree
+    mode here is the engine's copy (no weight gradient); the megatron trainer, which trains in the tree,
+    adds its blocks' weight gradients in the tree through ``block_replicas``."""
     if blocks is None or blocks == 1:
         return K.rmsnorm_rope(x, weight, positions, rope.cos, rope.sin, eps)
     return K.rmsnorm_rope_blocks(x, weight[None].expand(blocks, -1), positions, rope.cos, rope.sin, eps)
