@@ -5,7 +5,8 @@
 #
 #   bash bench/device_sglang.sh STAGES     STAGES: any of "imports check gate train profile flashinfer decode
 #                                                  plugin-test plugin-gate plugin-colocate plugin-train plugin-moe
-#                                                  plugin-tp2-gate plugin-tp2-train plugin-megatron-tp2
+#                                                  plugin-tp2-gate plugin-tp2-train plugin-tp2-plain-gate
+#                                                  plugin-megatron-tp2
 #                                                  plugin-moe-ep2"
 #
 # First, on the CPU machine: bash bench/pack_sglang.sh (one chunk). Then ONE device call, even on a bare
@@ -37,6 +38,8 @@
 #               SGLang engine at --tp-size 2 in the plugin's tree numerics, rank 0 beside the trainer on GPU 0, rank 1
 #               on GPU 1; weights through /update_weights_from_tensor to both ranks): abs diff exactly 0
 #   plugin-tp2-train the same layout, rlperf train --num-rollout 3 (gate first)
+#   plugin-tp2-plain-gate  the same layout with the fsdp trainer: the engine in plain tensor parallelism (no
+#               rlperf_reduction_leaves), rlperf gate and rlperf train --num-rollout 3: abs diff exactly 0
 #   plugin-megatron-tp2  4 GPUs: the megatron trainer at TP=2 on GPUs 0-1 (2 actor ranks), one --tp-size 2 engine
 #               on GPUs 2-3 (weights by NCCL broadcast from rank 0): rlperf gate, then rlperf train --num-rollout 3
 #   plugin-moe-ep2   3+ GPUs: qwen3-30b-a3b-2l, the trainer at --expert-model-parallel-size 2 on GPUs 0-1, one
@@ -132,6 +135,15 @@ if [[ " $STAGES " == *" plugin-tp2-train "* ]]; then
   run plugin-tp2-train 560 python3 -m rlperf train "${TP2_FLAGS[@]}" --num-rollout 3 --output-dir "$OUT/plugin-tp2-train"
   cp "$OUT/plugin-tp2-train/metrics.jsonl" "$OUT/plugin-tp2-train-metrics.jsonl" 2>/dev/null
   rm -rf "$OUT/plugin-tp2-train/sglang-model"
+fi
+PLAIN_TP2_FLAGS=("${PLUGIN_FLAGS[@]}" --colocate --rollout-num-gpus-per-engine 2 --sglang-mem-fraction-static 0.4)
+if [[ " $STAGES " == *" plugin-tp2-plain-gate "* ]]; then
+  run plugin-tp2-plain-gate 560 python3 -m rlperf gate "${PLAIN_TP2_FLAGS[@]}" --output-dir "$OUT/plugin-tp2-plain-gate" \
+    --report-json "$OUT/plugin-tp2-plain-gate.json"
+  run plugin-tp2-plain-train 560 python3 -m rlperf train "${PLAIN_TP2_FLAGS[@]}" --num-rollout 3 \
+    --output-dir "$OUT/plugin-tp2-plain-train"
+  cp "$OUT/plugin-tp2-plain-train/metrics.jsonl" "$OUT/plugin-tp2-plain-train-metrics.jsonl" 2>/dev/null
+  rm -rf "$OUT"/plugin-tp2-plain-*/sglang-model
 fi
 MEG_TP2_FLAGS=("${PLUGIN_FLAGS[@]}" --train-backend megatron --tensor-model-parallel-size 2 --actor-num-gpus-per-node 2
                --rollout-num-gpus 2 --rollout-num-gpus-per-engine 2)

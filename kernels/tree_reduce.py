@@ -385,8 +385,15 @@ def _matmul_out(a, b, out_dtype, config_n=None):
 def column_shard_matmul(x: torch.Tensor, w: torch.Tensor, n_total: int, out_dtype: torch.dtype | None = None):
     """``x [M, K] @ w[N_local, K].T`` -> [M, N_local] in ``out_dtype`` (default x's), in the tile config of
     the whole ``[n_total, K]`` product: each column the bits it has in the unsplit product (e.g. a rank's
-    vocabulary slice of the LM-head logits). No autograd (an engine's forward)."""
-    return _matmul_out(x, w, out_dtype or x.dtype, config_n=n_total)
+    vocabulary slice of the LM-head logits, a rank's q/k/v or gate/up rows in plain tensor parallelism).
+    Off the kernels (reference backend, fast mode's stock op) it is :func:`rlperf.kernels.gemm.matmul` on the
+    shard, which the reference computes per element in float64 (column-position invariant) and rounds once.
+    No autograd (an engine's forward)."""
+    if route("matmul", x.device) in ("triton", "interpreter"):
+        return _matmul_out(x, w, out_dtype or x.dtype, config_n=n_total)
+    from . import gemm
+
+    return gemm.matmul(x, w, None, out_dtype or x.dtype)
 
 
 def tree_matmul(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, group=None) -> torch.Tensor:

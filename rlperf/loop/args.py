@@ -290,8 +290,9 @@ def add_sglang_backend_arguments(p: argparse.ArgumentParser) -> None:
                         "page size of rlperf's attention), exact against rlperf's trainer (abs diff 0, as "
                         "--true-on-policy-mode requires); sglang: SGLang's own kernels (--sglang-attention-backend), "
                         f"~0.03 nats/token apart from the trainer's log-probs (default {DEFAULT_SGLANG_NUMERICS}; "
-                        "sglang when --sglang-attention-backend is given, or --rollout-num-gpus-per-engine > 1 without "
-                        "--train-backend megatron: engines of several GPUs compute rlperf's tree numerics, megatron's)")
+                        "sglang when --sglang-attention-backend is given). Engines of several GPUs "
+                        "(--rollout-num-gpus-per-engine > 1) compute the trainer's numerics too: the tree beside "
+                        "--train-backend megatron, the plain numerics in plain tensor parallelism beside fsdp")
     g.add_argument("--sglang-attention-backend", default=None, choices=SGLANG_ATTENTION_BACKENDS,
                    help=f"--rollout-backend sglang --sglang-numerics sglang: the engines' --attention-backend (default "
                         f"{DEFAULT_SGLANG_ATTENTION_BACKEND}; both run without FlashAttention 3); not with "
@@ -320,15 +321,8 @@ def check_sglang_backend_flags(ns: argparse.Namespace) -> None:
             if getattr(ns, flag, default) != default:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --rollout-backend sglang")
         return
-    tree_trainer = ns.train_backend == "megatron"  # the trainer whose numerics are the TP-invariant tree
     if ns.sglang_numerics is None:  # the default, where the plugin can run it (DEFAULT_SGLANG_NUMERICS)
-        ns.sglang_numerics = ("sglang" if ns.sglang_attention_backend is not None
-                              or (ns.rollout_num_gpus_per_engine > 1 and not tree_trainer) else DEFAULT_SGLANG_NUMERICS)
-    if ns.sglang_numerics == "rlperf" and ns.rollout_num_gpus_per_engine > 1 and not tree_trainer:
-        raise UsageError(f"--sglang-numerics rlperf with --rollout-num-gpus-per-engine {ns.rollout_num_gpus_per_engine} "
-                         f"runs SGLang at --tp-size {ns.rollout_num_gpus_per_engine} in rlperf's tensor-parallel-invariant "
-                         f"tree numerics, which only --train-backend megatron trains in: add --train-backend megatron, "
-                         f"or use --rollout-num-gpus-per-engine 1 or --sglang-numerics sglang")
+        ns.sglang_numerics = "sglang" if ns.sglang_attention_backend is not None else DEFAULT_SGLANG_NUMERICS
     if ns.sglang_numerics == "rlperf" and ns.sglang_attention_backend is not None:
         raise UsageError(f"--sglang-attention-backend {ns.sglang_attention_backend} and --sglang-numerics rlperf "
                          "exclude each other: with rlperf's numerics the engines run rlperf's attention "

@@ -162,11 +162,16 @@ def check_tensor_parallel(cfg: ModelConfig, leaves: int | None, tp_size: int) ->
     """ValueError (one line) unless ``cfg`` computes in the tree of ``leaves`` leaves split over ``tp_size``
     tensor-parallel ranks the way the megatron trainer backend splits it: q/k/v heads and gate/up rows by
     rank, ``o_proj`` / ``down_proj`` K slices whose tree nodes are whole leaves, the vocabulary in rank
-    slices of whole leaves. ``tp_size`` 1 checks the tree alone (``leaves`` None passes: plain numerics)."""
-    if leaves is None:
+    slices of whole leaves. ``tp_size`` 1 checks the tree alone. ``leaves`` None: plain numerics, split
+    as :class:`rlperf.model.qwen3.Qwen3ForCausalLM` splits them (the heads and the dense layers' gate/up
+    rows by rank: ``tp_size`` must divide both head counts and ``intermediate_size``)."""
+    if leaves is None:  # plain numerics: heads and intermediate rows by rank, row products after a gather
         if tp_size > 1:
-            raise ValueError(f"tensor parallelism ({tp_size} ranks) computes in rlperf's tree numerics: it needs a "
-                             f"tree leaf count (reduction_leaves)")
+            dense = len(cfg.moe_layers) < cfg.num_hidden_layers
+            for what, n in (("query heads", cfg.num_attention_heads), ("key-value heads", cfg.num_key_value_heads),
+                            ("intermediate_size", cfg.intermediate_size if dense else 0)):
+                if n % tp_size:
+                    raise ValueError(f"{tp_size} tensor-parallel ranks do not divide the {n} {what}")
         return
     if leaves < 1 or leaves & (leaves - 1):
         raise ValueError(f"the tree leaf count must be a power of two >= 1, got {leaves}")

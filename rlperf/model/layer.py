@@ -156,15 +156,18 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
     stores k and v into the cache (:func:`rlperf.kernels.rmsnorm_rope_store_kv`, the bits of the
     separate calls) and ``attend`` gets ``k = v = None``; None: ``attend`` gets k and v.
 
-    ``tp_group`` (tree mode only): ``w`` is this rank's shard of a tensor-parallel layer, split as the
-    megatron backend splits it (``rlperf.model.qwen3.hf_shard``): q/k/v heads and gate/up rows of rank
-    r are its contiguous ``1 / TP`` of each part, ``o_proj`` / ``down_proj`` hold its K slice; attention
-    runs on its heads and the row-parallel products add the ranks' tree nodes, so every rank returns the
-    TP=1 tree's bits."""
-    t = hidden.shape[0]
+    ``tp_group``: ``w`` is this rank's shard of a tensor-parallel layer (``rlperf.model.qwen3.hf_shard``):
+    q/k/v heads and gate/up rows of rank r are its contiguous ``1 / TP`` of each part. Tree mode
+    (``leaves``): ``o_proj`` / ``down_proj`` hold its K slice, attention runs on its heads and the
+    row-parallel products add the ranks' tree nodes, so every rank returns the TP=1 tree's bits. Plain
+    mode (``leaves`` None, :func:`_plain_tp_layer`): the row-parallel products run whole after a gather,
+    so every rank returns the one-process plain bits."""
     tp, _ = tree_reduce.group_size_rank(tp_group)
-    if tp > 1 and (leaves is None or w.router is not None):
-        raise ValueError("a tensor-parallel layer runs the tree numerics (reduction_leaves) of a dense layer")
+    if tp > 1 and leaves is None:
+        return _plain_tp_layer(hidden, residual, w, cfg, rope, positions, attend, routing, tp_group)
+    t = hidden.shape[0]
+    if tp > 1 and w.router is not None:
+        raise ValueError("a tensor-parallel layer in the tree numerics (reduction_leaves) is a dense layer")
     heads, kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
     q_size, kv_size = heads * cfg.head_dim, kv_heads * cfg.head_dim
     blocks = None if leaves is None else tree_reduce.head_blocks(cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -198,6 +201,44 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
     else:  # this rank's [gate | up] rows: silu_mul of the rounded product, as linear_silu_mul computes it
         gated = K.silu_mul(_column_linear(x, w.gate_up_proj, leaves, tp_group))
     return _row_linear(gated, w.down_proj, leaves, tp_group), residual
+
+
+def _plain_tp_layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: RopeTable, positions, attend,
+                    routing, tp_group):
+    """:func:`_layer` in plain tensor parallelism: every rank holds the whole ``hidden`` and returns the
+    one-process plain layer's bits. The rank's q/k/v rows and (dense) gate/up rows are multiplied in the
+    whole product's tile config (``column_shard_matmul``: each column its unsplit bits); the q/k heads are
+    gathered and normalized and rotated whole (the kernel's tile follows the head count), this rank's
+    heads kept; attention runs on them (an engine step stores this rank's key-value heads in its cache); the
+    attention output and the SwiGLU output are gathered (copies, no sums) and ``o_proj`` / ``down_proj``
+    run whole; a sparse layer runs whole on every rank. Per layer: four all-gathers, no reductions."""
+    t = hidden.shape[0]
+    tp, rank = tree_reduce.group_size_rank(tp_group)
+    heads, kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
+    q_size, kv_size = heads * cfg.head_dim, kv_heads * cfg.head_dim
+    if residual is None:
+        x, residual = K.rmsnorm(hidden, w.input_layernorm, cfg.rms_norm_eps), hidden
+    else:
+        x, residual = K.add_rmsnorm(hidden, residual, w.input_layernorm, cfg.rms_norm_eps)
+    qkv = tree_reduce.column_shard_matmul(x, w.qkv_proj, cfg.q_size + 2 * cfg.kv_size)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+
+    def whole_heads(part, n):  # every rank's heads in rank order: the unsplit [T, heads, D]
+        return torch.cat(tree_reduce.all_gather(part.reshape(t, n, cfg.head_dim), tp_group), dim=1)
+
+    q = _norm_rope(whole_heads(q, heads), w.q_norm, positions, rope, cfg.rms_norm_eps, None)[:, rank * heads:
+                                                                                           (rank + 1) * heads]
+    k = _norm_rope(whole_heads(k, kv_heads), w.k_norm, positions, rope, cfg.rms_norm_eps, None)[:, rank * kv_heads:
+                                                                                                (rank + 1) * kv_heads]
+    a = attend(q, k, v.reshape(t, kv_heads, cfg.head_dim))
+    a = torch.cat(tree_reduce.all_gather(a.reshape(t, q_size), tp_group), dim=-1)
+    x, residual = K.add_rmsnorm(K.linear(a, w.o_proj), residual, w.post_attention_layernorm, cfg.rms_norm_eps)
+    if w.router is not None:
+        return sparse_moe_block(x, w.router, w.experts_gate_up, w.experts_down, cfg, routing,
+                                w.expert_parallel), residual
+    gated = K.silu_mul(tree_reduce.column_shard_matmul(x, w.gate_up_proj, 2 * cfg.intermediate_size))
+    gated = torch.cat(tree_reduce.all_gather(gated, tp_group), dim=-1)
+    return K.linear(gated, w.down_proj), residual
 
 
 def decoder_layer_prefill(hidden, residual, w, cfg, rope, positions, cu_seqlens, leaves: int | None = None,

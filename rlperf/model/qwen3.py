@@ -40,14 +40,16 @@ class DecoderLayer(nn.Module):
     """Parameters of layer ``index`` (fused layout; see :class:`DecoderLayerWeights` for shapes): a
     dense MLP, or the sparse expert block where ``cfg.is_moe_layer(index)``."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, index: int = 0, tp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, index: int = 0, tp_size: int = 1,
+                 plain_tp: bool = False):
         super().__init__()
         self.cfg = cfg
         self.is_moe = cfg.is_moe_layer(index)
-        if self.is_moe and tp_size > 1:
-            raise ValueError("a sparse (MoE) layer is not split over tensor-parallel ranks")
+        if self.is_moe and tp_size > 1 and not plain_tp:
+            raise ValueError("a sparse (MoE) layer is not split over tensor-parallel ranks in the tree numerics")
         # tp_size > 1: this rank's shard (:func:`hf_shard`): 1 / tp_size of the heads, the gate/up rows
-        # and the o_proj / down_proj columns
+        # and (tree numerics) the o_proj / down_proj columns; plain tensor parallelism (``plain_tp``) keeps
+        # o_proj, down_proj and a sparse layer's router and experts whole
         h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // tp_size
         q, kv = cfg.q_size // tp_size, cfg.kv_size // tp_size
         kw = dict(dtype=dtype, device=device)
@@ -55,7 +57,7 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = nn.Parameter(torch.empty(q + 2 * kv, h, **kw))
         self.q_norm = nn.Parameter(torch.ones(d, **kw))
         self.k_norm = nn.Parameter(torch.ones(d, **kw))
-        self.o_proj = nn.Parameter(torch.empty(h, q, **kw))
+        self.o_proj = nn.Parameter(torch.empty(h, cfg.q_size if plain_tp else q, **kw))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h, **kw))
         if self.is_moe:
             e, mi = cfg.num_experts, cfg.moe_intermediate_size
@@ -64,7 +66,7 @@ class DecoderLayer(nn.Module):
             self.experts_down = nn.Parameter(torch.empty(e, h, mi, **kw))
         else:
             self.gate_up_proj = nn.Parameter(torch.empty(2 * i, h, **kw))
-            self.down_proj = nn.Parameter(torch.empty(h, i, **kw))
+            self.down_proj = nn.Parameter(torch.empty(h, cfg.intermediate_size if plain_tp else i, **kw))
 
     def weights(self) -> DecoderLayerWeights:
         return DecoderLayerWeights(**{f: getattr(self, f, None) for f in DecoderLayerWeights.__dataclass_fields__})
@@ -110,12 +112,13 @@ class Qwen3ForCausalLM(nn.Module):
         self.reduction_leaves = reduction_leaves
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = group_size_rank(tp_group)
+        self.plain_tp = self.tp_size > 1 and reduction_leaves is None
         if tp_group is not None:
             check_tensor_parallel(cfg, reduction_leaves, self.tp_size)
         kw = dict(dtype=dtype, device=device)
-        vocab = cfg.vocab_size // self.tp_size
+        vocab = cfg.vocab_size // (1 if self.plain_tp else self.tp_size)
         self.embed_tokens = nn.Parameter(torch.empty(vocab, cfg.hidden_size, **kw))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, n, self.tp_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, n, self.tp_size, self.plain_tp)
                                     for n in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, **kw))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(vocab, cfg.hidden_size, **kw))
@@ -198,7 +201,7 @@ class Qwen3ForCausalLM(nn.Module):
         """LM-head logits [T, V] in float32 from final hidden states [T, H]. Under ``tp_group`` each rank
         computes its vocabulary slice in the whole head's tile config and the slices are concatenated:
         every rank holds the one-process logits, bit for bit."""
-        if self.tp_group is None:
+        if self.tp_group is None or self.plain_tp:
             return K.linear(hidden, self.head_weight, out_dtype=torch.float32)
         local = column_shard_matmul(hidden, self.head_weight, self.cfg.vocab_size, torch.float32)
         return torch.cat(all_gather(local, self.tp_group), dim=-1)
@@ -206,7 +209,7 @@ class Qwen3ForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows [T, H] of ``input_ids`` [T]. Under ``tp_group`` each rank looks up the ids of its
         vocabulary slice and every rank takes each row from its owner (a gather, not a sum: exact)."""
-        if self.tp_group is None:
+        if self.tp_group is None or self.plain_tp:
             return self.embed_tokens[input_ids]
         v = self.embed_tokens.shape[0]
         rows = self.embed_tokens[(input_ids - self.tp_rank * v).clamp(0, v - 1)]
@@ -346,22 +349,27 @@ _COLUMN_SHARDED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 """HF names (suffixes) of a layer's row-parallel weights: a rank holds a contiguous 1 / TP of their columns (K)."""
 
 
-def hf_shard_dim(name: str) -> int | None:
+def hf_shard_dim(name: str, plain: bool = False) -> int | None:
     """The dimension of HF tensor ``name`` that tensor parallelism splits (:func:`hf_shard`), None when
-    every rank holds it whole (the norms)."""
-    if name in ("model.embed_tokens.weight", "lm_head.weight") or name.endswith(_ROW_SHARDED):
+    every rank holds it whole (the norms; with ``plain``, everything but the q/k/v and gate/up rows)."""
+    if name.endswith(_ROW_SHARDED):
+        return 0
+    if plain:
+        return None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0
     if name.endswith(_COLUMN_SHARDED):
         return 1
     return None
 
 
-def hf_shard(name: str, tensor: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+def hf_shard(name: str, tensor: torch.Tensor, tp_size: int, tp_rank: int, plain: bool = False) -> torch.Tensor:
     """Rank ``tp_rank``'s part (a view) of the whole HF tensor ``name``, as the megatron trainer backend
     splits the model over ``tp_size`` ranks: contiguous ``1 / tp_size`` blocks of the q/k/v heads, of the
     gate/up rows and of the vocabulary (embedding, LM head); of K for ``o_proj`` / ``down_proj``; the
-    norms whole. ValueError when the split dimension does not divide."""
-    dim = hf_shard_dim(name) if tp_size > 1 else None
+    norms whole. ``plain`` (plain tensor parallelism): the q/k/v heads and a dense layer's gate/up rows
+    only, every other tensor whole. ValueError when the split dimension does not divide."""
+    dim = hf_shard_dim(name, plain) if tp_size > 1 else None
     if dim is None:
         return tensor
     if tensor.dim() <= dim or tensor.shape[dim] % tp_size:

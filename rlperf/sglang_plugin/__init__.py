@@ -38,8 +38,11 @@ megatron trainer backend's: the model's ``config.json`` names the tree's leaf co
 engines); each worker holds its shard of the model (:class:`rlperf.model.qwen3.Qwen3ForCausalLM` with
 SGLang's TP group) and every rank gets the bits of one GPU computing the same tree — equal to the
 trainer's at TP=1, TP=2 (+SP) and PP=2. With that key and ``--tp-size 1`` the engine computes the tree
-on one GPU; without it, ``--tp-size`` > 1 is refused (one line saying what to set). MoE models run at
-``--tp-size 1`` (rlperf's trainers have no MoE tensor parallelism to match).
+on one GPU. Without it, ``--tp-size`` > 1 runs **plain tensor parallelism**: rlperf's plain numerics (the
+fsdp trainer's, one GPU's bits) with the q/k/v heads and the gate/up rows split over the ranks and the
+row-parallel products run whole after an all-gather (:func:`rlperf.model.layer._plain_tp_layer`); MoE
+layers run whole on every rank. MoE models run in the tree at ``--tp-size 1`` only (rlperf's trainers
+have no MoE tensor parallelism in the tree to match).
 
 ``SGLANG_EXTERNAL_MODEL_PACKAGE=rlperf.sglang_plugin.models`` registers the two model classes the
 other way SGLang offers; they still need ``--attention-backend rlperf`` (they say so otherwise).
@@ -127,7 +130,8 @@ def check_server_args(server_args) -> None:
         tree_leaves_of(hf_config.to_dict(), server_args.tp_size, f"{server_args.model_path}/config.json")
     elif server_args.tp_size > 1:
         raise PluginError(f"--attention-backend {BACKEND_NAME} at --tp-size {server_args.tp_size} needs the model's "
-                          f"config.json (its rlperf_reduction_leaves); {server_args.model_path} has none readable")
+                          f"config.json (its shapes, and rlperf_reduction_leaves for the tree numerics); "
+                          f"{server_args.model_path} has none readable")
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     config = getattr(server_args, "cuda_graph_config", None)

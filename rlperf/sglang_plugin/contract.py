@@ -53,9 +53,9 @@ def tensor_parallel_group():
 
 def tree_leaves_of(hf_config: dict, tp_size: int, where: str) -> int | None:
     """The tree leaf count the engine computes with (``rlperf_reduction_leaves`` in the model's
-    ``config.json``, :data:`rlperf.model.config.REDUCTION_LEAVES_KEY`; None: rlperf's plain numerics),
-    checked against the model's shapes and ``tp_size``: :class:`PluginError`, one line, for a value or a
-    layout the tree cannot run (``--tp-size`` > 1 without a leaf count among them)."""
+    ``config.json``, :data:`rlperf.model.config.REDUCTION_LEAVES_KEY`; None: rlperf's plain numerics, at
+    ``--tp-size`` > 1 in plain tensor parallelism), checked against the model's shapes and ``tp_size``:
+    :class:`PluginError`, one line, for a value or a layout that cannot run."""
     from rlperf.model.config import REDUCTION_LEAVES_KEY, check_tensor_parallel, config_from_hf_dict, \
         reduction_leaves_from_hf_dict
 
@@ -63,18 +63,13 @@ def tree_leaves_of(hf_config: dict, tp_size: int, where: str) -> int | None:
         leaves = reduction_leaves_from_hf_dict(hf_config, where)
     except ValueError as exc:
         raise PluginError(str(exc)) from None
-    if leaves is None and tp_size > 1:
-        raise PluginError(f"--attention-backend {BACKEND_NAME} at --tp-size {tp_size} computes rlperf's "
-                          f"tensor-parallel-invariant tree numerics: add \"{REDUCTION_LEAVES_KEY}\": 8 (the trainer's "
-                          f"tree leaf count) to {where} (rlperf train --train-backend megatron writes it), or run at "
-                          f"--tp-size 1")
-    if leaves is None:
+    if leaves is None and tp_size == 1:
         return None
     cfg, _ = config_from_hf_dict(hf_config, where)
     try:
         check_tensor_parallel(cfg, leaves, tp_size)
     except ValueError as exc:
-        raise PluginError(f"--attention-backend {BACKEND_NAME} at --tp-size {tp_size} with {REDUCTION_LEAVES_KEY} "
-                          f"{leaves}: {exc}") from None
+        how = f"with {REDUCTION_LEAVES_KEY} {leaves}" if leaves is not None else "in plain numerics"
+        raise PluginError(f"--attention-backend {BACKEND_NAME} at --tp-size {tp_size} {how}: {exc}") from None
     return leaves
 

@@ -76,8 +76,6 @@ def _flags(*argv):
     (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-router-ip", "1.2.3.4",
       "--sglang-router-port", "1"], "--sglang-router-ip"),
     (["--sglang-load-format", "dummy"], "needs --rollout-backend sglang"),
-    (["--rollout-backend", "sglang", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
-      "--sglang-numerics", "rlperf"], "--train-backend megatron"),
 ])
 def test_layouts_sglang_cannot_run_are_usage_errors(argv, message):
     with pytest.raises(UsageError, match=message.replace("-", r"\-")):
@@ -271,18 +269,16 @@ def test_numerics_default_is_one_constant_and_fills_the_attention_backend():
     ns = _flags(*base)
     check_sglang_backend_flags(ns)
     assert ns.sglang_numerics == DEFAULT_SGLANG_NUMERICS == "rlperf" and SGLangConfig().numerics == "rlperf"
-    # where the plugin cannot run, the default is SGLang's own kernels: an attention backend named, or TP engines
+    # where the plugin cannot run, the default is SGLang's own kernels: an attention backend named
     ns = _flags(*base, "--sglang-attention-backend", "triton")
     check_sglang_backend_flags(ns)
     assert ns.sglang_numerics == "sglang" and ns.sglang_attention_backend == "triton"
-    ns = _flags("--rollout-backend", "sglang", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2")
-    check_sglang_backend_flags(ns)
-    assert ns.sglang_numerics == "sglang"
-    # beside the megatron trainer, whose numerics are the TP-invariant tree, TP engines run the plugin's tree
-    ns = _flags("--rollout-backend", "sglang", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
-                "--train-backend", "megatron")
-    check_sglang_backend_flags(ns)
-    assert ns.sglang_numerics == "rlperf"
+    # TP engines run the plugin too: the tree beside the megatron trainer, plain tensor parallelism beside fsdp
+    for trainer in ("fsdp", "megatron"):
+        ns = _flags("--rollout-backend", "sglang", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
+                    "--train-backend", trainer)
+        check_sglang_backend_flags(ns)
+        assert ns.sglang_numerics == "rlperf"
     ns = _flags(*base, "--sglang-numerics", "sglang")
     check_sglang_backend_flags(ns)
     assert ns.sglang_attention_backend == DEFAULT_SGLANG_ATTENTION_BACKEND
@@ -440,15 +436,13 @@ def test_moe_engines_return_routed_experts():
 
 
 # ---- --rollout-num-gpus-per-engine N with rlperf's numerics: the plugin's tree over SGLang's TP group ------------
-def test_tp_engines_with_rlperf_numerics_need_the_tree_trainer(capsys, tmp_path):
-    code = main(["gate", "--device", "cpu", "--rollout-backend", "sglang", "--rollout-num-gpus", "2",
-                 "--rollout-num-gpus-per-engine", "2", "--sglang-numerics", "rlperf", *SMALL, *_prompts(tmp_path),
-                 "--output-dir", str(tmp_path / "g")])
-    err = capsys.readouterr().err
-    assert code == 2 and "--train-backend megatron" in err and "--rollout-num-gpus-per-engine 2" in err, err
-    ns = _flags("--rollout-backend", "sglang", "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2",
-                "--train-backend", "megatron", "--sglang-numerics", "rlperf")
-    check_sglang_backend_flags(ns)
+def test_tp_engines_with_rlperf_numerics_beside_either_trainer(tmp_path):
+    """Engines of 2 GPUs with rlperf's numerics start at --tp-size 2 beside the megatron trainer (the saved
+    model names its tree) and beside the fsdp trainer (no leaf count: the plugin's plain tensor parallelism)."""
+    for trainer in ("fsdp", "megatron"):
+        ns = _flags("--rollout-backend", "sglang", "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2",
+                    "--train-backend", trainer, "--sglang-numerics", "rlperf")
+        check_sglang_backend_flags(ns)
     argv = S.sglang_launch_argv("/m", 1, SGLangConfig(tp_size=2, numerics="rlperf"), dtype="bfloat16",
                                 mem_fraction_static=0.5, seed=0)
     assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--attention-backend") + 1] == "rlperf"

@@ -3,6 +3,8 @@ model with the same ``reduction_leaves`` (CPU, the kernels' torch references): t
 (a prefill, then decode steps against the cache), the logits, the log-probs and the training forward give
 every rank the one-process bits; the shards are the megatron backend's split (``hf_shard``), and a layout
 that does not split is one ValueError line."""
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,15 +23,19 @@ CFG = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num
                   tie_word_embeddings=False)
 PROMPTS = ((5, 9, 100, 303, 7, 44, 12), (1, 2, 250))
 DECODE = ((17, 3), (299, 0), (42, 8))  # the next token of each sequence, three steps
+MOE_CFG = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=304, max_position_embeddings=512,
+                      tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      decoder_sparse_step=2)  # layer 0 dense, layer 1 sparse
 
 
-def _run(model: Qwen3ForCausalLM, kv_heads: int):
+def _run(model: Qwen3ForCausalLM, kv_heads: int, cfg=CFG):
     """Prefill both prompts, then three decode steps: each step's (logits, log-probs of the next tokens,
     final hidden states); and the training forward of the first prompt."""
     pages = 4
-    caches = [(torch.zeros(pages, PAGE_SIZE, kv_heads, CFG.head_dim), torch.zeros(pages, PAGE_SIZE, kv_heads,
-                                                                                   CFG.head_dim))
-              for _ in range(CFG.num_hidden_layers)]
+    caches = [(torch.zeros(pages, PAGE_SIZE, kv_heads, cfg.head_dim), torch.zeros(pages, PAGE_SIZE, kv_heads,
+                                                                                   cfg.head_dim))
+              for _ in range(cfg.num_hidden_layers)]
     page_table = torch.tensor([[1], [2]], dtype=torch.int32)
     lens = [len(p) for p in PROMPTS]
     ids = torch.tensor([t for p in PROMPTS for t in p])
@@ -53,26 +59,41 @@ def _run(model: Qwen3ForCausalLM, kv_heads: int):
     return out, packed
 
 
-def _whole(leaves=LEAVES) -> Qwen3ForCausalLM:
-    return Qwen3ForCausalLM.random(CFG, seed=5, reduction_leaves=leaves)
+def _whole(leaves=LEAVES, cfg=CFG) -> Qwen3ForCausalLM:
+    return Qwen3ForCausalLM.random(cfg, seed=5, reduction_leaves=leaves)
 
 
-def _rank(rank: int, tmp: str) -> None:
+def _rank(rank: int, tmp: str, leaves=LEAVES, cfg=CFG, backend="reference") -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD)
     try:
-        with K.use_backend("reference"):
-            whole = _whole()
-            model = Qwen3ForCausalLM(CFG, torch.float32, "cpu", reduction_leaves=LEAVES, tp_group=dist.group.WORLD)
+        with K.use_backend(backend):
+            whole = _whole(leaves, cfg)
+            model = Qwen3ForCausalLM(cfg, torch.float32, "cpu", reduction_leaves=leaves, tp_group=dist.group.WORLD)
             targets = model.hf_state_dict()
             with torch.no_grad():
                 for name, full in whole.hf_state_dict().items():
-                    targets[name].copy_(hf_shard(name, full, WORLD, rank))
-            torch.save(_run(model, CFG.num_key_value_heads // WORLD), f"{tmp}/rank{rank}.pt")
+                    targets[name].copy_(hf_shard(name, full, WORLD, rank, plain=leaves is None))
+            torch.save(_run(model, cfg.num_key_value_heads // WORLD, cfg), f"{tmp}/rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
     leave_process(0)
+
+
+def _plain_rank(rank: int, tmp: str, cfg_name: str, backend: str) -> None:
+    _rank(rank, tmp, None, {"dense": CFG, "moe": MOE_CFG}[cfg_name], backend)
+
+
+def _assert_every_rank_has(tmp_path, want_steps, want_packed) -> None:
+    """Every rank's saved steps (hidden states, logits, log-probs) and training forward equal the wanted ones."""
+    for rank in range(WORLD):
+        steps, packed = torch.load(tmp_path / f"rank{rank}.pt")
+        for n, ((logits, lp, hidden), (w_logits, w_lp, w_hidden)) in enumerate(zip(steps, want_steps)):
+            assert torch.equal(hidden, w_hidden), f"rank {rank} step {n}: hidden states"
+            assert torch.equal(logits, w_logits), f"rank {rank} step {n}: logits"
+            assert torch.equal(lp, w_lp), f"rank {rank} step {n}: log-probs"
+        assert torch.equal(packed, want_packed), f"rank {rank}: training forward"
 
 
 def test_two_ranks_give_the_one_process_tree_bits(tmp_path):
@@ -81,13 +102,25 @@ def test_two_ranks_give_the_one_process_tree_bits(tmp_path):
         want_steps, want_packed = _run(_whole(), CFG.num_key_value_heads)
         plain_steps, _ = _run(_whole(None), CFG.num_key_value_heads)
     assert not torch.equal(plain_steps[0][1], want_steps[0][1]), "the tree and the plain numerics should differ here"
-    for rank in range(WORLD):
-        steps, packed = torch.load(tmp_path / f"rank{rank}.pt")
-        for n, ((logits, lp, hidden), (w_logits, w_lp, w_hidden)) in enumerate(zip(steps, want_steps)):
-            assert torch.equal(hidden, w_hidden), f"rank {rank} step {n}: hidden states"
-            assert torch.equal(logits, w_logits), f"rank {rank} step {n}: logits"
-            assert torch.equal(lp, w_lp), f"rank {rank} step {n}: log-probs"
-        assert torch.equal(packed, want_packed), f"rank {rank}: training forward"
+    _assert_every_rank_has(tmp_path, want_steps, want_packed)
+
+
+@pytest.mark.parametrize("cfg_name, backend", [("dense", "reference"), ("moe", "reference"), ("dense", "interpreter")])
+def test_two_ranks_in_plain_numerics_give_the_one_process_bits(tmp_path, cfg_name, backend):
+    """Plain tensor parallelism (no reduction_leaves: an SGLang engine at --tp-size 2 beside the fsdp trainer):
+    each rank multiplies its q/k/v and gate/up rows in the whole product's tile config, gathers the heads
+    and the SwiGLU output and runs o_proj / down_proj (and a sparse layer) whole, so every rank holds the
+    one-process plain model's hidden states, logits and log-probs, prefill, decode and training forward."""
+    if backend == "interpreter" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton interpreter is not on")
+    import functools
+
+    cfg = {"dense": CFG, "moe": MOE_CFG}[cfg_name]
+    run_ranks(functools.partial(_plain_rank, cfg_name=cfg_name, backend=backend), WORLD, str(tmp_path),
+              what="a tensor-parallel rank")
+    with K.use_backend(backend):
+        want_steps, want_packed = _run(_whole(None, cfg), cfg.num_key_value_heads, cfg)
+    _assert_every_rank_has(tmp_path, want_steps, want_packed)
 
 
 def test_shards_follow_the_megatron_split():
@@ -102,7 +135,7 @@ def test_shards_follow_the_megatron_split():
 
 
 @pytest.mark.parametrize("cfg, leaves, tp, message", [
-    (CFG, None, 2, "tree numerics"),
+    (CFG, None, 3, "3 tensor-parallel ranks do not divide the 4 query heads"),
     (CFG, 8, 3, "3 tensor-parallel ranks do not divide"),
     (CFG, 6, 2, "power of two"),
     (ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,

@@ -414,8 +414,9 @@ def check_tree_and_tp_server_args():
     assert plugin.contract.tensor_parallel_group() is None  # no SGLang groups in this process: TP 1
     bad = model_dir(TREE, "tree-6", leaves=6)
     wide = ModelConfig(**{**TREE.__dict__, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16})
+    assert server_args(plain, tp_size=2).tp_size == 2  # no leaf count: plain tensor parallelism
     errors = [
-        expect_error(lambda: server_args(plain, tp_size=2), "--tp-size 2", REDUCTION_LEAVES_KEY),
+        expect_error(lambda: server_args(plain, tp_size=3), "--tp-size 3 in plain numerics", "4 query heads"),
         expect_error(lambda: server_args(bad, tp_size=2), REDUCTION_LEAVES_KEY, "power of two"),
         expect_error(lambda: server_args(tree, tp_size=4), "--tp-size 4", "head"),
         expect_error(lambda: server_args(tree, tp_size=3), "3 tensor-parallel ranks"),
@@ -426,20 +427,23 @@ def check_tree_and_tp_server_args():
     return "; ".join(errors)
 
 
-def _tp_rank(rank: int, world: int, init: str, path, prompts, params, out: str) -> None:
-    """One SGLang TP worker's part of :func:`check_tp2_steps_match_tree_engine` (a forked process)."""
+def _tp_rank(rank: int, world: int, init: str, path, prompts, params, out: str, cfg=TREE, leaves=LEAVES) -> None:
+    """One SGLang TP worker's part of :func:`check_tp2_steps_match_tree_engine` and
+    :func:`check_tp2_plain_steps_match_plain_engine` (a forked process)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         plugin.contract.tensor_parallel_group = lambda: dist.group.WORLD  # SGLang's TP group, in a worker
-        reference = RlperfQwen3.random(TREE, seed=3)  # whole tensors: every worker keeps its shard
-        runner = Runner(TREE, path, reference, tp_size=world)
-        assert runner.model.model.tp_size == world and runner.model.model.reduction_leaves == LEAVES
+        reference = RlperfQwen3.random(cfg, seed=3)  # whole tensors: every worker keeps its shard
+        runner = Runner(cfg, path, reference, tp_size=world)
+        assert runner.model.model.tp_size == world and runner.model.model.reduction_leaves == leaves
+        assert runner.model.model.plain_tp == (leaves is None)
         # a worker takes whole tensors and keeps its shard; a wrong whole shape is named as a whole shape
-        expect_error(lambda: runner.model.load_weights([("model.embed_tokens.weight", torch.zeros(300, 64))]),
-                     "(300, 64)", f"({TREE.vocab_size}, {TREE.hidden_size})")
+        expect_error(lambda: runner.model.load_weights([("model.layers.0.self_attn.q_proj.weight",
+                                                          torch.zeros(30, cfg.hidden_size))]),
+                     f"(30, {cfg.hidden_size})", f"({cfg.q_size}, {cfg.hidden_size})")
         got = plugin_run(runner, [1, 2, 3], prompts, params, 4)
         pathlib.Path(out).write_text(json.dumps(_bits(got)))
         dist.barrier()
@@ -447,24 +451,30 @@ def _tp_rank(rank: int, world: int, init: str, path, prompts, params, out: str) 
         dist.destroy_process_group()
 
 
-def check_tp2_steps_match_tree_engine():
+def _tp_workers(world: int, path, prompts, params, cfg, leaves) -> list[list[tuple]]:
+    """Run :func:`_tp_rank` in ``world`` forked workers on one gloo group; each worker's output bits."""
     import multiprocessing
 
-    path = model_dir(TREE, "tree", leaves=LEAVES)
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, TREE.vocab_size, (n,), generator=g).tolist() for n in (150, 37, 129)]
-    params = [(0.7, 1.0, 0, 11), (1.0, 0.9, 20, 12), (0.0, 1.0, 0, 13)]
-    world, tmp = 2, pathlib.Path(tempfile.mkdtemp(prefix="rlperf-tp-"))
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="rlperf-tp-"))
     # fork: the workers start with SGLang imported (each import would take ~20 s of CPU)
     ctx = multiprocessing.get_context("fork")
     procs = [ctx.Process(target=_tp_rank, args=(r, world, f"file://{tmp}/init", path, prompts, params,
-                                                 str(tmp / f"rank{r}.json"))) for r in range(world)]
+                                                 str(tmp / f"rank{r}.json"), cfg, leaves)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=300)
         assert p.exitcode == 0, f"TP worker exited with {p.exitcode}"
-    ranks = [[tuple(x) for x in json.loads((tmp / f"rank{r}.json").read_text())] for r in range(world)]
+    return [[tuple(x) for x in json.loads((tmp / f"rank{r}.json").read_text())] for r in range(world)]
+
+
+def check_tp2_steps_match_tree_engine():
+    path = model_dir(TREE, "tree", leaves=LEAVES)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, TREE.vocab_size, (n,), generator=g).tolist() for n in (150, 37, 129)]
+    params = [(0.7, 1.0, 0, 11), (1.0, 0.9, 20, 12), (0.0, 1.0, 0, 13)]
+    world = 2
+    ranks = _tp_workers(world, path, prompts, params, TREE, LEAVES)
     tree_model = RlperfQwen3.random(TREE, seed=3, reduction_leaves=LEAVES)
     want = _bits(engine_run(tree_model, prompts, params, 4))
     one = _bits(plugin_run(Runner(TREE, path, RlperfQwen3.random(TREE, seed=3)), [1, 2, 3], prompts, params, 4))
@@ -476,6 +486,26 @@ def check_tp2_steps_match_tree_engine():
     assert plain != want, "the tree and the plain numerics should differ on this model"
     return f"{len(prompts)} requests x 4 tokens (prefill + 3 decode steps): --tp-size {world} (both ranks) and " \
            f"--tp-size 1 with {LEAVES} tree leaves give rlperf's engine's tree tokens and log-probs bit for bit"
+
+
+def check_tp2_plain_steps_match_plain_engine():
+    """Plain tensor parallelism: a model folder without a leaf count at --tp-size 2 (the dense model, and the
+    MoE model whose sparse layers run whole on each rank) gives rlperf's plain engine's tokens and log-probs
+    (the fsdp trainer's numerics) on both ranks, bit for bit."""
+    details = []
+    for cfg, name in ((TREE, "tree-plain"), (MOE, "moe")):
+        path = model_dir(cfg, name)
+        g = torch.Generator().manual_seed(8)
+        prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (150, 37, 129)]
+        params = [(0.7, 1.0, 0, 21), (1.0, 0.9, 20, 22), (0.0, 1.0, 0, 23)]
+        world = 2
+        ranks = _tp_workers(world, path, prompts, params, cfg, None)
+        want = _bits(engine_run(RlperfQwen3.random(cfg, seed=3), prompts, params, 4))
+        for r, got in enumerate(ranks):
+            assert [(list(i), list(l)) for i, l in got] == [(list(i), list(l)) for i, l in want], \
+                f"{name}: --tp-size {world} rank {r} {got} != rlperf's plain engine {want}"
+        details.append(f"{name} ({len(prompts)} requests x 4 tokens)")
+    return f"--tp-size 2 without a leaf count, both ranks: rlperf's plain engine's bits for {', '.join(details)}"
 
 
 def main() -> int:

@@ -31,7 +31,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 CHECKS = ("check_registration", "check_server_args", "check_model_registry", "check_dense_steps_match_rlperf_engine",
           "check_moe_steps_match_rlperf_engine", "check_moe_routed_experts_reach_sglangs_capturer",
           "check_load_weights_errors", "check_sampler_pieces", "check_greedy_rows_and_host_temperatures",
-          "check_tree_and_tp_server_args", "check_tp2_steps_match_tree_engine")
+          "check_tree_and_tp_server_args", "check_tp2_steps_match_tree_engine",
+          "check_tp2_plain_steps_match_plain_engine")
 
 
 @pytest.fixture(scope="module")

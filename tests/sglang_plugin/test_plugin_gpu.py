@@ -121,20 +121,18 @@ needs_two = pytest.mark.skipif(
     reason="needs 2 GPUs and SGLang 0.5.17 (issue #42: the --tp-size 2 engine)")
 
 
-@needs_two
-def test_tp2_engine_equals_rlperf_tree_engine(tmp_path, free_ports):
-    """One ``--tp-size 2`` engine (the tree numerics: ``rlperf_reduction_leaves`` in config.json) against
-    rlperf's engine on one GPU with ``reduction_leaves`` 8: a seeded request, alone and beside others, the
-    same ids and log-probs bit for bit."""
-    from rlperf.kernels.tree_reduce import TREE_LEAVES
+def _tp2_engine_against_rlperf_engine(tmp_path, free_ports, leaves, seed: int) -> None:
+    """One ``--tp-size 2`` engine over both GPUs on a random 0.6b model (``leaves``: the tree numerics, its
+    ``config.json`` naming them; None: plain tensor parallelism) against rlperf's engine on one GPU with the
+    same model: a seeded request alone and inside a mixed batch of 8 gives the same ids and log-probs."""
     from rlperf.loop.sglang_engines import save_engine_model, start_sglang_servers
     from rlperf.model import preset
     from rlperf.model.qwen3 import Qwen3ForCausalLM
 
     cfg = preset("qwen3-0.6b")
-    model = Qwen3ForCausalLM.random(cfg, seed=0, dtype=torch.bfloat16, device="cuda", reduction_leaves=TREE_LEAVES)
+    model = Qwen3ForCausalLM.random(cfg, seed=0, dtype=torch.bfloat16, device="cuda", reduction_leaves=leaves)
     save_engine_model(model, tmp_path / "model", "auto")
-    prompt, want = _engine_reference(model, 1)
+    prompt, want = _engine_reference(model, seed)
     del model
     torch.cuda.empty_cache()
     (port,) = free_ports(1)
@@ -142,15 +140,32 @@ def test_tp2_engine_equals_rlperf_tree_engine(tmp_path, free_ports):
             "--attention-backend", "rlperf", "--page-size", "128", "--enable-deterministic-inference",
             "--skip-tokenizer-init", "--mem-fraction-static", "0.5", "--random-seed", "0", "--dtype", "bfloat16"]
     procs, urls = start_sglang_servers([argv], [{"CUDA_VISIBLE_DEVICES": "0,1"}], tmp_path, timeout=600)
-    g = random.Random(101)  # the other requests of the mixed batch
+    g = random.Random(100 + seed)  # the other requests of the mixed batch
     try:
         alone = _output(_post(urls[0] + "/generate", _request(prompt, SEED, NEW_TOKENS)))
         with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
             bodies = [_request([g.randrange(1000, 50000) for _ in range(g.randrange(1, 500))], g.randrange(1 << 30),
                                g.randrange(1, 30)) for _ in range(7)] + [_request(prompt, SEED, NEW_TOKENS)]
             mixed = _output(list(pool.map(lambda b: _post(urls[0] + "/generate", b), bodies))[-1])
-        assert alone == mixed == want, f"--tp-size 2 {alone} / {mixed} != rlperf's tree engine {want}"
+        what = "tree" if leaves else "plain"
+        assert alone == mixed == want, f"--tp-size 2 ({what}) {alone} / {mixed} != rlperf's engine {want}"
     finally:
         for p in procs:
             p.kill()
             p.wait(timeout=30)
+
+
+@needs_two
+def test_tp2_engine_equals_rlperf_tree_engine(tmp_path, free_ports):
+    """One ``--tp-size 2`` engine (the tree numerics: ``rlperf_reduction_leaves`` in config.json) against
+    rlperf's engine on one GPU with ``reduction_leaves`` 8."""
+    from rlperf.kernels.tree_reduce import TREE_LEAVES
+
+    _tp2_engine_against_rlperf_engine(tmp_path, free_ports, TREE_LEAVES, 1)
+
+
+@needs_two
+def test_tp2_plain_engine_equals_rlperf_engine(tmp_path, free_ports):
+    """One ``--tp-size 2`` engine on a model folder without ``rlperf_reduction_leaves`` (plain tensor
+    parallelism: the fsdp trainer's numerics) against rlperf's plain engine on one GPU."""
+    _tp2_engine_against_rlperf_engine(tmp_path, free_ports, None, 2)

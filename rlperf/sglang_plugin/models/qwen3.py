@@ -21,10 +21,11 @@ An engine started with ``--enable-return-routed-experts`` gets, for a MoE model,
 in every MoE layer (rlperf's batch-invariant routing, recorded in the forward, also inside the decode
 graphs) through SGLang's capturer: ``meta_info["routed_experts"]``, what the trainer replays.
 
-At ``--tp-size`` N (tree numerics, :mod:`rlperf.sglang_plugin`) the rlperf model is this worker's shard
-over SGLang's TP group (:func:`rlperf.sglang_plugin.contract.tensor_parallel_group`), SGLang's KV pool
-holds this worker's key-value heads, and ``next_token_logits`` are the whole vocabulary's, gathered: every
-rank samples the same token.
+At ``--tp-size`` N (tree numerics, or plain numerics in plain tensor parallelism: :mod:`rlperf.sglang_plugin`)
+the rlperf model is this worker's shard over SGLang's TP group
+(:func:`rlperf.sglang_plugin.contract.tensor_parallel_group`), SGLang's KV pool holds this worker's
+key-value heads, and ``next_token_logits`` are the whole vocabulary's (gathered in tree mode, whole on
+every rank in plain mode): every rank samples the same token.
 
 A request that asks for input-token log-probs (``logprob_start_len`` inside its prompt) gets them from
 SGLang's own logits processor over the same hidden states, with rlperf's LM-head product; those are not
@@ -126,12 +127,13 @@ class Qwen3ForCausalLM(nn.Module):
                     continue
                 raise PluginError(f"rlperf's {type(self).__name__} has no weight {name!r}")
             whole = list(dst.shape)
-            dim = hf_shard_dim(name) if self.tp_size > 1 else None
+            plain = self.model.plain_tp
+            dim = hf_shard_dim(name, plain) if self.tp_size > 1 else None
             if dim is not None:
                 whole[dim] *= self.tp_size
             if list(tensor.shape) != whole:
                 raise PluginError(f"weight {name!r}: shape {tuple(tensor.shape)}, the model expects {tuple(whole)}")
-            dst.copy_(hf_shard(name, tensor, self.tp_size, self.tp_rank).to(device=dst.device, dtype=dst.dtype))
+            dst.copy_(hf_shard(name, tensor, self.tp_size, self.tp_rank, plain).to(device=dst.device, dtype=dst.dtype))
 
     def get_input_embeddings(self) -> torch.Tensor:
         return self.model.embed_tokens
