@@ -43,7 +43,8 @@
 #   plugin-megatron-tp2  4 GPUs: the megatron trainer at TP=2 on GPUs 0-1 (2 actor ranks), one --tp-size 2 engine
 #               on GPUs 2-3 (weights by NCCL broadcast from rank 0): rlperf gate, then rlperf train --num-rollout 3
 #   plugin-moe-ep2   3+ GPUs: qwen3-30b-a3b-2l, the trainer at --expert-model-parallel-size 2 on GPUs 0-1, one
-#               engine on GPU 2: rlperf gate with and without --use-rollout-routing-replay
+#               engine on GPU 2 (RLPERF_PLUGIN_MOE_ENGINE_GPUS=2: a --tp-size 2 engine on GPUs 2-3, plain tensor
+#               parallelism): rlperf gate with and without --use-rollout-routing-replay
 #   plugin-moe  plugin-gate on qwen3-30b-a3b-2l (RLPERF_PLUGIN_MOE_MODEL to change it; RLPERF_PLUGIN_MOE_LAYOUT
 #               for the layout flags, default "--rollout-num-gpus 1")
 #   decode-profile  where a decode step's GPU time goes (python -m rlperf.bench.kernel_profile): rlperf's
@@ -156,7 +157,9 @@ if [[ " $STAGES " == *" plugin-megatron-tp2 "* ]]; then
   rm -rf "$OUT"/plugin-megatron-tp2-*/sglang-model
 fi
 if [[ " $STAGES " == *" plugin-moe-ep2 "* ]]; then
-  EP2_FLAGS=("${PLUGIN_FLAGS[@]}" --expert-model-parallel-size 2 --actor-num-gpus-per-node 2 --rollout-num-gpus 1)
+  ENGINE_GPUS=${RLPERF_PLUGIN_MOE_ENGINE_GPUS:-1}  # 2: one --tp-size 2 engine (plain tensor parallelism), 4 GPUs in all
+  EP2_FLAGS=("${PLUGIN_FLAGS[@]}" --expert-model-parallel-size 2 --actor-num-gpus-per-node 2
+             --rollout-num-gpus "$ENGINE_GPUS" --rollout-num-gpus-per-engine "$ENGINE_GPUS")
   EP2_FLAGS[1]=${RLPERF_PLUGIN_MOE_MODEL:-qwen3-30b-a3b-2l}
   run plugin-moe-ep2 560 python3 -m rlperf gate "${EP2_FLAGS[@]}" --output-dir "$OUT/plugin-moe-ep2" \
     --report-json "$OUT/plugin-moe-ep2.json"
