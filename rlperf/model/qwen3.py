@@ -95,7 +95,10 @@ class Qwen3ForCausalLM(nn.Module):
     model's bits (not its math): trainer and engine must use the same setting. May be set after
     construction (an attribute; forwards read it per call).
 
-    ``tp_group`` (a torch.distributed process group of TP ranks, tree mode only): this process holds
+    ``tp_group`` (a torch.distributed process group of TP ranks). Without ``reduction_leaves`` (plain
+    tensor parallelism, ``plain_tp``; an engine's forward, no gradients): this process holds rank r's q/k/v
+    heads and gate/up rows and everything else whole (:func:`hf_shard` with ``plain``), and every rank
+    gets the one-process plain bits (``rlperf.model.layer._plain_tp_layer``). In tree mode this process holds
     rank r's shard of a tensor-parallel model, split as the megatron trainer backend splits it
     (:func:`hf_shard`: q/k/v heads, gate/up rows, ``o_proj`` / ``down_proj`` K slices, a vocabulary slice
     of the embedding and the LM head); every rank runs the forwards on the same tokens and gets the
