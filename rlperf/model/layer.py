@@ -211,7 +211,8 @@ def _plain_tp_layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, 
     gathered and normalized and rotated whole (the kernel's tile follows the head count), this rank's
     heads kept; attention runs on them (an engine step stores this rank's key-value heads in its cache); the
     attention output and the SwiGLU output are gathered (copies, no sums) and ``o_proj`` / ``down_proj``
-    run whole; a sparse layer runs whole on every rank. Per layer: four all-gathers, no reductions."""
+    run whole; a sparse layer runs whole on every rank. Per dense layer three all-gathers (q and k together; two
+    in a sparse layer), no reductions."""
     t = hidden.shape[0]
     tp, rank = tree_reduce.group_size_rank(tp_group)
     heads, kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
@@ -221,16 +222,14 @@ def _plain_tp_layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, 
     else:
         x, residual = K.add_rmsnorm(hidden, residual, w.input_layernorm, cfg.rms_norm_eps)
     qkv = tree_reduce.column_shard_matmul(x, w.qkv_proj, cfg.q_size + 2 * cfg.kv_size)
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-
-    def whole_heads(part, n):  # every rank's heads in rank order: the unsplit [T, heads, D]
-        return torch.cat(tree_reduce.all_gather(part.reshape(t, n, cfg.head_dim), tp_group), dim=1)
-
-    q = _norm_rope(whole_heads(q, heads), w.q_norm, positions, rope, cfg.rms_norm_eps, None)[:, rank * heads:
-                                                                                           (rank + 1) * heads]
-    k = _norm_rope(whole_heads(k, kv_heads), w.k_norm, positions, rope, cfg.rms_norm_eps, None)[:, rank * kv_heads:
-                                                                                                (rank + 1) * kv_heads]
-    a = attend(q, k, v.reshape(t, kv_heads, cfg.head_dim))
+    # every rank's q and k columns in one gather, then the unsplit [T, heads, D] of each, heads in rank order
+    qk = tree_reduce.all_gather(qkv[:, :q_size + kv_size], tp_group)
+    q_all = torch.cat([part[:, :q_size] for part in qk], dim=-1).reshape(t, cfg.num_attention_heads, cfg.head_dim)
+    k_all = torch.cat([part[:, q_size:] for part in qk], dim=-1).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+    q = _norm_rope(q_all, w.q_norm, positions, rope, cfg.rms_norm_eps, None)[:, rank * heads:(rank + 1) * heads]
+    k = _norm_rope(k_all, w.k_norm, positions, rope, cfg.rms_norm_eps, None)[:, rank * kv_heads:(rank + 1) * kv_heads]
+    v = qkv[:, q_size + kv_size:].reshape(t, kv_heads, cfg.head_dim)
+    a = attend(q, k, v)
     a = torch.cat(tree_reduce.all_gather(a.reshape(t, q_size), tp_group), dim=-1)
     x, residual = K.add_rmsnorm(K.linear(a, w.o_proj), residual, w.post_attention_layernorm, cfg.rms_norm_eps)
     if w.router is not None:
