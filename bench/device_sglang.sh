@@ -94,6 +94,14 @@ run() {  # run NAME TIMEOUT CMD...: the command's output in $OUT/NAME.log (tail 
   [ $rc = 0 ] || status=1
   return $rc
 }
+gate_and_train() {  # gate_and_train NAME FLAGS...: rlperf gate (report NAME-gate.json), then 3 rollouts of rlperf train
+  local name=$1
+  shift
+  run "$name-gate" 560 python3 -m rlperf gate "$@" --output-dir "$OUT/$name-gate" --report-json "$OUT/$name-gate.json"
+  run "$name-train" 560 python3 -m rlperf train "$@" --num-rollout 3 --output-dir "$OUT/$name-train"
+  cp "$OUT/$name-train/metrics.jsonl" "$OUT/$name-train-metrics.jsonl" 2>/dev/null
+  rm -rf "$OUT/$name-gate/sglang-model" "$OUT/$name-train/sglang-model"  # the saved model: the bundle must fit
+}
 model_config() {  # a folder with the 0.6b shape's config.json (dummy weights)
   python3 - "$1" "$MODEL" <<'PY'
 import json, pathlib, sys, torch
@@ -139,22 +147,12 @@ if [[ " $STAGES " == *" plugin-tp2-train "* ]]; then
 fi
 PLAIN_TP2_FLAGS=("${PLUGIN_FLAGS[@]}" --colocate --rollout-num-gpus-per-engine 2 --sglang-mem-fraction-static 0.4)
 if [[ " $STAGES " == *" plugin-tp2-plain-gate "* ]]; then
-  run plugin-tp2-plain-gate 560 python3 -m rlperf gate "${PLAIN_TP2_FLAGS[@]}" --output-dir "$OUT/plugin-tp2-plain-gate" \
-    --report-json "$OUT/plugin-tp2-plain-gate.json"
-  run plugin-tp2-plain-train 560 python3 -m rlperf train "${PLAIN_TP2_FLAGS[@]}" --num-rollout 3 \
-    --output-dir "$OUT/plugin-tp2-plain-train"
-  cp "$OUT/plugin-tp2-plain-train/metrics.jsonl" "$OUT/plugin-tp2-plain-train-metrics.jsonl" 2>/dev/null
-  rm -rf "$OUT"/plugin-tp2-plain-*/sglang-model
+  gate_and_train plugin-tp2-plain "${PLAIN_TP2_FLAGS[@]}"
 fi
 MEG_TP2_FLAGS=("${PLUGIN_FLAGS[@]}" --train-backend megatron --tensor-model-parallel-size 2 --actor-num-gpus-per-node 2
                --rollout-num-gpus 2 --rollout-num-gpus-per-engine 2)
 if [[ " $STAGES " == *" plugin-megatron-tp2 "* ]]; then
-  run plugin-megatron-tp2-gate 560 python3 -m rlperf gate "${MEG_TP2_FLAGS[@]}" --output-dir "$OUT/plugin-megatron-tp2-gate" \
-    --report-json "$OUT/plugin-megatron-tp2-gate.json"
-  run plugin-megatron-tp2-train 560 python3 -m rlperf train "${MEG_TP2_FLAGS[@]}" --num-rollout 3 \
-    --output-dir "$OUT/plugin-megatron-tp2-train"
-  cp "$OUT/plugin-megatron-tp2-train/metrics.jsonl" "$OUT/plugin-megatron-tp2-train-metrics.jsonl" 2>/dev/null
-  rm -rf "$OUT"/plugin-megatron-tp2-*/sglang-model
+  gate_and_train plugin-megatron-tp2 "${MEG_TP2_FLAGS[@]}"
 fi
 if [[ " $STAGES " == *" plugin-moe-ep2 "* ]]; then
   ENGINE_GPUS=${RLPERF_PLUGIN_MOE_ENGINE_GPUS:-1}  # 2: one --tp-size 2 engine (plain tensor parallelism), 4 GPUs in all
