@@ -12,7 +12,9 @@ A :class:`HealthMonitor` watches an :class:`rlperf.loop.engines.EngineFleet` (or
   timeout never delays the look at the processes, and nothing is added to the timeout (an engine
   whose connection was refused or reset gets :data:`ENGINE_EXIT_SETTLE_S` to show an exit; one that
   timed out is named at once). So an engine stopped at time t is found failed by
-  t + max(first wait, interval) + timeout + 0.2 s.
+  t + max(first wait, interval) + timeout + 0.2 s. A probe under way is never repeated: a client that
+  asks at the same moment (:meth:`HealthMonitor.check_now`) waits for its answer, so the bound holds for
+  the rollout and the weight sync as well.
 
 The :class:`rlperf.loop.clients.RouterClient` of the fleet asks the monitor (:meth:`HealthMonitor.handle`)
 while it waits for a rollout's requests, whenever a request fails, and before each weight sync:
@@ -125,6 +127,8 @@ class HealthMonitor:
         self._stop = threading.Event()
         self._next_probe = time.monotonic() + config.first_wait
         self._probing: threading.Thread | None = None  # the round of probes under way (its own thread)
+        self._in_flight: set[int] = set()  # engines whose /health probe is under way (anyone's round)
+        self._probes_ended = threading.Condition(self._lock)  # notified when a round's probes are recorded
         self._thread = threading.Thread(target=self._watch, name="rlperf-engine-health", daemon=True)
         self._thread.start()
 
@@ -175,9 +179,15 @@ class HealthMonitor:
 
     def _probe_engines(self) -> None:
         """``GET /health`` of every engine in service at once; one that fails or says nothing within the
-        timeout is recorded as failed."""
+        timeout is recorded as failed. An engine whose probe is already under way (the monitor's round,
+        when a request's failure or a weight sync asks at the same moment) is not probed again: this
+        round waits for that probe's answer instead, so asking never takes longer than the round under
+        way, and the bound on finding a stopped engine holds for whoever asks."""
         with self._lock:
             engines = [i for i in range(len(self.fleet.worker_urls)) if i not in self.out and i not in self._failed]
+            theirs = [i for i in engines if i in self._in_flight]
+            mine = [i for i in engines if i not in self._in_flight]
+            self._in_flight.update(mine)
         answers: dict[int, str | None] = {}
         refused: set[int] = set()  # refused or reset, not timed out: the engine may be exiting
 
@@ -190,26 +200,35 @@ class HealthMonitor:
                 if not (isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError)):
                     refused.add(i)
                 answers[i] = f"did not answer /health within {self.config.timeout:g} s ({exc})"
-        threads = [threading.Thread(target=probe, args=(i,), daemon=True) for i in engines]
-        deadline = time.monotonic() + self.config.timeout
-        for t in threads:
-            t.start()
-        for t in threads:  # urllib's timeout bounds each socket operation: the round as a whole is bounded here
-            t.join(max(0.0, deadline - time.monotonic()) + 0.05)
-        # an exit explains a refused or reset probe better; a killed engine's socket can reset before its
-        # exit is visible to poll(), so such an engine gets a moment to show it
-        deadline = time.monotonic() + ENGINE_EXIT_SETTLE_S
-        for i in sorted(refused):
-            try:
-                self.fleet.cluster.servers[i].wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        self._check_processes()
-        with self._lock:
-            for i in engines:
-                why = answers.get(i, f"did not answer /health within {self.config.timeout:g} s")
-                if why is not None and i not in self._failed and i not in self.out:
-                    self._failed[i] = why
+        try:
+            threads = [threading.Thread(target=probe, args=(i,), daemon=True) for i in mine]
+            deadline = time.monotonic() + self.config.timeout
+            for t in threads:
+                t.start()
+            for t in threads:  # urllib's timeout bounds each socket operation: the round as a whole is bounded here
+                t.join(max(0.0, deadline - time.monotonic()) + 0.05)
+            # an exit explains a refused or reset probe better; a killed engine's socket can reset before its
+            # exit is visible to poll(), so such an engine gets a moment to show it
+            settle = time.monotonic() + ENGINE_EXIT_SETTLE_S
+            for i in sorted(refused):
+                try:
+                    self.fleet.cluster.servers[i].wait(timeout=max(0.0, settle - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            self._check_processes()
+            with self._lock:
+                for i in mine:
+                    why = answers.get(i, f"did not answer /health within {self.config.timeout:g} s")
+                    if why is not None and i not in self._failed and i not in self.out:
+                        self._failed[i] = why
+        finally:
+            with self._lock:
+                self._in_flight.difference_update(mine)
+                self._probes_ended.notify_all()
+        if theirs:  # the other round records its answers before it ends (bounded like this round)
+            with self._lock:
+                self._probes_ended.wait_for(lambda: not self._in_flight.intersection(theirs),
+                                            timeout=self.config.timeout + ENGINE_EXIT_SETTLE_S + 0.1)
 
     def router_down(self) -> bool:
         """Whether the router does not answer its ``/health`` within the timeout (its process may still run)."""
@@ -240,7 +259,8 @@ class HealthMonitor:
             return {self.fleet.worker_urls[i]: why for i, why in sorted(self._failed.items())}
 
     def check_now(self) -> None:
-        """Look at the processes and probe every engine now (a request failed: find out whose fault)."""
+        """Look at the processes and probe every engine now (a request failed: find out whose fault). An
+        engine whose probe is under way in the monitor's round gets that probe's answer, when it comes."""
         self._probe_engines()
 
     # ---- acting on them --------------------------------------------------------------------------

@@ -803,9 +803,15 @@ class RayPlacement(Placement):
                 self._router.kill()
             Cluster([], self._router, [], "").close()
             self._router = None
+        stops = []  # every engine asked at once: their stops overlap
         for e in self._engines:
             try:
-                report = ray.get(e.kill_server.remote() if abrupt else e.stop.remote(), timeout=30)
+                stops.append(e.kill_server.remote() if abrupt else e.stop.remote())
+            except ray.exceptions.RayError:
+                pass  # the actor is gone, and its server with it
+        for ref in stops:
+            try:
+                report = ray.get(ref, timeout=30)
                 report = report if isinstance(report, str) else None
                 if report:
                     print(f"rlperf: --placement ray: a rollout engine {report}", file=sys.stderr)
