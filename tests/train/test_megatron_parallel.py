@@ -59,7 +59,7 @@ TWO_RANKS = [
     ("sp-untied", 2, 1, dict(sp=True)),
     ("pp2-resumed", 1, 2, dict(resume="tp2-untied")),  # a layout change: TP=2 -> PP=2
     ("dp2", 1, 1, dict(steps=2, save=1)),
-    ("dp2-distopt", 1, 1, dict(steps=2, save=1, distopt=True)),
+    ("dp2-distopt", 1, 1, dict(steps=2, save=1, distopt=True, grad_bucket_bytes=4096)),  # many gradient buckets
     ("dp2-resumed", 1, 1, dict(resume="tp2-untied")),  # TP=2 -> DP=2
     ("dp2-distopt-resumed", 1, 1, dict(resume="tp2-untied", distopt=True)),
     ("sp-interp", 2, 1, dict(backend="interpreter", sp=True)),
@@ -104,7 +104,8 @@ def _samples_file(tmp, tied, backend):
 
 
 def _scenario(tmp: str, tag: str, tp: int, pp: int, tied: bool = False, sp: bool = False, distopt: bool = False,
-              backend: str = "reference", steps: int = 1, save: int | None = None, resume: str | None = None) -> None:
+              backend: str = "reference", steps: int = 1, save: int | None = None, resume: str | None = None,
+              grad_bucket_bytes: int | None = None) -> None:
     from rlperf.train.megatron.model import build_gpt_model
     from rlperf.train.megatron.runtime import ParallelLayout, destroy_model_parallel, initialize_model_parallel
     from rlperf.train.megatron.trainer import MegatronTrainer
@@ -119,6 +120,8 @@ def _scenario(tmp: str, tag: str, tp: int, pp: int, tied: bool = False, sp: bool
         assert list(exported) == list(weights), "HF names out in hf_state_dict() order"
         assert all(torch.equal(exported[n], weights[n]) for n in weights), "HF weights round trip"
         trainer = MegatronTrainer(model, _args(), distributed_optimizer=distopt)
+        if grad_bucket_bytes is not None:
+            trainer.grad_bucket_bytes = grad_bucket_bytes
         samples = torch.load(_samples_file(tmp, tied, backend), weights_only=False)
         if resume is not None:  # a checkpoint written at another layout: weights and AdamW state
             saved = torch.load(f"{tmp}/{resume}-checkpoint.pt", weights_only=False)
@@ -250,8 +253,8 @@ def test_data_parallel_replicas_train_the_global_batch(runs):
 
 
 def test_distributed_optimizer_is_the_same_bits_and_checkpoints_whole_moments(runs):
-    # AdamW's moments sharded over the 2 replicas: both steps (the second reads the first's moments)
-    # are the unsharded run's bits, and the checkpoint holds the whole moments under HF names
+    # AdamW's moments sharded over the 2 replicas (and the replicas' gradients summed in 4 KiB buckets,
+    # not in one): both steps (the second reads the first's moments) are the unsharded run's bits, and the checkpoint holds the whole moments under HF names
     for step, (plain, sharded) in enumerate(zip(runs["dp2"], runs["dp2-distopt"])):
         _assert_same(plain, sharded, f"DP=2 distributed optimizer vs not, step {step + 1}")
     a, b = (runs["checkpoints"][t]["trainer"]["optimizer"] for t in ("dp2", "dp2-distopt"))
@@ -272,3 +275,29 @@ def test_triton_path_tp1_equals_tp2_sp_under_the_interpreter(runs, interpreter):
     # for bit and both equal the engine's rollout log-probs
     _assert_same(runs["tp1-interp"][0], runs["sp-interp"][0], "interpreter: TP=2 + SP vs TP=1")
     assert runs["tp1-interp"][0]["metrics"]["train/train_rollout_logprob_abs_diff"] == 0.0
+
+
+@pytest.mark.parametrize("dim, shape", [(None, (7,)), (0, (16, 3)), (1, (5, 24)), (0, (8, 33))])
+def test_leaf_square_sums_is_the_tree_of_the_leaves_squared_norms(dim, shape):
+    """One call for every parameter: per parameter the squared norm of its gradient, its leaves' squared
+    norms added in the tree's order; close to the float64 sum of squares; a parameter's value does not
+    depend on the others in the call, nor on where its leaves start in memory."""
+    from rlperf.train.megatron.trainer import leaf_square_sums
+
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(shape, generator=g)
+    other = torch.randn(8, 9, generator=g)
+    leaves = 8
+    got = leaf_square_sums([t], [dim], leaves, None)
+    assert got.shape == (1,) and got.dtype == torch.float32
+    torch.testing.assert_close(got[0].double(), t.double().square().sum(), rtol=1e-5, atol=0)
+    if dim is not None:  # the tree's order, leaf by leaf
+        parts = [x.contiguous() for x in t.chunk(leaves, dim=dim)]
+        sq = [torch.linalg.vector_norm(x.reshape(-1)) ** 2 for x in parts]
+        while len(sq) > 1:
+            sq = [sq[i] + sq[i + 1] for i in range(0, len(sq), 2)]
+        assert torch.equal(got[0], sq[0])
+    together = leaf_square_sums([other, t], [0, dim], leaves, None)
+    assert torch.equal(together[1], got[0])
+    unaligned = torch.empty(t.numel() + 1)[1:].view(shape).copy_(t)  # starts 4 bytes past an allocation
+    assert torch.equal(leaf_square_sums([unaligned], [dim], leaves, None)[0], got[0])

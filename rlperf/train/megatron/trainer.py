@@ -14,9 +14,10 @@ and the backward sends each stage's input gradient back. Stages run their micro-
 the other (no interleaving: a correct schedule, not a fast one).
 
 TP invariance: the model's reductions are the fixed trees of ``rlperf.kernels.tree_reduce``, and the
-gradient norm is too: each parameter's sum of squares is a tree over its leaves (the tensor-parallel
-shards of one parameter are whole leaves), then the parameters' sums are added in the model's Hugging
-Face order on every rank. So log-probs, loss, gradients, grad norm and the AdamW update are the same
+gradient norm is too: each parameter's squared norm is a tree over its leaves' squared norms (the
+tensor-parallel shards of one parameter are whole leaves; :func:`leaf_square_sums`, a few launches for
+every parameter), then the parameters' values are added on the host in the model's Hugging Face order
+on every rank. So log-probs, loss, gradients, grad norm and the AdamW update are the same
 bits at TP=1, TP=2 and PP=2.
 
 Distributed optimizer (``distributed_optimizer``, ``--use-distributed-optimizer``): the AdamW moments
@@ -43,21 +44,70 @@ from ..trainer import Trainer
 from .model import MegatronCausalLM
 
 
-def _leaf_square_sum(t: torch.Tensor, leaves: int, dim: int | None, tp_group) -> torch.Tensor:
-    """Sum of squares (float32) of a parameter's full gradient from this rank's shard: a tree over the
-    parameter's leaves along its split dimension ``dim`` (None: replicated, one plain sum)."""
-    from rlperf.kernels.tree_reduce import _gather_nodes, _TreeStack
-
-    t = t.float()
+def _leaf_views(t: torch.Tensor, local: int, dim: int | None) -> list[torch.Tensor]:
+    """This rank's tree leaves of a gradient, each flat and contiguous: ``local`` equal blocks along its
+    split dimension ``dim`` (None: the whole tensor, one leaf). A leaf is the same block of the full
+    gradient on every layout, laid out the same (row-major in its own shape): blocks along dim 0 are
+    views, blocks along another dimension are copied out in one call per parameter. Leaves that do not
+    start on a 16-byte boundary are copied apart (fresh allocations do): the multi-tensor norm's vector
+    loads depend on where a leaf starts, which must not depend on the layout."""
     if dim is None:
-        return (t * t).sum()
+        leaves = [t.reshape(-1)]
+    else:
+        blocks = t.unflatten(dim, (local, -1)).movedim(dim, 0).contiguous()
+        leaves = list(blocks.reshape(local, -1).unbind(0))
+    if any(x.data_ptr() % 16 for x in leaves):
+        leaves = [x.clone() for x in leaves]
+    return leaves
+
+
+def _pairwise_levels(x: torch.Tensor) -> torch.Tensor:
+    """[P, S] -> [P]: each row's S values (a power of two) added in the tree's order, a level at a time
+    (adjacent pairs: ``((v0 + v1) + (v2 + v3)) + ...``, :class:`rlperf.kernels.tree_reduce._TreeStack`'s
+    order). Element-wise adds: the same bits whatever P."""
+    while x.shape[1] > 1:
+        x = x[:, 0::2] + x[:, 1::2]
+    return x[:, 0]
+
+
+def leaf_square_sums(grads: Sequence[torch.Tensor], dims: Sequence[int | None], leaves: int, tp_group) -> torch.Tensor:
+    """Per parameter, the squared norm of its full gradient [P] float32 from this rank's shards, the same
+    bits on every tensor-parallel layout, in a few launches for all parameters:
+
+    * each leaf's squared norm ``n_j ** 2`` (``torch._foreach_norm`` over every leaf of every parameter:
+      one multi-tensor call; a leaf's norm depends on the leaf alone, not on the list it is in);
+    * a split parameter's leaves added in the tree's order (this rank's ``L / TP`` leaves, then the
+      ranks' nodes, all-gathered once for every parameter, in the top levels); a replicated one (``dim``
+      None, the same on every rank) is its one leaf.
+    """
     size = 1 if tp_group is None else dist.get_world_size(tp_group)
     local = leaves // size
-    acc = _TreeStack()
-    for part in t.chunk(local, dim=dim):
-        part = part.contiguous()
-        acc.push((part * part).sum())
-    return _gather_nodes(acc.result(), tp_group)
+    flat: list[torch.Tensor] = []
+    counts: list[int] = []
+    for g, dim in zip(grads, dims):
+        views = _leaf_views(g.float(), local, dim)
+        flat.extend(views)
+        counts.append(len(views))
+    if not flat:
+        return torch.zeros(0, dtype=torch.float32)
+    squares = torch.stack(torch._foreach_norm(flat)).float()
+    squares = squares * squares
+    out = torch.empty(len(grads), dtype=torch.float32, device=squares.device)
+    split = [i for i, d in enumerate(dims) if d is not None]
+    whole = [i for i, d in enumerate(dims) if d is None]
+    starts = torch.tensor([0, *counts], device="cpu").cumsum(0)[:-1].tolist()
+    if whole:
+        out[torch.tensor(whole, device=out.device)] = squares[torch.tensor([starts[i] for i in whole],
+                                                                           device=squares.device)]
+    if split:
+        rows = torch.tensor([[starts[i] + j for j in range(local)] for i in split], device=squares.device)
+        nodes = _pairwise_levels(squares[rows])
+        if size > 1:
+            ranks = [torch.empty_like(nodes) for _ in range(size)]
+            dist.all_gather(ranks, nodes.contiguous(), group=tp_group)
+            nodes = _pairwise_levels(torch.stack(ranks, dim=1))
+        out[torch.tensor(split, device=out.device)] = nodes
+    return out
 
 
 class MegatronTrainer(Trainer):
@@ -120,6 +170,9 @@ class MegatronTrainer(Trainer):
                                                eps=args.adam_eps)
         self.step_count = 0
         self._norm_keys = self._grad_norm_keys()
+        self.grad_bucket_bytes = 256 << 20
+        """Bytes of float32 gradients summed over the data-parallel replicas per all-gather (the bits do
+        not depend on it)."""
 
     # ---- placement ---------------------------------------------------------------------------------
     @property
@@ -347,17 +400,30 @@ class MegatronTrainer(Trainer):
 
     @torch.no_grad()
     def _sum_data_parallel_grads(self) -> None:
-        """Sum the replicas' float32 gradients in replica order (all-gather, then a fixed sum)."""
+        """Sum the replicas' float32 gradients in replica order: every gradient flattened into one
+        buffer, all-gathered once, the replicas' buffers added in replica order (element-wise: the bits
+        of a per-parameter sum in the same order), :attr:`grad_bucket_bytes` of gradients at a time."""
         if self.dp_size == 1:
             return
+        bucket: list[torch.nn.Parameter] = []
         for m in self.master_params:
-            g = m.grad if m.grad is not None else torch.zeros_like(m)
-            parts = [torch.empty_like(g) for _ in range(self.dp_size)]
-            dist.all_gather(parts, g.contiguous(), group=self.dp_group)
-            total = parts[0].clone()
-            for p in parts[1:]:
-                total += p
-            m.grad = total
+            bucket.append(m)
+            if sum(x.numel() * x.element_size() for x in bucket) >= self.grad_bucket_bytes:
+                self._sum_bucket(bucket)
+                bucket = []
+        if bucket:
+            self._sum_bucket(bucket)
+
+    def _sum_bucket(self, masters: list) -> None:
+        grads = [m.grad if m.grad is not None else torch.zeros_like(m) for m in masters]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        parts = [torch.empty_like(flat) for _ in range(self.dp_size)]
+        dist.all_gather(parts, flat, group=self.dp_group)
+        total = parts[0]
+        for p in parts[1:]:
+            total += p
+        for m, g in zip(masters, total.split([g.numel() for g in grads])):
+            m.grad = g.view_as(m)
 
     def _grad_norm_keys(self) -> list[tuple[str, int | None]]:
         """(HF-order key, split dim) per parameter: the order the squared sums are added in."""
@@ -379,13 +445,16 @@ class MegatronTrainer(Trainer):
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """The global grad norm (TP-, PP- and DP-invariant: module docstring), gradients scaled by
-        ``max_norm / norm`` when it is larger (as ``clip_grad_norm_``)."""
-        sums = {}
-        for (name, dim), m in zip(self._norm_keys, self.master_params):
-            if "output_layer" in name and self.model.cfg.tie_word_embeddings:
-                continue  # the last stage's copy of the tied embedding: counted once, on the first stage
-            sums[self._global_param_name(name)] = float(_leaf_square_sum(m.grad, self.model.leaves, dim,
-                                                                         self.tp.group))
+        ``max_norm / norm`` when it is larger (as ``clip_grad_norm_``). Every parameter's squared norm
+        comes from :func:`leaf_square_sums` (a few launches, one copy to the host), then they are added
+        on the host in the stage-independent order."""
+        counted = [i for i, (name, _) in enumerate(self._norm_keys)
+                   # the last stage's copy of the tied embedding: counted once, on the first stage
+                   if not ("output_layer" in name and self.model.cfg.tie_word_embeddings)]
+        values = leaf_square_sums([self.master_params[i].grad for i in counted],
+                                  [self._norm_keys[i][1] for i in counted], self.model.leaves, self.tp.group)
+        values = values.cpu().tolist()
+        sums = {self._global_param_name(self._norm_keys[i][0]): v for i, v in zip(counted, values)}
         if self.pp_size > 1:
             every = [None] * self.pp_size
             dist.all_gather_object(every, sums, group=self.pp_group)
@@ -396,8 +465,7 @@ class MegatronTrainer(Trainer):
         norm = float(total.sqrt())
         if math.isfinite(norm) and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
-            for m in self.master_params:
-                m.grad.mul_(scale)
+            torch._foreach_mul_([m.grad for m in self.master_params], scale)
         return norm
 
     # ---- weights out ------------------------------------------------------------------------------
