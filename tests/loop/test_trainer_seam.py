@@ -5,7 +5,11 @@ flags -> :mod:`rlperf.train.backend`) and talks to it through one protocol.
   reads imports), and the runner never branches on a trainer kind or a world size.
 * Every registered backend offers every verb of :class:`rlperf.train.backend.TrainerBackend`.
 * The metrics of four layouts — the embedded default, FSDP on 2 ranks, expert parallel EP=2 and megatron
-  TP=2 — are the bits the loop wrote before the seam existed (``data/trainer_seam_metrics.json``).
+  TP=2 — are the bits the loop wrote before the seam existed (``data/trainer_seam_metrics.json``,
+  recorded at ``f97aae1``). Re-recorded once, at ``1dd5654``, where the megatron backend's grad norm
+  became the tree of its leaves' squared norms (``leaf_square_sums``): the megatron layout's grad norm
+  moved by one float32 ulp and with it the clipped update; the other three layouts' bits were the
+  recording's, unchanged.
 
 Why that last comparison is guarded. float32 CPU math is not the same bits on every x86 CPU: torch's and
 numpy's vectorised kernels (matmul blocking, exp, log) differ between AVX2 and AVX-512 builds, and
