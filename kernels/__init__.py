@@ -24,14 +24,14 @@ from .fused_lm_head import fused_logprob
 from .gemm import linear, linear_silu_mul, matmul, matmul_config
 from .logprob import log_softmax, token_logprobs
 from .moe import grouped_matmul, moe_combine, moe_experts, moe_plan, moe_route, moe_route_weights, moe_slot_rows
-from .norm import add_rmsnorm, rmsnorm
+from .norm import add_rmsnorm, rmsnorm, rmsnorm_blocks
 from .rope import rmsnorm_rope, rmsnorm_rope_blocks, rmsnorm_rope_store_kv
 from .sampling import check_sampling_rows, sample
 
 __all__ = [
     "BACKENDS", "MODES", "KernelPolicy", "backend", "current_policy", "default_policy", "mode", "refresh_environment",
     "set_mode", "use_backend", "use_mode", "use_policy",
-    "matmul", "linear", "linear_silu_mul", "matmul_config", "rmsnorm", "add_rmsnorm", "PAGE_SIZE", "write_kv_cache",
+    "matmul", "linear", "linear_silu_mul", "matmul_config", "rmsnorm", "rmsnorm_blocks", "add_rmsnorm", "PAGE_SIZE", "write_kv_cache",
     "paged_attention", "varlen_attention", "log_softmax", "token_logprobs", "fused_logprob", "sample", "check_sampling_rows", "silu_mul",
     "rmsnorm_rope", "rmsnorm_rope_blocks", "rmsnorm_rope_store_kv", "moe_route", "moe_route_weights", "moe_plan", "grouped_matmul", "moe_combine", "moe_experts",
     "moe_slot_rows",

@@ -53,13 +53,14 @@ def _config(H: int) -> tuple[int, int]:
     return block, num_warps
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_per_weight"])
 def _rmsnorm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, s_ptr,
-    H, stride_x, stride_r, stride_y, stride_s, eps,
+    H, stride_x, stride_r, stride_y, stride_s, eps, rows_per_weight,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    w_ptr += (row // rows_per_weight) * H  # the weight row of this row's block (one weight: row 0)
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
     in_ty = x_ptr.dtype.element_ty
@@ -105,6 +106,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
 
 
 def _launch(x, residual, weight, eps):
+    """The forward kernel over every row of x [..., H] with one weight [H], or with ``weight`` [B, H]:
+    B equal blocks of consecutive rows, block b normalized with ``weight[b]``."""
     H = x.shape[-1]
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     x2 = x.reshape(-1, H)
@@ -121,9 +124,10 @@ def _launch(x, residual, weight, eps):
         r2, s = x2, y  # unused (HAS_RESIDUAL=False)
     if rows > 0 and H > 0:
         block, num_warps = _config(H)
+        per = rows // weight.shape[0] if weight.dim() == 2 else rows
         _rmsnorm_kernel[(rows,)](
             x2, r2, weight.contiguous(), y, s,
-            H, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), float(eps),
+            H, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), float(eps), per,
             BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
         )
     y = y.reshape(x.shape)
@@ -151,15 +155,24 @@ def _bwd_config(H: int) -> tuple[int, int, int, int]:
     return block, tile_rows, per_program, num_warps
 
 
-@triton.jit(do_not_specialize=["rows", "rows_per_program"])
+@triton.jit(do_not_specialize=["rows", "rows_per_program", "rows_per_block", "programs_per_block", "blocks"])
 def _rmsnorm_bwd_kernel(
     dy_ptr, dr_ptr, s_ptr, w_ptr, dx_ptr, dwp_ptr,
-    rows, H, rows_per_program, stride_dy, stride_dr, stride_s, stride_dx, eps,
+    rows, H, rows_per_program, rows_per_block, programs_per_block, blocks,
+    stride_dy, stride_dr, stride_s, stride_dx, eps,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr, HAS_DRES: tl.constexpr,
 ):
+    # program pid is program q of row block b (a launch over block b alone would number it q): it owns
+    # the block's rows [q * rows_per_program, ...) and writes its partial of weight b's gradient to
+    # row q * blocks + b of the [programs_per_block, blocks, H] partials (one block: pid's own row)
     pid = tl.program_id(0)
-    row_start = pid * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, rows)
+    b = pid // programs_per_block
+    q = pid - b * programs_per_block
+    block_start = b * rows_per_block
+    row_start = block_start + q * rows_per_program
+    row_end = tl.minimum(tl.minimum(row_start + rows_per_program, block_start + rows_per_block), rows)
+    w_ptr += b.to(tl.int64) * H
+    dwp_ptr += (q * blocks + b).to(tl.int64) * H
     cols = tl.arange(0, BLOCK)
     tile_rows = tl.arange(0, ROWS)
     dx_ty = dx_ptr.dtype.element_ty
@@ -181,7 +194,7 @@ def _rmsnorm_bwd_kernel(
                 dx += tl.load(dr_ptr + r[:, None] * stride_dr + cols[None, :], mask=m, other=0.0).to(tl.float32)
             tl.store(dx_ptr + r[:, None] * stride_dx + cols[None, :], dx.to(dx_ty), mask=m)
             dw += dy * xhat  # masked rows and columns add 0
-        tl.store(dwp_ptr + pid * H + cols, tl.sum(dw, axis=0), mask=cm)
+        tl.store(dwp_ptr + cols, tl.sum(dw, axis=0), mask=cm)
     else:
         # rows wider than MAX_BLOCK: one row at a time, two passes over its chunks; this program's
         # row of the (zeroed) partial buffer accumulates dweight chunk by chunk (no other program
@@ -212,8 +225,8 @@ def _rmsnorm_bwd_kernel(
                 if HAS_DRES:
                     dx += tl.load(dr_ptr + row * stride_dr + c, mask=m, other=0.0).to(tl.float32)
                 tl.store(dx_ptr + row * stride_dx + c, dx.to(dx_ty), mask=m)
-                part = tl.load(dwp_ptr + pid * H + c, mask=m, other=0.0)
-                tl.store(dwp_ptr + pid * H + c, part + dy * xhat, mask=m)
+                part = tl.load(dwp_ptr + c, mask=m, other=0.0)
+                tl.store(dwp_ptr + c, part + dy * xhat, mask=m)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -260,30 +273,36 @@ def rmsnorm_backward(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, ep
     Args:
         dy: [..., H] upstream gradient of y (any float dtype).
         s: [..., H] the normalized input (x; for add_rmsnorm the saved ``x + residual``).
-        weight: [H].
+        weight: [H]; or [B, H] (:func:`rmsnorm_blocks`): the rows are B equal blocks, block b was
+            normalized with ``weight[b]``, and each block's programs and partial sums are those of a
+            launch over that block alone.
         dresidual: [..., H] or None: the upstream gradient of add_rmsnorm's ``new_residual``, added
             to ``ds`` in float32 before the one rounding.
 
     Returns:
-        ``(ds [..., H] in s's dtype, dweight [H] in weight's dtype)``.
+        ``(ds [..., H] in s's dtype, dweight [H] (or [B, H]) in weight's dtype)``.
     """
     H = s.shape[-1]
     s2, dy2 = _rows2d(s, H), _rows2d(dy, H)
     rows = s2.shape[0]
+    blocks = weight.shape[0] if weight.dim() == 2 else 1
+    per = rows // blocks
     dr2 = _rows2d(dresidual, H) if dresidual is not None else dy2
     dx = torch.empty((rows, H), dtype=s.dtype, device=s.device)
     block, tile_rows, per_program, num_warps = _bwd_config(H)
-    programs = triton.cdiv(rows, per_program) if rows else 0
+    per_block = triton.cdiv(per, per_program) if per else 0
     one_chunk = H <= block
     alloc = torch.empty if one_chunk else torch.zeros
-    partials = alloc((programs, H), dtype=torch.float32, device=s.device)
-    if programs and H:
-        _rmsnorm_bwd_kernel[(programs,)](
+    partials = alloc((per_block, blocks, H), dtype=torch.float32, device=s.device)
+    if per_block and H:
+        _rmsnorm_bwd_kernel[(per_block * blocks,)](
             dy2, dr2, s2, weight.contiguous(), dx, partials,
-            rows, H, per_program, dy2.stride(0), dr2.stride(0), s2.stride(0), dx.stride(0), float(eps),
+            rows, H, per_program, per, per_block, blocks,
+            dy2.stride(0), dr2.stride(0), s2.stride(0), dx.stride(0), float(eps),
             BLOCK=block, ROWS=tile_rows, ONE_CHUNK=one_chunk, HAS_DRES=dresidual is not None, num_warps=num_warps,
         )
-    return dx.reshape(s.shape), sum_partials(partials, weight.dtype)
+    dw = sum_partials(partials if blocks > 1 else partials.view(per_block, H), weight.dtype)
+    return dx.reshape(s.shape), dw
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -325,6 +344,53 @@ class _AddRMSNorm(torch.autograd.Function):
             dx, dw = rmsnorm_backward(dy, s, weight, ctx.eps, dres)
         need_x, need_r, need_w = ctx.needs_input_grad[:3]
         return (dx if need_x else None), (dx if need_r else None), (dw if need_w else None), None
+
+
+class _RMSNormBlocks(torch.autograd.Function):
+    """:func:`rmsnorm_blocks` through the kernels: one launch forward, the backward kernel and one
+    grouped partial sum backward."""
+
+    @staticmethod
+    def forward(ctx, x, weights, eps):
+        ctx.save_for_backward(x, weights)
+        ctx.eps = eps
+        return _launch(x, None, weights, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weights = ctx.saved_tensors
+        dx, dw = rmsnorm_backward(dy, x, weights, ctx.eps)
+        return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None
+
+
+def rmsnorm_blocks(x: torch.Tensor, weights: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """:func:`rmsnorm` of each of B equal blocks of x's rows with its own weight row: x [..., H] as rows
+    [R, H] (R divisible by B), block b = rows ``[b R/B, (b+1) R/B)`` normalized with ``weights[b]``
+    ([B, H], e.g. the replicas of :func:`rlperf.kernels.tree_reduce.block_replicas`).
+
+    Equal bit for bit to ``torch.cat([rmsnorm(x[b*per:(b+1)*per], weights[b]) for b])`` (blocks along
+    dim 0) and to its gradients: the forward is row-invariant, and in the backward each block's
+    programs cover the rows a launch over that block alone gives them, with ``dweights[b]`` that
+    launch's partials added in its order (``sum_partials`` of a [programs, B, H] buffer, one group per
+    block). On the Triton kernels one launch forward, two backward (instead of B and 2B plus the
+    slices' zero-filled gradients and their adds); the reference backend and fast mode's stock op run
+    the per-block calls themselves."""
+    if weights.dim() != 2 or weights.shape[0] < 1 or weights.shape[1] != x.shape[-1]:
+        raise ValueError(f"rmsnorm_blocks: weights [blocks, H] with H = {x.shape[-1]}, got {list(weights.shape)}")
+    _check(x, weights[0], eps)
+    blocks = weights.shape[0]
+    if x.shape[0] % blocks:
+        raise ValueError(f"rmsnorm_blocks: {x.shape[0]} rows (dim 0 of x) do not split into {blocks} equal blocks")
+    how = route("rmsnorm", x.device, (x, weights))
+    fused = how not in ("stock", "reference") and not (how == "autograd" and route("rmsnorm", x.device) == "stock")
+    if not fused or blocks == 1:
+        per = x.shape[0] // blocks
+        outs = [rmsnorm(x[b * per:(b + 1) * per], weights[b], eps) for b in range(blocks)]
+        return torch.cat(outs) if blocks > 1 else outs[0]
+    if how == "autograd":
+        return _RMSNormBlocks.apply(x, weights, eps)
+    return _launch(x, None, weights, eps)
 
 
 def _torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

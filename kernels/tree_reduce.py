@@ -668,10 +668,12 @@ class _BlockReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        acc = _TreeStack()
-        for g in grad.float().unbind(0):
-            acc.push(g)
-        return _gather_nodes(acc.result(), ctx.group).to(grad.dtype), None, None, None
+        # the tree's levels as element-wise adds of adjacent pairs: _TreeStack's sums, log2(blocks) launches
+        node = grad.float()
+        _check_leaves(node.shape[0])
+        while node.shape[0] > 1:
+            node = node[0::2] + node[1::2]
+        return _gather_nodes(node[0], ctx.group).to(grad.dtype), None, None, None
 
 
 def block_replicas(weight: torch.Tensor, leaves: int, group=None) -> torch.Tensor:

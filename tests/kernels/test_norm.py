@@ -221,6 +221,64 @@ def test_backward_weight_dtype_and_fast_mode(interpreter):
         assert "RMSNorm" not in type(K.add_rmsnorm(xl, xl, w)[0].grad_fn).__name__
 
 
+def _blocks_both_ways(x, w, blocks, dy):
+    """(y, dx, dweights) of rmsnorm_blocks over ``blocks`` replicas of w, and of the per-block calls
+    (x sliced along dim 0, one rmsnorm per block with its replica, concatenated) with the same upstream."""
+    def one_launch(x, reps):
+        return K.rmsnorm_blocks(x, reps)
+
+    def per_block(x, reps):
+        per = x.shape[0] // blocks
+        return torch.cat([K.rmsnorm(x[b * per:(b + 1) * per], reps[b]) for b in range(blocks)])
+
+    reps = w[None].expand(blocks, -1).contiguous()
+    got = [None, None]
+    for i, fn in enumerate((one_launch, per_block)):
+        outs, grads = _norm_grads(fn, [x, reps], [dy])
+        got[i] = (outs[0], *grads)
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,blocks,H", [(8 * 37, 8, 96), (16, 8, 33), (6, 2, 1000), (5, 1, 96), (8 * 70, 4, 64)])
+def test_blocks_in_one_launch_equal_the_per_block_calls(interpreter, dtype, T, blocks, H):
+    """rmsnorm_blocks (the megatron tree mode's token-block norm: one launch forward, the backward kernel
+    and one grouped partial sum) against a call per block and the slices' gradients: output, dx and
+    every block's weight gradient bit for bit, at block sizes that leave a backward program a tail (37,
+    70 rows against 32 per program), odd widths, one block, and x [T, 1, H] as megatron passes it."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(T, 1, H, generator=g).to(dtype)
+    w = (torch.rand(H, generator=g) + 0.5).to(dtype)
+    dy = torch.randn(T, 1, H, generator=g, dtype=torch.float64)
+    (y, gx, gw), (ry, rgx, rgw) = _blocks_both_ways(x, w, blocks, dy)
+    assert gw.shape == (blocks, H) and gw.dtype == dtype and y.shape == x.shape
+    assert torch.equal(y, ry) and torch.equal(gw, rgw)
+    assert torch.equal(gx, rgx)  # equal values (the slices' gradient adds may turn a -0.0 into +0.0)
+    with torch.no_grad():
+        assert torch.equal(K.rmsnorm_blocks(x, w[None].expand(blocks, -1).contiguous()), ry)
+
+
+def test_blocks_chunked_rows_the_reference_backend_and_errors(interpreter, monkeypatch):
+    """Rows wider than MAX_BLOCK (the chunked backward, zeroed partials) still have the per-block bits;
+    on the reference backend the per-block calls run; bad shapes are named."""
+    import rlperf.kernels.norm as norm
+
+    monkeypatch.setattr(norm, "MAX_BLOCK", 64)
+    monkeypatch.setattr(norm, "BWD_ROWS_PER_PROGRAM", 3)
+    g = torch.Generator().manual_seed(22)
+    x, w = torch.randn(4 * 5, 200, generator=g), torch.rand(200, generator=g) + 0.5
+    dy = torch.randn(20, 200, generator=g, dtype=torch.float64)
+    (y, gx, gw), (ry, rgx, rgw) = _blocks_both_ways(x, w, 4, dy)
+    assert torch.equal(y, ry) and torch.equal(gx, rgx) and torch.equal(gw, rgw)
+    with K.use_policy(K.KernelPolicy(backend="reference")):
+        reps = torch.stack([w, w * 2])
+        assert torch.equal(K.rmsnorm_blocks(x, reps), torch.cat([K.rmsnorm(x[:10], reps[0]), K.rmsnorm(x[10:], reps[1])]))
+    with pytest.raises(ValueError, match=r"do not split into 3 equal blocks"):
+        K.rmsnorm_blocks(x, w[None].expand(3, -1))
+    with pytest.raises(ValueError, match=r"weights \[blocks, H\] with H = 200"):
+        K.rmsnorm_blocks(x, w[None, :100])
+
+
 # ----------------------------------------------------------------------------- GPU (device)
 
 
@@ -267,3 +325,17 @@ def test_gpu_qwen3_shape_backward(dtype):
             plain = op(*inputs)
         plain = plain if isinstance(plain, tuple) else (plain,)
         assert all(torch.equal(a, b) for a, b in zip(outs, plain))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_blocks_in_one_launch_equal_the_per_block_calls(dtype):
+    """The megatron tree mode's token-block norm on the qwen3-0.6b shape (8 blocks, H = 1024), 8192 and
+    16 tokens: one launch gives the per-block calls' output, dx and block weight gradients bit for bit."""
+    for T in (8192, 16):
+        g = torch.Generator().manual_seed(23)
+        x = torch.randn(T, 1, 1024, generator=g).to(dtype).cuda()
+        w = (torch.rand(1024, generator=g) + 0.5).to(dtype).cuda()
+        dy = torch.randn(T, 1, 1024, generator=g, dtype=torch.float64).cuda()
+        (y, gx, gw), (ry, rgx, rgw) = _blocks_both_ways(x, w, 8, dy)
+        assert torch.equal(y, ry) and torch.equal(gw, rgw) and torch.equal(gx, rgx), T

@@ -177,7 +177,9 @@ class RMSNorm(nn.Module):
     is the blocks' sums added in the fixed tree. Under sequence parallelism a rank holds
     ``leaves / TP`` of the blocks and the ranks' nodes are added in the tree's top levels: the same
     bits as one rank holding every token. (The kernel's own weight gradient sums rows in an order
-    that depends on how many rows it gets; a block's row count is the same at every TP size.)"""
+    that depends on how many rows it gets; a block's row count is the same at every TP size.) The
+    blocks go through ``rlperf.kernels.rmsnorm_blocks``: the per-block calls' bits in one launch
+    forward and two backward.)"""
 
     leaves: int | None = None
     sequence_parallel: bool = False
@@ -194,8 +196,9 @@ class RMSNorm(nn.Module):
         group = self.tp.token_group
         blocks = tree.token_blocks(x.shape[0] * (self.tp.size if group is not None else 1), self.tp.leaves, group)
         replicas = tree.block_replicas(self.weight, self.tp.leaves, group)
-        per = x.shape[0] // blocks
-        return torch.cat([K.rmsnorm(x[b * per:(b + 1) * per], replicas[b], self.eps) for b in range(blocks)])
+        if replicas.shape[0] != blocks:
+            raise ValueError(f"RMSNorm: {replicas.shape[0]} weight replicas for {blocks} token blocks")
+        return K.rmsnorm_blocks(x, replicas, self.eps)  # one launch (the per-block calls' bits)
 
 
 def rmsnorm_class(leaves: int | None, sequence_parallel: bool = False) -> type:
