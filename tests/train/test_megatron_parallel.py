@@ -301,3 +301,34 @@ def test_leaf_square_sums_is_the_tree_of_the_leaves_squared_norms(dim, shape):
     assert torch.equal(together[1], got[0])
     unaligned = torch.empty(t.numel() + 1)[1:].view(shape).copy_(t)  # starts 4 bytes past an allocation
     assert torch.equal(leaf_square_sums([unaligned], [dim], leaves, None)[0], got[0])
+
+
+def test_master_gradients_accumulate_in_multi_tensor_calls_with_the_per_parameter_bits():
+    """Mixed precision: two micro-batches' bf16 gradients (a -0.0 and a parameter without a gradient
+    among them) go into the float32 master gradients with the bits of the base trainer's per-parameter
+    ``.to(float32)`` then ``add_``, and the compute gradients are freed."""
+    from rlperf.train import Trainer
+    from rlperf.train.megatron.trainer import MegatronTrainer
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [(4, 3), (7,), (2, 2, 5)]
+
+    def fresh():
+        t = object.__new__(MegatronTrainer)
+        t.mixed = True
+        t.params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in shapes]
+        t.master_params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+        return t
+
+    grads = [[torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes] for _ in range(2)]
+    grads[0][1][0] = -0.0
+    ours, base = fresh(), fresh()
+    for step in grads:
+        for t in (ours, base):
+            for i, (p, x) in enumerate(zip(t.params, step)):
+                p.grad = None if (i == 2 and step is grads[0]) else x.clone()
+        ours._accumulate_master_grads()
+        Trainer._accumulate_master_grads(base)
+        assert all(p.grad is None for p in ours.params)
+    for a, b in zip(ours.master_params, base.master_params):
+        assert a.grad.dtype == torch.float32 and torch.equal(a.grad.view(torch.int32), b.grad.view(torch.int32))
