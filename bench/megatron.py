@@ -14,7 +14,7 @@ process per GPU, NCCL; ``--device cpu`` runs the same on gloo for a smoke test):
   response), or with ``--engine`` the responses of rlperf's engine on rank 0's GPU (tree mode, bf16),
   whose rollout log-probs the trainer's old log-probs must equal (``abs_diff``, expected exactly 0);
 * ``--steps`` timed optimizer steps after one warm-up step; reported: train-phase tokens/s (tokens of
-  the global batch per step / step time), the old log-probs' and the first step's gradients' SHA-256
+  the global batch per step / step time), the kernels and host launch calls of one more step (CUDA), the old log-probs' and the first step's gradients' SHA-256
   digests (per sample / per HF tensor), so runs at different TP compare bit for bit
   (:func:`compare`: ``python -m rlperf.bench.megatron --compare a.json b.json``).
 
@@ -150,6 +150,11 @@ def run(ns) -> dict:
             trainer.train_step(samples)
             sync()
             times.append(time.perf_counter() - t0)
+        # kernels and host launch calls of one optimizer step (forward, backward, grad norm, AdamW), after
+        # the timed steps: what the tree mode's host cost is made of (n/a without CUDA)
+        from .harness import launch_fields, measure_launches
+
+        out.update(launch_fields("train_step", measure_launches(lambda: trainer.train_step(samples), warmup=0)))
     times.sort()
     out["step_s_median"] = times[len(times) // 2] if times else None
     out["train_tokens_per_s"] = out["tokens_per_step"] / out["step_s_median"] if times else None
@@ -237,6 +242,9 @@ def run_te(ns, cfg, samples, device, out: dict) -> dict:
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    from .harness import launch_fields, measure_launches
+
+    out.update(launch_fields("train_step", measure_launches(step, warmup=0)))
     times.sort()
     out["step_s_median"] = times[len(times) // 2] if times else None
     out["train_tokens_per_s"] = out["tokens_per_step"] / out["step_s_median"] if times else None
@@ -285,6 +293,7 @@ def summary(folder: str) -> dict:
 
     return {
         "tokens_per_s": {n: tps(n) for n in RUNS},
+        "train_step_launch_calls": {n: r[n].get("train_step_launch_calls") for n in RUNS if r[n]},
         "gpus": sorted({x["gpu"] for x in r.values() if x and x.get("gpu")}),
         "bits_0.6b_tp1_vs_tp2": {"log_probs": same("tree-0.6b-tp1", "tree-0.6b-tp2", "log_prob_digests"),
                                  "grads": same("tree-0.6b-tp1", "tree-0.6b-tp2", "grad_digests")},
