@@ -14,9 +14,10 @@ process per GPU, NCCL; ``--device cpu`` runs the same on gloo for a smoke test):
   response), or with ``--engine`` the responses of rlperf's engine on rank 0's GPU (tree mode, bf16),
   whose rollout log-probs the trainer's old log-probs must equal (``abs_diff``, expected exactly 0);
 * ``--steps`` timed optimizer steps after one warm-up step; reported: train-phase tokens/s (tokens of
-  the global batch per step / step time), the kernels and host launch calls of one more step (CUDA), the old log-probs' and the first step's gradients' SHA-256
-  digests (per sample / per HF tensor), so runs at different TP compare bit for bit
-  (:func:`compare`: ``python -m rlperf.bench.megatron --compare a.json b.json``).
+  the global batch per step / step time), the kernels and host launch calls of one more step (CUDA),
+  the old log-probs' and the first step's gradients' SHA-256 digests (per sample / per HF tensor), so
+  runs at different TP compare bit for bit (:func:`compare`: ``python -m rlperf.bench.megatron --compare
+  a.json b.json``).
 
 Writes one JSON object to ``--out``. CPU timings are not performance claims.
 """
@@ -31,6 +32,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from .harness import launch_fields, measure_launches
 
 QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, vocab_size=151936)
@@ -152,8 +155,6 @@ def run(ns) -> dict:
             times.append(time.perf_counter() - t0)
         # kernels and host launch calls of one optimizer step (forward, backward, grad norm, AdamW), after
         # the timed steps: what the tree mode's host cost is made of (n/a without CUDA)
-        from .harness import launch_fields, measure_launches
-
         out.update(launch_fields("train_step", measure_launches(lambda: trainer.train_step(samples), warmup=0)))
     times.sort()
     out["step_s_median"] = times[len(times) // 2] if times else None
@@ -242,8 +243,6 @@ def run_te(ns, cfg, samples, device, out: dict) -> dict:
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    from .harness import launch_fields, measure_launches
-
     out.update(launch_fields("train_step", measure_launches(step, warmup=0)))
     times.sort()
     out["step_s_median"] = times[len(times) // 2] if times else None

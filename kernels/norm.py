@@ -306,7 +306,8 @@ def rmsnorm_backward(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, ep
 
 
 class _RMSNorm(torch.autograd.Function):
-    """:func:`rmsnorm` through the kernel; saves x and weight only (rstd is recomputed in the backward)."""
+    """:func:`rmsnorm` through the kernel; saves x and weight only (rstd is recomputed in the backward).
+    A weight [B, H] is :func:`rmsnorm_blocks`' (``_launch`` and :func:`rmsnorm_backward` take both)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -346,28 +347,10 @@ class _AddRMSNorm(torch.autograd.Function):
         return (dx if need_x else None), (dx if need_r else None), (dw if need_w else None), None
 
 
-class _RMSNormBlocks(torch.autograd.Function):
-    """:func:`rmsnorm_blocks` through the kernels: one launch forward, the backward kernel and one
-    grouped partial sum backward."""
-
-    @staticmethod
-    def forward(ctx, x, weights, eps):
-        ctx.save_for_backward(x, weights)
-        ctx.eps = eps
-        return _launch(x, None, weights, eps)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x, weights = ctx.saved_tensors
-        dx, dw = rmsnorm_backward(dy, x, weights, ctx.eps)
-        return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None
-
-
 def rmsnorm_blocks(x: torch.Tensor, weights: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """:func:`rmsnorm` of each of B equal blocks of x's rows with its own weight row: x [..., H] as rows
-    [R, H] (R divisible by B), block b = rows ``[b R/B, (b+1) R/B)`` normalized with ``weights[b]``
-    ([B, H], e.g. the replicas of :func:`rlperf.kernels.tree_reduce.block_replicas`).
+    """:func:`rmsnorm` of each of B equal blocks of x [T, ..., H] along dim 0 (T divisible by B) with its
+    own weight row: block b = ``x[b T/B:(b+1) T/B]`` normalized with ``weights[b]`` ([B, H], e.g. the
+    replicas of :func:`rlperf.kernels.tree_reduce.block_replicas`).
 
     Equal bit for bit to ``torch.cat([rmsnorm(x[b*per:(b+1)*per], weights[b]) for b])`` (blocks along
     dim 0) and to its gradients: the forward is row-invariant, and in the backward each block's
@@ -389,7 +372,7 @@ def rmsnorm_blocks(x: torch.Tensor, weights: torch.Tensor, eps: float = 1e-6) ->
         outs = [rmsnorm(x[b * per:(b + 1) * per], weights[b], eps) for b in range(blocks)]
         return torch.cat(outs) if blocks > 1 else outs[0]
     if how == "autograd":
-        return _RMSNormBlocks.apply(x, weights, eps)
+        return _RMSNorm.apply(x, weights, eps)
     return _launch(x, None, weights, eps)
 
 

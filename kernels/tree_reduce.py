@@ -74,7 +74,13 @@ def _check_leaves(leaves: int) -> None:
 
 def tree_sum(parts) -> torch.Tensor:
     """Sum ``parts`` (a sequence or a leading dim of power-of-two length S) in the fixed balanced
-    tree: adjacent pairs first, ``((p0 + p1) + (p2 + p3)) + ...``."""
+    tree: adjacent pairs first, ``((p0 + p1) + (p2 + p3)) + ...``. A tensor's leading dim is added a
+    level at a time (one element-wise add per level, log2(S) launches): the same pairs, the same bits."""
+    if isinstance(parts, torch.Tensor):
+        _check_leaves(parts.shape[0])
+        while parts.shape[0] > 1:
+            parts = parts[0::2] + parts[1::2]
+        return parts[0]
     parts = list(parts)
     _check_leaves(len(parts))
     while len(parts) > 1:
@@ -668,12 +674,7 @@ class _BlockReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # the tree's levels as element-wise adds of adjacent pairs: _TreeStack's sums, log2(blocks) launches
-        node = grad.float()
-        _check_leaves(node.shape[0])
-        while node.shape[0] > 1:
-            node = node[0::2] + node[1::2]
-        return _gather_nodes(node[0], ctx.group).to(grad.dtype), None, None, None
+        return _gather_nodes(tree_sum(grad.float()), ctx.group).to(grad.dtype), None, None, None
 
 
 def block_replicas(weight: torch.Tensor, leaves: int, group=None) -> torch.Tensor:

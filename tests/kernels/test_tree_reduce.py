@@ -28,6 +28,7 @@ def test_stack_matches_tree_sum(n):
     for x in parts:
         acc.push(x)
     assert torch.equal(acc.result(), T.tree_sum(parts))
+    assert torch.equal(acc.result(), T.tree_sum(torch.stack(parts)))  # a level at a time: the same pairs
 
 
 def test_token_blocks_need_a_padded_micro_batch():

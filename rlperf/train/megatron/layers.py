@@ -179,7 +179,7 @@ class RMSNorm(nn.Module):
     bits as one rank holding every token. (The kernel's own weight gradient sums rows in an order
     that depends on how many rows it gets; a block's row count is the same at every TP size.) The
     blocks go through ``rlperf.kernels.rmsnorm_blocks``: the per-block calls' bits in one launch
-    forward and two backward.)"""
+    forward and two backward."""
 
     leaves: int | None = None
     sequence_parallel: bool = False

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from rlperf.kernels.tree_reduce import tree_sum
+
 from ..batching import HostCopies, MicroBatch, make_micro_batch, partition
 from ..losses import policy_loss
 from ..sample import Sample
@@ -61,15 +63,6 @@ def _leaf_views(t: torch.Tensor, local: int, dim: int | None) -> list[torch.Tens
     return leaves
 
 
-def _pairwise_levels(x: torch.Tensor) -> torch.Tensor:
-    """[P, S] -> [P]: each row's S values (a power of two) added in the tree's order, a level at a time
-    (adjacent pairs: ``((v0 + v1) + (v2 + v3)) + ...``, :class:`rlperf.kernels.tree_reduce._TreeStack`'s
-    order). Element-wise adds: the same bits whatever P."""
-    while x.shape[1] > 1:
-        x = x[:, 0::2] + x[:, 1::2]
-    return x[:, 0]
-
-
 def leaf_square_sums(grads: Sequence[torch.Tensor], dims: Sequence[int | None], leaves: int, tp_group) -> torch.Tensor:
     """Per parameter, the squared norm of its full gradient [P] float32 from this rank's shards, the same
     bits on every tensor-parallel layout, in a few launches for all parameters:
@@ -83,29 +76,27 @@ def leaf_square_sums(grads: Sequence[torch.Tensor], dims: Sequence[int | None], 
     size = 1 if tp_group is None else dist.get_world_size(tp_group)
     local = leaves // size
     flat: list[torch.Tensor] = []
-    counts: list[int] = []
+    starts: list[int] = []  # where each parameter's leaves begin in ``flat``
     for g, dim in zip(grads, dims):
-        views = _leaf_views(g.float(), local, dim)
-        flat.extend(views)
-        counts.append(len(views))
+        starts.append(len(flat))
+        flat.extend(_leaf_views(g.float(), local, dim))
     if not flat:
         return torch.zeros(0, dtype=torch.float32)
-    squares = torch.stack(torch._foreach_norm(flat)).float()
+    squares = torch.stack(torch._foreach_norm(flat))
     squares = squares * squares
     out = torch.empty(len(grads), dtype=torch.float32, device=squares.device)
     split = [i for i, d in enumerate(dims) if d is not None]
     whole = [i for i, d in enumerate(dims) if d is None]
-    starts = torch.tensor([0, *counts], device="cpu").cumsum(0)[:-1].tolist()
     if whole:
         out[torch.tensor(whole, device=out.device)] = squares[torch.tensor([starts[i] for i in whole],
                                                                            device=squares.device)]
     if split:
-        rows = torch.tensor([[starts[i] + j for j in range(local)] for i in split], device=squares.device)
-        nodes = _pairwise_levels(squares[rows])
+        leaf = torch.tensor([[starts[i] + j for i in split] for j in range(local)], device=squares.device)
+        nodes = tree_sum(squares[leaf])  # [local, P_split]: the leaves' tree, a level at a time
         if size > 1:
             ranks = [torch.empty_like(nodes) for _ in range(size)]
             dist.all_gather(ranks, nodes.contiguous(), group=tp_group)
-            nodes = _pairwise_levels(torch.stack(ranks, dim=1))
+            nodes = tree_sum(torch.stack(ranks))  # the ranks' nodes in the tree's top levels
         out[torch.tensor(split, device=out.device)] = nodes
     return out
 
@@ -427,11 +418,13 @@ class MegatronTrainer(Trainer):
         if self.dp_size == 1:
             return
         bucket: list[torch.nn.Parameter] = []
+        size = 0
         for m in self.master_params:
             bucket.append(m)
-            if sum(x.numel() * x.element_size() for x in bucket) >= self.grad_bucket_bytes:
+            size += m.numel() * 4  # float32 gradients
+            if size >= self.grad_bucket_bytes:
                 self._sum_bucket(bucket)
-                bucket = []
+                bucket, size = [], 0
         if bucket:
             self._sum_bucket(bucket)
 
