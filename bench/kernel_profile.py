@@ -111,7 +111,10 @@ def _table(label: str, kernels: dict[str, list], wall_ms: float, steps: int, top
         print(f"{ms:9.4f} {ms / gpu_ms:6.1%} {n / steps:6.1f}  {name[:110]}")
 
 
-def _profile(label: str, fn, steps: int, top: int) -> None:
+def profile_kernels(fn, steps: int) -> tuple[dict[str, list], float]:
+    """``({name: [total us, calls]}, wall ms per step)`` of ``steps`` calls of ``fn`` on the GPU: the
+    wall time of unprofiled calls first (synchronized), then the torch profiler's CUDA events of as many
+    profiled calls (kernels, copies and sets, by name)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -130,6 +133,18 @@ def _profile(label: str, fn, steps: int, top: int) -> None:
             d = kernels.setdefault(e.name, [0.0, 0])
             d[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
             d[1] += 1
+    return kernels, wall_ms
+
+
+def top_kernels(kernels: dict[str, list], steps: int, top: int) -> list[dict]:
+    """The ``top`` kernels of :func:`profile_kernels`' table by GPU time, per step:
+    ``[{"name", "ms", "calls"}]`` (names cut at 160 characters)."""
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": n[:160], "ms": us / 1e3 / steps, "calls": c / steps} for n, (us, c) in rows]
+
+
+def _profile(label: str, fn, steps: int, top: int) -> None:
+    kernels, wall_ms = profile_kernels(fn, steps)
     _table(label, kernels, wall_ms, steps, top)
 
 

@@ -33,6 +33,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from rlperf.kernels.tree_reduce import TREE_NODE_TILES
+
 from .harness import launch_fields, measure_launches
 
 QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -95,6 +97,8 @@ def run(ns) -> dict:
     from rlperf.kernels import tree_reduce
 
     tree_reduce.FUSED_LEAF_PRODUCTS = not ns.per_leaf_tree
+    if ns.tree_node_tile:
+        tree_reduce.TREE_NODE_TILE = ns.tree_node_tile
     cuda = ns.device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -110,7 +114,8 @@ def run(ns) -> dict:
     if world % (ns.tp * ns.pp):
         raise SystemExit(f"{world} processes do not split into --tp {ns.tp} x --pp {ns.pp} replicas")
     out = {"backend": ns.backend, "shape": ns.shape, "tp": ns.tp, "pp": ns.pp, "dp": world // (ns.tp * ns.pp),
-           "sequence_parallel": ns.sequence_parallel, "fused_tree_node": not ns.per_leaf_tree, "world": world,
+           "sequence_parallel": ns.sequence_parallel, "fused_tree_node": not ns.per_leaf_tree,
+           "tree_node_tile": tree_reduce.TREE_NODE_TILE, "world": world,
            "device": ns.device,
            "gpu": torch.cuda.get_device_name() if cuda else None, "tokens_per_step": sum(s.total_length for s in samples)}
     if ns.backend == "megatron-te":
@@ -156,6 +161,8 @@ def run(ns) -> dict:
         # kernels and host launch calls of one optimizer step (forward, backward, grad norm, AdamW), after
         # the timed steps: what the tree mode's host cost is made of (n/a without CUDA)
         out.update(launch_fields("train_step", measure_launches(lambda: trainer.train_step(samples), warmup=0)))
+        if ns.kernel_table and cuda:
+            out.update(kernel_table(lambda: trainer.train_step(samples), ns.kernel_table))
     times.sort()
     out["step_s_median"] = times[len(times) // 2] if times else None
     out["train_tokens_per_s"] = out["tokens_per_step"] / out["step_s_median"] if times else None
@@ -164,6 +171,23 @@ def run(ns) -> dict:
     if ns.backend != "fsdp":
         destroy_model_parallel()
     return out
+
+
+def kernel_table(step, top: int) -> dict:
+    """Where one optimizer step's GPU time goes: ``kernel_table`` (the ``top`` kernels by GPU time,
+    ``[{"name", "ms", "calls"}]``), ``profiled_step_ms`` (the wall time of an unprofiled step) and
+    ``gpu_busy_ms`` (the GPU time of every kernel, copy and set in the profiled step; wall - busy is
+    time the GPU waited on the host). Printed on rank 0."""
+    from .kernel_profile import profile_kernels, top_kernels
+
+    kernels, wall_ms = profile_kernels(step, 1)
+    busy_ms = sum(us for us, _ in kernels.values()) / 1e3
+    rows = top_kernels(kernels, 1, top)
+    if dist.get_rank() == 0:
+        print(f"one step: wall {wall_ms:.1f} ms, GPU busy {busy_ms:.1f} ms")
+        for r in rows:
+            print(f"{r['ms']:9.3f} ms {r['ms'] / busy_ms:6.1%} {r['calls']:6.0f}  {r['name'][:110]}")
+    return {"kernel_table": rows, "profiled_step_ms": wall_ms, "gpu_busy_ms": busy_ms}
 
 
 def te_model(cfg, tp: int):
@@ -337,6 +361,12 @@ def main(argv=None) -> int:
     p.add_argument("--per-leaf-tree", action="store_true",
                    help="megatron: a launch per tree leaf and the tree's adds instead of one launch per tree node "
                         "(rlperf.kernels.tree_reduce.FUSED_LEAF_PRODUCTS = False; the same bits), for the A/B")
+    p.add_argument("--tree-node-tile", choices=sorted(TREE_NODE_TILES), default=None,
+                   help="megatron: the tree node's launch choice (rlperf.kernels.tree_reduce.TREE_NODE_TILE; the "
+                        "same bits; default: the module's), for the A/B with python -m rlperf.bench.tree_node_sweep")
+    p.add_argument("--kernel-table", type=int, default=0, metavar="N",
+                   help="CUDA: profile one more optimizer step and record its N kernels of most GPU time "
+                        "(kernel_table in the JSON, printed on rank 0) and its GPU busy time (default 0: off)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="write the JSON result here (rank 0)")
     ns = p.parse_args(argv)

@@ -351,25 +351,102 @@ def _tree_node_kernel(x, w, out, M, N, LEAF_K, stride_xm, stride_xk, stride_wn, 
     tl.store(o_ptrs, node, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def _tree_node(a: torch.Tensor, b: torch.Tensor, leaves: int, config_n: int | None = None) -> torch.Tensor:
+@triton.jit(do_not_specialize=["M"])
+def _tree_node_flat_kernel(x, w, out, slots, M, N, LEAF_K, stride_xm, stride_xk, stride_wn, stride_wk,
+                           stride_om, stride_on, stride_slot,
+                           LEAVES: tl.constexpr, LEVELS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # The same node as _tree_node_kernel with one accumulator in registers: ONE loop over every leaf's
+    # K tiles (so loads stay pipelined across leaf boundaries), each leaf's chain starting from zero.
+    # When leaf i ends, its partial climbs the tree: at every level l with (i + 1) % 2^(l + 1) == 0 the
+    # pending left node of level l (slots[l], float32 in global memory) is added to it, and the
+    # result waits in slots[c] (c = the levels climbed) or, after the last leaf, is the node (out).
+    # A float32 store and load are exact, so the additions are tree_sum's on the same operands.
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(offs_m < M, offs_m, 0)
+    cols = tl.where(offs_n < N, offs_n, 0)
+    keep = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]  # this tile in a [M, N] slot
+    o_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    offs_k = tl.arange(0, BLOCK_K)
+    per_leaf = tl.cdiv(LEAF_K, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(LEAVES * per_leaf):
+        leaf = t // per_leaf
+        k = (t - leaf * per_leaf) * BLOCK_K + offs_k
+        inside = k < LEAF_K
+        kk = leaf * LEAF_K + k
+        a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=inside[None, :], other=0.0)
+        b = tl.load(w + cols.to(tl.int64)[:, None] * stride_wn + kk[None, :] * stride_wk,
+                    mask=inside[None, :], other=0.0)
+        acc = dot_acc(a, b.T, acc, PRECISION)
+        if (t + 1) % per_leaf == 0:  # leaf `leaf` is complete
+            node = acc
+            climbed = 0
+            for level in tl.static_range(LEVELS):
+                # rest 0: this leaf completes the level's right node (`up` a tile: a scalar would be a
+                # plain bool under the interpreter)
+                rest = (leaf + 1) % (2 << level)
+                up = (tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + rest) == 0
+                left = tl.load(slots + level * stride_slot + tile, mask=keep & up, other=0.0)
+                node = tl.where(up, left + node, node)
+                climbed += (rest == 0) * 1
+            if climbed == LEVELS:
+                tl.store(o_ptrs, node, mask=keep)
+            else:
+                tl.store(slots + climbed * stride_slot + tile, node, mask=keep)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+TREE_NODE_TILES = {
+    "nested-m64n64w4s3": ("nested", 64, 64, 4, 3),
+    "nested-m128n64w8s3": ("nested", 128, 64, 8, 3),
+    "nested-m64n128w8s3": ("nested", 64, 128, 8, 3),
+    "flat-m64n64w4s3": ("flat", 64, 64, 4, 3),
+    "flat-m128n64w4s3": ("flat", 128, 64, 4, 3),
+    "flat-m128n128w8s3": ("flat", 128, 128, 8, 3),
+    "flat-m128n128w8s4": ("flat", 128, 128, 8, 4),
+    "flat-m128n256w8s3": ("flat", 128, 256, 8, 3),
+}
+"""Launch choices of a tree node: ``name: (kernel, BLOCK_M, BLOCK_N, num_warps, num_stages)``, ``nested``
+= :func:`_tree_node_kernel` (every pending node in registers), ``flat`` = :func:`_tree_node_flat_kernel`
+(one K loop, pending nodes in a float32 workspace). The bits do not depend on the choice (each leaf's
+BLOCK_K chain is the leaf product's; ``bench/tree_node_sweep.py`` times them and checks the bits)."""
+TREE_NODE_TILE = "nested-m64n64w4s3"
+"""The :data:`TREE_NODE_TILES` entry :func:`_tree_node` launches."""
+
+
+def _tree_node(a: torch.Tensor, b: torch.Tensor, leaves: int, config_n: int | None = None,
+               tile: str | None = None) -> torch.Tensor:
     """This rank's tree node of ``a [M, K_local] @ b[N, K_local].T`` -> [M, N] float32: ``leaves`` equal
     K slices, each :func:`leaf_product` (tile config of ``config_n``, default N), added in the tree.
-    One launch of :func:`_tree_node_kernel` where the policy runs Triton kernels and ``leaves`` is one
-    of its sizes; else a launch per leaf and the tree's adds (the same bits)."""
+    One launch (``tile``, default :data:`TREE_NODE_TILE`, from :data:`TREE_NODE_TILES`) where the
+    policy runs Triton kernels and ``leaves`` is one of the kernels' sizes; else a launch per leaf and
+    the tree's adds (the same bits)."""
     width = a.shape[1] // leaves
     how = route("matmul", a.device)
     if FUSED_LEAF_PRODUCTS and how in ("triton", "interpreter") and leaves in _FUSED_TREE_SIZES and a.shape[0] > 0:
         from . import gemm
 
+        kernel, block_m, block_n, warps, stages = TREE_NODE_TILES[tile or TREE_NODE_TILE]
         M, N = a.shape[0], b.shape[0]
         block_k = gemm.matmul_config(a.dtype, config_n or N, width, M).BLOCK_K  # the leaf products' K steps
+        precision = "tf32x3" if a.dtype == torch.float32 else "tf32"
         out = torch.empty((M, N), dtype=torch.float32, device=a.device)
-        block_m = block_n = 64  # wgmma tiles (bits do not depend on them); at most log2(S) + 2 live accumulators
         grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
-        _tree_node_kernel[grid](a, b, out, M, N, width, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                                out.stride(0), out.stride(1), LEAVES=leaves, BLOCK_M=block_m, BLOCK_N=block_n,
-                                BLOCK_K=block_k, PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
-                                num_warps=4, num_stages=3)
+        if kernel == "flat":
+            levels = leaves.bit_length() - 1
+            slots = torch.empty((max(levels, 1), M, N), dtype=torch.float32, device=a.device)
+            _tree_node_flat_kernel[grid](a, b, out, slots, M, N, width, a.stride(0), a.stride(1), b.stride(0),
+                                         b.stride(1), out.stride(0), out.stride(1), slots.stride(0),
+                                         LEAVES=leaves, LEVELS=levels, BLOCK_M=block_m, BLOCK_N=block_n,
+                                         BLOCK_K=block_k, PRECISION=precision, num_warps=warps, num_stages=stages)
+        else:  # at most log2(S) + 2 live accumulators
+            _tree_node_kernel[grid](a, b, out, M, N, width, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                                    out.stride(0), out.stride(1), LEAVES=leaves, BLOCK_M=block_m, BLOCK_N=block_n,
+                                    BLOCK_K=block_k, PRECISION=precision, num_warps=warps, num_stages=stages)
         return out
     acc = _TreeStack()
     for c in range(leaves):

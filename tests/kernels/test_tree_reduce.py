@@ -120,14 +120,18 @@ def test_triton_path_under_the_interpreter(interpreter):
     assert torch.allclose(hid.grad, hr.grad, atol=1e-5) and torch.allclose(head.grad, wr.grad, atol=1e-5)
 
 
+@pytest.mark.parametrize("tile", ["nested-m64n64w4s3", "flat-m64n64w4s3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("leaves,m,n,k", [(8, 37, 70, 8 * 48), (4, 1, 33, 4 * 136), (2, 65, 64, 2 * 40), (1, 3, 5, 24)])
 def test_one_launch_tree_node_has_the_per_leaf_bits_under_the_interpreter(interpreter, poison, monkeypatch, dtype,
-                                                                         leaves, m, n, k):
-    """The fused tree node (one launch: every leaf's BLOCK_K chain and the tree's adds in registers) gives the
-    bits of a launch per leaf plus tree_sum: odd M and N, leaf widths that are not a multiple of BLOCK_K
-    (the zero-masked tail), a row-parallel forward and a column-parallel input gradient."""
+                                                                         leaves, m, n, k, tile):
+    """The fused tree node (one launch: every leaf's BLOCK_K chain and the tree's adds; the nested kernel
+    keeps pending nodes in registers, the flat one in a workspace) gives the bits of a launch per leaf plus
+    tree_sum: odd M and N, leaf widths that are not a multiple of BLOCK_K (the zero-masked tail), a
+    row-parallel forward and a column-parallel input gradient."""
     from rlperf.kernels import gemm
+
+    monkeypatch.setattr(T, "TREE_NODE_TILE", tile)
 
     g = torch.Generator().manual_seed(leaves * 1000 + m)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -179,10 +183,13 @@ def test_gpu_bits_do_not_depend_on_the_split(split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(T.TREE_NODE_TILES))
 @pytest.mark.parametrize("leaves", [1, 2, 4, 8])
-def test_gpu_one_launch_tree_node_has_the_per_leaf_bits(monkeypatch, leaves):
-    # bf16 on the GPU: the fused tree node (64x64 wgmma tiles) against a launch per leaf (gemm's configs,
-    # both M buckets) plus tree_sum, for o_proj / down_proj shapes, decode-sized and training-sized M
+def test_gpu_one_launch_tree_node_has_the_per_leaf_bits(monkeypatch, leaves, tile):
+    # bf16 on the GPU: the fused tree node (every launch choice of TREE_NODE_TILES) against a launch per
+    # leaf (gemm's configs, both M buckets) plus tree_sum, for o_proj / down_proj shapes, decode-sized and
+    # training-sized M
+    monkeypatch.setattr(T, "TREE_NODE_TILE", tile)
     with K.use_backend("triton"):
         g = torch.Generator(device="cuda").manual_seed(leaves)
         for m, n, k in ((1, 1024, 2048), (37, 1024, 3072), (64, 2048, 6144), (65, 1024, 3072), (4096, 1024, 3072)):
