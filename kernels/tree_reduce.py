@@ -351,70 +351,17 @@ def _tree_node_kernel(x, w, out, M, N, LEAF_K, stride_xm, stride_xk, stride_wn, 
     tl.store(o_ptrs, node, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["M"])
-def _tree_node_flat_kernel(x, w, out, slots, M, N, LEAF_K, stride_xm, stride_xk, stride_wn, stride_wk,
-                           stride_om, stride_on, stride_slot,
-                           LEAVES: tl.constexpr, LEVELS: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # The same node as _tree_node_kernel with one accumulator in registers: ONE loop over every leaf's
-    # K tiles (so loads stay pipelined across leaf boundaries), each leaf's chain starting from zero.
-    # When leaf i ends, its partial climbs the tree: at every level l with (i + 1) % 2^(l + 1) == 0 the
-    # pending left node of level l (slots[l], float32 in global memory) is added to it, and the
-    # result waits in slots[c] (c = the levels climbed) or, after the last leaf, is the node (out).
-    # A float32 store and load are exact, so the additions are tree_sum's on the same operands.
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.where(offs_m < M, offs_m, 0)
-    cols = tl.where(offs_n < N, offs_n, 0)
-    keep = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]  # this tile in a [M, N] slot
-    o_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    offs_k = tl.arange(0, BLOCK_K)
-    per_leaf = tl.cdiv(LEAF_K, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(LEAVES * per_leaf):
-        leaf = t // per_leaf
-        k = (t - leaf * per_leaf) * BLOCK_K + offs_k
-        inside = k < LEAF_K
-        kk = leaf * LEAF_K + k
-        a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :] * stride_xk,
-                    mask=inside[None, :], other=0.0)
-        b = tl.load(w + cols.to(tl.int64)[:, None] * stride_wn + kk[None, :] * stride_wk,
-                    mask=inside[None, :], other=0.0)
-        acc = dot_acc(a, b.T, acc, PRECISION)
-        if (t + 1) % per_leaf == 0:  # leaf `leaf` is complete
-            node = acc
-            climbed = 0
-            for level in tl.static_range(LEVELS):
-                # rest 0: this leaf completes the level's right node (`up` a tile: a scalar would be a
-                # plain bool under the interpreter)
-                rest = (leaf + 1) % (2 << level)
-                up = (tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + rest) == 0
-                left = tl.load(slots + level * stride_slot + tile, mask=keep & up, other=0.0)
-                node = tl.where(up, left + node, node)
-                climbed += (rest == 0) * 1
-            if climbed == LEVELS:
-                tl.store(o_ptrs, node, mask=keep)
-            else:
-                tl.store(slots + climbed * stride_slot + tile, node, mask=keep)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-
 TREE_NODE_TILES = {
-    "nested-m64n64w4s3": ("nested", 64, 64, 4, 3),
-    "nested-m128n64w8s3": ("nested", 128, 64, 8, 3),
-    "nested-m64n128w8s3": ("nested", 64, 128, 8, 3),
-    "flat-m64n64w4s3": ("flat", 64, 64, 4, 3),
-    "flat-m128n64w4s3": ("flat", 128, 64, 4, 3),
-    "flat-m128n128w8s3": ("flat", 128, 128, 8, 3),
-    "flat-m128n128w8s4": ("flat", 128, 128, 8, 4),
-    "flat-m128n256w8s3": ("flat", 128, 256, 8, 3),
+    "m64n64w4s3": (64, 64, 4, 3),
+    "m128n64w8s3": (128, 64, 8, 3),
+    "m64n128w8s3": (64, 128, 8, 3),
 }
-"""Launch choices of a tree node: ``name: (kernel, BLOCK_M, BLOCK_N, num_warps, num_stages)``, ``nested``
-= :func:`_tree_node_kernel` (every pending node in registers), ``flat`` = :func:`_tree_node_flat_kernel`
-(one K loop, pending nodes in a float32 workspace). The bits do not depend on the choice (each leaf's
-BLOCK_K chain is the leaf product's; ``bench/tree_node_sweep.py`` times them and checks the bits)."""
-TREE_NODE_TILE = "nested-m64n64w4s3"
+"""Launch choices of :func:`_tree_node_kernel`: ``name: (BLOCK_M, BLOCK_N, num_warps, num_stages)``. The
+bits do not depend on the choice (each leaf's BLOCK_K chain is the leaf product's). Measured on an H200
+(``python -m rlperf.bench.tree_node_sweep``, bench/BENCHMARKS.md): all three within 2% of each other, at
+0.29-0.30x cuBLAS over the 0.6b shapes; larger tiles hold more live accumulators (up to log2(S) + 2)
+than the registers do well."""
+TREE_NODE_TILE = "m64n64w4s3"
 """The :data:`TREE_NODE_TILES` entry :func:`_tree_node` launches."""
 
 
@@ -423,31 +370,24 @@ def _tree_node(a: torch.Tensor, b: torch.Tensor, leaves: int, config_n: int | No
     """This rank's tree node of ``a [M, K_local] @ b[N, K_local].T`` -> [M, N] float32: ``leaves`` equal
     K slices, each :func:`leaf_product` (tile config of ``config_n``, default N), added in the tree.
     One launch (``tile``, default :data:`TREE_NODE_TILE`, from :data:`TREE_NODE_TILES`) where the
-    policy runs Triton kernels and ``leaves`` is one of the kernels' sizes; else a launch per leaf and
-    the tree's adds (the same bits)."""
+    policy runs Triton kernels and ``leaves`` is one of the kernel's sizes, reading ``b`` through its
+    strides (a transposed view is not copied); else a launch per leaf and the tree's adds (the same bits)."""
     width = a.shape[1] // leaves
     how = route("matmul", a.device)
     if FUSED_LEAF_PRODUCTS and how in ("triton", "interpreter") and leaves in _FUSED_TREE_SIZES and a.shape[0] > 0:
         from . import gemm
 
-        kernel, block_m, block_n, warps, stages = TREE_NODE_TILES[tile or TREE_NODE_TILE]
+        block_m, block_n, warps, stages = TREE_NODE_TILES[tile or TREE_NODE_TILE]
         M, N = a.shape[0], b.shape[0]
         block_k = gemm.matmul_config(a.dtype, config_n or N, width, M).BLOCK_K  # the leaf products' K steps
-        precision = "tf32x3" if a.dtype == torch.float32 else "tf32"
         out = torch.empty((M, N), dtype=torch.float32, device=a.device)
         grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
-        if kernel == "flat":
-            levels = leaves.bit_length() - 1
-            slots = torch.empty((max(levels, 1), M, N), dtype=torch.float32, device=a.device)
-            _tree_node_flat_kernel[grid](a, b, out, slots, M, N, width, a.stride(0), a.stride(1), b.stride(0),
-                                         b.stride(1), out.stride(0), out.stride(1), slots.stride(0),
-                                         LEAVES=leaves, LEVELS=levels, BLOCK_M=block_m, BLOCK_N=block_n,
-                                         BLOCK_K=block_k, PRECISION=precision, num_warps=warps, num_stages=stages)
-        else:  # at most log2(S) + 2 live accumulators
-            _tree_node_kernel[grid](a, b, out, M, N, width, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                                    out.stride(0), out.stride(1), LEAVES=leaves, BLOCK_M=block_m, BLOCK_N=block_n,
-                                    BLOCK_K=block_k, PRECISION=precision, num_warps=warps, num_stages=stages)
+        _tree_node_kernel[grid](a, b, out, M, N, width, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                                out.stride(0), out.stride(1), LEAVES=leaves, BLOCK_M=block_m, BLOCK_N=block_n,
+                                BLOCK_K=block_k, PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
+                                num_warps=warps, num_stages=stages)
         return out
+    b = b.contiguous()  # the leaf products' own layout (a transposed view arrives from column_parallel_linear)
     acc = _TreeStack()
     for c in range(leaves):
         acc.push(leaf_product(a[:, c * width:(c + 1) * width], b[:, c * width:(c + 1) * width], config_n))
@@ -463,6 +403,30 @@ def _matmul_out(a, b, out_dtype, config_n=None):
         cfg = gemm.matmul_config(a.dtype, config_n or b.shape[0], a.shape[1], a.shape[0])
         return gemm.launch(a, b, None, out_dtype, config=cfg)
     return leaf_product(a, b, config_n).to(out_dtype)
+
+
+def _input_grad_out(g: torch.Tensor, w: torch.Tensor, out_dtype, config_n: int) -> torch.Tensor:
+    """``dx = g [M, N] @ w [N, K]`` -> [M, K] in ``out_dtype``, in the tile config of a ``[*, config_n]``
+    product (the whole layer's K: a rank's columns keep their bits). On the kernels ``w`` is read in
+    place (``gemm.launch(..., w_kn=True)``); elsewhere it is :func:`_matmul_out` on ``w.T``."""
+    if route("matmul", g.device) in ("triton", "interpreter"):
+        from . import gemm
+
+        cfg = gemm.matmul_config(g.dtype, config_n, w.shape[0], g.shape[0])
+        return gemm.launch(g, w, None, out_dtype, config=cfg, w_kn=True)
+    return _matmul_out(g, w.T.contiguous(), out_dtype, config_n=config_n)
+
+
+def _weight_grad_out(g: torch.Tensor, x: torch.Tensor, out_dtype, config_n: int | None = None) -> torch.Tensor:
+    """``dw = g [M, N].T @ x [M, K]`` -> [N, K] in ``out_dtype``: a sum over the M tokens. On the kernels
+    it is ``gemm.launch_weight_grad`` (g and x read in place; every element's sum runs over the tokens in
+    fixed blocks of rows whatever N and K are, so a rank's rows or columns of dw keep their bits at any
+    TP); elsewhere :func:`_matmul_out` on the transposes (``config_n`` pins its tile config)."""
+    if route("matmul", g.device) in ("triton", "interpreter"):
+        from . import gemm
+
+        return gemm.launch_weight_grad(g, x, out_dtype)[0]
+    return _matmul_out(g.T.contiguous(), x.T.contiguous(), out_dtype, config_n=config_n)
 
 
 def column_shard_matmul(x: torch.Tensor, w: torch.Tensor, n_total: int, out_dtype: torch.dtype | None = None):
@@ -518,18 +482,18 @@ class _RowParallel(torch.autograd.Function):
         gx = gw = None
         # dx [M, K_local] = g @ w: a reduction over N, which every rank holds whole
         if ctx.needs_input_grad[0]:
-            gx = _matmul_out(g, w.T.contiguous(), x.dtype, config_n=ctx.k_total)
+            gx = _input_grad_out(g, w, x.dtype, config_n=ctx.k_total)
         # dw [N, K_local] = g.T @ x: a reduction over the tokens
         if ctx.needs_input_grad[1]:
-            gw = _matmul_out(g.T.contiguous(), x.T.contiguous(), w.dtype, config_n=ctx.k_total)
+            gw = _weight_grad_out(g, x, w.dtype, config_n=ctx.k_total)
         return gx, gw, None, None, None, None
 
 
 def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, group=None,
                         sequence_parallel: bool = False) -> torch.Tensor:
     """``x [..., K_local] @ w[N, K_local].T`` -> [..., N] in x's dtype: K (split over ``group``) reduced
-    in the fixed tree (:func:`tree_matmul`), rounded once. Gradients: ``dx = g @ w`` and
-    ``dw = g.T @ x`` with tile configs pinned to the full K (no cross-rank sum in either).
+    in the fixed tree (:func:`tree_matmul`), rounded once. Gradients: ``dx = g @ w`` (tile config
+    pinned to the full K) and ``dw = g.T @ x`` (a sum over the tokens): no cross-rank sum in either.
 
     ``sequence_parallel``: x [T, K_local] holds every token, the result [T / TP, N] this rank's tokens
     (the tree reduce-scatter, module docstring); the backward all-gathers the tokens' gradient."""
@@ -558,15 +522,14 @@ class _ColumnParallel(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # dx [M, K] = g [M, N_local] @ w [N_local, K]: N is split over the ranks -> the tree
             local = _local_leaves(ctx.leaves, ctx.group, "column_parallel_linear")
-            wt = w.T.contiguous()  # [K, N_local]: the leaf products read its column slices
-            node = _tree_node(g, wt, local)
+            node = _tree_node(g, w.T, local)  # w.T [K, N_local]: the leaves are its column slices
             if ctx.sequence_parallel:
                 gx = _scatter_nodes(node, ctx.group).to(x.dtype)
             else:
                 gx = _gather_nodes(node, ctx.group).to(x.dtype)
         if ctx.needs_input_grad[1]:
             # dw [N_local, K] = g.T @ x: rows of dw are rows of the product (batch invariance)
-            gw = _matmul_out(g.T.contiguous(), x.T.contiguous(), w.dtype)
+            gw = _weight_grad_out(g, x, w.dtype)
         return gx, gw, None, None, None, None
 
 

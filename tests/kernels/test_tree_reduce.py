@@ -120,14 +120,13 @@ def test_triton_path_under_the_interpreter(interpreter):
     assert torch.allclose(hid.grad, hr.grad, atol=1e-5) and torch.allclose(head.grad, wr.grad, atol=1e-5)
 
 
-@pytest.mark.parametrize("tile", ["nested-m64n64w4s3", "flat-m64n64w4s3"])
+@pytest.mark.parametrize("tile", ["m64n64w4s3", "m64n128w8s3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("leaves,m,n,k", [(8, 37, 70, 8 * 48), (4, 1, 33, 4 * 136), (2, 65, 64, 2 * 40), (1, 3, 5, 24)])
 def test_one_launch_tree_node_has_the_per_leaf_bits_under_the_interpreter(interpreter, poison, monkeypatch, dtype,
                                                                          leaves, m, n, k, tile):
-    """The fused tree node (one launch: every leaf's BLOCK_K chain and the tree's adds; the nested kernel
-    keeps pending nodes in registers, the flat one in a workspace) gives the bits of a launch per leaf plus
-    tree_sum: odd M and N, leaf widths that are not a multiple of BLOCK_K (the zero-masked tail), a
+    """The fused tree node (one launch: every leaf's BLOCK_K chain and the tree's adds in registers, in two
+    tile shapes) gives the bits of a launch per leaf plus tree_sum: odd M and N, leaf widths that are not a multiple of BLOCK_K (the zero-masked tail), a
     row-parallel forward and a column-parallel input gradient."""
     from rlperf.kernels import gemm
 

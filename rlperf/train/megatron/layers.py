@@ -371,9 +371,12 @@ class SwiGLUMLP(nn.Module):
         self.linear_fc2 = submodules.linear_fc2(i, config.hidden_size, config, tp, plain)
 
     def forward(self, hidden_states, **_):
-        y, _ = self.linear_fc1(hidden_states)
-        gate, up = self.linear_fc1.split_parts(y)
-        out, _ = self.linear_fc2(K.silu_mul(torch.cat([gate, up], dim=-1)))
+        y, _ = self.linear_fc1(hidden_states)  # [..., L * 2 I/S]: per local leaf, its gate then its up columns
+        lead = y.shape[:-1]
+        # silu(gate) * up per leaf on a view ([..., L, 2 I/S] -> [..., L, I/S]): the gate's local column
+        # order, with no split of y into gate and up nor a concatenation (element-wise: the same bits)
+        act = K.silu_mul(y.reshape(*lead, self.tp.local_leaves, -1))
+        out, _ = self.linear_fc2(act.reshape(*lead, -1))
         return out, None
 
 
