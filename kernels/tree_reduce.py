@@ -370,8 +370,8 @@ def _tree_node(a: torch.Tensor, b: torch.Tensor, leaves: int, config_n: int | No
     """This rank's tree node of ``a [M, K_local] @ b[N, K_local].T`` -> [M, N] float32: ``leaves`` equal
     K slices, each :func:`leaf_product` (tile config of ``config_n``, default N), added in the tree.
     One launch (``tile``, default :data:`TREE_NODE_TILE`, from :data:`TREE_NODE_TILES`) where the
-    policy runs Triton kernels and ``leaves`` is one of the kernel's sizes, reading ``b`` through its
-    strides (a transposed view is not copied); else a launch per leaf and the tree's adds (the same bits)."""
+    policy runs Triton kernels and ``leaves`` is one of the kernel's sizes (``b`` read through its
+    strides); else a launch per leaf and the tree's adds (the same bits)."""
     width = a.shape[1] // leaves
     how = route("matmul", a.device)
     if FUSED_LEAF_PRODUCTS and how in ("triton", "interpreter") and leaves in _FUSED_TREE_SIZES and a.shape[0] > 0:
@@ -387,7 +387,6 @@ def _tree_node(a: torch.Tensor, b: torch.Tensor, leaves: int, config_n: int | No
                                 BLOCK_K=block_k, PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
                                 num_warps=warps, num_stages=stages)
         return out
-    b = b.contiguous()  # the leaf products' own layout (a transposed view arrives from column_parallel_linear)
     acc = _TreeStack()
     for c in range(leaves):
         acc.push(leaf_product(a[:, c * width:(c + 1) * width], b[:, c * width:(c + 1) * width], config_n))
@@ -522,7 +521,9 @@ class _ColumnParallel(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # dx [M, K] = g [M, N_local] @ w [N_local, K]: N is split over the ranks -> the tree
             local = _local_leaves(ctx.leaves, ctx.group, "column_parallel_linear")
-            node = _tree_node(g, w.T, local)  # w.T [K, N_local]: the leaves are its column slices
+            # w.T [K, N_local] as a copy: the tree node kernel read through the transposed view's strides
+            # took 4x as long on an H200 (128.5 against 31 ms per 0.6b step, bench/BENCHMARKS.md)
+            node = _tree_node(g, w.T.contiguous(), local)
             if ctx.sequence_parallel:
                 gx = _scatter_nodes(node, ctx.group).to(x.dtype)
             else:
