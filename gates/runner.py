@@ -179,8 +179,9 @@ def run_gate(args: argparse.Namespace, first_step: FirstStepFn | None = None, an
     (``--output-dir``; ``rlperf gate`` defaults to ``rlperf-gate``).
     """
     with_loop = first_step is None
-    if with_loop:
-        first_step = loop.first_step
+    if with_loop:  # the function, from its module: once that module is imported, the package's
+        # attribute `rlperf.loop.first_step` is the module, not the lazily exported function
+        from rlperf.loop.first_step import first_step
     try:
         options = gate_options_from(args)
         for flag, path in (("--report-json", args.report_json), ("--junit-xml", args.junit_xml),

@@ -2,7 +2,8 @@
 
 * :func:`train` — run a training loop from ``rlperf train`` flags; returns the metrics lines;
 * :func:`first_step` — one rollout + one train step as a :class:`FirstStepRecord` (the hook of the
-  first-step gates, which import the record and this hook from here; :mod:`~rlperf.loop.first_step`);
+  first-step gates), defined in :mod:`~rlperf.loop.first_step`: import it from there, since once that
+  submodule is imported anywhere the package attribute ``first_step`` is the module, not the function;
 * :mod:`~rlperf.loop.build` — the parts built before the trainer: model, tokenizer, data, warm-up, reference;
 * :mod:`~rlperf.loop.metrics` — what each rollout's ``metrics.jsonl`` line holds, the file, the step line;
 * :mod:`~rlperf.loop.record` — :class:`FirstStepRecord`, :class:`PhaseMemory`, :class:`EngineMemory`,

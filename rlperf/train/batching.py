@@ -237,6 +237,57 @@ def compute_log_probs(model, samples: Sequence[Sample], temperature: float = 1.0
     return (logps, ents) if with_entropy else logps
 
 
+@dataclasses.dataclass
+class LossInputs:
+    """One micro-batch's per-token inputs of the policy loss on the trainer's device, its samples'
+    response tokens concatenated [sum R]: ``old_log_probs``, ``advantages``, ``ref_log_probs`` and
+    ``rollout_log_probs`` (None where the loss does not use them), ``masks`` (one [R] view per sample),
+    and ``count``, what the micro-batch's metrics average over (loss tokens with
+    ``calculate_per_token_loss``, else samples; counted on the host)."""
+
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    masks: list[torch.Tensor]
+    ref_log_probs: torch.Tensor | None
+    rollout_log_probs: torch.Tensor | None
+    count: float
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor bound for a GPU goes through pinned memory without blocking."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def loss_inputs(group: Sequence[Sample], device, *, with_rollout: bool, with_ref: bool,
+                per_token: bool) -> LossInputs:
+    """:class:`LossInputs` of the samples ``group``, copied to ``device`` without blocking the host.
+
+    Call it before the micro-batch's forward is queued. A copy from pageable host memory waits until the
+    GPU has run everything queued before it: issued after the forward (as it used to be), it held the
+    host until the forward had run, so the backward's launches started only then and the GPU idled while
+    they were issued. Pinned and non-blocking, the copies are queued like kernels. The values are the
+    samples' own (no arithmetic), so no bit of the loss changes."""
+    device = torch.device(device)
+    masks = [s.loss_mask_tensor() for s in group]
+    lengths = [m.shape[0] for m in masks]
+    count = float(sum(m.sum() for m in masks)) if per_token else float(len(group))
+
+    def flat(name):
+        return _to_device(torch.cat([getattr(s, name) for s in group]), device)
+
+    return LossInputs(
+        old_log_probs=flat("log_probs"), advantages=flat("advantages"),
+        masks=list(_to_device(torch.cat(masks), device).split(lengths)),
+        ref_log_probs=flat("ref_log_probs") if with_ref else None,
+        rollout_log_probs=(_to_device(torch.cat([s.rollout_log_probs_tensor() for s in group]), device)
+                           if with_rollout else None),
+        count=count)
+
+
 class HostCopies:
     """Per-sample float32 CPU slices of a pass's micro-batch outputs, brought to the host in one copy.
 

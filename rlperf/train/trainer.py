@@ -56,7 +56,8 @@ import torch
 from .advantages import compute_advantages
 from .args import TrainArgs
 from .backend import CheckpointState, TrainerSetup, register_trainer_backend
-from .batching import MicroBatch, compute_log_probs, compute_routed_experts, micro_batch_log_probs, pack_micro_batches
+from .batching import (MicroBatch, compute_log_probs, compute_routed_experts, loss_inputs, micro_batch_log_probs,
+                       pack_micro_batches)
 from .losses import compute_approx_kl, policy_loss
 from .sample import Sample
 
@@ -301,24 +302,18 @@ class Trainer:
         """Forward, policy loss and backward of one micro-batch (its loss divided by ``denom``, the
         global batch's); returns its metric sums (slime names without ``train/``; tensors) and the
         count they average over (its samples, or loss tokens with ``calculate_per_token_loss``)."""
-        a, dev = self.args, self.device
-        group = [samples[i] for i in mb.indices]
-
-        def flat(name):
-            return torch.cat([getattr(s, name) for s in group]).to(dev)
-
-        masks = [s.loss_mask_tensor() for s in group]
-        rollout = torch.cat([s.rollout_log_probs_tensor() for s in group]).to(dev) if with_rollout else None
+        a = self.args
+        # the loss inputs go to the device before the forward is queued (loss_inputs: no host wait)
+        li = loss_inputs([samples[i] for i in mb.indices], self.device, with_rollout=with_rollout,
+                         with_ref=a.use_kl_loss, per_token=a.calculate_per_token_loss)
         log_probs, entropy = self.forward_log_probs(mb, with_entropy=True)
         if a.entropy_coef == 0:
             entropy = entropy.detach()  # a metric only: no backward through the entropy
-        loss, metrics = policy_loss(
-            a, log_probs, entropy, flat("log_probs"), flat("advantages"),
-            [m.to(dev) for m in masks], mb.response_lengths,
-            ref_log_probs=flat("ref_log_probs") if a.use_kl_loss else None, rollout_log_probs=rollout)
+        loss, metrics = policy_loss(a, log_probs, entropy, li.old_log_probs, li.advantages, li.masks,
+                                    mb.response_lengths, ref_log_probs=li.ref_log_probs,
+                                    rollout_log_probs=li.rollout_log_probs)
         (loss / denom).backward()
-        count = float(sum(m.sum() for m in masks)) if a.calculate_per_token_loss else float(len(group))
-        return metrics, count
+        return metrics, li.count
 
     def _finish_step(self, totals: dict) -> dict[str, float]:
         """After a step's backward passes: the metric sums over the ranks, every trainable parameter's

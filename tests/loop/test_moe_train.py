@@ -64,7 +64,7 @@ def test_routing_replay_through_the_cli_with_the_moe_gates(tmp_path):
 
 def test_a_dense_model_has_no_routing_gate(tmp_path):
     from rlperf.gates.runner import FirstStepGate
-    from rlperf.loop import first_step
+    from rlperf.loop.first_step import first_step
 
     rec = first_step(["--device", "cpu", "--model", "tiny", *CHEAP, *_prompts(tmp_path), "--num-rollout", "1",
                       "--output-dir", str(tmp_path / "out")])

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from rlperf.kernels.tree_reduce import tree_sum
 
-from ..batching import HostCopies, MicroBatch, make_micro_batch, partition
+from ..batching import HostCopies, MicroBatch, loss_inputs, make_micro_batch, partition
 from ..losses import policy_loss
 from ..sample import Sample
 from ..trainer import Trainer
@@ -295,37 +295,35 @@ class MegatronTrainer(Trainer):
             m.grad = None
         model.head_grad = None
         totals: dict[str, torch.Tensor] = {}
-        first_metrics = None
+        first = None  # (the first micro-batch's metric tensors, their count) on the last stage
         mbs = self._micro_batches_of(samples, self._shard(len(samples)))
         for mb in mbs:
             if mb is None:
                 continue
-            group = [samples[i] for i in mb.indices]
+            li = None
+            if model.last_stage:  # the loss inputs go to the device before the forward is queued (no host wait)
+                li = loss_inputs([samples[i] for i in mb.indices], dev, with_rollout=with_rollout,
+                                 with_ref=a.use_kl_loss, per_token=a.calculate_per_token_loss)
             inp, out = self._stage_forward(model, mb, grad=True)
             loss = None
             if model.last_stage:
-                def flat(name):
-                    return torch.cat([getattr(s, name) for s in group]).to(dev)
-
-                masks = [s.loss_mask_tensor().to(dev) for s in group]
-                rollout = torch.cat([s.rollout_log_probs_tensor() for s in group]).to(dev) if with_rollout else None
                 log_probs, entropy = model.log_probs(out, mb.logit_rows, mb.targets, a.rollout_temperature, True)
                 if a.entropy_coef == 0:
                     entropy = entropy.detach()
-                loss, metrics = policy_loss(a, log_probs, entropy, flat("log_probs"), flat("advantages"), masks,
-                                            mb.response_lengths,
-                                            ref_log_probs=flat("ref_log_probs") if a.use_kl_loss else None,
-                                            rollout_log_probs=rollout)
+                loss, metrics = policy_loss(a, log_probs, entropy, li.old_log_probs, li.advantages, li.masks,
+                                            mb.response_lengths, ref_log_probs=li.ref_log_probs,
+                                            rollout_log_probs=li.rollout_log_probs)
                 loss = loss / denom
-                if first_metrics is None:
-                    count = float(sum(m.sum() for m in masks)) if a.calculate_per_token_loss else float(len(group))
-                    first_metrics = {f"train/{k}": float(v) / max(count, 1.0) for k, v in metrics.items()}
+                if first is None:  # read after the step's launches (a read here would wait for the forward)
+                    first = ({k: v.detach() for k, v in metrics.items()}, li.count)
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + v.detach() / denom
             self._stage_backward(model, inp, out, loss)
             self._accumulate_master_grads()
         totals = self._reduce_metrics(totals)
         if micro_step_hook is not None:
+            first_metrics = None if first is None else {
+                f"train/{k}": float(v) / max(first[1], 1.0) for k, v in first[0].items()}
             micro_step_hook(self._from_last_stage(first_metrics))
         self._combine_tied_head()
         self._sum_data_parallel_grads()
