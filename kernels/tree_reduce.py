@@ -88,6 +88,55 @@ def tree_sum(parts) -> torch.Tensor:
     return parts[0]
 
 
+@triton.jit
+def _tree_sum_kernel(parts, out, N, stride_s, LEAVES: tl.constexpr, BLOCK: tl.constexpr):
+    # out[i] = tree_sum(parts[:, i]) in float32 (adjacent pairs first), stored in out's dtype (one rounding)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < N
+    p = parts + offs
+    v0 = tl.load(p, mask=keep, other=0.0).to(tl.float32)
+    if LEAVES == 1:
+        node = v0
+    else:
+        v1 = tl.load(p + stride_s, mask=keep, other=0.0).to(tl.float32)
+        node = v0 + v1
+        if LEAVES >= 4:
+            v2 = tl.load(p + 2 * stride_s, mask=keep, other=0.0).to(tl.float32)
+            v3 = tl.load(p + 3 * stride_s, mask=keep, other=0.0).to(tl.float32)
+            node = node + (v2 + v3)
+        if LEAVES == 8:
+            v4 = tl.load(p + 4 * stride_s, mask=keep, other=0.0).to(tl.float32)
+            v5 = tl.load(p + 5 * stride_s, mask=keep, other=0.0).to(tl.float32)
+            v6 = tl.load(p + 6 * stride_s, mask=keep, other=0.0).to(tl.float32)
+            v7 = tl.load(p + 7 * stride_s, mask=keep, other=0.0).to(tl.float32)
+            node = node + ((v4 + v5) + (v6 + v7))
+    tl.store(out + offs, node, mask=keep)
+
+
+_TREE_SUM_BLOCK = 1024
+
+
+def tree_sum_to(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``tree_sum(parts.float()).to(out_dtype)`` for ``parts`` [S, ...] (S in 1, 2, 4, 8): the same float32
+    additions in the same tree and one rounding, as one launch where the policy runs Triton kernels
+    (instead of a cast, log2(S) adds and a cast). The interpreter stores float32 and torch rounds to
+    bfloat16 (its own bf16 casts round differently)."""
+    _check_leaves(parts.shape[0])
+    how = route("matmul", parts.device)
+    if how not in ("triton", "interpreter") or parts.shape[0] not in _FUSED_TREE_SIZES:
+        return tree_sum(parts.float()).to(out_dtype)
+    flat = parts.reshape(parts.shape[0], -1)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    kernel_dtype = torch.float32 if parts.device.type != "cuda" and out_dtype == torch.bfloat16 else out_dtype
+    out = torch.empty(parts.shape[1:], dtype=kernel_dtype, device=parts.device)
+    n = out.numel()
+    if n:
+        _tree_sum_kernel[(triton.cdiv(n, _TREE_SUM_BLOCK),)](flat, out, n, flat.stride(0), LEAVES=parts.shape[0],
+                                                             BLOCK=_TREE_SUM_BLOCK)
+    return out.to(out_dtype)
+
+
 class _TreeStack:
     """Adds leaves as they arrive, in the order of :func:`tree_sum` (a binary counter: two partial
     sums of the same height are added as soon as both exist), keeping at most log2(S) + 1 partials
@@ -366,8 +415,9 @@ TREE_NODE_TILE = "m64n64w4s3"
 
 
 def _tree_node(a: torch.Tensor, b: torch.Tensor, leaves: int, config_n: int | None = None,
-               tile: str | None = None) -> torch.Tensor:
-    """This rank's tree node of ``a [M, K_local] @ b[N, K_local].T`` -> [M, N] float32: ``leaves`` equal
+               tile: str | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """This rank's tree node of ``a [M, K_local] @ b[N, K_local].T`` -> [M, N] in float32, rounded once to
+    ``out_dtype`` (a node that is the whole tree: one rank): ``leaves`` equal
     K slices, each :func:`leaf_product` (tile config of ``config_n``, default N), added in the tree.
     One launch (``tile``, default :data:`TREE_NODE_TILE`, from :data:`TREE_NODE_TILES`) where the
     policy runs Triton kernels and ``leaves`` is one of the kernel's sizes (``b`` read through its
@@ -380,17 +430,19 @@ def _tree_node(a: torch.Tensor, b: torch.Tensor, leaves: int, config_n: int | No
         block_m, block_n, warps, stages = TREE_NODE_TILES[tile or TREE_NODE_TILE]
         M, N = a.shape[0], b.shape[0]
         block_k = gemm.matmul_config(a.dtype, config_n or N, width, M).BLOCK_K  # the leaf products' K steps
-        out = torch.empty((M, N), dtype=torch.float32, device=a.device)
+        # the store rounds to out's dtype; the interpreter's bf16 casts round differently: float32 there
+        interpreted_bf16 = a.device.type != "cuda" and out_dtype == torch.bfloat16
+        out = torch.empty((M, N), dtype=torch.float32 if interpreted_bf16 else out_dtype, device=a.device)
         grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
         _tree_node_kernel[grid](a, b, out, M, N, width, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                                 out.stride(0), out.stride(1), LEAVES=leaves, BLOCK_M=block_m, BLOCK_N=block_n,
                                 BLOCK_K=block_k, PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
                                 num_warps=warps, num_stages=stages)
-        return out
+        return out.to(out_dtype)
     acc = _TreeStack()
     for c in range(leaves):
         acc.push(leaf_product(a[:, c * width:(c + 1) * width], b[:, c * width:(c + 1) * width], config_n))
-    return acc.result()
+    return acc.result().to(out_dtype)
 
 
 def _matmul_out(a, b, out_dtype, config_n=None):
@@ -450,12 +502,14 @@ def tree_matmul(x: torch.Tensor, w: torch.Tensor, leaves: int = TREE_LEAVES, gro
     return _gather_nodes(_local_tree_matmul(x, w, leaves, group), group)
 
 
-def _local_tree_matmul(x: torch.Tensor, w: torch.Tensor, leaves: int, group) -> torch.Tensor:
-    """This rank's tree node of :func:`tree_matmul` (its K leaves added in the tree): [M, N] float32."""
+def _local_tree_matmul(x: torch.Tensor, w: torch.Tensor, leaves: int, group,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """This rank's tree node of :func:`tree_matmul` (its K leaves added in the tree): [M, N] float32,
+    or rounded once to ``out_dtype``."""
     local = _local_leaves(leaves, group, "tree_matmul")
     if x.shape[1] % local:
         raise ValueError(f"tree_matmul: K = {x.shape[1]} on this rank does not split into {local} equal leaves")
-    return _tree_node(x, w, local, config_n=w.shape[0])
+    return _tree_node(x, w, local, config_n=w.shape[0], out_dtype=out_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -470,6 +524,8 @@ class _RowParallel(torch.autograd.Function):
         ctx.k_total, ctx.group, ctx.sequence_parallel = k_total, group, sequence_parallel
         if sequence_parallel:
             return _scatter_nodes(_local_tree_matmul(x, w, leaves, group), group).to(x.dtype)
+        if group_size_rank(group)[0] == 1:  # the node is the whole tree: rounded by the kernel's store
+            return _local_tree_matmul(x, w, leaves, group, out_dtype=x.dtype)
         return tree_matmul(x, w, leaves, group).to(x.dtype)
 
     @staticmethod
@@ -523,8 +579,11 @@ class _ColumnParallel(torch.autograd.Function):
             local = _local_leaves(ctx.leaves, ctx.group, "column_parallel_linear")
             # w.T [K, N_local] as a copy: the tree node kernel read through the transposed view's strides
             # took 4x as long on an H200 (128.5 against 31 ms per 0.6b step, bench/BENCHMARKS.md)
-            node = _tree_node(g, w.T.contiguous(), local)
-            if ctx.sequence_parallel:
+            one_rank = group_size_rank(ctx.group)[0] == 1 and not ctx.sequence_parallel
+            node = _tree_node(g, w.T.contiguous(), local, out_dtype=x.dtype if one_rank else torch.float32)
+            if one_rank:  # the node is the whole tree, rounded by the kernel's store
+                gx = node
+            elif ctx.sequence_parallel:
                 gx = _scatter_nodes(node, ctx.group).to(x.dtype)
             else:
                 gx = _gather_nodes(node, ctx.group).to(x.dtype)
@@ -715,7 +774,10 @@ class _BlockReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_nodes(tree_sum(grad.float()), ctx.group).to(grad.dtype), None, None, None
+        size, _ = group_size_rank(ctx.group)
+        if size == 1:  # the whole tree on this rank: one launch, rounded once to the gradient's dtype
+            return tree_sum_to(grad, grad.dtype), None, None, None
+        return _gather_nodes(tree_sum_to(grad, torch.float32), ctx.group).to(grad.dtype), None, None, None
 
 
 def block_replicas(weight: torch.Tensor, leaves: int, group=None) -> torch.Tensor:

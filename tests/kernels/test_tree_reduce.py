@@ -201,6 +201,39 @@ def test_gpu_one_launch_tree_node_has_the_per_leaf_bits(monkeypatch, leaves, til
             assert torch.equal(fused, per_leaf), (m, n, k, (fused - per_leaf).abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("leaves,shape", [(8, (37, 70)), (4, (1,)), (2, (1029,)), (1, (3, 5))])
+def test_tree_sum_to_is_one_launch_with_the_levels_bits_under_the_interpreter(interpreter, dtype, leaves, shape):
+    """tree_sum_to: the float32 tree of tree_sum over the leading dim and one rounding, as one launch, from
+    a strided (sliced) input; the row-parallel forward and column-parallel dx on one rank round their node
+    in the kernel's store, with the bits of the float32 node rounded by torch."""
+    g = torch.Generator().manual_seed(leaves)
+    parts = (torch.randn(leaves, *shape, generator=g) * 100).to(dtype)
+    wide = torch.randn(leaves, *shape[:-1], shape[-1] + 3, generator=g).to(dtype)[..., 1:-2]  # not contiguous
+    with K.use_backend("interpreter"):
+        for p in (parts, wide):
+            for out_dtype in (torch.float32, dtype):
+                got = T.tree_sum_to(p, out_dtype)
+                assert got.dtype == out_dtype and got.shape == p.shape[1:]
+                assert torch.equal(got, T.tree_sum(p.float()).to(out_dtype))
+        x = torch.randn(37, leaves * 24, generator=g).to(dtype)
+        w = (torch.randn(19, leaves * 24, generator=g) / 8).to(dtype)
+        assert torch.equal(T._tree_node(x, w, leaves, out_dtype=dtype), T._tree_node(x, w, leaves).to(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("leaves", [1, 2, 4, 8])
+def test_gpu_one_launch_roundings_equal_torch(leaves):
+    # bf16 on the GPU: tree_sum_to and the tree node stored in bf16 round as torch rounds the float32 result
+    with K.use_backend("triton"):
+        g = torch.Generator(device="cuda").manual_seed(leaves)
+        parts = torch.randn(leaves, 8, 1024, device="cuda", generator=g).bfloat16()
+        assert torch.equal(T.tree_sum_to(parts, torch.bfloat16), T.tree_sum(parts.float()).bfloat16())
+        x = torch.randn(4099, 3072, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(1024, 3072, device="cuda", generator=g) / 55).bfloat16()
+        assert torch.equal(T._tree_node(x, w, leaves, out_dtype=torch.bfloat16), T._tree_node(x, w, leaves).bfloat16())
+
+
 AOT_SCRIPT = r"""
 import json
 from rlperf.bench.aot_preflight import compile_specs
