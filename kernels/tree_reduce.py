@@ -23,7 +23,8 @@ per leaf and :func:`tree_sum` (``FUSED_LEAF_PRODUCTS``).
 
 Ops (``group``: the tensor-parallel process group, None for one rank):
 
-* :func:`tree_sum` — ``parts`` [S, ...] float32 -> [...] in the fixed tree;
+* :func:`tree_sum` — ``parts`` [S, ...] float32 -> [...] in the fixed tree; :func:`tree_sum_to` the same
+  tree over float32 values of any dtype, rounded once to a given dtype, in one launch;
 * :func:`row_parallel_linear` — ``y = x @ w.T`` with K split into leaves (forward tree; backward:
   ``dx``, ``dw`` have no reduction across the split);
 * :func:`column_parallel_linear` — ``y = x @ w.T`` with N split (no reduction in the forward; the
