@@ -6,8 +6,11 @@
 #   MEGATRON_RUNS="fsdp-0.6b-tp1 tree-0.6b-tp1" bash bench/device_megatron.sh   # a subset (one call ~ 10 min:
 #                                                   split the runs over two calls, or lanes of bench/device_lanes.sh)
 #   MEGATRON_TESTS=0 skips the GPU tests at the start.
-#   MEGATRON_ARGS="--kernel-table 25" adds flags of python -m rlperf.bench.megatron to every run (here: where
-#                   the step's GPU time goes, per kernel).
+#   MEGATRON_ARGS: flags of python -m rlperf.bench.megatron added to every run (default "--kernel-table 12":
+#                   where one step's GPU time goes, per kernel, and its GPU busy time; MEGATRON_ARGS= turns it off).
+#                   The busy time is the steadier comparison: the steps are host-bound, and their wall times
+#                   moved 1.5x between calls on one card (bench/BENCHMARKS.md, megatron).
+#   MEGATRON_STEPS: timed optimizer steps per run (default 6; the median is reported).
 #
 # Needs megatron-core in the image or as a wheel in .whl/ (Python 3.12 there: megatron-core 0.19.x;
 # carry .whl/ as for bench/device.sh). Runs (bench/megatron.py, one torchrun each):
@@ -39,7 +42,8 @@ if [ "${MEGATRON_TESTS:-1}" != 0 ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_megatron_runtime.py tests/kernels/test_tree_reduce.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -5
   status=${PIPESTATUS[0]}
 fi
-COMMON="--samples ${MEGATRON_SAMPLES:-8} --tokens ${MEGATRON_TOKENS:-1024} --response ${MEGATRON_RESPONSE:-256} --steps ${MEGATRON_STEPS:-3} ${MEGATRON_ARGS:-}"
+EXTRA=${MEGATRON_ARGS-"--kernel-table 12"}  # unset: the default; set and empty: no extra flags
+COMMON="--samples ${MEGATRON_SAMPLES:-8} --tokens ${MEGATRON_TOKENS:-1024} --response ${MEGATRON_RESPONSE:-256} --steps ${MEGATRON_STEPS:-6} $EXTRA"
 RUNS=${MEGATRON_RUNS:-all}
 bench() {  # name nproc args...
   local name=$1 nproc=$2; shift 2

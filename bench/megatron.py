@@ -309,6 +309,10 @@ def summary(folder: str) -> dict:
     def ratio(a, b):
         return tps(a) / tps(b) if tps(a) and tps(b) else None
 
+    def busy_ratio(a, b):  # GPU busy time of a step, a over b (None unless both ran with --kernel-table)
+        ga, gb = (r[n].get("gpu_busy_ms") if r[n] else None for n in (a, b))
+        return ga / gb if ga and gb else None
+
     def same(a, b, key):  # None where either run (or its digest) is missing: not measured, not "differs"
         if not (r[a] and r[b] and r[a].get(key) and r[b].get(key)):
             return None
@@ -332,6 +336,9 @@ def summary(folder: str) -> dict:
         "engine_abs_diff": {n: r[n]["train_rollout_logprob_abs_diff"] for n in RUNS
                             if r[n] and "train_rollout_logprob_abs_diff" in r[n]},
         "target1_tp1_megatron_over_fsdp_0.6b (>= 1.0)": ratio("tree-0.6b-tp1", "fsdp-0.6b-tp1"),
+        # the GPU work of one step (--kernel-table runs): steadier than the wall time of a host-bound step
+        "gpu_busy_ms": {n: r[n]["gpu_busy_ms"] for n in RUNS if r[n] and r[n].get("gpu_busy_ms")},
+        "gpu_work_tree_tp1_over_fsdp_0.6b": busy_ratio("tree-0.6b-tp1", "fsdp-0.6b-tp1"),
         "target2_tree_step_over_plain_step_tp2_0.6b (<= 1.15)": ratio("plain-0.6b-tp2", "tree-0.6b-tp2"),
         "target3_tp2_over_tp1_1.7b (>= 1.6)": ratio("tree-1.7b-tp2", "tree-1.7b-tp1"),
         "tp2_dp2_on_4_over_tp2_on_2_0.6b (>= 1.7)": ratio("tree-0.6b-tp2-dp2", "tree-0.6b-tp2"),

@@ -5,9 +5,11 @@ import json
 from rlperf.bench.megatron import summary
 
 
-def _run(folder, name, tokens_per_s, log_probs, grads, abs_diff=None):
+def _run(folder, name, tokens_per_s, log_probs, grads, abs_diff=None, gpu_busy_ms=None):
     doc = {"train_tokens_per_s": tokens_per_s, "gpu": "NVIDIA H100 80GB HBM3", "log_prob_digests": log_probs,
            "grad_digests": grads}
+    if gpu_busy_ms is not None:
+        doc["gpu_busy_ms"] = gpu_busy_ms
     if abs_diff is not None:
         doc["train_rollout_logprob_abs_diff"] = abs_diff
     (folder / f"{name}.json").write_text(json.dumps(doc))
@@ -38,3 +40,14 @@ def test_summary_names_the_fused_tree_nodes_ab_and_the_transformer_engine_anchor
     assert s["bits_0.6b_fused_vs_per_leaf"] == {"log_probs": True, "grads": True}
     assert s["tree_tp1_over_transformer_engine_tp1_0.6b"] == 0.25
     assert s["fsdp_over_transformer_engine_tp1_0.6b"] == 1.25
+
+
+def test_summary_compares_the_steps_gpu_work_where_both_runs_profiled_a_step(tmp_path):
+    _run(tmp_path, "fsdp-0.6b-tp1", 60_000.0, ["a"], ["g"], gpu_busy_ms=100.0)
+    _run(tmp_path, "tree-0.6b-tp1", 40_000.0, ["a"], ["g"], abs_diff=0.0, gpu_busy_ms=130.0)
+    _run(tmp_path, "tree-0.6b-tp2", 40_000.0, ["a"], ["g"], abs_diff=0.0)  # no --kernel-table
+    s = summary(str(tmp_path))
+    assert s["gpu_busy_ms"] == {"fsdp-0.6b-tp1": 100.0, "tree-0.6b-tp1": 130.0}
+    assert s["gpu_work_tree_tp1_over_fsdp_0.6b"] == 1.3
+    (tmp_path / "fsdp-0.6b-tp1.json").unlink()
+    assert summary(str(tmp_path))["gpu_work_tree_tp1_over_fsdp_0.6b"] is None
