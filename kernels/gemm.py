@@ -48,7 +48,7 @@ import triton.language as tl
 from .autograd import matmul_with_grad
 from .dispatch import mode, route
 from .pipeline import launch_with_fitting_stages, num_sms
-from .tile_dot import dot_acc
+from .tile_dot import dot_acc, kernel_store_dtype
 from .reference.matmul import matmul_ref
 
 try:  # host-side TMA descriptors: Triton >= 3.4 (the device has 3.6, CI 3.9)
@@ -369,9 +369,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
             raise ValueError("launch: swiglu takes an [2I, K] w, without bias or w_kn")
         N //= 2
     interpreted = x.device.type != "cuda"
-    # The interpreter's bf16 casts round differently from torch: write float32 there and let
-    # torch round (never taken on the GPU); its tile products go through tile_dot.dot_acc.
-    kernel_out_dtype = torch.float32 if interpreted and out_dtype == torch.bfloat16 else out_dtype
+    # bf16 off the GPU: the kernel writes float32 and torch rounds (kernel_store_dtype); the
+    # interpreter's tile products go through tile_dot.dot_acc
+    kernel_out_dtype = kernel_store_dtype(out_dtype, x.device)
     if swiglu and kernel_out_dtype != out_dtype:  # the epilogue's roundings would be skipped
         raise ValueError("launch: swiglu with bfloat16 runs on the GPU only (the interpreter rounds bf16 unlike torch)")
     dst = out if out is not None and kernel_out_dtype == out_dtype else torch.empty(
@@ -491,8 +491,7 @@ def launch_weight_grad(dy: torch.Tensor, a: torch.Tensor, out_dtype: torch.dtype
     M, N = dy.shape
     K = a.shape[1]
     cfg = config if config is not None else weight_grad_config(dy.dtype)
-    # the interpreter's bf16 casts round differently from torch: it writes float32, torch rounds
-    kernel_dtype = torch.float32 if dy.device.type != "cuda" and out_dtype == torch.bfloat16 else out_dtype
+    kernel_dtype = kernel_store_dtype(out_dtype, dy.device)
     dw = torch.empty(segments, N, K, dtype=kernel_dtype, device=dy.device)
     if N and K:
         grid = (segments, triton.cdiv(N, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K))

@@ -53,7 +53,7 @@ from .autograd import with_recompute_backward
 from .dispatch import route
 from .gemm import launch_weight_grad
 from .reference.moe import moe_experts_ref, moe_route_ref, moe_route_weights_ref
-from .tile_dot import dot_acc
+from .tile_dot import dot_acc, kernel_store_dtype
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _PERMUTE_BLOCK = 1024
@@ -338,11 +338,6 @@ def _grouped_matmul_kernel(
         tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=(offs_m[:, None] < row_end) & (offs_n[None, :] < N))
 
 
-def _kernel_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    # the interpreter's bf16 casts round differently from torch: it writes float32, torch rounds
-    return torch.float32 if device.type != "cuda" and dtype == torch.bfloat16 else dtype
-
-
 def _precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
@@ -354,7 +349,7 @@ def _launch_grouped(a: torch.Tensor, w: torch.Tensor, plan: ExpertPlan, gather: 
     n, k = w.shape[1], w.shape[2]
     s = plan.num_slots
     cfg = config or grouped_matmul_config(w.dtype, n, k)
-    out = torch.empty(s, n, dtype=_kernel_dtype(a.dtype, a.device), device=a.device)
+    out = torch.empty(s, n, dtype=kernel_store_dtype(a.dtype, a.device), device=a.device)
     if s and n:
         grid = (plan.max_row_tiles(cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N))
         _grouped_matmul_kernel[grid](
@@ -455,7 +450,7 @@ def _launch_combine(y: torch.Tensor, plan: ExpertPlan, weights: torch.Tensor | N
     t = s // plan.top_k
     if y.stride(1) != 1:
         y = y.contiguous()
-    out = torch.empty(t, n, dtype=_kernel_dtype(out_dtype, y.device), device=y.device)
+    out = torch.empty(t, n, dtype=kernel_store_dtype(out_dtype, y.device), device=y.device)
     if t and n:
         w = weights.float().contiguous() if weights is not None else y
         _combine_kernel[(t, triton.cdiv(n, _COMBINE_BLOCK_N))](

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -38,6 +39,13 @@ def _interpreting() -> bool:
 
 #: True when this process's ``@triton.jit`` kernels run under the CPU interpreter.
 INTERPRETED: tl.constexpr = tl.constexpr(_interpreting())
+
+
+def kernel_store_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a kernel's output buffer gets so that the result rounds to ``dtype`` as torch rounds:
+    ``dtype`` itself, except bfloat16 off the GPU, where the interpreter's bf16 casts round differently
+    from torch's: there the kernel stores float32 and the caller rounds with torch (``.to(dtype)``)."""
+    return torch.float32 if device.type != "cuda" and dtype == torch.bfloat16 else dtype
 
 
 @triton.jit

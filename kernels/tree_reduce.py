@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import route
-from .tile_dot import dot_acc
+from .tile_dot import dot_acc, kernel_store_dtype
 
 TREE_LEAVES = 8
 """Default leaf count S: the tree serves tensor-parallel sizes 1, 2, 4 and 8."""
@@ -120,8 +120,8 @@ _TREE_SUM_BLOCK = 1024
 def tree_sum_to(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``tree_sum(parts.float()).to(out_dtype)`` for ``parts`` [S, ...] (S in 1, 2, 4, 8): the same float32
     additions in the same tree and one rounding, as one launch where the policy runs Triton kernels
-    (instead of a cast, log2(S) adds and a cast). The interpreter stores float32 and torch rounds to
-    bfloat16 (its own bf16 casts round differently)."""
+    (instead of a cast, log2(S) adds and a cast); bf16 off the GPU is rounded by torch
+    (``kernel_store_dtype``)."""
     _check_leaves(parts.shape[0])
     how = route("matmul", parts.device)
     if how not in ("triton", "interpreter") or parts.shape[0] not in _FUSED_TREE_SIZES:
@@ -129,8 +129,7 @@ def tree_sum_to(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     flat = parts.reshape(parts.shape[0], -1)
     if flat.stride(1) != 1:
         flat = flat.contiguous()
-    kernel_dtype = torch.float32 if parts.device.type != "cuda" and out_dtype == torch.bfloat16 else out_dtype
-    out = torch.empty(parts.shape[1:], dtype=kernel_dtype, device=parts.device)
+    out = torch.empty(parts.shape[1:], dtype=kernel_store_dtype(out_dtype, parts.device), device=parts.device)
     n = out.numel()
     if n:
         _tree_sum_kernel[(triton.cdiv(n, _TREE_SUM_BLOCK),)](flat, out, n, flat.stride(0), LEAVES=parts.shape[0],
@@ -431,9 +430,8 @@ def _tree_node(a: torch.Tensor, b: torch.Tensor, leaves: int, config_n: int | No
         block_m, block_n, warps, stages = TREE_NODE_TILES[tile or TREE_NODE_TILE]
         M, N = a.shape[0], b.shape[0]
         block_k = gemm.matmul_config(a.dtype, config_n or N, width, M).BLOCK_K  # the leaf products' K steps
-        # the store rounds to out's dtype; the interpreter's bf16 casts round differently: float32 there
-        interpreted_bf16 = a.device.type != "cuda" and out_dtype == torch.bfloat16
-        out = torch.empty((M, N), dtype=torch.float32 if interpreted_bf16 else out_dtype, device=a.device)
+        # the kernel's store rounds to out's dtype (kernel_store_dtype: float32 for bf16 off the GPU)
+        out = torch.empty((M, N), dtype=kernel_store_dtype(out_dtype, a.device), device=a.device)
         grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
         _tree_node_kernel[grid](a, b, out, M, N, width, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                                 out.stride(0), out.stride(1), LEAVES=leaves, BLOCK_M=block_m, BLOCK_N=block_n,
