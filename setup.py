@@ -127,7 +127,7 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir=package_dir,
-    package_data={"rlperf": ["data/*", "data/**/*"]},
+    package_data={"rlperf": ["data/*", "data/**/*"], "rlperf.kernels": ["manifests/*.jsonl"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     install_requires=["torch>=2.6", "triton>=3.3", "numpy", "safetensors>=0.4", "aiohttp>=3.9", "tqdm", "perfetto>=0.59"],

@@ -8,9 +8,11 @@
 #   rollout.json/.log    rlperf bench rollout --quick: decode step time and launches per decode step
 #   embedded/ + .log     rlperf train --device cuda on the embedded default (10 rollouts, gates skipped):
 #                        the median step and train phase per rollout (the issue's <= 0.1 s per step)
-#   gate-cold.log / gate-warm.log   rlperf gate on the qwen3-0.6b shape twice: wall seconds with an
-#                        empty kernel cache of its own, then with that cache warm, and the first step's
-#                        stages (the report's stage_seconds: setup, step, probe, other)
+#   gate-cold.log / gate-warm.log / gate-cold-precompiled.log   rlperf gate on the qwen3-0.6b shape three
+#                        times: wall seconds with an empty kernel cache of its own (recording the kernel
+#                        manifest kernel-manifest.jsonl), with that cache warm, and with another empty cache
+#                        and --precompile-kernels (GATE_MANIFEST, default the manifest just recorded); the
+#                        first step's stages (the report's stage_seconds: setup, step, probe, other)
 #   summary.md           eager vs graphed: tokens/s, train phase s, MFU, the ratio to eager, launches per
 #                        micro-step and per log-prob pass; launches per decode step
 #
@@ -19,7 +21,7 @@
 #   STEPS="embedded gate" bash bench/device_launch.sh # a subset of: tests loops rollout embedded gate
 #
 # Each step runs under `timeout` (tests loops rollout: 180 + 160 + 140 + 90 s at most; embedded gate:
-# 150 + 2 x 90 s: run those two in another lane or call to stay within a device call's 10 minutes) and a failing step does not stop the next; the exit status is 1 if any step failed.
+# 150 + 3 x 90 s: run those two in another lane or call to stay within a device call's 10 minutes) and a failing step does not stop the next; the exit status is 1 if any step failed.
 # The Triton cache starts cold on a fresh machine: the tests compile the training kernels, the loops
 # reuse them.
 set -uo pipefail
@@ -54,15 +56,22 @@ if wanted embedded; then
     --num-rollout 10 --output-dir "$OUT/embedded"
 fi
 if wanted gate; then
-  # cold: an empty Triton cache of its own (whatever the steps before compiled); warm: the same cache
-  # again, filled by the cold run alone. Python bytecode is cached by device_setup.sh (a fresh machine
-  # writes it in its first python3 process: run another step first for a cold-kernels-only number).
-  TRITON_CACHE_DIR=$(mktemp -d)
-  export TRITON_CACHE_DIR  # the gates are the last step: nothing after them uses another cache
-  for run in cold warm; do
-    step gate-$run 90 python3 -m rlperf gate --device cuda --model qwen3-0.6b --no-progress \
-      --output-dir "$OUT/gate-$run" --report-json "$OUT/gate-$run.json"
-  done
+  # cold: an empty Triton cache of its own, no precompile, recording the kernel manifest of the run;
+  # warm: that cache again; cold-precompiled: another empty cache with --precompile-kernels of
+  # $GATE_MANIFEST (default: the manifest the cold run just recorded; "auto": the one rlperf ships).
+  # Python bytecode is cached by device_setup.sh (a fresh machine writes it in its first python3 process:
+  # run another step first for a cold-kernels-only number).
+  recorded="$OUT/kernel-manifest.jsonl"
+  cold_cache=$(mktemp -d)
+  gate() {  # run-name cache-dir flags...
+    local run=$1 cache=$2; shift 2
+    TRITON_CACHE_DIR=$cache step gate-$run 90 python3 -m rlperf gate --device cuda --model qwen3-0.6b --no-progress \
+      --output-dir "$OUT/gate-$run" --report-json "$OUT/gate-$run.json" "$@"
+  }
+  gate cold "$cold_cache" --precompile-kernels off --record-kernels "$recorded"
+  gate warm "$cold_cache" --precompile-kernels off
+  gate cold-precompiled "$(mktemp -d)" --precompile-kernels "${GATE_MANIFEST:-$recorded}"
+  grep -h "kernel precompile" "$OUT/gate-cold-precompiled.log" || true
 fi
 python3 - "$OUT" "$BUCKETS" <<'PY' || status=1
 import json, sys
@@ -116,7 +125,7 @@ if metrics.exists():
               f"| 10 rollouts, gates skipped | {len(rows)} | {med('perf/step_time'):.3f} | {med('perf/train_time'):.3f} "
               f"| {max(r.get('train/train_rollout_logprob_abs_diff', float('nan')) for r in rows)} "
               f"| {rows[-1].get('rollout/raw_reward')} |"]
-for run in ("cold", "warm"):
+for run in ("cold", "warm", "cold-precompiled"):
     done = out / f"gate-{run}.rc-seconds"
     report = load(f"gate-{run}.json")
     if done.exists():

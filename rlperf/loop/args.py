@@ -18,6 +18,7 @@ namespaces of ``rlperf gate`` with a hand-made first step carry the training cor
 from __future__ import annotations
 
 import argparse
+import os
 
 from rlperf import flags
 from rlperf.rollout.args import API_KEY_ENV, add_device_arguments, add_kernel_arguments
@@ -146,7 +147,16 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
                         "CUDA, fp32 on CPU (bf16 on CPU runs the torch reference in bf16: a test path)")
     g.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="--precision bf16 (slime's name)")
     g.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="--precision fp32")
-    add_kernel_arguments(p.add_argument_group("kernels"), auto_cpu="the torch reference (the trainer's CPU path)")
+    g = p.add_argument_group("kernels")
+    add_kernel_arguments(g, auto_cpu="the torch reference (the trainer's CPU path)")
+    g.add_argument("--precompile-kernels", default="auto", metavar="auto|off|FILE",
+                   help="CUDA: compile the Triton kernels a kernel manifest lists in worker processes while the run "
+                        "builds its model, so its first launches load them from Triton's cache instead of compiling "
+                        "one by one (docs/gate.md, cold start); auto: the manifest shipped for this GPU and Triton "
+                        "version, if any; FILE: a manifest --record-kernels wrote (default: auto)")
+    g.add_argument("--record-kernels", default=None, metavar="FILE",
+                   help="append every Triton kernel specialization this run compiles to FILE, a kernel manifest "
+                        "for --precompile-kernels (CUDA; lines already in FILE are kept)")
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=flags.seed, default=1234,
                    help="seeds the initial weights, the data order and every sample's sampling")
@@ -387,6 +397,9 @@ def check_flag_values(ns: argparse.Namespace) -> None:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
     if ns.num_threads is not None and ns.num_threads < 0:
         raise UsageError(f"--num-threads must be >= 1 (or 0: torch's default), got {ns.num_threads}")
+    if ns.precompile_kernels not in ("auto", "off") and not os.path.isfile(ns.precompile_kernels):
+        raise UsageError(f"--precompile-kernels {ns.precompile_kernels}: no such manifest file (auto, off or a file "
+                         f"--record-kernels wrote)")
     # the sampling kernel's types; the rollout server checks its sampling_params with the same function
     check_sampling_values(ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k, positive_temperature=True,
                           error=UsageError, names={"temperature": "--rollout-temperature",

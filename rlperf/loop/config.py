@@ -180,6 +180,10 @@ class RuntimeConfig:
     seed: int
     deterministic: bool
     """``--deterministic-mode``: torch's deterministic algorithms (and cuBLAS's fixed workspace)."""
+    precompile_kernels: str = "auto"
+    """``--precompile-kernels``: ``auto``, ``off`` or a kernel manifest file (:mod:`rlperf.kernels.precompile`)."""
+    record_kernels: str | None = None
+    """``--record-kernels``: the kernel manifest this run appends its compiles to, or None."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +256,8 @@ class RunConfig:
                               ns.train_backend, _megatron_config(ns),
                               MoEConfig(ns.use_rollout_routing_replay, ns.expert_model_parallel_size)),
             runtime=RuntimeConfig(ns.device, ns.num_threads, ns.mode, ns.kernel_backend, ns.seed,
-                                  ns.deterministic_mode),
+                                  ns.deterministic_mode, getattr(ns, "precompile_kernels", "auto"),
+                                  getattr(ns, "record_kernels", None)),
             placement=PlacementConfig(ns.actor_num_nodes, ns.actor_num_gpus_per_node, ns.placement, ns.ray_address),
             telemetry=TelemetryConfig(ns.output_dir, ns.no_progress, ns.logger_config),
             num_rollout=ns.num_rollout, async_mode=ns.async_mode, true_on_policy=ns.true_on_policy_mode,

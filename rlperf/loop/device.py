@@ -165,3 +165,23 @@ def cpu_memory_warning(ns: argparse.Namespace) -> str | None:
             f"before activations ({CPU_RUN_MODEL_COPIES} float32 copies: weights, gradients, AdamW's two moments, "
             f"the reference and the engine's weights){machine}; each step takes minutes. The CPU path is made for "
             f"the tiny presets (--model tiny, qwen3-moe-tiny), larger models for --device cuda")
+
+
+def start_kernel_precompile(precompile_kernels: str, record_kernels: str | None, device, policy, local_leader: bool):
+    """A run's cold-start help (:mod:`rlperf.kernels.precompile`): ``(background, recorder)``, either None.
+
+    ``background``: ``--precompile-kernels`` (``auto``: the manifest shipped for this GPU and Triton
+    version; a file; ``off``) compiling in worker processes while the run builds itself, started by one
+    process per host (``local_leader``) on CUDA with the Triton backend; None otherwise or when ``auto``
+    finds no manifest. ``recorder``: an entered :class:`rlperf.kernels.precompile.ManifestRecorder` of
+    ``--record-kernels`` (CUDA only: the interpreter compiles nothing), to be exited when the run closes."""
+    from rlperf.kernels import precompile
+
+    on_gpu = device.type == "cuda" and policy.backend_for(device) == "triton"
+    recorder = precompile.ManifestRecorder(record_kernels).__enter__() if (record_kernels and on_gpu) else None
+    background = None
+    if on_gpu and local_leader and precompile_kernels != "off":
+        manifest = precompile.shipped_manifest() if precompile_kernels == "auto" else precompile_kernels
+        if manifest is not None:
+            background = precompile.start_precompile(manifest)
+    return background, recorder

@@ -67,7 +67,7 @@ from .build import build_data, build_model, reference_model, usage_errors, warm_
 from .clients import ServerAuthError, client_for
 from .config import RunConfig
 from .data_parallel import broadcast_from_rank0, max_over_ranks, rank_and_world
-from .device import compute_dtype, kernel_policy, run_device
+from .device import compute_dtype, kernel_policy, run_device, start_kernel_precompile
 from .generation import DataSource, load_rollout_data, rollout_kv_tokens, save_rollout_data
 from .metrics import (METRICS_FILE, fault_metrics, isatty, open_metrics, rollout_metrics, step_metrics, summary_line,
                       train_metrics)
@@ -116,6 +116,10 @@ class Run:
         self.precision = config.train.precision
         # several actor ranks: this process is rank `rank` of `world_size`; rank 0 alone writes files and prints
         self.rank, self.world_size = rank_and_world()
+        # --precompile-kernels: worker processes fill Triton's cache while the run builds (one per host)
+        self.precompile, self.kernel_recorder = start_kernel_precompile(
+            rt.precompile_kernels, rt.record_kernels if self.rank == 0 else None, self.device, self.policy,
+            local_leader=int(os.environ.get("LOCAL_RANK", self.rank)) == 0)
         self.last_sync = None  # the SyncStats of the latest weight sync
         self.last_checksum = None  # the engines' weights checksum read back by the latest sync(checksum=True)
         self.setup_seconds: dict[str, float] = {}  # where building this run went (the gates' report shows it)
@@ -195,7 +199,8 @@ class Run:
 
     def close(self) -> None:
         """Release what the run started: the engines' weight-update group and, with ``--rollout-num-gpus``,
-        the engine and router processes (:mod:`rlperf.loop.engines`), then what the trainer backend set up."""
+        the engine and router processes (:mod:`rlperf.loop.engines`), then what the trainer backend set up;
+        last the kernel precompile (stopped if still running) and the kernel recorder."""
         try:
             self.client.close()
         finally:
@@ -203,7 +208,23 @@ class Run:
                 if self.fleet is not None:
                     self.fleet.close()
             finally:
-                self.trainer.close()
+                try:
+                    self.trainer.close()
+                finally:
+                    self.close_kernel_cache_help()
+
+    def close_kernel_cache_help(self) -> str | None:
+        """Stop the background precompile (what it compiled stays in Triton's cache) and the recorder; the
+        precompile's summary line (rank 0 prints it), or None when none ran."""
+        if self.kernel_recorder is not None:
+            self.kernel_recorder.__exit__(None, None, None)
+            self.kernel_recorder = None
+        if self.precompile is None:
+            return None
+        summary, self.precompile = self.precompile.finish(wait=not self.precompile.running()), None
+        if self.rank == 0:
+            print(f"{self.notice or 'rlperf'}: kernel precompile: {summary}", file=sys.stderr, flush=True)
+        return summary
 
     def kernels(self):
         """The run's kernel policy, for a block (every phase enters it; the async rollout thread too)."""

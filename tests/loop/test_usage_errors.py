@@ -33,7 +33,7 @@ def _usage_error(tmp_path, capsys, *flags) -> str:
     ("--rollout-temperature", "1e300"), ("--rollout-temperature", "0"), ("--rollout-temperature", "-1"),
     ("--rollout-temperature", "1e-50"), ("--rollout-top-k", "-5"), ("--rollout-top-k", str(TOP_K_MAX + 1)),
     ("--lr", "-1"), ("--lr", "nan"), ("--lr", "inf"), ("--eps-clip", "nan"), ("--adam-beta1", "1"),
-    ("--weight-decay", "-0.1"), ("--model", "bogus"),
+    ("--weight-decay", "-0.1"), ("--model", "bogus"), ("--precompile-kernels", "no-such-manifest.jsonl"),
 ])
 def test_bad_flag_value(tmp_path, capsys, flags):
     err = _usage_error(tmp_path, capsys, *flags)
