@@ -7,7 +7,8 @@
 #   loop-graphed.json/.log    the same with --cuda-graph-buckets $BUCKETS
 #   rollout.json/.log    rlperf bench rollout --quick: decode step time and launches per decode step
 #   embedded/ + .log     rlperf train --device cuda on the embedded default (10 rollouts, gates skipped):
-#                        the median step and train phase per rollout (the issue's <= 0.1 s per step)
+#                        the median step and train phase per rollout (the issue's <= 0.1 s per step); its
+#                        kernel manifest in kernel-manifest-train.jsonl
 #   gate-cold.log / gate-warm.log / gate-cold-precompiled.log   rlperf gate on the qwen3-0.6b shape three
 #                        times: wall seconds with an empty kernel cache of its own (recording the kernel
 #                        manifest kernel-manifest.jsonl), with that cache warm, and with another empty cache
@@ -53,7 +54,7 @@ fi
 wanted rollout && step rollout 90 python3 -m rlperf bench rollout --quick --json "$OUT/rollout.json"
 if wanted embedded; then
   step embedded 150 python3 -m rlperf train --device cuda --true-on-policy-mode --no-progress --skip-gates \
-    --num-rollout 10 --output-dir "$OUT/embedded"
+    --num-rollout 10 --output-dir "$OUT/embedded" --record-kernels "$OUT/kernel-manifest-train.jsonl"
 fi
 if wanted gate; then
   # cold: an empty Triton cache of its own, no precompile, recording the kernel manifest of the run;
