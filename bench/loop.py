@@ -58,11 +58,14 @@ def write_synthetic_prompts(path: Path, n: int = 64, seed: int = 0) -> Path:
 def loop_flags(prompt_data: Path, output_dir: Path, *, model: str = MODEL, device: str = "cuda",
                prompts: int = PROMPTS, samples_per_prompt: int = SAMPLES_PER_PROMPT,
                response_len: int = RESPONSE_LEN, num_rollout: int = 3,
-               cuda_graph_buckets: tuple[int, ...] = ()) -> list[str]:
-    """``rlperf train`` flags of the synthetic loop (``device_e2e.sh``'s ``synthetic`` stage); with
-    ``cuda_graph_buckets``, ``--cuda-graph-buckets`` too (graphed log-prob passes and micro-steps)."""
-    graphs = ["--cuda-graph-buckets", ",".join(map(str, cuda_graph_buckets))] if cuda_graph_buckets else []
-    return graphs + ["--model", model, "--device", device, "--prompt-data", str(prompt_data), "--rm-type", "exact",
+               cuda_graph_buckets: tuple[int, ...] | str = ()) -> list[str]:
+    """``rlperf train`` flags of the synthetic loop (``device_e2e.sh``'s ``synthetic`` stage) with
+    ``--cuda-graph-buckets``: ``()`` eager (``none``: this benchmark's default, the anchor a graphed run
+    is compared with, although ``rlperf train``'s own default graphs these micro-steps), ``"auto"``
+    ``rlperf train``'s default, or the token counts (graphed log-prob passes and micro-steps)."""
+    graphs = (cuda_graph_buckets if isinstance(cuda_graph_buckets, str)
+              else ",".join(map(str, cuda_graph_buckets)) or "none")
+    return ["--cuda-graph-buckets", graphs] + ["--model", model, "--device", device, "--prompt-data", str(prompt_data), "--rm-type", "exact",
             "--rollout-batch-size", str(prompts), "--n-samples-per-prompt", str(samples_per_prompt),
             "--global-batch-size", str(prompts * samples_per_prompt), "--rollout-max-response-len", str(response_len),
             "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
@@ -218,8 +221,9 @@ def rows_from(m: dict, peak_flops: float) -> list[BenchRow]:
     ]
 
 
-def run(quick: bool = False, cuda_graph_buckets: tuple[int, ...] = ()) -> list[BenchRow]:
-    """The rows (module docstring); ``cuda_graph_buckets``: ``rlperf bench loop --cuda-graph-buckets``."""
+def run(quick: bool = False, cuda_graph_buckets: tuple[int, ...] | str = ()) -> list[BenchRow]:
+    """The rows (module docstring); ``cuda_graph_buckets``: ``rlperf bench loop --cuda-graph-buckets``
+    (:func:`loop_flags`; default eager)."""
     if not torch.cuda.is_available():
         raise RuntimeError("the loop benchmark needs a CUDA GPU")
     peak = matmul_peak()

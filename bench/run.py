@@ -58,10 +58,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mib", default=None, metavar="LIST",
                    help="with sync --distributed: the bucket sizes to time, in MiB, comma-separated (e.g. "
                         "256,512,1024,2048); default: the loop's (rlperf.sync.DISTRIBUTED_BUCKET_BYTES), 512 and 2048")
-    p.add_argument("--cuda-graph-buckets", default=None, metavar="LIST", type=token_buckets,
-                   help="with loop: train with rlperf train --cuda-graph-buckets LIST (comma-separated token counts, "
-                        "e.g. 1024,2048,4096): each packed micro-batch padded to its bucket and its log-prob pass and "
-                        "train micro-step replayed from CUDA graphs; default: eager")
+    p.add_argument("--cuda-graph-buckets", default=None, metavar="auto|none|LIST", type=token_buckets,
+                   help="with loop: train with rlperf train --cuda-graph-buckets auto, none or LIST (comma-separated "
+                        "token counts, e.g. 1024,2048,4096): each packed micro-batch padded to its bucket and its "
+                        "log-prob pass and train micro-step replayed from CUDA graphs; default: none (eager, the "
+                        "anchor a graphed run is compared with; rlperf train's own default is auto)")
     p.add_argument("--sglang-variants", default=None, metavar="LIST", type=parse_sglang_variants,
                    help="with rollout (the full run): the SGLang anchors to run, comma-separated: "
                         "fast (SGLang's default mode, flashinfer attention), det-flashinfer "
@@ -159,10 +160,10 @@ def run_benchmarks(args: argparse.Namespace) -> int:
                   "(e.g. 256,512,1024,2048)", file=sys.stderr)
             return 2
         run_kwargs["bucket_sizes"] = sizes
-    if getattr(args, "cuda_graph_buckets", None):
+    if getattr(args, "cuda_graph_buckets", None) is not None:
         if names != ["loop"]:
             print("rlperf bench: --cuda-graph-buckets goes with the loop benchmark alone: rlperf bench loop "
-                  "--cuda-graph-buckets LIST", file=sys.stderr)
+                  "--cuda-graph-buckets auto|none|LIST", file=sys.stderr)
             return 2
         run_kwargs["cuda_graph_buckets"] = args.cuda_graph_buckets
     if getattr(args, "sglang_variants", None) is not None:

@@ -116,13 +116,27 @@ def check_token_buckets(values) -> tuple[int, ...]:
     return out
 
 
-def token_buckets(text: str) -> tuple[int, ...]:
-    """A ``type=``: comma-separated token counts (``2048,4096,8192``), :func:`check_token_buckets`."""
+AUTO_BUCKETS = "auto"
+"""``--cuda-graph-buckets auto`` (the default), as parsed: the loop resolves it for its host
+(:func:`rlperf.loop.resolve.resolve_cuda_graph_buckets`) before anything reads the buckets."""
+
+
+def token_buckets(text: str) -> tuple[int, ...] | str:
+    """A ``type=``: :data:`AUTO_BUCKETS` (returned as is), ``none`` (``()``: eager) or comma-separated
+    token counts (``2048,4096,8192``), :func:`check_token_buckets`."""
+    word = text.strip().lower()
+    if word == AUTO_BUCKETS:
+        return AUTO_BUCKETS
+    if word == "none":
+        return ()
+    takes = "expected auto, none or token counts, comma-separated (e.g. 2048,4096,8192)"
     parts = [t for t in text.split(",") if t.strip()]
     if not parts:
-        raise argparse.ArgumentTypeError(f"{text[:40]!r}: expected token counts, comma-separated (e.g. 2048,4096,8192)")
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: {takes}")
     try:
         return check_token_buckets([_int(t) for t in parts])
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}: {takes}") from None
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -100,6 +100,21 @@ def test_token_buckets_parse_sort_and_refuse():
 
     assert token_buckets("4096,1024,2048,1024") == (1024, 2048, 4096)
     assert token_buckets(" 513 ") == (513,)
-    for bad, why in (("", "expected token counts"), ("1024,x", "not an integer"), ("1,64", "--cuda-graph-buckets takes token counts >= 2")):
+    assert token_buckets("auto") == token_buckets(" AUTO ") == "auto"  # the loop resolves it for its host
+    assert token_buckets("none") == ()  # eager
+    for bad, why in (("", "expected auto, none or token counts"), ("1024,x", "not an integer"),
+                     ("foo", "'foo' is not an integer: expected auto, none or token counts"),
+                     ("1,64", "--cuda-graph-buckets takes token counts >= 2"), ("1", "token counts >= 2")):
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             token_buckets(bad)
+
+
+@pytest.mark.parametrize("command", ["train", "gate"])
+@pytest.mark.parametrize("value", ["foo", "1", "auto,1024", ""])
+def test_bad_cuda_graph_buckets_exit_2_naming_the_flag(command, value, capsys):
+    from rlperf.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([command, "--cuda-graph-buckets", value])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "argument --cuda-graph-buckets" in err and "Traceback" not in err, err

@@ -5,8 +5,8 @@
 1. :func:`rlperf.loop.args.fill_task_defaults` and :func:`rlperf.loop.args.check_flag_values`: the
    flags alone (defaults, ranges, relations);
 2. :func:`probe_host`: what needs the host (``--device``, the GPUs the layout asks for, the kernel
-   backend, ``--precision auto``, ``--engine-weights auto``; :mod:`rlperf.loop.device`,
-   :func:`rlperf.loop.placement.check_actor_layout`);
+   backend, ``--precision auto``, ``--engine-weights auto``, ``--cuda-graph-buckets auto``;
+   :mod:`rlperf.loop.device`, :func:`rlperf.loop.placement.check_actor_layout`);
 3. :func:`check_inputs`: the files the run reads (the API key file, ``--load`` / ``--ref-load`` /
    ``--hf-checkpoint``: directories, ``config.json``, complete safetensors, the checkpoint pointer);
 4. :func:`check_outputs`: the directories it writes (``--save`` without checkpoints of another run
@@ -14,8 +14,8 @@
    removed).
 
 Every failure is a :class:`rlperf.loop.args.UsageError` naming the flag. The result is the parsed
-namespace completed (``embedded``, ``precision``, ``engine_weights``, ``disaggregated``,
-``engine_gpus``, ``train_args``, the API key); the run reads it once, as
+namespace completed (``embedded``, ``precision``, ``engine_weights``, ``cuda_graph_buckets``,
+``disaggregated``, ``engine_gpus``, ``train_args``, the API key); the run reads it once, as
 :class:`rlperf.loop.config.RunConfig`.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from rlperf.flags import AUTO_BUCKETS
 from rlperf.rollout.args import resolve_api_key
 from rlperf.telemetry.loggers import logger_config_from
 from rlperf.train.args import train_args_from
@@ -51,7 +52,8 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
 
 def probe_host(ns: argparse.Namespace) -> None:
     """Stage 2: the device, the engines' GPUs (``ns.disaggregated``, ``ns.engine_gpus``), the kernel
-    backend, the actor layout; ``--precision auto`` and ``--engine-weights auto`` decided for this host."""
+    backend, the actor layout; ``--precision auto``, ``--engine-weights auto`` and ``--cuda-graph-buckets
+    auto`` decided for this host."""
     if not ns.load and not ns.hf_checkpoint:  # the model is the preset
         from rlperf.model import preset
 
@@ -72,14 +74,13 @@ def probe_host(ns: argparse.Namespace) -> None:
     actor_ranks = check_actor_layout(ns, device).world_size  # --actor-num-*: ranks, GPUs, batch split
     if ns.train_backend == "megatron":
         check_megatron_layout(ns, device, actor_ranks)
-    if getattr(ns, "cuda_graph_buckets", ()):
-        check_cuda_graph_buckets(ns, device, actor_ranks)
     if ns.precision in (None, "auto"):
         ns.precision = "bf16" if device.type == "cuda" else "fp32"
     if ns.precision == "bf16" and device.type == "cpu" and policy.backend_for(device) == "interpreter":
         raise UsageError("--precision bf16 on CPU needs the reference backend: the Triton interpreter's bf16 "
                          "tl.dot and casts are wrong (docs/ARCHITECTURE.md, Measured facts); use --kernel-backend "
                          "reference or fp32")
+    resolve_cuda_graph_buckets(ns, device, actor_ranks)
     ew = ns.engine_weights
     if ew == "auto":
         ew = "shared" if (device.type == "cuda" and not ns.async_mode and ns.sglang_router_ip is None
@@ -98,6 +99,55 @@ def probe_host(ns: argparse.Namespace) -> None:
     ns.engine_weights = ew
 
 
+def resolve_cuda_graph_buckets(ns: argparse.Namespace, device, actor_ranks: int) -> None:
+    """``ns.cuda_graph_buckets`` made concrete (``ns.precision`` resolved first): an explicit list is
+    checked (:func:`check_cuda_graph_buckets`, a :class:`UsageError` where graphs do not apply); ``auto``
+    becomes :func:`rlperf.train.args.auto_cuda_graph_buckets` of ``--max-tokens-per-gpu`` where they do
+    (a CUDA device, one actor process of the fsdp backend, a dense model without routing replay,
+    ``--use-dynamic-batch-size``), bounded by the device's memory, and ``()`` (eager) elsewhere, silently.
+    A checkpoint's model is read from its ``config.json``; one that does not read stays eager (stage 3
+    reports it)."""
+    buckets = getattr(ns, "cuda_graph_buckets", ())
+    if buckets != AUTO_BUCKETS:
+        if buckets:
+            check_cuda_graph_buckets(ns, device, actor_ranks)
+        return
+    ns.cuda_graph_buckets = ()
+    if (device.type != "cuda" or ns.train_backend != "fsdp" or actor_ranks != 1 or ns.use_rollout_routing_replay
+            or not ns.use_dynamic_batch_size or not ns.max_tokens_per_gpu or ns.max_tokens_per_gpu < 1):
+        return
+    cfg = run_model_config(ns)
+    if cfg is None or cfg.moe_layers:
+        return
+    from rlperf.telemetry import memory
+    from rlperf.train.args import auto_cuda_graph_buckets
+
+    from .device import compute_dtype
+
+    try:
+        capacity = memory.capacity_bytes(device)
+    except (AssertionError, RuntimeError):  # a --placement ray driver may see no GPU: the ranks' memory is unknown
+        return
+    ns.cuda_graph_buckets = auto_cuda_graph_buckets(
+        ns.max_tokens_per_gpu, cfg.num_parameters * compute_dtype(ns.precision).itemsize, capacity)
+
+
+def run_model_config(ns: argparse.Namespace):
+    """The :class:`rlperf.model.ModelConfig` the run will train: the preset's, or the ``config.json`` of
+    ``--load``'s latest checkpoint or of ``--hf-checkpoint``; None when it does not read (stage 3 names
+    the flag)."""
+    from rlperf.model.config import preset, read_hf_config
+
+    try:
+        if ns.load is None and ns.hf_checkpoint is None:
+            return preset(ns.model)
+        from .checkpoint import model_dir
+
+        return read_hf_config(model_dir(ns.load) if ns.load else ns.hf_checkpoint)[0]
+    except (OSError, ValueError):
+        return None
+
+
 def check_cuda_graph_buckets(ns: argparse.Namespace, device, actor_ranks: int) -> None:
     """``--cuda-graph-buckets`` (:mod:`rlperf.train.cuda_graph`) on this host: a CUDA device, one actor
     process of the fsdp backend (the data-parallel and megatron trainers run their own micro-steps),
@@ -109,12 +159,12 @@ def check_cuda_graph_buckets(ns: argparse.Namespace, device, actor_ranks: int) -
                          f"{ns.train_backend} with {actor_ranks} actor rank(s))")
     if ns.use_rollout_routing_replay:
         raise UsageError("--cuda-graph-buckets does not go with --use-rollout-routing-replay (MoE routing is not captured)")
-    if not ns.load and not ns.hf_checkpoint:
-        from rlperf.model import preset
-
-        if preset(ns.model).moe_layers:
-            raise UsageError(f"--cuda-graph-buckets: --model {ns.model} has MoE layers, whose expert grouping is not "
-                             f"captured; dense models only")
+    cfg = run_model_config(ns)  # None: a checkpoint whose config.json does not read, which stage 3 reports
+    if cfg is not None and cfg.moe_layers:
+        model = (f"--model {ns.model}" if ns.load is None and ns.hf_checkpoint is None
+                 else f"--load {ns.load}" if ns.load else f"--hf-checkpoint {ns.hf_checkpoint}")
+        raise UsageError(f"--cuda-graph-buckets: {model} has MoE layers, whose expert grouping is not captured; "
+                         f"dense models only")
 
 
 def check_megatron_layout(ns: argparse.Namespace, device, actor_ranks: int) -> None:

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import math
 
-from rlperf.flags import check_token_buckets, token_buckets
+from rlperf.flags import AUTO_BUCKETS, check_token_buckets, token_buckets
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 FSDP_GATHER_MODES = ("auto", "step", "micro-batch")
@@ -15,6 +15,48 @@ KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 GATHERED_STEP_MEMORY_FRACTION = 0.25
 """``--fsdp-gather auto`` keeps a step's parameters gathered when full parameters (compute dtype) plus
 float32 gradients take at most this share of the device's memory (:mod:`rlperf.train.fsdp`)."""
+AUTO_BUCKET_FLOOR = 512
+"""``--cuda-graph-buckets auto``: no bucket below this many tokens (:func:`auto_cuda_graph_buckets`)."""
+AUTO_BUCKETS_MAX = 4
+"""``--cuda-graph-buckets auto``: at most this many buckets, ``M, M/2, M/4, M/8``."""
+AUTO_BUCKET_ROUNDING = 64
+"""``--cuda-graph-buckets auto``: each halved bucket is rounded up to a multiple of this many tokens."""
+AUTO_GRAPH_GRADIENT_FRACTION = 0.10
+"""``--cuda-graph-buckets auto``: the share of the device's memory the buckets' gradient copies may take."""
+
+
+def auto_cuda_graph_buckets(max_tokens_per_gpu: int, gradient_set_bytes: int = 0,
+                            capacity: int | None = None) -> tuple[int, ...]:
+    """The buckets of ``--cuda-graph-buckets auto`` where graphs apply (the one place this rule lives).
+
+    ``max_tokens_per_gpu`` M: ``--max-tokens-per-gpu``; ``gradient_set_bytes``: the trainable parameters
+    in the compute dtype (what each captured train step keeps as its gradient outputs); ``capacity``:
+    the device's memory in bytes (None: no memory bound). Returns the sorted buckets, ``()`` for eager.
+
+    The ladder: M itself, then halves (each rounded up to a multiple of :data:`AUTO_BUCKET_ROUNDING`)
+    while they stay >= :data:`AUTO_BUCKET_FLOOR`, at most :data:`AUTO_BUCKETS_MAX` buckets in all; so
+    M=4096 gives 512, 1024, 2048, 4096 and M=3000 gives 768, 1536, 3000. Why:
+
+    * the top bucket is M, not the next power of two: the packer fills micro-batches up to M, so every
+      micro-batch of a step but its last is close to M and pads by little;
+    * halving: a micro-batch pads to less than twice its tokens unless it is below the floor, and a
+      micro-step of fewer than 512 tokens is launch-bound (its kernels take less GPU time than the
+      host takes to issue some 950 launches), so padding it up to the floor costs close to nothing;
+    * few buckets: each (bucket, sequence-slot count) a run meets is captured on first use (two
+      warm-up runs and the capture, for the actor's and the reference's log-prob passes and the train
+      step) and keeps one set of parameter gradients in the compute dtype as graph outputs. Only the
+      largest buckets whose gradient sets fit :data:`AUTO_GRAPH_GRADIENT_FRACTION` of ``capacity`` are
+      kept (a large model on one GPU gets one bucket, or none: eager).
+    """
+    ladder = [max(int(max_tokens_per_gpu), 2)]
+    while len(ladder) < AUTO_BUCKETS_MAX:
+        half = -(-ladder[-1] // (2 * AUTO_BUCKET_ROUNDING)) * AUTO_BUCKET_ROUNDING
+        if half < AUTO_BUCKET_FLOOR or half >= ladder[-1]:
+            break
+        ladder.append(half)
+    if capacity is not None and gradient_set_bytes > 0:
+        ladder = ladder[:int(AUTO_GRAPH_GRADIENT_FRACTION * capacity // gradient_set_bytes)]
+    return tuple(sorted(ladder))
 
 
 @dataclasses.dataclass
@@ -64,7 +106,9 @@ class TrainArgs:
     """Token counts (sorted): pad each packed micro-batch to the smallest bucket >= its tokens and replay
     CUDA graphs captured per bucket for the log-prob passes and the train micro-step's forward and
     backward (:mod:`rlperf.train.cuda_graph`); empty: eager. Needs ``use_dynamic_batch_size`` with
-    ``max_tokens_per_gpu`` <= the largest bucket, so every micro-batch fits one."""
+    ``max_tokens_per_gpu`` <= the largest bucket, so every micro-batch fits one. Always concrete here:
+    the flag's ``auto`` is the loop's to resolve for its host (:func:`rlperf.loop.resolve.resolve_cuda_graph_buckets`;
+    :func:`train_args_from` reads an unresolved ``auto`` as eager)."""
     fsdp_gather: str = "auto"
     """Data parallel only (:class:`rlperf.train.fsdp.FSDPTrainer`): ``step`` gathers each layer's
     parameters once per log-prob pass and once per optimizer step, accumulates the micro-batches'
@@ -116,6 +160,9 @@ class TrainArgs:
             raise ValueError(f"need 0 <= --tis-clip-low <= --tis-clip, got {self.tis_clip_low} and {self.tis_clip}")
         if self.use_dynamic_batch_size and (self.max_tokens_per_gpu is None or self.max_tokens_per_gpu < 1):
             raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu >= 1")
+        if isinstance(self.cuda_graph_buckets, str):  # "auto" that no loop resolved: nothing may guess a device here
+            raise ValueError(f"--cuda-graph-buckets {self.cuda_graph_buckets!r}: TrainArgs takes token counts (or () "
+                             f"for eager); auto is resolved by rlperf train / rlperf gate for their device")
         if self.cuda_graph_buckets:
             check_token_buckets(self.cuda_graph_buckets)
             if not self.use_dynamic_batch_size:
@@ -187,12 +234,17 @@ def add_train_arguments(p, skip=(), task_defaults=()) -> None:
     add("--micro-batch-size", type=int, default=d.micro_batch_size,
         help="samples per micro-batch without --use-dynamic-batch-size")
     add("--global-batch-size", type=int, default=None, help="samples per optimizer step")
-    add("--cuda-graph-buckets", type=token_buckets, default=(), metavar="LIST",
-        help="CUDA only: pad each packed micro-batch with masked tokens to the smallest of these token counts >= its "
-             "size (comma-separated, e.g. 1024,2048,4096) and replay CUDA graphs captured per bucket for the log-prob "
-             "passes and the train micro-step (forward + backward): far fewer kernel launches from the host; the "
-             "log-probs, gradients and weights keep eager's bits in invariant mode (docs/train.md). Needs --use-dynamic-batch-size with --max-tokens-per-gpu <= the largest bucket "
-             "(default: eager)")
+    add("--cuda-graph-buckets", type=token_buckets, default=AUTO_BUCKETS, metavar="auto|none|LIST",
+        help="graphed micro-steps: pad each packed micro-batch with masked tokens to the smallest of these token "
+             "counts >= its size and replay CUDA graphs captured per bucket for the log-prob passes and the train "
+             "micro-step (forward + backward): far fewer kernel launches from the host; the log-probs, gradients "
+             "and weights keep eager's bits in invariant mode (docs/train.md). auto: where graphs apply (a CUDA "
+             "device, one actor process of the fsdp backend, a dense model without --use-rollout-routing-replay, "
+             f"--use-dynamic-batch-size with --max-tokens-per-gpu M) the buckets M, M/2, M/4, M/8, none below "
+             f"{AUTO_BUCKET_FLOOR} tokens, and only as many as keep their gradient copies within "
+             f"{AUTO_GRAPH_GRADIENT_FRACTION * 100:g}%% of the GPU's memory; elsewhere eager. none: eager. LIST: "
+             "comma-separated token counts (e.g. 1024,2048,4096), which need all of the above with M <= the "
+             "largest bucket (default: auto)")
     add("--fsdp-gather", default=d.fsdp_gather, choices=FSDP_GATHER_MODES,
         help="data-parallel ranks: gather the FSDP shards once per step and reduce-scatter the gradients once "
              "after the last micro-batch (step), or around every micro-batch (micro-batch: least memory); "
@@ -219,4 +271,6 @@ def train_args_from(ns) -> TrainArgs:
                 kw[f.name] = not getattr(ns, _NEGATED[f.name])
         elif hasattr(ns, f.name):
             kw[f.name] = getattr(ns, f.name)
+    if kw.get("cuda_graph_buckets") == AUTO_BUCKETS:  # not resolved by a loop (a hand-made first step): eager
+        kw["cuda_graph_buckets"] = ()
     return TrainArgs(**kw)

@@ -45,6 +45,10 @@ set of parameter gradients (the compute dtype) as static outputs.
 
 Limits: CUDA only (the constructor refuses other devices); one process (the data-parallel and
 megatron trainers do not use it); dense models without routing replay (the loop checks the flags).
+
+Default: ``--cuda-graph-buckets auto`` turns graphs on wherever those limits allow and micro-batches
+are packed (``--use-dynamic-batch-size``), with the buckets of
+:func:`rlperf.train.args.auto_cuda_graph_buckets` (the rule and why); ``none`` keeps every step eager.
 """
 from __future__ import annotations
 

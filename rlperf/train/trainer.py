@@ -31,7 +31,8 @@ weights (:meth:`Trainer._copy_master_to_compute`). Checkpoints save the float32 
 starts from the exact masters and AdamW state. With ``compute_dtype`` float32 (or None) master and
 compute weights are one set of parameters and nothing is copied (the CPU path, unchanged).
 
-CUDA graphs (``cuda_graph_buckets``, ``--cuda-graph-buckets``): each packed micro-batch is padded
+CUDA graphs (``cuda_graph_buckets``, ``--cuda-graph-buckets``; the loop's default on CUDA where they
+apply, :func:`rlperf.loop.resolve.resolve_cuda_graph_buckets`): each packed micro-batch is padded
 to its token-count bucket and the log-prob passes and the micro-step's forward and backward replay
 graphs captured per bucket (:mod:`rlperf.train.cuda_graph`); the policy loss, the master-gradient
 accumulation and the optimizer stay eager. The log-probs have the eager step's bits (row-invariant

@@ -1,6 +1,7 @@
 """Graphed micro-batches (``--cuda-graph-buckets``, :mod:`rlperf.train.cuda_graph`): the refusals on
 CPU, and on the GPU the replayed log-prob pass and train micro-step against the eager ones, bit for
 bit (log-probs, every gradient, a whole mixed-precision optimizer step), and the launches they save."""
+import argparse
 import dataclasses
 
 import pytest
@@ -237,6 +238,160 @@ def test_the_loop_refuses_layouts_the_graphs_do_not_cover():
         with pytest.raises(UsageError, match="--cuda-graph-buckets") as info:
             check_cuda_graph_buckets(args, device, ranks)
         assert why in str(info.value)
+
+
+def test_the_auto_ladder_halves_from_max_tokens_and_fits_the_memory_bound():
+    """``auto_cuda_graph_buckets``: M, then halves rounded up to 64 tokens, none below 512, at most 4;
+    only the largest buckets whose gradient sets fit 10% of the device's memory (none: eager)."""
+    from rlperf.train.args import auto_cuda_graph_buckets as auto
+
+    assert auto(4096) == (512, 1024, 2048, 4096)
+    assert auto(16384) == (2048, 4096, 8192, 16384)  # 4 buckets at most: M/8 is the smallest
+    assert auto(3000) == (768, 1536, 3000)  # the top bucket is M itself: full micro-batches pad nothing
+    assert auto(1100) == (576, 1100) and auto(600) == (600,) and auto(100) == (100,)
+    for m in (4096, 3000, 1100, 16384):
+        ladder = auto(m)
+        assert all(b <= 2 * a for a, b in zip(ladder, ladder[1:]))  # above the floor a micro-batch pads < 2x
+    gib = 1 << 30
+    assert auto(4096, 2 * gib, 80 * gib) == (512, 1024, 2048, 4096)  # 4 x 2 GiB <= 8 GiB
+    assert auto(4096, 3 * gib, 80 * gib) == (2048, 4096)  # the largest kept
+    assert auto(4096, 9 * gib, 80 * gib) == ()  # not one gradient set fits: eager
+
+
+def _resolve_ns(**kw):
+    from types import SimpleNamespace
+
+    base = dict(cuda_graph_buckets="auto", train_backend="fsdp", use_rollout_routing_replay=False, load=None,
+                hf_checkpoint=None, model="qwen3-0.6b", use_dynamic_batch_size=True, max_tokens_per_gpu=4096,
+                precision="bf16")
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.fixture
+def h100_memory(monkeypatch):
+    """A CUDA device of 80 GiB, as :func:`rlperf.telemetry.memory.capacity_bytes` reads it."""
+    from rlperf.telemetry import memory
+
+    monkeypatch.setattr(memory, "capacity_bytes", lambda device: 80 << 30)
+
+
+def test_auto_resolves_to_the_ladder_on_cuda_where_graphs_apply_and_to_eager_elsewhere(h100_memory):
+    """``resolve_cuda_graph_buckets`` (``rlperf train``/``gate``'s stage 2) on a CUDA device (faked:
+    the function reads only ``device.type`` and the capacity): ``auto`` becomes the ladder for one fsdp
+    process on a dense model with packed micro-batches, and ``()`` without an error where graphs do not
+    apply; ``none`` is ``()`` everywhere."""
+    from rlperf.loop.resolve import resolve_cuda_graph_buckets
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    ns = _resolve_ns()
+    resolve_cuda_graph_buckets(ns, cuda, 1)
+    assert ns.cuda_graph_buckets == (512, 1024, 2048, 4096)
+    ns = _resolve_ns(max_tokens_per_gpu=3000, precision="fp32")
+    resolve_cuda_graph_buckets(ns, cuda, 1)
+    assert ns.cuda_graph_buckets == (768, 1536, 3000)
+    ns = _resolve_ns(model="qwen3-4b")  # one bf16 gradient set (8 GB) fits 10% of 80 GiB, two do not
+    resolve_cuda_graph_buckets(ns, cuda, 1)
+    assert ns.cuda_graph_buckets == (4096,)
+    for ns, device, ranks in [
+        (_resolve_ns(), cpu, 1),
+        (_resolve_ns(), cuda, 2),
+        (_resolve_ns(train_backend="megatron"), cuda, 1),
+        (_resolve_ns(model="qwen3-moe-tiny"), cuda, 1),
+        (_resolve_ns(model="qwen3-moe-tiny", use_rollout_routing_replay=True), cuda, 1),
+        (_resolve_ns(use_dynamic_batch_size=False, max_tokens_per_gpu=None), cuda, 1),
+        (_resolve_ns(model="qwen3-8b"), cuda, 1),  # its gradient set alone is over the memory bound
+        (_resolve_ns(hf_checkpoint="/nonexistent"), cuda, 1),  # stage 3 names the flag; eager until then
+        (_resolve_ns(cuda_graph_buckets=()), cuda, 1),  # --cuda-graph-buckets none
+        (_resolve_ns(cuda_graph_buckets=(), train_backend="megatron"), cuda, 2),
+    ]:
+        resolve_cuda_graph_buckets(ns, device, ranks)
+        assert ns.cuda_graph_buckets == (), (vars(ns), device, ranks)
+
+
+def test_an_explicit_list_keeps_its_refusals(h100_memory):
+    """An explicit list goes through :func:`check_cuda_graph_buckets` (exit 2 naming the flag) where
+    ``auto`` would silently stay eager; accepted where graphs apply, unchanged."""
+    from rlperf.loop import UsageError
+    from rlperf.loop.resolve import resolve_cuda_graph_buckets
+
+    cuda = torch.device("cuda")
+    ns = _resolve_ns(cuda_graph_buckets=(1024, 4096))
+    resolve_cuda_graph_buckets(ns, cuda, 1)
+    assert ns.cuda_graph_buckets == (1024, 4096)
+    for ns, device, ranks, why in [
+        (_resolve_ns(cuda_graph_buckets=(64,)), torch.device("cpu"), 1, "needs a CUDA device"),
+        (_resolve_ns(cuda_graph_buckets=(64,)), cuda, 2, "one actor process"),
+        (_resolve_ns(cuda_graph_buckets=(64,), train_backend="megatron"), cuda, 1, "fsdp backend"),
+        (_resolve_ns(cuda_graph_buckets=(64,), model="qwen3-moe-tiny"), cuda, 1, "MoE layers"),
+    ]:
+        with pytest.raises(UsageError, match="--cuda-graph-buckets") as info:
+            resolve_cuda_graph_buckets(ns, device, ranks)
+        assert why in str(info.value)
+
+
+def test_a_checkpoint_model_with_moe_layers_is_read_from_its_config(tmp_path, h100_memory):
+    """``--hf-checkpoint``: the model's MoE layers come from its config.json: ``auto`` stays eager and
+    an explicit list is refused naming both flags."""
+    import json
+
+    from rlperf.loop import UsageError
+    from rlperf.loop.resolve import resolve_cuda_graph_buckets
+    from rlperf.model.config import preset
+
+    cfg = preset("qwen3-moe-tiny")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "float32"}))
+    cuda = torch.device("cuda")
+    ns = _resolve_ns(hf_checkpoint=str(tmp_path))
+    resolve_cuda_graph_buckets(ns, cuda, 1)
+    assert ns.cuda_graph_buckets == ()
+    with pytest.raises(UsageError, match=f"--cuda-graph-buckets: --hf-checkpoint {tmp_path} has MoE layers"):
+        resolve_cuda_graph_buckets(_resolve_ns(hf_checkpoint=str(tmp_path), cuda_graph_buckets=(64,)), cuda, 1)
+
+
+def test_the_default_on_the_cpu_is_eager_without_an_error(tmp_path):
+    """``rlperf train``'s default (``auto``) on the CPU resolves to eager; ``none`` too; TrainArgs never
+    holds ``auto`` (:func:`train_args_from` of unresolved flags reads it as eager)."""
+    from rlperf.loop.resolve import parse_train_args
+    from rlperf.train.args import add_train_arguments, train_args_from
+
+    for flags in ([], ["--cuda-graph-buckets", "none"], ["--cuda-graph-buckets", "auto"]):
+        ns = parse_train_args(["--device", "cpu", "--output-dir", str(tmp_path), *flags])
+        assert ns.use_dynamic_batch_size  # the embedded task packs micro-batches: only the CPU keeps it eager
+        assert ns.cuda_graph_buckets == () and ns.train_args.cuda_graph_buckets == ()
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    assert p.parse_args([]).cuda_graph_buckets == "auto"
+    assert train_args_from(p.parse_args([])).cuda_graph_buckets == ()  # a hand-made first step: eager
+    with pytest.raises(ValueError, match="auto is resolved by rlperf train / rlperf gate"):
+        TrainArgs(cuda_graph_buckets="auto")
+
+
+@pytest.mark.gpu
+def test_gpu_default_flags_replay_graphed_micro_steps(tmp_path):
+    """``rlperf train --device cuda`` with no other flag (the embedded task, tiny model, packed
+    micro-batches): ``auto`` resolves to the ladder, and one rollout's log-prob passes and train
+    micro-steps replay CUDA graphs, true on-policy (abs diff 0)."""
+    from rlperf.loop.resolve import parse_train_args
+    from rlperf.loop.runner import Run
+    from rlperf.train.args import auto_cuda_graph_buckets
+
+    ns = parse_train_args(["--device", "cuda", "--output-dir", str(tmp_path), "--no-progress",
+                           "--true-on-policy-mode", "--num-rollout", "1"])
+    assert ns.train_args.cuda_graph_buckets == auto_cuda_graph_buckets(ns.max_tokens_per_gpu) != ()
+    run = Run(ns)
+    try:
+        (metrics,) = run.run()
+        graphs = list(run.trainer._graphs.values())
+        assert graphs and any(g.train_graphs for g in graphs) and any(g.log_prob_graphs for g in graphs)
+        assert metrics["train/train_rollout_logprob_abs_diff"] == 0.0
+    finally:
+        run.close()
 
 
 def test_the_captured_pass_runs_on_fresh_leaves_that_alias_the_parameters():
