@@ -22,8 +22,10 @@ def test_wheel_install_exposes_top_level_subpackages(tmp_path):
                    check=True, capture_output=True)
     code = (
         "import rlperf, rlperf.kernels, rlperf.kernels.reference, rlperf.bench.harness, rlperf.model;"
-        "print(rlperf.kernels.__file__)"
+        "from rlperf.kernels import precompile;"
+        "print(rlperf.kernels.__file__); print(len(list(precompile.MANIFEST_DIR.glob('*.jsonl'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(target)),
                          capture_output=True, text=True, check=True).stdout
     assert str(target) in out, out
+    assert int(out.split()[-1]) >= 1, "the wheel lacks the shipped kernel manifests (kernels/manifests/*.jsonl)"
