@@ -28,11 +28,17 @@ bits: a run always launches what it compiles itself, and a specialization it fin
 the one it would have compiled).
 
 Manifests shipped with rlperf (``kernels/manifests/<backend>-<arch>-triton<version>.jsonl``, see
-:func:`shipped_manifest`) hold what ``rlperf gate`` and ``rlperf train`` compile on the qwen3-0.6b
-shape (the gate's default) and the embedded task; on CUDA those commands start :func:`start_precompile`
-with the one that matches the GPU and the Triton version before they build the model
-(``--precompile-kernels``). Other models share most specializations (tile configs and dtypes, not
-sizes, pick them); what a manifest lacks compiles on first launch as before.
+:func:`shipped_manifest`) hold what ``rlperf gate`` compiles on the qwen3-0.6b shape (the gate's default),
+what ``rlperf train`` compiles on the embedded task, and what an eager ``rlperf train`` of the 0.6b shape
+compiles over four rollouts of varying micro-batches (the attention backward's token and sequence
+counts divide by 16 or not, the lm head's float32 buffers are 16-byte aligned or not, and each
+combination is a specialization of its own: 13 more, ~5 s of compiles in an eager run's second
+rollout). On CUDA
+those commands start :func:`start_precompile` with the manifest that matches the GPU and the Triton
+version before they build the model (``--precompile-kernels``). Other models share most specializations
+(tile configs and dtypes, not sizes, pick them); what a manifest lacks compiles on first launch as before.
+Record a manifest again when a kernel's parameters change (a CPU test names the stale entries):
+``bash bench/device_launch.sh`` with ``STEPS="embedded gate"`` records ``kernel-manifest*.jsonl``.
 
     python -m rlperf.kernels.precompile FILE [--workers N]      # compile a manifest into the cache
     python -m rlperf.kernels.precompile --list                  # the shipped manifests and their sizes
