@@ -246,12 +246,20 @@ def compile_entry(entry: dict) -> float:
         return _as_tuple(value)
 
     constexprs = {tuple(k): constant(v) for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
-    attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
+    attrs = launch_attrs(fn, {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])})
     options = {k: _as_tuple(v) for k, v in spec["options"].items()}
     src = ASTSource(fn, signature, constexprs, attrs)
     kernel = triton.compile(src, target=GPUTarget(**entry["target"]), options=options)
     build_launcher(kernel)
     return time.perf_counter() - t0
+
+
+def launch_attrs(fn, attrs: dict) -> dict:
+    """An entry's attributes as a launch of ``fn`` today has them: an argument the kernel no longer
+    specializes (``do_not_specialize`` / ``do_not_specialize_on_alignment`` added since the recording)
+    carries no divisibility attribute in the launch's cache key, so the entry's is dropped."""
+    free = {i for i, p in enumerate(fn.params) if p.do_not_specialize or p.do_not_specialize_on_alignment}
+    return {k: v for k, v in attrs.items() if k[0] not in free}
 
 
 def build_launcher(kernel) -> bool:
@@ -302,10 +310,8 @@ def precompile(manifest: str | os.PathLike, workers: int | None = None, progress
     report = PrecompileReport(entries=len(entries), workers=min(workers or default_workers(), max(1, len(entries))))
     t0 = time.perf_counter()
     if entries:
-        import multiprocessing
-
         bar = _progress(len(entries)) if progress else contextlib.nullcontext(None)
-        with bar as tick, ProcessPoolExecutor(report.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with bar as tick, ProcessPoolExecutor(report.workers, mp_context=_worker_context(entries)) as pool:
             for future in as_completed([pool.submit(_compile_one, e) for e in entries]):
                 status, why = future.result()
                 setattr(report, status, getattr(report, status) + 1)
@@ -315,6 +321,23 @@ def precompile(manifest: str | os.PathLike, workers: int | None = None, progress
                     tick()
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _worker_context(entries: list[dict]):
+    """How the workers start: forked (Linux) from this process after it imported the manifest's kernel
+    modules and Triton's compiler, so no worker spends its first seconds importing torch and Triton (the
+    seconds the run's first kernels are wanted); spawned elsewhere. This process touches no GPU, so a
+    fork inherits no CUDA state."""
+    import importlib
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    importlib.import_module("triton.compiler")
+    for module in dict.fromkeys(e["kernel"].partition(":")[0] for e in entries):
+        with contextlib.suppress(Exception):  # a module that is gone: its entries report stale in the worker
+            importlib.import_module(module)
+    return multiprocessing.get_context("fork")
 
 
 @contextlib.contextmanager

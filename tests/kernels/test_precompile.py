@@ -112,6 +112,19 @@ def test_background_precompile_stopped_early_says_so(tmp_path, monkeypatch):
     assert not job.running()
 
 
+def test_an_argument_no_longer_specialized_loses_its_recorded_attribute(tmp_path):
+    code = textwrap.dedent("""
+        from rlperf.kernels.norm import _rmsnorm_kernel as fn
+        from rlperf.kernels.precompile import launch_attrs
+        free = fn.arg_names.index("rows_per_weight")  # do_not_specialize: a launch never marks it divisible
+        div = [["tt.divisibility", 16]]
+        assert launch_attrs(fn, {(0,): div, (free,): div}) == {(0,): div}
+    """)  # a compiled JITFunction (its params), not the interpreter's wrapper
+    out = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path / "cache"), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_bad_manifest_and_flags_exit_2_naming_them(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"kernel": "x"}\n')
