@@ -211,9 +211,9 @@ class Run:
                 try:
                     self.trainer.close()
                 finally:
-                    self.close_kernel_cache_help()
+                    self.close_kernel_precompile()
 
-    def close_kernel_cache_help(self) -> str | None:
+    def close_kernel_precompile(self) -> str | None:
         """Stop the background precompile (what it compiled stays in Triton's cache) and the recorder; the
         precompile's summary line (rank 0 prints it), or None when none ran."""
         if self.kernel_recorder is not None:
