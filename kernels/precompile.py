@@ -77,12 +77,18 @@ def current_target() -> dict:
     return dict(driver.active.get_current_target().__dict__)
 
 
+def shipped_manifest_path(target: dict | None = None) -> Path:
+    """Where the manifest for ``target`` (default: this process's GPU) and the installed Triton ships,
+    whether or not it does."""
+    import triton
+
+    return MANIFEST_DIR / manifest_name(target or current_target(), triton.__version__)
+
+
 def shipped_manifest(target: dict | None = None) -> Path | None:
     """The manifest shipped for ``target`` (default: this process's GPU) and the installed Triton, or
     None when there is none (another GPU generation or Triton version: kernels compile on first launch)."""
-    import triton
-
-    path = MANIFEST_DIR / manifest_name(target or current_target(), triton.__version__)
+    path = shipped_manifest_path(target)
     return path if path.is_file() else None
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 from .args import PRECISIONS, UsageError
 
@@ -181,7 +183,12 @@ def start_kernel_precompile(precompile_kernels: str, record_kernels: str | None,
     recorder = precompile.ManifestRecorder(record_kernels).__enter__() if (record_kernels and on_gpu) else None
     background = None
     if on_gpu and local_leader and precompile_kernels != "off":
-        manifest = precompile.shipped_manifest() if precompile_kernels == "auto" else precompile_kernels
-        if manifest is not None:
+        manifest = precompile.shipped_manifest_path() if precompile_kernels == "auto" else Path(precompile_kernels)
+        if manifest.is_file():
             background = precompile.start_precompile(manifest)
+        else:  # auto on a GPU generation or Triton version rlperf ships no manifest for (a FILE was checked)
+            what = (f"no kernel manifest ships for this GPU and Triton ({manifest.name})" if precompile_kernels == "auto"
+                    else f"--precompile-kernels {manifest}: no such file")
+            print(f"rlperf: {what}: kernels compile on first use; --record-kernels FILE writes a manifest for "
+                  f"--precompile-kernels FILE", file=sys.stderr, flush=True)
     return background, recorder

@@ -149,6 +149,7 @@ class Run:
         self.meter = PhaseMeter(self.device, self.timeline, notice=self.notice)
         self.trace = TrainerTrace(ns if self.rank == 0 else _without_profile(ns), self.out, self.start, self.device,
                                   error=UsageError)  # --profile-step-*
+        self.finish_kernel_precompile()  # if it ended while the run was built, say so now
 
     @contextlib.contextmanager
     def _setup_stage(self, name: str):
@@ -213,18 +214,23 @@ class Run:
                 finally:
                     self.close_kernel_precompile()
 
-    def close_kernel_precompile(self) -> str | None:
-        """Stop the background precompile (what it compiled stays in Triton's cache) and the recorder; the
-        precompile's summary line (rank 0 prints it), or None when none ran."""
-        if self.kernel_recorder is not None:
-            self.kernel_recorder.__exit__(None, None, None)
-            self.kernel_recorder = None
-        if self.precompile is None:
+    def finish_kernel_precompile(self, stop: bool = False) -> str | None:
+        """The background precompile's one-line summary, once (rank 0 prints it): when it has ended, or
+        at once with ``stop`` (stopping it: what it compiled stays in Triton's cache); None while it runs
+        and ``stop`` is False, or when none ran."""
+        if self.precompile is None or (self.precompile.running() and not stop):
             return None
-        summary, self.precompile = self.precompile.finish(wait=not self.precompile.running()), None
+        summary, self.precompile = self.precompile.finish(wait=False), None
         if self.rank == 0:
             print(f"{self.notice or 'rlperf'}: kernel precompile: {summary}", file=sys.stderr, flush=True)
         return summary
+
+    def close_kernel_precompile(self) -> None:
+        """Stop the kernel recorder and the background precompile (:meth:`finish_kernel_precompile`)."""
+        if self.kernel_recorder is not None:
+            self.kernel_recorder.__exit__(None, None, None)
+            self.kernel_recorder = None
+        self.finish_kernel_precompile(stop=True)
 
     def kernels(self):
         """The run's kernel policy, for a block (every phase enters it; the async rollout thread too)."""

@@ -51,6 +51,17 @@ def test_cuda_run_starts_the_named_manifest_and_the_recorder(tmp_path, monkeypat
     assert start_kernel_precompile("off", None, cuda, policy, True) == (None, None)
 
 
+def test_auto_without_a_manifest_for_this_gpu_says_so_and_starts_nothing(tmp_path, monkeypatch, capsys):
+    from rlperf.kernels import precompile
+
+    monkeypatch.setattr(precompile, "shipped_manifest_path", lambda: tmp_path / "cuda-80-triton9.9.9.jsonl")
+    policy = K.KernelPolicy(mode="invariant", backend="triton")
+    assert start_kernel_precompile("auto", None, torch.device("cuda"), policy, True) == (None, None)
+    err = capsys.readouterr().err
+    assert "no kernel manifest ships for this GPU and Triton (cuda-80-triton9.9.9.jsonl)" in err, err
+    assert "--record-kernels FILE" in err
+
+
 @pytest.mark.parametrize("flag", ["auto", "off"])
 def test_flag_values_parse(flag, tmp_path):
     from rlperf.loop import parse_train_args
