@@ -46,10 +46,12 @@ def main(argv=None) -> int:
             b = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16()
             cublas = cuda_time(lambda: a @ b.T).median_ms
             plain = cuda_time(lambda: T._matmul_out(a, b, torch.bfloat16)).median_ms
-            T.FUSED_LEAF_PRODUCTS = False
-            per_leaf_ms = cuda_time(lambda: T._tree_node(a, b, LEAVES)).median_ms
-            want = T._tree_node(a, b, LEAVES)
-            T.FUSED_LEAF_PRODUCTS = True
+            T.FUSED_LEAF_PRODUCTS = False  # the per-leaf path: the bits every tile must give
+            try:
+                per_leaf_ms = cuda_time(lambda: T._tree_node(a, b, LEAVES)).median_ms
+                want = T._tree_node(a, b, LEAVES)
+            finally:
+                T.FUSED_LEAF_PRODUCTS = True
             print(f"\n== {shape}: [{m}, {k}] x [{n}, {k}].T, {LEAVES} leaves; cuBLAS {cublas:.3f} ms, rlperf plain "
                   f"matmul {plain:.3f} ms ({cublas / plain:.3f}x), a launch per leaf {per_leaf_ms:.3f} ms "
                   f"({cublas / per_leaf_ms:.3f}x)")

@@ -2,9 +2,9 @@
 
 A Triton kernel compiles on its first launch with a new specialization: its argument types, which
 integer arguments equal 1 or divide by 16 and which pointers are 16-byte aligned, its constexpr
-values and its ``num_warps``/``num_stages``. One compile takes 0.3-2 s on one CPU core, and a cold
-``rlperf gate`` on the qwen3-0.6b shape runs them one after another as the run first reaches each
-kernel (``bench/BENCHMARKS.md``: 59 s cold against 11 s warm on an H100). Triton keeps every compile
+values and its ``num_warps``/``num_stages``. A cold ``rlperf gate`` on the qwen3-0.6b shape compiled them
+one after another as the run first reached each kernel (``bench/BENCHMARKS.md``: 47 s cold against 10 s
+warm on an H200; compiling the shipped manifest took 98 s of CPU for 59 specializations). Triton keeps every compile
 in its on-disk cache (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``) under a key of the kernel's
 source, the specialization, the options and the target; a process that compiles the same
 specialization later finds it there and loads it in milliseconds.
@@ -34,7 +34,7 @@ compiles over four rollouts of varying micro-batches (the attention backward's t
 counts divide by 16 or not, the lm head's float32 buffers are 16-byte aligned or not, and each
 combination is a specialization of its own: 13 more, ~5 s of compiles in an eager run's second
 rollout). On CUDA
-those commands start :func:`start_precompile` with the manifest that matches the GPU and the Triton
+those commands start :class:`BackgroundPrecompile` of the manifest that matches the GPU and the Triton
 version before they build the model (``--precompile-kernels``). Other models share most specializations
 (tile configs and dtypes, not sizes, pick them); what a manifest lacks compiles on first launch as before.
 Record a manifest again when a kernel's parameters change (a CPU test names the stale entries):
@@ -228,8 +228,8 @@ def _as_tuple(value):
     return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
 
 
-def compile_entry(entry: dict) -> float:
-    """Compile one manifest entry into Triton's on-disk cache (or find it there): its seconds. The source
+def compile_entry(entry: dict) -> None:
+    """Compile one manifest entry into Triton's on-disk cache (or find it there). The source
     is rebuilt as Triton's launch builds it (``ASTSource(kernel, signature, constexprs, attrs)``) so the
     cache key is the launch's. StaleEntry when the entry no longer fits the kernel."""
     import triton
@@ -237,7 +237,6 @@ def compile_entry(entry: dict) -> float:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    t0 = time.perf_counter()
     fn = _kernel(entry["kernel"])
     spec = entry["spec"]
     signature = {k: _as_tuple(v) for k, v in spec["signature"].items()}
@@ -257,7 +256,6 @@ def compile_entry(entry: dict) -> float:
     src = ASTSource(fn, signature, constexprs, attrs)
     kernel = triton.compile(src, target=GPUTarget(**entry["target"]), options=options)
     build_launcher(kernel)
-    return time.perf_counter() - t0
 
 
 def launch_attrs(fn, attrs: dict) -> dict:
@@ -270,9 +268,8 @@ def launch_attrs(fn, attrs: dict) -> dict:
 
 def build_launcher(kernel) -> bool:
     """Build the host-side launcher of a compiled kernel into the cache too: a small C module per argument
-    signature that Triton builds with the host's C compiler on the kernel's first launch (~0.3-0.5 s each,
-    as much again as many compiles; cached in ``TRITON_CACHE_DIR`` under a hash of its source, so the run's
-    own first launch loads it). Needs the GPU's driver library (not a GPU context): False where this host
+    signature that Triton otherwise builds with the host's C compiler on the kernel's first launch; cached
+    in ``TRITON_CACHE_DIR`` under a hash of its source, so the run's own first launch loads it. Needs the GPU's driver library (not a GPU context): False where this host
     has no CUDA (the kernel's compile is in the cache all the same)."""
     try:
         from triton.runtime import driver
@@ -404,11 +401,6 @@ class BackgroundPrecompile:
         if self._proc.returncode != 0:
             return f"failed (exit {self._proc.returncode}): {lines[-1] if lines else 'no output'}"
         return lines[-1].removeprefix("precompile: ") if lines else "no output"
-
-
-def start_precompile(manifest: str | os.PathLike, workers: int | None = None) -> BackgroundPrecompile:
-    """Start :class:`BackgroundPrecompile` of ``manifest``."""
-    return BackgroundPrecompile(manifest, workers)
 
 
 def main(argv=None) -> int:

@@ -185,7 +185,7 @@ def start_kernel_precompile(precompile_kernels: str, record_kernels: str | None,
     if on_gpu and local_leader and precompile_kernels != "off":
         manifest = precompile.shipped_manifest_path() if precompile_kernels == "auto" else Path(precompile_kernels)
         if manifest.is_file():
-            background = precompile.start_precompile(manifest)
+            background = precompile.BackgroundPrecompile(manifest)
         else:  # auto on a GPU generation or Triton version rlperf ships no manifest for (a FILE was checked)
             what = (f"no kernel manifest ships for this GPU and Triton ({manifest.name})" if precompile_kernels == "auto"
                     else f"--precompile-kernels {manifest}: no such file")

@@ -113,11 +113,9 @@ def resolve_cuda_graph_buckets(ns: argparse.Namespace, device, actor_ranks: int)
             check_cuda_graph_buckets(ns, device, actor_ranks)
         return
     ns.cuda_graph_buckets = ()
-    if (device.type != "cuda" or ns.train_backend != "fsdp" or actor_ranks != 1 or ns.use_rollout_routing_replay
-            or not ns.use_dynamic_batch_size or not ns.max_tokens_per_gpu or ns.max_tokens_per_gpu < 1):
-        return
     cfg = run_model_config(ns)
-    if cfg is None or cfg.moe_layers:
+    if (cfg is None or cuda_graph_refusal(ns, device, actor_ranks, cfg) is not None
+            or not ns.use_dynamic_batch_size or not ns.max_tokens_per_gpu or ns.max_tokens_per_gpu < 1):
         return
     from rlperf.telemetry import memory
     from rlperf.train.args import auto_cuda_graph_buckets
@@ -148,23 +146,32 @@ def run_model_config(ns: argparse.Namespace):
         return None
 
 
-def check_cuda_graph_buckets(ns: argparse.Namespace, device, actor_ranks: int) -> None:
-    """``--cuda-graph-buckets`` (:mod:`rlperf.train.cuda_graph`) on this host: a CUDA device, one actor
-    process of the fsdp backend (the data-parallel and megatron trainers run their own micro-steps),
-    a dense model without routing replay (the MoE layers' grouping is not captured)."""
+def cuda_graph_refusal(ns: argparse.Namespace, device, actor_ranks: int, cfg) -> str | None:
+    """Why graphed micro-steps (:mod:`rlperf.train.cuda_graph`) cannot run on this host, naming the flag,
+    or None: they need a CUDA device, one actor process of the fsdp backend (the data-parallel and
+    megatron trainers run their own micro-steps) and a dense model without routing replay (the MoE
+    layers' grouping is not captured). ``cfg``: :func:`run_model_config` (None: not read, not refused)."""
     if device.type != "cuda":
-        raise UsageError(f"--cuda-graph-buckets replays CUDA graphs: it needs a CUDA device (--device {device.type})")
+        return f"--cuda-graph-buckets replays CUDA graphs: it needs a CUDA device (--device {device.type})"
     if ns.train_backend != "fsdp" or actor_ranks != 1:
-        raise UsageError(f"--cuda-graph-buckets needs one actor process of the fsdp backend (got --train-backend "
-                         f"{ns.train_backend} with {actor_ranks} actor rank(s))")
+        return (f"--cuda-graph-buckets needs one actor process of the fsdp backend (got --train-backend "
+                f"{ns.train_backend} with {actor_ranks} actor rank(s))")
     if ns.use_rollout_routing_replay:
-        raise UsageError("--cuda-graph-buckets does not go with --use-rollout-routing-replay (MoE routing is not captured)")
-    cfg = run_model_config(ns)  # None: a checkpoint whose config.json does not read, which stage 3 reports
+        return "--cuda-graph-buckets does not go with --use-rollout-routing-replay (MoE routing is not captured)"
     if cfg is not None and cfg.moe_layers:
         model = (f"--model {ns.model}" if ns.load is None and ns.hf_checkpoint is None
                  else f"--load {ns.load}" if ns.load else f"--hf-checkpoint {ns.hf_checkpoint}")
-        raise UsageError(f"--cuda-graph-buckets: {model} has MoE layers, whose expert grouping is not captured; "
-                         f"dense models only")
+        return (f"--cuda-graph-buckets: {model} has MoE layers, whose expert grouping is not captured; "
+                f"dense models only")
+    return None
+
+
+def check_cuda_graph_buckets(ns: argparse.Namespace, device, actor_ranks: int) -> None:
+    """An explicit ``--cuda-graph-buckets`` list on this host: :class:`UsageError` with
+    :func:`cuda_graph_refusal`'s reason (a checkpoint whose ``config.json`` does not read is stage 3's to report)."""
+    why = cuda_graph_refusal(ns, device, actor_ranks, run_model_config(ns))
+    if why is not None:
+        raise UsageError(why)
 
 
 def check_megatron_layout(ns: argparse.Namespace, device, actor_ranks: int) -> None:

@@ -74,7 +74,7 @@ def test_precompiled_entry_is_the_launch_cache_key(tmp_path, monkeypatch):
     entry = P.read_manifest(manifest)[0]
     assert "extern_libs" not in entry["spec"]["options"] and "key" not in entry["spec"]
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))  # the background child inherits it (not the interpreter)
-    summary = P.start_precompile(manifest, workers=2).finish(timeout=600)
+    summary = P.BackgroundPrecompile(manifest, workers=2).finish(timeout=600)
     assert summary.startswith("1 of 1 kernel specialization(s) compiled"), summary
     before = _cache_entries(cache)
     assert before, "the precompile wrote nothing into TRITON_CACHE_DIR"
@@ -83,16 +83,16 @@ def test_precompiled_entry_is_the_launch_cache_key(tmp_path, monkeypatch):
 
 
 def test_stale_and_broken_entries_are_reported_not_raised(tmp_path):
-    good = {"kernel": SILU, "target": TARGET, "spec": {"signature": {"x_ptr": "*bf16"}, "constant_keys": [],
+    short = {"kernel": SILU, "target": TARGET, "spec": {"signature": {"x_ptr": "*bf16"}, "constant_keys": [],
                                                         "constant_vals": [], "attrs_keys": [], "attrs_vals": [],
                                                         "options": {"num_warps": 4}}}
-    gone = dict(good, kernel="rlperf.kernels.activation:_no_such_kernel")
-    not_kernel = dict(good, kernel="rlperf.kernels.activation:silu_mul")
-    assert P._compile_one(good)[0] == "stale"  # the kernel has more parameters than the entry
+    gone = dict(short, kernel="rlperf.kernels.activation:_no_such_kernel")
+    not_kernel = dict(short, kernel="rlperf.kernels.activation:silu_mul")
+    assert P._compile_one(short)[0] == "stale"  # the kernel has more parameters than the entry
     assert "_no_such_kernel" in P._compile_one(gone)[1]
     assert P._compile_one(not_kernel) == ("stale", "rlperf.kernels.activation:silu_mul: not a Triton kernel")
     manifest = tmp_path / "m.jsonl"
-    manifest.write_text("".join(json.dumps(e) + "\n" for e in (good, gone)))
+    manifest.write_text("".join(json.dumps(e) + "\n" for e in (short, gone)))
     out = subprocess.run([sys.executable, "-m", "rlperf.kernels.precompile", str(manifest), "--workers", "1"],
                          env=_env(tmp_path / "cache"), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -106,7 +106,7 @@ def test_background_precompile_stopped_early_says_so(tmp_path, monkeypatch):
                                                          "attrs_keys": [], "attrs_vals": [], "options": {}}}
     manifest.write_text(json.dumps(entry) + "\n")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    job = P.start_precompile(manifest, workers=1)
+    job = P.BackgroundPrecompile(manifest, workers=1)
     assert job.running()
     assert job.finish(wait=False).startswith("stopped before the end (m.jsonl)")
     assert not job.running()
