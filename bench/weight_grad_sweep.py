@@ -5,11 +5,12 @@
 Invariant mode differentiates a linear layer ``y = x @ w.T`` with ``rlperf.kernels.gemm.weight_grad``
 (``dw = g.T @ x``, the rows summed in fixed 64-row blocks) and ``input_grad`` (``dx = g @ w`` through
 the row-invariant matmul). This times, on the Qwen3-0.6b layer shapes at one micro-batch's token
-count, every candidate ``weight_grad`` config (TMA loads and pointer loads) and ``input_grad`` (reading
-w in place, and through a copy of ``w.T`` as before) next to cuBLAS's
-``g.T @ x`` and ``g @ w`` in the same run, and prints each as a ratio to cuBLAS (> 1: faster). A
-config is then chosen by hand for every shape (``weight_grad_config``: a function of the dtype, never
-of the token count), with the numbers in bench/BENCHMARKS.md.
+count, every candidate ``weight_grad`` config (TMA loads and pointer loads) and ``input_grad`` config
+(reading w in place; the default also through a copy of ``w.T`` as before) next to cuBLAS's
+``g.T @ x`` and ``g @ w`` in the same run, and prints each as a ratio to cuBLAS (> 1: faster), marking
+a config whose bits differ from the default's on the same input ("other bits"). A config is then chosen
+by hand (``weight_grad_config``: a function of the dtype, never of the token count; ``input_grad``'s in
+``kernels/gemm.py``'s table, per shape), with the numbers in bench/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -25,12 +26,30 @@ SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), 
 # name: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_M is the rows of the sum per step
 CANDIDATES = {
     "m64n128k128w8s3": (64, 128, 128, 8, 3),
+    "m64n128k128w8s4": (64, 128, 128, 8, 4),
     "m64n128k64w4s4": (64, 128, 64, 4, 4),
     "m64n128k128w4s3": (64, 128, 128, 4, 3),
     "m64n256k128w8s3": (64, 256, 128, 8, 3),
+    "m64n256k64w8s4": (64, 256, 64, 8, 4),
     "m32n128k128w4s4": (32, 128, 128, 4, 4),
     "m64n128k256w8s2": (64, 128, 256, 8, 2),
     "m128n128k128w8s2": (128, 128, 128, 8, 2),
+    "m64n128k256w8s3": (64, 128, 256, 8, 3),
+    "m64n256k128w8s2": (64, 256, 128, 8, 2),
+}
+# input_grad (dx = g @ w, w read in place as the [K, N] operand): name: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+INPUT_GRAD_CANDIDATES = {
+    "m64n128k128w4s4": (64, 128, 128, 4, 4),
+    "m64n128k64w4s6": (64, 128, 64, 4, 6),
+    "m64n256k64w4s4": (64, 256, 64, 4, 4),
+    "m64n256k64w8s4": (64, 256, 64, 8, 4),
+    "m128n128k64w8s4": (128, 128, 64, 8, 4),
+    "m128n128k64w8s5": (128, 128, 64, 8, 5),
+    "m128n128k64w4s4": (128, 128, 64, 4, 4),
+    "m128n256k64w8s3": (128, 256, 64, 8, 3),
+    "m128n256k64w8s4": (128, 256, 64, 8, 4),
+    "m128n128k128w8s3": (128, 128, 128, 8, 3),
+    "m128n64k128w4s4": (128, 64, 128, 4, 4),
 }
 
 
@@ -46,7 +65,7 @@ def main(argv=None) -> int:
         return 2
     dt, m = torch.bfloat16, args.tokens
     rows, ratios = [], {}
-    dx_ratios = []
+    dx_ratios, dx_cfg_ratios = [], {}
     for shape, (n, k) in SHAPES.items():
         g = torch.randn(m, n, device="cuda", dtype=dt)
         x = torch.randn(m, k, device="cuda", dtype=dt)
@@ -59,26 +78,43 @@ def main(argv=None) -> int:
                "input_grad_ms": ours_dx, "input_grad_vs_cublas": cublas_dx / ours_dx}
         copy_dx = cuda_time(lambda: launch(g, w.t().contiguous(), None, dt)).median_ms
         row["input_grad_via_wT_copy_ms"] = copy_dx
-        timed = []  # (candidate, ms or the failure), in sweep order
+        base_dx, base_dw = input_grad(g, w), launch_weight_grad(g, x, dt)
+        timed = []  # (candidate, ms or the failure, same bits as the default), in sweep order
+        for name, (bm, bn, bk, warps, stages) in INPUT_GRAD_CANDIDATES.items():
+            cfg = MatmulConfig(bm, bn, bk, 8, warps, stages)
+            try:
+                same = torch.equal(launch(g, w, None, dt, config=cfg, w_kn=True), base_dx)
+                ms = cuda_time(lambda: launch(g, w, None, dt, config=cfg, w_kn=True)).median_ms
+            except Exception as e:  # a config that does not fit shared memory on this GPU
+                ms, same = f"failed: {type(e).__name__}", None
+            else:
+                dx_cfg_ratios.setdefault(name, []).append(cublas_dx / ms)
+            row["input_grad " + name] = {"ms": ms, "same_bits_as_default": same}
+            timed.append(("dx " + name, ms, same))
         for name, (bm, bn, bk, warps, stages) in CANDIDATES.items():
             cfg = MatmulConfig(bm, bn, bk, 1, warps, stages)
             for tma, tag in ((None, ""), (False, " ptr")):
                 try:
+                    same = torch.equal(launch_weight_grad(g, x, dt, config=cfg, tma=tma), base_dw)
                     ms = cuda_time(lambda: launch_weight_grad(g, x, dt, config=cfg, tma=tma)).median_ms
                 except Exception as e:  # a config that does not fit shared memory on this GPU
-                    ms = f"failed: {type(e).__name__}"
+                    ms, same = f"failed: {type(e).__name__}", None
                 else:
                     ratios.setdefault(name + tag, []).append(cublas_dw / ms)
-                row[name + tag] = ms
-                timed.append((name + tag, ms))
+                row[name + tag] = {"ms": ms, "same_bits_as_default": same}
+                timed.append(("dw " + name + tag, ms, same))
         rows.append(row)
         print(f"{shape:8s} N={n} K={k} M={m}: cuBLAS dw {cublas_dw:.3f} ms, dx {cublas_dx:.3f} ms; input_grad "
-              f"{ours_dx:.3f} ms ({cublas_dx / ours_dx:.2f}x); weight_grad: "
-              + ", ".join(f"{c} {v:.3f}" if isinstance(v, float) else f"{c} {v}" for c, v in timed)
-              + f"; input_grad through a copy of w.T {copy_dx:.3f}")
-    print(f"input_grad vs cuBLAS g @ w, geomean: {geomean(dx_ratios):.3f}x")
+              f"{ours_dx:.3f} ms ({cublas_dx / ours_dx:.2f}x); "
+              + ", ".join((f"{c} {v:.3f}" if isinstance(v, float) else f"{c} {v}") + ("" if same in (True, None) else " (other bits)")
+                          for c, v, same in timed)
+              + f"; input_grad through a copy of w.T {copy_dx:.3f}", flush=True)
+    print(f"input_grad (default config) vs cuBLAS g @ w, geomean: {geomean(dx_ratios):.3f}x")
+    for name, r in dx_cfg_ratios.items():
+        if len(r) == len(SHAPES):
+            print(f"input_grad {name} vs cuBLAS g @ w, geomean over {len(r)} shapes: {geomean(r):.3f}x")
     for name, r in ratios.items():
-        if r:
+        if len(r) == len(SHAPES):
             print(f"weight_grad {name} vs cuBLAS g.T @ x, geomean over {len(r)} shapes: {geomean(r):.3f}x")
     if args.json:
         with open(args.json, "w") as f:

@@ -274,14 +274,16 @@ def _tma_capable(index: int) -> bool:
 _ELEMENT_SIZE = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 
 
-def _use_tma(dtype: torch.dtype, K: int, device: torch.device) -> bool:
-    """TMA needs 16-byte aligned rows; a function of (dtype, K, device) only, never of M."""
+def use_tma(dtype: torch.dtype, K: int, device: torch.device) -> bool:
+    """Whether rows of K ``dtype`` elements load through TMA descriptors on ``device``: TMA needs
+    16-byte aligned rows and an SM 90+ GPU (the CPU interpreter emulates it). A function of (dtype, K,
+    device) only, never of M."""
     if TensorDescriptor is None or (K * _ELEMENT_SIZE[dtype]) % 16:
         return False
     return device.type != "cuda" or _tma_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if a TMA descriptor can describe it (unit inner stride, 16-byte aligned base
     and row stride), else a fresh contiguous copy (fresh allocations are aligned)."""
     es = t.element_size()
@@ -378,10 +380,10 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
         (M, N), dtype=kernel_out_dtype, device=x.device)
     if M > 0 and N > 0:
         # [K, N] rows are N long: TMA then needs N, not K, 16-byte aligned
-        use_tma = (K > 0 and _use_tma(x.dtype, K, x.device) and (not w_kn or _use_tma(x.dtype, N, x.device))
+        tma_path = (K > 0 and use_tma(x.dtype, K, x.device) and (not w_kn or use_tma(x.dtype, N, x.device))
                    and tma is not False)
-        if use_tma:
-            x, w = _tma_ready(x), _tma_ready(w)
+        if tma_path:
+            x, w = tma_ready(x), tma_ready(w)
             x_arg = TensorDescriptor.from_tensor(x, [cfg.BLOCK_M, cfg.BLOCK_K])
             w_arg = TensorDescriptor.from_tensor(w, [cfg.BLOCK_K, cfg.BLOCK_N] if w_kn else [cfg.BLOCK_N, cfg.BLOCK_K])
         else:
@@ -401,7 +403,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
                 x.stride(0), x.stride(1), *((w.stride(1), w.stride(0)) if w_kn else (w.stride(0), w.stride(1))),
                 dst.stride(0), dst.stride(1),
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                HAS_BIAS=bias is not None, USE_TMA=use_tma,
+                HAS_BIAS=bias is not None, USE_TMA=tma_path,
                 PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", FLATTEN=cfg.flatten, W_KN=w_kn,
                 SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=stages,
             )
@@ -496,19 +498,19 @@ def launch_weight_grad(dy: torch.Tensor, a: torch.Tensor, out_dtype: torch.dtype
     if N and K:
         grid = (segments, triton.cdiv(N, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K))
         segmented = segment_offsets is not None
-        use_tma = (not segmented and rows_of_slot is None and M > 0 and tma is not False
-                   and _use_tma(dy.dtype, N, dy.device) and _use_tma(dy.dtype, K, dy.device))
+        tma_path = (not segmented and rows_of_slot is None and M > 0 and tma is not False
+                   and use_tma(dy.dtype, N, dy.device) and use_tma(dy.dtype, K, dy.device))
         dy_arg, a_arg = dy, a
-        if use_tma:
-            dy_arg = TensorDescriptor.from_tensor(_tma_ready(dy), [cfg.BLOCK_M, cfg.BLOCK_N])
-            a_arg = TensorDescriptor.from_tensor(_tma_ready(a), [cfg.BLOCK_M, cfg.BLOCK_K])
+        if tma_path:
+            dy_arg = TensorDescriptor.from_tensor(tma_ready(dy), [cfg.BLOCK_M, cfg.BLOCK_N])
+            a_arg = TensorDescriptor.from_tensor(tma_ready(a), [cfg.BLOCK_M, cfg.BLOCK_K])
         _weight_grad_kernel[grid](
             dy_arg, a_arg, dw, rows_of_slot if rows_of_slot is not None else dw,
             segment_offsets if segmented else dw,
             M, N, K, dy.stride(0), dy.stride(1), a.stride(0), a.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
             SEGMENTED=segmented, GATHER=rows_of_slot is not None, TOP_K=top_k,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-            PRECISION="tf32x3" if dy.dtype == torch.float32 else "tf32", USE_TMA=use_tma,
+            PRECISION="tf32x3" if dy.dtype == torch.float32 else "tf32", USE_TMA=tma_path,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dw.to(out_dtype)

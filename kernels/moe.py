@@ -51,7 +51,7 @@ import triton.language as tl
 from .activation import silu_mul
 from .autograd import with_recompute_backward
 from .dispatch import route
-from .gemm import launch_weight_grad
+from .gemm import TensorDescriptor, launch_weight_grad, tma_ready, use_tma
 from .reference.moe import moe_experts_ref, moe_route_ref, moe_route_weights_ref
 from .tile_dot import dot_acc, kernel_store_dtype
 
@@ -290,6 +290,14 @@ def grouped_matmul_config(dtype: torch.dtype, N: int, K: int) -> GroupedMatmulCo
     return GroupedMatmulConfig(64, 128, 64, 4, 4)
 
 
+# The expert weight gradient's tile (rows of the sum per step, [BLOCK_N, BLOCK_K] output tile, warps,
+# stages) per dtype (None: the 16-bit ones); separate from the forward's table, which a sweep tunes.
+_EXPERT_WEIGHT_GRAD_CONFIG = {
+    torch.float32: GroupedMatmulConfig(64, 64, 32, 4, 3),
+    None: GroupedMatmulConfig(64, 128, 64, 4, 4),
+}
+
+
 @triton.jit
 def _expert_of_tile(tile_offsets, tile, num_experts, BLOCK_E: tl.constexpr):
     # tile_offsets[1:] is non-decreasing: the tile's expert is how many experts end at or before it
@@ -305,7 +313,14 @@ def _grouped_matmul_kernel(
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    A_TMA: tl.constexpr = False, W_TMA: tl.constexpr = False, W_KN: tl.constexpr = False,
 ):
+    # A_TMA: a is a TMA descriptor of the [S, K] slot rows ([BLOCK_M, BLOCK_K] blocks): rows past the
+    # expert's end arrive as the next expert's rows (or zeros past S), computed and never stored.
+    # W_TMA: w is a TMA descriptor of the expert weights as one 2-D tensor: [E N, K] with [BLOCK_N,
+    # BLOCK_K] blocks, or with W_KN [E K, N] (the weights stored [E, K, N], e.g. the backward's w^T) with
+    # [BLOCK_K, BLOCK_N] blocks. A block past the expert's N reads the next expert's rows into columns
+    # that are never stored; with W_KN the launcher keeps K % BLOCK_K == 0, so no block crosses experts.
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = _expert_of_tile(tile_offsets, tile, num_experts, BLOCK_E)
@@ -313,27 +328,38 @@ def _grouped_matmul_kernel(
         row_start = tl.load(expert_offsets + e) + (tile - tl.load(tile_offsets + e)) * BLOCK_M
         row_end = tl.load(expert_offsets + e + 1)
         offs_m = row_start + tl.arange(0, BLOCK_M)
-        # rows past the expert's end repeat its first row of the tile: computed, never stored
-        safe_m = tl.where(offs_m < row_end, offs_m, row_start)
-        if GATHER:  # the rows of `a` are tokens: slot s reads token pair_of_slot[s] // k
-            src = tl.load(rows_of_slot + safe_m) // TOP_K
-        else:
-            src = safe_m
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        safe_n = tl.where(offs_n < N, offs_n, 0)
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a + src.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-        w_ptrs = (w + e.to(tl.int64) * stride_we + safe_n.to(tl.int64)[:, None] * stride_wn
-                  + offs_k[None, :] * stride_wk)
+        if not A_TMA:
+            # rows past the expert's end repeat its first row of the tile: computed, never stored
+            safe_m = tl.where(offs_m < row_end, offs_m, row_start)
+            if GATHER:  # the rows of `a` are tokens: slot s reads token pair_of_slot[s] // k
+                src = tl.load(rows_of_slot + safe_m) // TOP_K
+            else:
+                src = safe_m
+            a_ptrs = a + src.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+        if not W_TMA:
+            safe_n = tl.where(offs_n < N, offs_n, 0)
+            w_ptrs = (w + e.to(tl.int64) * stride_we + safe_n.to(tl.int64)[:, None] * stride_wn
+                      + offs_k[None, :] * stride_wk)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # the full K loop, in order, into one accumulator (no split-K): fixed by BLOCK_K alone
         for ki in range(tl.cdiv(K, BLOCK_K)):
             k_mask = offs_k[None, :] < K - ki * BLOCK_K  # zero tail: adds exact zeros
-            x_tile = tl.load(a_ptrs, mask=k_mask, other=0.0)
-            w_tile = tl.load(w_ptrs, mask=k_mask, other=0.0)
-            acc = dot_acc(x_tile, w_tile.T, acc, PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            w_ptrs += BLOCK_K * stride_wk
+            if A_TMA:
+                x_tile = a.load([row_start, ki * BLOCK_K])  # columns past K arrive as zeros
+            else:
+                x_tile = tl.load(a_ptrs, mask=k_mask, other=0.0)
+                a_ptrs += BLOCK_K * stride_ak
+            if W_TMA:
+                if W_KN:
+                    acc = dot_acc(x_tile, w.load([e * K + ki * BLOCK_K, pid_n * BLOCK_N]), acc, PRECISION)
+                else:
+                    acc = dot_acc(x_tile, w.load([e * N + pid_n * BLOCK_N, ki * BLOCK_K]).T, acc, PRECISION)
+            else:
+                w_tile = tl.load(w_ptrs, mask=k_mask, other=0.0)
+                acc = dot_acc(x_tile, w_tile.T, acc, PRECISION)
+                w_ptrs += BLOCK_K * stride_wk
         o_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=(offs_m[:, None] < row_end) & (offs_n[None, :] < N))
 
@@ -342,23 +368,48 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def _grouped_tma_operands(a: torch.Tensor, w: torch.Tensor, cfg: GroupedMatmulConfig, gather: bool):
+    """(a_arg, w_arg, A_TMA, W_TMA, W_KN) of a grouped launch: TMA descriptors where the operand's rows
+    are 16-byte aligned on a TMA-capable device (a function of the dtype, N, K, the config and whether a
+    is gathered, never of the expert loads), else the tensors themselves (pointer loads)."""
+    e, n, k = w.shape
+    a_tma = (not gather and TensorDescriptor is not None and use_tma(a.dtype, k, a.device))
+    a_arg = TensorDescriptor.from_tensor(tma_ready(a), [cfg.BLOCK_M, cfg.BLOCK_K]) if a_tma else a
+    w_arg, w_tma, w_kn = w, False, False
+    if TensorDescriptor is not None and e * n * k:
+        if w.stride(2) == 1 and use_tma(w.dtype, k, w.device):
+            w_tma = True
+            w_arg = TensorDescriptor.from_tensor(tma_ready(w.reshape(e * n, k)), [cfg.BLOCK_N, cfg.BLOCK_K])
+        elif w.stride(1) == 1 and k % cfg.BLOCK_K == 0 and use_tma(w.dtype, n, w.device):
+            # [E, N, K] viewed from [E, K, N] storage (w^T of the backward): its [BLOCK_K, BLOCK_N] blocks
+            w_tma, w_kn = True, True
+            w_arg = TensorDescriptor.from_tensor(tma_ready(w.transpose(1, 2).reshape(e * k, n)),
+                                                 [cfg.BLOCK_K, cfg.BLOCK_N])
+    return a_arg, w_arg, a_tma, w_tma, w_kn
+
+
 def _launch_grouped(a: torch.Tensor, w: torch.Tensor, plan: ExpertPlan, gather: bool,
-                    config: GroupedMatmulConfig | None = None) -> torch.Tensor:
+                    config: GroupedMatmulConfig | None = None, tma: bool | None = None) -> torch.Tensor:
     """``out[s] = a[row(s)] @ w[expert(s)].T``: a [R, K], w [E, N, K] (any strides) -> [S, N]; row(s)
-    is the slot's token when ``gather`` (a holds tokens), else s (a holds slots)."""
+    is the slot's token when ``gather`` (a holds tokens), else s (a holds slots). ``config`` and
+    ``tma=False`` (pointer loads only) exist for tuning sweeps (``python -m rlperf.bench.grouped_sweep``)."""
     n, k = w.shape[1], w.shape[2]
     s = plan.num_slots
     cfg = config or grouped_matmul_config(w.dtype, n, k)
     out = torch.empty(s, n, dtype=kernel_store_dtype(a.dtype, a.device), device=a.device)
     if s and n:
+        if tma is False:
+            a_arg, w_arg, a_tma, w_tma, w_kn = a, w, False, False, False
+        else:
+            a_arg, w_arg, a_tma, w_tma, w_kn = _grouped_tma_operands(a, w, cfg, gather)
         grid = (plan.max_row_tiles(cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N))
         _grouped_matmul_kernel[grid](
-            a, w, out, plan.pair_of_slot, plan.expert_offsets, plan.tile_offsets(cfg.BLOCK_M),
+            a_arg, w_arg, out, plan.pair_of_slot, plan.expert_offsets, plan.tile_offsets(cfg.BLOCK_M),
             n, k, plan.num_experts,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
             GATHER=gather, TOP_K=plan.top_k, BLOCK_E=triton.next_power_of_2(plan.num_experts),
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, PRECISION=_precision(w.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            A_TMA=a_tma, W_TMA=w_tma, W_KN=w_kn, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out.to(a.dtype)
 
@@ -369,7 +420,7 @@ def _launch_weight_grad(dy: torch.Tensor, a: torch.Tensor, plan: ExpertPlan, gat
     its slots in slot order (:func:`rlperf.kernels.gemm.launch_weight_grad`, segmented by expert)."""
     return launch_weight_grad(dy, a, w_dtype, segments=plan.num_experts, segment_offsets=plan.expert_offsets,
                               rows_of_slot=plan.pair_of_slot if gather else None, top_k=plan.top_k,
-                              config=grouped_matmul_config(w_dtype, dy.shape[1], a.shape[1]))
+                              config=_EXPERT_WEIGHT_GRAD_CONFIG[torch.float32 if w_dtype == torch.float32 else None])
 
 
 class _GroupedMatmul(torch.autograd.Function):

@@ -268,3 +268,49 @@ def test_gpu_expert_weight_gradients_are_deterministic():
         grads.append([t.grad for t in leaves])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_matmul_tma_loads_give_the_pointer_loads_bits(interpreter, dtype):
+    """The TMA path (slot rows through a descriptor, the weights as one [E N, K] tensor, or [E K, N] for
+    the backward's w^T read in place) gives the pointer path's bits: rows past an expert's end and a
+    block's columns past N read other experts' data that is never stored."""
+    from rlperf.kernels.moe import GroupedMatmulConfig, _grouped_tma_operands, _launch_grouped
+
+    e, k, h, n = 5, 2, 64, 40
+    cfg = GroupedMatmulConfig(64, 32, 32, 4, 2)  # N = 40: the second column block spills into the next expert
+    x, experts, _ = _tokens(37, h, e, k, dtype)
+    plan = K.moe_plan(experts, e)
+    xs = x[plan.token_of_slot.long()].contiguous()
+    w = (torch.randn(e, n, h) / h ** 0.5).to(dtype)
+    w_t = (torch.randn(e, h, n) / n ** 0.5).to(dtype).transpose(1, 2)  # [E, N, K] over [E, K, N] storage
+    for a, weights, gather, flags in ((xs, w, False, (True, True, False)), (x, w, True, (False, True, False)),
+                                      (xs, w_t, False, (True, True, True))):
+        assert _grouped_tma_operands(a, weights, cfg, gather)[2:] == flags
+        tma = _launch_grouped(a, weights, plan, gather, config=cfg)
+        ptr = _launch_grouped(a, weights, plan, gather, config=cfg, tma=False)
+        assert torch.equal(tma, ptr)
+        expert_of_slot = torch.sort(experts.reshape(-1).long(), stable=True).values
+        ref = grouped_matmul_ref(xs, weights.contiguous(), expert_of_slot)
+        torch.testing.assert_close(tma.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    # the backward's K (= N of the stored weights) not a multiple of BLOCK_K: pointer loads for w
+    w_odd = (torch.randn(e, 36, n) / 6).to(dtype).transpose(1, 2)  # [E, N = 40, K = 36]
+    assert _grouped_tma_operands(xs[:, :36].contiguous(), w_odd, cfg, False)[3:] == (False, False)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_matmul_tma_loads_give_the_pointer_loads_bits():
+    """bf16 on the 30B-A3B expert shape: the default config with TMA loads equals pointer loads bit for
+    bit on the forward's slot rows, its gathered token rows and the backward's w^T read in place."""
+    from rlperf.kernels.moe import _grouped_tma_operands, _launch_grouped, grouped_matmul_config
+
+    e, k, h, i = 128, 8, 2048, 768
+    w_gate_up, w_down = _weights(e, h, i, torch.bfloat16, "cuda")
+    x, experts, _ = _tokens(2048, h, e, k, torch.bfloat16, "cuda")
+    plan = K.moe_plan(experts, e)
+    xs = x[plan.token_of_slot.long()].contiguous()
+    dy = torch.randn(xs.shape[0], h, device="cuda", dtype=torch.bfloat16)
+    for a, w, gather in ((xs, w_gate_up, False), (x, w_gate_up, True), (dy, w_down.transpose(1, 2), False)):
+        cfg = grouped_matmul_config(w.dtype, w.shape[1], w.shape[2])
+        assert _grouped_tma_operands(a, w, cfg, gather)[3]  # the weights through TMA
+        assert torch.equal(_launch_grouped(a, w, plan, gather), _launch_grouped(a, w, plan, gather, tma=False))
