@@ -7,7 +7,7 @@ loads, on Qwen3-30B-A3B's expert products (``bench/moe.py``'s shape and router):
 ``down`` over slot-ordered rows (the benchmark's rows), ``gate_up`` gathering its token rows (the model's
 forward) and ``down``'s input gradient ``dy @ w_e`` (the backward, reading the weights transposed in
 place). Each is printed as a ratio to ``torch._grouped_mm`` on the same sorted rows in the same run
-(> 1: faster), and whether its bits equal the current default's (``same``): on Hopper every wgmma
+(> 1: faster; GPU time, by CUDA-graph replay), and whether its bits equal the current default's (``same``): on Hopper every wgmma
 config is expected to give the same bits, which is what lets the table change without changing a
 token. The best config per shape goes into ``grouped_matmul_config`` by hand, with the numbers in
 bench/BENCHMARKS.md.
@@ -19,11 +19,14 @@ import json
 
 import torch
 
-from .harness import cuda_time, environment, geomean
+from .harness import environment, geomean
+from .matmul import graph_time
 
 # name: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 CANDIDATES = {
     "m64n128k64w4s4": (64, 128, 64, 4, 4),
+    "m128n256k64w8s4": (128, 256, 64, 8, 4),
+    "m128n256k128w8s2": (128, 256, 128, 8, 2),
     "m64n128k64w4s6": (64, 128, 64, 4, 6),
     "m64n256k64w4s4": (64, 256, 64, 4, 4),
     "m64n256k64w8s4": (64, 256, 64, 8, 4),
@@ -68,7 +71,7 @@ def main(argv=None) -> int:
     ]
     rows, ratios = [], {}
     for name, a, w, gather, anchor in products:
-        anchor_ms = cuda_time(anchor, warmup=3, reps=args.reps).median_ms
+        anchor_ms = graph_time(anchor, warmup=3, reps=args.reps).median_ms
         base = _launch_grouped(a, w, plan, gather)
         row = {"product": name, "N": w.shape[1], "K": w.shape[2], "S": plan.num_slots, "grouped_mm_ms": anchor_ms}
         cells = []
@@ -78,8 +81,8 @@ def main(argv=None) -> int:
                 key = cname + tag
                 try:
                     out = _launch_grouped(a, w, plan, gather, config=cfg, tma=tma)
-                    ms = cuda_time(lambda: _launch_grouped(a, w, plan, gather, config=cfg, tma=tma),
-                                   warmup=3, reps=args.reps).median_ms
+                    ms = graph_time(lambda: _launch_grouped(a, w, plan, gather, config=cfg, tma=tma),
+                                    warmup=3, reps=args.reps).median_ms
                 except Exception as e:  # a config that does not fit shared memory on this GPU
                     row[key] = f"failed: {type(e).__name__}"
                     cells.append(f"{key} failed")

@@ -157,7 +157,10 @@ def _attn_block(
     return acc, l_i, m_new
 
 
-@triton.jit
+# Integers whose divisibility by 16 follows the run rather than the shape (the batch's sequence count,
+# the page table's row stride, which follows the KV cache's size, i.e. free memory) are not specialized
+# on: one compiled kernel per shape serves every run, so a kernel manifest covers them.
+@triton.jit(do_not_specialize=["num_seqs", "stride_pt", "stride_lse_h"])
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, CU_Q, KV_LENS, PAGE_TABLE,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_h,

@@ -126,7 +126,7 @@ def _find_tile(CU, pid, num_seqs, search_steps, BLOCK: tl.constexpr):
     return start, length, pid - (start // BLOCK + lo)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _delta_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh,
                   HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
     """Program (i, j): delta[j, t] = sum_d dout[t, j, d] * out[t, j, d] for BLOCK_T tokens t, float32."""
@@ -169,7 +169,7 @@ def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, L, T, head, jm, offs_n,
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_seqs"])  # run-dependent integers: one kernel per shape
 def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -237,7 +237,7 @@ def _dq_step(dq, q, do, lse, delta, K, V, start, L, kvh, jn, offs_m,
     return dot_acc(ds.to(k.dtype), k, dq)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_seqs"])  # run-dependent integers: one kernel per shape
 def _dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, CU,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,

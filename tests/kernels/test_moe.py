@@ -229,7 +229,7 @@ def test_bad_shapes_are_named():
 
 def test_one_config_per_dtype_and_shape():
     a = grouped_matmul_config(torch.bfloat16, 1536, 2048)
-    assert a == grouped_matmul_config(torch.bfloat16, 1536, 2048) and a.BLOCK_M == 64
+    assert a == grouped_matmul_config(torch.bfloat16, 1536, 2048) and a.BLOCK_M in (64, 128)
 
 
 # ---- GPU -------------------------------------------------------------------------------------
