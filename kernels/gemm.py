@@ -214,6 +214,13 @@ _TUNED_16BIT: dict[tuple[int, int], MatmulConfig] = {
     (4096, 4096): _C(128, 128, 64, 8, 8, 5),    # 8B o_proj     0.81 0.95 0.94 0.94
     (24576, 4096): _C(128, 128, 64, 8, 8, 6),   # 8B gate_up    0.94 0.93 0.96 0.95
     (4096, 12288): _C(128, 128, 64, 8, 8, 5),   # 8B down       0.70 0.95 0.90 0.92
+    # The backward's input gradients dx = g @ w (:func:`input_grad`, w read in place as [K, N]): the
+    # layer's (K_in, N_out). Ratio to cuBLAS g @ w at M = 3976 by CUDA-graph replay (H200,
+    # ``python -m rlperf.bench.weight_grad_sweep``), the forward's default 64x128x128 tile -> this one:
+    (1024, 4096): _C(128, 256, 64, 8, 8, 4),    # 0.6B qkv dx     0.77 -> 0.98
+    (2048, 1024): _C(128, 256, 64, 8, 8, 4),    # 0.6B o_proj dx  0.88 -> 0.95
+    (1024, 6144): _C(128, 256, 64, 8, 8, 4),    # 0.6B gate_up dx 0.77 -> 0.99
+    (3072, 1024): _C(128, 256, 64, 8, 8, 4),    # 0.6B down dx    0.86 -> 0.97
 }
 
 # Batches of at most SMALL_M rows (decode) take the shape's small-M config. 64 is one BLOCK_M of the
@@ -467,14 +474,27 @@ def _weight_grad_kernel(
     tl.store(d_ptrs, acc.to(dw.dtype.element_ty), mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
 
 
-def weight_grad_config(dtype: torch.dtype) -> MatmulConfig:
-    """The one tile config of :func:`weight_grad` for ``dtype`` inputs: BLOCK_M rows of the sum per
-    step, a [BLOCK_N, BLOCK_K] output tile per program. A function of the dtype only, never of M."""
+# Tiles of :func:`weight_grad` per 16-bit layer shape (N, K) of dw (else the default below). BLOCK_M, the
+# rows summed per step, is 64 in every one: the order of the sum over the tokens is the same for every
+# shape, so a tensor-parallel rank's shard of dw (another N or K) keeps its bits. Ratio to cuBLAS
+# g.T @ x at M = 3976 by CUDA-graph replay (H200, ``python -m rlperf.bench.weight_grad_sweep``),
+# default -> this tile:
+_WEIGHT_GRAD_TUNED_16BIT: dict[tuple[int, int], MatmulConfig] = {
+    (1024, 2048): _C(64, 128, 128, 1, 8, 4),    # 0.6B o_proj  0.68 -> 0.89
+    (6144, 1024): _C(64, 128, 128, 1, 8, 4),    # 0.6B gate_up 0.74 -> 0.80
+}
+
+
+def weight_grad_config(dtype: torch.dtype, N: int | None = None, K: int | None = None) -> MatmulConfig:
+    """The tile config of :func:`weight_grad` for ``dtype`` inputs and a [N, K] dw: BLOCK_M rows of the
+    sum per step (64 for every 16-bit shape, 32 for float32), a [BLOCK_N, BLOCK_K] output tile per
+    program. A function of the dtype and the shape only, never of M."""
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"weight_grad: dtype {dtype} not supported; expected one of {SUPPORTED_DTYPES}")
     if dtype == torch.float32:
         return MatmulConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
-    return MatmulConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=3)
+    return _WEIGHT_GRAD_TUNED_16BIT.get((N, K), MatmulConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=1,
+                                                              num_warps=8, num_stages=3))
 
 
 def launch_weight_grad(dy: torch.Tensor, a: torch.Tensor, out_dtype: torch.dtype, *, segments: int = 1,
@@ -492,7 +512,7 @@ def launch_weight_grad(dy: torch.Tensor, a: torch.Tensor, out_dtype: torch.dtype
     """
     M, N = dy.shape
     K = a.shape[1]
-    cfg = config if config is not None else weight_grad_config(dy.dtype)
+    cfg = config if config is not None else weight_grad_config(dy.dtype, N, K)
     kernel_dtype = kernel_store_dtype(out_dtype, dy.device)
     dw = torch.empty(segments, N, K, dtype=kernel_dtype, device=dy.device)
     if N and K:

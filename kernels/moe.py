@@ -284,15 +284,15 @@ def grouped_matmul_config(dtype: torch.dtype, N: int, K: int) -> GroupedMatmulCo
     """The one tile config of a grouped GEMM with ``dtype`` expert weights [E, N, K]. BLOCK_M is 64 or
     128 (Hopper wgmmas of m64 per warpgroup: every output element is the same chain of k16 MMA steps).
 
-    16-bit: 128 x 256 tiles, BLOCK_K 64, 8 warps, 3 stages, for every expert shape so far. Measured on
-    an H200 (``python -m rlperf.bench.grouped_sweep``, 30B-A3B experts, 8192 tokens, bench/BENCHMARKS.md):
-    0.87x / 0.84x ``torch._grouped_mm`` on gate_up / down with TMA loads, against 0.65x / 0.69x for the
-    64 x 128 tile before, and the same bits as every other config swept."""
+    16-bit: 128 x 256 tiles, BLOCK_K 64, 8 warps, 4 stages, for every expert shape so far. Measured on an
+    H200 by CUDA-graph replay (``python -m rlperf.bench.grouped_sweep``, 30B-A3B experts, 8192 tokens,
+    bench/BENCHMARKS.md): geomean 0.95x ``torch._grouped_mm`` over gate_up and down with TMA loads, against
+    0.67x for the 64 x 128 tile before, and the same bits as every other config swept."""
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"grouped_matmul: dtype {dtype} not supported; expected one of {SUPPORTED_DTYPES}")
     if dtype == torch.float32:
         return GroupedMatmulConfig(64, 64, 32, 4, 3)
-    return GroupedMatmulConfig(128, 256, 64, 8, 3)
+    return GroupedMatmulConfig(128, 256, 64, 8, 4)
 
 
 # The expert weight gradient's tile (rows of the sum per step, [BLOCK_N, BLOCK_K] output tile, warps,

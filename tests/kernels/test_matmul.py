@@ -264,6 +264,7 @@ def test_linear_silu_mul_bf16_under_the_interpreter_takes_the_two_calls(interpre
     (torch.bfloat16, 6144, 2560, False, None),    # Qwen3-4B fused qkv
     (torch.bfloat16, 2560, 9728, False, None),    # Qwen3-4B down
     (torch.bfloat16, 1024, 3072, True, None),     # Qwen3-0.6B down, with bias
+    (torch.bfloat16, 1024, 4096, False, None),    # Qwen3-0.6B qkv's input-gradient shape (128x256x64 tiles)
     (torch.bfloat16, 4099, 2560, False, torch.float32),  # lm-head-like: odd N, float32 logits
     (torch.bfloat16, 1000, 1001, False, None),    # K rows not 16-byte aligned: pointer path
     (torch.float16, 4096, 4096, False, None),
@@ -383,10 +384,11 @@ def test_invariant_mode_backward_runs_the_kernels_fast_mode_torch(interpreter):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n, k", [(4096, 1024), (1024, 3072), (151936, 1024)])
+@pytest.mark.parametrize("n, k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)])
 def test_padding_rows_change_no_bit_of_either_grad_gpu(dtype, n, k):
-    """The same on the GPU, Qwen3 0.6b shapes (qkv, down, lm-head): a 470-token micro-batch padded
-    to 471, 768 and 2048 rows; accuracy against float64 on the unpadded one."""
+    """The same on the GPU, Qwen3 0.6b shapes (qkv, o_proj, gate_up, down, lm-head): a 470-token
+    micro-batch padded to 471, 768 and 2048 rows; its first rows alone (the small-M tiles of dx) keep
+    their dx bits; accuracy against float64 on the unpadded one."""
     from rlperf.kernels.gemm import input_grad, weight_grad
 
     m = 470
@@ -395,6 +397,8 @@ def test_padding_rows_change_no_bit_of_either_grad_gpu(dtype, n, k):
     for pad in (1, 768 - m, 2048 - m):
         assert torch.equal(weight_grad(_padded(dy, pad, "zeros"), _padded(x, pad, "random")), want_dw), pad
         assert torch.equal(input_grad(_padded(dy, pad, "random"), w)[:m], want_dx), pad
+    for rows in (1, 64, 65):
+        assert torch.equal(input_grad(dy[:rows], w), want_dx[:rows]), rows
     ref_dw = dy.double().T @ x.double()
     ref_dx = dy.double() @ w.double()
     err_dw = ((want_dw.double() - ref_dw).abs().max() / ref_dw.abs().max()).item()
