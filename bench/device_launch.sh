@@ -71,8 +71,13 @@ if wanted gate; then
   }
   gate cold "$cold_cache" --precompile-kernels off --record-kernels "$recorded"
   gate warm "$cold_cache" --precompile-kernels off
-  gate cold-precompiled "$(mktemp -d)" --precompile-kernels "${GATE_MANIFEST:-$recorded}"
+  precompiled_cache=$(mktemp -d)
+  gate cold-precompiled "$precompiled_cache" --precompile-kernels "${GATE_MANIFEST:-$recorded}"
   grep -h "kernel precompile" "$OUT/gate-cold-precompiled.log" || true
+  # compiled kernels in that cache: the manifest's plus any the run compiled itself (a manifest that
+  # covers the run leaves none of the latter)
+  echo "cold-precompiled: $(find "$precompiled_cache" -name '*.cubin' | wc -l) compiled kernels in its cache" \
+    | tee "$OUT/gate-cold-precompiled.cubins"
 fi
 python3 - "$OUT" "$BUCKETS" <<'PY' || status=1
 import json, sys
