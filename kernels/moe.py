@@ -295,12 +295,13 @@ def grouped_matmul_config(dtype: torch.dtype, N: int, K: int) -> GroupedMatmulCo
     return GroupedMatmulConfig(128, 256, 64, 8, 4)
 
 
-# The expert weight gradient's tile (rows of the sum per step, [BLOCK_N, BLOCK_K] output tile, warps,
-# stages) per dtype (None: the 16-bit ones); separate from the forward's table, which a sweep tunes.
-_EXPERT_WEIGHT_GRAD_CONFIG = {
-    torch.float32: GroupedMatmulConfig(64, 64, 32, 4, 3),
-    None: GroupedMatmulConfig(64, 128, 64, 4, 4),
-}
+def expert_weight_grad_config(dtype: torch.dtype) -> GroupedMatmulConfig:
+    """The expert weight gradient's tile (:func:`rlperf.kernels.gemm.launch_weight_grad` segmented by
+    expert): BLOCK_M rows of the sum per step, a [BLOCK_N, BLOCK_K] output tile, warps, stages. A function
+    of the dtype only, kept apart from :func:`grouped_matmul_config`, whose forward tiles a sweep tunes."""
+    if dtype == torch.float32:
+        return GroupedMatmulConfig(64, 64, 32, 4, 3)
+    return GroupedMatmulConfig(64, 128, 64, 4, 4)
 
 
 @triton.jit
@@ -425,7 +426,7 @@ def _launch_weight_grad(dy: torch.Tensor, a: torch.Tensor, plan: ExpertPlan, gat
     its slots in slot order (:func:`rlperf.kernels.gemm.launch_weight_grad`, segmented by expert)."""
     return launch_weight_grad(dy, a, w_dtype, segments=plan.num_experts, segment_offsets=plan.expert_offsets,
                               rows_of_slot=plan.pair_of_slot if gather else None, top_k=plan.top_k,
-                              config=_EXPERT_WEIGHT_GRAD_CONFIG[torch.float32 if w_dtype == torch.float32 else None])
+                              config=expert_weight_grad_config(w_dtype))
 
 
 class _GroupedMatmul(torch.autograd.Function):

@@ -322,6 +322,21 @@ def test_unaligned_and_strided_inputs_gpu():
 # ---- the backward's products: input_grad (row invariant) and weight_grad (row-count invariant) ----
 
 
+def test_weight_grad_sums_the_tokens_in_one_order_for_every_shape():
+    """weight_grad's tiles may differ per layer shape, its rows per step (the order of the sum over the
+    tokens) may not: a tensor-parallel rank's shard of dw (another N or K) must keep its bits."""
+    from rlperf.kernels import gemm
+
+    shapes = [(33, 33), (2048, 1024), (3072, 1024), (151936, 1024)] + list(gemm._WEIGHT_GRAD_TUNED_16BIT)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        rows = {gemm.weight_grad_config(dtype, n, k).BLOCK_M for n, k in shapes}
+        rows |= {gemm.weight_grad_config(dtype, n // 2, k).BLOCK_M for n, k in shapes}
+        rows |= {gemm.weight_grad_config(dtype, n, k // 2).BLOCK_M for n, k in shapes}
+        assert rows == {gemm.weight_grad_config(dtype).BLOCK_M}, (dtype, rows)
+    with pytest.raises(TypeError, match="not supported"):
+        gemm.weight_grad_config(torch.float64, 8, 8)
+
+
 def _grad_inputs(m, n, k, dtype, device="cpu", seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     dy = torch.randn(m, n, generator=g, device=device).to(dtype)
