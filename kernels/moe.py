@@ -21,9 +21,10 @@ expert received, on which other tokens share the batch, or on the token's positi
   token's slot is a function of the batch but the slot's contents are not;
 * grouped GEMM: one tile config per (dtype, N, K) (:func:`grouped_matmul_config`), never a
   function of the expert loads; every tile runs the full K loop in increasing K into one float32
-  accumulator (no split-K); a tile holds rows of one expert only, and rows past the expert's end
-  are duplicates never stored. A row is computed by the same instructions whatever its position
-  in its tile (the dense matmul's contract, ``kernels/gemm.py``);
+  accumulator (no split-K); a tile stores rows of one expert only, and the rows it computes past
+  the expert's end (duplicates under pointer loads, the next expert's rows under TMA loads) are
+  never stored. A row is computed by the same instructions whatever its position in its tile and
+  whatever its neighbours hold (the dense matmul's contract, ``kernels/gemm.py``);
 * combine: ``out[t] = sum_j weights[t, j] * y[slot(t, j)]`` in float32, j in increasing expert
   index (never in arrival order), rounded once.
 
