@@ -15,11 +15,10 @@ bench/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from .harness import environment, geomean
+from .harness import geomean, sweep_candidate, write_sweep_json
 from .matmul import graph_time
 
 # name: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -70,8 +69,12 @@ def main(argv=None) -> int:
         ("down dx", dy, w_down.transpose(1, 2), False, lambda: torch._grouped_mm(dy, w_down, offs=offs)),
     ]
     rows, ratios = [], {}
+
+    def gpu_ms(fn) -> float:
+        return graph_time(fn, warmup=3, reps=args.reps).median_ms
+
     for name, a, w, gather, anchor in products:
-        anchor_ms = graph_time(anchor, warmup=3, reps=args.reps).median_ms
+        anchor_ms = gpu_ms(anchor)
         base = _launch_grouped(a, w, plan, gather)
         row = {"product": name, "N": w.shape[1], "K": w.shape[2], "S": plan.num_slots, "grouped_mm_ms": anchor_ms}
         cells = []
@@ -79,15 +82,12 @@ def main(argv=None) -> int:
             cfg = GroupedMatmulConfig(bm, bn, bk, warps, stages)
             for tma, tag in ((None, ""), (False, " ptr")):
                 key = cname + tag
-                try:
-                    out = _launch_grouped(a, w, plan, gather, config=cfg, tma=tma)
-                    ms = graph_time(lambda: _launch_grouped(a, w, plan, gather, config=cfg, tma=tma),
-                                    warmup=3, reps=args.reps).median_ms
-                except Exception as e:  # a config that does not fit shared memory on this GPU
-                    row[key] = f"failed: {type(e).__name__}"
-                    cells.append(f"{key} failed")
+                ms, same = sweep_candidate(lambda: _launch_grouped(a, w, plan, gather, config=cfg, tma=tma), base,
+                                           gpu_ms)
+                if isinstance(ms, str):
+                    row[key] = ms
+                    cells.append(f"{key} {ms}")
                     continue
-                same = torch.equal(out, base)
                 row[key] = {"ms": ms, "vs_grouped_mm": anchor_ms / ms, "same_bits_as_default": same}
                 ratios.setdefault((name, key), anchor_ms / ms)
                 cells.append(f"{key} {anchor_ms / ms:.3f}x{'' if same else ' (other bits)'}")
@@ -102,9 +102,7 @@ def main(argv=None) -> int:
             allr = [ratios[(n, key)] for n, *_ in products if (n, key) in ratios]
             if len(bench) == 2:
                 print(f"{key:22s} bench geomean (gate_up, down) {geomean(bench):.3f}x; all four {geomean(allr):.3f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+    write_sweep_json(args.json, rows)
     return 0
 
 

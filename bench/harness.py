@@ -344,6 +344,25 @@ def format_table(rows: list[BenchRow]) -> str:
     return "\n".join(lines)
 
 
+def sweep_candidate(fn: Callable[[], torch.Tensor], base: torch.Tensor,
+                    gpu_ms: Callable[[Callable[[], object]], float]) -> tuple[float | str, bool | None]:
+    """One tuning candidate of a sweep tool: ``(gpu_ms(fn), whether fn() gives base's bits)``, or
+    ``("failed: Error: message", None)`` when the candidate does not compile or launch on this GPU
+    (shared memory, registers): the sweep goes on to the next one."""
+    try:
+        same = torch.equal(fn(), base)
+        return gpu_ms(fn), same
+    except Exception as e:
+        return f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}", None
+
+
+def write_sweep_json(path: str | Path | None, rows: list[dict]) -> None:
+    """A sweep tool's ``--json``: this machine's environment and the rows (nothing when ``path`` is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+
+
 def geomean(values: list[float]) -> float:
     values = [v for v in values if v > 0]
     if not values:

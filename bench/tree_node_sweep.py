@@ -15,11 +15,10 @@ bench/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from .harness import cuda_time, environment, geomean
+from .harness import cuda_time, geomean, sweep_candidate, write_sweep_json
 
 LEAVES = 8
 # name: (K reduced in the tree, N of the output) at the 0.6b shape: a = [tokens, K], b = [N, K]
@@ -56,11 +55,10 @@ def main(argv=None) -> int:
                   f"matmul {plain:.3f} ms ({cublas / plain:.3f}x), a launch per leaf {per_leaf_ms:.3f} ms "
                   f"({cublas / per_leaf_ms:.3f}x)")
             for name in T.TREE_NODE_TILES:
-                try:
-                    same = torch.equal(T._tree_node(a, b, LEAVES, tile=name), want)
-                    ms = cuda_time(lambda: T._tree_node(a, b, LEAVES, tile=name)).median_ms
-                except Exception as e:  # a config that does not compile here (shared memory, registers)
-                    print(f"  {name:22s} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                ms, same = sweep_candidate(lambda: T._tree_node(a, b, LEAVES, tile=name), want,
+                                           lambda fn: cuda_time(fn).median_ms)
+                if isinstance(ms, str):  # a config that does not compile here (shared memory, registers)
+                    print(f"  {name:22s} {ms}")
                     continue
                 ratios[name].append(cublas / ms)
                 rows.append({"shape": shape, "tokens": m, "tile": name, "ms": ms, "cublas_ms": cublas,
@@ -71,9 +69,7 @@ def main(argv=None) -> int:
     for name, r in ratios.items():
         if len(r) == len(SHAPES):
             print(f"  {name:22s} {geomean(r):.3f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "rows": rows}, f, indent=2)
+    write_sweep_json(args.json, rows)
     return 0 if all(r["bits_equal_per_leaf"] for r in rows) else 1
 
 

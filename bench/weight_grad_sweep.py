@@ -15,11 +15,10 @@ by hand (``weight_grad_config``: a function of the dtype, never of the token cou
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from .harness import environment, geomean
+from .harness import geomean, sweep_candidate, write_sweep_json
 from .matmul import graph_time
 
 # (N, K) of w [N, K] in the 0.6b layer: qkv, o_proj, gate_up, down
@@ -94,24 +93,16 @@ def main(argv=None) -> int:
         timed = []  # (candidate, ms or the failure, same bits as the default), in sweep order
         for name, (bm, bn, bk, warps, stages) in INPUT_GRAD_CANDIDATES.items():
             cfg = MatmulConfig(bm, bn, bk, 8, warps, stages)
-            try:
-                same = torch.equal(launch(g, w, None, dt, config=cfg, w_kn=True), base_dx)
-                ms = _gpu_ms(lambda: launch(g, w, None, dt, config=cfg, w_kn=True))
-            except Exception as e:  # a config that does not fit shared memory on this GPU
-                ms, same = f"failed: {type(e).__name__}", None
-            else:
+            ms, same = sweep_candidate(lambda: launch(g, w, None, dt, config=cfg, w_kn=True), base_dx, _gpu_ms)
+            if not isinstance(ms, str):
                 dx_cfg_ratios.setdefault(name, []).append(cublas_dx / ms)
             row["input_grad " + name] = {"ms": ms, "same_bits_as_default": same}
             timed.append(("dx " + name, ms, same))
         for name, (bm, bn, bk, warps, stages) in CANDIDATES.items():
             cfg = MatmulConfig(bm, bn, bk, 1, warps, stages)
             for tma, tag in ((None, ""), (False, " ptr")):
-                try:
-                    same = torch.equal(launch_weight_grad(g, x, dt, config=cfg, tma=tma), base_dw)
-                    ms = _gpu_ms(lambda: launch_weight_grad(g, x, dt, config=cfg, tma=tma))
-                except Exception as e:  # a config that does not fit shared memory on this GPU
-                    ms, same = f"failed: {type(e).__name__}", None
-                else:
+                ms, same = sweep_candidate(lambda: launch_weight_grad(g, x, dt, config=cfg, tma=tma), base_dw, _gpu_ms)
+                if not isinstance(ms, str):
                     ratios.setdefault(name + tag, []).append(cublas_dw / ms)
                 row[name + tag] = {"ms": ms, "same_bits_as_default": same}
                 timed.append(("dw " + name + tag, ms, same))
@@ -129,9 +120,7 @@ def main(argv=None) -> int:
     for name, r in ratios.items():
         if len(r) == len(SHAPES):
             print(f"weight_grad {name} vs cuBLAS g.T @ x, geomean over {len(r)} shapes: {geomean(r):.3f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+    write_sweep_json(args.json, rows)
     return 0
 
 

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from rlperf.bench.harness import BenchRow, cuda_time, format_table, geomean, write_json
 from rlperf.bench.run import update_markdown
@@ -94,3 +95,22 @@ def test_a_cpu_profile_has_no_launches_and_without_cuda_nothing_is_counted(monke
     assert format_launches(None) == "n/a (no CUDA)"
     assert launch_fields("micro_step", None) == {"micro_step_kernels": "n/a", "micro_step_launch_calls": "n/a"}
     assert launch_fields("x", LaunchCount(7, 2)) == {"x_kernels": 7, "x_launch_calls": 2}
+
+
+def test_sweep_candidate_reports_bits_time_and_failures(tmp_path):
+    from rlperf.bench.harness import sweep_candidate, write_sweep_json
+
+    base = torch.arange(6.0)
+    assert sweep_candidate(lambda: torch.arange(6.0), base, lambda fn: 0.5) == (0.5, True)
+    assert sweep_candidate(lambda: torch.arange(6.0) + 1e-6, base, lambda fn: 0.25) == (0.25, False)
+
+    def too_big():
+        raise RuntimeError("out of resource: shared memory, Required: 262144\nmore")
+
+    assert sweep_candidate(too_big, base, lambda fn: 1.0) == (
+        "failed: RuntimeError: out of resource: shared memory, Required: 262144", None)
+    write_sweep_json(None, [{"a": 1}])  # no --json: nothing written
+    path = tmp_path / "rows.json"
+    write_sweep_json(path, [{"tile": "m64", "ms": 0.5}])
+    doc = json.loads(path.read_text())
+    assert doc["rows"] == [{"tile": "m64", "ms": 0.5}] and "environment" in doc
