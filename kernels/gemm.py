@@ -215,7 +215,7 @@ _TUNED_16BIT: dict[tuple[int, int], MatmulConfig] = {
     (24576, 4096): _C(128, 128, 64, 8, 8, 6),   # 8B gate_up    0.94 0.93 0.96 0.95
     (4096, 12288): _C(128, 128, 64, 8, 8, 5),   # 8B down       0.70 0.95 0.90 0.92
     # The backward's input gradients dx = g @ w (:func:`input_grad`, w read in place as [K, N]): the
-    # layer's (K_in, N_out). Ratio to cuBLAS g @ w at M = 3976 by CUDA-graph replay (H200,
+    # layer's (K_in, N_out). Ratio to cuBLAS g @ w at M = 3976 by CUDA-graph replay (H200, ``6135c75``,
     # ``python -m rlperf.bench.weight_grad_sweep``), the forward's default 64x128x128 tile -> this one:
     (1024, 4096): _C(128, 256, 64, 8, 8, 4),    # 0.6B qkv dx     0.77 -> 0.98
     (2048, 1024): _C(128, 256, 64, 8, 8, 4),    # 0.6B o_proj dx  0.88 -> 0.95
@@ -477,7 +477,7 @@ def _weight_grad_kernel(
 # Tiles of :func:`weight_grad` per 16-bit layer shape (N, K) of dw (else the default below). BLOCK_M, the
 # rows summed per step, is 64 in every one: the order of the sum over the tokens is the same for every
 # shape, so a tensor-parallel rank's shard of dw (another N or K) keeps its bits. Ratio to cuBLAS
-# g.T @ x at M = 3976 by CUDA-graph replay (H200, ``python -m rlperf.bench.weight_grad_sweep``),
+# g.T @ x at M = 3976 by CUDA-graph replay (H200, ``6135c75``, ``python -m rlperf.bench.weight_grad_sweep``),
 # default -> this tile:
 _WEIGHT_GRAD_TUNED_16BIT: dict[tuple[int, int], MatmulConfig] = {
     (1024, 2048): _C(64, 128, 128, 1, 8, 4),    # 0.6B o_proj  0.68 -> 0.89
