@@ -380,10 +380,10 @@ def _grouped_tma_operands(a: torch.Tensor, w: torch.Tensor, cfg: GroupedMatmulCo
     are 16-byte aligned on a TMA-capable device (a function of the dtype, N, K, the config and whether a
     is gathered, never of the expert loads), else the tensors themselves (pointer loads)."""
     e, n, k = w.shape
-    a_tma = (not gather and TensorDescriptor is not None and use_tma(a.dtype, k, a.device))
+    a_tma = not gather and use_tma(a.dtype, k, a.device)  # False where Triton has no TMA descriptors
     a_arg = TensorDescriptor.from_tensor(tma_ready(a), [cfg.BLOCK_M, cfg.BLOCK_K]) if a_tma else a
     w_arg, w_tma, w_kn = w, False, False
-    if TensorDescriptor is not None and e * n * k:
+    if e * n * k:
         if w.stride(2) == 1 and use_tma(w.dtype, k, w.device):
             w_tma = True
             w_arg = TensorDescriptor.from_tensor(tma_ready(w.reshape(e * n, k)), [cfg.BLOCK_N, cfg.BLOCK_K])
