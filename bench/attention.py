@@ -322,8 +322,16 @@ SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
 ]
 
 
-def _config(bm: int, bn: int, w: int, s: int, tma: bool) -> dict:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma}
+def _config(bm: int, bn: int, w: int, s: int, tma: bool, prefetch_page: bool = False) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma, "PREFETCH_PAGE": prefetch_page}
+
+
+_DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA", "PREFETCH_PAGE")
+
+
+def _decode_label(c: tuple) -> str:
+    """``c``: a :data:`DECODE_SWEEP` tuple."""
+    return f"BM={c[0]} BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])} prefetch={int(c[5])}"
 
 
 def _bits_check(cfg: dict, gen: torch.Generator) -> bool:
@@ -430,9 +438,11 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
     return best["cfg"] if best else {}
 
 
-DECODE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA); BLOCK_N is the page size and stays 128
-    (64, 128, 4, 3, True), (64, 128, 4, 2, True), (64, 128, 4, 1, True), (64, 128, 4, 2, False),
-    (64, 128, 4, 1, False), (64, 128, 8, 2, True), (64, 128, 8, 1, True), (128, 128, 8, 3, True),
+DECODE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, PREFETCH_PAGE); BLOCK_N is the page size (128)
+    (64, 128, 4, 3, True, False), (64, 128, 4, 2, True, False), (64, 128, 4, 1, True, False),
+    (64, 128, 4, 2, True, True), (64, 128, 4, 1, True, True), (64, 128, 4, 1, False, True),
+    (64, 128, 4, 2, False, False), (64, 128, 4, 1, False, False), (64, 128, 8, 2, True, False),
+    (64, 128, 8, 1, True, False), (128, 128, 8, 3, True, False),
 ]
 DECODE_SWEEP_CASES = ((1, 540), (16, 540), (64, 540), (256, 540), (64, 4096))
 """(batch, KV length) of the decode sweep: ``rlperf bench rollout``'s decode (prompt 512 and a few dozen
@@ -464,7 +474,7 @@ def sweep_decode(configs=DECODE_SWEEP, cases=DECODE_SWEEP_CASES, hq: int = 16, h
         current = _decode_config(B * hkv, torch.device(DEVICE))  # what paged_attention launches for this batch
         ref = attention_forward(stack[0][0], stack[0][1], stack[0][2], cu, lens, stack[0][3], config=current)
         base_ms = None
-        for c in [tuple(current[k_] for k_ in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"))] + list(configs):
+        for c in [tuple(current.get(k_, False) for k_ in _DECODE_KEYS)] + list(configs):
             cfg = _config(*c)
             try:
                 def step(cfg=cfg):
@@ -492,7 +502,7 @@ def sweep_decode(configs=DECODE_SWEEP, cases=DECODE_SWEEP_CASES, hq: int = 16, h
                 continue
             rows[c]["times"].append(ms)
             rows[c]["same_bits"] &= same
-            print(f"B={B} KV={L} BM={c[0]} BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])}: {ms * 1e3:.1f} us/call "
+            print(f"B={B} KV={L} {_decode_label(c)}: {ms * 1e3:.1f} us/call "
                   f"({nbytes / layers / ms / 1e6:.0f} GB/s), {base_ms / ms:.3f}x the current config, "
                   f"bits {'equal' if same else 'DIFFER'}", flush=True)
         stack = None  # the KV pools go (a name, not a del: the timed closures above read it)
@@ -501,13 +511,13 @@ def sweep_decode(configs=DECODE_SWEEP, cases=DECODE_SWEEP_CASES, hq: int = 16, h
     for c, r in rows.items():
         t = geomean(r["times"]) if r["times"] and all(x == x for x in r["times"]) else float("nan")
         ok = r["same_bits"] and t == t  # the current decode config's rows equal the prefill's (GPU tests)
-        print(f"BM={c[0]} BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])}: geomean {t * 1e3:.1f} us, "
+        print(f"{_decode_label(c)}: geomean {t * 1e3:.1f} us, "
               f"bits {'ok' if ok else 'NOT ok'}")
         if ok and t < best_t:
             best, best_t = c, t
     if best is None:
         return {}
-    print(f"best decode config: BM={best[0]} BN={best[1]} w={best[2]} s={best[3]} tma={int(best[4])}")
+    print(f"best decode config: {_decode_label(best)}")
     return _config(*best)
 
 

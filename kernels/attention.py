@@ -100,10 +100,10 @@ __all__ = ["PAGE_SIZE", "write_kv_cache", "paged_attention", "varlen_attention"]
 
 @triton.jit
 def _attn_block(
-    acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len,
+    acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len, page,
     PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, PREFETCH_PAGE: tl.constexpr,
 ):
     """One online-softmax update with KV block ``jb`` (identical arithmetic in every mode).
 
@@ -113,13 +113,19 @@ def _attn_block(
     K/V arrive either through tensor descriptors (TMA on Hopper; K, V are descriptors over the
     2-D views ``[rows, Hkv*D]``) or through pointers; both paths load the same values, and past
     ``kv_len`` V is zeroed in both (K needs no zeroing: those scores become -inf).
+
+    ``PREFETCH_PAGE`` (paged): ``page`` is block ``jb``'s page, read by the caller one block ahead, so the
+    K/V loads do not wait on the page table's read; otherwise the block reads its page here.
     """
     offs_j = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = jb * BLOCK_N + offs_j                      # key positions in the sequence
     if USE_TMA:
         if PAGED:
-            row = tl.load(PAGE_TABLE + b * stride_pt + jb) * BLOCK_N
+            if PREFETCH_PAGE:
+                row = page * BLOCK_N
+            else:
+                row = tl.load(PAGE_TABLE + b * stride_pt + jb) * BLOCK_N
         else:
             row = kv_start + jb * BLOCK_N
         k = K.load([row, kvh * HEAD_DIM])
@@ -127,7 +133,9 @@ def _attn_block(
         if MASKED:
             v = tl.where((offs_n < kv_len)[:, None], v, 0.0)
     elif PAGED:
-        page = tl.load(PAGE_TABLE + b * stride_pt + jb).to(tl.int64)
+        if not PREFETCH_PAGE:
+            page = tl.load(PAGE_TABLE + b * stride_pt + jb)
+        page = page.to(tl.int64)
         k_ptrs = K + page * stride_kp + kvh * stride_kh + offs_j[:, None] * stride_kt + offs_d[None, :]
         v_ptrs = V + page * stride_vp + kvh * stride_vh + offs_j[:, None] * stride_vt + offs_d[None, :]
     else:
@@ -167,7 +175,7 @@ def _attn_fwd_kernel(
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_pt,
     qk_scale, num_seqs, search_steps,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, USE_TMA: tl.constexpr, STORE_LSE: tl.constexpr,
+    PAGED: tl.constexpr, USE_TMA: tl.constexpr, STORE_LSE: tl.constexpr, PREFETCH_PAGE: tl.constexpr,
 ):
     """Program (i, kvh): query tile i of the flattened tile list, KV head kvh.
 
@@ -221,16 +229,27 @@ def _attn_fwd_kernel(
         last_pos = kv_len - n_q + tl.minimum(tile * BLOCK_Q + BLOCK_Q, n_q) - 1
         n_full = (first_pos + 1) // BLOCK_N                # blocks no row of the tile masks
         n_blocks = (last_pos + BLOCK_N) // BLOCK_N         # cdiv(last_pos + 1, BLOCK_N)
+        pages = PAGE_TABLE + b * stride_pt
+        if PREFETCH_PAGE:
+            page = tl.load(pages, mask=n_blocks > 0, other=0)
+        else:
+            page = 0  # read inside _attn_block
         for jb in range(0, n_full):
+            this_page = page
+            if PREFETCH_PAGE:  # the next block's page, read while this block computes (same values)
+                page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
             acc, l_i, m_i = _attn_block(
-                acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len,
+                acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len, this_page,
                 PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-                HEAD_DIM, BLOCK_N, PAGED, False, USE_TMA)
+                HEAD_DIM, BLOCK_N, PAGED, False, USE_TMA, PREFETCH_PAGE)
         for jb in range(n_full, n_blocks):
+            this_page = page
+            if PREFETCH_PAGE:
+                page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
             acc, l_i, m_i = _attn_block(
-                acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len,
+                acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len, this_page,
                 PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-                HEAD_DIM, BLOCK_N, PAGED, True, USE_TMA)
+                HEAD_DIM, BLOCK_N, PAGED, True, USE_TMA, PREFETCH_PAGE)
 
         # + 0.0 turns a -0.0 (which an extra masked block would have turned into +0.0) into +0.0.
         out = acc / l_i[:, None] + 0.0
@@ -360,7 +379,8 @@ def attention_forward(
             *strides_k, *strides_v, stride_pt,
             scale * math.log2(math.e), num_seqs, math.ceil(math.log2(num_seqs)) if num_seqs > 1 else 0,
             G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged, USE_TMA=use_tma,
-            STORE_LSE=return_lse, num_warps=cfg["num_warps"], num_stages=stages,
+            STORE_LSE=return_lse, PREFETCH_PAGE=paged and cfg.get("PREFETCH_PAGE", False),
+            num_warps=cfg["num_warps"], num_stages=stages,
         )
 
     launch_with_fitting_stages(launch, ("attention", q.dtype, D, G, paged, use_tma, return_lse,

@@ -217,6 +217,27 @@ def test_decode_from_first_token_bit_identical(interpreter):
     assert torch.equal(run_chunked(q, k, v, lens, chunk=1), run_varlen(q, k, v, lens))
 
 
+def test_page_prefetch_bit_identical(interpreter):
+    """Reading each block's page one block ahead (``PREFETCH_PAGE``) loads the same K/V: decode rows and a
+    chunk across pages equal the default launch's, and the prefill's."""
+    from rlperf.kernels.attention import _CONFIG, _DECODE_CONFIG, attention_forward
+
+    P = page_size()
+    lens = [2 * P + 3, 1, P, 40]
+    q, k, v, cu = make_tokens(lens, 4, 2, 64, torch.float16, "cpu")
+    base = run_varlen(q, k, v, lens)
+    cache = PagedCache(lens, 2, 64, torch.float16, "cpu")
+    K.write_kv_cache(k, v, cache.k, cache.v, torch.cat([cache.slots(b, 0, n) for b, n in enumerate(lens)]))
+    kv = torch.tensor(lens, dtype=torch.int32)
+    last = (cu[1:] - 1).long()
+    step = torch.arange(len(lens) + 1, dtype=torch.int32)
+    out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table,
+                            config={**_DECODE_CONFIG, "PREFETCH_PAGE": True})
+    assert torch.equal(out, base[last])
+    out = attention_forward(q, cache.k, cache.v, cu, kv, cache.page_table, config={**_CONFIG, "PREFETCH_PAGE": True})
+    assert torch.equal(out, base)
+
+
 def test_batch_composition_bit_identical(interpreter):
     """A sequence's rows do not depend on its neighbours or its place in the batch."""
     lens = [127, 1, 33, 64, 7]
@@ -376,9 +397,10 @@ def test_gpu_decode_pipeline_depth_bit_identical(dtype):
     kv = torch.tensor(many, dtype=torch.int32, device="cuda")
     step = torch.arange(len(many) + 1, dtype=torch.int32, device="cuda")
     for stages in (1, 2, 3):
-        out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table,
-                                config={**_DECODE_CONFIG, "num_stages": stages})
-        assert torch.equal(out, base[last]), f"{stages} stages"
+        for prefetch in (False, True):
+            out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table,
+                                    config={**_DECODE_CONFIG, "num_stages": stages, "PREFETCH_PAGE": prefetch})
+            assert torch.equal(out, base[last]), f"{stages} stages, page prefetch {prefetch}"
 
 
 @pytest.mark.gpu
