@@ -80,8 +80,13 @@ _DECODE_CONFIG = {**_CONFIG, "BLOCK_M": 64, "num_warps": 4}
 # Qwen3-0.6B heads, prompt 512, a graphed 28-layer stack (`python -m rlperf.bench.attention
 # --sweep-decode`, fba5d7c): against 3 stages, 2 stages 1.02x / 1.04x at B = 1 / 16; 1 stage 1.24x /
 # 1.30x at B = 64 / 256 and 1.10x at B = 64 KV 4096 (but 0.77x at B = 1); bits equal at every depth.
-_DECODE_FEW_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 2}
-_DECODE_MANY_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 1}
+# Reading each block's page one block ahead (PREFETCH_PAGE) lets the 3-deep pipeline run ahead of the
+# page table: 1.16x the 2-stage launch at B = 1 and 16 (12.8 / 17.3 against 14.8 / 20.0 us per layer,
+# 8576cfe, same sweep); it changes nothing at one stage. With one stage a masked block (a decode step's
+# last page, mostly empty at these lengths) loads by pointers (MASKED_PTR), so the empty rows of the
+# page are not read.
+_DECODE_FEW_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 3, "PREFETCH_PAGE": True}
+_DECODE_MANY_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 1, "MASKED_PTR": True}
 
 
 def _decode_config(programs: int, device: torch.device) -> dict:
@@ -100,10 +105,10 @@ __all__ = ["PAGE_SIZE", "write_kv_cache", "paged_attention", "varlen_attention"]
 
 @triton.jit
 def _attn_block(
-    acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len, page,
+    acc, l_i, m_i, q, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_start, kv_len, page,
     PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
-    USE_TMA: tl.constexpr, PREFETCH_PAGE: tl.constexpr,
+    USE_TMA: tl.constexpr, PREFETCH_PAGE: tl.constexpr, MASKED_PTR: tl.constexpr,
 ):
     """One online-softmax update with KV block ``jb`` (identical arithmetic in every mode).
 
@@ -116,11 +121,15 @@ def _attn_block(
 
     ``PREFETCH_PAGE`` (paged): ``page`` is block ``jb``'s page, read by the caller one block ahead, so the
     K/V loads do not wait on the page table's read; otherwise the block reads its page here.
+    ``MASKED_PTR``: a masked block takes the pointer loads (``K_PTR``, ``V_PTR``: the tensors themselves)
+    even when the others take TMA, so the rows past ``kv_len`` are never read (a decode step's last page
+    is mostly empty: a TMA box would read all of it).
     """
+    TMA_LOADS: tl.constexpr = USE_TMA and not (MASKED and MASKED_PTR)
     offs_j = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = jb * BLOCK_N + offs_j                      # key positions in the sequence
-    if USE_TMA:
+    if TMA_LOADS:
         if PAGED:
             if PREFETCH_PAGE:
                 row = page * BLOCK_N
@@ -136,13 +145,13 @@ def _attn_block(
         if not PREFETCH_PAGE:
             page = tl.load(PAGE_TABLE + b * stride_pt + jb)
         page = page.to(tl.int64)
-        k_ptrs = K + page * stride_kp + kvh * stride_kh + offs_j[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = V + page * stride_vp + kvh * stride_vh + offs_j[:, None] * stride_vt + offs_d[None, :]
+        k_ptrs = K_PTR + page * stride_kp + kvh * stride_kh + offs_j[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = V_PTR + page * stride_vp + kvh * stride_vh + offs_j[:, None] * stride_vt + offs_d[None, :]
     else:
         rows = (kv_start + offs_n).to(tl.int64)
-        k_ptrs = K + kvh * stride_kh + rows[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = V + kvh * stride_vh + rows[:, None] * stride_vt + offs_d[None, :]
-    if not USE_TMA:
+        k_ptrs = K_PTR + kvh * stride_kh + rows[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = V_PTR + kvh * stride_vh + rows[:, None] * stride_vt + offs_d[None, :]
+    if not TMA_LOADS:
         if MASKED:
             # Past L_b the cache holds stale bits (maybe NaN): load zeros so 0 * v stays 0.
             in_seq = (offs_n < kv_len)[:, None]
@@ -170,12 +179,13 @@ def _attn_block(
 # on: one compiled kernel per shape serves every run, so a kernel manifest covers them.
 @triton.jit(do_not_specialize=["num_seqs", "stride_pt", "stride_lse_h"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, KV_LENS, PAGE_TABLE,
+    Q, K, V, K_PTR, V_PTR, O, LSE, CU_Q, KV_LENS, PAGE_TABLE,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_h,
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_pt,
     qk_scale, num_seqs, search_steps,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, USE_TMA: tl.constexpr, STORE_LSE: tl.constexpr, PREFETCH_PAGE: tl.constexpr,
+    MASKED_PTR: tl.constexpr,
 ):
     """Program (i, kvh): query tile i of the flattened tile list, KV head kvh.
 
@@ -239,17 +249,17 @@ def _attn_fwd_kernel(
             if PREFETCH_PAGE:  # the next block's page, read while this block computes (same values)
                 page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
             acc, l_i, m_i = _attn_block(
-                acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len, this_page,
+                acc, l_i, m_i, q, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_start, kv_len, this_page,
                 PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-                HEAD_DIM, BLOCK_N, PAGED, False, USE_TMA, PREFETCH_PAGE)
+                HEAD_DIM, BLOCK_N, PAGED, False, USE_TMA, PREFETCH_PAGE, MASKED_PTR)
         for jb in range(n_full, n_blocks):
             this_page = page
             if PREFETCH_PAGE:
                 page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
             acc, l_i, m_i = _attn_block(
-                acc, l_i, m_i, q, K, V, pos, b, kvh, jb, kv_start, kv_len, this_page,
+                acc, l_i, m_i, q, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_start, kv_len, this_page,
                 PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-                HEAD_DIM, BLOCK_N, PAGED, True, USE_TMA, PREFETCH_PAGE)
+                HEAD_DIM, BLOCK_N, PAGED, True, USE_TMA, PREFETCH_PAGE, MASKED_PTR)
 
         # + 0.0 turns a -0.0 (which an extra masked block would have turned into +0.0) into +0.0.
         out = acc / l_i[:, None] + 0.0
@@ -373,13 +383,14 @@ def attention_forward(
     # varlen and paged launches agree whatever depth each got.
     def launch(stages):
         _attn_fwd_kernel[grid](
-            q, k_arg, v_arg, out, out if lse is None else lse, cu_seqlens_q, kv_lens, page_table,
+            q, k_arg, v_arg, k, v, out, out if lse is None else lse, cu_seqlens_q, kv_lens, page_table,
             # the LSE stride only when storing: a constant elsewhere adds no compiled variant per T
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), T if return_lse else 0,
             *strides_k, *strides_v, stride_pt,
             scale * math.log2(math.e), num_seqs, math.ceil(math.log2(num_seqs)) if num_seqs > 1 else 0,
             G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged, USE_TMA=use_tma,
             STORE_LSE=return_lse, PREFETCH_PAGE=paged and cfg.get("PREFETCH_PAGE", False),
+            MASKED_PTR=use_tma and cfg.get("MASKED_PTR", False),
             num_warps=cfg["num_warps"], num_stages=stages,
         )
 

@@ -217,9 +217,10 @@ def test_decode_from_first_token_bit_identical(interpreter):
     assert torch.equal(run_chunked(q, k, v, lens, chunk=1), run_varlen(q, k, v, lens))
 
 
-def test_page_prefetch_bit_identical(interpreter):
-    """Reading each block's page one block ahead (``PREFETCH_PAGE``) loads the same K/V: decode rows and a
-    chunk across pages equal the default launch's, and the prefill's."""
+def test_page_prefetch_and_masked_pointer_loads_bit_identical(interpreter):
+    """Reading each block's page one block ahead (``PREFETCH_PAGE``) and loading masked blocks by pointers
+    in a TMA launch (``MASKED_PTR``: rows past ``kv_len`` never read) load the same K/V: decode rows and a
+    paged prefill across pages equal the varlen prefill's."""
     from rlperf.kernels.attention import _CONFIG, _DECODE_CONFIG, attention_forward
 
     P = page_size()
@@ -231,11 +232,11 @@ def test_page_prefetch_bit_identical(interpreter):
     kv = torch.tensor(lens, dtype=torch.int32)
     last = (cu[1:] - 1).long()
     step = torch.arange(len(lens) + 1, dtype=torch.int32)
-    out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table,
-                            config={**_DECODE_CONFIG, "PREFETCH_PAGE": True})
-    assert torch.equal(out, base[last])
-    out = attention_forward(q, cache.k, cache.v, cu, kv, cache.page_table, config={**_CONFIG, "PREFETCH_PAGE": True})
-    assert torch.equal(out, base)
+    for extra in ({"PREFETCH_PAGE": True}, {"MASKED_PTR": True}, {"PREFETCH_PAGE": True, "MASKED_PTR": True}):
+        out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table, config={**_DECODE_CONFIG, **extra})
+        assert torch.equal(out, base[last]), extra
+        out = attention_forward(q, cache.k, cache.v, cu, kv, cache.page_table, config={**_CONFIG, **extra})
+        assert torch.equal(out, base), extra
 
 
 def test_batch_composition_bit_identical(interpreter):
@@ -397,10 +398,11 @@ def test_gpu_decode_pipeline_depth_bit_identical(dtype):
     kv = torch.tensor(many, dtype=torch.int32, device="cuda")
     step = torch.arange(len(many) + 1, dtype=torch.int32, device="cuda")
     for stages in (1, 2, 3):
-        for prefetch in (False, True):
+        for prefetch, masked_ptr in ((False, False), (True, False), (True, True)):
             out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table,
-                                    config={**_DECODE_CONFIG, "num_stages": stages, "PREFETCH_PAGE": prefetch})
-            assert torch.equal(out, base[last]), f"{stages} stages, page prefetch {prefetch}"
+                                    config={**_DECODE_CONFIG, "num_stages": stages, "PREFETCH_PAGE": prefetch,
+                                            "MASKED_PTR": masked_ptr})
+            assert torch.equal(out, base[last]), f"{stages} stages, page prefetch {prefetch}, masked ptr {masked_ptr}"
 
 
 @pytest.mark.gpu
