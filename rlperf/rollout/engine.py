@@ -278,6 +278,25 @@ class Request:
                                 routed)
 
 
+class _SamplingRows:
+    """The per-request sampling parameters of one batch composition, on the device: ``floats [2, B]``
+    (temperature, top_p) float32 and ``ints [2, B]`` (top_k, seed) int64, checked once on the host in the
+    sampler's own types (no device sync: a value that would break the sampler fails the step here, as it
+    would in the kernel), with ``filtered`` (any row with top_p < 1 or 0 < top_k < V), ``temps`` and the
+    sorted distinct temperatures ``groups``. A steady decode batch (the same requests in the same order,
+    ``reqs`` compared by identity) reuses them: only each row's counter (its sequence length) changes."""
+
+    def __init__(self, reqs: list["Request"], device: torch.device, vocab: int):
+        self.reqs, self.device, self.vocab = list(reqs), device, vocab
+        self.temps = [r.params.temperature for r in reqs]
+        floats = torch.tensor([self.temps, [r.params.top_p for r in reqs]], dtype=torch.float32)
+        ints = torch.tensor([[max(r.params.top_k, 0) for r in reqs], [r.seed for r in reqs]], dtype=torch.int64)
+        K.check_sampling_rows(floats[0], floats[1], ints[0])
+        self.floats, self.ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        self.filtered = any(r.params.top_p < 1 or 0 < r.params.top_k < vocab for r in reqs)
+        self.groups = sorted(set(self.temps))
+
+
 class Engine:
     """Continuous-batching engine over one model (module docstring)."""
 
@@ -302,6 +321,7 @@ class Engine:
 
             attention = FlashInferAttention(mcfg, self.kv.page_size, dtype, device, max_pages=max_pages)
         self.attention = attention
+        self._sampling_rows: _SamplingRows | None = None  # the last batch composition's (_sample)
         self.graphs = None
         if cfg.cuda_graph_max_bs > 0:
             from .cuda_graph import DecodeGraphs
@@ -387,15 +407,18 @@ class Engine:
         # host-side batch description as Python lists, one tensor (and one copy to the device) each:
         # per-request torch ops would cost more than a decode step of a small model
         ids, pos, slots, cu, kv_lens, sample_rows, sample_reqs = [], [], [], [0], [], [], []
-        max_pages = max(len(r.pages) for r, _ in batch)
-        table = []
         for r, n in batch:
             start = r.num_cached
-            ids.extend(r.tokens(start, start + n))
-            pos.extend(range(start, start + n))
             pages = r.pages
-            slots.extend(pages[p // P] * P + p % P for p in range(start, start + n))
-            table.append(pages + [0] * (max_pages - len(pages)))
+            if n == 1:  # a decode row (or a prompt's last token): no slices, no generators
+                p = len(r.prompt_ids)
+                ids.append(r.output_ids[start - p] if start >= p else r.prompt_ids[start])
+                pos.append(start)
+                slots.append(pages[start // P] * P + start % P)
+            else:
+                ids.extend(r.tokens(start, start + n))
+                pos.extend(range(start, start + n))
+                slots.extend(pages[p // P] * P + p % P for p in range(start, start + n))
             cu.append(cu[-1] + n)
             kv_lens.append(start + n)
             r.num_cached = start + n
@@ -411,6 +434,8 @@ class Engine:
                 # a pure decode step: replay the captured graph of its batch-size bucket
                 hidden, logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
             else:
+                max_pages = max(len(r.pages) for r, _ in batch)
+                table = [r.pages + [0] * (max_pages - len(r.pages)) for r, _ in batch]
                 attention = for_this_mode(self.attention)
                 if attention is not None:
                     attention.plan_step(table, cu, kv_lens)
@@ -505,21 +530,15 @@ class Engine:
     def _sample(self, hidden: torch.Tensor, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
         """Tokens drawn from ``logits`` [B, V] float32 and their log-probs [B] from ``hidden`` [B, H],
         the final hidden rows the logits came from (module docstring)."""
-        dev, B = logits.device, len(reqs)
-        temps = [r.params.temperature for r in reqs]
-        # the per-request parameters travel in two host tensors (one copy each), not five, and are
-        # checked on the host in the sampler's own types (no device sync): a value that would break
-        # the sampler fails this step here, as it would in the kernel
-        floats = torch.tensor([temps, [r.params.top_p for r in reqs]], dtype=torch.float32)
-        ints = torch.tensor([[max(r.params.top_k, 0) for r in reqs], [r.seed for r in reqs],
-                             [r.seq_len for r in reqs]], dtype=torch.int64)
-        K.check_sampling_rows(floats[0], floats[1], ints[0])
-        floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
-        V = logits.shape[1]
-        filtered = any(r.params.top_p < 1 or 0 < r.params.top_k < V for r in reqs)
-        tokens = K.sample(logits, floats[0], floats[1], ints[0], ints[1], ints[2], check_values=False,
-                          filtered=filtered)
-        weight, groups = self.model.head_weight, sorted(set(temps))
+        dev, B, V = logits.device, len(reqs), logits.shape[1]
+        rows = self._sampling_rows
+        if rows is None or rows.reqs != reqs or rows.device != dev or rows.vocab != V:
+            rows = self._sampling_rows = _SamplingRows(reqs, dev, V)
+        temps, groups = rows.temps, rows.groups
+        counters = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
+        tokens = K.sample(logits, rows.floats[0], rows.floats[1], rows.ints[0], rows.ints[1], counters,
+                          check_values=False, filtered=rows.filtered)
+        weight = self.model.head_weight
         # the trainer's kernel on the same hidden bits; it takes one temperature per call, and a row's
         # bits do not depend on the other rows of the launch, so grouping is exact
         logprob = K.fused_logprob
@@ -603,11 +622,16 @@ class Engine:
         chunk = self.config.chunked_prefill_size
         budget = chunk if chunk > 0 else math.inf
         batch: list[tuple[Request, int]] = []
+        P = self.kv.page_size
+        retracted = set()  # taken off their pages below for an older request
         # running requests, oldest first; a newer one is retracted when an older one needs its pages
         for r in sorted(self.running, key=lambda x: x.order):
-            if r not in self.running:
-                continue  # retracted below for an older request
+            if r in retracted:
+                continue
             need = r.seq_len - r.num_cached
+            if need == 1 and len(r.pages) * P > r.num_cached:  # a decode row whose pages hold its next token
+                batch.append((r, 1))
+                continue
             n = 1 if need == 1 else min(need, budget)
             if n <= 0:
                 continue
@@ -615,7 +639,9 @@ class Engine:
                 newer = [x for x in self.running if x.order > r.order]
                 if not newer:
                     break
-                self.retract(max(newer, key=lambda x: x.order))
+                victim = max(newer, key=lambda x: x.order)
+                self.retract(victim)
+                retracted.add(victim)
             cap = self._capacity(r)
             if cap < 1:
                 if len(self.running) == 1 and not batch:
@@ -632,9 +658,9 @@ class Engine:
         # admit waiting requests (FIFO; retracted ones are at the front), keeping back the pages the
         # decoding requests will need within RESERVE_STEPS steps, so an admission does not force a
         # retraction right away (correctness never depends on this; it only avoids churn)
-        P = self.kv.page_size
+        admitting = self.waiting and len(self.running) < self.config.max_running_requests and budget > 0
         reserve = sum(1 for r, n in batch if r.seq_len - r.num_cached == 1
-                      and len(r.pages) * P - (r.num_cached + 1) < RESERVE_STEPS)
+                      and len(r.pages) * P - (r.num_cached + 1) < RESERVE_STEPS) if admitting else 0
         while self.waiting and len(self.running) < self.config.max_running_requests and budget > 0:
             r = self.waiting[0]
             free_tokens = (self.kv.num_free_pages - (reserve if batch else 0)) * P
