@@ -42,6 +42,12 @@ Record a manifest again when a kernel's parameters change (a CPU test names the 
 
     python -m rlperf.kernels.precompile FILE [--workers N]      # compile a manifest into the cache
     python -m rlperf.kernels.precompile --list                  # the shipped manifests and their sizes
+    python -m rlperf.kernels.precompile FILE --resources _attn  # registers, spills, shared memory per entry
+
+``--resources`` compiles the entries on this host (no GPU needed) and prints what the compiler gave each
+one (:func:`resource_usage`): a kernel change's register pressure, spills and shared memory can be read
+before a device call. The numbers belong to the installed Triton (a manifest for 3.6.0 read with 3.9.0
+says so).
 """
 from __future__ import annotations
 
@@ -51,6 +57,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -228,10 +235,11 @@ def _as_tuple(value):
     return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
 
 
-def compile_entry(entry: dict) -> None:
-    """Compile one manifest entry into Triton's on-disk cache (or find it there). The source
-    is rebuilt as Triton's launch builds it (``ASTSource(kernel, signature, constexprs, attrs)``) so the
-    cache key is the launch's. StaleEntry when the entry no longer fits the kernel."""
+def compile_entry(entry: dict, launcher: bool = True):
+    """Compile one manifest entry into Triton's on-disk cache (or find it there) and return Triton's
+    compiled kernel. The source is rebuilt as Triton's launch builds it (``ASTSource(kernel, signature,
+    constexprs, attrs)``) so the cache key is the launch's. ``launcher``: also build its host-side
+    launcher (:func:`build_launcher`). StaleEntry when the entry no longer fits the kernel."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -255,7 +263,70 @@ def compile_entry(entry: dict) -> None:
     options = {k: _as_tuple(v) for k, v in spec["options"].items()}
     src = ASTSource(fn, signature, constexprs, attrs)
     kernel = triton.compile(src, target=GPUTarget(**entry["target"]), options=options)
-    build_launcher(kernel)
+    if launcher:
+        build_launcher(kernel)
+    return kernel
+
+
+def resource_usage(kernel) -> dict:
+    """What one program of a compiled CUDA kernel holds: ``registers`` per thread, ``stack`` bytes per
+    thread (register spills and call frames: 0 when nothing spills) and ``shared`` bytes (static plus the
+    dynamic shared memory Triton requests), read from the kernel's cubin with ``cuobjdump
+    --dump-resource-usage`` (shipped with Triton's NVIDIA backend). These are the compiler's numbers for
+    the entry's target, on any host: no GPU needed. ValueError for a kernel that has no cubin."""
+    from triton import knobs
+
+    cubin = kernel.asm.get("cubin") if hasattr(kernel, "asm") else None
+    if cubin is None:
+        raise ValueError("not a compiled CUDA kernel (no cubin)")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    usage = dict(re.findall(r"\b(REG|STACK|SHARED):(\d+)", out))
+    if "REG" not in usage:
+        raise ValueError(f"cuobjdump printed no resource usage: {out.strip()[:200]!r}")
+    return {"registers": int(usage["REG"]), "stack": int(usage.get("STACK", 0)),
+            "shared": int(usage.get("SHARED", 0)) + int(kernel.metadata.shared)}
+
+
+def entry_label(entry: dict) -> str:
+    """``name BLOCK_M=64 ... w4 s1``: an entry's kernel, its integer and boolean constexprs, warps and stages."""
+    spec = entry["spec"]
+    names = list(spec["signature"])
+    consts = [f"{names[k[0]]}={int(v) if isinstance(v, bool) else v}"
+              for k, v in zip(spec["constant_keys"], spec["constant_vals"])
+              if len(k) == 1 and isinstance(v, (bool, int)) and spec["signature"].get(names[k[0]]) == "constexpr"]
+    opts = spec["options"]
+    return " ".join([entry["kernel"].rpartition(":")[2], *consts, f"w{opts.get('num_warps')}", f"s{opts.get('num_stages')}"])
+
+
+def print_resources(manifest: str | os.PathLike, match: str = "") -> int:
+    """Compile the entries of ``manifest`` whose kernel name contains ``match`` (in this process, no
+    launchers) and print each one's :func:`resource_usage`, one line per entry. Returns the number of
+    entries that failed to compile."""
+    import triton
+
+    recorded = re.search(r"triton(\d[\w.]*)\.jsonl$", Path(manifest).name)
+    print(f"Triton {triton.__version__}" + (f" (the manifest is named for Triton {recorded.group(1)}: registers and "
+                                           f"shared memory follow the compiler)"
+                                           if recorded and recorded.group(1) != triton.__version__ else ""))
+    failed = 0
+    for entry in read_manifest(manifest):
+        if match not in entry["kernel"]:
+            continue
+        label = entry_label(entry)
+        try:
+            use = resource_usage(compile_entry(entry, launcher=False))
+        except Exception as exc:  # noqa: BLE001 (one refused entry must not stop the listing)
+            lines = str(exc).strip().splitlines()
+            print(f"{label}: not compiled ({lines[-1] if lines else type(exc).__name__})")
+            failed += 1
+            continue
+        spills = f", {use['stack']} B of stack (spills)" if use["stack"] else ""
+        print(f"{label}: {use['registers']} registers{spills}, {use['shared']} B shared")
+    return failed
 
 
 def launch_attrs(fn, attrs: dict) -> dict:
@@ -414,6 +485,10 @@ def main(argv=None) -> int:
                         f"{default_workers()})")
     p.add_argument("--list", action="store_true", help="list the shipped manifests and their entries")
     p.add_argument("--progress", action="store_true", help="draw a progress line on stderr")
+    p.add_argument("--resources", nargs="?", const="", default=None, metavar="KERNEL",
+                   help="instead of filling the cache, compile each entry here (whose kernel name contains KERNEL, "
+                        "if given) and print its registers per thread, stack bytes (spills) and shared memory, "
+                        "as the installed Triton compiles it for the entry's GPU (no GPU needed)")
     args = p.parse_args(argv)
     if args.list:
         for path in sorted(MANIFEST_DIR.glob("*.jsonl")):
@@ -425,6 +500,12 @@ def main(argv=None) -> int:
         p.error(f"--workers must be >= 1, got {args.workers}")
     if not Path(args.manifest).is_file():
         p.error(f"manifest {args.manifest!r}: no such file")
+    if args.resources is not None:
+        try:
+            return 1 if print_resources(args.manifest, args.resources) else 0
+        except ValueError as exc:
+            print(f"precompile: {exc}", file=sys.stderr)
+            return 2
     try:
         report = precompile(args.manifest, args.workers, progress=args.progress)
     except (ValueError, RuntimeError) as exc:

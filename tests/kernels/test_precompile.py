@@ -138,6 +138,29 @@ def test_bad_manifest_and_flags_exit_2_naming_them(tmp_path):
         assert out.returncode == 2 and words in out.stderr, (argv, out.stderr)
 
 
+def test_resources_print_each_entrys_registers_spills_and_shared_memory(tmp_path):
+    """``--resources``: the shipped SiLU*mul entry compiled here for its GPU (no GPU needed), one line with
+    the compiler's registers per thread and shared memory; a bad manifest exits 2 naming its line."""
+    shipped = P.MANIFEST_DIR / P.manifest_name({"backend": "cuda", "arch": 90}, "3.6.0")
+    entry = next(e for e in P.read_manifest(shipped) if e["kernel"] == SILU)
+    manifest = tmp_path / "cuda-90-triton0.0.jsonl"
+    manifest.write_text(json.dumps(entry) + "\n")
+    env = _env(tmp_path / "cache")
+    out = subprocess.run([sys.executable, "-m", "rlperf.kernels.precompile", str(manifest), "--resources", "silu"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    first, line = out.stdout.strip().splitlines()
+    assert "the manifest is named for Triton 0.0" in first
+    assert line.startswith("_silu_mul_kernel BLOCK=") and " w4 s" in line, line
+    registers = int(line.split(": ")[1].split(" registers")[0])
+    assert 1 <= registers <= 255 and line.endswith(" B shared"), line
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"kernel": "x"}\n')
+    out = subprocess.run([sys.executable, "-m", "rlperf.kernels.precompile", str(bad), "--resources"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "bad.jsonl:1" in out.stderr, out.stderr
+
+
 def test_recorder_hook_keeps_rlperf_kernels_and_chains_the_previous_hook(tmp_path):
     from triton import knobs
 
