@@ -415,10 +415,12 @@ class Engine:
                 ids.append(r.output_ids[start - p] if start >= p else r.prompt_ids[start])
                 pos.append(start)
                 slots.append(pages[start // P] * P + start % P)
-            else:
+            else:  # a chunk: its slots one page's run at a time
                 ids.extend(r.tokens(start, start + n))
                 pos.extend(range(start, start + n))
-                slots.extend(pages[p // P] * P + p % P for p in range(start, start + n))
+                for j in range(start // P, (start + n - 1) // P + 1):
+                    base = pages[j] * P
+                    slots.extend(range(base + max(start - j * P, 0), base + min(start + n - j * P, P)))
             cu.append(cu[-1] + n)
             kv_lens.append(start + n)
             r.num_cached = start + n
