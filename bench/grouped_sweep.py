@@ -18,23 +18,15 @@ import argparse
 
 import torch
 
-from .harness import geomean, sweep_candidate, write_sweep_json
+from .harness import geomean, sweep_candidate, tile_candidates, write_sweep_json
 from .matmul import graph_time
 
-# name: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-CANDIDATES = {
-    "m64n128k64w4s4": (64, 128, 64, 4, 4),
-    "m128n256k64w8s4": (128, 256, 64, 8, 4),
-    "m128n256k128w8s2": (128, 256, 128, 8, 2),
-    "m64n128k64w4s6": (64, 128, 64, 4, 6),
-    "m64n256k64w4s4": (64, 256, 64, 4, 4),
-    "m64n256k64w8s4": (64, 256, 64, 8, 4),
-    "m64n128k128w4s4": (64, 128, 128, 4, 4),
-    "m128n128k64w8s4": (128, 128, 64, 8, 4),
-    "m128n128k64w8s5": (128, 128, 64, 8, 5),
-    "m128n256k64w8s3": (128, 256, 64, 8, 3),
-    "m128n128k128w8s3": (128, 128, 128, 8, 3),
-}
+# grouped GEMM tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), named by tile_candidates
+CANDIDATES = tile_candidates(
+    (64, 128, 64, 4, 4), (128, 256, 64, 8, 4), (128, 256, 128, 8, 2), (64, 128, 64, 4, 6), (64, 256, 64, 4, 4),
+    (64, 256, 64, 8, 4), (64, 128, 128, 4, 4), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5),
+    (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
+)
 
 
 def main(argv=None) -> int:

@@ -344,6 +344,12 @@ def format_table(rows: list[BenchRow]) -> str:
     return "\n".join(lines)
 
 
+def tile_candidates(*tiles: tuple[int, int, int, int, int]) -> dict[str, tuple[int, int, int, int, int]]:
+    """A tile sweep's candidates by name: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` ->
+    ``"m{BLOCK_M}n{BLOCK_N}k{BLOCK_K}w{num_warps}s{num_stages}"``, in the order given."""
+    return {"m{}n{}k{}w{}s{}".format(*t): t for t in tiles}
+
+
 def sweep_candidate(fn: Callable[[], torch.Tensor], base: torch.Tensor,
                     gpu_ms: Callable[[Callable[[], object]], float]) -> tuple[float | str, bool | None]:
     """One tuning candidate of a sweep tool: ``(gpu_ms(fn), whether fn() gives base's bits)``, or

@@ -18,40 +18,23 @@ import argparse
 
 import torch
 
-from .harness import geomean, sweep_candidate, write_sweep_json
+from .harness import geomean, sweep_candidate, tile_candidates, write_sweep_json
 from .matmul import graph_time
 
 # (N, K) of w [N, K] in the 0.6b layer: qkv, o_proj, gate_up, down
 SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-# name: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_M is the rows of the sum per step
-CANDIDATES = {
-    "m64n128k128w8s3": (64, 128, 128, 8, 3),
-    "m64n128k128w8s4": (64, 128, 128, 8, 4),
-    "m64n128k128w8s5": (64, 128, 128, 8, 5),
-    "m64n128k128w4s3": (64, 128, 128, 4, 3),
-    "m64n128k128w4s4": (64, 128, 128, 4, 4),
-    "m64n64k128w4s4": (64, 64, 128, 4, 4),
-    "m64n128k64w8s5": (64, 128, 64, 8, 5),
-    "m64n256k128w8s3": (64, 256, 128, 8, 3),
-    "m64n128k256w8s3": (64, 128, 256, 8, 3),
-    "m32n128k128w4s4": (32, 128, 128, 4, 4),
-    "m32n128k128w4s6": (32, 128, 128, 4, 6),
-    "m32n128k128w8s5": (32, 128, 128, 8, 5),
-}
-# input_grad (dx = g @ w, w read in place as the [K, N] operand): name: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-INPUT_GRAD_CANDIDATES = {
-    "m64n128k128w4s4": (64, 128, 128, 4, 4),
-    "m64n128k64w4s6": (64, 128, 64, 4, 6),
-    "m64n256k64w4s4": (64, 256, 64, 4, 4),
-    "m64n256k64w8s4": (64, 256, 64, 8, 4),
-    "m128n128k64w8s4": (128, 128, 64, 8, 4),
-    "m128n128k64w8s5": (128, 128, 64, 8, 5),
-    "m128n128k64w4s4": (128, 128, 64, 4, 4),
-    "m128n256k64w8s3": (128, 256, 64, 8, 3),
-    "m128n256k64w8s4": (128, 256, 64, 8, 4),
-    "m128n128k128w8s3": (128, 128, 128, 8, 3),
-    "m128n64k128w4s4": (128, 64, 128, 4, 4),
-}
+# weight_grad tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_M is the rows of the sum per step
+CANDIDATES = tile_candidates(
+    (64, 128, 128, 8, 3), (64, 128, 128, 8, 4), (64, 128, 128, 8, 5), (64, 128, 128, 4, 3),
+    (64, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 8, 5), (64, 256, 128, 8, 3), (64, 128, 256, 8, 3),
+    (32, 128, 128, 4, 4), (32, 128, 128, 4, 6), (32, 128, 128, 8, 5),
+)
+# input_grad tiles (dx = g @ w, w read in place as the [K, N] operand): (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+INPUT_GRAD_CANDIDATES = tile_candidates(
+    (64, 128, 128, 4, 4), (64, 128, 64, 4, 6), (64, 256, 64, 4, 4), (64, 256, 64, 8, 4), (128, 128, 64, 8, 4),
+    (128, 128, 64, 8, 5), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
+    (128, 128, 128, 8, 3), (128, 64, 128, 4, 4),
+)
 
 
 def _gpu_ms(fn) -> float:

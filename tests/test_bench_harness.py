@@ -97,6 +97,15 @@ def test_a_cpu_profile_has_no_launches_and_without_cuda_nothing_is_counted(monke
     assert launch_fields("x", LaunchCount(7, 2)) == {"x_kernels": 7, "x_launch_calls": 2}
 
 
+def test_tile_candidates_name_each_tile_by_its_fields():
+    from rlperf.bench.harness import tile_candidates
+    from rlperf.bench.weight_grad_sweep import CANDIDATES
+
+    assert tile_candidates((64, 128, 128, 8, 5), (128, 256, 64, 8, 4)) == {
+        "m64n128k128w8s5": (64, 128, 128, 8, 5), "m128n256k64w8s4": (128, 256, 64, 8, 4)}
+    assert list(CANDIDATES)[:2] == ["m64n128k128w8s3", "m64n128k128w8s4"]  # the names the recorded runs quote
+
+
 def test_sweep_candidate_reports_bits_time_and_failures(tmp_path):
     from rlperf.bench.harness import sweep_candidate, write_sweep_json
 
