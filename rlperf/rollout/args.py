@@ -43,6 +43,9 @@ class ServerArgs:
     attention_backend: str = "rlperf"
     """``rlperf`` (the paged-attention kernel) or ``flashinfer`` (fast mode only, CUDA: FlashInfer's paged
     attention, ``rlperf.rollout.flashinfer_attention``)."""
+    disable_overlap_schedule: bool = False
+    """Read every decode step's tokens before launching the next (``EngineConfig.overlap_schedule``
+    off): the same tokens, the GPU idle while the host works between graphed steps."""
     max_generate_body_bytes: int | None = None
     """Largest ``/generate`` body; default 1 MiB + 64 bytes per token of the context length
     (:func:`rlperf.rollout.server.generate_body_limit`). A larger one is refused (413) by its
@@ -160,6 +163,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-bs", type=flags.nonnegative_int, default=d.cuda_graph_max_bs,
                    help="replay decode steps of up to N sequences from CUDA graphs; 0 disables "
                         "(default: 256 on CUDA, 0 on CPU)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each decode step's tokens before launching the next one; by default a steady "
+                        "CUDA-graph decode batch launches its next step first, so the host's work between "
+                        "steps overlaps the GPU's (the same tokens and log-probs either way)")
     p.add_argument("--max-generate-body-bytes", type=flags.positive_int, default=None, metavar="N",
                    help="largest /generate request body; a larger one gets 413 before it is read "
                         "(default: 1 MiB + 64 bytes per token of the context length)")

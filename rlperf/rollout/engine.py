@@ -43,6 +43,20 @@ experts each MoE layer routed it to (``GenerationResult.routed_experts`` [seq_le
 L the MoE layers in order): what the trainer replays under rollout routing replay. A step with
 such a request runs eagerly (the decode CUDA graphs do not record routing).
 
+Overlap (``EngineConfig.overlap_schedule``, CUDA-graph decode steps): the host work of a step (reading
+the sampled tokens, finish checks, callbacks, the next step's inputs) would leave the GPU idle between
+steps. When every request of a graphed decode step will need another step whatever token it draws
+(none is at its length or context limit, none aborted, nothing waiting, no suspect, pages for the
+next token), the next step is launched before this one's tokens are read: its input ids are the
+sampled tokens, copied on the device. Its tokens are read in the following :meth:`step` call, which
+launches the one after in turn. A request that stops on this step's token (EOS, a stop token or
+string) has one more step in flight; that step's row is dropped when read (its K/V write went to a
+page it held). Each request's tokens and log-probs are those of the step-by-step engine: the same
+kernels on the same inputs, sampling by ``(seed, position)``. :meth:`drain` reads a step still in
+flight; every call that changes the engine from outside (:meth:`abort`, :meth:`retract_all`,
+:meth:`flush`, the engine loop's calls between steps) drains first, so none of them sees a step in
+flight, and :meth:`has_work` is true while one is.
+
 The engine is single-threaded: :class:`rlperf.rollout.engine_loop.EngineLoop` drives it from one
 thread and is the only thing that touches it while it runs.
 """
@@ -209,6 +223,10 @@ class EngineConfig:
     attention_backend: str = "rlperf"
     """``rlperf`` (the paged-attention kernel) or ``flashinfer``: FlashInfer's paged attention in fast
     mode (``rlperf.rollout.flashinfer_attention``; CUDA only); invariant mode keeps the kernel."""
+    overlap_schedule: bool = True
+    """Launch a steady decode batch's next graphed step before reading this one's tokens (module
+    docstring, "Overlap"); False (``--disable-overlap-schedule``, SGLang's flag) reads every step's
+    tokens before the next launch. The same tokens and log-probs either way."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +315,18 @@ class _SamplingRows:
         self.groups = sorted(set(self.temps))
 
 
+class _Sampled:
+    """A step whose tokens were drawn on the device and not yet read: ``reqs`` (one row each); ``host``
+    [2, B] float64 on the host (token ids, log-probs: both exact in float64), readable once ``ready``
+    (a CUDA event; None: now); ``tokens`` [B] int64 on the device (a continuation's input ids);
+    ``graphed``: the step replayed a decode graph (only those have continuations)."""
+
+    __slots__ = ("reqs", "tokens", "host", "ready", "graphed")
+
+    def __init__(self, reqs, tokens, host, ready, graphed):
+        self.reqs, self.tokens, self.host, self.ready, self.graphed = reqs, tokens, host, ready, graphed
+
+
 class Engine:
     """Continuous-batching engine over one model (module docstring)."""
 
@@ -339,6 +369,9 @@ class Engine:
         self._batch: list[Request] | None = None   # the requests of the step in progress
         self._suspects: collections.deque[Request] = collections.deque()  # see recover()
         self.num_failed_steps = 0
+        self._in_flight: _Sampled | None = None  # a launched step whose tokens are not read (overlap)
+        self._host_out: list[torch.Tensor] = []  # two pinned [2, max_bs] float64 buffers (CUDA), alternating
+        self.num_overlapped_steps = 0
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, rid: str | None = None,
@@ -380,6 +413,7 @@ class Engine:
 
     def abort(self, rid: str | None = None, message: str = "aborted by request") -> int:
         """Abort one request (or all when ``rid`` is None) now, between steps; returns how many."""
+        self.drain()
         targets = list(self.requests.values()) if rid is None else [self.requests[rid]] if rid in self.requests else []
         for r in targets:
             r.aborted = message
@@ -387,13 +421,33 @@ class Engine:
         return len(targets)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight is not None)
+
+    def drain(self) -> list[Request]:
+        """Read the step still in flight (overlap, module docstring), if any; returns the requests it
+        finished. Afterwards nothing is in flight until the next :meth:`step`."""
+        sampled, self._in_flight = self._in_flight, None
+        if sampled is None:
+            return []
+        self._finished = finished = []
+        self._read(sampled)
+        return finished
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Schedule, run one forward, sample; returns the requests that finished in this step."""
+        """Schedule, run one forward, sample; returns the requests that finished in this step.
+
+        With a step in flight (overlap, module docstring): launch its continuation when it has one,
+        then read the one in flight; the requests it finished are returned."""
         self._finished = finished = []  # _finish appends: aborts, cache-too-small, stops, lengths
         self._batch = None
+        if self._in_flight is not None:
+            sampled, self._in_flight = self._in_flight, None
+            self._batch = sampled.reqs
+            self._in_flight = self._continue(sampled)
+            self._read(sampled)
+            self._batch = None
+            return finished
         self._reap_aborted()
         while self._suspects and self._suspects[0].finished:  # aborted while it waited for its solo steps
             self._suspects.popleft()
@@ -431,8 +485,9 @@ class Engine:
         routing = RoutingTrace() if any(r.return_routed_experts for r, _ in batch) else None
         # named ranges so a profile can split prefill from decode time (rlperf.profiles.summary)
         phase = torch.profiler.record_function("rlperf.decode" if decode_only else "rlperf.prefill")
+        graphed = self.graphs is not None and decode_only and len(batch) <= self.graphs.max_bs and routing is None
         with torch.no_grad(), phase:
-            if self.graphs is not None and decode_only and len(batch) <= self.graphs.max_bs and routing is None:
+            if graphed:
                 # a pure decode step: replay the captured graph of its batch-size bucket
                 hidden, logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
             else:
@@ -452,15 +507,9 @@ class Engine:
                     hidden = hidden[torch.tensor(sample_rows, device=dev)]
                     logits = model.logits(hidden)
             if sample_reqs:
-                tokens, logprobs = self._sample(hidden, logits, sample_reqs)
-                for r, t, lp in zip(sample_reqs, tokens, logprobs):
-                    r.output_ids.append(t)
-                    r.output_logprobs.append(lp)
-                    reason = self._check_finished(r, t)
-                    if reason is not None:
-                        self._finish(r, reason)
-                    elif r.on_token is not None:
-                        r.on_token(r)
+                sampled = self._sample(hidden, logits, sample_reqs, [r.seq_len for r in sample_reqs], graphed)
+                self._in_flight = self._continue(sampled)
+                self._read(sampled)
         self._batch = None
         if suspect is not None and (suspect.finished or suspect in sample_reqs):
             # a whole step of its own went through: not a culprit; off the pages, so the next suspect
@@ -490,6 +539,7 @@ class Engine:
         arrive meanwhile wait. Returns the requests failed now (empty: suspects still to try).
         """
         self.num_failed_steps += 1
+        self._in_flight = None  # a step launched ahead of the failed one: dropped with it (its requests retract)
         batch, self._batch = self._batch, None
         if self._suspects:  # a suspect's solo step failed: it is the culprit
             culprit = self._suspects.popleft()
@@ -529,15 +579,17 @@ class Engine:
         self._grow(r, n)
         return [(r, n)]
 
-    def _sample(self, hidden: torch.Tensor, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
-        """Tokens drawn from ``logits`` [B, V] float32 and their log-probs [B] from ``hidden`` [B, H],
-        the final hidden rows the logits came from (module docstring)."""
+    def _sample(self, hidden: torch.Tensor, logits: torch.Tensor, reqs: list[Request], counters: list[int],
+                graphed: bool = False) -> _Sampled:
+        """Draw tokens from ``logits`` [B, V] float32 and their log-probs [B] from ``hidden`` [B, H], the
+        final hidden rows the logits came from (module docstring), token ``i`` of row ``b`` with
+        position ``counters[b]``; launched, not read: :meth:`_read` reads them."""
         dev, B, V = logits.device, len(reqs), logits.shape[1]
         rows = self._sampling_rows
         if rows is None or rows.reqs != reqs or rows.device != dev or rows.vocab != V:
             rows = self._sampling_rows = _SamplingRows(reqs, dev, V)
         temps, groups = rows.temps, rows.groups
-        counters = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
+        counters = torch.tensor(counters, dtype=torch.int64).to(dev, non_blocking=True)
         tokens = K.sample(logits, rows.floats[0], rows.floats[1], rows.ints[0], rows.ints[1], counters,
                           check_values=False, filtered=rows.filtered)
         weight = self.model.head_weight
@@ -553,9 +605,77 @@ class Engine:
             for t in groups:
                 rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=dev)
                 logprobs[rows] = logprob(hidden[rows], weight, tokens[rows], t if t > 0 else 1.0)
-        # one device-to-host copy (and one wait) for both: token ids and float32 log-probs are exact in float64
-        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu()
-        return [int(t) for t in both[0].tolist()], both[1].tolist()
+        # one device-to-host copy (and one wait, in _read) for both: token ids and float32 log-probs are
+        # exact in float64
+        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        if dev.type != "cuda":
+            return _Sampled(reqs, tokens, both, None, graphed)
+        if not self._host_out or self._host_out[0].shape[1] < B:
+            width = max(B, self.graphs.max_bs if self.graphs is not None else 0)
+            self._host_out = [torch.empty(2, width, dtype=torch.float64, pin_memory=True) for _ in range(2)]
+        # alternate: the other buffer may belong to the step in flight, whose copy is not read yet
+        host = self._host_out[self.num_steps % 2].view(-1)[:2 * B].view(2, B)  # contiguous
+        host.copy_(both, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Sampled(reqs, tokens, host, ready, graphed)
+
+    def _read(self, sampled: _Sampled) -> None:
+        """Wait for ``sampled``'s tokens and log-probs and hand them to their requests (finish checks,
+        streaming callbacks). A request finished meanwhile (its previous token stopped it while this
+        step was in flight) drops its row."""
+        if sampled.ready is not None:
+            sampled.ready.synchronize()
+        tokens, logprobs = sampled.host.tolist()
+        for r, t, lp in zip(sampled.reqs, tokens, logprobs):
+            if r.finished:
+                continue
+            t = int(t)
+            r.output_ids.append(t)
+            r.output_logprobs.append(lp)
+            reason = self._check_finished(r, t)
+            if reason is not None:
+                self._finish(r, reason)
+            elif r.on_token is not None:
+                r.on_token(r)
+
+    def _continue(self, prev: _Sampled) -> _Sampled | None:
+        """Launch the next decode step of ``prev``'s requests before ``prev``'s tokens are read, when
+        each of them needs that step whatever token it draws (module docstring, "Overlap"); its input
+        ids are ``prev``'s tokens on the device. None when it does not apply."""
+        if (not prev.graphed or not self.config.overlap_schedule or self.waiting or self._suspects
+                or for_this_mode(self.attention) is not None):  # FlashInfer's plan: host buffers per step
+            return None
+        # rows of requests that finished on the token before prev's (prev was in flight) go; the rest
+        # must be every running request
+        keep = [i for i, r in enumerate(prev.reqs) if not r.finished]
+        reqs = [prev.reqs[i] for i in keep]
+        if not reqs or len(reqs) != len(self.running):
+            return None
+        for r in reqs:  # prev's token is output number len(output_ids) + 1, at position r.num_cached
+            if (r.aborted is not None or r.return_routed_experts or len(r.output_ids) + 1 >= r.params.max_new_tokens
+                    or r.seq_len + 1 >= self.context_length):
+                return None
+        P = self.kv.page_size
+        if sum(len(r.pages) * P <= r.num_cached for r in reqs) > self.kv.num_free_pages:
+            return None
+        pos, slots, kv_lens = [], [], []
+        for r in reqs:
+            start = r.num_cached
+            self._grow(r, 1)
+            pos.append(start)
+            slots.append(r.pages[start // P] * P + start % P)
+            kv_lens.append(start + 1)
+            r.num_cached = start + 1
+        self.num_steps += 1
+        self.num_overlapped_steps += 1
+        ids = prev.tokens
+        if len(keep) < len(prev.reqs):
+            ids = ids[torch.tensor(keep, device=ids.device)]
+        with torch.no_grad(), torch.profiler.record_function("rlperf.decode"):
+            hidden, logits = self.graphs.run(ids, pos, slots, [r.pages for r in reqs], kv_lens)
+            # the token drawn now is at position start + 1 = r.seq_len once prev's token is appended
+            return self._sample(hidden, logits, reqs, kv_lens, graphed=True)
 
     def _check_finished(self, r: Request, token: int) -> dict | None:
         p = r.params
@@ -687,6 +807,7 @@ class Engine:
 
     def retract_all(self) -> int:
         """:meth:`retract` every running request, newest first; returns how many (between steps)."""
+        self.drain()
         running = sorted(self.running, key=lambda x: -x.order)
         for r in running:
             self.retract(r)
@@ -731,6 +852,7 @@ class Engine:
 
     def flush(self) -> None:
         """Free every page; only when idle (nothing running or waiting)."""
+        self.drain()
         if self.has_work():
             raise BadRequest(f"cannot flush the cache: {len(self.running)} running and {len(self.waiting)} waiting requests")
         self.kv.reset()

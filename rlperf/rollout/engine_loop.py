@@ -96,6 +96,7 @@ class EngineLoop:
             fn, fut = item
             if fut.set_running_or_notify_cancel():
                 try:
+                    self.engine.drain()  # a step launched ahead (overlap) is read before anything changes
                     fut.set_result(fn(self.engine))
                 except BaseException as exc:  # handed to the caller, who answers with it
                     fut.set_exception(exc)

@@ -160,7 +160,8 @@ class RolloutServer:
                               chunked_prefill_size=args.chunked_prefill_size, max_total_tokens=args.max_total_tokens,
                               mem_fraction_static=args.mem_fraction_static, context_length=args.context_length,
                               random_seed=args.random_seed, cuda_graph_max_bs=default_cuda_graph_max_bs(args, model),
-                              attention_backend=args.attention_backend)
+                              attention_backend=args.attention_backend,
+                              overlap_schedule=not args.disable_overlap_schedule)
         self.engine = Engine(model, tokenizer, config)
         backend = None if args.kernel_backend == "auto" else args.kernel_backend
         self.loop = EngineLoop(self.engine, backend, profile_root=args.profile_root)

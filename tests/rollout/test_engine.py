@@ -268,11 +268,13 @@ def test_a_request_longer_than_the_whole_cache_is_aborted_with_a_message(model):
         engine.add_request([i % 256 for i in range(P)], PARAMS[0])
 
 
+@pytest.mark.parametrize("graphs", [0, 8])
 @pytest.mark.parametrize("where", ["forward", "sample"])
-def test_a_step_that_fails_on_one_request_fails_only_that_one_on_the_engine_thread(model, monkeypatch, where):
+def test_a_step_that_fails_on_one_request_fails_only_that_one_on_the_engine_thread(model, monkeypatch, where, graphs):
     """EngineLoop + Engine.recover: the failed batch's requests are retried alone; the culprit finishes
     with an abort carrying a status code, the others (preempting each other in 3 NaN-poisoned pages,
-    so a stale KV slot would show) get the bits they get in a roomy engine."""
+    so a stale KV slot would show) get the bits they get in a roomy engine. ``graphs`` 8: decode steps
+    take the graph runner's path with overlap, so a sampling failure can hit a step launched ahead."""
     import concurrent.futures
 
     from rlperf.rollout.engine_loop import EngineLoop
@@ -298,7 +300,7 @@ def test_a_step_that_fails_on_one_request_fails_only_that_one_on_the_engine_thre
             return sample(logits, temperature, top_p, top_k, seeds, positions, **kw)
         monkeypatch.setattr(K, "sample", broken)
     bad_prompt, bad_params = [POISON, 1, 2, 3, 4], dataclasses.replace(PARAMS[0], seed=999, max_new_tokens=30)
-    engine = _engine(model, max_total_tokens=3 * P, chunked_prefill_size=24)
+    engine = _engine(model, max_total_tokens=3 * P, chunked_prefill_size=24, cuda_graph_max_bs=graphs)
     loop = EngineLoop(engine, "reference")
     done = {i: concurrent.futures.Future() for i in range(7)}
     everything = list(zip(prompts, params)) + [(bad_prompt, bad_params)]
@@ -349,6 +351,69 @@ def test_padded_decode_graph_path_gives_the_eager_bits(model):
     graphed_engine.graphs.run = lambda *a: calls.append(len(a[0])) or run(*a)
     assert _run(graphed_engine, prompts, params) == eager
     assert {5, 4, 3, 2, 1} <= set(calls) and max(calls) == 5
+
+
+def _stops_from(outputs, k):
+    """A stop token per request: its output's token number ``k % len`` (so requests stop at different steps)."""
+    return [out[0][(k + 3 * i) % len(out[0])] for i, out in enumerate(outputs)]
+
+
+def test_overlap_gives_the_step_by_step_tokens_through_stops_arrivals_and_retractions(model):
+    """Decode steps launched before the previous step's tokens are read (EngineConfig.overlap_schedule)
+    give every request the tokens, log-probs, finish reasons and streaming callbacks of the step-by-step
+    engine: requests stopping on tokens at different steps, more requests than may run (arrivals), a
+    cache small enough to retract, mixed temperatures and limits."""
+    P = K.PAGE_SIZE
+    prompts = _prompts(9, seed=31, lo=P // 2, hi=P)
+    params = [dataclasses.replace(PARAMS[i % 3], max_new_tokens=30 + 5 * i) for i in range(9)]
+    free_running = _run(_engine(model), prompts, params)
+    stops = _stops_from(free_running, 20)
+    params = [dataclasses.replace(p, stop_token_ids=[t]) if i % 3 == 1 else p for i, (p, t) in enumerate(zip(params, stops))]
+
+    def run(**kw):
+        engine = _engine(model, max_running_requests=5, max_total_tokens=2 * P, chunked_prefill_size=40, **kw)
+        seen = {}
+        reqs = [engine.add_request(p, sp, rid=str(i), on_token=lambda r: seen.setdefault(r.rid, []).append(len(r.output_ids)))
+                for i, (p, sp) in enumerate(zip(prompts, params))]
+        engine.run_until_done()
+        assert engine._in_flight is None and engine.kv.num_free_pages == engine.kv.num_pages
+        for r in reqs:  # every token but the last, once, in order
+            assert seen.get(r.rid, []) == list(range(1, len(r.output_ids))), r.rid
+        return engine, [(r.output_ids, r.output_logprobs, r.finish_reason) for r in reqs]
+
+    eager = run()[1]
+    assert sum(o[2]["type"] == "stop" for o in eager) == 3  # the stop tokens end requests early
+    stepwise_engine, stepwise = run(cuda_graph_max_bs=8, overlap_schedule=False)
+    overlap_engine, overlapped = run(cuda_graph_max_bs=8)
+    assert stepwise == eager and overlapped == eager
+    assert stepwise_engine.num_overlapped_steps == 0 and overlap_engine.num_overlapped_steps > 20
+    assert overlap_engine.num_retractions > 0
+
+
+def test_abort_retract_and_flush_drain_a_step_in_flight(model):
+    prompts = _prompts(3, seed=32)
+    params = [dataclasses.replace(PARAMS[0], max_new_tokens=30)] * 3
+    expect = _run(_engine(model), prompts, params)
+    engine = _engine(model, cuda_graph_max_bs=4)
+    finished = []
+    reqs = [engine.add_request(p, sp, rid=str(i), on_finish=finished.append) for i, (p, sp) in enumerate(zip(prompts, params))]
+    while engine._in_flight is None:
+        engine.step()
+    n = len(reqs[0].output_ids)
+    assert engine.abort("0") == 1 and engine._in_flight is None  # the step in flight was read first
+    assert reqs[0].finish_reason["type"] == "abort" and len(reqs[0].output_ids) == n + 1
+    assert reqs[0].output_ids == expect[0][0][:n + 1] and reqs[0].output_logprobs == expect[0][1][:n + 1]
+    for _ in range(3):
+        engine.step()
+    assert engine._in_flight is not None
+    assert engine.retract_all() == 2 and engine._in_flight is None and not engine.running
+    with pytest.raises(BadRequest, match="cannot flush"):
+        engine.flush()
+    engine.run_until_done()
+    assert [(r.output_ids, r.output_logprobs, r.finish_reason) for r in reqs[1:]] == expect[1:]
+    assert finished[0] is reqs[0] and {r.rid for r in finished[1:]} == {"1", "2"}
+    engine.flush()
+    assert engine.kv.num_free_pages == engine.kv.num_pages
 
 
 @pytest.mark.parametrize("bad, message", [
