@@ -109,7 +109,9 @@ def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int,
                 warmup: int = 3, attention_backend: str = "rlperf") -> dict:
     """Mean wall ms of a decode step of ``batch`` sequences, the mean cached tokens per sequence, and
     the kernel launches of one more decode step after the timed ones (:func:`measure_launches`: None
-    without CUDA)."""
+    without CUDA). With the engine's overlap (``EngineConfig.overlap_schedule``) the warm engine has a
+    step in flight, finished on the GPU by the sync before the clock starts: each timed ``step()``
+    launches one decode forward and reads the one before, so the clock spans ``steps`` forwards."""
     if steps + warmup + 2 > new_tokens:
         raise ValueError(f"{steps} timed + {warmup} warm-up steps + 1 counted step need more than {new_tokens} "
                          f"new tokens")

@@ -20,8 +20,10 @@ def test_decode_and_prefill_cases_run_the_engine_as_described(one_thread):
     with K.use_backend("reference"):
         d = decode_case(model, batch=3, prompt_len=20, new_tokens=12, steps=4, warmup=2, graph_bs=4)
         assert d["ms"] > 0 and not d["graph"]  # CPU: the padded path runs, nothing is captured
-        # 20 prompt tokens cached by the prefill, +1 per warm-up step; timed step k reads 22 + k tokens
-        assert d["kv_mean"] == 20 + 2 + (4 + 1) / 2
+        # 20 prompt tokens cached by the prefill; the first warm-up step also launches the next one
+        # ahead (the engine's overlap), so 3 decode forwards are launched by then and timed step k's
+        # forward reads 23 + k tokens
+        assert d["kv_mean"] == 20 + 3 + (4 + 1) / 2
         assert prefill_case(model, batch=2, prompt_len=16, reps=1) > 0
         with pytest.raises(FlashInferUnavailable, match="runs on CUDA devices"):  # the anchor row then says so
             decode_case(model, batch=3, prompt_len=20, new_tokens=12, steps=4, warmup=2, graph_bs=4,
