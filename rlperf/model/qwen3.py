@@ -31,6 +31,7 @@ from rlperf.kernels.tree_reduce import all_gather, column_shard_matmul, group_si
 from .config import REDUCTION_LEAVES_KEY, ModelConfig, check_tensor_parallel, read_hf_config
 from .layer import DecoderLayerWeights, RopeTable, decoder_layer_paged, decoder_layer_prefill
 from .moe import RoutingTrace
+from .seeded_normal import fill_seeded_normal_
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -139,18 +140,23 @@ class Qwen3ForCausalLM(nn.Module):
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu", std: float = 0.02,
-               reduction_leaves: int | None = None):
-        """Random init (normal(0, std) matrices, unit norms), reproducible from ``seed`` on any device.
+               reduction_leaves: int | None = None, chunk: int | None = None):
+        """Random init: approximately normal(0, std) matrices, unit norms; the same bits on any device.
 
-        Every matrix is drawn in float32 by one CPU generator (the same values on every device), moved
-        to ``device``, scaled by ``std`` there (one float32 multiply: the same bits on CPU and GPU, and
-        it spares the host a pass over every weight) and then cast to ``dtype``."""
+        The parameters of two or more dimensions, numbered ``k = 0, 1, ...`` in ``named_parameters()``
+        order, are filled on ``device`` by :func:`rlperf.model.seeded_normal.fill_seeded_normal_`: element
+        ``i`` (flat, row-major) of matrix ``k`` is ``float32(S) * C`` with ``S`` the centred sum of four
+        16-bit uniform integers hashed from ``(seed, k, i)`` (variance ``(65536**2 - 1) / 3``, ``|S| <= 131070``) and
+        ``C = float32(std * sqrt(3 / (65536**2 - 1)))`` (the formula in full: that module's docstring),
+        then cast to ``dtype``. Integer ops and one float32 multiply: CPU and CUDA give the same bits,
+        with no host generator and no host-to-device copy. ``chunk``: elements computed per step (None:
+        the device's default; every chunk size gives the same values). The values are not
+        ``torch.randn``'s: the init that drew them from a CPU generator gave other weights for the same
+        seed. The 1-D norm weights are ones."""
         model = cls(cfg, dtype, device, reduction_leaves)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.dim() >= 2:
-                    p.copy_(torch.randn(p.shape, generator=gen).to(p.device).mul_(std))
+        matrices = [p for p in model.parameters() if p.dim() >= 2]
+        for k, p in enumerate(matrices):
+            fill_seeded_normal_(p.data, seed, k, std, chunk)
         return model
 
     @property

@@ -9,7 +9,10 @@ flags -> :mod:`rlperf.train.backend`) and talks to it through one protocol.
   recorded at ``f97aae1``). Re-recorded once, at ``1dd5654``, where the megatron backend's grad norm
   became the tree of its leaves' squared norms (``leaf_square_sums``): the megatron layout's grad norm
   moved by one float32 ulp and with it the clipped update; the other three layouts' bits were the
-  recording's, unchanged.
+  recording's, unchanged. Re-recorded after ``adf7d0b`` for the seeded init
+  (``rlperf.model.seeded_normal``), which gives the random model other weights: with the ``torch.randn``
+  init patched into every process, that tree still wrote the ``1dd5654`` recording bit for bit, so the
+  init is the only change.
 
 Why that last comparison is guarded. float32 CPU math is not the same bits on every x86 CPU: torch's and
 numpy's vectorised kernels (matmul blocking, exp, log) differ between AVX2 and AVX-512 builds, and

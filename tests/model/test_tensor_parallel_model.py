@@ -60,7 +60,9 @@ def _run(model: Qwen3ForCausalLM, kv_heads: int, cfg=CFG):
 
 
 def _whole(leaves=LEAVES, cfg=CFG) -> Qwen3ForCausalLM:
-    return Qwen3ForCausalLM.random(cfg, seed=5, reduction_leaves=leaves)
+    # seed 3: the dense model's tree and plain log-probs differ at every step (with other seeds some
+    # steps' log-probs round to the same bits, though the logits differ)
+    return Qwen3ForCausalLM.random(cfg, seed=3, reduction_leaves=leaves)
 
 
 def _rank(rank: int, tmp: str, leaves=LEAVES, cfg=CFG, backend="reference") -> None:
@@ -101,7 +103,8 @@ def test_two_ranks_give_the_one_process_tree_bits(tmp_path):
     with K.use_backend("reference"):
         want_steps, want_packed = _run(_whole(), CFG.num_key_value_heads)
         plain_steps, _ = _run(_whole(None), CFG.num_key_value_heads)
-    assert not torch.equal(plain_steps[0][1], want_steps[0][1]), "the tree and the plain numerics should differ here"
+    for n, (plain, tree) in enumerate(zip(plain_steps, want_steps)):
+        assert not torch.equal(plain[1], tree[1]), f"step {n}: the tree and the plain log-probs should differ here"
     _assert_every_rank_has(tmp_path, want_steps, want_packed)
 
 
