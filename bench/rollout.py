@@ -50,9 +50,11 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -303,6 +305,34 @@ def failure_line(output: str) -> str:
     return output[-600:].strip()
 
 
+def run_process_group(argv, timeout: float, env) -> subprocess.CompletedProcess | None:
+    """Run ``argv`` in a process group of its own; its exit status and output once it exits, None past
+    ``timeout`` s. When the command ends (or times out, or this process is interrupted) whatever its
+    group still runs is killed: SGLang's ``bench_one_batch`` starts its scheduler as a child process,
+    which outlived a failed parent on an H200 (an out-of-memory exit), kept 112 GiB of the GPU for the
+    next commands and held the output pipes open (a wait for their end would have hung)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    chunks: dict[str, str] = {}
+    readers = [threading.Thread(target=lambda name=name, f=f: chunks.__setitem__(name, f.read()), daemon=True)
+               for name, f in (("out", proc.stdout), ("err", proc.stderr))]
+    for t in readers:
+        t.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group outlives its leader while a member lives
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        for t in readers:  # the pipes close once every member is gone
+            t.join()
+    return subprocess.CompletedProcess(argv, proc.returncode, chunks.get("out", ""), chunks.get("err", ""))
+
+
 def sglang_run(cfg, batches, prompt_len: int, new_tokens: int, *, variant: str | None = None, extra=(),
                attention_backend: str = "flashinfer", timeout: float = 900.0) -> dict:
     """One real SGLang measurement (module docstring, "against real SGLang"): the model shape ``cfg``
@@ -338,10 +368,9 @@ def sglang_run(cfg, batches, prompt_len: int, new_tokens: int, *, variant: str |
         else:
             argv = sglang_variant_argv(variant, model_dir, batches, prompt_len, new_tokens, result, extra=extra)
         module = argv[2]
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{module} did not finish within {timeout:g} s") from None
+        proc = run_process_group(argv, timeout, env)
+        if proc is None:
+            raise RuntimeError(f"{module} did not finish within {timeout:g} s")
         output = proc.stdout + proc.stderr
         if proc.returncode != 0 or not result.exists():
             raise RuntimeError(f"{module} exited {proc.returncode}: {failure_line(output)}")

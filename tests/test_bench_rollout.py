@@ -347,3 +347,38 @@ def test_a_plugin_that_did_not_run_names_why_on_the_plugins_side(monkeypatch, ca
     monkeypatch.setenv("FAKE_SGLANG_PLUGIN", "rlperf")
     monkeypatch.setenv("SGLANG_PLUGINS", "someone-else")  # the run names rlperf's entry points alone
     assert ro.sglang_run(preset("tiny"), (1,), 24, 5, variant="plugin")["decode"] == pytest.approx({1: 2 * (1 + 1 / 64)})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie holds nothing
+    except FileNotFoundError:
+        return False
+
+
+def test_run_process_group_kills_what_the_command_leaves_running(tmp_path):
+    """SGLang's bench_one_batch left its scheduler process running after an out-of-memory exit: the
+    command's whole group is killed when it ends, its output (larger than a pipe's buffer) comes back
+    whole, and a timeout gives None instead of waiting for the leftover's pipes."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from rlperf.bench.rollout import run_process_group
+
+    leftover = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+                "print(p.pid, flush=True); print('x' * 200000); sys.exit(1)")
+    t0 = time.monotonic()
+    done = run_process_group([sys.executable, "-c", leftover], 30, dict(os.environ))
+    assert isinstance(done, subprocess.CompletedProcess) and done.returncode == 1
+    assert time.monotonic() - t0 < 20 and done.stdout.count("x") == 200000
+    child = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+    t0 = time.monotonic()
+    assert run_process_group([sys.executable, "-c", "import time; time.sleep(30)"], 0.5, dict(os.environ)) is None
+    assert time.monotonic() - t0 < 10
