@@ -305,6 +305,10 @@ def failure_line(output: str) -> str:
     return output[-600:].strip()
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def run_process_group(argv, timeout: float, env) -> subprocess.CompletedProcess | None:
     """Run ``argv`` in a process group of its own; its exit status and output once it exits, None past
     ``timeout`` s. When the command ends (or times out, or this process is interrupted) whatever its
@@ -313,6 +317,11 @@ def run_process_group(argv, timeout: float, env) -> subprocess.CompletedProcess 
     next commands and held the output pipes open (a wait for their end would have hung)."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
+    # a SIGTERM (a device call's `timeout`) would end this process without the cleanup below: make it
+    # an exception here while the group runs (signal handlers belong to the main thread)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
     chunks: dict[str, str] = {}
     readers = [threading.Thread(target=lambda name=name, f=f: chunks.__setitem__(name, f.read()), daemon=True)
                for name, f in (("out", proc.stdout), ("err", proc.stderr))]
@@ -330,6 +339,8 @@ def run_process_group(argv, timeout: float, env) -> subprocess.CompletedProcess 
         proc.wait()
         for t in readers:  # the pipes close once every member is gone
             t.join()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return subprocess.CompletedProcess(argv, proc.returncode, chunks.get("out", ""), chunks.get("err", ""))
 
 

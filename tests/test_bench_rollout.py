@@ -235,7 +235,7 @@ def test_every_variant_runs_as_its_own_process_and_a_failed_one_leaves_a_row_say
     import math
 
     import rlperf.bench.rollout as ro
-    from rlperf.bench.harness import environment, ratio_target, write_json
+    from rlperf.bench.harness import ratio_target, write_json
     from rlperf.bench.run import _markdown_section
     from rlperf.plots.bench import read_bench, write_bench_plot
 
@@ -382,3 +382,33 @@ def test_run_process_group_kills_what_the_command_leaves_running(tmp_path):
     t0 = time.monotonic()
     assert run_process_group([sys.executable, "-c", "import time; time.sleep(30)"], 0.5, dict(os.environ)) is None
     assert time.monotonic() - t0 < 10
+    # a SIGTERM to the measuring process (a device call's timeout) still takes the group down
+    script = ("import os, sys; from rlperf.bench.rollout import run_process_group; "
+              "run_process_group([sys.executable, '-c', " + repr(leftover.replace("sys.exit(1)", "import time; time.sleep(60)")) +
+              "], 60, dict(os.environ))")
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 30
+    children = []
+    while not children and time.monotonic() < deadline:  # the command's own child, then its leftover
+        time.sleep(0.1)
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == bench.pid]
+    assert children, "the command did not start"
+    grandchildren = []
+    while not grandchildren and time.monotonic() < deadline:
+        time.sleep(0.1)
+        grandchildren = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) in children]
+    assert grandchildren, "the command's child did not start"
+    bench.terminate()
+    assert bench.wait(20) == 128 + 15
+    deadline = time.monotonic() + 5
+    while any(map(_alive, children + grandchildren)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_alive, children + grandchildren))
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+        return None
