@@ -430,7 +430,9 @@ class Engine:
         if sampled is None:
             return []
         self._finished = finished = []
+        self._batch = sampled.reqs  # the requests recover() suspects when the read fails
         self._read(sampled)
+        self._batch = None
         return finished
 
     # ---- one step ---------------------------------------------------------------------------
@@ -582,8 +584,8 @@ class Engine:
     def _sample(self, hidden: torch.Tensor, logits: torch.Tensor, reqs: list[Request], counters: list[int],
                 graphed: bool = False) -> _Sampled:
         """Draw tokens from ``logits`` [B, V] float32 and their log-probs [B] from ``hidden`` [B, H], the
-        final hidden rows the logits came from (module docstring), token ``i`` of row ``b`` with
-        position ``counters[b]``; launched, not read: :meth:`_read` reads them."""
+        final hidden rows the logits came from (module docstring), row ``b``'s token drawn at position
+        ``counters[b]``; launched, not read: :meth:`_read` reads them."""
         dev, B, V = logits.device, len(reqs), logits.shape[1]
         rows = self._sampling_rows
         if rows is None or rows.reqs != reqs or rows.device != dev or rows.vocab != V:

@@ -95,8 +95,8 @@ class EngineLoop:
         while item is not None:
             fn, fut = item
             if fut.set_running_or_notify_cancel():
+                self._advance(self.engine.drain)  # a step launched ahead (overlap) is read before anything changes
                 try:
-                    self.engine.drain()  # a step launched ahead (overlap) is read before anything changes
                     fut.set_result(fn(self.engine))
                 except BaseException as exc:  # handed to the caller, who answers with it
                     fut.set_exception(exc)
@@ -105,6 +105,23 @@ class EngineLoop:
             except queue.Empty:
                 return
 
+    def _advance(self, work) -> None:
+        """``work()``: a step, or reading the step in flight (``Engine.drain``); when it raises, only the
+        requests that make a step fail fail (``Engine.recover``)."""
+        try:
+            work()
+        except Exception as exc:
+            self.error = traceback.format_exc()
+            try:
+                self.engine.recover(exc)
+            except Exception:  # the last resort: abort what was in flight; the server keeps serving
+                self.error = traceback.format_exc()
+                self.engine.abort(None, message="engine step failed: " + self.error.strip().splitlines()[-1])
+                self.engine.running.clear()
+                self.engine.waiting.clear()
+                self.engine._suspects.clear()
+                self.engine.kv.reset()
+
     def _run(self) -> None:
         with K.use_backend(self.backend):
             while not self._stop:
@@ -112,19 +129,7 @@ class EngineLoop:
                 self._drain(block=not busy)
                 if self._stop or self._paused or not self.engine.has_work():
                     continue
-                try:
-                    self.engine.step()
-                except Exception as exc:  # only the requests that make a step fail fail (Engine.recover)
-                    self.error = traceback.format_exc()
-                    try:
-                        self.engine.recover(exc)
-                    except Exception:  # the last resort: abort what was in flight; the server keeps serving
-                        self.error = traceback.format_exc()
-                        self.engine.abort(None, message="engine step failed: " + self.error.strip().splitlines()[-1])
-                        self.engine.running.clear()
-                        self.engine.waiting.clear()
-                        self.engine._suspects.clear()
-                        self.engine.kv.reset()
+                self._advance(self.engine.step)
                 try:
                     self.profiler.on_step()
                 except Exception:  # a trace that cannot be written is lost; serving goes on

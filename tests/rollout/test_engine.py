@@ -416,6 +416,55 @@ def test_abort_retract_and_flush_drain_a_step_in_flight(model):
     assert engine.kv.num_free_pages == engine.kv.num_pages
 
 
+def test_a_failed_read_of_the_step_in_flight_fails_no_request_on_the_engine_thread(model, monkeypatch):
+    """The engine loop reads a step launched ahead (overlap) before each call between steps; when that
+    read fails, Engine.recover takes it like a failed step: its requests retract and re-prefill, and
+    every request ends with the tokens of a step-by-step engine."""
+    import concurrent.futures
+
+    from rlperf.rollout.engine import Engine as EngineClass
+    from rlperf.rollout.engine_loop import EngineLoop
+
+    prompts = _prompts(3, seed=33)
+    params = [dataclasses.replace(PARAMS[i], max_new_tokens=40) for i in range(3)]
+    expect = _run(_engine(model), prompts, params)
+    engine = _engine(model, cuda_graph_max_bs=4)
+    drain, read, failures = EngineClass.drain, EngineClass._read, []
+
+    def drain_failing_once(self):  # the first drain that finds a step in flight fails while reading it
+        self._fail_read = self._in_flight is not None and not failures
+        try:
+            return drain(self)
+        finally:
+            self._fail_read = False
+
+    def flaky_read(self, sampled):
+        if getattr(self, "_fail_read", False):
+            failures.append(len(sampled.reqs))
+            raise RuntimeError("device lost the copy")
+        return read(self, sampled)
+    monkeypatch.setattr(EngineClass, "drain", drain_failing_once)
+    monkeypatch.setattr(EngineClass, "_read", flaky_read)
+    loop = EngineLoop(engine, "reference")
+    done = {i: concurrent.futures.Future() for i in range(3)}
+
+    def add_all(e):
+        for i in range(3):
+            e.add_request(prompts[i], params[i], rid=str(i), on_finish=lambda r, i=i: done[i].set_result(r.result()))
+    loop.start()
+    try:
+        loop.call(add_all).result(10)
+        while not failures and not all(f.done() for f in done.values()):
+            loop.call(lambda e: None).result(10)  # a call between steps: the loop drains first
+        results = [done[i].result(60) for i in range(3)]
+        failed, busy = loop.call(lambda e: (e.num_failed_steps, e.has_work())).result(10)
+        assert loop.alive
+    finally:
+        loop.close()
+    assert failures == [3] and failed == 1 and not busy
+    assert [(r.output_ids, r.output_logprobs, r.finish_reason) for r in results] == expect
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"max_new_tokens": -1}, "max_new_tokens=-1"),
     ({"max_new_tokens": "5"}, "must be an integer"),
