@@ -17,6 +17,10 @@ Cases (qwen3-0.6b shape, random bf16 weights, byte prompts, ``ignore_eos``):
 * **prefill**: one step that prefills 16 x 512 prompt tokens; anchor: the same step in fast mode.
 * **invariance cost**: the batch-64 decode step in invariant mode vs fast mode, both replayed from
   CUDA graphs (fast mode: cuBLAS matmuls; decode attention is rlperf's kernel in both modes).
+* **overlap**: the batch-64 invariant decode step with the engine's overlap (its default: the next graphed
+  step launched before this one's tokens are read) vs the same engine reading every step's tokens before
+  the next launch (``EngineConfig.overlap_schedule=False``, ``rlperf serve --disable-overlap-schedule``).
+  Ratio > 1: the overlap hides host work.
 * **fast mode attention**: the batch-64 fast-mode decode step with rlperf's attention kernel vs the
   same step with FlashInfer's (``--attention-backend flashinfer``), both graphed. Ratio > 1: rlperf's
   kernel is faster.
@@ -89,15 +93,16 @@ def _requests(engine: Engine, batch: int, prompt_len: int, new_tokens: int, seed
 
 
 def decoding_engine(model, batch: int, prompt_len: int, new_tokens: int, graph_bs: int = 0, warmup: int = 3,
-                    attention_backend: str = "rlperf") -> Engine:
+                    attention_backend: str = "rlperf", overlap_schedule: bool = True) -> Engine:
     """An engine whose ``batch`` requests (byte prompts of ``prompt_len``) are all decoding: prefilled
     until each has its first token, then ``warmup`` decode steps (graph capture and kernel compilation
     stay out of what the caller times). ``attention_backend``: ``EngineConfig.attention_backend``
-    (``flashinfer``: FlashInfer's attention in fast mode; FlashInferUnavailable where it cannot run)."""
+    (``flashinfer``: FlashInfer's attention in fast mode; FlashInferUnavailable where it cannot run);
+    ``overlap_schedule``: ``EngineConfig.overlap_schedule``."""
     P = K.PAGE_SIZE
     cfg = EngineConfig(max_running_requests=batch, chunked_prefill_size=max(8192, prompt_len),
                        max_total_tokens=batch * (-(-(prompt_len + new_tokens) // P) * P), cuda_graph_max_bs=graph_bs,
-                       attention_backend=attention_backend)
+                       attention_backend=attention_backend, overlap_schedule=overlap_schedule)
     engine = Engine(model, ByteTokenizer(model.cfg.vocab_size), cfg)
     _requests(engine, batch, prompt_len, new_tokens)
     while any(not r.output_ids for r in engine.requests.values()) or engine.waiting:
@@ -108,7 +113,7 @@ def decoding_engine(model, batch: int, prompt_len: int, new_tokens: int, graph_b
 
 
 def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int, graph_bs: int = 0,
-                warmup: int = 3, attention_backend: str = "rlperf") -> dict:
+                warmup: int = 3, attention_backend: str = "rlperf", overlap_schedule: bool = True) -> dict:
     """Mean wall ms of a decode step of ``batch`` sequences, the mean cached tokens per sequence, and
     the kernel launches of one more decode step after the timed ones (:func:`measure_launches`: None
     without CUDA). With the engine's overlap (``EngineConfig.overlap_schedule``) the warm engine has a
@@ -117,7 +122,7 @@ def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int,
     if steps + warmup + 2 > new_tokens:
         raise ValueError(f"{steps} timed + {warmup} warm-up steps + 1 counted step need more than {new_tokens} "
                          f"new tokens")
-    engine = decoding_engine(model, batch, prompt_len, new_tokens, graph_bs, warmup, attention_backend)
+    engine = decoding_engine(model, batch, prompt_len, new_tokens, graph_bs, warmup, attention_backend, overlap_schedule)
     kv_before = sum(r.num_cached for r in engine.running) / batch
     _sync(model.device)
     t0 = time.perf_counter()
@@ -524,6 +529,7 @@ def run(quick: bool = False, sglang_variants=None, transformers_anchor: bool = T
             print(f"rollout: decode B={b}: {format_launches(d['launches'])} per decode step")
         pre_inv = prefill_case(model, PREFILL_BATCH, PROMPT, reps=2 if quick else 5)
         inv64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64)
+        stepwise64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64, overlap_schedule=False)
     with K.use_mode("fast"):
         pre_fast = prefill_case(model, PREFILL_BATCH, PROMPT, reps=2 if quick else 5)
         fast64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64)
@@ -536,6 +542,8 @@ def run(quick: bool = False, sglang_variants=None, transformers_anchor: bool = T
                          work=flops, extra={"tokens_per_s": PREFILL_BATCH * PROMPT / pre_inv * 1e3}))
     rows.append(BenchRow("rollout", "decode B=64 invariance cost", "invariant step", inv64["ms"], "fast step", fast64["ms"],
                          work=0.0, extra={"graph": inv64["graph"], "graph_fast": fast64["graph"]}))
+    rows.append(BenchRow("rollout", "decode B=64 overlap", "overlapped step", inv64["ms"], "step-by-step",
+                         stepwise64["ms"], work=0.0, extra={"graph": inv64["graph"]}))
     rows.append(BenchRow("rollout", "decode B=64 fast mode attention", "rlperf kernel", fast64["ms"],
                          "flashinfer attention", fi64["ms"], work=0.0, extra=fi_extra))
     if not quick:
@@ -579,6 +587,8 @@ def summarize(rows) -> dict:
             out["prefill_invariance_ratio"] = r.ratio
         elif "invariance cost" in r.case:
             out["decode_B=64_invariance_ratio"] = r.ratio
+        elif r.anchor == "step-by-step":
+            out["decode_B=64_overlap_vs_step_by_step"] = r.ratio
         elif r.anchor == "flashinfer attention":
             out["decode_B=64_fast_rlperf_attention_vs_flashinfer"] = r.ratio
         elif r.anchor == "transformers compiled":

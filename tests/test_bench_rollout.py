@@ -24,6 +24,9 @@ def test_decode_and_prefill_cases_run_the_engine_as_described(one_thread):
         # ahead (the engine's overlap), so 3 decode forwards are launched by then and timed step k's
         # forward reads 23 + k tokens
         assert d["kv_mean"] == 20 + 3 + (4 + 1) / 2
+        off = decode_case(model, batch=3, prompt_len=20, new_tokens=12, steps=4, warmup=2, graph_bs=4,
+                          overlap_schedule=False)
+        assert off["kv_mean"] == 20 + 2 + (4 + 1) / 2  # one forward per warm-up step
         assert prefill_case(model, batch=2, prompt_len=16, reps=1) > 0
         with pytest.raises(FlashInferUnavailable, match="runs on CUDA devices"):  # the anchor row then says so
             decode_case(model, batch=3, prompt_len=20, new_tokens=12, steps=4, warmup=2, graph_bs=4,
@@ -37,6 +40,7 @@ def test_summarize_names_the_targets():
     rows = [BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "memory floor", 1.5, extra={"tokens_per_s": 32000.0}),
             BenchRow("rollout", "prefill 16x512", "invariant step", 10.0, "fast step", 8.0, extra={"tokens_per_s": 819200.0}),
             BenchRow("rollout", "decode B=64 invariance cost", "invariant step", 2.0, "fast step", 3.0),
+            BenchRow("rollout", "decode B=64 overlap", "overlapped step", 2.0, "step-by-step", 2.2),
             BenchRow("rollout", "decode B=64 fast mode attention", "rlperf kernel", 2.0, "flashinfer attention", 2.4),
             BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "transformers compiled", 5.0),
             BenchRow("rollout", "decode B=64 prompt 512", "engine step", 2.0, "sglang fast", 1.8),
@@ -47,6 +51,7 @@ def test_summarize_names_the_targets():
     assert s["decode_B=64_floor_ratio"] == 0.75 and s["decode_B=64_tokens_per_s"] == 32000.0
     assert s["prefill_invariance_ratio"] == 0.8 and s["decode_B=64_invariance_ratio"] == 1.5
     assert s["decode_B=64_fast_rlperf_attention_vs_flashinfer"] == 1.2
+    assert s["decode_B=64_overlap_vs_step_by_step"] == pytest.approx(1.1)
 
 
 def test_the_transformers_anchor_times_decode_steps_of_its_own_qwen3(one_thread):
