@@ -238,7 +238,7 @@ def _train_command(args: argparse.Namespace, locks: list) -> int:
         warning = cpu_memory_warning(ns)  # before anything is allocated
         if warning:
             print(f"rlperf train: {warning}", file=sys.stderr, flush=True)
-        locks.extend(lock_run_dirs(ns.output_dir, ns.save))  # one run per --output-dir / --save
+        lock_run_dirs(ns.output_dir, ns.save, locks)  # one run per --output-dir / --save
         check_earlier_metrics(ns)
     if needs_launch(ns):  # --actor-num-gpus-per-node N > 1: start N ranks here, each runs _train_rank
         placement = placement_for(ns)

@@ -8,13 +8,18 @@ stale-lock heuristics. A second run finds the lock held and stops with :class:`R
 naming the pid read from the file. A run that ends (normally, or by an error it reports) removes its
 lock files (:func:`release_run_dirs`), so a directory holds only what the run wrote; a run that takes a
 lock checks that the file it locked is still the one under that name (one removed in between is
-taken again), so removal never lets two runs in.
+taken again), so removal never lets two runs in. SIGTERM and SIGINT wait while the locks are taken
+(:func:`lock_run_dirs`): a signal that raised between creating a lock file and handing it to the
+caller would leave that file behind, and the run's directory not empty.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import signal
+import threading
 from pathlib import Path
 
 LOCK_FILE = ".rlperf.lock"
@@ -83,14 +88,33 @@ def release_run_dirs(held: list) -> None:
             f.close()
 
 
-def lock_run_dirs(output_dir, save=None) -> list:
-    """Lock ``--output-dir`` and ``--save`` (when given and a different directory); the open lock files."""
-    held = [lock_dir(output_dir, "--output-dir")]
+@contextlib.contextmanager
+def signals_deferred(signums=(signal.SIGTERM, signal.SIGINT)):
+    """While the block runs, the signals ``signums`` are recorded instead of handled; on leaving it, each
+    one recorded is raised again, into the handler it would have met (a handler that raises then raises
+    after the block, not inside it). Outside the main thread, where handlers cannot be set, the block
+    runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {}
     try:
+        for s in signums:
+            previous[s] = signal.signal(s, lambda signum, frame: caught.append(signum))
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        for s in dict.fromkeys(caught):
+            signal.raise_signal(s)
+
+
+def lock_run_dirs(output_dir, save, held: list) -> None:
+    """Lock ``--output-dir`` and ``--save`` (when given and a different directory), appending each open
+    lock file to ``held`` as it is taken, for :func:`release_run_dirs`. SIGTERM and SIGINT wait until
+    both are in ``held`` (:func:`signals_deferred`), so a stopped run never leaves a lock file it made."""
+    with signals_deferred():
+        held.append(lock_dir(output_dir, "--output-dir"))
         if save and Path(save).resolve() != Path(output_dir).resolve():
             held.append(lock_dir(save, "--save"))
-    except BaseException:
-        for f in held:
-            f.close()
-        raise
-    return held

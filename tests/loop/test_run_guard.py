@@ -135,3 +135,44 @@ def test_release_removes_only_its_own_lock_file(tmp_path):
     assert (tmp_path / LOCK_FILE).exists()
     release_run_dirs([other])
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+class _Stopped(BaseException):
+    pass
+
+
+def test_a_signal_while_the_locks_are_taken_leaves_every_lock_file_with_the_caller(tmp_path, monkeypatch):
+    """SIGTERM (here from inside ``flock``, right after the lock file was created) is handled only once
+    both locks are in the caller's list: the handler's exception comes out of ``lock_run_dirs``, and the
+    release leaves both directories empty. Before the fix a stop there left ``.rlperf.lock`` behind."""
+    import fcntl
+    import threading
+
+    import pytest
+
+    from rlperf.loop import run_lock
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are set from the main thread only")
+    real_flock, handled = fcntl.flock, []
+
+    def flock_then_signal(fd, op):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_flock(fd, op)
+
+    def stop(signum, frame):
+        handled.append(signum)
+        raise _Stopped()
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", flock_then_signal)
+    previous = signal.signal(signal.SIGTERM, stop)
+    held = []
+    try:
+        with pytest.raises(_Stopped):
+            run_lock.lock_run_dirs(tmp_path / "out", tmp_path / "save", held)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        run_lock.release_run_dirs(held)
+    assert handled == [signal.SIGTERM]  # two signals sent, one recorded and raised again
+    assert len(held) == 2
+    assert list((tmp_path / "out").iterdir()) == [] and list((tmp_path / "save").iterdir()) == []
