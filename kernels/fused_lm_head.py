@@ -358,12 +358,17 @@ def _tp_finalize(m, s, t, tz, targets, inv_t, v_total, group):
 
 
 def _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, with_entropy,
-              need_h, need_w, cfg=None):
+              need_h, need_w, cfg=None, grad_h=None, grad_w=None):
+    """(d hidden [N, H] float32, d weight [V, H]) of the log-probs' (and entropy's) upstream gradients;
+    ``grad_h`` (zeros, [N, H] float32) and ``grad_w`` ([V, H], weight's dtype, e.g. a slice of a larger
+    buffer) are written in place when given: the same bits as fresh buffers."""
     cfg = cfg or fused_config(hidden.dtype)
     N, H = hidden.shape
     V = weight.shape[0]
-    grad_h = torch.zeros((N, H), dtype=torch.float32, device=hidden.device) if need_h else None
-    grad_w = torch.empty_like(weight) if need_w else None
+    if need_h and grad_h is None:
+        grad_h = torch.zeros((N, H), dtype=torch.float32, device=hidden.device)
+    if need_w and grad_w is None:
+        grad_w = torch.empty_like(weight)
     num_m = triton.cdiv(N, cfg.BLOCK_M)
     chunk = backward_chunk(V, cfg)
     dl = torch.empty((N, chunk), dtype=hidden.dtype, device=hidden.device)

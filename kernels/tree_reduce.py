@@ -682,13 +682,16 @@ def _forward_stats(hidden, weight, targets, inv_t, leaves, group):
     return logp, entropy, lse
 
 
-def _leaf_backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset):
-    """(d hidden [N, H] float32, d weight [Vl, H]) of one vocabulary leaf."""
+def _leaf_backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, grad_h, grad_w):
+    """Add one vocabulary leaf's d hidden into ``grad_h`` ([N, H] float32, zeros) and write its d weight
+    into ``grad_w`` ([Vl, H], the leaf's rows of the weight gradient)."""
     how = route("fused_logprob", hidden.device)
     if how in ("triton", "interpreter"):
         from .fused_lm_head import _backward
 
-        return _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, True, True, True)
+        _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, True, True, True,
+                  grad_h=grad_h, grad_w=grad_w)
+        return
     x = (hidden.double() @ weight.double().T).float().double()
     z = x * inv_t
     p = torch.exp(z - lse.double()[:, None])
@@ -699,7 +702,8 @@ def _leaf_backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offs
     dz = g_lp.double()[:, None] * (onehot - p) - g_ent.double()[:, None] * p * (z - lse.double()[:, None]
                                                                                 + ent.double()[:, None])
     dx = dz * inv_t
-    return (dx @ weight.double()).float(), (dx.T @ hidden.double()).to(weight.dtype)
+    grad_h.copy_((dx @ weight.double()).float())
+    grad_w.copy_(dx.T @ hidden.double())
 
 
 class _TreeLogprob(torch.autograd.Function):
@@ -718,15 +722,15 @@ class _TreeLogprob(torch.autograd.Function):
         size, rank = group_size_rank(ctx.group)
         local = ctx.leaves // size
         width = weight.shape[0] // local
-        acc = _TreeStack()
+        # each leaf writes its rows of d weight in place and its d hidden into its own float32 slot; the slots
+        # are added in the fixed tree (tree_sum_to: the tree's pairs, one launch on the kernels)
         grad_w = torch.empty_like(weight)
+        leaf_h = torch.zeros((local, *hidden.shape), dtype=torch.float32, device=hidden.device)
         for c in range(local):
             off = rank * weight.shape[0] + c * width
-            gh, gw = _leaf_backward(hidden, weight[c * width:(c + 1) * width], targets, lse, ent, g_lp, g_ent,
-                                    ctx.inv_t, off)
-            grad_w[c * width:(c + 1) * width] = gw
-            acc.push(gh)
-        grad_h = _gather_nodes(acc.result(), ctx.group)
+            _leaf_backward(hidden, weight[c * width:(c + 1) * width], targets, lse, ent, g_lp, g_ent, ctx.inv_t, off,
+                           leaf_h[c], grad_w[c * width:(c + 1) * width])
+        grad_h = _gather_nodes(tree_sum_to(leaf_h, torch.float32), ctx.group)
         return grad_h.to(hidden.dtype), grad_w, None, None, None, None
 
 

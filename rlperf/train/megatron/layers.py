@@ -310,10 +310,13 @@ class QKNormRopeAttention(nn.Module):
         replicas = tree.block_replicas(weight, self.blocks, self.tp.group)
         return K.rmsnorm_rope_blocks(x, replicas, positions, self.rope_cos, self.rope_sin, self.eps)
 
-    def forward(self, q, k, v, cu_seqlens):
+    def forward(self, q, k, v, cu_seqlens, positions=None):
+        """q [T, 1, hq D], k, v [T, 1, hkv D], ``cu_seqlens`` [B+1]; ``positions`` [T] int64 (each token's
+        position in its sequence; computed from ``cu_seqlens`` when None) -> [T, 1, hq D]."""
         t = q.shape[0]
         q, k, v = q.reshape(t, -1, self.head_dim), k.reshape(t, -1, self.head_dim), v.reshape(t, -1, self.head_dim)
-        positions = positions_from_cu_seqlens(cu_seqlens, t)
+        if positions is None:
+            positions = positions_from_cu_seqlens(cu_seqlens, t)
         q = self._norm_rope(q, self.q_norm, positions)
         k = self._norm_rope(k, self.k_norm, positions)
         a = K.varlen_attention(q, k, v.contiguous(), cu_seqlens.to(torch.int32))
@@ -347,7 +350,8 @@ class TreeSelfAttention(nn.Module):
             raise ValueError("the megatron backend runs packed sequences: pass packed_seq_params (cu_seqlens)")
         qkv, _ = self.linear_qkv(hidden_states)
         q, k, v = self.linear_qkv.split_parts(qkv)
-        a = self.core_attention(q, k, v, packed_seq_params.cu_seqlens_q)
+        # the positions of the packed tokens, computed once per forward by the model (PackedTokens), not per layer
+        a = self.core_attention(q, k, v, packed_seq_params.cu_seqlens_q, getattr(packed_seq_params, "positions", None))
         out, _ = self.linear_proj(a)
         return out, None
 
