@@ -638,6 +638,20 @@ def _combine_stats(left, right, inv_t: float):
     return m, a1 * s1 + a2 * s2, a1 * (e1 + d1 * s1) + a2 * (e2 + d2 * s2), z1 + z2
 
 
+def _combine_levels(leaves: list[tuple], combine):
+    """The fixed tree of :func:`_combine_stats` over ``leaves`` (a power of two of (m, s, e, tz) tuples of
+    [N] tensors) a level at a time: the leaves' statistics stacked [S, N], each level one ``combine`` of
+    the even rows with the odd rows — the tree's pairs, so per element the same operations on the same
+    operands as the pairwise :class:`_TreeStack`, in log2(S) combines instead of S - 1 (each ~20
+    element-wise launches). CUDA only: there an element-wise op rounds an element the same wherever it
+    sits; torch's CPU ``exp`` may round an element in a vector body and in a loop's tail differently, so
+    the CPU keeps the pairwise order of operand shapes."""
+    level = tuple(torch.stack(parts) for parts in zip(*leaves))
+    while level[0].shape[0] > 1:
+        level = combine(tuple(t[0::2] for t in level), tuple(t[1::2] for t in level))
+    return tuple(t[0] for t in level)
+
+
 def _leaf_stats(hidden, weight, targets, inv_t: float, v_offset: int, v_total: int):
     """(m, s, e, tz) [N] float32 of one vocabulary leaf ``weight`` [Vl, H] starting at ``v_offset``."""
     how = route("fused_logprob", hidden.device)
@@ -668,11 +682,16 @@ def _forward_stats(hidden, weight, targets, inv_t, leaves, group):
     width = v_local // local
     v_total = v_local * size
     combine = functools.partial(_combine_stats, inv_t=inv_t)
-    acc = _TreeStack(combine)
-    for c in range(local):
-        off = rank * v_local + c * width
-        acc.push(_leaf_stats(hidden, weight[c * width:(c + 1) * width], targets, inv_t, off, v_total))
-    m, s, e, tz = _gather_nodes(acc.result(), group, combine)
+    stats = (_leaf_stats(hidden, weight[c * width:(c + 1) * width], targets, inv_t, rank * v_local + c * width, v_total)
+             for c in range(local))
+    if hidden.device.type == "cuda" and local > 1:
+        node = _combine_levels(list(stats), combine)
+    else:
+        acc = _TreeStack(combine)
+        for leaf in stats:
+            acc.push(leaf)
+        node = acc.result()
+    m, s, e, tz = _gather_nodes(node, group, combine)
     log_s = torch.log(s)
     valid = (targets >= 0) & (targets < v_total)
     # <= 0, as fused_logprob reports it (rounding can put a near-certain token a few ulps above 0)

@@ -31,6 +31,50 @@ def test_stack_matches_tree_sum(n):
     assert torch.equal(acc.result(), T.tree_sum(torch.stack(parts)))  # a level at a time: the same pairs
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_combine_levels_pairs_the_leaves_as_the_stack_does(n):
+    # a combine that is neither commutative nor associative (exact small integers in float64): the value
+    # names the tree's shape, so the level-at-a-time form must pair the leaves as the binary counter does
+    def combine(left, right):
+        return tuple(3 * a + b for a, b in zip(left, right))
+
+    leaves = [(torch.tensor([float(i), 10.0 + i], dtype=torch.float64),) for i in range(n)]
+    acc = T._TreeStack(combine)
+    for leaf in leaves:
+        acc.push(leaf)
+    assert torch.equal(T._combine_levels(leaves, combine)[0], acc.result()[0])
+
+
+def _leaf_stats_with_empty_leaves(g, leaves: int, n: int, device: str):
+    """(m, s, e, tz) per leaf with some rows' maxima -inf (a leaf with no vocabulary for them)."""
+    out = []
+    for _ in range(leaves):
+        m = torch.randn(n, generator=g, device=device) * 8
+        m[torch.rand(n, generator=g, device=device) < 0.2] = -torch.inf
+        s = torch.rand(n, generator=g, device=device) * 100 + 1
+        e = torch.randn(n, generator=g, device=device) * 5
+        tz = torch.randn(n, generator=g, device=device)
+        out.append((m, s, e, tz))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("leaves", [2, 4, 8])
+def test_gpu_tree_logprob_combine_levels_equal_the_pairwise_tree(leaves):
+    # on CUDA tree_logprob combines the leaves' statistics a level at a time (stacked); its bits must be
+    # the pairwise tree's, -inf maxima included
+    import functools
+
+    g = torch.Generator(device="cuda").manual_seed(leaves)
+    stats = _leaf_stats_with_empty_leaves(g, leaves, 4099, "cuda")
+    combine = functools.partial(T._combine_stats, inv_t=1 / 0.7)
+    acc = T._TreeStack(combine)
+    for leaf in stats:
+        acc.push(leaf)
+    for a, b in zip(T._combine_levels(stats, combine), acc.result()):
+        assert torch.equal(a, b)
+
+
 def test_token_blocks_need_a_padded_micro_batch():
     assert T.token_blocks(24, leaves=8) == 8
     with pytest.raises(ValueError, match="13 tokens do not split into 8 equal token blocks"):
