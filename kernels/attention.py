@@ -76,7 +76,8 @@ _DECODE_CONFIG = {**_CONFIG, "BLOCK_M": 64, "num_warps": 4}
 # order, only how far ahead the loads are issued (launch_with_fitting_stages already lowers it where
 # shared memory is short). A decode launch takes its depth from its grid: with at most one program per
 # SM, a 2-deep pipeline hides the loads of each program's few KV blocks; with more programs than SMs,
-# one stage (64 KiB of K/V tiles) lets three programs share an SM, which hides them better. H200,
+# one stage (64 KiB of K/V tiles, 82 KiB of shared memory in all) lets two programs share an SM (ncu at
+# B = 256; three would need <= 75 KiB and <= 168 registers), which hides them better. H200,
 # Qwen3-0.6B heads, prompt 512, a graphed 28-layer stack (`python -m rlperf.bench.attention
 # --sweep-decode`, fba5d7c): against 3 stages, 2 stages 1.02x / 1.04x at B = 1 / 16; 1 stage 1.24x /
 # 1.30x at B = 64 / 256 and 1.10x at B = 64 KV 4096 (but 0.77x at B = 1); bits equal at every depth.
@@ -129,6 +130,12 @@ def _attn_block(
     offs_j = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = jb * BLOCK_N + offs_j                      # key positions in the sequence
+    # The masks compare the offset in the block with a per-row bound relative to the block start
+    # (offs_j < kv_len - jb*BLOCK_N, not offs_n < kv_len): the same booleans (no i32 overflow at these
+    # sizes), but comparing offs_n let LLVM widen the block index to 64 bits and keep a 64-bit key
+    # position per column live across the masked loop; under Triton 3.6.0 for SM 90 that spilled the
+    # one-stage decode launches (bench/NOTES-attention.md, "Decode loads").
+    kv_left = kv_len - jb * BLOCK_N                     # rows of this block inside the sequence
     if TMA_LOADS:
         if PAGED:
             if PREFETCH_PAGE:
@@ -140,7 +147,7 @@ def _attn_block(
         k = K.load([row, kvh * HEAD_DIM])
         v = V.load([row, kvh * HEAD_DIM])
         if MASKED:
-            v = tl.where((offs_n < kv_len)[:, None], v, 0.0)
+            v = tl.where((offs_j < kv_left)[:, None], v, 0.0)
     elif PAGED:
         if not PREFETCH_PAGE:
             page = tl.load(PAGE_TABLE + b * stride_pt + jb)
@@ -154,7 +161,7 @@ def _attn_block(
     if not TMA_LOADS:
         if MASKED:
             # Past L_b the cache holds stale bits (maybe NaN): load zeros so 0 * v stays 0.
-            in_seq = (offs_n < kv_len)[:, None]
+            in_seq = (offs_j < kv_left)[:, None]
             k = tl.load(k_ptrs, mask=in_seq, other=0.0)
             v = tl.load(v_ptrs, mask=in_seq, other=0.0)
         else:
@@ -164,7 +171,7 @@ def _attn_block(
     # The mask is applied to the raw scores, before the scale, so valid entries see the same FMA
     # (qk * scale - m) whether or not their block was masked.
     if MASKED:
-        qk = tl.where(offs_n[None, :] <= pos[:, None], qk, float("-inf"))
+        qk = tl.where(offs_j[None, :] <= (pos - jb * BLOCK_N)[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
