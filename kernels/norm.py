@@ -266,8 +266,17 @@ def _rows2d(t: torch.Tensor, H: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+def rmsnorm_grad_rows(H: int) -> int:
+    """Rows of one partial sum of ``dweight`` in :func:`rmsnorm_backward` (the rows a backward program
+    owns) for rows of width H: partial ``q`` covers rows ``[q R, (q + 1) R)``. A token range cut at
+    multiples of R has the partials of the whole range, in order (what a sequence-parallel rank's
+    share must be cut at, ``rlperf.kernels.tree_reduce.token_parallel_rmsnorm``)."""
+    return _bwd_config(H)[2]
+
+
 def rmsnorm_backward(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, eps: float,
-                     dresidual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     dresidual: torch.Tensor | None = None,
+                     return_partials: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``y = rmsnorm(s, weight, eps)`` (module docstring), plus ``dresidual`` when given.
 
     Args:
@@ -278,6 +287,10 @@ def rmsnorm_backward(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, ep
             launch over that block alone.
         dresidual: [..., H] or None: the upstream gradient of add_rmsnorm's ``new_residual``, added
             to ``ds`` in float32 before the one rounding.
+
+        return_partials: return the float32 partial sums [P, H] of ``dweight`` (weight [H] only; P =
+            ceil(rows / :func:`rmsnorm_grad_rows`)) instead of their sum; ``sum_partials(partials,
+            weight.dtype)`` is the ``dweight`` this call returns otherwise.
 
     Returns:
         ``(ds [..., H] in s's dtype, dweight [H] (or [B, H]) in weight's dtype)``.
@@ -301,6 +314,10 @@ def rmsnorm_backward(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, ep
             dy2.stride(0), dr2.stride(0), s2.stride(0), dx.stride(0), float(eps),
             BLOCK=block, ROWS=tile_rows, ONE_CHUNK=one_chunk, HAS_DRES=dresidual is not None, num_warps=num_warps,
         )
+    if return_partials:
+        if blocks > 1:
+            raise ValueError("rmsnorm_backward: return_partials takes one weight [H], not blocks")
+        return dx.reshape(s.shape), partials.view(per_block, H)
     dw = sum_partials(partials if blocks > 1 else partials.view(per_block, H), weight.dtype)
     return dx.reshape(s.shape), dw
 
@@ -350,7 +367,8 @@ class _AddRMSNorm(torch.autograd.Function):
 def rmsnorm_blocks(x: torch.Tensor, weights: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """:func:`rmsnorm` of each of B equal blocks of x [T, ..., H] along dim 0 (T divisible by B) with its
     own weight row: block b = ``x[b T/B:(b+1) T/B]`` normalized with ``weights[b]`` ([B, H], e.g. the
-    replicas of :func:`rlperf.kernels.tree_reduce.block_replicas`).
+    replicas of :func:`rlperf.kernels.tree_reduce.block_replicas`). (The megatron tree mode's hidden-size
+    norms used it until their gradient became ``tree_reduce.token_parallel_rmsnorm``'s.)
 
     Equal bit for bit to ``torch.cat([rmsnorm(x[b*per:(b+1)*per], weights[b]) for b])`` (blocks along
     dim 0) and to its gradients: the forward is row-invariant, and in the backward each block's

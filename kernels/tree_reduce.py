@@ -39,9 +39,9 @@ all-gathers its input's tokens (a concatenation: exact); a row-parallel layer's 
 column-parallel layer's input gradient, are a **tree reduce-scatter**: each rank sends every other
 rank that rank's tokens of its tree node (one all-to-all) and adds the ``TP`` nodes it receives in
 the tree's top levels — per token the same additions on the same operands as the all-gather of
-nodes, so the bits of a token are those of TP=1. :func:`block_replicas` over token blocks
-(:func:`token_blocks`) gives a replicated weight applied per token (the RMSNorm weights) a gradient
-summed over ``S`` fixed token blocks in the tree, with or without the token split.
+nodes, so the bits of a token are those of TP=1. :func:`token_parallel_rmsnorm` gives the RMSNorm
+weights, applied per token, the gradient one rank holding every token computes: the norm kernel's
+partial sums over fixed row blocks, all-gathered across the ranks in rank order and added once.
 
 The rollout engine computes the same trees at TP=1 (``rlperf.model``'s ``reduction_leaves``), so
 trainer and engine log-probs stay equal bit for bit whatever the trainer's tensor-parallel size.
@@ -56,6 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import norm
 from .dispatch import route
 from .tile_dot import dot_acc, kernel_store_dtype
 
@@ -286,13 +287,56 @@ def gather_tokens(x: torch.Tensor, group=None) -> torch.Tensor:
     return _GatherTokens.apply(x, group)
 
 
-def token_blocks(num_tokens: int, leaves: int = TREE_LEAVES, group=None) -> int:
-    """How many of the ``leaves`` fixed token blocks this rank holds (``leaves / TP`` under sequence
-    parallelism, else all of them); the tokens must split into ``leaves`` equal blocks."""
-    if num_tokens % leaves:
-        raise ValueError(f"{num_tokens} tokens do not split into {leaves} equal token blocks (pad the packed "
-                         f"micro-batch to a multiple of {leaves})")
-    return _local_leaves(leaves, group, "token_blocks")
+class _TokenParallelRMSNorm(torch.autograd.Function):
+    """:func:`token_parallel_rmsnorm` over ``group`` of two or more ranks (one rank: ``rmsnorm`` itself)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, group, kernels):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.group, ctx.kernels = eps, group, kernels
+        with torch.no_grad():
+            return norm.rmsnorm(x, weight, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        if ctx.kernels:  # this rank's partials are the whole range's partials [r P/TP, (r+1) P/TP): gather, sum once
+            dx, partials = norm.rmsnorm_backward(dy, x, weight, ctx.eps, return_partials=True)
+            return dx, norm.sum_partials(_all_gather_tokens(partials, ctx.group), weight.dtype), None, None, None
+        # the reference (and fast mode's stock op): every token on every rank, the one-rank gradients, own rows
+        xs = _all_gather_tokens(x.detach(), ctx.group).requires_grad_()
+        w = weight.detach().requires_grad_()
+        with torch.enable_grad():
+            y = norm.rmsnorm(xs, w, ctx.eps)
+        dx, dw = torch.autograd.grad(y, (xs, w), _all_gather_tokens(dy.contiguous(), ctx.group))
+        return _own_tokens(dx, ctx.group).contiguous(), dw, None, None, None
+
+
+def token_parallel_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, group=None) -> torch.Tensor:
+    """``rmsnorm(x, weight, eps)`` of x [T_local, ..., H], this rank's contiguous share of the tokens under
+    sequence parallelism over ``group`` (None: every token here), whose weight gradient is the one a single
+    rank holding every token computes, bit for bit, at any group size.
+
+    The forward is row-invariant. The weight's gradient is a sum over tokens: on the kernels it is
+    :func:`rlperf.kernels.norm.rmsnorm_backward`'s partial sums over fixed blocks of
+    :func:`~rlperf.kernels.norm.rmsnorm_grad_rows` consecutive rows, added once in a fixed order; a rank
+    whose share starts at a multiple of that block computes exactly its blocks' partials, so the ranks'
+    partials all-gathered in rank order are the whole range's, and one ``sum_partials`` gives the one-rank
+    bits (T_local must be a multiple of the block under a group). Rows appended with a zero gradient
+    (a micro-batch padded further) add zero partials: the bits stay. The reference backend and fast
+    mode's stock op gather every token and run the one-rank gradient."""
+    size, _ = group_size_rank(group)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if size == 1 or not needs_grad:
+        return norm.rmsnorm(x, weight, eps)
+    kernels = route("rmsnorm", x.device, (x, weight)) == "autograd" and route("rmsnorm", x.device) != "stock"
+    rows = norm.rmsnorm_grad_rows(x.shape[-1])
+    if kernels and (x.numel() // x.shape[-1]) % rows:
+        raise ValueError(f"token_parallel_rmsnorm: this rank's {x.numel() // x.shape[-1]} tokens are not a multiple "
+                         f"of the norm gradient's {rows}-row blocks (pad the micro-batch to a multiple of {rows} x "
+                         f"{size} tokens)")
+    return _TokenParallelRMSNorm.apply(x, weight, eps, group, kernels)
 
 
 # --------------------------------------------------------------------------------------------

@@ -75,10 +75,34 @@ def test_gpu_tree_logprob_combine_levels_equal_the_pairwise_tree(leaves):
         assert torch.equal(a, b)
 
 
-def test_token_blocks_need_a_padded_micro_batch():
-    assert T.token_blocks(24, leaves=8) == 8
-    with pytest.raises(ValueError, match="13 tokens do not split into 8 equal token blocks"):
-        T.token_blocks(13, leaves=8)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_norm_gradient_partials_split_and_pad_without_moving_a_bit(interpreter, dtype):
+    # what token_parallel_rmsnorm relies on: the kernel's partial sums of d weight over fixed row blocks,
+    # computed on two ranks' shares (each a whole number of blocks) and concatenated, are the whole range's,
+    # and rows appended with dy = 0 (padding) add zero partials; one sum_partials then gives one rank's bits
+    from rlperf.kernels import norm
+
+    H, rows = 48, norm.rmsnorm_grad_rows(48)
+    x, dy = _rand(3 * rows, 1, H, seed=20).to(dtype), _rand(3 * rows, 1, H, seed=21).to(dtype)
+    w = (1 + 0.1 * _rand(H, seed=22)).to(dtype)
+    with K.use_backend("interpreter"):
+        dx, dw = norm.rmsnorm_backward(dy, x, w, 1e-6)
+        cut = rows  # rank 0 holds one block, rank 1 two: any whole number of blocks
+        dx0, p0 = norm.rmsnorm_backward(dy[:cut], x[:cut], w, 1e-6, return_partials=True)
+        dx1, p1 = norm.rmsnorm_backward(dy[cut:], x[cut:], w, 1e-6, return_partials=True)
+        assert torch.equal(torch.cat([dx0, dx1]), dx)
+        assert torch.equal(norm.sum_partials(torch.cat([p0, p1]), w.dtype), dw)
+        pad = 2 * rows + 5
+        xp = torch.cat([x, _rand(pad, 1, H, seed=23).to(dtype)])
+        dyp = torch.cat([dy, torch.zeros(pad, 1, H, dtype=dtype)])
+        dxp, dwp = norm.rmsnorm_backward(dyp, xp, w, 1e-6)
+        assert torch.equal(dwp, dw) and torch.equal(dxp[:3 * rows], dx)
+        # one rank: token_parallel_rmsnorm is rmsnorm itself, forward and backward
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+        T.token_parallel_rmsnorm(xa, wa).backward(dy)
+        K.rmsnorm(xb, wb).backward(dy)
+        assert torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad) and torch.equal(wa.grad, dw)
 
 
 def test_leaf_count_checked():

@@ -17,8 +17,10 @@ pre-MLP norm, MLP, bias-dropout-add; dropout 0); what it builds inside comes fro
 Every reduction that tensor parallelism splits is a fixed tree (``rlperf.kernels.tree_reduce``, ``S``
 leaves, a multiple of the TP size): the row-parallel ``o_proj`` / ``down_proj`` sum their K in the
 tree, the column-parallel layers' input gradients sum their N in it, and the q/k-norm weights'
-gradients sum over the head blocks in it. Hence a token's activations, log-probs and every gradient
-are the same bits at every TP size, and equal to rlperf's own model run with ``reduction_leaves=S``.
+gradients sum over the head blocks in it; the RMSNorm weights' gradients, sums over tokens, add the
+norm kernel's partials over fixed row blocks once, gathered across the sequence-parallel ranks
+(:class:`RMSNorm`). Hence a token's activations, log-probs and every gradient are the same bits at
+every TP size, and equal to rlperf's own model run with ``reduction_leaves=S``.
 
 Fused column-parallel weights (q/k/v, gate/up) are stored **leaf-blocked**: leaf ``c`` of ``S`` holds
 rows ``[c n_i / S, (c + 1) n_i / S)`` of every part ``i`` one after the other, and TP rank ``r`` holds
@@ -171,15 +173,14 @@ class _PlainReplicated(torch.autograd.Function):
 class RMSNorm(nn.Module):
     """``rlperf.kernels.rmsnorm`` over the last dim, megatron's norm constructor signature.
 
-    Tree mode (``leaves`` set, :func:`rmsnorm_class`): the tokens [T, 1, H] are cut into ``leaves``
-    equal blocks (the model pads T to a multiple of ``leaves``) and each block is normalised with its
-    own replica of the weight (``tree.block_replicas``), so the weight's gradient — a sum over tokens —
-    is the blocks' sums added in the fixed tree. Under sequence parallelism a rank holds
-    ``leaves / TP`` of the blocks and the ranks' nodes are added in the tree's top levels: the same
-    bits as one rank holding every token. (The kernel's own weight gradient sums rows in an order
-    that depends on how many rows it gets; a block's row count is the same at every TP size.) The
-    blocks go through ``rlperf.kernels.rmsnorm_blocks``: the per-block calls' bits in one launch
-    forward and two backward."""
+    Tree mode (``leaves`` set, :func:`rmsnorm_class`) under sequence parallelism: a rank holds a contiguous
+    share of the tokens [T / TP, 1, H], and the weight's gradient — a sum over every token — is
+    ``rlperf.kernels.tree_reduce.token_parallel_rmsnorm``'s: the kernel's partial sums over fixed blocks of
+    rows, all-gathered in rank order and added once, the bits of one rank holding every token (the model
+    pads T so that each share is a whole number of blocks, :meth:`MegatronCausalLM.padded_tokens`). Without
+    sequence parallelism every rank holds every token: the plain kernel call, whose weight gradient is
+    the same on every rank. Either way the gradient keeps its bits when more padding rows are appended
+    (they add zero partials)."""
 
     leaves: int | None = None
     sequence_parallel: bool = False
@@ -191,19 +192,15 @@ class RMSNorm(nn.Module):
         self.tp = TensorParallel.current(self.leaves, self.sequence_parallel) if self.leaves else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp is None:
+        if self.tp is None or self.tp.token_group is None:
             return K.rmsnorm(x, self.weight, self.eps)
-        group = self.tp.token_group
-        blocks = tree.token_blocks(x.shape[0] * (self.tp.size if group is not None else 1), self.tp.leaves, group)
-        replicas = tree.block_replicas(self.weight, self.tp.leaves, group)
-        if replicas.shape[0] != blocks:
-            raise ValueError(f"RMSNorm: {replicas.shape[0]} weight replicas for {blocks} token blocks")
-        return K.rmsnorm_blocks(x, replicas, self.eps)  # one launch (the per-block calls' bits)
+        return tree.token_parallel_rmsnorm(x, self.weight, self.eps, self.tp.token_group)
 
 
 def rmsnorm_class(leaves: int | None, sequence_parallel: bool = False) -> type:
-    """:class:`RMSNorm` in tree mode over ``leaves`` token blocks (None: one kernel call, Megatron's
-    plain order), as a class: megatron builds norms from a class and its constructor arguments."""
+    """:class:`RMSNorm` in tree mode (``leaves`` set: its weight gradient gathered across the
+    sequence-parallel ranks in the one-rank order; None: one kernel call, Megatron's plain order), as a
+    class: megatron builds norms from a class and its constructor arguments."""
     if leaves is None:
         return RMSNorm
     return type(f"RMSNorm{leaves}{'SP' if sequence_parallel else ''}", (RMSNorm,),

@@ -118,9 +118,9 @@ class MegatronCausalLM(nn.Module):
     ``sequence_parallel``: the decoder's activations hold this rank's ``T / TP`` tokens (the embedding
     is scattered, the last stage gathers before the log-prob).
 
-    A packed micro-batch of ``T`` tokens is padded to ``T_pad``, the next multiple of ``leaves`` (the
-    padding: token 0, a sequence of its own, never read by the loss), so that the norms' token blocks
-    and the sequence-parallel split are equal at every TP size.
+    Under sequence parallelism a packed micro-batch of ``T`` tokens is padded to ``T_pad``
+    (:meth:`padded_tokens`; the padding: token 0, a sequence of its own, never read by the loss), so
+    that every rank's share is a whole number of the norm gradient's row blocks; padding moves no bit.
     """
 
     def __init__(self, gpt, cfg: ModelConfig, leaves: int, plain: bool = False, sequence_parallel: bool = False):
@@ -144,10 +144,17 @@ class MegatronCausalLM(nn.Module):
         self.gpt.set_input_tensor(hidden)
 
     def padded_tokens(self, num_tokens: int) -> int:
-        """``T_pad``: ``num_tokens`` rounded up to a multiple of the tree's leaves (plain mode: as is)."""
-        if self.plain:
+        """``T_pad``: in tree mode under sequence parallelism ``num_tokens`` rounded up so that each of the TP
+        ranks holds a whole number of the norm gradient's row blocks (``rlperf.kernels.norm.rmsnorm_grad_rows``);
+        otherwise ``num_tokens`` as is. Padding changes no bit of a real token's log-prob nor of any gradient
+        (the tree mode's sums over tokens add the padding's zeros in fixed blocks), so layouts that pad
+        differently still agree bit for bit."""
+        if self.plain or not self.sequence_parallel:
             return num_tokens
-        return -(-num_tokens // self.leaves) * self.leaves
+        from rlperf.kernels.norm import rmsnorm_grad_rows
+
+        unit = self.tp.size * rmsnorm_grad_rows(self.cfg.hidden_size)
+        return -(-num_tokens // unit) * unit
 
     def stage_tokens(self, num_tokens: int) -> int:
         """Rows of the activations a stage sends to the next for a micro-batch of ``num_tokens``:
