@@ -12,7 +12,11 @@ flags -> :mod:`rlperf.train.backend`) and talks to it through one protocol.
   recording's, unchanged. Re-recorded after ``adf7d0b`` for the seeded init
   (``rlperf.model.seeded_normal``), which gives the random model other weights: with the ``torch.randn``
   init patched into every process, that tree still wrote the ``1dd5654`` recording bit for bit, so the
-  init is the only change.
+  init is the only change. Re-recorded at ``3411e7c``, where the megatron tree mode's RMSNorm weight
+  gradients became the norm kernel's fixed-row partials gathered across the sequence-parallel ranks
+  (``token_parallel_rmsnorm``) instead of a tree over equal token blocks: recorded on one machine at
+  ``e113736`` and at ``3411e7c``, the embedded, FSDP and EP layouts wrote the same bits and the megatron
+  layout's metrics too; only its weights after the update (checksums, model digest) moved.
 
 Why that last comparison is guarded. float32 CPU math is not the same bits on every x86 CPU: torch's and
 numpy's vectorised kernels (matmul blocking, exp, log) differ between AVX2 and AVX-512 builds, and
