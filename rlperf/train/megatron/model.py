@@ -173,10 +173,11 @@ class MegatronCausalLM(nn.Module):
         cu = cu_seqlens.to(torch.int32)
         if pad:  # the padding is a sequence of its own: no real token attends to it
             input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
-            cu = torch.cat([cu, cu.new_tensor([t + pad])])
-        longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+            cu = torch.cat([cu, torch.full((1,), t + pad, dtype=cu.dtype, device=cu.device)])  # no host copy
+        # max_seqlen: the token count, a bound known on the host (rlperf's attention reads cu_seqlens on the
+        # device and no layer here reads it; the longest sequence itself would be a device-to-host wait)
         psp = _packed_tokens_class(PackedSeqParams)(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=t + pad, max_seqlen_kv=t + pad,
             positions=positions_from_cu_seqlens(cu, t + pad))
         hidden = None
         group = self.tp.token_group
