@@ -108,12 +108,14 @@ def run(ns) -> dict:
     cfg = _config(ns.shape)
     rank, world = dist.get_rank(), dist.get_world_size()
     samples, rollout = _samples(cfg, ns.samples, ns.tokens, ns.response, device, ns.engine)
+    buckets = tuple(int(b) for b in ns.cuda_graph_buckets.split(",") if b.strip())
     args = TrainArgs(n_samples_per_prompt=1, use_dynamic_batch_size=True, max_tokens_per_gpu=ns.max_tokens_per_gpu,
-                     lr=1e-6, clip_grad=1.0)
+                     lr=1e-6, clip_grad=1.0, cuda_graph_buckets=buckets)
     weights = Qwen3ForCausalLM.random(cfg, seed=0, std=0.02)  # float32 on the CPU, the same on every rank
     if world % (ns.tp * ns.pp):
         raise SystemExit(f"{world} processes do not split into --tp {ns.tp} x --pp {ns.pp} replicas")
     out = {"backend": ns.backend, "shape": ns.shape, "tp": ns.tp, "pp": ns.pp, "dp": world // (ns.tp * ns.pp),
+           "cuda_graph_buckets": list(buckets),
            "sequence_parallel": ns.sequence_parallel, "fused_tree_node": not ns.per_leaf_tree,
            "tree_node_tile": tree_reduce.TREE_NODE_TILE, "world": world,
            "device": ns.device,
@@ -363,6 +365,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=1024, help="tokens per sample (prompt + response)")
     p.add_argument("--response", type=int, default=256, help="response tokens per sample")
     p.add_argument("--max-tokens-per-gpu", type=int, default=8192)
+    p.add_argument("--cuda-graph-buckets", default="", metavar="T1,T2,...",
+                   help="fsdp, or megatron at one rank (tree numerics): replay each micro-batch from CUDA graphs "
+                        "padded to these token counts (the largest >= --max-tokens-per-gpu); default eager")
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps after the warm-up step")
     p.add_argument("--engine", action="store_true", help="responses from rlperf's engine on rank 0 (abs diff check)")
     p.add_argument("--per-leaf-tree", action="store_true",

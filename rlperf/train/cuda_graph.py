@@ -43,8 +43,13 @@ replays a bucket's forward and backward graphs back to back (never another graph
 so a later capture may reuse memory an earlier graph freed. Each bucket's train graphs keep one
 set of parameter gradients (the compute dtype) as static outputs.
 
-Limits: CUDA only (the constructor refuses other devices); one process (the data-parallel and
-megatron trainers do not use it); dense models without routing replay (the loop checks the flags).
+Limits: CUDA only (the constructor refuses other devices); one process (the data-parallel trainer
+does not use it); dense models without routing replay (the loop checks the flags).
+
+Other models (the megatron trainer's :class:`rlperf.train.megatron.model.MegatronCausalLM` at one rank):
+``log_probs_fn`` is the micro-batch's log-prob call, and ``backward_side`` a :class:`BackwardSide` for a
+gradient the model's backward keeps apart from the parameters' (the tied head's ``head_grad``): captured as
+one more static output and handed back after each backward replay as the eager backward would have.
 
 Default: ``--cuda-graph-buckets auto`` turns graphs on wherever those limits allow and micro-batches
 are packed (``--use-dynamic-batch-size``), with the buckets of
@@ -84,6 +89,22 @@ def seq_slots(bucket: int, num_seqs: int | None = None) -> int:
     return min(slots, most)
 
 
+class BackwardSide:
+    """A gradient a model's backward stores outside the parameters' ``.grad`` (a Python side effect, which
+    a graph replay does not repeat). ``stash()`` takes the value the trainer has accumulated so far (and
+    clears it, so the capture's backward writes a fresh one); ``restore(value)`` puts it back;
+    ``deliver(static)`` adds a backward replay's static output as the eager backward would have."""
+
+    def stash(self):
+        raise NotImplementedError
+
+    def restore(self, value) -> None:
+        raise NotImplementedError
+
+    def deliver(self, static: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
 @dataclasses.dataclass
 class _TrainGraph:
     forward: torch.cuda.CUDAGraph
@@ -93,6 +114,8 @@ class _TrainGraph:
     grad_log_probs: torch.Tensor   # [bucket] static upstream gradients (input of backward)
     grad_entropy: torch.Tensor
     grads: tuple                   # per trainable parameter: its static gradient, or None (unused)
+    side: BackwardSide | None = None
+    side_grad: torch.Tensor | None = None  # the backward's static output for ``side``
 
 
 class _ReplayedLogProbs(torch.autograd.Function):
@@ -114,6 +137,8 @@ class _ReplayedLogProbs(torch.autograd.Function):
             static[:n].copy_(g)
             static[n:].zero_()
         e.backward.replay()
+        if e.side is not None:
+            e.side.deliver(e.side_grad)
         # copies in a few multi-tensor launches (x * 1 is x, bit for bit), not one clone per parameter
         present = [g for g in e.grads if g is not None]
         copies = iter(torch._foreach_mul(present, 1.0)) if present else iter(())
@@ -126,13 +151,18 @@ class MicroBatchGraphs:
     ``model``: a :class:`rlperf.model.qwen3.Qwen3ForCausalLM` on a CUDA device (its weights are
     read in place: the trainer's in-place weight updates reach the graphs); ``buckets``: token
     counts (:func:`rlperf.flags.check_token_buckets`); ``temperature``: the log-probs' temperature (a launch argument
-    the graphs freeze)."""
+    the graphs freeze); ``log_probs_fn(model, mb, temperature, with_entropy)``: the micro-batch's
+    log-probs (default :func:`rlperf.train.batching.micro_batch_log_probs`); ``backward_side``: see
+    :class:`BackwardSide` (module docstring)."""
 
-    def __init__(self, model, buckets: Sequence[int], temperature: float):
+    def __init__(self, model, buckets: Sequence[int], temperature: float, log_probs_fn=None,
+                 backward_side: BackwardSide | None = None):
         dev = model.head_weight.device
         if dev.type != "cuda":
             raise ValueError(f"{FLAG} replays CUDA graphs: it needs a CUDA device, the model is on {dev}")
         self.model, self.buckets, self.temperature = model, check_token_buckets(buckets), float(temperature)
+        self.log_probs_fn = log_probs_fn or micro_batch_log_probs
+        self.backward_side = backward_side
         top = self.buckets[-1]
         i64 = dict(dtype=torch.int64, device=dev)
         self.input_ids, self.positions = torch.zeros(top, **i64), torch.zeros(top, **i64)
@@ -200,7 +230,7 @@ class MicroBatchGraphs:
         key = (K.mode(), *shape, with_entropy)
         if key not in self.log_prob_graphs:
             self.log_prob_graphs[key] = self._capture(
-                lambda: micro_batch_log_probs(self.model, static, self.temperature, with_entropy=with_entropy))
+                lambda: self.log_probs_fn(self.model, static, self.temperature, with_entropy=with_entropy))
         graph, out = self.log_prob_graphs[key]
         graph.replay()
         n = sum(mb.response_lengths)
@@ -221,7 +251,9 @@ class MicroBatchGraphs:
         bucket = static.num_tokens
         f32 = dict(dtype=torch.float32, device=self.input_ids.device)
         grad_log_probs, grad_entropy = torch.zeros(bucket, **f32), torch.zeros(bucket, **f32)
-        log_probs_of = _LogProbsThrough(self.model, static, self.temperature)
+        log_probs_of = _LogProbsThrough(self.model, static, self.temperature, self.log_probs_fn)
+        side = self.backward_side
+        kept = side.stash() if side is not None else None  # the trainer's value so far: not the warm-up's
 
         def forward(leaves):
             return log_probs_of(leaves)
@@ -236,6 +268,8 @@ class MicroBatchGraphs:
         with torch.enable_grad():
             self._warm_up(step)  # the forward and the backward kernels
             torch.cuda.synchronize()
+            if side is not None:
+                side.stash()  # what the warm-up's backwards wrote: dropped
             leaves = log_probs_of.fresh_leaves()  # their gradient accumulators are made during the capture
             fwd = torch.cuda.CUDAGraph()
             with torch.cuda.graph(fwd, pool=self._pool, capture_error_mode="thread_local"):
@@ -244,12 +278,16 @@ class MicroBatchGraphs:
             bwd = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bwd, pool=self._pool, capture_error_mode="thread_local"):
                 grads = backward(outs, leaves)
+        side_grad = None
+        if side is not None:
+            side_grad = side.stash()  # the capture's backward wrote it: the static output
+            side.restore(kept)
         log_probs, entropy = (o.detach() for o in outs)
-        return _TrainGraph(fwd, bwd, log_probs, entropy, grad_log_probs, grad_entropy, tuple(grads))
+        return _TrainGraph(fwd, bwd, log_probs, entropy, grad_log_probs, grad_entropy, tuple(grads), side, side_grad)
 
 
 class _LogProbsThrough(torch.nn.Module):
-    """``micro_batch_log_probs(model, static, temperature, with_entropy=True)`` with the trainable
+    """``log_probs_fn(model, static, temperature, with_entropy=True)`` with the trainable
     parameters replaced by given leaf tensors that alias their storage (``torch.func.functional_call``).
 
     Why not the parameters themselves: autograd keeps one gradient accumulator per parameter, made on
@@ -260,9 +298,10 @@ class _LogProbsThrough(torch.nn.Module):
     get their accumulators on the capture stream; they share the parameters' storage, so the graphs
     still read the weights the optimizer updates in place."""
 
-    def __init__(self, model, static: MicroBatch, temperature: float):
+    def __init__(self, model, static: MicroBatch, temperature: float, log_probs_fn=None):
         super().__init__()
         self.model, self.static, self.temperature = model, static, temperature
+        self.log_probs_fn = log_probs_fn or micro_batch_log_probs
         self.names = [f"model.{n}" for n, p in model.named_parameters() if p.requires_grad]
 
     def fresh_leaves(self) -> list[torch.Tensor]:
@@ -271,5 +310,5 @@ class _LogProbsThrough(torch.nn.Module):
 
     def forward(self, leaves: Sequence[torch.Tensor] | None = None):
         if leaves is None:
-            return micro_batch_log_probs(self.model, self.static, self.temperature, with_entropy=True)
+            return self.log_probs_fn(self.model, self.static, self.temperature, with_entropy=True)
         return torch.func.functional_call(self, dict(zip(self.names, leaves)), ())

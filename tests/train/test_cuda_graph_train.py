@@ -214,7 +214,8 @@ def test_the_autograd_bridge_loads_real_rows_zeroes_padding_and_hands_out_copies
 
 def test_the_loop_refuses_layouts_the_graphs_do_not_cover():
     """``check_cuda_graph_buckets`` (``rlperf train``/``gate`` flag checks, exit 2): CPU, several actor
-    ranks, the megatron backend, routing replay and an MoE preset are refused, each naming the flag."""
+    ranks (either backend), routing replay and an MoE preset are refused, each naming the flag; one
+    process of either backend is accepted."""
     from types import SimpleNamespace
 
     from rlperf.loop import UsageError
@@ -228,10 +229,11 @@ def test_the_loop_refuses_layouts_the_graphs_do_not_cover():
         return SimpleNamespace(**{**base, **kw})
 
     check_cuda_graph_buckets(ns(), cuda, 1)  # one process, dense preset: accepted
+    check_cuda_graph_buckets(ns(train_backend="megatron"), cuda, 1)  # the megatron backend at one rank too
     for args, device, ranks, why in [
         (ns(), torch.device("cpu"), 1, "needs a CUDA device"),
         (ns(), cuda, 2, "one actor process"),
-        (ns(train_backend="megatron"), cuda, 1, "one actor process of the fsdp backend"),
+        (ns(train_backend="megatron"), cuda, 2, "one actor process (got --train-backend megatron with 2"),
         (ns(use_rollout_routing_replay=True), cuda, 1, "--use-rollout-routing-replay"),
         (ns(model="qwen3-moe-tiny"), cuda, 1, "MoE layers"),
     ]:
@@ -318,10 +320,13 @@ def test_an_explicit_list_keeps_its_refusals(h100_memory):
     ns = _resolve_ns(cuda_graph_buckets=(1024, 4096))
     resolve_cuda_graph_buckets(ns, cuda, 1)
     assert ns.cuda_graph_buckets == (1024, 4096)
+    ns = _resolve_ns(cuda_graph_buckets=(1024, 4096), train_backend="megatron")  # auto keeps it eager; a list does not
+    resolve_cuda_graph_buckets(ns, cuda, 1)
+    assert ns.cuda_graph_buckets == (1024, 4096)
     for ns, device, ranks, why in [
         (_resolve_ns(cuda_graph_buckets=(64,)), torch.device("cpu"), 1, "needs a CUDA device"),
         (_resolve_ns(cuda_graph_buckets=(64,)), cuda, 2, "one actor process"),
-        (_resolve_ns(cuda_graph_buckets=(64,), train_backend="megatron"), cuda, 1, "fsdp backend"),
+        (_resolve_ns(cuda_graph_buckets=(64,), train_backend="megatron"), cuda, 2, "one actor process"),
         (_resolve_ns(cuda_graph_buckets=(64,), model="qwen3-moe-tiny"), cuda, 1, "MoE layers"),
     ]:
         with pytest.raises(UsageError, match="--cuda-graph-buckets") as info:

@@ -28,6 +28,14 @@ the unsharded AdamW, and checkpoints hold the whole moments under Hugging Face n
 Mixed precision: with a ``compute_dtype`` lower than the model's float32, the trainer keeps float32
 master copies of this rank's parameters (AdamW runs on them) and rounds them into the model after each
 step; each micro-batch's compute-dtype gradients are accumulated into float32 master gradients.
+
+CUDA graphs (``cuda_graph_buckets``; one rank, tree numerics, CUDA): each micro-batch is padded to its
+token-count bucket and its forward and backward replay graphs captured per bucket, as the fsdp trainer's
+(:mod:`rlperf.train.cuda_graph`); the tied head's gradient, which the backward keeps apart
+(``head_grad``), is one more static output (:class:`_TiedHeadGrad`). Padding moves no bit of the tree
+step (the norms' weight gradients included: ``tree_reduce.token_parallel_rmsnorm``), so a graphed step
+has the eager step's bits. Not the loop's default yet (``--cuda-graph-buckets auto`` keeps the megatron
+backend eager): an explicit bucket list turns it on.
 """
 from __future__ import annotations
 
@@ -101,6 +109,32 @@ def leaf_square_sums(grads: Sequence[torch.Tensor], dims: Sequence[int | None], 
     return out
 
 
+def graph_log_probs(model: MegatronCausalLM, mb: MicroBatch, temperature: float, with_entropy: bool = False):
+    """The micro-batch's log-probs (and entropy) through the whole model (one stage): what a graph captures."""
+    hidden = model.forward_hidden(mb.input_ids, mb.cu_seqlens)
+    return model.log_probs(hidden, mb.logit_rows, mb.targets, temperature, with_entropy)
+
+
+class _TiedHeadGrad:
+    """The tied head's gradient (``model.head_grad``, set by the backward) as a graph's side output
+    (:class:`rlperf.train.cuda_graph.BackwardSide`): a replay's static value is accumulated into
+    ``head_grad`` as the eager backward accumulates it (the first micro-batch's a copy, later ones added)."""
+
+    def __init__(self, model: MegatronCausalLM):
+        self.model = model
+
+    def stash(self):
+        value, self.model.head_grad = self.model.head_grad, None
+        return value
+
+    def restore(self, value) -> None:
+        self.model.head_grad = value
+
+    def deliver(self, static: torch.Tensor) -> None:
+        kept = self.model.head_grad
+        self.model.head_grad = static.clone() if kept is None else kept + static
+
+
 class MegatronTrainer(Trainer):
     """:class:`rlperf.train.Trainer` on a :class:`rlperf.train.megatron.model.MegatronCausalLM`
     (module docstring); every rank of the default process group builds one with the same samples.
@@ -161,9 +195,24 @@ class MegatronTrainer(Trainer):
                                                eps=args.adam_eps)
         self.step_count = 0
         self._norm_keys = self._grad_norm_keys()
+        self.graphs = self._micro_batch_graphs() if args.cuda_graph_buckets else None
         self.grad_bucket_bytes = 256 << 20
         """Bytes of float32 gradients summed over the data-parallel replicas per all-gather (the bits do
         not depend on it)."""
+
+    def _micro_batch_graphs(self):
+        """The actor's :class:`rlperf.train.cuda_graph.MicroBatchGraphs` (module docstring): one rank, the
+        tree numerics, a CUDA device; ValueError naming the flag otherwise."""
+        from ..cuda_graph import FLAG, MicroBatchGraphs
+
+        if self.pp_size != 1 or self.tp.size != 1 or self.dp_size != 1:
+            raise ValueError(f"{FLAG} with the megatron backend: one rank only (got TP={self.tp.size}, "
+                             f"PP={self.pp_size}, DP={self.dp_size})")
+        if self.model.plain:
+            raise ValueError(f"{FLAG} with the megatron backend: the tree numerics only (padding keeps their bits)")
+        side = _TiedHeadGrad(self.model) if self.model.cfg.tie_word_embeddings else None
+        return MicroBatchGraphs(self.model, self.args.cuda_graph_buckets, self.args.rollout_temperature,
+                                log_probs_fn=graph_log_probs, backward_side=side)
 
     # ---- placement ---------------------------------------------------------------------------------
     @property
@@ -229,6 +278,9 @@ class MegatronTrainer(Trainer):
         copies = HostCopies()  # one copy to the host after the last micro-batch
         for mb in self._micro_batches_of(samples, self._shard(len(samples))):
             if mb is None:
+                continue
+            if self.graphs is not None and model is self.model:  # the actor's log-prob graph of the bucket
+                copies.add(mb.indices, mb.response_lengths, self.graphs.log_probs(mb))
                 continue
             _, out = self._stage_forward(model, mb, grad=False)
             if model.last_stage:
@@ -304,10 +356,15 @@ class MegatronTrainer(Trainer):
             if model.last_stage:  # the loss inputs go to the device before the forward is queued (no host wait)
                 li = loss_inputs([samples[i] for i in mb.indices], dev, with_rollout=with_rollout,
                                  with_ref=a.use_kl_loss, per_token=a.calculate_per_token_loss)
-            inp, out = self._stage_forward(model, mb, grad=True)
+            if self.graphs is not None:  # one rank: the bucket's forward graph now, its backward graph below
+                inp = out = None
+                log_probs, entropy = self.graphs.log_probs_with_grad(mb)
+            else:
+                inp, out = self._stage_forward(model, mb, grad=True)
             loss = None
             if model.last_stage:
-                log_probs, entropy = model.log_probs(out, mb.logit_rows, mb.targets, a.rollout_temperature, True)
+                if self.graphs is None:
+                    log_probs, entropy = model.log_probs(out, mb.logit_rows, mb.targets, a.rollout_temperature, True)
                 if a.entropy_coef == 0:
                     entropy = entropy.detach()
                 loss, metrics = policy_loss(a, log_probs, entropy, li.old_log_probs, li.advantages, li.masks,
@@ -318,7 +375,10 @@ class MegatronTrainer(Trainer):
                     first = ({k: v.detach() for k, v in metrics.items()}, li.count)
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + v.detach() / denom
-            self._stage_backward(model, inp, out, loss)
+            if self.graphs is not None:
+                loss.backward()
+            else:
+                self._stage_backward(model, inp, out, loss)
             self._accumulate_master_grads()
         totals = self._reduce_metrics(totals)
         if micro_step_hook is not None:
