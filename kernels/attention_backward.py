@@ -25,8 +25,9 @@ order fixed by the launch config alone:
 1. ``delta``: one program per (``BLOCK_T`` tokens, query head), one float32 row sum over ``D``.
 2. ``dk, dv``: one program per (``BLOCK_KV`` keys, KV head, sequence). It loops over the ``G``
    query heads of its group in order and, for each, over the ``STEP_Q``-query blocks that can see
-   its keys, ascending (the diagonal blocks, which need the causal mask, come first), accumulating
-   ``dk`` and ``dv`` in float32 registers.
+   its keys, ascending (the diagonal blocks first), accumulating ``dk`` and ``dv`` in float32
+   registers: one flat loop over the (head, block) pairs, every block through the causal mask
+   (all true past the diagonal).
 3. ``dq``: one program per (``BLOCK_Q`` queries, query head, sequence), looping over the
    ``STEP_KV``-key blocks from 0 upwards (full blocks, then the diagonal ones), accumulating in
    float32.
@@ -142,11 +143,13 @@ def _delta_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh,
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, L, T, head, jm, offs_n,
+def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, L, T, head, jm, n0,
                stride_qt, stride_qh, stride_dot, stride_doh, qk_scale,
-               HEAD_DIM: tl.constexpr, STEP_Q: tl.constexpr, MASKED: tl.constexpr):
+               HEAD_DIM: tl.constexpr, BLOCK_KV: tl.constexpr, STEP_Q: tl.constexpr):
     """Add query block ``jm`` of query head ``head`` to the program's dk, dv (transposed tiles:
-    rows are keys). ``MASKED``: the block meets the diagonal, so apply the causal mask."""
+    rows are keys ``n0 ..``), through the causal mask: all true once the block is past the
+    diagonal, where ``where`` returns the scores unchanged. (Skipping it there with a run-time
+    ``if`` changes the MMA layouts Triton picks at D = 256: bench/NOTES-attention.md.)"""
     offs_m = jm * STEP_Q + tl.arange(0, STEP_Q)
     offs_d = tl.arange(0, HEAD_DIM)
     q_ok = offs_m < L
@@ -159,8 +162,10 @@ def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, L, T, head, jm, offs_n,
     lse = tl.load(LSE + stat, mask=q_ok, other=float("inf"))
     delta = tl.load(DELTA + stat, mask=q_ok, other=0.0)
     s_t = dot_fresh(k, tl.trans(q))                                   # scores transposed: [keys, queries]
-    if MASKED:
-        s_t = tl.where(offs_n[:, None] <= offs_m[None, :], s_t, float("-inf"))
+    # key n0 + a <= query jm*STEP_Q + b, as offsets in the two blocks (the same booleans, no i32
+    # overflow): comparing the positions themselves kept more values live (bench/NOTES-attention.md)
+    s_t = tl.where((tl.arange(0, BLOCK_KV) + (n0 - jm * STEP_Q))[:, None] <= tl.arange(0, STEP_Q)[None, :],
+                   s_t, float("-inf"))
     p_t = tl.math.exp2(s_t * qk_scale - lse[None, :])
     dv = dot_acc(p_t.to(do.dtype), do, dv)
     dp_t = dot_fresh(v, tl.trans(do))
@@ -192,22 +197,29 @@ def _dkdv_kernel(
         dv = tl.zeros([BLOCK_KV, HEAD_DIM], tl.float32)
         m_lo = n0 // STEP_Q                                         # earlier queries see none of these keys
         m_end = (L + STEP_Q - 1) // STEP_Q
-        # from m_full on every query of a block is at or after every key of this program: no mask
-        m_full = tl.minimum((n0 + BLOCK_KV - 1 + STEP_Q - 1) // STEP_Q, m_end)
-        for g in range(G):
-            head = kvh * G + g
-            for jm in range(m_lo, m_full):
-                dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, L, T, head, jm, offs_n,
-                                    stride_qt, stride_qh, stride_dot, stride_doh, qk_scale,
-                                    HEAD_DIM, STEP_Q, True)
-            for jm in range(m_full, m_end):
-                dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, L, T, head, jm, offs_n,
-                                    stride_qt, stride_qh, stride_dot, stride_doh, qk_scale,
-                                    HEAD_DIM, STEP_Q, False)
-        tl.store(DK + rows[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :],
-                 (dk * scale).to(DK.dtype.element_ty), mask=key_ok)
-        tl.store(DV + rows[:, None] * stride_dvt + kvh * stride_dvh + offs_d[None, :],
-                 dv.to(DV.dtype.element_ty), mask=key_ok)
+        # One loop over the (query head, query block) pairs in the order of the nested loops "for each
+        # head: for jm in m_lo .. m_end", so the same sums in the same order. Nested loops (Triton
+        # 3.6.0, SM 90) spilled: the software-pipelined inner loops' prologues (blocks m_lo, m_lo + 1;
+        # m_full, m_full + 1) do not depend on the head, so LLVM hoisted their address vectors out of
+        # the head loop and kept them on the stack across it (904 B at D = 128).
+        head = kvh * G
+        jm = m_lo
+        for _ in range(0, G * (m_end - m_lo)):
+            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, L, T, head, jm, n0,
+                                stride_qt, stride_qh, stride_dot, stride_doh, qk_scale,
+                                HEAD_DIM, BLOCK_KV, STEP_Q)
+            jm += 1
+            head = tl.where(jm == m_end, head + 1, head)
+            jm = tl.where(jm == m_end, m_lo, jm)
+        # the stores' addresses and mask from the block start, not from rows and key_ok (which
+        # stayed live, on the stack, across the loop)
+        key0 = (start + n0).to(tl.int64)
+        offs_j = tl.arange(0, BLOCK_KV).to(tl.int64)[:, None]
+        out_ok = (tl.arange(0, BLOCK_KV) < L - n0)[:, None]
+        tl.store(DK + key0 * stride_dkt + kvh * stride_dkh + (offs_j * stride_dkt + offs_d[None, :]),
+                 (dk * scale).to(DK.dtype.element_ty), mask=out_ok)
+        tl.store(DV + key0 * stride_dvt + kvh * stride_dvh + (offs_j * stride_dvt + offs_d[None, :]),
+                 dv.to(DV.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit

@@ -2,7 +2,8 @@
 
 * gradients of q, k, v against autograd through the float64 reference, per dtype, on odd packed
   lengths (a 1-token and an empty sequence, a diagonal-only one, one long enough for unmasked
-  blocks in both gradient kernels), GQA and MHA, default and custom scale;
+  blocks in both gradient kernels), GQA and MHA, default and custom scale; dk, dv also with key
+  blocks smaller than a query step and spanning several;
 * the same call twice gives the same bits; a sequence's gradients do not depend on the batch;
 * the forward that saves the log-sum-exp keeps the output's bits, and its LSE is right;
 * gradients flow through the op as the model uses it (q and v strided views of one fused qkv
@@ -74,6 +75,23 @@ def test_gradients_match_float64_reference(interpreter, poison, dtype, d, atol, 
         assert got.dtype == dtype and got.shape == x.shape, name
         assert not got.isnan().any(), f"d{name}: a row was never written"  # `poison`: empty outputs start as NaN
         torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("block_kv,step_q", [(32, 64), (128, 16)], ids=["kv32-q64", "kv128-q16"])
+def test_dkdv_tile_geometries_match_float64_reference(interpreter, poison, block_kv, step_q):
+    """The dk/dv program's one loop over (query head, query block) pairs, with key blocks smaller than
+    a query step and spanning several: the first block, the diagonal ones and the unmasked ones."""
+    from rlperf.kernels.attention_backward import BackwardConfig, attention_backward
+    from rlperf.kernels.attention import attention_forward
+
+    q, k, v, up, cu = make(LENS, 4, 2, 16, torch.float32, "cpu", seed=6)
+    out, lse = attention_forward(q, k, v, cu, return_lse=True)
+    cfg = BackwardConfig(BLOCK_KV=block_kv, STEP_Q=step_q, BLOCK_Q=32, STEP_KV=32, num_warps=4, num_stages=2)
+    _, dk, dv = attention_backward(q, k, v, out, lse, up.float(), cu, need_dq=False, config=cfg)
+    _, want_dk, want_dv = ref_grads(q, k, v, up, cu)
+    for name, got, want in (("k", dk, want_dk), ("v", dv, want_dv)):
+        assert not got.isnan().any(), f"d{name}: a row was never written"
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5, msg=lambda m: f"d{name}: {m}")
 
 
 def test_same_call_twice_identical_bits(interpreter):
