@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -89,20 +90,17 @@ def seq_slots(bucket: int, num_seqs: int | None = None) -> int:
     return min(slots, most)
 
 
-class BackwardSide:
+class BackwardSide(Protocol):
     """A gradient a model's backward stores outside the parameters' ``.grad`` (a Python side effect, which
     a graph replay does not repeat). ``stash()`` takes the value the trainer has accumulated so far (and
     clears it, so the capture's backward writes a fresh one); ``restore(value)`` puts it back;
     ``deliver(static)`` adds a backward replay's static output as the eager backward would have."""
 
-    def stash(self):
-        raise NotImplementedError
+    def stash(self) -> torch.Tensor | None: ...
 
-    def restore(self, value) -> None:
-        raise NotImplementedError
+    def restore(self, value: torch.Tensor | None) -> None: ...
 
-    def deliver(self, static: torch.Tensor) -> None:
-        raise NotImplementedError
+    def deliver(self, static: torch.Tensor) -> None: ...
 
 
 @dataclasses.dataclass

@@ -110,7 +110,8 @@ def leaf_square_sums(grads: Sequence[torch.Tensor], dims: Sequence[int | None], 
 
 
 def graph_log_probs(model: MegatronCausalLM, mb: MicroBatch, temperature: float, with_entropy: bool = False):
-    """The micro-batch's log-probs (and entropy) through the whole model (one stage): what a graph captures."""
+    """The micro-batch's log-probs (and entropy) through the whole model (one stage): what a graph captures
+    and :meth:`MegatronTrainer.forward_log_probs` runs."""
     hidden = model.forward_hidden(mb.input_ids, mb.cu_seqlens)
     return model.log_probs(hidden, mb.logit_rows, mb.targets, temperature, with_entropy)
 
@@ -306,8 +307,7 @@ class MegatronTrainer(Trainer):
         whole model)."""
         if self.pp_size != 1:
             raise RuntimeError("forward_log_probs runs the whole model: one pipeline stage only")
-        out = self.model.forward_hidden(mb.input_ids, mb.cu_seqlens)
-        return self.model.log_probs(out, mb.logit_rows, mb.targets, self.args.rollout_temperature, with_entropy)
+        return graph_log_probs(self.model, mb, self.args.rollout_temperature, with_entropy)
 
     def probe_step(self, mb: MicroBatch, loss_of) -> None:
         """One forward and backward of ``mb`` through the pipeline (every rank calls it: the stages
