@@ -244,7 +244,8 @@ def add_train_arguments(p, skip=(), task_defaults=()) -> None:
              f"{AUTO_BUCKET_FLOOR} tokens, and only as many as keep their gradient copies within "
              f"{AUTO_GRAPH_GRADIENT_FRACTION * 100:g}%% of the GPU's memory; elsewhere eager. none: eager. LIST: "
              "comma-separated token counts (e.g. 1024,2048,4096), which need all of the above with M <= the "
-             "largest bucket (default: auto)")
+             "largest bucket; with --train-backend megatron a LIST graphs its tree step at one rank (auto keeps "
+             "it eager: not yet measured on a GPU) (default: auto)")
     add("--fsdp-gather", default=d.fsdp_gather, choices=FSDP_GATHER_MODES,
         help="data-parallel ranks: gather the FSDP shards once per step and reduce-scatter the gradients once "
              "after the last micro-batch (step), or around every micro-batch (micro-batch: least memory); "
