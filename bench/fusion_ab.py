@@ -1,18 +1,22 @@
-"""The engine's decode and prefill steps with and without the two decode-path fusions, same card, same
-process: is a change of the rollout bench's times theirs or the card's?
+"""The engine's decode and prefill steps with and without the two decode-path fusions, and with
+programmatic dependent launch, same card, same process: is a change of the rollout bench's times theirs
+or the card's?
 
 * ``swiglu``: :func:`rlperf.kernels.linear_silu_mul` (the gate_up product with its SwiGLU epilogue, one
   launch) against ``silu_mul(linear(x, w))`` (two launches). The engine takes the epilogue for at most
   ``SWIGLU_EPILOGUE_MAX_ROWS`` rows; the variants that name it take it at every size;
 * ``kv``: :func:`rlperf.kernels.rmsnorm_rope_store_kv` (Q's and K's norm + RoPE and the K/V cache store,
-  one launch) against ``rmsnorm_rope`` twice and ``write_kv_cache`` (three launches).
+  one launch) against ``rmsnorm_rope`` twice and ``write_kv_cache`` (three launches);
+* ``pdl``: the engine's default kernels launched with programmatic dependent launch
+  (:func:`rlperf.kernels.use_programmatic_launch`, ``RLPERF_PDL=1``): a kernel's blocks may start while
+  the previous kernel's last blocks run; the decode graphs are captured with it.
 
-Both fused forms give the bits of their unfused calls (their kernel tests), so every variant decodes
-the same tokens; only the launches differ. Each variant is timed with the rollout bench's own cases
+Both fused forms give the bits of their unfused calls (their kernel tests), and PDL moves no
+instruction of a kernel's math, so every variant decodes the same tokens; only the launches differ. Each variant is timed with the rollout bench's own cases
 (:func:`rlperf.bench.rollout.decode_case`, CUDA graphs on, and :func:`prefill_case`), in invariant mode
 on the qwen3-0.6b shape with random weights. Ratios are to the engine's default of the same run::
 
-    python -m rlperf.bench.fusion_ab [--batches 1,64,256] [--steps 16] [--prefill 16]
+    python -m rlperf.bench.fusion_ab [--batches 1,64,256] [--steps 16] [--prefill 16] [--variants pdl]
 
 Needs a CUDA GPU (exit 2 without one).
 """
@@ -27,10 +31,12 @@ import torch
 from rlperf import kernels as K
 
 ENGINE_DEFAULT = "engine default"
-VARIANTS = {ENGINE_DEFAULT: (None, True), "both fusions": (True, True), "no swiglu epilogue": (False, True),
-            "no kv-store fusion": (True, False), "neither": (False, False)}
-"""Each variant's name and (swiglu, kv store fused): swiglu None is the engine's own choice (the epilogue
-up to ``SWIGLU_EPILOGUE_MAX_ROWS`` rows), True the epilogue at every size, False never."""
+VARIANTS = {ENGINE_DEFAULT: (None, True, False), "both fusions": (True, True, False),
+            "no swiglu epilogue": (False, True, False), "no kv-store fusion": (True, False, False),
+            "neither": (False, False, False), "pdl": (None, True, True)}
+"""Each variant's name and (swiglu, kv store fused, pdl): swiglu None is the engine's own choice (the
+epilogue up to ``SWIGLU_EPILOGUE_MAX_ROWS`` rows), True the epilogue at every size, False never; pdl:
+launches with programmatic dependent launch (the engine's default: off)."""
 
 
 def _unfused_linear_silu_mul(x, w):
@@ -43,10 +49,10 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 
 
 @contextlib.contextmanager
-def variant(swiglu: bool | None, kv: bool):
+def variant(swiglu: bool | None, kv: bool, pdl: bool = False):
     """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
-    kernels package: swap in the unfused calls (or lift the epilogue's row limit) for the variant's
-    duration."""
+    kernels package: swap in the unfused calls (or lift the epilogue's row limit), and switch
+    programmatic dependent launch, for the variant's duration."""
     from rlperf.kernels import gemm
 
     saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS
@@ -57,9 +63,21 @@ def variant(swiglu: bool | None, kv: bool):
             gemm.SWIGLU_EPILOGUE_MAX_ROWS = 1 << 62
         if not kv:
             K.rmsnorm_rope_store_kv = _unfused_store_kv
-        yield
+        with K.use_programmatic_launch(pdl):
+            yield
     finally:
         K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS = saved
+
+
+def chosen_variants(spec: str) -> dict | None:
+    """The engine's default and the variants ``spec`` names (``all``: every one), in :data:`VARIANTS`'
+    order; None when a name is not a variant."""
+    if spec.strip() == "all":
+        return dict(VARIANTS)
+    names = {n.strip() for n in spec.split(",") if n.strip()}
+    if not names or not names <= set(VARIANTS):
+        return None
+    return {n: v for n, v in VARIANTS.items() if n == ENGINE_DEFAULT or n in names}
 
 
 def main(argv=None) -> int:
@@ -68,6 +86,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,64,256", help="decode batch sizes, comma-separated (default 1,64,256)")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per case (default 16)")
     p.add_argument("--prefill", type=int, default=16, help="prompts of the prefill case (0: none; default 16)")
+    p.add_argument("--variants", default="all",
+                   help="comma-separated variants to time besides the engine's default (default all): "
+                        + ", ".join(repr(n) for n in VARIANTS if n != ENGINE_DEFAULT))
     args = p.parse_args(argv)
     try:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -79,6 +100,10 @@ def main(argv=None) -> int:
         p.error(f"--steps: at least 1, got {args.steps}")
     if args.prefill < 0:
         p.error(f"--prefill: 0 or more prompts, got {args.prefill}")
+    variants = chosen_variants(args.variants)
+    if variants is None:
+        p.error(f"--variants: names from {', '.join(n for n in VARIANTS if n != ENGINE_DEFAULT)} (or all), "
+                f"separated by commas, got {args.variants!r}")
     if not torch.cuda.is_available():
         print("fusion_ab: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -95,13 +120,13 @@ def main(argv=None) -> int:
     with K.use_mode("invariant"):
         # one untimed round first (every variant's kernels compiled, the allocator warm), so the variant
         # timed first pays no more than the others
-        for swiglu, kv in VARIANTS.values():
-            with variant(swiglu, kv):
+        for swiglu, kv, pdl in variants.values():
+            with variant(swiglu, kv, pdl):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches))
                 if args.prefill:
                     prefill_case(model, args.prefill, PROMPT, reps=1)
-        for name, (swiglu, kv) in VARIANTS.items():
-            with variant(swiglu, kv):
+        for name, (swiglu, kv, pdl) in variants.items():
+            with variant(swiglu, kv, pdl):
                 row = {}
                 for b in batches:
                     d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches))

@@ -25,6 +25,7 @@ from .gemm import linear, linear_silu_mul, matmul, matmul_config
 from .logprob import log_softmax, token_logprobs
 from .moe import grouped_matmul, moe_combine, moe_experts, moe_plan, moe_route, moe_route_weights, moe_slot_rows
 from .norm import add_rmsnorm, rmsnorm, rmsnorm_blocks
+from .pipeline import programmatic_launch, set_programmatic_launch, use_programmatic_launch
 from .rope import rmsnorm_rope, rmsnorm_rope_blocks, rmsnorm_rope_store_kv
 from .sampling import check_sampling_rows, sample
 
@@ -34,5 +35,5 @@ __all__ = [
     "matmul", "linear", "linear_silu_mul", "matmul_config", "rmsnorm", "rmsnorm_blocks", "add_rmsnorm", "PAGE_SIZE", "write_kv_cache",
     "paged_attention", "varlen_attention", "log_softmax", "token_logprobs", "fused_logprob", "sample", "check_sampling_rows", "silu_mul",
     "rmsnorm_rope", "rmsnorm_rope_blocks", "rmsnorm_rope_store_kv", "moe_route", "moe_route_weights", "moe_plan", "grouped_matmul", "moe_combine", "moe_experts",
-    "moe_slot_rows",
+    "moe_slot_rows", "programmatic_launch", "set_programmatic_launch", "use_programmatic_launch",
 ]

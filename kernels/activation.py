@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import route
+from .pipeline import grid_dependency_sync, launch_options
 from .reference.activation import silu_mul_ref
 
 BLOCK = 1024
@@ -32,6 +33,7 @@ BLOCK = 1024
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr):
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -64,7 +66,8 @@ def _launch(gate_up: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     y = torch.empty(x.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
     if x.shape[0] and inter:
-        _silu_mul_kernel[(x.shape[0], triton.cdiv(inter, BLOCK))](x, y, inter, x.stride(0), y.stride(0), BLOCK=BLOCK)
+        _silu_mul_kernel[(x.shape[0], triton.cdiv(inter, BLOCK))](x, y, inter, x.stride(0), y.stride(0), BLOCK=BLOCK,
+                                                                   **launch_options(x.device))
     return y.reshape(*gate_up.shape[:-1], inter)
 
 

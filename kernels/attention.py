@@ -54,7 +54,7 @@ import triton.language as tl
 from .attention_backward import attention_backward
 from .autograd import with_recompute_backward
 from .dispatch import mode, route
-from .pipeline import launch_with_fitting_stages, num_sms
+from .pipeline import grid_dependency_sync, launch_options, launch_with_fitting_stages, num_sms
 from .tile_dot import dot_acc, dot_fresh
 from .reference import attention as _ref
 
@@ -203,6 +203,7 @@ def _attn_fwd_kernel(
     ``STORE_LSE``: also store each row's base-2 log-sum-exp of the scaled scores,
     ``LSE[head, token] = m + log2(l)``, for the backward (``kernels/attention_backward.py``).
     """
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     BLOCK_Q: tl.constexpr = BLOCK_M // G
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -398,7 +399,7 @@ def attention_forward(
             G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged, USE_TMA=use_tma,
             STORE_LSE=return_lse, PREFETCH_PAGE=paged and cfg.get("PREFETCH_PAGE", False),
             MASKED_PTR=use_tma and cfg.get("MASKED_PTR", False),
-            num_warps=cfg["num_warps"], num_stages=stages,
+            num_warps=cfg["num_warps"], num_stages=stages, **launch_options(q.device),
         )
 
     launch_with_fitting_stages(launch, ("attention", q.dtype, D, G, paged, use_tma, return_lse,
@@ -635,6 +636,7 @@ def _write_kv_kernel(
     H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
 ):
     """Program t copies token t's K and V (all KV heads) into its cache slot; slot < 0 means skip."""
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     t = tl.program_id(0)
     slot = tl.load(SLOTS + t)
     if slot >= 0:
@@ -679,5 +681,5 @@ def write_kv_cache(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=H, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(H), PAGE=k_cache.shape[1],
-        num_warps=4,
+        num_warps=4, **launch_options(k.device),
     )

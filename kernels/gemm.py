@@ -47,7 +47,7 @@ import triton.language as tl
 
 from .autograd import matmul_with_grad
 from .dispatch import mode, route
-from .pipeline import launch_with_fitting_stages, num_sms
+from .pipeline import grid_dependency_sync, launch_options, launch_with_fitting_stages, num_sms
 from .tile_dot import dot_acc, kernel_store_dtype
 from .reference.matmul import matmul_ref
 
@@ -93,6 +93,7 @@ def _matmul_kernel(
     # W_KN: w is stored [K, N] (w_kn[k, n] = w[n, k]; the strides name its logical [N, K] axes), e.g.
     # a layer's weight [N_out, K_in] read as the [K_in, N_out] operand of dx = g @ w: its tiles load as
     # [BLOCK_K, BLOCK_N] and enter the dot untransposed, with no copy of w.T.
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -412,7 +413,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 HAS_BIAS=bias is not None, USE_TMA=tma_path,
                 PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", FLATTEN=cfg.flatten, W_KN=w_kn,
-                SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=stages,
+                SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=stages, **launch_options(x.device),
             )
 
         launch_with_fitting_stages(run, ("matmul", cfg, dst.dtype, w_kn, swiglu), cfg.num_stages)

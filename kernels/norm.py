@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import route
+from .pipeline import grid_dependency_sync, launch_options
 from .reference import norm as _ref
 
 MAX_BLOCK = 8192  # rows up to this width are read once and kept in registers
@@ -59,6 +60,7 @@ def _rmsnorm_kernel(
     H, stride_x, stride_r, stride_y, stride_s, eps, rows_per_weight,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     row = tl.program_id(0).to(tl.int64)
     w_ptr += (row // rows_per_weight) * H  # the weight row of this row's block (one weight: row 0)
     x_row = x_ptr + row * stride_x
@@ -128,7 +130,7 @@ def _launch(x, residual, weight, eps):
         _rmsnorm_kernel[(rows,)](
             x2, r2, weight.contiguous(), y, s,
             H, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), float(eps), per,
-            BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+            BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=num_warps, **launch_options(x.device),
         )
     y = y.reshape(x.shape)
     return (y, s.reshape(x.shape)) if residual is not None else y

@@ -5,14 +5,107 @@ shapes and the MMA instructions stay the same, so a result's bits do not depend 
 tuned depth does not fit (float32 tiles are twice the bytes; a float32 epilogue needs a larger
 buffer), dropping stages keeps the contract; the depth that fit is remembered per key so later
 launches go straight to it.
+
+Programmatic dependent launch (Hopper and later; ``RLPERF_PDL=1`` or :func:`use_programmatic_launch`,
+off by default). A decode step is a chain of small kernels, each of which waits for the one before
+it to finish and for its own blocks to be scheduled; with PDL a kernel's blocks may be launched while
+its predecessor's last blocks still run. Every kernel that a launch marks this way (the decode
+step's: RMSNorm, matmul, the q/k norm + RoPE + K/V store, attention, SwiGLU, the K/V write) starts
+with :func:`grid_dependency_sync`: it waits until the previous grid has finished and its memory
+writes are visible (``griddepcontrol.wait``) before it reads or writes anything, then lets the next
+launch start (``griddepcontrol.launch_dependents``). No load, store or arithmetic moves, so the bits
+are those of the plain launch; only the gap between kernels shrinks. Both instructions do nothing in a
+grid launched without the attribute, so one compiled body serves both launches (the attribute is
+a compile option, ``launch_pdl``, and CUDA graphs capture it). Under the CPU interpreter neither is
+emitted.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from collections.abc import Callable, Hashable
 
 import torch
+import triton
+import triton.language as tl
 from triton.runtime.errors import OutOfResources
+
+try:  # Triton >= 3.3 (the device has 3.6, CI 3.9)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: no programmatic dependent launch
+    gdc_launch_dependents = gdc_wait = None
+
+PDL_ENV = "RLPERF_PDL"
+"""``1``: Triton kernels that support it are launched with programmatic dependent launch on SM 90+
+GPUs; ``0`` or unset: plain launches (module docstring)."""
+
+# the grid-dependency instructions exist in compiled kernels only: Triton's interpreter runs the
+# kernels as Python on the CPU (it reads TRITON_INTERPRET when a kernel is defined, as here)
+_GRID_DEPENDENCY = tl.constexpr(gdc_wait is not None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+
+
+@triton.jit
+def grid_dependency_sync():
+    """Called first in a kernel that may be launched with PDL: wait for the previous grid (its writes
+    visible), then let the next grid launch. A no-op in a grid launched without PDL."""
+    if _GRID_DEPENDENCY:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def _pdl_from_environment() -> bool:
+    value = os.environ.get(PDL_ENV, "0")
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{PDL_ENV}={value!r}: expected 1 (programmatic dependent launch) or 0")
+    return value == "1"
+
+
+_pdl_on: bool | None = None  # None: not read yet (RLPERF_PDL, on the first launch)
+
+
+def set_programmatic_launch(on: bool | None) -> None:
+    """Turn programmatic dependent launch on or off for the whole process (None: back to ``RLPERF_PDL``).
+    It applies to the launches made from then on; a CUDA graph keeps the launches it captured."""
+    global _pdl_on
+    _pdl_on = None if on is None else bool(on)
+
+
+@contextlib.contextmanager
+def use_programmatic_launch(on: bool):
+    """:func:`set_programmatic_launch` for a block (process-wide, not per thread), restored after it."""
+    global _pdl_on
+    saved = _pdl_on
+    set_programmatic_launch(on)
+    try:
+        yield
+    finally:
+        _pdl_on = saved
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether launches on ``device`` use PDL: switched on, a CUDA device of SM 90 or later."""
+    global _pdl_on
+    if _pdl_on is None:
+        _pdl_on = _pdl_from_environment()
+    if not _pdl_on or device.type != "cuda":
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_PDL_OPTIONS = {"launch_pdl": True}
+_NO_OPTIONS: dict = {}
+
+
+def launch_options(device: torch.device) -> dict:
+    """The extra launch keywords of a kernel that calls :func:`grid_dependency_sync`: ``launch_pdl``
+    where :func:`programmatic_launch` holds, else none (a plain launch; the same compiled key as before)."""
+    return _PDL_OPTIONS if programmatic_launch(device) else _NO_OPTIONS
 
 _STAGES_THAT_FIT: dict = {}
 

@@ -53,6 +53,7 @@ import triton.language as tl
 
 from .dispatch import route
 from .norm import _torch_rmsnorm, sum_partials
+from .pipeline import grid_dependency_sync, launch_options
 from .reference import rope as _ref
 
 BWD_TOKENS_PER_PROGRAM = 16  # tokens a backward program owns (one partial sum of dweight each)
@@ -98,6 +99,7 @@ def _rmsnorm_rope_kernel(
 ):
     # program (t, b * subs + j): token t's heads j * BLOCK_H ... of head block b (``per`` heads, its own
     # weight row b): the program of a launch over that block alone (one block: every head, subs tiles)
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) // subs
     hl = (tl.program_id(1) % subs) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -126,6 +128,7 @@ def _qk_norm_rope_store_kv_kernel(
     # launch for K, stored straight into the token's cache slot with its V rows (slot < 0: padding,
     # nothing stored). Each branch runs the same row function on the same tile shape as the plain
     # launch (the same num_warps: _config gives 4 for every D up to 2048), so the same bits.
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     c = tl.arange(0, BLOCK_HALF)
@@ -267,7 +270,7 @@ def rmsnorm_rope_forward(x, weight, positions, cos, sin, eps) -> torch.Tensor:
         _rmsnorm_rope_kernel[(T, blocks * subs)](
             x, w, positions.contiguous(), cos, sin, y,
             per, subs, w.stride(0), x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), float(eps),
-            HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=num_warps,
+            HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=num_warps, **launch_options(x.device),
         )
     return y
 
@@ -365,7 +368,7 @@ def rmsnorm_rope_store_kv(q: torch.Tensor, q_weight: torch.Tensor, k: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
         HALF=D // 2, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, PAGE=k_cache.shape[1],
-        num_warps=warps_q,
+        num_warps=warps_q, **launch_options(q.device),
     )
     return y
 

@@ -2,7 +2,6 @@
 the same tokens (tiny model, CPU, reference kernels for speed: that the fused launches keep the bits of
 their unfused calls is the kernel tests' proof, tests/kernels/test_rope.py and test_matmul.py)."""
 import pytest
-import torch
 
 import rlperf.kernels as K
 from rlperf.bench import fusion_ab
@@ -38,10 +37,15 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     with fusion_ab.variant(True, True):  # the epilogue at every size
         assert gemm.SWIGLU_EPILOGUE_MAX_ROWS > 1 << 40
     tokens = {}
-    for name, (swiglu, kv_fused) in fusion_ab.VARIANTS.items():
+    from rlperf.kernels import pipeline
+
+    setting = pipeline._pdl_on
+    for name, (swiglu, kv_fused, pdl) in fusion_ab.VARIANTS.items():
         before = dict(calls)
-        with fusion_ab.variant(swiglu, kv_fused), K.use_backend("reference"):
+        with fusion_ab.variant(swiglu, kv_fused, pdl), K.use_backend("reference"):
+            assert pipeline._pdl_on is pdl, name  # the launches' setting (a no-op on the CPU)
             tokens[name] = _decoded(model)
+        assert pipeline._pdl_on is setting, name  # restored
         assert (calls["swiglu"] > before["swiglu"]) == (swiglu is False), name
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
         assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored
@@ -49,6 +53,13 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     first = tokens[fusion_ab.ENGINE_DEFAULT]
     assert all(len(out) >= 3 for _, out in first)
     assert all(t == first for t in tokens.values())
+
+
+def test_variants_flag_picks_the_default_and_the_named_ones():
+    assert list(fusion_ab.chosen_variants("all")) == list(fusion_ab.VARIANTS)
+    assert list(fusion_ab.chosen_variants("pdl")) == [fusion_ab.ENGINE_DEFAULT, "pdl"]
+    assert list(fusion_ab.chosen_variants(" neither , pdl")) == [fusion_ab.ENGINE_DEFAULT, "neither", "pdl"]
+    assert fusion_ab.chosen_variants("pdl,fast") is None and fusion_ab.chosen_variants(",") is None
 
 
 def test_bad_flags_exit_2_naming_them(capsys):
@@ -61,3 +72,6 @@ def test_bad_flags_exit_2_naming_them(capsys):
     with pytest.raises(SystemExit) as e:
         fusion_ab.main(["--prefill", "-1"])
     assert e.value.code == 2 and "--prefill" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        fusion_ab.main(["--variants", "pdl,turbo"])
+    assert e.value.code == 2 and "--variants" in capsys.readouterr().err

@@ -1,0 +1,174 @@
+"""Programmatic dependent launch (``kernels/pipeline.py``): the switch, the instructions the kernels
+compile to for SM 90 (CPU, Triton's compiler and ptxas, no GPU), and on the GPU the same bits with the
+switch on as off, eager and from CUDA graphs."""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rlperf.kernels as K
+from rlperf.kernels import pipeline
+
+PDL_KERNELS = ("norm:_rmsnorm_kernel", "gemm:_matmul_kernel", "rope:_rmsnorm_rope_kernel",
+               "rope:_qk_norm_rope_store_kv_kernel", "attention:_attn_fwd_kernel", "activation:_silu_mul_kernel",
+               "attention:_write_kv_kernel")
+"""The kernels that call ``grid_dependency_sync`` first and take ``launch_options`` at their launch."""
+
+
+@pytest.fixture
+def fresh_setting(monkeypatch):
+    """The switch as a process starts: not read yet; restored after the test."""
+    monkeypatch.setattr(pipeline, "_pdl_on", None)
+    monkeypatch.delenv(pipeline.PDL_ENV, raising=False)
+
+
+def test_the_switch_reads_rlperf_pdl_once_and_names_a_bad_value(fresh_setting, monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(pipeline.PDL_ENV, "yes")
+    with pytest.raises(ValueError, match="RLPERF_PDL='yes'"):
+        K.programmatic_launch(cpu)
+    monkeypatch.setenv(pipeline.PDL_ENV, "1")
+    assert not K.programmatic_launch(cpu)  # on, but a CPU tensor has no launch to mark
+    assert pipeline._pdl_on is True and pipeline.launch_options(cpu) == {}
+    monkeypatch.setenv(pipeline.PDL_ENV, "0")
+    assert pipeline._pdl_on is True  # read once: a later change of the variable does nothing
+    K.set_programmatic_launch(None)  # until the setting is cleared
+    assert not K.programmatic_launch(cpu) and pipeline._pdl_on is False
+
+
+def test_use_programmatic_launch_nests_and_restores(fresh_setting):
+    with K.use_programmatic_launch(True):
+        assert pipeline._pdl_on is True
+        with K.use_programmatic_launch(False):
+            assert pipeline._pdl_on is False
+        assert pipeline._pdl_on is True
+    assert pipeline._pdl_on is None
+    with pytest.raises(RuntimeError):
+        with K.use_programmatic_launch(True):
+            raise RuntimeError("the block failed")
+    assert pipeline._pdl_on is None
+
+
+def test_the_interpreter_runs_no_grid_dependency_instruction():
+    """Under TRITON_INTERPRET the kernels are Python: the grid-dependency calls are compiled out (the
+    interpreter has no inline assembly), and the CPU kernel tests run the same kernels as before."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the kernels are compiled here, not interpreted")
+    assert not pipeline._GRID_DEPENDENCY
+
+
+COMPILE_SCRIPT = r"""
+import json, re, sys
+from rlperf.kernels import precompile as P
+
+wanted = json.loads(sys.argv[1])
+entries = P.read_manifest(P.MANIFEST_DIR / "cuda-90-triton3.6.0.jsonl")
+picked = {}
+for e in entries:  # one specialization of each kernel the manifest holds
+    picked.setdefault(e["kernel"].removeprefix("rlperf.kernels."), e)
+# the K/V write is not in the gate's manifest (the engine fuses it): bf16 K/V, 8 heads of 128, 128-row pages
+names = P._kernel("rlperf.kernels.attention:_write_kv_kernel").arg_names
+const = {"H": 8, "HEAD_DIM": 128, "BLOCK_H": 8, "PAGE": 128}
+picked["attention:_write_kv_kernel"] = {
+    "kernel": "rlperf.kernels.attention:_write_kv_kernel", "target": {"backend": "cuda", "arch": 90, "warp_size": 32},
+    "spec": {"signature": {n: "constexpr" if n in const else ("*bf16" if n in ("K", "V", "KC", "VC") else
+                                                               "*i64" if n == "SLOTS" else "i32") for n in names},
+             "constant_keys": [[names.index(n)] for n in const], "constant_vals": list(const.values()),
+             "attrs_keys": [], "attrs_vals": [], "options": {"num_warps": 4, "num_stages": 3}}}
+for name in wanted:
+    entry = picked[name]
+    entry["spec"]["options"]["launch_pdl"] = True
+    kernel = P.compile_entry(entry, launcher=False)
+    lines = [re.sub(r"^@!?%p\d+\s+", "", l.strip()) for l in kernel.asm["ptx"].splitlines()]  # predicates off
+    wait = next(i for i, l in enumerate(lines) if l.startswith("griddepcontrol.wait"))
+    go = next(i for i, l in enumerate(lines) if l.startswith("griddepcontrol.launch_dependents"))
+    first_memory = next(i for i, l in enumerate(lines)
+                        if l.startswith(("ld.global", "st.global", "cp.async", "cp.reduce", "atom.", "red.",
+                                         "ld.shared", "st.shared")))
+    print(json.dumps({"kernel": name, "launch_pdl": bool(kernel.metadata.launch_pdl),
+                      "wait_first": wait < go < first_memory}))
+"""
+
+
+def test_every_pdl_kernel_compiles_for_the_h100_h200_with_the_wait_before_its_first_memory_access(tmp_path):
+    """Each kernel that may be launched with PDL, compiled for SM 90 with ``launch_pdl`` (a specialization
+    the shipped manifest recorded; the K/V write one of its own): ``griddepcontrol.wait`` comes before the
+    kernel's first global or shared memory instruction, so no load can read, and no store overwrite, what
+    the previous kernel is still using; ``launch_dependents`` follows the wait."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(PDL_KERNELS)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [g["kernel"] for g in got] == list(PDL_KERNELS)
+    assert all(g["launch_pdl"] and g["wait_first"] for g in got), got
+
+
+# ---- GPU: the bits with the switch on equal the bits with it off --------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_decode_with_programmatic_launch_gives_the_plain_bits():
+    """The engine's tokens and log-probs with PDL on (eager steps, and decode steps captured into CUDA
+    graphs with PDL launches) equal those with it off, 2 layers of the qwen3-0.6b shape in bf16, 12
+    requests of mixed lengths (several graph buckets)."""
+    from rlperf.model import preset
+    from rlperf.model.qwen3 import Qwen3ForCausalLM
+    from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
+    from rlperf.rollout.tokenizer import ByteTokenizer
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs SM 90 or later")
+    cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
+    model = Qwen3ForCausalLM.random(cfg, seed=4, dtype=torch.bfloat16, device="cuda")
+    tok = ByteTokenizer(cfg.vocab_size)
+    gen = torch.Generator().manual_seed(18)
+    prompts = [torch.randint(0, 250, (int(n),), generator=gen).tolist()
+               for n in torch.randint(10, 300, (12,), generator=gen)]
+    params = [SamplingParams(max_new_tokens=16 + 4 * i, temperature=1.0, seed=40 + i, ignore_eos=True) for i in range(12)]
+
+    def run(pdl: bool, graphs: int):
+        with K.use_backend(None), K.use_mode("invariant"), K.use_programmatic_launch(pdl):
+            engine = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, cuda_graph_max_bs=graphs))
+            out = engine.generate(prompts, params)
+            if graphs:
+                assert len(engine.graphs.graphs) >= 3
+        return [(r.output_ids, r.output_logprobs) for r in out]
+
+    plain = run(False, 16)
+    assert run(True, 16) == plain
+    assert run(True, 0) == plain
+
+
+@pytest.mark.gpu
+def test_gpu_packed_forward_and_backward_with_programmatic_launch_give_the_plain_bits():
+    """The trainer's packed forward (varlen attention with its LSE, norms, matmuls, SwiGLU) and its
+    gradients with PDL on equal those with it off, bit for bit."""
+    from rlperf.model import preset
+    from rlperf.model.qwen3 import Qwen3ForCausalLM
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs SM 90 or later")
+    cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
+    model = Qwen3ForCausalLM.random(cfg, seed=5, dtype=torch.bfloat16, device="cuda")
+    lens = [37, 300, 1, 129]
+    ids = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(6)).cuda()
+    positions = torch.cat([torch.arange(n) for n in lens]).cuda()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+    def run(pdl: bool):
+        model.zero_grad(set_to_none=True)
+        with K.use_backend(None), K.use_mode("invariant"), K.use_programmatic_launch(pdl):
+            h = model.forward_packed(ids, positions, cu)
+            lp = K.fused_logprob(h[:-1], model.head_weight, ids[1:], 1.0)
+            lp.sum().backward()
+        return [lp.detach().clone()] + [p.grad.clone() for p in model.parameters()]
+
+    plain, marked = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, marked))
