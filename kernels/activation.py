@@ -45,6 +45,7 @@ def _silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexp
 
 @triton.jit
 def _silu_mul_bwd_kernel(x_ptr, dy_ptr, dx_ptr, inter, stride_x, stride_dy, stride_dx, BLOCK: tl.constexpr):
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -84,7 +85,7 @@ def silu_mul_backward(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     dx = torch.empty(x.shape[0], 2 * inter, dtype=gate_up.dtype, device=gate_up.device)
     if x.shape[0] and inter:
         _silu_mul_bwd_kernel[(x.shape[0], triton.cdiv(inter, BLOCK))](
-            x, g, dx, inter, x.stride(0), g.stride(0), dx.stride(0), BLOCK=BLOCK)
+            x, g, dx, inter, x.stride(0), g.stride(0), dx.stride(0), BLOCK=BLOCK, **launch_options(x.device))
     return dx.reshape(gate_up.shape)
 
 

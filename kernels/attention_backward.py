@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pipeline import launch_with_fitting_stages
+from .pipeline import grid_dependency_sync, launch_options, launch_with_fitting_stages
 from .tile_dot import dot_acc, dot_fresh
 
 __all__ = ["BackwardConfig", "attention_backward", "backward_config"]
@@ -131,6 +131,7 @@ def _find_tile(CU, pid, num_seqs, search_steps, BLOCK: tl.constexpr):
 def _delta_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh,
                   HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
     """Program (i, j): delta[j, t] = sum_d dout[t, j, d] * out[t, j, d] for BLOCK_T tokens t, float32."""
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     head = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -183,6 +184,7 @@ def _dkdv_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_KV: tl.constexpr, STEP_Q: tl.constexpr,
 ):
     """Program (i, h): keys [n0, n0 + BLOCK_KV) of one sequence, KV head h -> dk, dv of those rows."""
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     kvh = tl.program_id(1)
     start, L, j = _find_tile(CU, tl.program_id(0), num_seqs, search_steps, BLOCK_KV)
     if j < (L + BLOCK_KV - 1) // BLOCK_KV:
@@ -258,6 +260,7 @@ def _dq_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, STEP_KV: tl.constexpr,
 ):
     """Program (i, j): queries [m0, m0 + BLOCK_Q) of one sequence, query head j -> dq of those rows."""
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     head = tl.program_id(1)
     kvh = head // G
     start, L, j = _find_tile(CU, tl.program_id(0), num_seqs, search_steps, BLOCK_Q)
@@ -343,7 +346,7 @@ def attention_backward(
     delta = torch.empty(Hq, T, dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(T, BLOCK_T), Hq)](
         out, grad_out, delta, T, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
-        HEAD_DIM=D, BLOCK_T=BLOCK_T, num_warps=4,
+        HEAD_DIM=D, BLOCK_T=BLOCK_T, num_warps=4, **launch_options(out.device),
     )
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
               grad_out.stride(0), grad_out.stride(1))
@@ -355,7 +358,7 @@ def attention_backward(
                 dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 T, scale, qk_scale, num_seqs, search_steps,
                 G=G, HEAD_DIM=D, BLOCK_KV=cfg.BLOCK_KV, STEP_Q=cfg.STEP_Q,
-                num_warps=cfg.num_warps, num_stages=stages,
+                num_warps=cfg.num_warps, num_stages=stages, **launch_options(q.device),
             )
 
         launch_with_fitting_stages(launch_dkdv, ("attention_bwd_dkdv", *key), cfg.num_stages)
@@ -366,7 +369,7 @@ def attention_backward(
                 dq.stride(0), dq.stride(1),
                 T, scale, qk_scale, num_seqs, search_steps,
                 G=G, HEAD_DIM=D, BLOCK_Q=cfg.BLOCK_Q, STEP_KV=cfg.STEP_KV,
-                num_warps=cfg.num_warps, num_stages=stages,
+                num_warps=cfg.num_warps, num_stages=stages, **launch_options(q.device),
             )
 
         launch_with_fitting_stages(launch_dq, ("attention_bwd_dq", *key), cfg.num_stages)

@@ -67,6 +67,7 @@ import triton.language as tl
 from .dispatch import route
 from .gemm import input_grad, weight_grad
 from .logprob import LOG2E, _check_temperature, online_lse_update
+from .pipeline import grid_dependency_sync, launch_options
 from .reference import fused_logprob as _ref
 from .tile_dot import dot_acc
 
@@ -160,6 +161,7 @@ def _fwd_partials_kernel(
     EVEN_K: tl.constexpr, WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, FLATTEN: tl.constexpr,
 ):
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     pid = tl.program_id(0)
     # token tiles fastest: the programs of a wave share a vocabulary split, so its weight tiles
     # are read from HBM about once per wave and served to the other token tiles from L2
@@ -204,6 +206,7 @@ def _fwd_combine_kernel(
     FINAL: (logp, entropy, lse) into o0..o2 (lse in temperature-scaled units, for backward).
     Else the local raw (m, s, t, target logit) into o0..o3, for the tensor-parallel all-reduce.
     """
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < N
     m = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -249,6 +252,7 @@ def _bwd_dlogits_kernel(
     EVEN_K: tl.constexpr, WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dlogits[:, v_begin:v_end] = dz / T (module docstring), in the input dtype."""
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     pid = tl.program_id(0)
     pid_m = pid % num_m_tiles
     pid_n = pid // num_m_tiles
@@ -318,12 +322,13 @@ def _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, with_entropy
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_TILES=cfg.SPLIT_TILES,
         EVEN_K=H % cfg.BLOCK_K == 0, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
         USE_TMA=use_tma, FLATTEN=cfg.flatten, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_options(dev),
     )
     outs = torch.empty((4, N), dtype=torch.float32, device=dev)
     _fwd_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
         parts[0], parts[1], parts[2], parts[3], targets, outs[0], outs[1], outs[2], outs[3],
         N, num_splits, v_total, inv_t, inv_t * LOG2E,
-        BLOCK=_COMBINE_BLOCK, WITH_ENTROPY=with_entropy, FINAL=final, num_warps=4,
+        BLOCK=_COMBINE_BLOCK, WITH_ENTROPY=with_entropy, FINAL=final, num_warps=4, **launch_options(dev),
     )
     return outs[0], outs[1], outs[2], outs[3]
 
@@ -381,6 +386,7 @@ def _backward(hidden, weight, targets, lse, ent, g_lp, g_ent, inv_t, v_offset, w
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
             EVEN_K=H % cfg.BLOCK_K == 0, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
             USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **launch_options(hidden.device),
         )
         d = dl[:, : v1 - v0]
         if need_w:

@@ -445,6 +445,7 @@ def _weight_grad_kernel(
     # end with dy = 0 (a micro-batch's padding) add exact zeros and change no bit. USE_TMA (dense
     # only): dy and a are TMA descriptors with [BLOCK_M, BLOCK_N] / [BLOCK_M, BLOCK_K] blocks; rows
     # past M arrive as zeros, as the pointer path's masked loads give them.
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -532,7 +533,7 @@ def launch_weight_grad(dy: torch.Tensor, a: torch.Tensor, out_dtype: torch.dtype
             SEGMENTED=segmented, GATHER=rows_of_slot is not None, TOP_K=top_k,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
             PRECISION="tf32x3" if dy.dtype == torch.float32 else "tf32", USE_TMA=tma_path,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(dw.device),
         )
     return dw.to(out_dtype)
 

@@ -167,6 +167,7 @@ def _rmsnorm_bwd_kernel(
     # program pid is program q of row block b (a launch over block b alone would number it q): it owns
     # the block's rows [q * rows_per_program, ...) and writes its partial of weight b's gradient to
     # row q * blocks + b of the [programs_per_block, blocks, H] partials (one block: pid's own row)
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     pid = tl.program_id(0)
     b = pid // programs_per_block
     q = pid - b * programs_per_block
@@ -236,6 +237,7 @@ def _sum_partials_kernel(p_ptr, out_ptr, n, H, row_stride, BLOCK_R: tl.constexpr
     # column block program_id(0) of group program_id(1) of the [n, G, H] float32 partials (row stride
     # G * H); rows added in a fixed order (tile by tile, elementwise, then one tl.sum over the tile's
     # rows). A group's columns sit in the tiles they have when the group is summed alone (G = 1).
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     g = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = cols < H
@@ -259,7 +261,7 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if n == 0:
             return out.zero_()
         _sum_partials_kernel[(triton.cdiv(H, 64), groups)](partials, out, n, H, groups * H, BLOCK_R=64, BLOCK_C=64,
-                                                            num_warps=4)
+                                                            num_warps=4, **launch_options(partials.device))
     return out
 
 
@@ -315,6 +317,7 @@ def rmsnorm_backward(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, ep
             rows, H, per_program, per, per_block, blocks,
             dy2.stride(0), dr2.stride(0), s2.stride(0), dx.stride(0), float(eps),
             BLOCK=block, ROWS=tile_rows, ONE_CHUNK=one_chunk, HAS_DRES=dresidual is not None, num_warps=num_warps,
+            **launch_options(dy2.device),
         )
     if return_partials:
         if blocks > 1:

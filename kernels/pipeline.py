@@ -10,8 +10,9 @@ Programmatic dependent launch (Hopper and later; ``RLPERF_PDL=1`` or :func:`use_
 off by default). A decode step is a chain of small kernels, each of which waits for the one before
 it to finish and for its own blocks to be scheduled; with PDL a kernel's blocks may be launched while
 its predecessor's last blocks still run. Every kernel that a launch marks this way (the decode
-step's: RMSNorm, matmul, the q/k norm + RoPE + K/V store, attention, SwiGLU, the K/V write) starts
-with :func:`grid_dependency_sync`: it waits until the previous grid has finished and its memory
+step's: RMSNorm, matmul, the q/k norm + RoPE + K/V store, attention, SwiGLU, the K/V write, the
+sampler, the fused lm-head log-prob; and the dense train step's backward kernels: attention's, the
+norms', SwiGLU's, the weight gradient, the log-prob's) starts with :func:`grid_dependency_sync`: it waits until the previous grid has finished and its memory
 writes are visible (``griddepcontrol.wait``) before it reads or writes anything, then lets the next
 launch start (``griddepcontrol.launch_dependents``). No load, store or arithmetic moves, so the bits
 are those of the plain launch; only the gap between kernels shrinks. Both instructions do nothing in a

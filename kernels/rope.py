@@ -171,6 +171,7 @@ def _rmsnorm_rope_bwd_kernel(
     # program (p, b): tokens p * tokens_per_program ... of head block b (``per`` heads, weight row b),
     # the program p of a launch over that block alone; its dweight partial is row (p, b) of the
     # [programs, blocks, D] buffer
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     pid = tl.program_id(0)
     b = tl.program_id(1)
     blocks = tl.num_programs(1)
@@ -293,7 +294,7 @@ def rmsnorm_rope_backward(dout, x, weight, positions, cos, sin, eps) -> tuple[to
             x, w, positions.contiguous(), cos, sin, dout, dx, partials,
             T, per, per_program, w.stride(0), x.stride(0), x.stride(1), dout.stride(0), dout.stride(1),
             dx.stride(0), dx.stride(1), cos.stride(0), float(eps),
-            HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=num_warps,
+            HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=num_warps, **launch_options(x.device),
         )
     dw = sum_partials(partials if weight.dim() == 2 else partials.view(programs, D), weight.dtype)
     return dx, dw

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import route
+from .pipeline import grid_dependency_sync, launch_options
 from .logprob import _row_stats
 from .reference import sampling as _ref
 
@@ -82,6 +83,7 @@ def _sample_kernel(
 ):
     """Program (row, s): the best key and its lowest index over vocabulary columns
     [s * SPLIT, (s + 1) * SPLIT) of one row, in BLOCK chunks; partials go to best/idx [B, num_splits]."""
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     one = tl.arange(0, 1)
@@ -116,6 +118,7 @@ def _sample_kernel(
 def _sample_combine_kernel(best_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.constexpr):
     """One row: the split with the largest key, the lowest-indexed one on ties (splits hold
     increasing columns), so the token is the argmax over the whole row with ties to the lowest index."""
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SPLITS)
     live = s < num_splits
@@ -134,6 +137,7 @@ def _top_p_threshold_kernel(
     BLOCK: tl.constexpr,
 ):
     """thr_p of one row from its descending-sorted float32 logits (reference module docstring)."""
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     row = tl.program_id(0).to(tl.int64)
     one = tl.arange(0, 1)
     s_row = srt_ptr + row * stride_s
@@ -220,7 +224,8 @@ def _thresholds(x, temp, top_p, top_k, V, triton_path):
     if any_p:
         thr_p = torch.empty(B, dtype=torch.float32, device=x.device)
         if triton_path:
-            _top_p_threshold_kernel[(B,)](srt, temp, top_p, thr_p, V, srt.stride(0), BLOCK=_block(V), num_warps=NUM_WARPS)
+            _top_p_threshold_kernel[(B,)](srt, temp, top_p, thr_p, V, srt.stride(0), BLOCK=_block(V), num_warps=NUM_WARPS,
+                                          **launch_options(srt.device))
         thr = torch.maximum(thr, thr_p)
     return thr
 
@@ -289,6 +294,7 @@ def sample(
     best = torch.empty(B, num_splits, dtype=torch.float32, device=dev)
     idx = torch.empty(B, num_splits, dtype=torch.int32, device=dev)
     _sample_kernel[(B, num_splits)](x, temp, thr, seeds, positions, best, idx, V, x.stride(0), num_splits,
-                                    BLOCK=block, SPLIT=split, num_warps=NUM_WARPS)
-    _sample_combine_kernel[(B,)](best, idx, out, num_splits, SPLITS=triton.next_power_of_2(num_splits), num_warps=1)
+                                    BLOCK=block, SPLIT=split, num_warps=NUM_WARPS, **launch_options(x.device))
+    _sample_combine_kernel[(B,)](best, idx, out, num_splits, SPLITS=triton.next_power_of_2(num_splits), num_warps=1,
+                                 **launch_options(best.device))
     return out

@@ -1,10 +1,12 @@
 """Programmatic dependent launch (``kernels/pipeline.py``): the switch, the instructions the kernels
 compile to for SM 90 (CPU, Triton's compiler and ptxas, no GPU), and on the GPU the same bits with the
 switch on as off, eager and from CUDA graphs."""
+import ast
 import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,10 +14,34 @@ import torch
 import rlperf.kernels as K
 from rlperf.kernels import pipeline
 
-PDL_KERNELS = ("norm:_rmsnorm_kernel", "gemm:_matmul_kernel", "rope:_rmsnorm_rope_kernel",
-               "rope:_qk_norm_rope_store_kv_kernel", "attention:_attn_fwd_kernel", "activation:_silu_mul_kernel",
-               "attention:_write_kv_kernel")
-"""The kernels that call ``grid_dependency_sync`` first and take ``launch_options`` at their launch."""
+KERNELS_DIR = Path(pipeline.__file__).parent
+
+
+def pdl_launches() -> dict[str, str]:
+    """``module:kernel`` -> the first statement of each kernel that some launch in ``kernels/`` marks with
+    ``**launch_options(...)``, read from the source."""
+    found = {}
+    for path in sorted(KERNELS_DIR.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        jitted = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and isinstance(node.func.value, ast.Name)
+                    and any(k.arg is None and isinstance(k.value, ast.Call) and getattr(k.value.func, "id", "")
+                            == "launch_options" for k in node.keywords)):
+                fn = jitted[node.func.value.id]
+                body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
+                    else fn.body
+                found[f"{path.stem}:{fn.name}"] = ast.unparse(body[0])
+    return found
+
+
+def test_every_kernel_launched_with_launch_options_waits_first():
+    """A launch marked for PDL lets its kernel start before the previous one ends: the kernel's first
+    statement must be ``grid_dependency_sync()``, or its loads could read what is still being written."""
+    found = pdl_launches()
+    assert len(found) >= 20, sorted(found)  # the decode step's and the dense train step's kernels
+    assert {k for k, first in found.items() if first != "grid_dependency_sync()"} == set()
 
 
 @pytest.fixture
@@ -69,15 +95,26 @@ entries = P.read_manifest(P.MANIFEST_DIR / "cuda-90-triton3.6.0.jsonl")
 picked = {}
 for e in entries:  # one specialization of each kernel the manifest holds
     picked.setdefault(e["kernel"].removeprefix("rlperf.kernels."), e)
-# the K/V write is not in the gate's manifest (the engine fuses it): bf16 K/V, 8 heads of 128, 128-row pages
-names = P._kernel("rlperf.kernels.attention:_write_kv_kernel").arg_names
-const = {"H": 8, "HEAD_DIM": 128, "BLOCK_H": 8, "PAGE": 128}
-picked["attention:_write_kv_kernel"] = {
-    "kernel": "rlperf.kernels.attention:_write_kv_kernel", "target": {"backend": "cuda", "arch": 90, "warp_size": 32},
-    "spec": {"signature": {n: "constexpr" if n in const else ("*bf16" if n in ("K", "V", "KC", "VC") else
-                                                               "*i64" if n == "SLOTS" else "i32") for n in names},
-             "constant_keys": [[names.index(n)] for n in const], "constant_vals": list(const.values()),
-             "attrs_keys": [], "attrs_vals": [], "options": {"num_warps": 4, "num_stages": 3}}}
+
+
+def spec(kernel, pointers, const, warps):  # an entry of our own: pointers {name: type}, the rest i32
+    names = P._kernel("rlperf.kernels." + kernel).arg_names
+    return {"kernel": "rlperf.kernels." + kernel, "target": {"backend": "cuda", "arch": 90, "warp_size": 32},
+            "spec": {"signature": {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names},
+                     "constant_keys": [[names.index(n)] for n in const], "constant_vals": list(const.values()),
+                     "attrs_keys": [], "attrs_vals": [], "options": {"num_warps": warps, "num_stages": 3}}}
+
+
+# the engine fuses the K/V write and the gate samples without top-p: bf16 K/V, 8 heads of 128, 128-row pages;
+# float32 sorted probabilities over a 151936-token vocabulary
+picked.setdefault("attention:_write_kv_kernel", spec(
+    "attention:_write_kv_kernel", {"K": "*bf16", "V": "*bf16", "KC": "*bf16", "VC": "*bf16", "SLOTS": "*i64"},
+    {"H": 8, "HEAD_DIM": 128, "BLOCK_H": 8, "PAGE": 128}, 4))
+picked.setdefault("sampling:_top_p_threshold_kernel", spec(
+    "sampling:_top_p_threshold_kernel", {n: "*fp32" for n in ("srt_ptr", "temp_ptr", "top_p_ptr", "thr_ptr")},
+    {"BLOCK": 4096}, 8))
+missing = [n for n in wanted if n not in picked]
+assert not missing, f"no specialization to compile for {missing}: add a spec() line for each"
 for name in wanted:
     entry = picked[name]
     entry["spec"]["options"]["launch_pdl"] = True
@@ -102,11 +139,12 @@ def test_every_pdl_kernel_compiles_for_the_h100_h200_with_the_wait_before_its_fi
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(PDL_KERNELS)], env=env,
+    kernels = sorted(pdl_launches())
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(kernels)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [g["kernel"] for g in got] == list(PDL_KERNELS)
+    assert [g["kernel"] for g in got] == kernels
     assert all(g["launch_pdl"] and g["wait_first"] for g in got), got
 
 

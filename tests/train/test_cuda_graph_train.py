@@ -74,11 +74,17 @@ def _differ(got, want) -> list[int]:
 
 
 @pytest.mark.gpu
-def test_gpu_replayed_graphs_equal_the_eager_calls_on_the_padded_micro_batch():
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_gpu_replayed_graphs_equal_the_eager_calls_on_the_padded_micro_batch(pdl):
     """What capture changes, alone: the no-grad log-prob replay and the forward + backward replays
     against the eager calls on the same padded micro-batch (bf16, invariant mode), bit for bit;
-    micro-batches of two buckets, each bucket replayed twice with different contents."""
+    micro-batches of two buckets, each bucket replayed twice with different contents. ``pdl``: the
+    graphs captured with programmatic dependent launch (``K.use_programmatic_launch``), the eager
+    calls launched plainly."""
     from rlperf.train.batching import pad_micro_batch
+
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs SM 90 or later")
 
     model = _gpu_model()
     mbs = pack_micro_batches(_samples(model.cfg.vocab_size), max_tokens_per_gpu=1100, device="cuda")
@@ -90,14 +96,16 @@ def test_gpu_replayed_graphs_equal_the_eager_calls_on_the_padded_micro_batch():
             for mb in mbs:
                 bucket, slots = graphs.shape_of(mb)
                 padded = pad_micro_batch(mb, bucket, slots)
-                want_lp, want_ent, want = _eager(model, padded, params)
-                with torch.no_grad():
-                    got_lp, got_ent = graphs.log_probs(mb, with_entropy=True)
-                    assert torch.equal(got_lp, want_lp) and torch.equal(got_ent, want_ent), (rep, bucket)
-                    assert torch.equal(graphs.log_probs(mb), want_lp)
-                lp, ent = graphs.log_probs_with_grad(mb)
-                assert torch.equal(lp.detach(), want_lp) and torch.equal(ent.detach(), want_ent)
-                got = torch.autograd.grad(_loss_of(lp, ent), params)
+                with K.use_programmatic_launch(False):
+                    want_lp, want_ent, want = _eager(model, padded, params)
+                with K.use_programmatic_launch(pdl):  # the captures (on first use) and the replays
+                    with torch.no_grad():
+                        got_lp, got_ent = graphs.log_probs(mb, with_entropy=True)
+                        assert torch.equal(got_lp, want_lp) and torch.equal(got_ent, want_ent), (rep, bucket)
+                        assert torch.equal(graphs.log_probs(mb), want_lp)
+                    lp, ent = graphs.log_probs_with_grad(mb)
+                    assert torch.equal(lp.detach(), want_lp) and torch.equal(ent.detach(), want_ent)
+                    got = torch.autograd.grad(_loss_of(lp, ent), params)
                 assert not _differ(got, want), f"rep {rep}, bucket {bucket}: parameters {_differ(got, want)} differ"
                 assert all(torch.isfinite(g).all() for g in got)
     assert len(graphs.train_graphs) == 2 and len(graphs.log_prob_graphs) == 4  # captured once per key
