@@ -312,8 +312,11 @@ def git_commit() -> str:
 
 
 def environment() -> dict:
-    """Card, software versions, commit and date: recorded with every result file."""
+    """Card, software versions, commit and date, and whether the kernels launch with programmatic
+    dependent launch (``RLPERF_PDL``): recorded with every result file."""
     import triton
+
+    from rlperf.kernels.pipeline import programmatic_launch
 
     info = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -329,6 +332,7 @@ def environment() -> dict:
         info.update(card=props.name, sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1))
     else:
         info["card"] = "cpu"
+    info["programmatic_launch"] = programmatic_launch(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     return info
 
 

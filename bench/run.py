@@ -102,7 +102,8 @@ def _markdown_section(name: str, rows: list[BenchRow], info: dict, summary: dict
         "",
         f"Card **{info.get('card')}**, commit `{info.get('commit')}`, {info.get('date')}, "
         f"torch {info.get('torch')}, Triton {info.get('triton')}, CUDA {info.get('cuda')}. "
-        f"Command: `rlperf bench {'sync --distributed' if name == DISTRIBUTED_SYNC else name} --markdown bench/BENCHMARKS.md`.",
+        f"Command: `{'RLPERF_PDL=1 ' if info.get('programmatic_launch') else ''}rlperf bench "
+        f"{'sync --distributed' if name == DISTRIBUTED_SYNC else name} --markdown bench/BENCHMARKS.md`.",
         "",
         "| case | kernel | ms | anchor | anchor ms | ratio (anchor/kernel) | rate | anchor rate |",
         "|---|---|---:|---|---:|---:|---:|---:|",
@@ -197,7 +198,8 @@ def run_benchmarks(args: argparse.Namespace) -> int:
         print("rlperf bench: needs a CUDA GPU (CPU timings are not performance results)", file=sys.stderr)
         return 2
     info = environment()
-    print(f"# {info['card']} | commit {info['commit']} | torch {info['torch']} | triton {info['triton']} | {info['date']}")
+    pdl = " | kernels launched with PDL (RLPERF_PDL=1)" if info["programmatic_launch"] else ""
+    print(f"# {info['card']} | commit {info['commit']} | torch {info['torch']} | triton {info['triton']} | {info['date']}{pdl}")
     all_rows: list[BenchRow] = []
     summaries: dict = {}
     for name in names:
