@@ -87,7 +87,8 @@ def test_the_interpreter_runs_no_grid_dependency_instruction():
 
 
 COMPILE_SCRIPT = r"""
-import json, re, sys
+import json, re, subprocess, sys, tempfile
+from triton import knobs
 from rlperf.kernels import precompile as P
 
 wanted = json.loads(sys.argv[1])
@@ -125,16 +126,26 @@ for name in wanted:
     first_memory = next(i for i, l in enumerate(lines)
                         if l.startswith(("ld.global", "st.global", "cp.async", "cp.reduce", "atom.", "red.",
                                          "ld.shared", "st.shared")))
+    # and in the machine code ptxas made of it: ACQBULK (the wait) before any load, store or TMA copy
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
+    acquire = ops.index("ACQBULK")
+    memory = [i for i, op in enumerate(ops) if re.match(r"(LDG|STG|LDGSTS|UTMA|UBLKCP|ATOM|RED|LDS|STS|LD\b|ST\b)", op)]
     print(json.dumps({"kernel": name, "launch_pdl": bool(kernel.metadata.launch_pdl),
-                      "wait_first": wait < go < first_memory}))
+                      "wait_first": wait < go < first_memory and bool(memory) and acquire < memory[0]}))
 """
 
 
 def test_every_pdl_kernel_compiles_for_the_h100_h200_with_the_wait_before_its_first_memory_access(tmp_path):
     """Each kernel that may be launched with PDL, compiled for SM 90 with ``launch_pdl`` (a specialization
-    the shipped manifest recorded; the K/V write one of its own): ``griddepcontrol.wait`` comes before the
-    kernel's first global or shared memory instruction, so no load can read, and no store overwrite, what
-    the previous kernel is still using; ``launch_dependents`` follows the wait."""
+    the shipped manifest recorded, or one of our own where it has none): ``griddepcontrol.wait`` comes
+    before the kernel's first global or shared memory instruction, in the PTX and in ptxas's machine code
+    (``ACQBULK``), so no load can read, and no store overwrite, what the previous kernel is still using;
+    ``launch_dependents`` follows the wait."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
