@@ -1,4 +1,5 @@
-"""Launch a Triton kernel at the deepest software pipeline that fits in shared memory.
+"""How rlperf launches its Triton kernels: at the deepest software pipeline that fits in shared memory,
+and, where switched on, with programmatic dependent launch.
 
 ``num_stages`` only sets how far tile loads run ahead of the math: the loop order, the tile
 shapes and the MMA instructions stay the same, so a result's bits do not depend on it. Where a
@@ -12,9 +13,10 @@ it to finish and for its own blocks to be scheduled; with PDL a kernel's blocks 
 its predecessor's last blocks still run. Every kernel that a launch marks this way (the decode
 step's: RMSNorm, matmul, the q/k norm + RoPE + K/V store, attention, SwiGLU, the K/V write, the
 sampler, the fused lm-head log-prob; and the dense train step's backward kernels: attention's, the
-norms', SwiGLU's, the weight gradient, the log-prob's) starts with :func:`grid_dependency_sync`: it waits until the previous grid has finished and its memory
-writes are visible (``griddepcontrol.wait``) before it reads or writes anything, then lets the next
-launch start (``griddepcontrol.launch_dependents``). No load, store or arithmetic moves, so the bits
+norms', SwiGLU's, the weight gradient, the log-prob's) starts with :func:`grid_dependency_sync`: it
+waits until the previous grid has finished and its memory writes are visible (``griddepcontrol.wait``)
+before it reads or writes anything, then lets the next launch start
+(``griddepcontrol.launch_dependents``). No load, store or arithmetic moves, so the bits
 are those of the plain launch; only the gap between kernels shrinks. Both instructions do nothing in a
 grid launched without the attribute, so one compiled body serves both launches (the attribute is
 a compile option, ``launch_pdl``, and CUDA graphs capture it). Under the CPU interpreter neither is
@@ -105,8 +107,9 @@ _NO_OPTIONS: dict = {}
 
 def launch_options(device: torch.device) -> dict:
     """The extra launch keywords of a kernel that calls :func:`grid_dependency_sync`: ``launch_pdl``
-    where :func:`programmatic_launch` holds, else none (a plain launch; the same compiled key as before)."""
+    where :func:`programmatic_launch` holds, else none (the plain launch)."""
     return _PDL_OPTIONS if programmatic_launch(device) else _NO_OPTIONS
+
 
 _STAGES_THAT_FIT: dict = {}
 
