@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Programmatic dependent launch (RLPERF_PDL, kernels/pipeline.py) against plain launches on ONE GPU, in
+# one device call (~7-9 minutes): first the bits, then the time, every PDL number next to the plain one
+# of the same call. Results in $OUT:
+#   gpu-tests.log        the PDL bit tests: engine tokens and log-probs (eager and graphed decode) and the
+#                        packed forward/backward's gradients with PDL on equal them with it off
+#                        (tests/kernels/test_programmatic_launch.py), and graphed train micro-steps captured
+#                        with PDL equal to plain eager calls (tests/train/test_cuda_graph_train.py -k pdl)
+#   fusion-ab.log        python -m rlperf.bench.fusion_ab --variants pdl: decode B = $BATCHES and prefill 16x512,
+#                        the engine's default and PDL in one process (ms and the ratio to the default)
+#   rollout-plain.json/.log, rollout-pdl.json/.log   rlperf bench rollout --quick without and with RLPERF_PDL=1
+#   loop-plain.json/.log, loop-pdl.json/.log         rlperf bench loop --quick --cuda-graph-buckets auto
+#                        (graphed micro-steps, rlperf train's default), without and with RLPERF_PDL=1:
+#                        tokens/s and the train phase
+#
+#   bash bench/device_pdl.sh
+#   STEPS="tests fusion" bash bench/device_pdl.sh      # a subset of: tests fusion rollout loop
+#   BATCHES=1,64 bash bench/device_pdl.sh              # decode batches of the A/B (default 1,16,64,256)
+#
+# Each step runs under `timeout` (tests 240 s, fusion 200 s, rollout 2 x 100 s, loop 2 x 150 s: all four
+# exceed one call's 10 minutes on a cold kernel cache; split them with STEPS, as `tests fusion` then
+# `rollout loop`) and a failing step does not stop the next; the exit status is 1 if any step failed.
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
+BATCHES=${BATCHES:-1,16,64,256}
+status=0
+step() {  # name seconds command...: run, log to $OUT/name.log, report failure without stopping
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "   rc=$rc in $((SECONDS - t0)) s"
+  if [ "$rc" != 0 ]; then status=1; tail -25 "$OUT/$name.log"; fi
+}
+STEPS=" ${STEPS:-tests fusion rollout loop} "
+wanted() { [[ "$STEPS" == *" $1 "* ]]; }
+if wanted tests; then
+  step gpu-tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_programmatic_launch.py \
+    tests/train/test_cuda_graph_train.py -k "pdl or programmatic"
+  grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -3
+fi
+if wanted fusion; then
+  step fusion-ab 200 python3 -m rlperf.bench.fusion_ab --variants pdl --batches "$BATCHES"
+  grep -E "^\|" "$OUT/fusion-ab.log" || true
+fi
+if wanted rollout; then
+  step rollout-plain 100 env RLPERF_PDL=0 python3 -m rlperf bench rollout --quick --json "$OUT/rollout-plain.json"
+  step rollout-pdl 100 env RLPERF_PDL=1 python3 -m rlperf bench rollout --quick --json "$OUT/rollout-pdl.json"
+  grep -h "summary" "$OUT/rollout-plain.log" "$OUT/rollout-pdl.log" || true
+fi
+if wanted loop; then
+  for pdl in 0 1; do
+    name=loop-$([ $pdl = 1 ] && echo pdl || echo plain)
+    step "$name" 150 env RLPERF_PDL=$pdl python3 -m rlperf bench loop --quick --cuda-graph-buckets auto \
+      --json "$OUT/$name.json"
+  done
+  grep -h "summary" "$OUT/loop-plain.log" "$OUT/loop-pdl.log" || true
+fi
+exit $status
