@@ -29,16 +29,6 @@ set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 BUCKETS=${BUCKETS:-1024,1536,2048,3072,4096}  # only the buckets the micro-batches use are captured
 status=0
-step() {  # name seconds command...: run, log to $OUT/name.log, report failure without stopping
-  local name=$1 limit=$2; shift 2
-  echo "== $name (limit ${limit}s)"
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "   rc=$rc in $((SECONDS - t0)) s"
-  echo "$rc $((SECONDS - t0))" >"$OUT/$name.rc-seconds"
-  if [ "$rc" != 0 ]; then status=1; tail -25 "$OUT/$name.log"; fi
-}
 STEPS=" ${STEPS:-tests loops rollout embedded gate} "
 wanted() { [[ "$STEPS" == *" $1 "* ]]; }
 if wanted tests; then

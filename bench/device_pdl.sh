@@ -24,15 +24,6 @@ set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 BATCHES=${BATCHES:-1,16,64,256}
 status=0
-step() {  # name seconds command...: run, log to $OUT/name.log, report failure without stopping
-  local name=$1 limit=$2; shift 2
-  echo "== $name (limit ${limit}s)"
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "   rc=$rc in $((SECONDS - t0)) s"
-  if [ "$rc" != 0 ]; then status=1; tail -25 "$OUT/$name.log"; fi
-}
 STEPS=" ${STEPS:-tests fusion rollout loop} "
 wanted() { [[ "$STEPS" == *" $1 "* ]]; }
 if wanted tests; then

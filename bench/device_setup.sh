@@ -3,6 +3,7 @@
 # wheels of .whl/ into /tmp/site (on PYTHONPATH; bench/fetch_wheels.sh downloads them) and the project
 # itself (editable). Exits 3 with the log's tail when an install fails. Under bench/device_lanes.sh the
 # installs ran once before the lanes started (RLPERF_SETUP_DONE=1): only OUT and the GPU record are set.
+# Defines `step` (at the end), the timed and logged step of the scripts that run several in one call.
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1
@@ -22,3 +23,17 @@ if [ -z "${RLPERF_SETUP_DONE:-}" ]; then
   fi
   python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 3; }
 fi
+
+# step NAME SECONDS COMMAND...: run COMMAND under `timeout`, its output in $OUT/NAME.log and "rc seconds" in
+# $OUT/NAME.rc-seconds; a failure prints the log's tail and sets the caller's `status` to 1 without stopping
+# the script (the device scripts that run several steps in one call use it)
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "   rc=$rc in $((SECONDS - t0)) s"
+  echo "$rc $((SECONDS - t0))" >"$OUT/$name.rc-seconds"
+  if [ "$rc" != 0 ]; then status=1; tail -25 "$OUT/$name.log"; fi
+}
