@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Programmatic dependent launch (RLPERF_PDL, kernels/pipeline.py) against plain launches on ONE GPU, in
-# one device call (~7-9 minutes): first the bits, then the time, every PDL number next to the plain one
-# of the same call. Results in $OUT:
+# Programmatic dependent launch (RLPERF_PDL, kernels/pipeline.py) against plain launches on ONE GPU:
+# first the bits, then the time, every PDL number next to the plain one of the same call (not yet run on
+# a GPU: no measured duration). Results in $OUT:
 #   gpu-tests.log        the PDL bit tests: engine tokens and log-probs (eager and graphed decode) and the
 #                        packed forward/backward's gradients with PDL on equal them with it off
 #                        (tests/kernels/test_programmatic_launch.py), and graphed train micro-steps captured
@@ -17,9 +17,9 @@
 #   STEPS="tests fusion" bash bench/device_pdl.sh      # a subset of: tests fusion rollout loop
 #   BATCHES=1,64 bash bench/device_pdl.sh              # decode batches of the A/B (default 1,16,64,256)
 #
-# Each step runs under `timeout` (tests 240 s, fusion 200 s, rollout 2 x 100 s, loop 2 x 150 s: all four
-# exceed one call's 10 minutes on a cold kernel cache; split them with STEPS, as `tests fusion` then
-# `rollout loop`) and a failing step does not stop the next; the exit status is 1 if any step failed.
+# Each step runs under `timeout` (tests 240 s, fusion 200 s, rollout 2 x 100 s, loop 2 x 150 s: 940 s of
+# limits in all, more than one call's 600 s; split them with STEPS, as `tests fusion` (440 s) then
+# `rollout loop` (500 s)) and a failing step does not stop the next; the exit status is 1 if any step failed.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 BATCHES=${BATCHES:-1,16,64,256}

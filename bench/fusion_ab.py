@@ -12,7 +12,8 @@ or the card's?
   the previous kernel's last blocks run; the decode graphs are captured with it.
 
 Both fused forms give the bits of their unfused calls (their kernel tests), and PDL moves no
-instruction of a kernel's math, so every variant decodes the same tokens; only the launches differ. Each variant is timed with the rollout bench's own cases
+instruction of a kernel's math, so every variant decodes the same tokens; only the launches differ.
+Each variant is timed with the rollout bench's own cases
 (:func:`rlperf.bench.rollout.decode_case`, CUDA graphs on, and :func:`prefill_case`), in invariant mode
 on the qwen3-0.6b shape with random weights. Ratios are to the engine's default of the same run::
 

@@ -180,7 +180,8 @@ def test_gpu_decode_with_programmatic_launch_gives_the_plain_bits():
     gen = torch.Generator().manual_seed(18)
     prompts = [torch.randint(0, 250, (int(n),), generator=gen).tolist()
                for n in torch.randint(10, 300, (12,), generator=gen)]
-    params = [SamplingParams(max_new_tokens=16 + 4 * i, temperature=1.0, seed=40 + i, ignore_eos=True) for i in range(12)]
+    params = [SamplingParams(max_new_tokens=16 + 4 * i, temperature=1.0, seed=40 + i, ignore_eos=True)
+              for i in range(12)]
 
     def run(pdl: bool, graphs: int):
         with K.use_backend(None), K.use_mode("invariant"), K.use_programmatic_launch(pdl):
