@@ -7,9 +7,10 @@ or the card's?
   ``SWIGLU_EPILOGUE_MAX_ROWS`` rows; the variants that name it take it at every size;
 * ``kv``: :func:`rlperf.kernels.rmsnorm_rope_store_kv` (Q's and K's norm + RoPE and the K/V cache store,
   one launch) against ``rmsnorm_rope`` twice and ``write_kv_cache`` (three launches);
-* ``pdl``: the engine's default kernels launched with programmatic dependent launch
-  (:func:`rlperf.kernels.use_programmatic_launch`, ``RLPERF_PDL=1``): a kernel's blocks may start while
-  the previous kernel's last blocks run; the decode graphs are captured with it.
+* ``no pdl``: the engine's default kernels without programmatic dependent launch
+  (:func:`rlperf.kernels.use_programmatic_launch`; ``RLPERF_PDL=0``). The default launches with it on SM 90+
+  GPUs: a kernel's blocks may start while the previous kernel's last blocks run, and the decode graphs
+  are captured with it.
 
 Both fused forms give the bits of their unfused calls (their kernel tests), and PDL moves no
 instruction of a kernel's math, so every variant decodes the same tokens; only the launches differ.
@@ -17,7 +18,7 @@ Each variant is timed with the rollout bench's own cases
 (:func:`rlperf.bench.rollout.decode_case`, CUDA graphs on, and :func:`prefill_case`), in invariant mode
 on the qwen3-0.6b shape with random weights. Ratios are to the engine's default of the same run::
 
-    python -m rlperf.bench.fusion_ab [--batches 1,64,256] [--steps 16] [--prefill 16] [--variants pdl]
+    python -m rlperf.bench.fusion_ab [--batches 1,64,256] [--steps 16] [--prefill 16] [--variants 'no pdl']
 
 Needs a CUDA GPU (exit 2 without one).
 """
@@ -32,12 +33,12 @@ import torch
 from rlperf import kernels as K
 
 ENGINE_DEFAULT = "engine default"
-VARIANTS = {ENGINE_DEFAULT: (None, True, False), "both fusions": (True, True, False),
-            "no swiglu epilogue": (False, True, False), "no kv-store fusion": (True, False, False),
-            "neither": (False, False, False), "pdl": (None, True, True)}
+VARIANTS = {ENGINE_DEFAULT: (None, True, True), "both fusions": (True, True, True),
+            "no swiglu epilogue": (False, True, True), "no kv-store fusion": (True, False, True),
+            "neither": (False, False, True), "no pdl": (None, True, False)}
 """Each variant's name and (swiglu, kv store fused, pdl): swiglu None is the engine's own choice (the
 epilogue up to ``SWIGLU_EPILOGUE_MAX_ROWS`` rows), True the epilogue at every size, False never; pdl:
-launches with programmatic dependent launch (the engine's default: off)."""
+launches with programmatic dependent launch (the engine's default; it applies on SM 90+ GPUs only)."""
 
 
 def _unfused_linear_silu_mul(x, w):
@@ -50,7 +51,7 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 
 
 @contextlib.contextmanager
-def variant(swiglu: bool | None, kv: bool, pdl: bool = False):
+def variant(swiglu: bool | None, kv: bool, pdl: bool = True):
     """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
     kernels package: swap in the unfused calls (or lift the epilogue's row limit), and switch
     programmatic dependent launch, for the variant's duration."""

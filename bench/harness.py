@@ -313,10 +313,11 @@ def git_commit() -> str:
 
 def environment() -> dict:
     """Card, software versions, commit and date, and whether the kernels launch with programmatic
-    dependent launch (``RLPERF_PDL``): recorded with every result file."""
+    dependent launch (``programmatic_launch``: switched on and an SM 90+ GPU) and whether it was
+    switched off (``programmatic_launch_off``: ``RLPERF_PDL=0``): recorded with every result file."""
     import triton
 
-    from rlperf.kernels.pipeline import programmatic_launch
+    from rlperf.kernels.pipeline import programmatic_launch, programmatic_launch_switched_on
 
     info = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -333,6 +334,7 @@ def environment() -> dict:
     else:
         info["card"] = "cpu"
     info["programmatic_launch"] = programmatic_launch(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    info["programmatic_launch_off"] = not programmatic_launch_switched_on()
     return info
 
 

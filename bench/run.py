@@ -102,7 +102,7 @@ def _markdown_section(name: str, rows: list[BenchRow], info: dict, summary: dict
         "",
         f"Card **{info.get('card')}**, commit `{info.get('commit')}`, {info.get('date')}, "
         f"torch {info.get('torch')}, Triton {info.get('triton')}, CUDA {info.get('cuda')}. "
-        f"Command: `{'RLPERF_PDL=1 ' if info.get('programmatic_launch') else ''}rlperf bench "
+        f"Command: `{'RLPERF_PDL=0 ' if info.get('programmatic_launch_off') else ''}rlperf bench "
         f"{'sync --distributed' if name == DISTRIBUTED_SYNC else name} --markdown bench/BENCHMARKS.md`.",
         "",
         "| case | kernel | ms | anchor | anchor ms | ratio (anchor/kernel) | rate | anchor rate |",
@@ -198,7 +198,8 @@ def run_benchmarks(args: argparse.Namespace) -> int:
         print("rlperf bench: needs a CUDA GPU (CPU timings are not performance results)", file=sys.stderr)
         return 2
     info = environment()
-    pdl = " | kernels launched with PDL (RLPERF_PDL=1)" if info["programmatic_launch"] else ""
+    pdl = (" | kernels launched with PDL" if info["programmatic_launch"]
+           else " | plain launches (RLPERF_PDL=0)" if info["programmatic_launch_off"] else "")
     print(f"# {info['card']} | commit {info['commit']} | torch {info['torch']} | triton {info['triton']} | {info['date']}{pdl}")
     all_rows: list[BenchRow] = []
     summaries: dict = {}

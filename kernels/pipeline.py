@@ -7,8 +7,8 @@ tuned depth does not fit (float32 tiles are twice the bytes; a float32 epilogue 
 buffer), dropping stages keeps the contract; the depth that fit is remembered per key so later
 launches go straight to it.
 
-Programmatic dependent launch (Hopper and later; ``RLPERF_PDL=1`` or :func:`use_programmatic_launch`,
-off by default). A decode step is a chain of small kernels, each of which waits for the one before
+Programmatic dependent launch (Hopper and later; on by default, ``RLPERF_PDL=0`` or
+:func:`use_programmatic_launch` turns it off). A decode step is a chain of small kernels, each of which waits for the one before
 it to finish and for its own blocks to be scheduled; with PDL a kernel's blocks may be launched while
 its predecessor's last blocks still run. Every kernel that a launch marks this way (the decode
 step's: RMSNorm, matmul, the q/k norm + RoPE + K/V store, attention, SwiGLU, the K/V write, the
@@ -40,8 +40,9 @@ except ImportError:  # pragma: no cover - older Triton: no programmatic dependen
     gdc_launch_dependents = gdc_wait = None
 
 PDL_ENV = "RLPERF_PDL"
-"""``1``: Triton kernels that support it are launched with programmatic dependent launch on SM 90+
-GPUs; ``0`` or unset: plain launches (module docstring)."""
+"""``1`` or unset: Triton kernels that support it are launched with programmatic dependent launch on
+SM 90+ GPUs (measured faster at every decode batch and in the graphed train loop: docs/kernels.md);
+``0``: plain launches (module docstring)."""
 
 # the grid-dependency instructions exist in compiled kernels only: Triton's interpreter runs the
 # kernels as Python on the CPU (it reads TRITON_INTERPRET when a kernel is defined, as here)
@@ -58,10 +59,10 @@ def grid_dependency_sync():
 
 
 def _pdl_from_environment() -> bool:
-    value = os.environ.get(PDL_ENV, "0")
+    value = os.environ.get(PDL_ENV, "1")
     if value not in ("0", "1", ""):
-        raise ValueError(f"{PDL_ENV}={value!r}: expected 1 (programmatic dependent launch) or 0")
-    return value == "1"
+        raise ValueError(f"{PDL_ENV}={value!r}: expected 1 (programmatic dependent launch, the default) or 0")
+    return value != "0"
 
 
 _pdl_on: bool | None = None  # None: not read yet (RLPERF_PDL, on the first launch)
@@ -91,12 +92,18 @@ def _pdl_capable(index: int) -> bool:
     return gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether launches on ``device`` use PDL: switched on, a CUDA device of SM 90 or later."""
+def programmatic_launch_switched_on() -> bool:
+    """The switch alone (``RLPERF_PDL``, read on first use, or :func:`set_programmatic_launch`), whatever
+    the device: on by default."""
     global _pdl_on
     if _pdl_on is None:
         _pdl_on = _pdl_from_environment()
-    if not _pdl_on or device.type != "cuda":
+    return _pdl_on
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether launches on ``device`` use PDL: switched on, a CUDA device of SM 90 or later."""
+    if not programmatic_launch_switched_on() or device.type != "cuda":
         return False
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -238,12 +238,16 @@ def _as_tuple(value):
 def compile_entry(entry: dict, launcher: bool = True):
     """Compile one manifest entry into Triton's on-disk cache (or find it there) and return Triton's
     compiled kernel. The source is rebuilt as Triton's launch builds it (``ASTSource(kernel, signature,
-    constexprs, attrs)``) so the cache key is the launch's. ``launcher``: also build its host-side
-    launcher (:func:`build_launcher`). StaleEntry when the entry no longer fits the kernel."""
+    constexprs, attrs)``) so the cache key is the launch's; an entry recorded with programmatic dependent
+    launch compiles without it where it is switched off (``RLPERF_PDL=0``), as the launch would.
+    ``launcher``: also build its host-side launcher (:func:`build_launcher`). StaleEntry when the entry no
+    longer fits the kernel."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from .pipeline import programmatic_launch_switched_on
 
     fn = _kernel(entry["kernel"])
     spec = entry["spec"]
@@ -261,6 +265,8 @@ def compile_entry(entry: dict, launcher: bool = True):
     constexprs = {tuple(k): constant(v) for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
     attrs = launch_attrs(fn, {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])})
     options = {k: _as_tuple(v) for k, v in spec["options"].items()}
+    if options.get("launch_pdl") and not programmatic_launch_switched_on():
+        options["launch_pdl"] = False  # recorded with PDL, launched without it here (RLPERF_PDL=0)
     src = ASTSource(fn, signature, constexprs, attrs)
     kernel = triton.compile(src, target=GPUTarget(**entry["target"]), options=options)
     if launcher:

@@ -57,9 +57,9 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
 
 def test_variants_flag_picks_the_default_and_the_named_ones():
     assert list(fusion_ab.chosen_variants("all")) == list(fusion_ab.VARIANTS)
-    assert list(fusion_ab.chosen_variants("pdl")) == [fusion_ab.ENGINE_DEFAULT, "pdl"]
-    assert list(fusion_ab.chosen_variants(" neither , pdl")) == [fusion_ab.ENGINE_DEFAULT, "neither", "pdl"]
-    assert fusion_ab.chosen_variants("pdl,fast") is None and fusion_ab.chosen_variants(",") is None
+    assert list(fusion_ab.chosen_variants("no pdl")) == [fusion_ab.ENGINE_DEFAULT, "no pdl"]
+    assert list(fusion_ab.chosen_variants(" neither , no pdl")) == [fusion_ab.ENGINE_DEFAULT, "neither", "no pdl"]
+    assert fusion_ab.chosen_variants("no pdl,fast") is None and fusion_ab.chosen_variants(",") is None
 
 
 def test_bad_flags_exit_2_naming_them(capsys):
@@ -73,5 +73,5 @@ def test_bad_flags_exit_2_naming_them(capsys):
         fusion_ab.main(["--prefill", "-1"])
     assert e.value.code == 2 and "--prefill" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        fusion_ab.main(["--variants", "pdl,turbo"])
+        fusion_ab.main(["--variants", "no pdl,turbo"])
     assert e.value.code == 2 and "--variants" in capsys.readouterr().err

@@ -39,19 +39,23 @@ def test_markdown_section_replaced_in_place(tmp_path):
 
 
 def test_a_section_names_pdl_in_its_command_and_the_environment_records_it(monkeypatch):
-    """A result measured with ``RLPERF_PDL=1`` says so in its BENCHMARKS command; the environment
-    records the setting (False on a CPU: there is no launch to mark)."""
+    """A result measured with PDL switched off (``RLPERF_PDL=0``; on by default) says so in its BENCHMARKS
+    command; the environment records the setting (no PDL on a CPU: there is no launch to mark)."""
     from rlperf.bench.harness import environment
     from rlperf.bench.run import _markdown_section
     from rlperf.kernels import pipeline
 
     info = {"card": "X", "commit": "abc", "date": "d", "torch": "t", "triton": "3.6.0", "cuda": "13.0"}
-    plain = _markdown_section("rollout", [_row()], {**info, "programmatic_launch": False}, {})
-    marked = _markdown_section("rollout", [_row()], {**info, "programmatic_launch": True}, {})
-    assert "Command: `rlperf bench rollout" in plain and "Command: `RLPERF_PDL=1 rlperf bench rollout" in marked
+    default = _markdown_section("rollout", [_row()], {**info, "programmatic_launch": True}, {})
+    off = _markdown_section("rollout", [_row()], {**info, "programmatic_launch": False,
+                                                   "programmatic_launch_off": True}, {})
+    assert "Command: `rlperf bench rollout" in default and "Command: `RLPERF_PDL=0 rlperf bench rollout" in off
     monkeypatch.setattr(pipeline, "_pdl_on", True)
-    assert environment()["programmatic_launch"] is (torch.cuda.is_available()
-                                                     and torch.cuda.get_device_capability()[0] >= 9)
+    on = environment()
+    assert on["programmatic_launch"] is (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+    assert on["programmatic_launch_off"] is False
+    monkeypatch.setattr(pipeline, "_pdl_on", False)
+    assert environment()["programmatic_launch"] is False and environment()["programmatic_launch_off"] is True
 
 
 def test_json_has_environment_and_rows(tmp_path):

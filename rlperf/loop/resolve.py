@@ -103,9 +103,9 @@ def resolve_cuda_graph_buckets(ns: argparse.Namespace, device, actor_ranks: int)
     """``ns.cuda_graph_buckets`` made concrete (``ns.precision`` resolved first): an explicit list is
     checked (:func:`check_cuda_graph_buckets`, a :class:`UsageError` where graphs do not apply); ``auto``
     becomes :func:`rlperf.train.args.auto_cuda_graph_buckets` of ``--max-tokens-per-gpu`` where they do
-    (a CUDA device, one actor process of the fsdp backend, a dense model without routing replay,
-    ``--use-dynamic-batch-size``), bounded by the device's memory, and ``()`` (eager) elsewhere, silently
-    (the megatron backend's graphs take an explicit list: not measured on a GPU yet).
+    (a CUDA device, one actor process of the fsdp or the megatron backend, a dense model without routing
+    replay, ``--use-dynamic-batch-size``), bounded by the device's memory, and ``()`` (eager) elsewhere,
+    silently.
     A checkpoint's model is read from its ``config.json``; one that does not read stays eager (stage 3
     reports it)."""
     buckets = getattr(ns, "cuda_graph_buckets", ())
@@ -114,8 +114,6 @@ def resolve_cuda_graph_buckets(ns: argparse.Namespace, device, actor_ranks: int)
             check_cuda_graph_buckets(ns, device, actor_ranks)
         return
     ns.cuda_graph_buckets = ()
-    if ns.train_backend != "fsdp":  # the megatron backend's graphs: only an explicit list until measured on a GPU
-        return
     cfg = run_model_config(ns)
     if (cfg is None or cuda_graph_refusal(ns, device, actor_ranks, cfg) is not None
             or not ns.use_dynamic_batch_size or not ns.max_tokens_per_gpu or ns.max_tokens_per_gpu < 1):
@@ -153,8 +151,7 @@ def cuda_graph_refusal(ns: argparse.Namespace, device, actor_ranks: int, cfg) ->
     """Why graphed micro-steps (:mod:`rlperf.train.cuda_graph`) cannot run on this host, naming the flag,
     or None: they need a CUDA device, one actor process of the fsdp or the megatron backend (the
     data-parallel trainer runs its own micro-steps; with one process the megatron layout is TP = PP = 1)
-    and a dense model without routing replay (the MoE layers' grouping is not captured). ``auto`` turns
-    them on for the fsdp backend only. ``cfg``: :func:`run_model_config` (None: not read, not refused)."""
+    and a dense model without routing replay (the MoE layers' grouping is not captured). ``cfg``: :func:`run_model_config` (None: not read, not refused)."""
     if device.type != "cuda":
         return f"--cuda-graph-buckets replays CUDA graphs: it needs a CUDA device (--device {device.type})"
     if actor_ranks != 1:

@@ -239,13 +239,12 @@ def add_train_arguments(p, skip=(), task_defaults=()) -> None:
              "counts >= its size and replay CUDA graphs captured per bucket for the log-prob passes and the train "
              "micro-step (forward + backward): far fewer kernel launches from the host; the log-probs, gradients "
              "and weights keep eager's bits in invariant mode (docs/train.md). auto: where graphs apply (a CUDA "
-             "device, one actor process of the fsdp backend, a dense model without --use-rollout-routing-replay, "
+             "device, one actor process of the fsdp or the megatron backend, a dense model without --use-rollout-routing-replay, "
              f"--use-dynamic-batch-size with --max-tokens-per-gpu M) the buckets M, M/2, M/4, M/8, none below "
              f"{AUTO_BUCKET_FLOOR} tokens, and only as many as keep their gradient copies within "
              f"{AUTO_GRAPH_GRADIENT_FRACTION * 100:g}%% of the GPU's memory; elsewhere eager. none: eager. LIST: "
              "comma-separated token counts (e.g. 1024,2048,4096), which need all of the above with M <= the "
-             "largest bucket; with --train-backend megatron a LIST graphs its tree step at one rank (auto keeps "
-             "it eager: not yet measured on a GPU) (default: auto)")
+             "largest bucket; the megatron backend's graphs capture its tree step at one rank (default: auto)")
     add("--fsdp-gather", default=d.fsdp_gather, choices=FSDP_GATHER_MODES,
         help="data-parallel ranks: gather the FSDP shards once per step and reduce-scatter the gradients once "
              "after the last micro-batch (step), or around every micro-batch (micro-batch: least memory); "

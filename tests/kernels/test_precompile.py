@@ -237,4 +237,25 @@ def test_gpu_recorded_launch_loads_from_precompiled_cache(tmp_path):
     before = _cache_entries(second)
     out = run(second)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert _cache_entries(second) == before, "the launches compiled again"
+    assert _cache_entries(second) == before, "the launches compiled again: " + _new_entries_explained(second, before)
+
+
+def _new_entries_explained(cache_dir, before) -> str:
+    """Each cache entry not in ``before``: its files and, for a kernel's metadata (``NAME.json``), the fields
+    that differ from the metadata of the same kernel among the precompiled entries."""
+    old = {}
+    for name in before:
+        for f in (cache_dir / name).glob("*.json"):
+            if not f.name.startswith("__grp__"):
+                old.setdefault(f.name, json.loads(f.read_text()))
+    lines = []
+    for name in sorted(set(_cache_entries(cache_dir)) - set(before)):
+        files = sorted(f.name for f in (cache_dir / name).iterdir())
+        lines.append(f"{name}: {files}")
+        for f in (cache_dir / name).glob("*.json"):
+            if f.name in old:
+                new = json.loads(f.read_text())
+                diff = {k: (old[f.name].get(k), new.get(k)) for k in sorted(set(new) | set(old[f.name]))
+                        if old[f.name].get(k) != new.get(k) and k != "hash"}
+                lines.append(f"  {f.name} differs from the precompiled one in {diff}")
+    return "\n".join(lines)

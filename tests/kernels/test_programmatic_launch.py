@@ -65,6 +65,14 @@ def test_the_switch_reads_rlperf_pdl_once_and_names_a_bad_value(fresh_setting, m
     assert not K.programmatic_launch(cpu) and pipeline._pdl_on is False
 
 
+def test_programmatic_launch_is_on_unless_rlperf_pdl_is_0(fresh_setting, monkeypatch):
+    assert pipeline._pdl_from_environment() is True  # unset: on (SM 90+ GPUs only: _pdl_capable)
+    monkeypatch.setenv(pipeline.PDL_ENV, "")
+    assert pipeline._pdl_from_environment() is True
+    monkeypatch.setenv(pipeline.PDL_ENV, "0")
+    assert pipeline._pdl_from_environment() is False
+
+
 def test_use_programmatic_launch_nests_and_restores(fresh_setting):
     with K.use_programmatic_launch(True):
         assert pipeline._pdl_on is True

@@ -288,7 +288,7 @@ def h100_memory(monkeypatch):
 def test_auto_resolves_to_the_ladder_on_cuda_where_graphs_apply_and_to_eager_elsewhere(h100_memory):
     """``resolve_cuda_graph_buckets`` (``rlperf train``/``gate``'s stage 2) on a CUDA device (faked:
     the function reads only ``device.type`` and the capacity): ``auto`` becomes the ladder for one fsdp
-    process on a dense model with packed micro-batches, and ``()`` without an error where graphs do not
+    or megatron process on a dense model with packed micro-batches, and ``()`` without an error where graphs do not
     apply; ``none`` is ``()`` everywhere."""
     from rlperf.loop.resolve import resolve_cuda_graph_buckets
 
@@ -302,10 +302,13 @@ def test_auto_resolves_to_the_ladder_on_cuda_where_graphs_apply_and_to_eager_els
     ns = _resolve_ns(model="qwen3-4b")  # one bf16 gradient set (8 GB) fits 10% of 80 GiB, two do not
     resolve_cuda_graph_buckets(ns, cuda, 1)
     assert ns.cuda_graph_buckets == (4096,)
+    ns = _resolve_ns(train_backend="megatron")  # one rank: the tree step graphed like the fsdp one
+    resolve_cuda_graph_buckets(ns, cuda, 1)
+    assert ns.cuda_graph_buckets == (512, 1024, 2048, 4096)
     for ns, device, ranks in [
         (_resolve_ns(), cpu, 1),
         (_resolve_ns(), cuda, 2),
-        (_resolve_ns(train_backend="megatron"), cuda, 1),
+        (_resolve_ns(train_backend="megatron"), cuda, 2),
         (_resolve_ns(model="qwen3-moe-tiny"), cuda, 1),
         (_resolve_ns(model="qwen3-moe-tiny", use_rollout_routing_replay=True), cuda, 1),
         (_resolve_ns(use_dynamic_batch_size=False, max_tokens_per_gpu=None), cuda, 1),
@@ -328,7 +331,7 @@ def test_an_explicit_list_keeps_its_refusals(h100_memory):
     ns = _resolve_ns(cuda_graph_buckets=(1024, 4096))
     resolve_cuda_graph_buckets(ns, cuda, 1)
     assert ns.cuda_graph_buckets == (1024, 4096)
-    ns = _resolve_ns(cuda_graph_buckets=(1024, 4096), train_backend="megatron")  # auto keeps it eager; a list does not
+    ns = _resolve_ns(cuda_graph_buckets=(1024, 4096), train_backend="megatron")
     resolve_cuda_graph_buckets(ns, cuda, 1)
     assert ns.cuda_graph_buckets == (1024, 4096)
     for ns, device, ranks, why in [
