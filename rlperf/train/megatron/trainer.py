@@ -34,8 +34,8 @@ token-count bucket and its forward and backward replay graphs captured per bucke
 (:mod:`rlperf.train.cuda_graph`); the tied head's gradient, which the backward keeps apart
 (``head_grad``), is one more static output (:class:`_TiedHeadGrad`). Padding moves no bit of the tree
 step (the norms' weight gradients included: ``tree_reduce.token_parallel_rmsnorm``), so a graphed step
-has the eager step's bits. Not the loop's default yet (``--cuda-graph-buckets auto`` keeps the megatron
-backend eager): an explicit bucket list turns it on.
+has the eager step's bits. ``--cuda-graph-buckets auto`` (the loop's default) turns them on at one rank,
+as for the fsdp trainer.
 """
 from __future__ import annotations
 
