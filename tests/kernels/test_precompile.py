@@ -237,7 +237,28 @@ def test_gpu_recorded_launch_loads_from_precompiled_cache(tmp_path):
     before = _cache_entries(second)
     out = run(second)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert _cache_entries(second) == before, "the launches compiled again: " + _new_entries_explained(second, before)
+    # the second run recorded into the same manifest: a launch whose specialization differs from the first
+    # run's adds a line (the recorder keeps lines already there)
+    assert _cache_entries(second) == before, ("the launches compiled again: " + _new_entries_explained(second, before)
+                                              + _new_manifest_lines(entries, P.read_manifest(manifest)))
+
+
+def _new_manifest_lines(first: list[dict], now: list[dict]) -> str:
+    """The manifest entries the second run added, each with the fields of its spec (and target) that differ
+    from the first run's entry of the same kernel."""
+    lines = []
+    for entry in now[len(first):]:
+        same = [e for e in first if e["kernel"] == entry["kernel"]]
+        if not same:
+            lines.append(f"\nnew entry of a kernel the first run did not launch: {entry['kernel']}")
+            continue
+        old = same[-1]
+        diff = {k: (old["spec"].get(k), entry["spec"].get(k)) for k in entry["spec"]
+                if old["spec"].get(k) != entry["spec"].get(k)}
+        if old["target"] != entry["target"]:
+            diff["target"] = (old["target"], entry["target"])
+        lines.append(f"\nthe second run's entry of {entry['kernel']} differs from the first's in {diff}")
+    return "".join(lines) or "\n(the second run recorded no new specialization)"
 
 
 def _new_entries_explained(cache_dir, before) -> str:
