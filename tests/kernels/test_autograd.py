@@ -197,4 +197,9 @@ def test_gpu_op_gradients(dtype, tol):
 
 @pytest.mark.gpu
 def test_gpu_model_gradients_match_transformers(tmp_path):
-    _model_grads_vs_transformers(tmp_path, "cuda", torch.float32, atol=2e-3, rtol=1e-2)
+    # float32 on the GPU: the attention kernels' dots run in TF32 (10-bit mantissa, unit roundoff 2^-11 ~
+    # 4.9e-4; test_gpu_op_gradients leaves fp32 attention out for that reason) and transformers' in full
+    # float32, so a gradient that sums many attention terms carries a few TF32 units of the largest one:
+    # layer 1's q_norm weight gradient measured 2.37e-3 of its largest element on an H200 (the
+    # counter-hash init's weights), the same with and without programmatic dependent launch.
+    _model_grads_vs_transformers(tmp_path, "cuda", torch.float32, atol=5e-3, rtol=1e-2)
