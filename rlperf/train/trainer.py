@@ -338,17 +338,24 @@ class Trainer:
 
     @torch.no_grad()
     def _accumulate_master_grads(self) -> None:
-        """Mixed precision: add each compute parameter's ``.grad`` (this micro-batch's, in the compute
-        dtype) into its master's float32 ``.grad`` and free it. No-op when master is compute."""
+        """Mixed precision: each compute parameter's ``.grad`` (this micro-batch's, in the compute dtype)
+        into its master's float32 ``.grad``, then freed; a no-op when master is compute. Multi-tensor
+        calls, not a launch per parameter: the first micro-batch's gradients converted by one
+        ``_foreach_copy_`` (exactly ``.to(float32)``, signed zeros kept), later ones added by one
+        ``_foreach_add_`` (float32 += bf16, accumulated in float32: exactly ``add_``)."""
         if not self.mixed:
             return
-        for p, m in zip(self.params, self.master_params):
-            if p.grad is None:
-                continue
-            if m.grad is None:
-                m.grad = p.grad.to(torch.float32)
-            else:
-                m.grad.add_(p.grad)  # float32 += bf16: accumulated in float32
+        pairs = [(p, m) for p, m in zip(self.params, self.master_params) if p.grad is not None]
+        first = [(p, m) for p, m in pairs if m.grad is None]
+        later = [(p, m) for p, m in pairs if m.grad is not None]
+        if first:
+            copies = [torch.empty_like(m, dtype=torch.float32) for _, m in first]
+            torch._foreach_copy_(copies, [p.grad for p, _ in first])
+            for (_, m), g in zip(first, copies):
+                m.grad = g
+        if later:
+            torch._foreach_add_([m.grad for _, m in later], [p.grad for p, _ in later])
+        for p, _ in pairs:
             p.grad = None
 
     @torch.no_grad()

@@ -106,6 +106,26 @@ def test_accumulate_adds_low_precision_grads_in_float32():
     assert torch.all((torch.ones_like(p) + small) == 1.0), "the bf16 sum would have lost it"
 
 
+def test_accumulate_keeps_signed_zeros_and_skips_missing_grads():
+    """The multi-tensor accumulation gives the per-parameter ``.to(float32)`` then ``add_`` bits, the sign
+    of a first micro-batch's -0.0 included (a zero-filled master gradient would make it +0.0)."""
+    t = Trainer(_model(), _args(), compute_dtype=torch.bfloat16)
+    (p0, p1), (m0, m1) = t.params[:2], t.master_params[:2]
+    first = torch.full_like(p0, -0.0)
+    first.view(-1)[::3] = -2.0 ** -20  # below bf16's float32 sum resolution with later terms: exact anyway
+    p0.grad = first.clone()
+    t._accumulate_master_grads()
+    assert m1.grad is None, "a parameter without a gradient gets none"
+    assert torch.equal(torch.signbit(m0.grad), torch.signbit(first.float())) and torch.equal(m0.grad, first.float())
+    later = torch.full_like(p0, 0.0)
+    p0.grad, p1.grad = later.clone(), torch.ones_like(p1)
+    t._accumulate_master_grads()
+    expected = first.float()
+    expected.add_(later)
+    assert torch.equal(torch.signbit(m0.grad), torch.signbit(expected)) and torch.equal(m0.grad, expected)
+    assert torch.equal(m1.grad, torch.ones_like(m1)) and p0.grad is None and p1.grad is None
+
+
 def test_resume_from_float32_masters_is_exact():
     samples = [_samples(0), _samples(1, rewards=(0.0, 1.0, 1.0, 0.0, 1.0, 0.0))]
     straight = Trainer(_model(), _args(), compute_dtype=torch.bfloat16)

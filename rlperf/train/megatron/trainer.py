@@ -402,27 +402,6 @@ class MegatronTrainer(Trainer):
         return out
 
     @torch.no_grad()
-    def _accumulate_master_grads(self) -> None:
-        """Mixed precision: this micro-batch's compute-dtype gradients into the float32 master gradients
-        in multi-tensor calls (the first micro-batch's converted by copies, later ones added: float32 +=
-        bf16), the compute gradients freed: the bits of :meth:`rlperf.train.Trainer._accumulate_master_grads`'s
-        per-parameter ``.to(float32)`` and ``add_``, in a few launches instead of one per parameter."""
-        if not self.mixed:
-            return
-        pairs = [(p, m) for p, m in zip(self.params, self.master_params) if p.grad is not None]
-        first = [(p, m) for p, m in pairs if m.grad is None]
-        later = [(p, m) for p, m in pairs if m.grad is not None]
-        if first:
-            copies = [torch.empty_like(m, dtype=torch.float32) for _, m in first]
-            torch._foreach_copy_(copies, [p.grad for p, _ in first])
-            for (_, m), g in zip(first, copies):
-                m.grad = g
-        if later:
-            torch._foreach_add_([m.grad for _, m in later], [p.grad for p, _ in later])
-        for p, _ in pairs:
-            p.grad = None
-
-    @torch.no_grad()
     def _combine_tied_head(self) -> None:
         """Tied embeddings: the weight's gradient is (embedding part) + (head part), added in that order
         on every stage that holds a copy (first and last; exchanged between them when PP > 1)."""
