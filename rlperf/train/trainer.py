@@ -54,6 +54,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .adamw import adamw, keep_implementation
 from .advantages import compute_advantages
 from .args import TrainArgs
 from .backend import CheckpointState, TrainerSetup, register_trainer_backend
@@ -114,8 +115,8 @@ class Trainer:
         # Megatron's default: no weight decay on 1-D parameters (norm weights, biases)
         groups = [{"params": [p for _, p in named if p.dim() > 1], "weight_decay": args.weight_decay},
                   {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr,
-                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        self.optimizer = adamw([g for g in groups if g["params"]], args.lr, (args.adam_beta1, args.adam_beta2),
+                               args.adam_eps)
         self.step_count = 0
 
     def compute_weights(self, bucket_bytes: int = 512 << 20):
@@ -392,6 +393,7 @@ class Trainer:
         optim = self._optimizer_state_by_name(state["optimizer"])
         set_optimizer_state_dict(self.master_model, self.optimizer, optim_state_dict=optim,
                                  options=StateDictOptions(full_state_dict=True))
+        keep_implementation(self.optimizer)
         self.step_count = int(state["step_count"])
         self._copy_master_to_compute()
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..adamw import adamw, step_state
+
 
 def _chunk(n: int, size: int) -> int:
     return -(-n // size) if n else 0
@@ -48,7 +50,7 @@ class DistributedAdamW:
                 self.shard_of[id(p)] = shard
                 shards.append(shard)
             inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": shards})
-        self.inner = torch.optim.AdamW(inner_groups, lr=lr, betas=betas, eps=eps)
+        self.inner = adamw(inner_groups, lr, betas, eps)
 
     def _bounds(self, p: torch.Tensor) -> tuple[int, int]:
         c = _chunk(p.numel(), self.size)
@@ -58,6 +60,11 @@ class DistributedAdamW:
     @property
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        """The inner AdamW's defaults (its implementation: :mod:`rlperf.train.adamw`)."""
+        return self.inner.defaults
 
     @torch.no_grad()
     def step(self) -> None:
@@ -119,6 +126,6 @@ class DistributedAdamW:
         lo, hi = self._bounds(p)
         shard = self.shard_of[id(p)]
         self.inner.state[shard] = {
-            "step": torch.tensor(step, dtype=torch.float32),
+            "step": step_state(self.inner, step, shard),
             "exp_avg": exp_avg.reshape(-1)[lo:hi].to(dtype=torch.float32, device=shard.device).clone(),
             "exp_avg_sq": exp_avg_sq.reshape(-1)[lo:hi].to(dtype=torch.float32, device=shard.device).clone()}

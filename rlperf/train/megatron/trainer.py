@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from rlperf.kernels.tree_reduce import tree_sum
 
+from ..adamw import adamw, keep_implementation, step_state
 from ..batching import HostCopies, MicroBatch, loss_inputs, make_micro_batch, partition
 from ..losses import policy_loss
 from ..sample import Sample
@@ -192,8 +193,7 @@ class MegatronTrainer(Trainer):
             self.optimizer = DistributedAdamW(groups, args.lr, (args.adam_beta1, args.adam_beta2), args.adam_eps,
                                               self.dp_group if self.dp_size > 1 else None)
         else:
-            self.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                               eps=args.adam_eps)
+            self.optimizer = adamw(groups, args.lr, (args.adam_beta1, args.adam_beta2), args.adam_eps)
         self.step_count = 0
         self._norm_keys = self._grad_norm_keys()
         self.graphs = self._micro_batch_graphs() if args.cuda_graph_buckets else None
@@ -611,11 +611,12 @@ class MegatronTrainer(Trainer):
                     self.optimizer.set_state(m, optim["step"], avg, avg_sq)
                     continue
                 self.optimizer.state[m] = {
-                    "step": torch.tensor(optim["step"], dtype=torch.float32),
+                    "step": step_state(self.optimizer, optim["step"], m),
                     "exp_avg": avg.to(dtype=torch.float32, device=m.device).clone(),
                     "exp_avg_sq": avg_sq.to(dtype=torch.float32, device=m.device).clone()}
         for g, saved in zip(self.optimizer.param_groups, optim["param_groups"]):
             g.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+        keep_implementation(self.optimizer)
         self.step_count = int(state["step_count"])
         self._copy_master_to_compute()
 
