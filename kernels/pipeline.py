@@ -8,8 +8,8 @@ buffer), dropping stages keeps the contract; the depth that fit is remembered pe
 launches go straight to it.
 
 Programmatic dependent launch (Hopper and later; on by default, ``RLPERF_PDL=0`` or
-:func:`use_programmatic_launch` turns it off). A decode step is a chain of small kernels, each of which waits for the one before
-it to finish and for its own blocks to be scheduled; with PDL a kernel's blocks may be launched while
+:func:`use_programmatic_launch` turns it off). A decode step is a chain of small kernels, each of
+which waits for the one before it to finish and for its own blocks to be scheduled; with PDL a kernel's blocks may be launched while
 its predecessor's last blocks still run. Every kernel that a launch marks this way (the decode
 step's: RMSNorm, matmul, the q/k norm + RoPE + K/V store, attention, SwiGLU, the K/V write, the
 sampler, the fused lm-head log-prob; and the dense train step's backward kernels: attention's, the

@@ -151,7 +151,8 @@ def cuda_graph_refusal(ns: argparse.Namespace, device, actor_ranks: int, cfg) ->
     """Why graphed micro-steps (:mod:`rlperf.train.cuda_graph`) cannot run on this host, naming the flag,
     or None: they need a CUDA device, one actor process of the fsdp or the megatron backend (the
     data-parallel trainer runs its own micro-steps; with one process the megatron layout is TP = PP = 1)
-    and a dense model without routing replay (the MoE layers' grouping is not captured). ``cfg``: :func:`run_model_config` (None: not read, not refused)."""
+    and a dense model without routing replay (the MoE layers' grouping is not captured). ``cfg``:
+    :func:`run_model_config` (None: not read, not refused)."""
     if device.type != "cuda":
         return f"--cuda-graph-buckets replays CUDA graphs: it needs a CUDA device (--device {device.type})"
     if actor_ranks != 1:
