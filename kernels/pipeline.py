@@ -8,18 +8,18 @@ buffer), dropping stages keeps the contract; the depth that fit is remembered pe
 launches go straight to it.
 
 Programmatic dependent launch (Hopper and later; on by default, ``RLPERF_PDL=0`` or
-:func:`use_programmatic_launch` turns it off). A decode step is a chain of small kernels, each of
-which waits for the one before it to finish and for its own blocks to be scheduled; with PDL a kernel's blocks may be launched while
-its predecessor's last blocks still run. Every kernel that a launch marks this way (the decode
-step's: RMSNorm, matmul, the q/k norm + RoPE + K/V store, attention, SwiGLU, the K/V write, the
-sampler, the fused lm-head log-prob; and the dense train step's backward kernels: attention's, the
-norms', SwiGLU's, the weight gradient, the log-prob's) starts with :func:`grid_dependency_sync`: it
-waits until the previous grid has finished and its memory writes are visible (``griddepcontrol.wait``)
-before it reads or writes anything, then lets the next launch start
-(``griddepcontrol.launch_dependents``). No load, store or arithmetic moves, so the bits
-are those of the plain launch; only the gap between kernels shrinks. Both instructions do nothing in a
-grid launched without the attribute, so one compiled body serves both launches (the attribute is
-a compile option, ``launch_pdl``, and CUDA graphs capture it). Under the CPU interpreter neither is
+:func:`use_programmatic_launch` turns it off). A decode step is a chain of small kernels, each of which
+waits for the one before it to finish and for its own blocks to be scheduled; with PDL a kernel's blocks
+may be launched while its predecessor's last blocks still run. Every kernel that a launch marks this way
+(the decode step's: RMSNorm, matmul, the q/k norm + RoPE + K/V store, attention, SwiGLU, the K/V write,
+the sampler, the fused lm-head log-prob; and the dense train step's backward kernels: attention's, the
+norms', SwiGLU's, the weight gradient, the log-prob's; the tensor-parallel tree's node product and tree
+sum) starts with :func:`grid_dependency_sync`: it waits until the previous grid has finished and its
+memory writes are visible (``griddepcontrol.wait``) before it reads or writes anything, then lets the
+next launch start (``griddepcontrol.launch_dependents``). No load, store or arithmetic moves, so the
+bits are those of the plain launch; only the gap between kernels shrinks. Both instructions do nothing
+in a grid launched without the attribute, so one compiled body serves both launches (the attribute is a
+compile option, ``launch_pdl``, and CUDA graphs capture it). Under the CPU interpreter neither is
 emitted.
 """
 from __future__ import annotations

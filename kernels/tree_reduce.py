@@ -58,6 +58,7 @@ import triton.language as tl
 
 from . import norm
 from .dispatch import route
+from .pipeline import grid_dependency_sync, launch_options
 from .tile_dot import dot_acc, kernel_store_dtype
 
 TREE_LEAVES = 8
@@ -93,6 +94,7 @@ def tree_sum(parts) -> torch.Tensor:
 @triton.jit
 def _tree_sum_kernel(parts, out, N, stride_s, LEAVES: tl.constexpr, BLOCK: tl.constexpr):
     # out[i] = tree_sum(parts[:, i]) in float32 (adjacent pairs first), stored in out's dtype (one rounding)
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < N
     p = parts + offs
@@ -134,7 +136,7 @@ def tree_sum_to(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     n = out.numel()
     if n:
         _tree_sum_kernel[(triton.cdiv(n, _TREE_SUM_BLOCK),)](flat, out, n, flat.stride(0), LEAVES=parts.shape[0],
-                                                             BLOCK=_TREE_SUM_BLOCK)
+                                                             BLOCK=_TREE_SUM_BLOCK, **launch_options(parts.device))
     return out.to(out_dtype)
 
 
@@ -420,6 +422,7 @@ def _tree_node_kernel(x, w, out, M, N, LEAF_K, stride_xm, stride_xk, stride_wn, 
                       PRECISION: tl.constexpr):
     # out[m, n] = the balanced tree over LEAVES leaf partials (tree_sum's order: adjacent pairs first),
     # in float32. Rows past M / columns past N read row / column 0 and are never stored.
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(offs_m < M, offs_m, 0)
@@ -480,7 +483,7 @@ def _tree_node(a: torch.Tensor, b: torch.Tensor, leaves: int, config_n: int | No
         _tree_node_kernel[grid](a, b, out, M, N, width, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                                 out.stride(0), out.stride(1), LEAVES=leaves, BLOCK_M=block_m, BLOCK_N=block_n,
                                 BLOCK_K=block_k, PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
-                                num_warps=warps, num_stages=stages)
+                                num_warps=warps, num_stages=stages, **launch_options(a.device))
         return out.to(out_dtype)
     acc = _TreeStack()
     for c in range(leaves):

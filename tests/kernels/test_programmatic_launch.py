@@ -122,6 +122,12 @@ picked.setdefault("attention:_write_kv_kernel", spec(
 picked.setdefault("sampling:_top_p_threshold_kernel", spec(
     "sampling:_top_p_threshold_kernel", {n: "*fp32" for n in ("srt_ptr", "temp_ptr", "top_p_ptr", "thr_ptr")},
     {"BLOCK": 4096}, 8))
+# the megatron tree step's node (8 leaves of a bf16 product, float32 out) and its tree sum
+picked.setdefault("tree_reduce:_tree_node_kernel", spec(
+    "tree_reduce:_tree_node_kernel", {"x": "*bf16", "w": "*bf16", "out": "*fp32"},
+    {"LEAVES": 8, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PRECISION": "tf32"}, 4))
+picked.setdefault("tree_reduce:_tree_sum_kernel", spec(
+    "tree_reduce:_tree_sum_kernel", {"parts": "*fp32", "out": "*bf16"}, {"LEAVES": 8, "BLOCK": 1024}, 4))
 missing = [n for n in wanted if n not in picked]
 assert not missing, f"no specialization to compile for {missing}: add a spec() line for each"
 for name in wanted:
