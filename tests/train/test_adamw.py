@@ -67,8 +67,11 @@ def test_a_loaded_checkpoint_keeps_this_optimizer_implementation(saved_fused, ow
     assert all(float(st["step"]) == 4.0 for st in opt.state.values())
 
 
-def test_step_state_follows_the_implementation():
-    p = _params()[0]
-    fused = adamw([{"params": [p]}], 1e-3, (0.9, 0.999), 1e-8, fused=True)
-    t = step_state(fused, 7.0, p)
-    assert t.dtype == torch.float32 and t.dim() == 0 and float(t) == 7.0 and t.device == p.device
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_step_state_follows_the_implementation(device):
+    """The fused kernel keeps ``step`` on the parameter's device, the default form on the CPU."""
+    p = torch.nn.Parameter(torch.zeros(3, device=device))
+    for fused, where in ((True, device), (False, "cpu")):
+        opt = adamw([{"params": [p]}], 1e-3, (0.9, 0.999), 1e-8, fused=fused)
+        t = step_state(opt, 7.0, p)
+        assert t.dtype == torch.float32 and t.dim() == 0 and float(t) == 7.0 and t.device.type == where
