@@ -103,63 +103,20 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
-TEST_PORTS = (20000, 32768)
-"""Where :func:`free_ports` picks: above Ray's worker ports (10002-19999 by default) and below the
-ephemeral range the OS hands to ``bind(port 0)`` and to every outgoing connection (32768-60999 on
-Linux), so no client socket or OS-picked port of another test can take a port between its pick and
-the test server's bind. Each pytest-xdist worker picks in its own slice of it."""
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return TEST_PORTS[1]
-
-
 @pytest.fixture(scope="session")
 def free_ports():
     """``free_ports(n, consecutive=False)``: n distinct TCP ports on 127.0.0.1, free a moment ago, from
-    this worker's slice of :data:`TEST_PORTS` (``consecutive``: n ports in a row, for ``rlperf serve
-    --router N --port P``, whose servers take P .. P+N-1)."""
-    import random
-    import socket
+    this pytest-xdist worker's slice of the span the product's own picks use
+    (:func:`rlperf.rollout.router.listen_port_span`), so two workers never draw the same port."""
+    from rlperf.rollout.router import free_ports as pick, listen_port_span
 
-    low, high = TEST_PORTS[0], min(TEST_PORTS[1], _ephemeral_low())
-    if high - low < 1024:  # a host whose ephemeral range starts low: pick in TEST_PORTS all the same
-        high = TEST_PORTS[1]
+    low, high = listen_port_span()
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     index = int(worker) if worker.isdigit() else 0
     width = (high - low) // max(workers, 1)
-    low, high = low + index * width, low + (index + 1) * width
-    draw = random.Random()  # not the global generator, which tests seed
-
-    def bindable(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-        return True
-
-    def grab(n: int, consecutive: bool = False) -> list[int]:
-        ports: list[int] = []
-        for _ in range(1000):
-            if consecutive:
-                start = draw.randrange(low, high - n)
-                ports = list(range(start, start + n))
-                if all(bindable(p) for p in ports):
-                    return ports
-            else:
-                port = draw.randrange(low, high)
-                if port not in ports and bindable(port):
-                    ports.append(port)
-                    if len(ports) == n:
-                        return ports
-        raise RuntimeError(f"free_ports: no {n} free ports in {low}-{high - 1}")
-
-    return grab
+    span = (low + index * width, low + (index + 1) * width)
+    return lambda n, consecutive=False: pick(n, "127.0.0.1", consecutive=consecutive, span=span)
 
 
 @pytest.fixture(scope="session")

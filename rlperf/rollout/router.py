@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -68,11 +69,73 @@ def http_json(url: str, body=None, timeout: float = 30.0, headers: dict | None =
         return status, raw.decode(errors="replace")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+LISTEN_PORTS = (20000, 32768)
+"""Where :func:`free_ports` picks (low inclusive, high exclusive): above Ray's worker ports (10002-19999
+by default) and below the ephemeral range the OS hands to ``bind(port 0)`` and to every outgoing
+connection (32768-60999 on Linux). A port picked there cannot be taken between the pick and the
+server's bind by a client socket or an OS-picked port (a Ray cluster opens many); only another explicit
+listener could, and the pick is random over 12,768 ports."""
+
+
+def ephemeral_port_low() -> int:
+    """The first port of this host's ephemeral range (Linux ``ip_local_port_range``; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return LISTEN_PORTS[1]
+
+
+def listen_port_span() -> tuple[int, int]:
+    """``(low, high)``: :data:`LISTEN_PORTS` cut at this host's ephemeral range; the whole of it when the
+    ephemeral range starts so low that fewer than 1,024 ports would be left."""
+    low, high = LISTEN_PORTS[0], min(LISTEN_PORTS[1], ephemeral_port_low())
+    return (low, high) if high - low >= 1024 else LISTEN_PORTS
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True when a TCP socket can bind ``(host, port)`` now (no listener, no connection in TIME_WAIT)."""
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+_PORT_DRAW = random.Random()  # its own generator: callers (tests, seeded runs) seed the global one
+_PORTS_GIVEN: set[int] = set()  # never the same port twice from one process
+
+
+def free_ports(n: int, host: str = "127.0.0.1", consecutive: bool = False,
+               span: tuple[int, int] | None = None) -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` a moment ago, drawn at random from ``span`` (default
+    :func:`listen_port_span`) and never one this process was given before; ``consecutive``: n ports in
+    a row (``rlperf serve --router N --port P`` gives its servers P .. P+N-1). Raises ``RuntimeError``
+    when 1,000 draws find none."""
+    low, high = span or listen_port_span()
+    ports: list[int] = []
+    for _ in range(1000):
+        if consecutive:
+            start = _PORT_DRAW.randrange(low, high - n)
+            ports = list(range(start, start + n))
+            if _PORTS_GIVEN.isdisjoint(ports) and all(port_is_free(host, p) for p in ports):
+                break
+        else:
+            port = _PORT_DRAW.randrange(low, high)
+            if port not in ports and port not in _PORTS_GIVEN and port_is_free(host, port):
+                ports.append(port)
+                if len(ports) == n:
+                    break
+    else:
+        raise RuntimeError(f"no {n} free TCP ports on {host} in {low}-{high - 1}")
+    _PORTS_GIVEN.update(ports)
+    return ports
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` a moment ago, outside the ephemeral range (:func:`free_ports`)."""
+    return free_ports(1, host)[0]
 
 
 class ProcessExited(RuntimeError):

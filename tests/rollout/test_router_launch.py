@@ -160,3 +160,26 @@ def test_a_router_that_fails_otherwise_is_not_started_again(monkeypatch):
     with pytest.raises(R.ProcessExited, match="No module named"):
         R.start_router_on_free_port(["http://127.0.0.1:1"], "127.0.0.1", env=_env(), timeout=30)
     assert len(calls) == 2  # one router port and its metrics port: one attempt
+
+
+def test_picked_ports_stay_out_of_the_ephemeral_range_and_never_repeat():
+    # the rank-0 rendezvous (MASTER_PORT), engines and routers listen on these: a port the OS can hand
+    # to an outgoing connection could be taken between the pick and the bind (a Ray cluster opens many)
+    low, high = R.listen_port_span()
+    assert high <= max(R.ephemeral_port_low(), R.LISTEN_PORTS[0] + 1024)
+    ports = [R.free_port() for _ in range(50)] + R.free_ports(7) + R.free_ports(5, consecutive=True)
+    assert len(set(ports)) == len(ports)  # one process never gets one port twice
+    assert all(low <= p < high for p in ports)
+    assert ports[-5:] == list(range(ports[-5], ports[-5] + 5))
+
+
+def test_a_port_with_a_listener_is_never_picked():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))  # the OS picks it: outside any span the product draws from
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert not R.port_is_free("127.0.0.1", port)
+        with pytest.raises(RuntimeError, match=f"no 1 free TCP ports on 127.0.0.1 in {port}-{port}"):
+            R.free_ports(1, span=(port, port + 1))  # a span of the busy port alone: 1,000 draws all fail
