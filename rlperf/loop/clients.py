@@ -286,11 +286,12 @@ def push_weights(url: str, named_tensors, *, config: SyncConfig | None = None, w
     headers = _auth_headers(api_key)
     buckets = flatten_buckets(named_tensors, bucket_bytes=config.bucket_bytes)
     for i, bucket in enumerate(buckets):
-        payload, handle = bucket_payload(bucket, config.transport)
-        body = {"load_format": "flattened_bucket", "serialized_named_tensors": [payload]}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
+        handle = None
         try:
+            payload, handle = bucket_payload(bucket, config.transport)
+            body = {"load_format": "flattened_bucket", "serialized_named_tensors": [payload]}
+            if weight_version is not None:
+                body["weight_version"] = weight_version
             status, reply = http_json(url.rstrip("/") + "/update_weights_from_tensor", body, timeout=timeout, headers=headers)
         finally:
             release(handle)

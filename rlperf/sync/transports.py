@@ -31,8 +31,10 @@ continue) is the loop's router client (:mod:`rlperf.loop.clients`).
 """
 from __future__ import annotations
 
+import atexit
 import base64
 import binascii
+import contextlib
 import dataclasses
 import json
 import os
@@ -59,15 +61,33 @@ SHM_NAME = re.compile(r"rlperf_bucket_[0-9]{1,10}_[0-9a-f]{16}")
 """The only shared-memory names a receiver opens: ``rlperf_bucket_<sender pid>_<64 random bits in hex>``,
 one segment per bucket transfer (:func:`bucket_payload`)."""
 _SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps POSIX segments on Linux
-_created: set[str] = set()  # segments this process created and has not released (the fallback reader needs it)
+_created: dict[str, shared_memory.SharedMemory] = {}
+"""Segments this process created and has not released, by name (the fallback reader needs the names;
+:func:`_release_at_exit` the objects)."""
 
 
 def _new_segment(nbytes: int) -> shared_memory.SharedMemory:
     """A fresh segment of ``max(nbytes, 1)`` bytes named ``rlperf_bucket_<pid>_<random>`` (:data:`SHM_NAME`)."""
     name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
     shm = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
-    _created.add(shm.name)
+    _created[shm.name] = shm
     return shm
+
+
+def _release_at_exit() -> None:
+    """Unlink the segments still held when the interpreter exits: a run stopped by SIGTERM in the middle
+    of a weight sync (its ``finally`` may not have reached :func:`release`, or the transfer ran in a
+    thread) leaves nothing in ``/dev/shm``, and ``multiprocessing``'s resource tracker has no leak to
+    warn about after the run's last line."""
+    for name, shm in list(_created.items()):
+        with contextlib.suppress(BufferError):  # a view still open: the unlink frees the name all the same
+            shm.close()
+        with contextlib.suppress(OSError):  # unlinked already (stopped between the unlink and the forget)
+            shm.unlink()
+        _created.pop(name, None)
+
+
+atexit.register(_release_at_exit)
 
 
 def bucket_payload(bucket: FlattenedBucket, transport: str = "inline"):
@@ -79,7 +99,11 @@ def bucket_payload(bucket: FlattenedBucket, transport: str = "inline"):
         return {"description": desc, "transport": {"kind": "inline", "data": data}}, None
     if transport == "shm":
         shm = _new_segment(bucket.nbytes)
-        shm.buf[: bucket.nbytes] = bucket.buffer.cpu().numpy().tobytes()
+        try:
+            shm.buf[: bucket.nbytes] = bucket.buffer.cpu().numpy().tobytes()
+        except BaseException:  # SIGTERM (cli.Terminated) or an error before the caller holds the handle
+            release(shm)
+            raise
         return {"description": desc, "transport": {"kind": "shm", "name": shm.name}}, shm
     if transport == "cuda_ipc":
         buf = bucket.buffer
@@ -96,11 +120,11 @@ def bucket_payload(bucket: FlattenedBucket, transport: str = "inline"):
 
 def release(handle) -> None:
     """Free what a :func:`bucket_payload` handle holds once the receiver has answered (the
-    shared-memory segment; other handles need nothing)."""
-    if isinstance(handle, shared_memory.SharedMemory):
+    shared-memory segment; other handles, None and a segment released before need nothing)."""
+    if isinstance(handle, shared_memory.SharedMemory) and handle.name in _created:
         handle.close()
         handle.unlink()
-        _created.discard(handle.name)
+        del _created[handle.name]  # last: a stop before it leaves the segment to _release_at_exit
 
 
 def _field(d: dict, key: str, kind, what: str):
@@ -314,8 +338,9 @@ def sync_weights(named_tensors, params: Mapping[str, torch.Tensor], *, config: S
         if config.transport is None:
             b.load_into(params)
         else:
-            payload, handle = bucket_payload(b, config.transport)
+            handle = None
             try:
+                payload, handle = bucket_payload(b, config.transport)
                 load_bucket(receive_bucket(payload, device or b.device), params)
             finally:
                 release(handle)

@@ -204,3 +204,59 @@ def test_receiving_leaves_the_sender_segment_to_the_sender():
         assert os.path.exists(f"/dev/shm/{payload['transport']['name']}") or sys.platform != "linux"
     finally:
         release(handle)
+
+
+def test_a_second_release_is_a_no_op():
+    payload, handle = _shm_payload()
+    release(handle)
+    release(handle)  # the segment is gone: nothing to close or unlink twice
+    release(None)
+
+
+class _Stopped(BaseException):
+    """Stands for ``cli.Terminated``: SIGTERM raised in the main thread, not an Exception."""
+
+
+class _BucketStoppedWhileCopied:
+    """A bucket whose bytes cannot be read: the stop arrives while its segment is being filled."""
+    nbytes = 64
+
+    def to_dict(self):
+        return {}
+
+    @property
+    def buffer(self):
+        raise _Stopped()
+
+
+def test_a_stop_while_a_segment_is_filled_unlinks_it(monkeypatch):
+    from rlperf.sync import transports
+
+    made = []
+    real = transports._new_segment
+    monkeypatch.setattr(transports, "_new_segment", lambda n: made.append(real(n)) or made[-1])
+    with pytest.raises(_Stopped):
+        bucket_payload(_BucketStoppedWhileCopied(), "shm")
+    (shm,) = made
+    assert shm.name not in transports._created
+    assert not os.path.exists(f"/dev/shm/{shm.name}") or sys.platform != "linux"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /dev/shm")
+def test_segments_still_held_at_exit_are_unlinked_without_a_resource_tracker_warning():
+    # a run stopped between a transfer's start and its release (SIGTERM, or a transfer in a thread): the
+    # process exits holding the segment; it must not stay in /dev/shm, nor make multiprocessing's
+    # resource tracker print a leak warning after the run's last line
+    import subprocess
+
+    script = ("import torch\n"
+              "from rlperf.sync import bucket_payload, flatten_buckets\n"
+              "(b,) = flatten_buckets({'w': torch.arange(10.0)})\n"
+              "payload, handle = bucket_payload(b, 'shm')\n"
+              "print(payload['transport']['name'], flush=True)\n"
+              "raise SystemExit(143)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 143, out.stderr[-2000:]
+    name = out.stdout.split()[-1]
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert "resource_tracker" not in out.stderr and "leaked" not in out.stderr, out.stderr[-2000:]
