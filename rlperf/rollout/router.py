@@ -94,12 +94,15 @@ def listen_port_span() -> tuple[int, int]:
 
 
 def port_is_free(host: str, port: int) -> bool:
-    """True when a TCP socket can bind ``(host, port)`` now (no listener, no connection in TIME_WAIT)."""
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
+    """True when a TCP socket can bind ``(host, port)`` and the wildcard address at ``port`` now (no
+    listener on any of the host's IPv4 addresses, no connection in TIME_WAIT): a server that listens on
+    every address (``torch.distributed``'s TCPStore does) can take it too."""
+    for address in dict.fromkeys((host, "")):
+        with socket.socket() as s:
+            try:
+                s.bind((address, port))
+            except OSError:
+                return False
     return True
 
 
