@@ -166,7 +166,8 @@ def test_picked_ports_stay_out_of_the_ephemeral_range_and_never_repeat():
     # the rank-0 rendezvous (MASTER_PORT), engines and routers listen on these: a port the OS can hand
     # to an outgoing connection could be taken between the pick and the bind (a Ray cluster opens many)
     low, high = R.listen_port_span()
-    assert high <= max(R.ephemeral_port_low(), R.LISTEN_PORTS[0] + 1024)
+    assert high <= R.ephemeral_port_low() or (low, high) == R.LISTEN_PORTS  # the whole span only on a host
+    # whose ephemeral range starts below 21024 (fewer than 1,024 ports would be left)
     ports = [R.free_port() for _ in range(50)] + R.free_ports(7) + R.free_ports(5, consecutive=True)
     assert len(set(ports)) == len(ports)  # one process never gets one port twice
     assert all(low <= p < high for p in ports)
