@@ -10,10 +10,18 @@ or the card's?
 * ``no pdl``: the engine's default kernels without programmatic dependent launch
   (:func:`rlperf.kernels.use_programmatic_launch`; ``RLPERF_PDL=0``). The default launches with it on SM 90+
   GPUs: a kernel's blocks may start while the previous kernel's last blocks run, and the decode graphs
-  are captured with it.
+  are captured with it;
+* ``logprob split N`` (any N >= 1, e.g. ``logprob split 5``): the fused log-prob's forward
+  (:func:`rlperf.kernels.fused_logprob`, the engine's log-prob of each sampled token, read from the lm
+  head a second time) with vocabulary splits of N tiles of 256 columns instead of its config's
+  ``SPLIT_TILES``: one program per (128-token tile, split), so at decode batches (one token tile) the
+  split width alone sets how many programs stream the lm head (16 tiles: 38 programs on the 151,936-word
+  vocabulary; 5 tiles: 119).
 
 Both fused forms give the bits of their unfused calls (their kernel tests), and PDL moves no
-instruction of a kernel's math, so every variant decodes the same tokens; only the launches differ.
+instruction of a kernel's math, so those variants decode the same tokens; only the launches differ. A
+log-prob split changes the order in which the log-sum-exp adds the splits, so its log-probs differ in the
+last bits from the default's (the tokens do not: they are drawn from the logits).
 Each variant is timed with the rollout bench's own cases
 (:func:`rlperf.bench.rollout.decode_case`, CUDA graphs on, and :func:`prefill_case`), in invariant mode
 on the qwen3-0.6b shape with random weights. Ratios are to the engine's default of the same run::
@@ -26,19 +34,34 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import re
 import sys
+from typing import NamedTuple
 
 import torch
 
 from rlperf import kernels as K
 
+class Variant(NamedTuple):
+    """swiglu: None is the engine's own choice (the epilogue up to ``SWIGLU_EPILOGUE_MAX_ROWS`` rows), True
+    the epilogue at every size, False never; kv: the K/V-store fusion; pdl: launches with programmatic
+    dependent launch (the engine's default; it applies on SM 90+ GPUs only); logprob_split_tiles: the
+    fused log-prob's vocabulary tiles per forward split (None: its config's)."""
+
+    swiglu: bool | None
+    kv: bool
+    pdl: bool = True
+    logprob_split_tiles: int | None = None
+
+
 ENGINE_DEFAULT = "engine default"
-VARIANTS = {ENGINE_DEFAULT: (None, True, True), "both fusions": (True, True, True),
-            "no swiglu epilogue": (False, True, True), "no kv-store fusion": (True, False, True),
-            "neither": (False, False, True), "no pdl": (None, True, False)}
-"""Each variant's name and (swiglu, kv store fused, pdl): swiglu None is the engine's own choice (the
-epilogue up to ``SWIGLU_EPILOGUE_MAX_ROWS`` rows), True the epilogue at every size, False never; pdl:
-launches with programmatic dependent launch (the engine's default; it applies on SM 90+ GPUs only)."""
+VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, True),
+            "no swiglu epilogue": Variant(False, True), "no kv-store fusion": Variant(True, False),
+            "neither": Variant(False, False), "no pdl": Variant(None, True, pdl=False)}
+"""The named variants (``all`` times these); ``logprob split N`` variants are made on request
+(:func:`chosen_variants`)."""
+_LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
 
 
 def _unfused_linear_silu_mul(x, w):
@@ -51,13 +74,15 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 
 
 @contextlib.contextmanager
-def variant(swiglu: bool | None, kv: bool, pdl: bool = True):
+def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles: int | None = None):
     """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
-    kernels package: swap in the unfused calls (or lift the epilogue's row limit), and switch
-    programmatic dependent launch, for the variant's duration."""
-    from rlperf.kernels import gemm
+    kernels package: swap in the unfused calls (or lift the epilogue's row limit), switch
+    programmatic dependent launch, and set the fused log-prob's split width (every dtype's config), for
+    the variant's duration."""
+    from rlperf.kernels import fused_lm_head, gemm
 
     saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS
+    saved_configs = dict(fused_lm_head._CONFIGS)
     try:
         if swiglu is False:
             K.linear_silu_mul = _unfused_linear_silu_mul
@@ -65,21 +90,33 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True):
             gemm.SWIGLU_EPILOGUE_MAX_ROWS = 1 << 62
         if not kv:
             K.rmsnorm_rope_store_kv = _unfused_store_kv
+        if logprob_split_tiles is not None:
+            for dtype, cfg in saved_configs.items():
+                fused_lm_head._CONFIGS[dtype] = dataclasses.replace(cfg, SPLIT_TILES=logprob_split_tiles)
         with K.use_programmatic_launch(pdl):
             yield
     finally:
         K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS = saved
+        fused_lm_head._CONFIGS.clear()
+        fused_lm_head._CONFIGS.update(saved_configs)
 
 
-def chosen_variants(spec: str) -> dict | None:
-    """The engine's default and the variants ``spec`` names (``all``: every one), in :data:`VARIANTS`'
-    order; None when a name is not a variant."""
-    if spec.strip() == "all":
-        return dict(VARIANTS)
-    names = {n.strip() for n in spec.split(",") if n.strip()}
-    if not names or not names <= set(VARIANTS):
+def chosen_variants(spec: str) -> dict[str, Variant] | None:
+    """The engine's default and the variants ``spec`` names (``all``: every one of :data:`VARIANTS`; names
+    separated by commas), in
+    :data:`VARIANTS`' order, then the ``logprob split N`` ones in the order given; None when a name is not
+    a variant (or N is not a positive integer)."""
+    names = [" ".join(n.split()) for n in spec.split(",") if n.strip()]
+    splits = {}
+    for n in names:
+        match = _LOGPROB_SPLIT.fullmatch(n)
+        if match and int(match.group(1)) >= 1:
+            splits[n] = Variant(None, True, logprob_split_tiles=int(match.group(1)))
+        elif n not in VARIANTS and n != "all":
+            return None
+    if not names:
         return None
-    return {n: v for n, v in VARIANTS.items() if n == ENGINE_DEFAULT or n in names}
+    return {**{n: v for n, v in VARIANTS.items() if n == ENGINE_DEFAULT or n in names or "all" in names}, **splits}
 
 
 def main(argv=None) -> int:
@@ -90,7 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", type=int, default=16, help="prompts of the prefill case (0: none; default 16)")
     p.add_argument("--variants", default="all",
                    help="comma-separated variants to time besides the engine's default (default all): "
-                        + ", ".join(repr(n) for n in VARIANTS if n != ENGINE_DEFAULT))
+                        + ", ".join(repr(n) for n in VARIANTS if n != ENGINE_DEFAULT)
+                        + ", and 'logprob split N' (N tiles of 256 words per log-prob split)")
     args = p.parse_args(argv)
     try:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -104,7 +142,8 @@ def main(argv=None) -> int:
         p.error(f"--prefill: 0 or more prompts, got {args.prefill}")
     variants = chosen_variants(args.variants)
     if variants is None:
-        p.error(f"--variants: names from {', '.join(n for n in VARIANTS if n != ENGINE_DEFAULT)} (or all), "
+        p.error(f"--variants: names from {', '.join(n for n in VARIANTS if n != ENGINE_DEFAULT)}, "
+                f"'logprob split N' with N >= 1 (or all), "
                 f"separated by commas, got {args.variants!r}")
     if not torch.cuda.is_available():
         print("fusion_ab: needs a CUDA GPU", file=sys.stderr)
@@ -122,13 +161,13 @@ def main(argv=None) -> int:
     with K.use_mode("invariant"):
         # one untimed round first (every variant's kernels compiled, the allocator warm), so the variant
         # timed first pays no more than the others
-        for swiglu, kv, pdl in variants.values():
-            with variant(swiglu, kv, pdl):
+        for v in variants.values():
+            with variant(*v):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches))
                 if args.prefill:
                     prefill_case(model, args.prefill, PROMPT, reps=1)
-        for name, (swiglu, kv, pdl) in variants.items():
-            with variant(swiglu, kv, pdl):
+        for name, v in variants.items():
+            with variant(*v):
                 row = {}
                 for b in batches:
                     d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches))

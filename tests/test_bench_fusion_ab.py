@@ -5,7 +5,7 @@ import pytest
 
 import rlperf.kernels as K
 from rlperf.bench import fusion_ab
-from rlperf.kernels import gemm
+from rlperf.kernels import fused_lm_head, gemm
 from rlperf.bench.rollout import decoding_engine
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
@@ -40,12 +40,18 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     from rlperf.kernels import pipeline
 
     setting = pipeline._pdl_on
-    for name, (swiglu, kv_fused, pdl) in fusion_ab.VARIANTS.items():
+    variants = fusion_ab.chosen_variants("all, logprob split 3")
+    assert variants["logprob split 3"] == fusion_ab.Variant(None, True, True, 3)
+    for name, (swiglu, kv_fused, pdl, split) in variants.items():
         before = dict(calls)
-        with fusion_ab.variant(swiglu, kv_fused, pdl), K.use_backend("reference"):
+        configs = dict(fused_lm_head._CONFIGS)
+        with fusion_ab.variant(swiglu, kv_fused, pdl, split), K.use_backend("reference"):
+            assert all(fused_lm_head.fused_config(d).SPLIT_TILES == (split or c.SPLIT_TILES)
+                       for d, c in configs.items()), name
             assert pipeline._pdl_on is pdl, name  # the launches' setting (a no-op on the CPU)
             tokens[name] = _decoded(model)
         assert pipeline._pdl_on is setting, name  # restored
+        assert fused_lm_head._CONFIGS == configs, name
         assert (calls["swiglu"] > before["swiglu"]) == (swiglu is False), name
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
         assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored
@@ -60,6 +66,11 @@ def test_variants_flag_picks_the_default_and_the_named_ones():
     assert list(fusion_ab.chosen_variants("no pdl")) == [fusion_ab.ENGINE_DEFAULT, "no pdl"]
     assert list(fusion_ab.chosen_variants(" neither , no pdl")) == [fusion_ab.ENGINE_DEFAULT, "neither", "no pdl"]
     assert fusion_ab.chosen_variants("no pdl,fast") is None and fusion_ab.chosen_variants(",") is None
+    assert list(fusion_ab.chosen_variants("logprob  split 5, no pdl, logprob split 2")) == [
+        fusion_ab.ENGINE_DEFAULT, "no pdl", "logprob split 5", "logprob split 2"]
+    assert fusion_ab.chosen_variants("logprob split 5")["logprob split 5"].logprob_split_tiles == 5
+    assert fusion_ab.chosen_variants("logprob split 0") is None
+    assert fusion_ab.chosen_variants("logprob split x") is None
 
 
 def test_bad_flags_exit_2_naming_them(capsys):
