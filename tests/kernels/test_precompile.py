@@ -6,6 +6,7 @@ to the cache key a launch computes from the original Python values, so the launc
 precompiled kernel (no new cache entry). That the post-compile hook of a real launch records such an
 entry is checked on the GPU (``test_gpu_recorded_launch_loads_from_precompiled_cache``).
 """
+import difflib
 import json
 import os
 import subprocess
@@ -263,12 +264,18 @@ def _new_manifest_lines(first: list[dict], now: list[dict]) -> str:
 
 def _new_entries_explained(cache_dir, before) -> str:
     """Each cache entry not in ``before``: its files and, for a kernel's metadata (``NAME.json``), the fields
-    that differ from the metadata of the same kernel among the precompiled entries."""
-    old = {}
+    that differ from the metadata of the same kernel among the precompiled entries; for its Triton source
+    and IR (``.source``, ``.ttir``), the first lines of a diff against each precompiled entry's file of
+    the same name (the cache key hashes the source's signature, constants and attributes, which the
+    metadata does not list)."""
+    old, texts = {}, {}
     for name in before:
         for f in (cache_dir / name).glob("*.json"):
             if not f.name.startswith("__grp__"):
                 old.setdefault(f.name, json.loads(f.read_text()))
+        for f in (cache_dir / name).iterdir():
+            if f.suffix in (".source", ".ttir"):
+                texts.setdefault(f.name, []).append((name, f.read_text()))
     lines = []
     for name in sorted(set(_cache_entries(cache_dir)) - set(before)):
         files = sorted(f.name for f in (cache_dir / name).iterdir())
@@ -279,4 +286,10 @@ def _new_entries_explained(cache_dir, before) -> str:
                 diff = {k: (old[f.name].get(k), new.get(k)) for k in sorted(set(new) | set(old[f.name]))
                         if old[f.name].get(k) != new.get(k) and k != "hash"}
                 lines.append(f"  {f.name} differs from the precompiled one in {diff}")
+        for f in sorted((cache_dir / name).iterdir()):
+            for other, text in texts.get(f.name, []):
+                diff = list(difflib.unified_diff(text.splitlines(), f.read_text().splitlines(), f"{other}/{f.name}",
+                                                 f"{name}/{f.name}", n=0, lineterm=""))
+                lines.append(f"  {f.name} against {other}: " + ("identical" if not diff else
+                                                                 "\n    " + "\n    ".join(d[:300] for d in diff[:24])))
     return "\n".join(lines)
