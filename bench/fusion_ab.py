@@ -14,9 +14,9 @@ or the card's?
 * ``logprob split N`` (any N >= 1, e.g. ``logprob split 5``): the fused log-prob's forward
   (:func:`rlperf.kernels.fused_logprob`, the engine's log-prob of each sampled token, read from the lm
   head a second time) with vocabulary splits of N tiles of 256 columns instead of its config's
-  ``SPLIT_TILES``: one program per (128-token tile, split), so at decode batches (one token tile) the
-  split width alone sets how many programs stream the lm head (16 tiles: 38 programs on the 151,936-word
-  vocabulary; 5 tiles: 119).
+  ``SPLIT_TILES`` (5 for 16-bit inputs): one program per (128-token tile, split), so at decode batches (one
+  token tile) the split width alone sets how many programs stream the lm head (5 tiles: 119 programs on
+  the 151,936-word vocabulary; 16 tiles, the width before these measurements: 38).
 
 Both fused forms give the bits of their unfused calls (their kernel tests), and PDL moves no
 instruction of a kernel's math, so those variants decode the same tokens; only the launches differ. A
