@@ -17,10 +17,11 @@ GATHERED_STEP_MEMORY_FRACTION = 0.25
 float32 gradients take at most this share of the device's memory (:mod:`rlperf.train.fsdp`)."""
 AUTO_BUCKET_FLOOR = 512
 """``--cuda-graph-buckets auto``: no bucket below this many tokens (:func:`auto_cuda_graph_buckets`)."""
-AUTO_BUCKETS_MAX = 4
-"""``--cuda-graph-buckets auto``: at most this many buckets, ``M, M/2, M/4, M/8``."""
+AUTO_BUCKET_FRACTIONS = (1, 3 / 4, 1 / 2, 3 / 8, 1 / 4, 3 / 16)
+"""``--cuda-graph-buckets auto``: the buckets as fractions of M, ``M, 3M/4, M/2, 3M/8, M/4, 3M/16`` (at most
+this many buckets)."""
 AUTO_BUCKET_ROUNDING = 64
-"""``--cuda-graph-buckets auto``: each halved bucket is rounded up to a multiple of this many tokens."""
+"""``--cuda-graph-buckets auto``: each bucket below M is rounded up to a multiple of this many tokens."""
 AUTO_GRAPH_GRADIENT_FRACTION = 0.10
 """``--cuda-graph-buckets auto``: the share of the device's memory the buckets' gradient copies may take."""
 
@@ -33,27 +34,33 @@ def auto_cuda_graph_buckets(max_tokens_per_gpu: int, gradient_set_bytes: int = 0
     in the compute dtype (what each captured train step keeps as its gradient outputs); ``capacity``:
     the device's memory in bytes (None: no memory bound). Returns the sorted buckets, ``()`` for eager.
 
-    The ladder: M itself, then halves (each rounded up to a multiple of :data:`AUTO_BUCKET_ROUNDING`)
-    while they stay >= :data:`AUTO_BUCKET_FLOOR`, at most :data:`AUTO_BUCKETS_MAX` buckets in all; so
-    M=4096 gives 512, 1024, 2048, 4096 and M=3000 gives 768, 1536, 3000. Why:
+    The ladder: M times :data:`AUTO_BUCKET_FRACTIONS` (below M each rounded up to a multiple of
+    :data:`AUTO_BUCKET_ROUNDING`) while they stay >= :data:`AUTO_BUCKET_FLOOR`; so M=4096 gives 768, 1024,
+    1536, 2048, 3072, 4096 and M=3000 gives 576, 768, 1152, 1536, 2304, 3000. Why:
 
     * the top bucket is M, not the next power of two: the packer fills micro-batches up to M, so every
       micro-batch of a step but its last is close to M and pads by little;
-    * halving: a micro-batch pads to less than twice its tokens unless it is below the floor, and a
-      micro-step of fewer than 512 tokens is launch-bound (its kernels take less GPU time than the
-      host takes to issue some 950 launches), so padding it up to the floor costs close to nothing;
-    * few buckets: each (bucket, sequence-slot count) a run meets is captured on first use (two
-      warm-up runs and the capture, for the actor's and the reference's log-prob passes and the train
-      step) and keeps one set of parameter gradients in the compute dtype as graph outputs. Only the
-      largest buckets whose gradient sets fit :data:`AUTO_GRAPH_GRADIENT_FRACTION` of ``capacity`` are
-      kept (a large model on one GPU gets one bucket, or none: eager).
+    * a step's last micro-batch holds what is left, anywhere from a few tokens to M: halves alone pad it
+      by M/6 on average (almost M/2 when it is just over M/2), steps of 3/4 and 2/3 by about M/12
+      down to the smallest bucket (measured: the 0.6b synthetic loop packs 3,792, 3,792 and 2,616
+      tokens; 4096, 4096 and 4096 with halves, 4096, 4096 and 3072 with this ladder: 8% fewer
+      padded tokens in each step's forward and backward);
+    * within the ladder a micro-batch pads to at most 3/2 of its size, and one below the smallest
+      bucket pads up to it: a micro-step of fewer than 512 tokens is launch-bound (its kernels take less
+      GPU time than the host takes to issue some 950 launches), so padding it costs close to nothing;
+    * each (bucket, sequence-slot count) a run meets is captured on first use (two warm-up runs and the
+      capture, for the actor's and the reference's log-prob passes and the train step) and keeps one
+      set of parameter gradients in the compute dtype as graph outputs. Only the largest buckets whose
+      gradient sets fit :data:`AUTO_GRAPH_GRADIENT_FRACTION` of ``capacity`` are kept (a large model on
+      one GPU gets one bucket, or none: eager).
     """
-    ladder = [max(int(max_tokens_per_gpu), 2)]
-    while len(ladder) < AUTO_BUCKETS_MAX:
-        half = -(-ladder[-1] // (2 * AUTO_BUCKET_ROUNDING)) * AUTO_BUCKET_ROUNDING
-        if half < AUTO_BUCKET_FLOOR or half >= ladder[-1]:
+    top = max(int(max_tokens_per_gpu), 2)
+    ladder = [top]
+    for fraction in AUTO_BUCKET_FRACTIONS[1:]:
+        bucket = -(-int(top * fraction) // AUTO_BUCKET_ROUNDING) * AUTO_BUCKET_ROUNDING
+        if bucket < AUTO_BUCKET_FLOOR or bucket >= ladder[-1]:
             break
-        ladder.append(half)
+        ladder.append(bucket)
     if capacity is not None and gradient_set_bytes > 0:
         ladder = ladder[:int(AUTO_GRAPH_GRADIENT_FRACTION * capacity // gradient_set_bytes)]
     return tuple(sorted(ladder))
@@ -241,7 +248,7 @@ def add_train_arguments(p, skip=(), task_defaults=()) -> None:
              "and weights keep eager's bits in invariant mode (docs/train.md). auto: where graphs apply (a CUDA "
              "device, one actor process of the fsdp or the megatron backend, a dense model without "
              "--use-rollout-routing-replay, "
-             f"--use-dynamic-batch-size with --max-tokens-per-gpu M) the buckets M, M/2, M/4, M/8, none below "
+             f"--use-dynamic-batch-size with --max-tokens-per-gpu M) the buckets M, 3M/4, M/2, 3M/8, M/4, 3M/16, none below "
              f"{AUTO_BUCKET_FLOOR} tokens, and only as many as keep their gradient copies within "
              f"{AUTO_GRAPH_GRADIENT_FRACTION * 100:g}%% of the GPU's memory; elsewhere eager. none: eager. LIST: "
              "comma-separated token counts (e.g. 1024,2048,4096), which need all of the above with M <= the "

@@ -250,21 +250,26 @@ def test_the_loop_refuses_layouts_the_graphs_do_not_cover():
         assert why in str(info.value)
 
 
-def test_the_auto_ladder_halves_from_max_tokens_and_fits_the_memory_bound():
-    """``auto_cuda_graph_buckets``: M, then halves rounded up to 64 tokens, none below 512, at most 4;
+def test_the_auto_ladder_steps_down_from_max_tokens_and_fits_the_memory_bound():
+    """``auto_cuda_graph_buckets``: M, 3M/4, M/2, 3M/8, M/4, 3M/16 rounded up to 64 tokens, none below 512;
     only the largest buckets whose gradient sets fit 10% of the device's memory (none: eager)."""
     from rlperf.train.args import auto_cuda_graph_buckets as auto
 
-    assert auto(4096) == (512, 1024, 2048, 4096)
-    assert auto(16384) == (2048, 4096, 8192, 16384)  # 4 buckets at most: M/8 is the smallest
-    assert auto(3000) == (768, 1536, 3000)  # the top bucket is M itself: full micro-batches pad nothing
-    assert auto(1100) == (576, 1100) and auto(600) == (600,) and auto(100) == (100,)
-    for m in (4096, 3000, 1100, 16384):
+    assert auto(4096) == (768, 1024, 1536, 2048, 3072, 4096)
+    assert auto(16384) == (3072, 4096, 6144, 8192, 12288, 16384)  # 6 buckets at most: 3M/16 is the smallest
+    assert auto(3000) == (576, 768, 1152, 1536, 2304, 3000)  # the top bucket is M itself: full micro-batches pad nothing
+    assert auto(1100) == (576, 832, 1100) and auto(600) == (512, 600) and auto(100) == (100,) and auto(2) == (2,)
+    for m in (4096, 3000, 1100, 16384, 4097, 700):
         ladder = auto(m)
-        assert all(b <= 2 * a for a, b in zip(ladder, ladder[1:]))  # above the floor a micro-batch pads < 2x
+        assert ladder == tuple(sorted(set(ladder))) and ladder[-1] == m and ladder[0] >= min(m, 512)
+        assert all(b % 64 == 0 for b in ladder[:-1])
+        assert all(b <= 1.5 * a for a, b in zip(ladder, ladder[1:]))  # above the smallest a micro-batch pads <= 1.5x
+    # the 0.6b synthetic loop's last micro-batch (2,616 tokens) pads to 3072, not 4096
+    assert min(b for b in auto(4096) if b >= 2616) == 3072
     gib = 1 << 30
-    assert auto(4096, 2 * gib, 80 * gib) == (512, 1024, 2048, 4096)  # 4 x 2 GiB <= 8 GiB
-    assert auto(4096, 3 * gib, 80 * gib) == (2048, 4096)  # the largest kept
+    assert auto(4096, 2 * gib, 80 * gib) == (1536, 2048, 3072, 4096)  # 4 x 2 GiB <= 8 GiB: the largest 4
+    assert auto(4096, 1 * gib, 80 * gib) == auto(4096)
+    assert auto(4096, 3 * gib, 80 * gib) == (3072, 4096)  # the largest kept
     assert auto(4096, 9 * gib, 80 * gib) == ()  # not one gradient set fits: eager
 
 
@@ -295,16 +300,16 @@ def test_auto_resolves_to_the_ladder_on_cuda_where_graphs_apply_and_to_eager_els
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     ns = _resolve_ns()
     resolve_cuda_graph_buckets(ns, cuda, 1)
-    assert ns.cuda_graph_buckets == (512, 1024, 2048, 4096)
-    ns = _resolve_ns(max_tokens_per_gpu=3000, precision="fp32")
+    assert ns.cuda_graph_buckets == (768, 1024, 1536, 2048, 3072, 4096)
+    ns = _resolve_ns(max_tokens_per_gpu=3000, precision="fp32")  # three float32 gradient sets (2.4 GB) fit 8 GiB
     resolve_cuda_graph_buckets(ns, cuda, 1)
-    assert ns.cuda_graph_buckets == (768, 1536, 3000)
+    assert ns.cuda_graph_buckets == (1536, 2304, 3000)
     ns = _resolve_ns(model="qwen3-4b")  # one bf16 gradient set (8 GB) fits 10% of 80 GiB, two do not
     resolve_cuda_graph_buckets(ns, cuda, 1)
     assert ns.cuda_graph_buckets == (4096,)
     ns = _resolve_ns(train_backend="megatron")  # one rank: the tree step graphed like the fsdp one
     resolve_cuda_graph_buckets(ns, cuda, 1)
-    assert ns.cuda_graph_buckets == (512, 1024, 2048, 4096)
+    assert ns.cuda_graph_buckets == (768, 1024, 1536, 2048, 3072, 4096)
     for ns, device, ranks in [
         (_resolve_ns(), cpu, 1),
         (_resolve_ns(), cuda, 2),
