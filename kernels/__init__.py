@@ -29,6 +29,20 @@ from .pipeline import programmatic_launch, set_programmatic_launch, use_programm
 from .rope import rmsnorm_rope, rmsnorm_rope_blocks, rmsnorm_rope_store_kv
 from .sampling import check_sampling_rows, sample
 
+
+def _settle_cache_keys() -> None:
+    """Every kernel module's ``@triton.jit`` keys computed once at import (:func:`.precompile.settle_cache_keys`:
+    a kernel's on-disk cache key then does not depend on what this process compiled before, so the
+    precompiled cache serves the run)."""
+    import sys
+
+    from . import precompile, tree_reduce  # noqa: F401 (tree_reduce: its kernels too)
+
+    precompile.settle_cache_keys([m for name, m in sorted(sys.modules.items()) if name.startswith(__name__ + ".")])
+
+
+_settle_cache_keys()
+
 __all__ = [
     "BACKENDS", "MODES", "KernelPolicy", "backend", "current_policy", "default_policy", "mode", "refresh_environment",
     "set_mode", "use_backend", "use_mode", "use_policy",

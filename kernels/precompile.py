@@ -173,6 +173,37 @@ class ManifestRecorder:
         return True
 
 
+# ---- cache keys ----------------------------------------------------------------------------------
+def settle_cache_keys(modules) -> int:
+    """Compute the cache key of every ``@triton.jit`` function of ``modules`` (module objects) until none
+    changes, so that a kernel's key no longer depends on which kernels this process compiled before.
+    Returns how many functions were settled (0 under the interpreter or where Triton keeps keys otherwise).
+
+    Why: a kernel's on-disk cache key hashes the ``tl.constexpr`` globals its helpers read, gathered from
+    each helper as the key is computed; Triton (3.6) takes a helper's globals *before* it computes that
+    helper's own key, so a helper called once whose key was not computed yet adds nothing. The matmul's key
+    then held ``pipeline._GRID_DEPENDENCY`` only in a process that had compiled another kernel calling
+    ``grid_dependency_sync`` first: a precompiled matmul (a worker that compiled it first) was compiled
+    again by the run (the same code under another key; ``tests/kernels/test_precompile.py``). With every
+    helper's globals known before any kernel's key, every process computes the same keys."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # pragma: no cover
+        return 0
+    fns = list({id(v): v for m in modules for v in vars(m).values() if isinstance(v, JITFunction)}.values())
+    if not fns or not all(hasattr(f, "hash") and hasattr(f, "used_global_vals") for f in fns):
+        return 0
+    keys = None
+    for _ in range(8):  # one more pass per level of helper calls; rlperf's go three deep
+        for f in fns:
+            f.hash = None
+        settled = [f.cache_key for f in fns]
+        if settled == keys:
+            break
+        keys = settled
+    return len(fns)
+
+
 # ---- compiling ------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class PrecompileReport:

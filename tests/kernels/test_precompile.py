@@ -199,6 +199,42 @@ def test_recorder_hook_keeps_rlperf_kernels_and_chains_the_previous_hook(tmp_pat
     assert not P.ManifestRecorder(path).add("rlperf.kernels.gemm:_k", data, target=TARGET)
 
 
+# Without the interpreter (JITFunctions, not interpreted ones; no GPU needed for a cache key): the matmul's key
+# with every kernel's key forgotten, computed after the kernel named first, then settled; and a fresh import's.
+SETTLE = textwrap.dedent("""
+    import sys
+    import rlperf.kernels
+    from rlperf.kernels import activation, gemm, precompile
+    modules = [m for n, m in sorted(sys.modules.items()) if n.startswith("rlperf.kernels.")]
+    fns = [v for m in modules for v in vars(m).values() if hasattr(v, "used_global_vals") and hasattr(v, "hash")]
+    out = {"import": gemm._matmul_kernel.cache_key}
+    for first in (gemm._matmul_kernel, activation._silu_mul_kernel):
+        for f in fns:
+            f.hash, f.used_global_vals = None, {}
+        first.cache_key
+        out["unsettled, " + first.__name__ + " first"] = gemm._matmul_kernel.cache_key
+        precompile.settle_cache_keys(modules)
+        out["settled, " + first.__name__ + " first"] = gemm._matmul_kernel.cache_key
+    print(repr(out))
+""")
+
+
+def test_a_kernels_cache_key_does_not_depend_on_what_the_process_compiled_before():
+    """``settle_cache_keys`` (run when ``rlperf.kernels`` is imported): the matmul's cache key is the same
+    whether its key or the SiLU kernel's (which shares ``grid_dependency_sync``) was computed first, and the
+    same as a fresh import's. Unsettled, Triton 3.6 (the GPU machines') keys the matmul without
+    ``_GRID_DEPENDENCY`` when its key comes first (the precompiled matmul the GPU test below found compiled
+    again; reproduced on the CPU with Triton 3.6: 0dda97... first, 8fa76e... after the SiLU kernel or settled);
+    Triton 3.9 takes a helper's globals after computing its key, so there all five keys are equal anyway."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", SETTLE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    keys = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 (this test's own repr of a dict of str)
+    settled = {k: v for k, v in keys.items() if not k.startswith("unsettled")}
+    assert len(set(settled.values())) == 1, keys
+    assert keys["unsettled, _silu_mul_kernel first"] == keys["import"], keys  # the helper's globals known first
+
+
 def test_shipped_manifests_fit_the_kernels():
     """Every shipped manifest's entries name a kernel that exists with the parameters the entry lists (a
     renamed kernel or parameter makes an entry stale: record the manifest again, bench/device_launch.sh)."""
