@@ -11,6 +11,10 @@ or the card's?
   (:func:`rlperf.kernels.use_programmatic_launch`; ``RLPERF_PDL=0``). The default launches with it on SM 90+
   GPUs: a kernel's blocks may start while the previous kernel's last blocks run, and the decode graphs
   are captured with it;
+* ``fused sampling``: the engine's ``fused_sampling`` (:func:`rlperf.kernels.fused_sample_logprob`: the
+  token and its log-prob from one pass over the lm head, the decode graphs without the [B, V] logits)
+  against the default's logits in the graph, then the sampler and the log-prob's own pass; the same
+  log-prob bits, and the same tokens wherever the fused tile's logits are the lm-head product's bits;
 * ``logprob split N`` (any N >= 1, e.g. ``logprob split 5``): the fused log-prob's forward
   (:func:`rlperf.kernels.fused_logprob`, the engine's log-prob of each sampled token, read from the lm
   head a second time) with vocabulary splits of N tiles of 256 columns instead of its config's
@@ -47,18 +51,21 @@ class Variant(NamedTuple):
     """swiglu: None is the engine's own choice (the epilogue up to ``SWIGLU_EPILOGUE_MAX_ROWS`` rows), True
     the epilogue at every size, False never; kv: the K/V-store fusion; pdl: launches with programmatic
     dependent launch (the engine's default; it applies on SM 90+ GPUs only); logprob_split_tiles: the
-    fused log-prob's vocabulary tiles per forward split (None: its config's)."""
+    fused log-prob's vocabulary tiles per forward split (None: its config's); fused_sampling: the
+    engine's ``EngineConfig.fused_sampling``."""
 
     swiglu: bool | None
     kv: bool
     pdl: bool = True
     logprob_split_tiles: int | None = None
+    fused_sampling: bool = False
 
 
 ENGINE_DEFAULT = "engine default"
 VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, True),
             "no swiglu epilogue": Variant(False, True), "no kv-store fusion": Variant(True, False),
-            "neither": Variant(False, False), "no pdl": Variant(None, True, pdl=False)}
+            "neither": Variant(False, False), "no pdl": Variant(None, True, pdl=False),
+            "fused sampling": Variant(None, True, fused_sampling=True)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
@@ -162,15 +169,17 @@ def main(argv=None) -> int:
         # one untimed round first (every variant's kernels compiled, the allocator warm), so the variant
         # timed first pays no more than the others
         for v in variants.values():
-            with variant(*v):
-                decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches))
+            with variant(*v[:4]):
+                decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),
+                            fused_sampling=v.fused_sampling)
                 if args.prefill:
                     prefill_case(model, args.prefill, PROMPT, reps=1)
         for name, v in variants.items():
-            with variant(*v):
+            with variant(*v[:4]):
                 row = {}
                 for b in batches:
-                    d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches))
+                    d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),
+                                    fused_sampling=v.fused_sampling)
                     row[f"decode B={b}"] = d["ms"]
                     print(f"fusion_ab: {name}: decode B={b} {d['ms']:.3f} ms "
                           f"({d['launches'].kernels if d['launches'] else '?'} kernels per step)", flush=True)

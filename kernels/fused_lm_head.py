@@ -68,6 +68,7 @@ from .dispatch import route
 from .gemm import input_grad, weight_grad
 from .logprob import LOG2E, _check_temperature, online_lse_update
 from .pipeline import grid_dependency_sync, launch_options
+from .sampling import row_keys, uniform
 from .reference import fused_logprob as _ref
 from .tile_dot import dot_acc
 
@@ -201,6 +202,26 @@ def _fwd_partials_kernel(
     tl.store(pz_ptr + out, tz, mask=keep)
 
 
+@triton.jit
+def _merge_split(m, s, t, pm_ptr, ps_ptr, pt_ptr, at, keep, c, WITH_ENTROPY: tl.constexpr):
+    """Fold one split's (max, sum-exp, entropy-sum) partials at offsets ``at`` into the running (m, s, t)
+    of each token (raw units, as the online update); lanes not ``keep`` read a harmless (m, s) = (0, 1)
+    and are never stored."""
+    pm = tl.load(pm_ptr + at, mask=keep, other=0.0)
+    ps = tl.load(ps_ptr + at, mask=keep, other=1.0)
+    m_new = tl.maximum(m, pm)
+    r = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2((m - r) * c)
+    b = tl.exp2((pm - r) * c)
+    if WITH_ENTROPY:
+        pt = tl.load(pt_ptr + at, mask=keep, other=0.0)
+        da = tl.where(m == float("-inf"), 0.0, m - r)
+        db = tl.where(pm == float("-inf"), 0.0, pm - r)
+        t = a * (t + da * s) + b * (pt + db * ps)
+    s = a * s + b * ps
+    return m_new, s, t
+
+
 @triton.jit(do_not_specialize=["N"])
 def _fwd_combine_kernel(
     pm_ptr, ps_ptr, pt_ptr, pz_ptr, tgt_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr,
@@ -220,21 +241,8 @@ def _fwd_combine_kernel(
     t = tl.zeros([BLOCK], tl.float32)
     tz = tl.zeros([BLOCK], tl.float32)
     for sp in range(0, num_splits):
-        # lanes past N read a harmless (m, s) = (0, 1) and are never stored
-        pm = tl.load(pm_ptr + sp * N + offs, mask=keep, other=0.0)
-        ps = tl.load(ps_ptr + sp * N + offs, mask=keep, other=1.0)
-        m_new = tl.maximum(m, pm)
-        r = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp2((m - r) * c)
-        b = tl.exp2((pm - r) * c)
-        if WITH_ENTROPY:
-            pt = tl.load(pt_ptr + sp * N + offs, mask=keep, other=0.0)
-            da = tl.where(m == float("-inf"), 0.0, m - r)
-            db = tl.where(pm == float("-inf"), 0.0, pm - r)
-            t = a * (t + da * s) + b * (pt + db * ps)
-        s = a * s + b * ps
+        m, s, t = _merge_split(m, s, t, pm_ptr, ps_ptr, pt_ptr, sp * N + offs, keep, c, WITH_ENTROPY)
         tz += tl.load(pz_ptr + sp * N + offs, mask=keep, other=0.0)
-        m = m_new
     if FINAL:
         tgt = tl.load(tgt_ptr + offs, mask=keep, other=0)
         log_s = tl.log(s)
@@ -248,6 +256,94 @@ def _fwd_combine_kernel(
         tl.store(o1_ptr + offs, s, mask=keep)
         tl.store(o2_ptr + offs, t, mask=keep)
         tl.store(o3_ptr + offs, tz, mask=keep)
+
+
+_NO_COLUMN = tl.constexpr(2147483647)  # int32 max: "no column yet" in the sampling partials (every key -inf)
+
+
+@triton.jit(do_not_specialize=["N", "num_m_tiles"])
+def _sample_partials_kernel(
+    h_src, w_src, temp_ptr, seed_ptr, pos_ptr, pm_ptr, ps_ptr, pk_ptr, pi_ptr, px_ptr,
+    N, V, H, stride_h, stride_w, c, num_m_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """:func:`_fwd_partials_kernel`'s programs (the same tiles, splits and online update, so the same
+    (max, sum-exp) partials) without a target: in each logit tile a token's Gumbel-max draw
+    (:func:`rlperf.kernels.sample`'s keys: ``x`` when its temperature is 0, else ``x / T + g(seed,
+    position, column)``) is kept as (best key, its lowest column, that column's raw logit) per split."""
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_tiles
+    pid_s = pid // num_m_tiles
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.minimum(offs_m, N - 1)
+    temp = tl.load(temp_ptr + rows)
+    greedy = temp == 0.0
+    inv_temp = 1.0 / tl.where(greedy, 1.0, temp)
+    key, key2 = row_keys(tl.load(seed_ptr + rows), tl.load(pos_ptr + rows))
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    t = tl.zeros([BLOCK_M], tl.float32)
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK_M], _NO_COLUMN, tl.int32)
+    best_x = tl.zeros([BLOCK_M], tl.float32)
+    v_begin = pid_s * (SPLIT_TILES * BLOCK_N)
+    v_end = tl.minimum(v_begin + SPLIT_TILES * BLOCK_N, V)
+    for n0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        cols = tl.minimum(offs_n, V - 1)
+        acc = _logits_tile(h_src, w_src, pid_m * BLOCK_M, n0, rows, cols, H, stride_h, stride_w,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
+        x = acc + tl.where(offs_n < V, 0.0, float("-inf"))[None, :]
+        g = -tl.log(-tl.log(uniform(offs_n[None, :], key[:, None], key2[:, None])))
+        k = tl.where(greedy[:, None], x, x * inv_temp[:, None] + g)
+        k = tl.where((offs_n < V)[None, :], k, float("-inf"))
+        kmax = tl.max(k, axis=1)
+        kcol = tl.min(tl.where(k == kmax[:, None], offs_n[None, :], _NO_COLUMN), axis=1)
+        kx = tl.sum(tl.where(offs_n[None, :] == kcol[:, None], x, 0.0), axis=1)  # one term: exact
+        better = (kmax > best) | ((kmax == best) & (best_i == _NO_COLUMN))  # strict: earlier tiles win ties
+        best = tl.where(better, kmax, best)
+        best_i = tl.where(better, kcol, best_i)
+        best_x = tl.where(better, kx, best_x)
+        m, s, t = online_lse_update(m, s, t, x, c, False)
+    out = pid_s * N + offs_m
+    keep = offs_m < N
+    tl.store(pm_ptr + out, m, mask=keep)
+    tl.store(ps_ptr + out, s, mask=keep)
+    tl.store(pk_ptr + out, best, mask=keep)
+    tl.store(pi_ptr + out, best_i, mask=keep)
+    tl.store(px_ptr + out, best_x, mask=keep)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _sample_combine_kernel(pm_ptr, ps_ptr, pk_ptr, pi_ptr, px_ptr, tok_ptr, lp_ptr, N, num_splits, inv_t, c,
+                           BLOCK: tl.constexpr):
+    """Per token, in split order: (max, sum-exp) merged as :func:`_fwd_combine_kernel` merges them, and the
+    draw = the split with the largest key (the earliest on ties: splits hold increasing columns, so the
+    lowest column wins, as :func:`rlperf.kernels.sample`'s combine); its log-prob is
+    ``(logit - m) * inv_t - log(s)``, :func:`_fwd_combine_kernel`'s formula with the drawn column's logit
+    as the target's."""
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < N
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    t = tl.zeros([BLOCK], tl.float32)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    tok = tl.full([BLOCK], _NO_COLUMN, tl.int32)
+    tz = tl.zeros([BLOCK], tl.float32)
+    for sp in range(0, num_splits):
+        m, s, t = _merge_split(m, s, t, pm_ptr, ps_ptr, ps_ptr, sp * N + offs, keep, c, False)
+        pk = tl.load(pk_ptr + sp * N + offs, mask=keep, other=float("-inf"))
+        better = (pk > best) | ((pk == best) & (tok == _NO_COLUMN))
+        best = tl.where(better, pk, best)
+        tok = tl.where(better, tl.load(pi_ptr + sp * N + offs, mask=keep, other=_NO_COLUMN), tok)
+        tz = tl.where(better, tl.load(px_ptr + sp * N + offs, mask=keep, other=0.0), tz)
+    # every key -inf (only a row of NaN or -inf logits): the lowest column, as one chunked pass would give
+    tok = tl.where(tok == _NO_COLUMN, 0, tok)
+    tl.store(tok_ptr + offs, tok.to(tl.int64), mask=keep)
+    tl.store(lp_ptr + offs, (tz - m) * inv_t - tl.log(s), mask=keep)
 
 
 @triton.jit(do_not_specialize=["N", "v_begin", "v_end", "num_m_tiles"])
@@ -471,6 +567,35 @@ class _FusedLogprob(torch.autograd.Function):
         return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None, None
 
 
+def _sample_logprob_kernels(hidden, weight, temperatures, seeds, positions, inv_t: float):
+    """Launch the sampling forward (:func:`_sample_partials_kernel`, :func:`_sample_combine_kernel`) in the
+    fused log-prob's tile config: (tokens [N] int64, logp [N] float32, not clamped)."""
+    cfg = fused_config(hidden.dtype)
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    num_m = triton.cdiv(N, cfg.BLOCK_M)
+    num_splits = triton.cdiv(V, cfg.SPLIT_TILES * cfg.BLOCK_N)
+    parts = torch.empty((4, num_splits, N), dtype=torch.float32, device=dev)  # m, s, best key, its logit
+    cols = torch.empty((num_splits, N), dtype=torch.int32, device=dev)
+    h_src, w_src, use_tma = _sources(hidden, weight, cfg)
+    c = inv_t * LOG2E
+    _sample_partials_kernel[(num_m * num_splits,)](
+        h_src, w_src, temperatures, seeds, positions, parts[0], parts[1], parts[2], cols, parts[3],
+        N, V, H, hidden.stride(0), weight.stride(0), c, num_m,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SPLIT_TILES=cfg.SPLIT_TILES,
+        EVEN_K=H % cfg.BLOCK_K == 0, PRECISION=_precision(hidden.dtype), USE_TMA=use_tma, FLATTEN=cfg.flatten,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(dev),
+    )
+    tokens = torch.empty(N, dtype=torch.int64, device=dev)
+    logp = torch.empty(N, dtype=torch.float32, device=dev)
+    _sample_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
+        parts[0], parts[1], parts[2], cols, parts[3], tokens, logp, N, num_splits, inv_t, c,
+        BLOCK=_COMBINE_BLOCK, num_warps=4, **launch_options(dev),
+    )
+    return tokens, logp
+
+
 # --------------------------------------------------------------------------------------------
 # Public op
 # --------------------------------------------------------------------------------------------
@@ -541,3 +666,62 @@ def fused_logprob(
     tgt = targets.to(torch.int64).contiguous()
     logp, ent, _lse = _FusedLogprob.apply(hidden, weight, tgt, 1.0 / T, bool(return_entropy), tp_group)
     return (logp, ent) if return_entropy else logp
+
+
+def fused_sample_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    logprob_temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw a token per row and its log-prob, reading the lm head once: what the rollout engine did with
+    ``logits = linear(hidden, weight)`` (float32), ``sample(logits, temperatures, 1.0, 0, seeds, positions)``
+    and ``fused_logprob(hidden, weight, tokens, logprob_temperature)``, for a batch without top-p / top-k.
+
+    Args:
+        hidden: [N, H] bfloat16/float16/float32 final hidden rows; weight: [V, H] lm head, same dtype.
+        temperatures: [N] float32 draw temperatures, >= 0 (0: greedy); checked by the caller, as
+            :func:`rlperf.kernels.sample` with ``check_values=False``.
+        seeds, positions: [N] int64, the draw's seed and counter (:func:`rlperf.kernels.sample`).
+        logprob_temperature: Python float > 0, the temperature of the log-probs.
+
+    Returns:
+        (tokens [N] int64, logp [N] float32 <= 0).
+
+    The kernels are :func:`fused_logprob`'s forward programs (its tile config, vocabulary splits and
+    online log-sum-exp, merged in split order by the same code), each also keeping its split's Gumbel-max
+    draw with :func:`rlperf.kernels.sample`'s keys, ties to the lowest column. So ``logp`` has the bits of
+    ``fused_logprob(hidden, weight, tokens, logprob_temperature)`` (the drawn column's logit is the
+    target's), and a token is the argmax of the sampler's keys over the logits of that tile config, which
+    are the lm-head product's in every config sharing its ``BLOCK_K`` (``rlperf.kernels.gemm``): the
+    sampler's token. Off the kernels (the reference backend, fast mode's stock log-prob) it is those three
+    calls.
+    """
+    T = _check_temperature(logprob_temperature)
+    if hidden.dim() != 2:
+        raise ValueError(f"fused_sample_logprob: hidden must be [N, H], got {list(hidden.shape)}")
+    N = hidden.shape[0]
+    for name, t, dtype in (("temperatures", temperatures, torch.float32), ("seeds", seeds, torch.int64),
+                           ("positions", positions, torch.int64)):
+        if not isinstance(t, torch.Tensor) or t.shape != (N,) or t.dtype != dtype or t.device != hidden.device:
+            raise ValueError(f"fused_sample_logprob: {name} must be a [{N}] {dtype} tensor on {hidden.device}, got "
+                             f"{list(getattr(t, 'shape', []))} {getattr(t, 'dtype', type(t).__name__)} on "
+                             f"{getattr(t, 'device', '-')}")
+    _check(hidden, weight, seeds)
+    if route("fused_logprob", hidden.device) not in ("triton", "interpreter"):
+        from .gemm import linear
+        from .sampling import sample
+
+        logits = linear(hidden, weight, out_dtype=torch.float32)
+        tokens = sample(logits, temperatures, 1.0, 0, seeds, positions, check_values=False, filtered=False)
+        return tokens, fused_logprob(hidden, weight, tokens, T)
+    if N == 0:
+        return (torch.empty(0, dtype=torch.int64, device=hidden.device),
+                torch.empty(0, dtype=torch.float32, device=hidden.device))
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    tokens, logp = _sample_logprob_kernels(hidden, weight, temperatures.contiguous(), seeds.contiguous(),
+                                           positions.contiguous(), 1.0 / T)
+    return tokens, logp.clamp_(max=0.0)

@@ -11,8 +11,9 @@ from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 
 
-def _decoded(model):
-    engine = decoding_engine(model, batch=2, prompt_len=5, new_tokens=4, warmup=1)
+def _decoded(model, fused_sampling=False):
+    engine = decoding_engine(model, batch=2, prompt_len=5, new_tokens=4, warmup=1, fused_sampling=fused_sampling)
+    assert engine.config.fused_sampling is fused_sampling
     engine.step()
     return sorted((list(r.prompt_ids), list(r.output_ids)) for r in engine.requests.values())
 
@@ -42,14 +43,15 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     setting = pipeline._pdl_on
     variants = fusion_ab.chosen_variants("all, logprob split 3")
     assert variants["logprob split 3"] == fusion_ab.Variant(None, True, True, 3)
-    for name, (swiglu, kv_fused, pdl, split) in variants.items():
+    assert variants["fused sampling"].fused_sampling and not variants[fusion_ab.ENGINE_DEFAULT].fused_sampling
+    for name, (swiglu, kv_fused, pdl, split, fused_sampling) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
         with fusion_ab.variant(swiglu, kv_fused, pdl, split), K.use_backend("reference"):
             assert all(fused_lm_head.fused_config(d).SPLIT_TILES == (split or c.SPLIT_TILES)
                        for d, c in configs.items()), name
             assert pipeline._pdl_on is pdl, name  # the launches' setting (a no-op on the CPU)
-            tokens[name] = _decoded(model)
+            tokens[name] = _decoded(model, fused_sampling)
         assert pipeline._pdl_on is setting, name  # restored
         assert fused_lm_head._CONFIGS == configs, name
         assert (calls["swiglu"] > before["swiglu"]) == (swiglu is False), name

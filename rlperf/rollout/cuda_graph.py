@@ -52,11 +52,14 @@ class DecodeGraphs:
     """Static buffers and one captured graph per batch-size bucket (captured on first use, or all at
     once by :meth:`capture_all`)."""
 
-    def __init__(self, model, kv_layers, max_bs: int, max_pages: int, attention=None):
+    def __init__(self, model, kv_layers, max_bs: int, max_pages: int, attention=None, logits_wanted=None):
+        """``logits_wanted``: a function saying whether a step now needs the [B, V] logits (each graph is
+        captured with them or without, the engine's ``fused_sampling`` leaves them out); None: always."""
         if max_bs <= 0:
             raise ValueError(f"max_bs must be positive, got {max_bs}")
         self.model, self.kv_layers = model, kv_layers
         self.attention = attention  # FlashInferAttention (fast mode only), or None
+        self.logits_wanted = logits_wanted or (lambda: True)
         self.buckets = sorted({b for b in BUCKETS if b < max_bs} | {max_bs})
         self.max_bs, self.max_pages = max_bs, max_pages
         dev = model.device
@@ -76,18 +79,22 @@ class DecodeGraphs:
         self._host_rows = torch.empty(4, max_bs, dtype=torch.int64, pin_memory=pinned)
         self._host_table = torch.zeros(max_bs, max_pages, dtype=torch.int32, pin_memory=pinned)
         self._copied = None  # CUDA event: the last step's staging copies are done
-        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # (mode, bucket, with logits) -> the graph and its outputs (hidden, logits or None)
+        self.graphs: dict[tuple[str, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._pool = None
 
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
-    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, bs: int, logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = self.model
         self.kv_lens[:bs].copy_(self.kv_lens64[:bs])  # int64 staging row -> the kernels' int32 (captured)
         hidden = m.forward_paged(self.ids[:bs], self.pos[:bs], self.kv_layers, self.slots[:bs], self.table[:bs],
                                  self.cu[: bs + 1], self.kv_lens[:bs], attention=for_this_mode(self.attention))
-        return hidden, m.logits(hidden)
+        return hidden, (m.logits(hidden) if logits else None)
+
+    def _key(self, bs: int) -> tuple[str, int, bool]:
+        return K.mode(), bs, bool(self.logits_wanted())
 
     def _capture(self, bs: int) -> None:
         attention = for_this_mode(self.attention)
@@ -95,16 +102,17 @@ class DecodeGraphs:
             attention.plan_graph(bs, [], [])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        key = self._key(bs)
         with torch.cuda.stream(side):  # compile and warm every kernel outside the capture
             for _ in range(2):
-                self._forward(bs)
+                self._forward(bs, key[2])
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's other threads may touch CUDA (e.g. copying a weight bucket)
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(bs)
+            out = self._forward(bs, key[2])
         self._pool = graph.pool()
-        self.graphs[(K.mode(), bs)] = (graph, out)
+        self.graphs[key] = (graph, out)
 
     def capture_all(self) -> int:
         """Capture every bucket's graph for the current mode now (``rlperf serve``'s warm-up), so no
@@ -120,15 +128,16 @@ class DecodeGraphs:
         self.slots.fill_(-1)
         self.table.zero_()
         self.kv_lens64.fill_(1)
-        todo = [bs for bs in self.buckets if (K.mode(), bs) not in self.graphs]
+        todo = [bs for bs in self.buckets if self._key(bs) not in self.graphs]
         for bs in reversed(todo):  # largest first: the shared pool is sized once by the biggest graph
             self._capture(bs)
         return len(todo)
 
     def run(self, ids: list[int] | torch.Tensor, pos: list[int], slots: list[int], table: list[list[int]],
-            kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(hidden [B, H], logits [B, V] float32)`` of a decode step of B = len(ids) sequences (one new
-        token each): the final hidden rows (after the final norm) and their lm-head logits. ``ids``: a
+        token each): the final hidden rows (after the final norm) and their lm-head logits (None where
+        ``logits_wanted()`` says the step does without them). ``ids``: a
         list, or an int64 tensor [B] on the model's device (the previous step's sampled tokens, copied
         on the device: the engine's overlap, ``rlperf.rollout.engine``).
 
@@ -166,14 +175,14 @@ class DecodeGraphs:
         attention = for_this_mode(self.attention)
         if attention is not None:
             attention.plan_graph(bs, table, kv_lens)
+        key = self._key(bs)
         if not self.capture:
-            hidden, logits = self._forward(bs)
-            return hidden[:B], logits[:B]
-        key = (K.mode(), bs)
+            hidden, logits = self._forward(bs, key[2])
+            return hidden[:B], (None if logits is None else logits[:B])
         if key not in self.graphs:
             self._capture(bs)
             if attention is not None:  # the capture planned padding rows: this step's plan again
                 attention.plan_graph(bs, table, kv_lens)
         graph, (hidden, logits) = self.graphs[key]
         graph.replay()
-        return hidden[:B], logits[:B]
+        return hidden[:B], (None if logits is None else logits[:B])

@@ -227,6 +227,14 @@ class EngineConfig:
     """Launch a steady decode batch's next graphed step before reading this one's tokens (module
     docstring, "Overlap"); False (``--disable-overlap-schedule``, SGLang's flag) reads every step's
     tokens before the next launch. The same tokens and log-probs either way."""
+    fused_sampling: bool = False
+    """Draw each step's tokens and their log-probs in one pass over the lm head
+    (:func:`rlperf.kernels.fused_sample_logprob`) where the step allows it: invariant mode on the kernels,
+    no tensor-parallel model, and a batch of one temperature without top-p / top-k. Decode graphs then
+    leave out the [B, V] float32 logits (a batch that needs them computes them after the replay). The
+    log-probs keep their bits (the same kernel programs); the tokens are the sampler's wherever the lm
+    head's product gives the fused tile's logit bits (docs/kernels.md). Off by default: an A/B
+    (``python -m rlperf.bench.fusion_ab --variants 'fused sampling'``) until the GPU measures it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,7 +365,8 @@ class Engine:
             from .cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, self.kv.layers, min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
-                                       max_pages, attention=attention)
+                                       max_pages, attention=attention,
+                                       logits_wanted=lambda: not self._draws_from_hidden())
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -507,7 +516,7 @@ class Engine:
                     self._keep_routing(batch, cu, routing.experts().cpu())
                 if sample_reqs:
                     hidden = hidden[torch.tensor(sample_rows, device=dev)]
-                    logits = model.logits(hidden)
+                    logits = None if self._draws_from_hidden() else model.logits(hidden)
             if sample_reqs:
                 sampled = self._sample(hidden, logits, sample_reqs, [r.seq_len for r in sample_reqs], graphed)
                 self._in_flight = self._continue(sampled)
@@ -581,20 +590,36 @@ class Engine:
         self._grow(r, n)
         return [(r, n)]
 
-    def _sample(self, hidden: torch.Tensor, logits: torch.Tensor, reqs: list[Request], counters: list[int],
+    def _draws_from_hidden(self) -> bool:
+        """Whether a step may draw its tokens from the hidden rows alone (``EngineConfig.fused_sampling``
+        where it applies: invariant mode on the kernels, no tensor-parallel or tree-mode model); a batch
+        that also asks for top-p / top-k or holds several temperatures still takes the logits."""
+        m = self.model
+        return (self.config.fused_sampling and K.mode() == "invariant" and K.backend(m.device) != "reference"
+                and getattr(m, "reduction_leaves", None) is None and getattr(m, "tp_group", None) is None)
+
+    def _sample(self, hidden: torch.Tensor, logits: torch.Tensor | None, reqs: list[Request], counters: list[int],
                 graphed: bool = False) -> _Sampled:
         """Draw tokens from ``logits`` [B, V] float32 and their log-probs [B] from ``hidden`` [B, H], the
         final hidden rows the logits came from (module docstring), row ``b``'s token drawn at position
-        ``counters[b]``; launched, not read: :meth:`_read` reads them."""
-        dev, B, V = logits.device, len(reqs), logits.shape[1]
+        ``counters[b]``; launched, not read: :meth:`_read` reads them. ``logits`` None (a step that
+        :meth:`_draws_from_hidden`): one pass over the lm head draws both where the batch allows it, else
+        the logits are computed here."""
+        dev, B, V = hidden.device, len(reqs), self.model.cfg.vocab_size
         rows = self._sampling_rows
         if rows is None or rows.reqs != reqs or rows.device != dev or rows.vocab != V:
             rows = self._sampling_rows = _SamplingRows(reqs, dev, V)
         temps, groups = rows.temps, rows.groups
         counters = torch.tensor(counters, dtype=torch.int64).to(dev, non_blocking=True)
+        weight = self.model.head_weight
+        if logits is None and not rows.filtered and len(groups) == 1:
+            tokens, logprobs = K.fused_sample_logprob(hidden, weight, rows.floats[0], rows.ints[1], counters,
+                                                      groups[0] if groups[0] > 0 else 1.0)
+            return self._launched(reqs, tokens, logprobs, graphed)
+        if logits is None:
+            logits = self.model.logits(hidden)
         tokens = K.sample(logits, rows.floats[0], rows.floats[1], rows.ints[0], rows.ints[1], counters,
                           check_values=False, filtered=rows.filtered)
-        weight = self.model.head_weight
         # the trainer's kernel on the same hidden bits; it takes one temperature per call, and a row's
         # bits do not depend on the other rows of the launch, so grouping is exact
         logprob = K.fused_logprob
@@ -607,6 +632,11 @@ class Engine:
             for t in groups:
                 rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=dev)
                 logprobs[rows] = logprob(hidden[rows], weight, tokens[rows], t if t > 0 else 1.0)
+        return self._launched(reqs, tokens, logprobs, graphed)
+
+    def _launched(self, reqs: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor, graphed: bool) -> _Sampled:
+        """The step's tokens [B] int64 and log-probs [B] float32 on the device, on their way to the host."""
+        dev, B = tokens.device, len(reqs)
         # one device-to-host copy (and one wait, in _read) for both: token ids and float32 log-probs are
         # exact in float64
         both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])

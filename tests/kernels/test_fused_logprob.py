@@ -278,3 +278,90 @@ def test_near_certain_tokens_report_log_prob_at_most_zero(interpreter):
     for logp in (K.fused_logprob(hidden, weight, targets), tree_logprob(hidden, weight, targets, leaves=4)):
         assert torch.isfinite(logp).all() and (logp <= 0).all(), logp.max()
         assert (logp > -1e-3).sum() > N // 2  # most rows near-certain (a target shared by two rows is not)
+
+
+# ---- fused_sample_logprob: a token and its log-prob from one pass over the lm head ----------------------
+
+def _draw_inputs(N, V, H, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g).to(device=device, dtype=dtype)
+    weight = (torch.randn(V, H, generator=g) * 0.3).to(device=device, dtype=dtype)
+    temps = torch.tensor([(0.0, 0.7, 1.0, 1.3)[i % 4] for i in range(N)], dtype=torch.float32, device=device)
+    seeds = torch.randint(0, 1 << 62, (N,), generator=g).to(device)
+    positions = torch.randint(0, 1 << 20, (N,), generator=g).to(device)
+    return hidden, weight, temps, seeds, positions
+
+
+def _sample_then_logprob(hidden, weight, temps, seeds, positions, T):
+    logits = K.linear(hidden, weight, out_dtype=torch.float32)
+    tokens = K.sample(logits, temps, 1.0, 0, seeds, positions)
+    return tokens, K.fused_logprob(hidden, weight, tokens, T)
+
+
+@pytest.mark.parametrize("N,V,H", [(1, 1000, 64), (5, 1003, 40), (70, 2053, 96)])
+def test_fused_sample_logprob_is_the_sampler_then_the_trainers_logprob(interpreter, N, V, H):
+    """float32 (the lm-head product and the fused tile share BLOCK_K 32, so the same logit bits under the
+    interpreter): the tokens are ``sample``'s of the float32 logits (greedy rows the argmax), the log-probs
+    ``fused_logprob``'s of those tokens, bit for bit; odd V and H, one and several token tiles."""
+    hidden, weight, temps, seeds, positions = _draw_inputs(N, V, H, torch.float32)
+    for T in (1.0, 0.7):
+        tokens, logp = K.fused_sample_logprob(hidden, weight, temps, seeds, positions, T)
+        want_tokens, want_logp = _sample_then_logprob(hidden, weight, temps, seeds, positions, T)
+        assert tokens.dtype == torch.int64 and logp.dtype == torch.float32
+        assert torch.equal(tokens, want_tokens)
+        assert torch.equal(logp, want_logp)
+    greedy = temps == 0
+    logits = hidden.double() @ weight.double().T
+    assert torch.equal(tokens[greedy], logits[greedy].argmax(-1))  # no ties in random data
+
+
+def test_fused_sample_logprob_fp16_keeps_the_logprob_bits_and_is_batch_invariant(interpreter):
+    """float16: the log-prob is ``fused_logprob``'s of the drawn token bit for bit; a row's token and
+    log-prob are the same alone and in any position of a batch, and the same on every call."""
+    N, V, H = 37, 1500, 64
+    hidden, weight, temps, seeds, positions = _draw_inputs(N, V, H, torch.float16, seed=3)
+    tokens, logp = K.fused_sample_logprob(hidden, weight, temps, seeds, positions, 1.0)
+    assert torch.equal(logp, K.fused_logprob(hidden, weight, tokens, 1.0))
+    assert bool((logp <= 0).all()) and bool(((tokens >= 0) & (tokens < V)).all())
+    again = K.fused_sample_logprob(hidden, weight, temps, seeds, positions, 1.0)
+    assert torch.equal(again[0], tokens) and torch.equal(again[1], logp)
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(1))
+    shuffled = K.fused_sample_logprob(hidden[perm], weight, temps[perm], seeds[perm], positions[perm], 1.0)
+    assert torch.equal(shuffled[0], tokens[perm]) and torch.equal(shuffled[1], logp[perm])
+    for i in (0, 17, N - 1):
+        alone = K.fused_sample_logprob(hidden[i:i + 1], weight, temps[i:i + 1], seeds[i:i + 1], positions[i:i + 1], 1.0)
+        assert int(alone[0]) == int(tokens[i]) and torch.equal(alone[1], logp[i:i + 1])
+
+
+def test_fused_sample_logprob_off_the_kernels_and_its_errors(interpreter):
+    """The reference backend and fast mode (stock log-probs) give the three calls' results; an empty batch
+    gives empty tensors; a wrong temperatures / seeds / positions tensor is refused naming it."""
+    hidden, weight, temps, seeds, positions = _draw_inputs(6, 300, 32, torch.float32, seed=5)
+    for ctx in (K.use_backend("reference"), K.use_mode("fast")):
+        with ctx:
+            got = K.fused_sample_logprob(hidden, weight, temps, seeds, positions, 0.9)
+            want = _sample_then_logprob(hidden, weight, temps, seeds, positions, 0.9)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    empty = K.fused_sample_logprob(hidden[:0], weight, temps[:0], seeds[:0], positions[:0])
+    assert empty[0].shape == (0,) and empty[1].shape == (0,)
+    with pytest.raises(ValueError, match="temperatures"):
+        K.fused_sample_logprob(hidden, weight, temps.double(), seeds, positions)
+    with pytest.raises(ValueError, match="positions"):
+        K.fused_sample_logprob(hidden, weight, temps, seeds, positions[:3])
+    with pytest.raises(ValueError, match="seeds"):
+        K.fused_sample_logprob(hidden, weight, temps, seeds.float(), positions)
+    with pytest.raises(ValueError, match="temperature"):
+        K.fused_sample_logprob(hidden, weight, temps, seeds, positions, 0.0)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_fused_sample_logprob_is_the_sampler_then_the_trainers_logprob():
+    """On the GPU, bf16 at the qwen3-0.6b head's shape: the log-probs are ``fused_logprob``'s of the drawn
+    tokens bit for bit, and the tokens the sampler's of the lm-head product (the fused tile's logits are
+    that product's bits: the same BLOCK_K), at decode batch sizes and one training-sized batch."""
+    for N in (1, 7, 64, 300):
+        hidden, weight, temps, seeds, positions = _draw_inputs(N, 151936, 1024, torch.bfloat16, "cuda", seed=N)
+        tokens, logp = K.fused_sample_logprob(hidden, weight, temps, seeds, positions, 1.0)
+        want_tokens, want_logp = _sample_then_logprob(hidden, weight, temps, seeds, positions, 1.0)
+        assert torch.equal(tokens, want_tokens), N
+        assert torch.equal(logp, want_logp), N

@@ -128,6 +128,18 @@ picked.setdefault("tree_reduce:_tree_node_kernel", spec(
     {"LEAVES": 8, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PRECISION": "tf32"}, 4))
 picked.setdefault("tree_reduce:_tree_sum_kernel", spec(
     "tree_reduce:_tree_sum_kernel", {"parts": "*fp32", "out": "*bf16"}, {"LEAVES": 8, "BLOCK": 1024}, 4))
+# the engine's one-pass draw and log-prob (fused_sample_logprob) at the 0.6b head: bf16 TMA tiles, 5-tile splits
+picked.setdefault("fused_lm_head:_sample_partials_kernel", spec(
+    "fused_lm_head:_sample_partials_kernel",
+    {"h_src": "tensordesc<bf16[128, 64]>", "w_src": "tensordesc<bf16[256, 64]>", "temp_ptr": "*fp32",
+     "seed_ptr": "*i64", "pos_ptr": "*i64", "pm_ptr": "*fp32", "ps_ptr": "*fp32", "pk_ptr": "*fp32", "pi_ptr": "*i32",
+     "px_ptr": "*fp32", "c": "fp32"},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_TILES": 5, "EVEN_K": True, "PRECISION": "tf32",
+     "USE_TMA": True, "FLATTEN": True}, 8))
+picked.setdefault("fused_lm_head:_sample_combine_kernel", spec(
+    "fused_lm_head:_sample_combine_kernel",
+    {"pm_ptr": "*fp32", "ps_ptr": "*fp32", "pk_ptr": "*fp32", "pi_ptr": "*i32", "px_ptr": "*fp32", "tok_ptr": "*i64",
+     "lp_ptr": "*fp32", "inv_t": "fp32", "c": "fp32"}, {"BLOCK": 128}, 4))
 missing = [n for n in wanted if n not in picked]
 assert not missing, f"no specialization to compile for {missing}: add a spec() line for each"
 for name in wanted:

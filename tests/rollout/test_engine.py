@@ -588,3 +588,55 @@ def test_gpu_bf16_qwen3_0_6b_graphed_rollout_logprobs_equal_the_trainers():
         logp, _ent = micro_batch_log_probs(model, mb, 1.0, with_entropy=True)
         want = torch.cat([torch.tensor(big[ones[k]].output_logprobs, dtype=torch.float32) for k in mb.indices])
         assert torch.equal(logp.detach().cpu(), want)
+
+
+def test_fused_sampling_gives_the_same_tokens_and_log_probs(model, interpreter, monkeypatch):
+    """``EngineConfig(fused_sampling=True)`` under the kernels (interpreted, float32: the lm-head product and
+    the fused tile share BLOCK_K, so the same logits): the same tokens and log-probs as the sampler and the
+    log-prob pass. A step whose rows share one temperature and ask for no top-p / top-k takes the one-pass
+    kernel; a step with several temperatures or a filtered row takes the logits (every call is recorded
+    with its rows' temperatures); the reference backend never takes it."""
+    calls = []
+    fused = K.fused_sample_logprob
+    monkeypatch.setattr(K, "fused_sample_logprob",
+                        lambda *a: calls.append(sorted(set(a[2].tolist()))) or fused(*a))
+    prompts = _prompts(3, seed=21, lo=5, hi=20)
+    one_t = [SamplingParams(max_new_tokens=4, temperature=0.8, seed=40 + i, ignore_eos=True) for i in range(3)]
+    greedy = [SamplingParams(max_new_tokens=3, temperature=0.0, seed=50 + i, ignore_eos=True) for i in range(3)]
+    mixed = [SamplingParams(max_new_tokens=3, temperature=t, seed=60 + i, ignore_eos=True)
+             for i, t in enumerate([0.8, 1.0, 0.0])]
+    with K.use_backend("interpreter"):
+        for params in (one_t, greedy, mixed, PARAMS):
+            calls.clear()
+            plain = _run(_engine(model, chunked_prefill_size=8), prompts, params)
+            assert not calls
+            got = _run(_engine(model, chunked_prefill_size=8, fused_sampling=True), prompts, params)
+            assert got == plain
+            assert calls and all(len(temps) == 1 for temps in calls), calls  # one temperature per fused step
+            if params is one_t or params is greedy:  # every sampling step fused: one at least per token drawn
+                assert len(calls) >= max(p.max_new_tokens for p in params), calls
+            if params is PARAMS:  # the top-p / top-k request (temperature 1.0) never goes through it
+                assert all(temps != [1.0] for temps in calls), calls
+            if params is mixed:  # the steps holding all three requests took the logits
+                assert len(calls) < sum(p.max_new_tokens for p in params)
+    calls.clear()
+    assert _run(_engine(model, fused_sampling=True), prompts, one_t) == _run(_engine(model), prompts, one_t)
+    assert not calls  # the reference backend (this module's default): the logits path
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_graphed_fused_sampling_gives_the_default_engines_tokens_and_log_probs():
+    """The qwen3-0.6b shape in bf16 with decode graphs: ``fused_sampling`` (graphs without logits, one pass
+    over the lm head) gives the default engine's tokens and log-probs bit for bit, for a batch of one
+    temperature (the fused kernel) and a greedy one."""
+    model = Qwen3ForCausalLM.random(preset("qwen3-0.6b"), seed=0, dtype=torch.bfloat16, device="cuda")
+    tok = ByteTokenizer(model.cfg.vocab_size)
+    prompts = _prompts(24, seed=5, lo=20, hi=300)
+    for t in (1.0, 0.0):
+        params = [SamplingParams(max_new_tokens=40, temperature=t, seed=100 + i, ignore_eos=True) for i in range(24)]
+        with K.use_backend(None):
+            runs = [[(r.output_ids, r.output_logprobs) for r in
+                     Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, cuda_graph_max_bs=32,
+                                                     fused_sampling=fused)).generate(prompts, params)]
+                    for fused in (False, True)]
+        assert runs[0] == runs[1], t

@@ -172,7 +172,7 @@ def test_gpu_warm_up_captures_every_graph_and_changes_no_bits():
         captured = warmed.warm_up(WARMUP_PROMPT_LENGTHS)
         seconds = time.perf_counter() - t0
         assert captured == len(warmed.graphs.buckets)
-        assert set(warmed.graphs.graphs) == {(K.mode(), bs) for bs in warmed.graphs.buckets}
+        assert set(warmed.graphs.graphs) == {(K.mode(), bs, True) for bs in warmed.graphs.buckets}
         assert warmed.num_steps == 0 and warmed.kv.num_free_pages == warmed.kv.num_pages
         gen = torch.Generator().manual_seed(0)
         for batch in (1, 3, 17, 64):
