@@ -261,6 +261,14 @@ def _fwd_combine_kernel(
 _NO_COLUMN = tl.constexpr(2147483647)  # int32 max: "no column yet" in the sampling partials (every key -inf)
 
 
+@triton.jit
+def _better_draw(key_a, col_a, x_a, key_b, col_b, x_b):
+    """The draw of two candidates (key, column, logit): the larger key, the lower column on equal keys
+    (:func:`rlperf.kernels.sample`'s rule), with its logit."""
+    b = (key_b > key_a) | ((key_b == key_a) & (col_b < col_a))
+    return tl.where(b, key_b, key_a), tl.where(b, col_b, col_a), tl.where(b, x_b, x_a)
+
+
 @triton.jit(do_not_specialize=["N", "num_m_tiles"])
 def _sample_partials_kernel(
     h_src, w_src, temp_ptr, seed_ptr, pos_ptr, pm_ptr, ps_ptr, pk_ptr, pi_ptr, px_ptr,
@@ -296,17 +304,17 @@ def _sample_partials_kernel(
         acc = _logits_tile(h_src, w_src, pid_m * BLOCK_M, n0, rows, cols, H, stride_h, stride_w,
                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
         x = acc + tl.where(offs_n < V, 0.0, float("-inf"))[None, :]
+        m, s, t = online_lse_update(m, s, t, x, c, False)
         g = -tl.log(-tl.log(uniform(offs_n[None, :], key[:, None], key2[:, None])))
         k = tl.where(greedy[:, None], x, x * inv_temp[:, None] + g)
         k = tl.where((offs_n < V)[None, :], k, float("-inf"))
-        kmax = tl.max(k, axis=1)
-        kcol = tl.min(tl.where(k == kmax[:, None], offs_n[None, :], _NO_COLUMN), axis=1)
-        kx = tl.sum(tl.where(offs_n[None, :] == kcol[:, None], x, 0.0), axis=1)  # one term: exact
+        # one reduction over (key, column, logit): a max of the keys, then a min over the columns holding
+        # it, would keep the key tile live for a second pass (register spills)
+        kmax, kcol, kx = tl.reduce((k, tl.broadcast_to(offs_n[None, :], (BLOCK_M, BLOCK_N)), x), 1, _better_draw)
         better = (kmax > best) | ((kmax == best) & (best_i == _NO_COLUMN))  # strict: earlier tiles win ties
         best = tl.where(better, kmax, best)
         best_i = tl.where(better, kcol, best_i)
         best_x = tl.where(better, kx, best_x)
-        m, s, t = online_lse_update(m, s, t, x, c, False)
     out = pid_s * N + offs_m
     keep = offs_m < N
     tl.store(pm_ptr + out, m, mask=keep)
