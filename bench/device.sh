@@ -11,6 +11,8 @@
 #       BENCHES benchmark names for `rlperf bench` (default: all); "none" skips benchmarks
 #
 # Example (device tool): bash bench/device.sh tests/kernels/test_matmul.py matmul
+# Group 6 starts SGLang engines: carry .sglang-pack/MANIFEST and .sglang-pack/chunk-00 (unpacked here; a warm
+# machine keeps it) as well as .whl, or it stops with exit 3 before running anything.
 # Each group fits well inside a 10-minute device call on one H100 (install included). Group 7's
 # tests need 2 and 4 GPUs: on one GPU they skip; run it on a 4-GPU machine (kind nvidia-h100-x4). The slowest tests of a
 # group are listed at the end of its log (pytest --durations), to rebalance the groups.
@@ -52,6 +54,10 @@ fi
 shift 2 2>/dev/null || shift $#
 source "$(dirname "${BASH_SOURCE[0]}")/device_setup.sh"
 status=0
+SGLANG_GROUP=6  # its tests start SGLang engines: SGLang's runtime must be on the path (the pack, not only .whl)
+if [ "$GROUP" = "$SGLANG_GROUP" ]; then
+  put_sglang_on_path || { echo "bench/device.sh: test group $GROUP starts SGLang engines: nothing run"; exit 3; }
+fi
 if [ "$TESTS" != "none" ]; then
   log="$OUT/gpu-tests${GROUP:+-$GROUP}.log"
   [ -n "$GROUP" ] && echo "== GPU test group $GROUP of $NGROUPS: $TESTS"

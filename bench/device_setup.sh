@@ -37,3 +37,22 @@ step() {
   echo "$rc $((SECONDS - t0))" >"$OUT/$name.rc-seconds"
   if [ "$rc" != 0 ]; then status=1; tail -25 "$OUT/$name.log"; fi
 }
+
+# put_sglang_on_path: SGLang's runtime (bench/pack_sglang.sh's pack: SGLang, FlashInfer, the router and their
+# pinned dependencies) on PYTHONPATH. When .sglang-pack/MANIFEST came with the call, bench/unpack_sglang.sh
+# runs first (a no-op when $SGLANG_SITE already holds that archive). Returns 1, saying what to carry, when
+# no unpacked SGLang is there: the scripts that start SGLang engines stop then instead of failing test by test.
+put_sglang_on_path() {
+  local site=${SGLANG_SITE:-/tmp/sglang-site/site} pack=${PACK_DIR:-.sglang-pack} rc
+  if [ -f "$pack/MANIFEST" ] && [ "$(basename "$site")" = site ]; then
+    PACK_DIR=$pack DEST=$(dirname "$site") bash bench/unpack_sglang.sh
+    rc=$?
+    [ $rc = 0 ] || echo "bench/unpack_sglang.sh exit $rc; going on with the site already in $site"
+  fi
+  if [ ! -d "$site/sglang" ]; then
+    echo "$site has no sglang: carry .sglang-pack/MANIFEST and .sglang-pack/chunk-00" \
+         "(bash bench/pack_sglang.sh on the CPU machine) or run bench/unpack_sglang.sh first"
+    return 1
+  fi
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+}

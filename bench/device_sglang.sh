@@ -57,24 +57,7 @@ set -uo pipefail
 STAGES=${1:-check gate}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source bench/device_setup.sh
-SITE=${SGLANG_SITE:-/tmp/sglang-site/site}
-PACK_DIR=${PACK_DIR:-.sglang-pack}
-if [ -f "$PACK_DIR/MANIFEST" ] && [ "$(basename "$SITE")" = site ]; then
-  # the pack came with this call: unpack it (a no-op when $SITE already holds this archive)
-  PACK_DIR=$PACK_DIR DEST=$(dirname "$SITE") bash bench/unpack_sglang.sh
-  rc=$?
-  if [ $rc != 0 ] && [ ! -d "$SITE/sglang" ]; then
-    echo "device_sglang: bench/unpack_sglang.sh exit $rc and $SITE has no sglang"
-    exit 3
-  fi
-  [ $rc = 0 ] || echo "device_sglang: bench/unpack_sglang.sh exit $rc; going on with the site already in $SITE"
-fi
-if [ ! -d "$SITE/sglang" ]; then
-  echo "device_sglang: $SITE has no sglang: carry .sglang-pack/MANIFEST and .sglang-pack/chunk-00" \
-       "(bash bench/pack_sglang.sh on the CPU machine) or run bench/unpack_sglang.sh first"
-  exit 3
-fi
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+put_sglang_on_path || { echo "device_sglang: SGLang's runtime is not on this machine"; exit 3; }
 MODEL=${RLPERF_SGLANG_MODEL:-qwen3-0.6b}
 RUN_FLAGS=(--model "$MODEL" --device cuda --rollout-backend sglang --rollout-num-gpus 1
            --sglang-attention-backend "${SGLANG_ATTENTION:-flashinfer}" --rollout-batch-size 8
