@@ -11,8 +11,9 @@
 #       BENCHES benchmark names for `rlperf bench` (default: all); "none" skips benchmarks
 #
 # Example (device tool): bash bench/device.sh tests/kernels/test_matmul.py matmul
-# Group 6 starts SGLang engines: carry .sglang-pack/MANIFEST and .sglang-pack/chunk-00 (unpacked here; a warm
-# machine keeps it) as well as .whl, or it stops with exit 3 before running anything.
+# Group 6 starts SGLang engines: carry .sglang-pack/MANIFEST and .sglang-pack/chunk-00 (55 MB, unpacked here
+# into /tmp, which a warm machine keeps; with .whl the carry passes a call's 64 MB, so carry the pack alone or
+# in an earlier call), or it stops with exit 3 before running anything.
 # Each group fits well inside a 10-minute device call on one H100 (install included). Group 7's
 # tests need 2 and 4 GPUs: on one GPU they skip; run it on a 4-GPU machine (kind nvidia-h100-x4). The slowest tests of a
 # group are listed at the end of its log (pytest --durations), to rebalance the groups.
