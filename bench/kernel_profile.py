@@ -8,7 +8,9 @@ time with their share of the step.
 Cases (qwen3-0.6b shape, random bf16 weights, invariant mode unless ``--mode fast``):
 
 * ``decode``: the rollout engine's decode step at batch ``--batch`` (prompt 512), replayed from CUDA
-  graphs as ``rlperf serve`` runs it (warm-up steps first, then ``--steps`` profiled steps);
+  graphs as ``rlperf serve`` runs it (warm-up steps first, then ``--steps`` profiled steps). With
+  programmatic dependent launch (the default on SM 90+) kernel spans overlap: each holds its wait for
+  the kernel before it (the table says so); ``RLPERF_PDL=0`` gives each kernel's own time;
 * ``train``: one micro-step of the trainer's work on ``--tokens`` packed tokens (sequences of 512):
   forward to the fused log-prob, ``backward()`` of their sum — what ``perf/train_time`` repeats
   per micro-batch, without the optimizer;
@@ -129,7 +131,9 @@ def profile_kernels(fn, steps: int) -> tuple[dict[str, list], float]:
         torch.cuda.synchronize()
     kernels = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        # rlperf's own named ranges (``rlperf.decode``, ``rlperf.prefill``) also show on the GPU timeline:
+        # spans over the step's kernels, not work of their own
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("rlperf."):
             d = kernels.setdefault(e.name, [0.0, 0])
             d[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
             d[1] += 1
@@ -146,6 +150,10 @@ def top_kernels(kernels: dict[str, list], steps: int, top: int) -> list[dict]:
 def _profile(label: str, fn, steps: int, top: int) -> None:
     kernels, wall_ms = profile_kernels(fn, steps)
     _table(label, kernels, wall_ms, steps, top)
+    if K.programmatic_launch(torch.device("cuda")):
+        print("(kernels launched with programmatic dependent launch: a kernel starts while the one before it "
+              "runs and waits there, so its span holds that wait and the spans overlap; RLPERF_PDL=0 gives "
+              "each kernel's own time)")
 
 
 def _sglang_cases(variants, batches, steps: int, top: int, model: str) -> None:
