@@ -298,13 +298,14 @@ def _sample_then_logprob(hidden, weight, temps, seeds, positions, T):
     return tokens, K.fused_logprob(hidden, weight, tokens, T)
 
 
-@pytest.mark.parametrize("N,V,H", [(1, 1000, 64), (5, 1003, 40), (70, 2053, 96)])
-def test_fused_sample_logprob_is_the_sampler_then_the_trainers_logprob(interpreter, N, V, H):
+@pytest.mark.parametrize("N,V,H,temperatures", [(1, 1000, 64, (1.0, 0.7)), (5, 2053, 40, (1.0,)), (70, 600, 48, (0.7,))])
+def test_fused_sample_logprob_is_the_sampler_then_the_trainers_logprob(interpreter, N, V, H, temperatures):
     """float32 (the lm-head product and the fused tile share BLOCK_K 32, so the same logit bits under the
     interpreter): the tokens are ``sample``'s of the float32 logits (greedy rows the argmax), the log-probs
-    ``fused_logprob``'s of those tokens, bit for bit; odd V and H, one and several token tiles."""
+    ``fused_logprob``'s of those tokens, bit for bit; odd V and H, two vocabulary splits (V > 2048), one
+    and two token tiles."""
     hidden, weight, temps, seeds, positions = _draw_inputs(N, V, H, torch.float32)
-    for T in (1.0, 0.7):
+    for T in temperatures:
         tokens, logp = K.fused_sample_logprob(hidden, weight, temps, seeds, positions, T)
         want_tokens, want_logp = _sample_then_logprob(hidden, weight, temps, seeds, positions, T)
         assert tokens.dtype == torch.int64 and logp.dtype == torch.float32
@@ -317,18 +318,16 @@ def test_fused_sample_logprob_is_the_sampler_then_the_trainers_logprob(interpret
 
 def test_fused_sample_logprob_fp16_keeps_the_logprob_bits_and_is_batch_invariant(interpreter):
     """float16: the log-prob is ``fused_logprob``'s of the drawn token bit for bit; a row's token and
-    log-prob are the same alone and in any position of a batch, and the same on every call."""
-    N, V, H = 37, 1500, 64
+    log-prob are the same alone and in any position of a batch."""
+    N, V, H = 9, 300, 64  # the 16-bit tile is 128 x 256: two vocabulary tiles, the second a partial one
     hidden, weight, temps, seeds, positions = _draw_inputs(N, V, H, torch.float16, seed=3)
     tokens, logp = K.fused_sample_logprob(hidden, weight, temps, seeds, positions, 1.0)
     assert torch.equal(logp, K.fused_logprob(hidden, weight, tokens, 1.0))
     assert bool((logp <= 0).all()) and bool(((tokens >= 0) & (tokens < V)).all())
-    again = K.fused_sample_logprob(hidden, weight, temps, seeds, positions, 1.0)
-    assert torch.equal(again[0], tokens) and torch.equal(again[1], logp)
     perm = torch.randperm(N, generator=torch.Generator().manual_seed(1))
     shuffled = K.fused_sample_logprob(hidden[perm], weight, temps[perm], seeds[perm], positions[perm], 1.0)
     assert torch.equal(shuffled[0], tokens[perm]) and torch.equal(shuffled[1], logp[perm])
-    for i in (0, 17, N - 1):
+    for i in (N - 1,):
         alone = K.fused_sample_logprob(hidden[i:i + 1], weight, temps[i:i + 1], seeds[i:i + 1], positions[i:i + 1], 1.0)
         assert int(alone[0]) == int(tokens[i]) and torch.equal(alone[1], logp[i:i + 1])
 
