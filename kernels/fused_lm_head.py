@@ -160,6 +160,20 @@ def _logits_tile(h_src, w_src, off_m, off_n, rows, cols, H, stride_h, stride_w,
     return acc
 
 
+@triton.jit
+def _raw_logits(h_src, w_src, off_m, n0, rows, V, H, stride_h, stride_w,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """(x [BLOCK_M, BLOCK_N] float32, offs_n [BLOCK_N]): the raw logits of vocabulary tile ``n0``
+    (:func:`_logits_tile`), columns past V at -inf (one add per element: cheaper than a select), and the
+    tile's column indices. The one tile the forward kernels fold."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    cols = tl.minimum(offs_n, V - 1)
+    acc = _logits_tile(h_src, w_src, off_m, n0, rows, cols, H, stride_h, stride_w,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
+    return acc + tl.where(offs_n < V, 0.0, float("-inf"))[None, :], offs_n
+
+
 @triton.jit(do_not_specialize=["N", "num_m_tiles"])
 def _fwd_partials_kernel(
     h_src, w_src, tgt_ptr, pm_ptr, ps_ptr, pt_ptr, pz_ptr,
@@ -185,12 +199,8 @@ def _fwd_partials_kernel(
     v_begin = pid_s * (SPLIT_TILES * BLOCK_N)
     v_end = tl.minimum(v_begin + SPLIT_TILES * BLOCK_N, V)
     for n0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        cols = tl.minimum(offs_n, V - 1)
-        acc = _logits_tile(h_src, w_src, pid_m * BLOCK_M, n0, rows, cols, H, stride_h, stride_w,
-                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
-        # raw logits, columns past V at -inf (one add per element: cheaper than a select)
-        x = acc + tl.where(offs_n < V, 0.0, float("-inf"))[None, :]
+        x, offs_n = _raw_logits(h_src, w_src, pid_m * BLOCK_M, n0, rows, V, H, stride_h, stride_w,
+                                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
         # at most one column of one tile matches: a sum of zeros and that logit, exact
         tz += tl.sum(tl.where(offs_n[None, :] == tgt[:, None], x, 0.0), axis=1)
         m, s, t = online_lse_update(m, s, t, x, c, WITH_ENTROPY)
@@ -299,11 +309,8 @@ def _sample_partials_kernel(
     v_begin = pid_s * (SPLIT_TILES * BLOCK_N)
     v_end = tl.minimum(v_begin + SPLIT_TILES * BLOCK_N, V)
     for n0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        cols = tl.minimum(offs_n, V - 1)
-        acc = _logits_tile(h_src, w_src, pid_m * BLOCK_M, n0, rows, cols, H, stride_h, stride_w,
-                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
-        x = acc + tl.where(offs_n < V, 0.0, float("-inf"))[None, :]
+        x, offs_n = _raw_logits(h_src, w_src, pid_m * BLOCK_M, n0, rows, V, H, stride_h, stride_w,
+                                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
         m, s, t = online_lse_update(m, s, t, x, c, False)
         g = -tl.log(-tl.log(uniform(offs_n[None, :], key[:, None], key2[:, None])))
         k = tl.where(greedy[:, None], x, x * inv_temp[:, None] + g)
