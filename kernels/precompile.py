@@ -194,7 +194,7 @@ def settle_cache_keys(modules) -> int:
     if not fns or not all(hasattr(f, "hash") and hasattr(f, "used_global_vals") for f in fns):
         return 0
     keys = None
-    for _ in range(8):  # one more pass per level of helper calls; rlperf's go three deep
+    for _ in range(8):  # a pass per level of helper calls, until a pass changes no key
         for f in fns:
             f.hash = None
         settled = [f.cache_key for f in fns]

@@ -40,9 +40,9 @@ def auto_cuda_graph_buckets(max_tokens_per_gpu: int, gradient_set_bytes: int = 0
 
     * the top bucket is M, not the next power of two: the packer fills micro-batches up to M, so every
       micro-batch of a step but its last is close to M and pads by little;
-    * a step's last micro-batch holds what is left, anywhere from a few tokens to M: halves alone pad it
-      by M/6 on average (almost M/2 when it is just over M/2), steps of 3/4 and 2/3 by about M/12
-      down to the smallest bucket (measured: the 0.6b synthetic loop packs 3,792, 3,792 and 2,616
+    * a step's last micro-batch holds what is left, anywhere from a few tokens to M: for a remainder
+      spread evenly over that range, halves alone pad it by about M/6 on average (almost M/2 when it is
+      just over M/2), steps of 3/4 and 2/3 by about M/12 down to the smallest bucket (measured: the 0.6b synthetic loop packs 3,792, 3,792 and 2,616
       tokens; 4096, 4096 and 4096 with halves, 4096, 4096 and 3072 with this ladder: 8% fewer
       padded tokens in each step's forward and backward);
     * within the ladder a micro-batch pads to at most 3/2 of its size, and one below the smallest
