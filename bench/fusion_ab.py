@@ -1,5 +1,5 @@
 """The engine's decode and prefill steps under variants of its decode path (the two fusions, programmatic
-dependent launch, the fused log-prob's split width, the fused draw), same card, same process: is a change
+dependent launch, the fused log-prob's split width, the fused draw, decode attention's one-query guess), same card, same process: is a change
 of the rollout bench's times theirs or the card's?
 
 * ``swiglu``: :func:`rlperf.kernels.linear_silu_mul` (the gate_up product with its SwiGLU epilogue, one
@@ -20,7 +20,11 @@ of the rollout bench's times theirs or the card's?
   head a second time) with vocabulary splits of N tiles of 256 columns instead of its config's
   ``SPLIT_TILES`` (5 for 16-bit inputs): one program per (128-token tile, split), so at decode batches (one
   token tile) the split width alone sets how many programs stream the lm head (5 tiles: 119 programs on
-  the 151,936-word vocabulary; 16 tiles, the width before these measurements: 38).
+  the 151,936-word vocabulary; 16 tiles, the width before these measurements: 38);
+* ``no decode guess``: decode attention's launches without ``GUESS_ONE_QUERY`` (each program then finds
+  its sequence by the binary search over the batch's query offsets, ceil(log2 B) dependent loads before
+  its first K/V load, instead of checking the one-query-per-sequence numbering with two loads; the same
+  sequence either way, so the same bits).
 
 Both fused forms give the bits of their unfused calls (their kernel tests), and PDL moves no
 instruction of a kernel's math, so those variants decode the same tokens; only the launches differ. A
@@ -52,20 +56,22 @@ class Variant(NamedTuple):
     the epilogue at every size, False never; kv: the K/V-store fusion; pdl: launches with programmatic
     dependent launch (the engine's default; it applies on SM 90+ GPUs only); logprob_split_tiles: the
     fused log-prob's vocabulary tiles per forward split (None: its config's); fused_sampling: the
-    engine's ``EngineConfig.fused_sampling``."""
+    engine's ``EngineConfig.fused_sampling``; decode_guess: decode attention's ``GUESS_ONE_QUERY``."""
 
     swiglu: bool | None
     kv: bool
     pdl: bool = True
     logprob_split_tiles: int | None = None
     fused_sampling: bool = False
+    decode_guess: bool = True
 
 
 ENGINE_DEFAULT = "engine default"
 VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, True),
             "no swiglu epilogue": Variant(False, True), "no kv-store fusion": Variant(True, False),
             "neither": Variant(False, False), "no pdl": Variant(None, True, pdl=False),
-            "fused sampling": Variant(None, True, fused_sampling=True)}
+            "fused sampling": Variant(None, True, fused_sampling=True),
+            "no decode guess": Variant(None, True, decode_guess=False)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
@@ -81,16 +87,21 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 
 
 @contextlib.contextmanager
-def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles: int | None = None):
+def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles: int | None = None,
+            decode_guess: bool = True):
     """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
     kernels package: swap in the unfused calls (or lift the epilogue's row limit), switch
-    programmatic dependent launch, and set the fused log-prob's split width (every dtype's config), for
-    the variant's duration."""
-    from rlperf.kernels import fused_lm_head, gemm
+    programmatic dependent launch, set the fused log-prob's split width (every dtype's config) and decode
+    attention's one-query guess, for the variant's duration."""
+    from rlperf.kernels import attention, fused_lm_head, gemm
 
     saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS
     saved_configs = dict(fused_lm_head._CONFIGS)
+    decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
+    saved_guesses = [c["GUESS_ONE_QUERY"] for c in decode_configs]
     try:
+        for c in decode_configs:
+            c["GUESS_ONE_QUERY"] = decode_guess
         if swiglu is False:
             K.linear_silu_mul = _unfused_linear_silu_mul
         elif swiglu:
@@ -106,6 +117,8 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
         K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS = saved
         fused_lm_head._CONFIGS.clear()
         fused_lm_head._CONFIGS.update(saved_configs)
+        for c, guess in zip(decode_configs, saved_guesses):
+            c["GUESS_ONE_QUERY"] = guess
 
 
 def chosen_variants(spec: str) -> dict[str, Variant] | None:
@@ -169,13 +182,13 @@ def main(argv=None) -> int:
         # one untimed round first (every variant's kernels compiled, the allocator warm), so the variant
         # timed first pays no more than the others
         for v in variants.values():
-            with variant(*v[:4]):
+            with variant(*v[:4], decode_guess=v.decode_guess):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),
                             fused_sampling=v.fused_sampling)
                 if args.prefill:
                     prefill_case(model, args.prefill, PROMPT, reps=1)
         for name, v in variants.items():
-            with variant(*v[:4]):
+            with variant(*v[:4], decode_guess=v.decode_guess):
                 row = {}
                 for b in batches:
                     d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),

@@ -63,7 +63,8 @@ from .reference import attention as _ref
 # 128x128 tiles with 8 warps and TMA loads are the only tried config that is within reach of both
 # the prefill (cuDNN) and the decode (SDPA flash) anchors. TMA falls back to pointer loads (same
 # bits) when K/V strides do not allow a descriptor.
-_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True}
+# GUESS_ONE_QUERY only acts in launches with as many queries as sequences (_attn_fwd_kernel's docstring).
+_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True, "GUESS_ONE_QUERY": True}
 PAGE_SIZE: int = _CONFIG["BLOCK_N"]
 # Decode-only launches (one query per sequence) use half the M tile with one warpgroup: the same
 # wgmma instruction family (m64 per warpgroup), the same KV blocks and online-softmax order, so the
@@ -192,13 +193,19 @@ def _attn_fwd_kernel(
     qk_scale, num_seqs, search_steps,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, USE_TMA: tl.constexpr, STORE_LSE: tl.constexpr, PREFETCH_PAGE: tl.constexpr,
-    MASKED_PTR: tl.constexpr,
+    MASKED_PTR: tl.constexpr, GUESS_ONE_QUERY: tl.constexpr = False,
 ):
     """Program (i, kvh): query tile i of the flattened tile list, KV head kvh.
 
     Tile numbering without host sync: sequence b's tiles start at f(b) = cu_q[b] // BLOCK_Q + b,
     which is monotone and leaves at least cdiv(n_b, BLOCK_Q) slots per sequence; the grid is
     f(B) = T // BLOCK_Q + B. A binary search over f finds b; surplus slots exit.
+
+    ``GUESS_ONE_QUERY`` (a decode step's launch: T == B): first try the b that a batch of one query per
+    sequence gives (cu_q[b] = b, so f(b) = b + b // BLOCK_Q and b = pid - (pid + 1) // (BLOCK_Q + 1),
+    clamped to B - 1) and check it with the two loads f(b) <= pid < f(b + 1); only a failed check runs
+    the search. Both find the same b, so the arithmetic and the bits are the search's; a decode program
+    starts its K/V loads after two parallel loads instead of ceil(log2 B) dependent ones.
 
     ``STORE_LSE``: also store each row's base-2 log-sum-exp of the scaled scores,
     ``LSE[head, token] = m + log2(l)``, for the backward (``kernels/attention_backward.py``).
@@ -210,7 +217,15 @@ def _attn_fwd_kernel(
 
     lo = pid * 0
     hi = lo + num_seqs
-    for _ in range(search_steps):  # invariant: f(lo) <= pid < f(hi); extra steps are no-ops
+    steps = search_steps
+    if GUESS_ONE_QUERY:
+        guess = tl.minimum(pid - (pid + 1) // (BLOCK_Q + 1), num_seqs - 1)
+        found = ((tl.load(CU_Q + guess) // BLOCK_Q + guess <= pid)
+                 & (pid < tl.load(CU_Q + guess + 1) // BLOCK_Q + guess + 1))
+        lo = tl.where(found, guess, lo)
+        hi = tl.where(found, guess + 1, hi)
+        steps = tl.where(found, 0, search_steps)
+    for _ in range(steps):  # invariant: f(lo) <= pid < f(hi); extra steps are no-ops
         mid = (lo + hi) // 2
         take = tl.load(CU_Q + mid) // BLOCK_Q + mid <= pid
         lo = tl.where(take, mid, lo)
@@ -341,7 +356,8 @@ def attention_forward(
     :func:`rlperf.kernels.attention_backward.attention_backward` takes); ``out`` has the same bits
     either way.
 
-    ``config`` (keys ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``TMA``) replaces the
+    ``config`` (keys ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``TMA`` and the optional
+    ``PREFETCH_PAGE``, ``MASKED_PTR``, ``GUESS_ONE_QUERY``) replaces the
     one launch config for tuning sweeps (``bench/attention.py``); the ops never pass it, and another
     config may give other bits.
     """
@@ -398,7 +414,7 @@ def attention_forward(
             scale * math.log2(math.e), num_seqs, math.ceil(math.log2(num_seqs)) if num_seqs > 1 else 0,
             G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged, USE_TMA=use_tma,
             STORE_LSE=return_lse, PREFETCH_PAGE=paged and cfg.get("PREFETCH_PAGE", False),
-            MASKED_PTR=use_tma and cfg.get("MASKED_PTR", False),
+            MASKED_PTR=use_tma and cfg.get("MASKED_PTR", False), GUESS_ONE_QUERY=cfg.get("GUESS_ONE_QUERY", False) and T == num_seqs,
             num_warps=cfg["num_warps"], num_stages=stages, **launch_options(q.device),
         )
 

@@ -5,7 +5,7 @@ import pytest
 
 import rlperf.kernels as K
 from rlperf.bench import fusion_ab
-from rlperf.kernels import fused_lm_head, gemm
+from rlperf.kernels import attention, fused_lm_head, gemm
 from rlperf.bench.rollout import decoding_engine
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
@@ -44,16 +44,21 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     variants = fusion_ab.chosen_variants("all, logprob split 3")
     assert variants["logprob split 3"] == fusion_ab.Variant(None, True, True, 3)
     assert variants["fused sampling"].fused_sampling and not variants[fusion_ab.ENGINE_DEFAULT].fused_sampling
-    for name, (swiglu, kv_fused, pdl, split, fused_sampling) in variants.items():
+    assert not variants["no decode guess"].decode_guess and variants[fusion_ab.ENGINE_DEFAULT].decode_guess
+    decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
+    assert all(c["GUESS_ONE_QUERY"] for c in decode_configs)
+    for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
-        with fusion_ab.variant(swiglu, kv_fused, pdl, split), K.use_backend("reference"):
+        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess), K.use_backend("reference"):
+            assert all(c["GUESS_ONE_QUERY"] is decode_guess for c in decode_configs), name
             assert all(fused_lm_head.fused_config(d).SPLIT_TILES == (split or c.SPLIT_TILES)
                        for d, c in configs.items()), name
             assert pipeline._pdl_on is pdl, name  # the launches' setting (a no-op on the CPU)
             tokens[name] = _decoded(model, fused_sampling)
         assert pipeline._pdl_on is setting, name  # restored
         assert fused_lm_head._CONFIGS == configs, name
+        assert all(c["GUESS_ONE_QUERY"] for c in decode_configs), name  # restored
         assert (calls["swiglu"] > before["swiglu"]) == (swiglu is False), name
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
         assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored

@@ -239,6 +239,34 @@ def test_page_prefetch_and_masked_pointer_loads_bit_identical(interpreter):
         assert torch.equal(out, base), extra
 
 
+def test_decode_launch_finds_each_sequence_without_the_search(interpreter):
+    """A launch with as many queries as sequences (T == B) first tries the one-query-per-sequence tile
+    numbering and checks it (``GUESS_ONE_QUERY``): a decode step of 70 sequences (tile numbers crossing
+    two BLOCK_Q boundaries) and T == B batches that are not one query each (the check fails, the search
+    runs) give the varlen prefill's rows, and no row is left unwritten."""
+    from rlperf.kernels.attention import _DECODE_CONFIG, attention_forward
+
+    gen = torch.Generator().manual_seed(11)
+    lens = [39] + [int(x) for x in torch.randint(2, 40, (69,), generator=gen).tolist()]
+    q, k, v, cu = make_tokens(lens, 2, 1, 16, torch.float16, "cpu")
+    base = run_varlen(q, k, v, lens)
+    cache = PagedCache(lens, 1, 16, torch.float16, "cpu")
+    K.write_kv_cache(k, v, cache.k, cache.v, torch.cat([cache.slots(b, 0, n) for b, n in enumerate(lens)]))
+    kv = torch.tensor(lens, dtype=torch.int32)
+    last = (cu[1:] - 1).long()
+    out = attention_forward(q[last], cache.k, cache.v, torch.arange(len(lens) + 1, dtype=torch.int32), kv,
+                            cache.page_table, config=_DECODE_CONFIG)
+    assert torch.equal(out, base[last])
+    # T == B, but not one query each: sequence 0's 35 queries take two tiles, so the guess is wrong for
+    # the programs after them (f(b) = b + 1 for b = 1..34), and right by chance in the short batch
+    for n_q in ([35] + [0] * 34 + [1] * 5, [2, 0, 1, 0, 3, 0]):
+        B = len(n_q)
+        rows = torch.cat([torch.arange(int(cu[b + 1]) - n, int(cu[b + 1])) for b, n in enumerate(n_q)])
+        out = attention_forward(q[rows], cache.k, cache.v, cu_of(n_q, "cpu"), kv[:B], cache.page_table[:B],
+                                config=_DECODE_CONFIG)
+        assert torch.equal(out, base[rows]), n_q
+
+
 def test_batch_composition_bit_identical(interpreter):
     """A sequence's rows do not depend on its neighbours or its place in the batch."""
     lens = [127, 1, 33, 64, 7]
