@@ -1,4 +1,4 @@
-"""Where the GPU time of a decode step and of a train micro-step goes: a kernel table per case.
+"""Where the GPU time of a decode step, a prefill step and a train micro-step goes: a kernel table per case.
 
 A tool for the decode-latency and train-MFU work of the GPU loop (``bench/BENCHMARKS.md``, loop
 section), not a benchmark row: it prints, per case, the wall time of one step, the GPU time the
@@ -11,6 +11,9 @@ Cases (qwen3-0.6b shape, random bf16 weights, invariant mode unless ``--mode fas
   graphs as ``rlperf serve`` runs it (warm-up steps first, then ``--steps`` profiled steps). With
   programmatic dependent launch (the default on SM 90+) kernel spans overlap: each holds its wait for
   the kernel before it (the table says so); ``RLPERF_PDL=0`` gives each kernel's own time;
+* ``prefill``: the engine step that prefills ``--prompts`` prompts of 512 tokens at once (the rollout
+  bench's ``prefill 16x512`` case: eager, one chunk), each profiled step on a fresh engine built before
+  the timing;
 * ``train``: one micro-step of the trainer's work on ``--tokens`` packed tokens (sequences of 512):
   forward to the fused log-prob, ``backward()`` of their sum — what ``perf/train_time`` repeats
   per micro-batch, without the optimizer;
@@ -25,6 +28,7 @@ Cases (qwen3-0.6b shape, random bf16 weights, invariant mode unless ``--mode fas
   the step's median time (bench_one_batch's own, with a device sync per step) as the wall.
 
     python -m rlperf.bench.kernel_profile decode --batch 1 64
+    python -m rlperf.bench.kernel_profile prefill --prompts 16
     python -m rlperf.bench.kernel_profile train --tokens 8192
     python -m rlperf.bench.kernel_profile sglang --variants plugin fast --batch 1 64
     python -m rlperf.bench.kernel_profile trace --steps 3 /tmp/prof_batch1_input512_output32_decode.trace.json.gz
@@ -42,7 +46,7 @@ from rlperf import kernels as K
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 
-from .rollout import MODEL, decoding_engine
+from .rollout import MODEL, PROMPT, decoding_engine, prefill_engine
 
 
 def _engine(model, batch: int, prompt_len: int = 512, new_tokens: int = 256):
@@ -189,9 +193,10 @@ def _sglang_cases(variants, batches, steps: int, top: int, model: str) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m rlperf.bench.kernel_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("case", choices=("decode", "train", "trace", "sglang"))
+    p.add_argument("case", choices=("decode", "prefill", "train", "trace", "sglang"))
     p.add_argument("traces", nargs="*", metavar="FILE", help="trace: Chrome traces of the torch profiler (.json[.gz])")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="decode batch sizes (default: 1 64)")
+    p.add_argument("--prompts", type=int, default=16, help="prefill: prompts of 512 tokens in the step (default: 16)")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192], help="train micro-batch tokens (default: 8192)")
     p.add_argument("--steps", type=int, default=10, help="profiled steps per case (default: 10)")
     p.add_argument("--top", type=int, default=25, help="kernels listed per case (default: 25)")
@@ -214,6 +219,8 @@ def main(argv=None) -> None:
         return
     if a.traces:
         p.error(f"{a.case} takes no FILE arguments (only trace does)")
+    if a.steps < 1 or a.prompts < 1:
+        p.error(f"--steps and --prompts must be >= 1, got {a.steps} and {a.prompts}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     if a.case == "sglang":
@@ -234,6 +241,12 @@ def main(argv=None) -> None:
                              engine.step, a.steps, a.top)
                     del engine
                     torch.cuda.empty_cache()
+        elif a.case == "prefill":
+            with torch.no_grad():
+                # one engine per call: the untimed first (compiles), then profile_kernels' two rounds
+                engines = [prefill_engine(model, a.prompts, PROMPT, seed=i) for i in range(2 * a.steps + 1)]
+                engines.pop().step()
+                _profile(f"prefill {a.prompts}x{PROMPT} ({a.mode}, eager)", lambda: engines.pop().step(), a.steps, a.top)
         else:
             for p_ in model.parameters():
                 p_.requires_grad_(True)

@@ -141,14 +141,21 @@ def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int,
     return {"ms": ms, "kv_mean": kv_mean, "graph": bool(engine.graphs and engine.graphs.graphs), "launches": launches}
 
 
+def prefill_engine(model, batch: int, prompt_len: int, seed: int = 0) -> Engine:
+    """A fresh engine holding ``batch`` requests of ``prompt_len``-token prompts (2 new tokens each) whose
+    next step prefills them all at once (one chunk of ``batch * prompt_len`` tokens)."""
+    engine = Engine(model, ByteTokenizer(model.cfg.vocab_size),
+                    EngineConfig(max_running_requests=batch, chunked_prefill_size=batch * prompt_len,
+                                 max_total_tokens=batch * (prompt_len + K.PAGE_SIZE)))
+    _requests(engine, batch, prompt_len, 2, seed=seed)
+    return engine
+
+
 def prefill_case(model, batch: int, prompt_len: int, reps: int) -> float:
     """Median wall ms of one engine step that prefills ``batch`` prompts of ``prompt_len`` tokens."""
     times = []
     for rep in range(reps + 1):
-        engine = Engine(model, ByteTokenizer(model.cfg.vocab_size),
-                        EngineConfig(max_running_requests=batch, chunked_prefill_size=batch * prompt_len,
-                                     max_total_tokens=batch * (prompt_len + K.PAGE_SIZE)))
-        _requests(engine, batch, prompt_len, 2, seed=rep)
+        engine = prefill_engine(model, batch, prompt_len, seed=rep)
         gc.collect()  # the previous engine's reference cycles, collected here rather than inside the timed step
         _sync(model.device)
         t0 = time.perf_counter()

@@ -63,3 +63,9 @@ def test_trace_command_errors_name_the_file(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "rlperf.bench.kernel_profile", "trace"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "name at least one Chrome trace FILE" in proc.stderr
+
+
+def test_prefill_case_checks_its_flags_before_needing_a_gpu():
+    proc = subprocess.run([sys.executable, "-m", "rlperf.bench.kernel_profile", "prefill", "--prompts", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--prompts" in proc.stderr and "got 10 and 0" in proc.stderr, proc.stderr
