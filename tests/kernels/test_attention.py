@@ -78,6 +78,14 @@ class PagedCache:
 
 
 
+def filled_cache(k, v, lens) -> PagedCache:
+    """A :class:`PagedCache` holding every sequence's whole K/V (k, v packed as ``make_tokens`` gives them)."""
+    cache = PagedCache(lens, k.shape[1], k.shape[2], k.dtype, k.device)
+    K.write_kv_cache(k, v, cache.k, cache.v,
+                     torch.cat([cache.slots(b, 0, n) for b, n in enumerate(lens)]).to(k.device))
+    return cache
+
+
 def run_varlen(q, k, v, lens):
     return K.varlen_attention(q, k, v, cu_of(lens, q.device))
 
@@ -227,8 +235,7 @@ def test_page_prefetch_and_masked_pointer_loads_bit_identical(interpreter):
     lens = [2 * P + 3, 1, P, 40]
     q, k, v, cu = make_tokens(lens, 4, 2, 64, torch.float16, "cpu")
     base = run_varlen(q, k, v, lens)
-    cache = PagedCache(lens, 2, 64, torch.float16, "cpu")
-    K.write_kv_cache(k, v, cache.k, cache.v, torch.cat([cache.slots(b, 0, n) for b, n in enumerate(lens)]))
+    cache = filled_cache(k, v, lens)
     kv = torch.tensor(lens, dtype=torch.int32)
     last = (cu[1:] - 1).long()
     step = torch.arange(len(lens) + 1, dtype=torch.int32)
@@ -250,8 +257,7 @@ def test_decode_launch_finds_each_sequence_without_the_search(interpreter):
     lens = [39] + [int(x) for x in torch.randint(2, 40, (69,), generator=gen).tolist()]
     q, k, v, cu = make_tokens(lens, 2, 1, 16, torch.float16, "cpu")
     base = run_varlen(q, k, v, lens)
-    cache = PagedCache(lens, 1, 16, torch.float16, "cpu")
-    K.write_kv_cache(k, v, cache.k, cache.v, torch.cat([cache.slots(b, 0, n) for b, n in enumerate(lens)]))
+    cache = filled_cache(k, v, lens)
     kv = torch.tensor(lens, dtype=torch.int32)
     last = (cu[1:] - 1).long()
     out = attention_forward(q[last], cache.k, cache.v, torch.arange(len(lens) + 1, dtype=torch.int32), kv,
