@@ -174,6 +174,23 @@ def _raw_logits(h_src, w_src, off_m, n0, rows, V, H, stride_h, stride_w,
     return acc + tl.where(offs_n < V, 0.0, float("-inf"))[None, :], offs_n
 
 
+@triton.jit
+def _split_program(N, V, num_m_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr):
+    """This program's (token tile, vocabulary split) of a partials launch: ``(pid_m, pid_s, offs_m, rows,
+    v_begin, v_end)``, rows clamped to N - 1 (the rows past N are computed, never stored) and the split's
+    columns [v_begin, v_end) of the V. Token tiles run fastest: the programs of a wave share a vocabulary
+    split, so its weight tiles are read from HBM about once per wave and served to the other token tiles
+    from L2."""
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_tiles
+    pid_s = pid // num_m_tiles
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.minimum(offs_m, N - 1)
+    v_begin = pid_s * (SPLIT_TILES * BLOCK_N)
+    v_end = tl.minimum(v_begin + SPLIT_TILES * BLOCK_N, V)
+    return pid_m, pid_s, offs_m, rows, v_begin, v_end
+
+
 @triton.jit(do_not_specialize=["N", "num_m_tiles"])
 def _fwd_partials_kernel(
     h_src, w_src, tgt_ptr, pm_ptr, ps_ptr, pt_ptr, pz_ptr,
@@ -183,21 +200,13 @@ def _fwd_partials_kernel(
     USE_TMA: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
-    pid = tl.program_id(0)
-    # token tiles fastest: the programs of a wave share a vocabulary split, so its weight tiles
-    # are read from HBM about once per wave and served to the other token tiles from L2
-    pid_m = pid % num_m_tiles
-    pid_s = pid // num_m_tiles
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.minimum(offs_m, N - 1)
+    pid_m, pid_s, offs_m, rows, v_begin, v_end = _split_program(N, V, num_m_tiles, BLOCK_M, BLOCK_N, SPLIT_TILES)
     tgt = tl.load(tgt_ptr + rows) - v_offset  # local vocabulary index
     tgt = tl.where((tgt >= 0) & (tgt < V), tgt, -1)  # not in this slice: matches no column
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_M], tl.float32)
     t = tl.zeros([BLOCK_M], tl.float32)
     tz = tl.zeros([BLOCK_M], tl.float32)
-    v_begin = pid_s * (SPLIT_TILES * BLOCK_N)
-    v_end = tl.minimum(v_begin + SPLIT_TILES * BLOCK_N, V)
     for n0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
         x, offs_n = _raw_logits(h_src, w_src, pid_m * BLOCK_M, n0, rows, V, H, stride_h, stride_w,
                                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
@@ -291,11 +300,7 @@ def _sample_partials_kernel(
     (:func:`rlperf.kernels.sample`'s keys: ``x`` when its temperature is 0, else ``x / T + g(seed,
     position, column)``) is kept as (best key, its lowest column, that column's raw logit) per split."""
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
-    pid = tl.program_id(0)
-    pid_m = pid % num_m_tiles
-    pid_s = pid // num_m_tiles
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.minimum(offs_m, N - 1)
+    pid_m, pid_s, offs_m, rows, v_begin, v_end = _split_program(N, V, num_m_tiles, BLOCK_M, BLOCK_N, SPLIT_TILES)
     temp = tl.load(temp_ptr + rows)
     greedy = temp == 0.0
     inv_temp = 1.0 / tl.where(greedy, 1.0, temp)
@@ -306,8 +311,6 @@ def _sample_partials_kernel(
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK_M], _NO_COLUMN, tl.int32)
     best_x = tl.zeros([BLOCK_M], tl.float32)
-    v_begin = pid_s * (SPLIT_TILES * BLOCK_N)
-    v_end = tl.minimum(v_begin + SPLIT_TILES * BLOCK_N, V)
     for n0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
         x, offs_n = _raw_logits(h_src, w_src, pid_m * BLOCK_M, n0, rows, V, H, stride_h, stride_w,
                                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
