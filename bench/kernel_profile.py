@@ -12,8 +12,8 @@ Cases (qwen3-0.6b shape, random bf16 weights, invariant mode unless ``--mode fas
   programmatic dependent launch (the default on SM 90+) kernel spans overlap: each holds its wait for
   the kernel before it (the table says so); ``RLPERF_PDL=0`` gives each kernel's own time;
 * ``prefill``: the engine step that prefills ``--prompts`` prompts of 512 tokens at once (the rollout
-  bench's ``prefill 16x512`` case: eager, one chunk), each profiled step on a fresh engine built before
-  the timing;
+  bench's ``prefill 16x512`` case: one chunk, replayed from the engine's prefill CUDA graph, or eagerly with
+  ``--eager``), each profiled step prefilling fresh prompts queued on the warm engine before its timing;
 * ``train``: one micro-step of the trainer's work on ``--tokens`` packed tokens (sequences of 512):
   forward to the fused log-prob, ``backward()`` of their sum — what ``perf/train_time`` repeats
   per micro-batch, without the optimizer;
@@ -46,7 +46,7 @@ from rlperf import kernels as K
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 
-from .rollout import MODEL, PROMPT, decoding_engine, prefill_engine
+from .rollout import MODEL, PROMPT, decoding_engine, prefill_engine, queue_prefill
 
 
 def _engine(model, batch: int, prompt_len: int = 512, new_tokens: int = 256):
@@ -117,20 +117,32 @@ def _table(label: str, kernels: dict[str, list], wall_ms: float, steps: int, top
         print(f"{ms:9.4f} {ms / gpu_ms:6.1%} {n / steps:6.1f}  {name[:110]}")
 
 
-def profile_kernels(fn, steps: int) -> tuple[dict[str, list], float]:
+def profile_kernels(fn, steps: int, prepare=None) -> tuple[dict[str, list], float]:
     """``({name: [total us, calls]}, wall ms per step)`` of ``steps`` calls of ``fn`` on the GPU: the
     wall time of unprofiled calls first (synchronized), then the torch profiler's CUDA events of as many
-    profiled calls (kernels, copies and sets, by name)."""
+    profiled calls (kernels, copies and sets, by name). The calls run back to back in one timed span (an
+    engine's overlapped decode steps keep one step in flight across calls); with ``prepare`` (called before
+    each call of ``fn``, launching no GPU work) each call is timed alone and ``prepare`` stays outside."""
     from torch.profiler import ProfilerActivity, profile
 
+    wall = 0.0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
+        if prepare is not None:
+            wall += time.perf_counter() - t0
+            prepare()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
         fn()
+        if prepare is not None:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    wall_ms = (wall + time.perf_counter() - t0) * 1e3 / steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
+            if prepare is not None:
+                prepare()
             fn()
         torch.cuda.synchronize()
     kernels = {}
@@ -151,8 +163,8 @@ def top_kernels(kernels: dict[str, list], steps: int, top: int) -> list[dict]:
     return [{"name": n[:160], "ms": us / 1e3 / steps, "calls": c / steps} for n, (us, c) in rows]
 
 
-def _profile(label: str, fn, steps: int, top: int) -> None:
-    kernels, wall_ms = profile_kernels(fn, steps)
+def _profile(label: str, fn, steps: int, top: int, prepare=None) -> None:
+    kernels, wall_ms = profile_kernels(fn, steps, prepare)
     _table(label, kernels, wall_ms, steps, top)
     if K.programmatic_launch(torch.device("cuda")):
         print("(kernels launched with programmatic dependent launch: a kernel starts while the one before it "
@@ -197,6 +209,8 @@ def main(argv=None) -> None:
     p.add_argument("traces", nargs="*", metavar="FILE", help="trace: Chrome traces of the torch profiler (.json[.gz])")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="decode batch sizes (default: 1 64)")
     p.add_argument("--prompts", type=int, default=16, help="prefill: prompts of 512 tokens in the step (default: 16)")
+    p.add_argument("--eager", action="store_true",
+                   help="prefill: launch the step's kernels from Python, without the engine's prefill CUDA graphs")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192], help="train micro-batch tokens (default: 8192)")
     p.add_argument("--steps", type=int, default=10, help="profiled steps per case (default: 10)")
     p.add_argument("--top", type=int, default=25, help="kernels listed per case (default: 25)")
@@ -243,10 +257,19 @@ def main(argv=None) -> None:
                     torch.cuda.empty_cache()
         elif a.case == "prefill":
             with torch.no_grad():
-                # one engine per call: the untimed first (compiles), then profile_kernels' two rounds
-                engines = [prefill_engine(model, a.prompts, PROMPT, seed=i) for i in range(2 * a.steps + 1)]
-                engines.pop().step()
-                _profile(f"prefill {a.prompts}x{PROMPT} ({a.mode}, eager)", lambda: engines.pop().step(), a.steps, a.top)
+                # one warm engine: the untimed first step compiles (and captures), then each profiled step
+                # prefills fresh prompts queued before it
+                engine = prefill_engine(model, a.prompts, PROMPT, graphs=not a.eager)
+                seeds = iter(range(1 << 30))
+
+                def queue():
+                    queue_prefill(engine, a.prompts, PROMPT, seed=next(seeds))
+
+                queue()
+                engine.step()
+                graphed = bool(engine.prefill_graphs and engine.prefill_graphs.graphs)
+                _profile(f"prefill {a.prompts}x{PROMPT} ({a.mode}, {'graphed' if graphed else 'eager'})", engine.step,
+                         a.steps, a.top, prepare=queue)
         else:
             for p_ in model.parameters():
                 p_.requires_grad_(True)

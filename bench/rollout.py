@@ -14,7 +14,10 @@ Cases (qwen3-0.6b shape, random bf16 weights, byte prompts, ``ignore_eos``):
   the same run (a 1 GiB device-to-device copy: 2 x bytes / time). Ratio = floor / step; the
   target is >= 0.5 at batch 64 (step <= 2x the floor). Decode uses CUDA graphs
   (``cuda_graph_max_bs``) unless ``graphs=False``; ``extra`` has tokens/s and whether graphs ran.
-* **prefill**: one step that prefills 16 x 512 prompt tokens; anchor: the same step in fast mode.
+* **prefill**: one step that prefills 16 x 512 fresh prompt tokens on a warm engine (its prefill CUDA
+  graphs captured, as ``rlperf serve``'s are after its warm-up); anchor: the same step in fast mode (which
+  runs eagerly: its paged attention reads the lengths on the host). ``extra["eager_ms"]``: the invariant
+  step without prefill graphs.
 * **invariance cost**: the batch-64 decode step in invariant mode vs fast mode, both replayed from
   CUDA graphs (fast mode: cuBLAS matmuls; decode attention is rlperf's kernel in both modes).
 * **overlap**: the batch-64 invariant decode step with the engine's overlap (its default: the next graphed
@@ -67,6 +70,7 @@ import torch
 from rlperf import kernels as K
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
+from rlperf.rollout.cuda_graph import default_max_prefill_tokens
 from rlperf.rollout.engine import Engine, EngineConfig, SamplingParams
 from rlperf.rollout.kv_cache import bytes_per_token
 from rlperf.rollout.tokenizer import ByteTokenizer
@@ -141,27 +145,38 @@ def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int,
     return {"ms": ms, "kv_mean": kv_mean, "graph": bool(engine.graphs and engine.graphs.graphs), "launches": launches}
 
 
-def prefill_engine(model, batch: int, prompt_len: int, seed: int = 0) -> Engine:
-    """A fresh engine holding ``batch`` requests of ``prompt_len``-token prompts (2 new tokens each) whose
-    next step prefills them all at once (one chunk of ``batch * prompt_len`` tokens)."""
-    engine = Engine(model, ByteTokenizer(model.cfg.vocab_size),
-                    EngineConfig(max_running_requests=batch, chunked_prefill_size=batch * prompt_len,
-                                 max_total_tokens=batch * (prompt_len + K.PAGE_SIZE)))
+def prefill_engine(model, batch: int, prompt_len: int, graphs: bool = True) -> Engine:
+    """An idle engine whose steps take ``batch`` prompts of ``prompt_len`` tokens in one prefill chunk
+    (:func:`queue_prefill` queues them), replaying them from prefill CUDA graphs as ``rlperf serve`` does on
+    CUDA (``graphs``; False, or off CUDA: eager)."""
+    chunk = batch * prompt_len
+    graph_tokens = default_max_prefill_tokens(model.device, chunk, batch) if graphs else 0
+    return Engine(model, ByteTokenizer(model.cfg.vocab_size),
+                  EngineConfig(max_running_requests=batch, chunked_prefill_size=chunk,
+                               max_total_tokens=batch * (prompt_len + K.PAGE_SIZE),
+                               cuda_graph_max_prefill_tokens=graph_tokens))
+
+
+def queue_prefill(engine: Engine, batch: int, prompt_len: int, seed: int = 0) -> None:
+    """Abort what ``engine`` holds (freeing its pages) and queue ``batch`` fresh prompts of ``prompt_len``
+    tokens (2 new tokens each): its next step prefills them all at once."""
+    engine.abort(None, "next prefill")
     _requests(engine, batch, prompt_len, 2, seed=seed)
-    return engine
 
 
-def prefill_case(model, batch: int, prompt_len: int, reps: int) -> float:
-    """Median wall ms of one engine step that prefills ``batch`` prompts of ``prompt_len`` tokens."""
+def prefill_case(model, batch: int, prompt_len: int, reps: int, graphs: bool = True) -> float:
+    """Median wall ms of one engine step that prefills ``batch`` fresh prompts of ``prompt_len`` tokens, on
+    one warm engine (:func:`prefill_engine`; the first step, untimed, compiles and captures)."""
+    engine = prefill_engine(model, batch, prompt_len, graphs)
     times = []
     for rep in range(reps + 1):
-        engine = prefill_engine(model, batch, prompt_len, seed=rep)
-        gc.collect()  # the previous engine's reference cycles, collected here rather than inside the timed step
+        queue_prefill(engine, batch, prompt_len, seed=rep)
+        gc.collect()  # the previous requests' reference cycles, collected here rather than inside the timed step
         _sync(model.device)
         t0 = time.perf_counter()
         engine.step()
         _sync(model.device)
-        if rep:  # the first one compiles
+        if rep:
             times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
@@ -539,6 +554,7 @@ def run(quick: bool = False, sglang_variants=None, transformers_anchor: bool = T
                                         "copy_GBps": bw / 1e9, **launch_fields("decode_step", d["launches"])}))
             print(f"rollout: decode B={b}: {format_launches(d['launches'])} per decode step")
         pre_inv = prefill_case(model, PREFILL_BATCH, PROMPT, reps=2 if quick else 5)
+        pre_eager = prefill_case(model, PREFILL_BATCH, PROMPT, reps=2 if quick else 5, graphs=False)
         inv64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64)
         stepwise64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64, overlap_schedule=False)
     with K.use_mode("fast"):
@@ -550,7 +566,8 @@ def run(quick: bool = False, sglang_variants=None, transformers_anchor: bool = T
             fi64, fi_extra = {"ms": float("nan")}, {"anchor_unavailable": f"{type(e).__name__}: {str(e)[:200]}"}
     flops = 2 * PREFILL_BATCH * PROMPT * sum(p.numel() for p in model.parameters())
     rows.append(BenchRow("rollout", f"prefill {PREFILL_BATCH}x{PROMPT}", "invariant step", pre_inv, "fast step", pre_fast,
-                         work=flops, extra={"tokens_per_s": PREFILL_BATCH * PROMPT / pre_inv * 1e3}))
+                         work=flops, extra={"tokens_per_s": PREFILL_BATCH * PROMPT / pre_inv * 1e3,
+                                            "eager_ms": pre_eager}))
     rows.append(BenchRow("rollout", "decode B=64 invariance cost", "invariant step", inv64["ms"], "fast step", fast64["ms"],
                          work=0.0, extra={"graph": inv64["graph"], "graph_fast": fast64["graph"]}))
     rows.append(BenchRow("rollout", "decode B=64 overlap", "overlapped step", inv64["ms"], "step-by-step",

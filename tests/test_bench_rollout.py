@@ -7,8 +7,9 @@ import torch
 
 import rlperf.kernels as K
 from rlperf.bench.harness import BenchRow
-from rlperf.bench.rollout import (decode_case, floor_ms, prefill_case, read_sglang_decode_ms, sglang_decode_ms,
-                                  sglang_mem_fraction, summarize, transformers_decode_ms)
+from rlperf.bench.rollout import (decode_case, floor_ms, prefill_case, prefill_engine, queue_prefill,
+                                  read_sglang_decode_ms, sglang_decode_ms, sglang_mem_fraction, summarize,
+                                  transformers_decode_ms)
 from rlperf.model import preset
 from rlperf.rollout.flashinfer_attention import FlashInferUnavailable
 from rlperf.model.qwen3 import Qwen3ForCausalLM
@@ -28,6 +29,13 @@ def test_decode_and_prefill_cases_run_the_engine_as_described(one_thread):
                           overlap_schedule=False)
         assert off["kv_mean"] == 20 + 2 + (4 + 1) / 2  # one forward per warm-up step
         assert prefill_case(model, batch=2, prompt_len=16, reps=1) > 0
+        engine = prefill_engine(model, batch=2, prompt_len=16)
+        assert engine.prefill_graphs is None  # CPU: prefill graphs are serve's default on CUDA only
+        for seed in range(2):  # each queued batch is prefilled whole by one step, the one before aborted
+            queue_prefill(engine, 2, 16, seed=seed)
+            assert len(engine.waiting) == 2 and not engine.running and engine.kv.num_free_pages == engine.kv.num_pages
+            engine.step()
+            assert [len(r.output_ids) for r in engine.running] == [1, 1]
         with pytest.raises(FlashInferUnavailable, match="runs on CUDA devices"):  # the anchor row then says so
             decode_case(model, batch=3, prompt_len=20, new_tokens=12, steps=4, warmup=2, graph_bs=4,
                         attention_backend="flashinfer")

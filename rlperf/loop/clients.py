@@ -11,8 +11,9 @@ other than 0) and ``close()``. Implementations:
 * :class:`EngineClient` — an in-process :class:`rlperf.rollout.engine.Engine` (the default when no
   ``--sglang-router-ip`` is given, e.g. the embedded CPU run): the engine ``rlperf serve`` runs, in the
   trainer's compute dtype (bf16 on CUDA), with CUDA-graph decode up to serve's default batch size
-  (:func:`rlperf.rollout.cuda_graph.default_max_bs`; ``--sglang-cuda-graph-max-bs 0`` keeps the eager,
-  debuggable path; on CPU it is eager). Its weights (:data:`ENGINE_WEIGHTS`):
+  (:func:`rlperf.rollout.cuda_graph.default_max_bs`) and CUDA-graph prefill steps up to serve's default
+  token count (:func:`rlperf.rollout.cuda_graph.default_max_prefill_tokens`); ``--sglang-cuda-graph-max-bs 0``
+  keeps both eager (the debuggable path); on CPU it is eager. Its weights (:data:`ENGINE_WEIGHTS`):
 
   - ``buckets`` (``--engine-weights buckets``) — the engine runs its **own copy** of the model; weight
     sync is :func:`rlperf.sync.sync_weights`: on CPU through the path a server takes
@@ -60,7 +61,7 @@ from typing import Protocol, runtime_checkable
 
 from rlperf.model.moe import decode_routed_experts
 from rlperf.rollout.args import API_KEY_ENV
-from rlperf.rollout.cuda_graph import default_max_bs
+from rlperf.rollout.cuda_graph import default_max_bs, default_max_prefill_tokens
 from rlperf.rollout.engine import Engine, EngineConfig, GenerationResult, SamplingParams
 from rlperf.rollout.router import http_json
 from rlperf.sync import (SYNC_BUCKET_BYTES, SyncConfig, SyncStats, bucket_payload, flatten_buckets, release,
@@ -192,9 +193,12 @@ class EngineClient:
             mem_fraction_static = TRAIN_MEM_FRACTION_STATIC
         if cuda_graph_max_bs is None:
             cuda_graph_max_bs = default_max_bs(self.model.device)
-        self.engine = Engine(self.model, tokenizer, EngineConfig(
-            max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
-            cuda_graph_max_bs=cuda_graph_max_bs))
+        config = EngineConfig(max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
+                              cuda_graph_max_bs=cuda_graph_max_bs)
+        if cuda_graph_max_bs:  # graphs on: the steps with prefill chunks too, as serve replays them
+            config.cuda_graph_max_prefill_tokens = default_max_prefill_tokens(
+                self.model.device, config.chunked_prefill_size, config.max_running_requests)
+        self.engine = Engine(self.model, tokenizer, config)
 
     @property
     def shared(self) -> bool:

@@ -40,6 +40,10 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None
     """Replay decode steps of up to this many sequences from CUDA graphs; 0 disables. Default: 256 on a
     CUDA device (the GPU tests prove replayed steps give the eager bits), 0 on CPU (nothing to capture)."""
+    cuda_graph_max_prefill_tokens: int | None = None
+    """Replay steps with prefill chunks of up to this many tokens from CUDA graphs padded to token buckets;
+    0 disables. Default: ``chunked_prefill_size + max_running_requests`` on a CUDA device (every step of
+    the default chunking; the GPU tests prove replayed steps give the eager bits), 0 on CPU."""
     attention_backend: str = "rlperf"
     """``rlperf`` (the paged-attention kernel) or ``flashinfer`` (fast mode only, CUDA: FlashInfer's paged
     attention, ``rlperf.rollout.flashinfer_attention``)."""
@@ -163,6 +167,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-bs", type=flags.nonnegative_int, default=d.cuda_graph_max_bs,
                    help="replay decode steps of up to N sequences from CUDA graphs; 0 disables "
                         "(default: 256 on CUDA, 0 on CPU)")
+    p.add_argument("--cuda-graph-max-prefill-tokens", type=flags.nonnegative_int, default=d.cuda_graph_max_prefill_tokens,
+                   metavar="N",
+                   help="replay steps with prefill chunks of up to N tokens (chunks and decode rows together) from "
+                        "CUDA graphs padded to token buckets, invariant mode only; 0 disables (default: "
+                        "--chunked-prefill-size + --max-running-requests on CUDA, 0 on CPU)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens before launching the next one; by default a steady "
                         "CUDA-graph decode batch launches its next step first, so the host's work between "

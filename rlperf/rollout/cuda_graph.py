@@ -1,4 +1,7 @@
-"""Decode steps replayed from CUDA graphs, padded to a few batch sizes (SGLang's ``--cuda-graph-max-bs``).
+"""Engine steps replayed from CUDA graphs: decode steps padded to a few batch sizes (:class:`DecodeGraphs`,
+SGLang's ``--cuda-graph-max-bs``) and steps with prefill chunks padded to token buckets
+(:class:`PrefillGraphs`, ``--cuda-graph-max-prefill-tokens``; its own docstring). Both capture through
+:func:`capture`. The rest of this docstring is the decode graphs'.
 
 Why: a decode step of a 28-layer model is some 400 small kernel launches issued from Python; at
 batch 1-64 that host time is larger than the memory-bound work itself. Capturing
@@ -24,7 +27,8 @@ backend, ``rlperf.rollout.flashinfer_attention``) a FlashInfer decode wrapper pe
 before the capture and before every replay (FlashInfer's graph mode: the plan writes the page-table
 buffers the captured kernels read).
 
-Limits: pure decode steps only (a step with a prefill chunk runs eagerly), batches up to ``max_bs``. On a CPU
+Limits: pure decode steps only (a step with a prefill chunk runs eagerly or from a prefill graph), batches
+up to ``max_bs``. On a CPU
 device nothing is captured: the padded static-buffer path runs eagerly (that is what the CPU
 tests exercise).
 """
@@ -46,6 +50,23 @@ def default_max_bs(device) -> int:
 
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def capture(forward, pool=None):
+    """``(graph, out, pool)``: ``out = forward()`` captured in a CUDA graph whose memory comes from ``pool``
+    (None: a new private pool; returned, for the next capture to share). ``forward`` runs twice on a side
+    stream first, so every kernel is compiled and warm outside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the server's other threads may touch CUDA (e.g. copying a weight bucket)
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = forward()
+    return graph, out, graph.pool()
 
 
 class DecodeGraphs:
@@ -100,18 +121,8 @@ class DecodeGraphs:
         attention = for_this_mode(self.attention)
         if attention is not None:  # captured over padding rows' plan (capture_all's inputs)
             attention.plan_graph(bs, [], [])
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         key = self._key(bs)
-        with torch.cuda.stream(side):  # compile and warm every kernel outside the capture
-            for _ in range(2):
-                self._forward(bs, key[2])
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the server's other threads may touch CUDA (e.g. copying a weight bucket)
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(bs, key[2])
-        self._pool = graph.pool()
+        graph, out, self._pool = capture(lambda: self._forward(bs, key[2]), self._pool)
         self.graphs[key] = (graph, out)
 
     def capture_all(self) -> int:
@@ -186,3 +197,155 @@ class DecodeGraphs:
         graph, (hidden, logits) = self.graphs[key]
         graph.replay()
         return hidden[:B], (None if logits is None else logits[:B])
+
+
+# ---- steps with prefill chunks ------------------------------------------------------------------
+
+MIN_PREFILL_BUCKET = 64
+"""The smallest token bucket of :class:`PrefillGraphs`: a shorter step runs padded to it."""
+
+DEFAULT_PREFILL_CHUNK = 8192
+"""The prefill tokens a step is taken to hold when chunking is off (``chunked_prefill_size <= 0``), for
+:func:`default_max_prefill_tokens`; a longer step then runs eagerly."""
+
+
+def default_max_prefill_tokens(device, chunked_prefill_size: int, max_running_requests: int) -> int:
+    """``--cuda-graph-max-prefill-tokens`` when not given: on a CUDA device the most tokens a step can
+    hold, a prefill chunk plus one decode row per other running request (``chunked_prefill_size``, or
+    :data:`DEFAULT_PREFILL_CHUNK` without chunking, + ``max_running_requests``); 0 (eager) elsewhere."""
+    if torch.device(device).type != "cuda":
+        return 0
+    chunk = chunked_prefill_size if chunked_prefill_size > 0 else DEFAULT_PREFILL_CHUNK
+    return chunk + max_running_requests
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token buckets up to ``max_tokens``: the powers of two from :data:`MIN_PREFILL_BUCKET` and the
+    midpoints 1.5x each (a step pads at most 50%, one of more than 64 tokens at most 33%), then
+    ``max_tokens`` itself."""
+    out, b = [], MIN_PREFILL_BUCKET
+    while b < max_tokens:
+        out.append(b)
+        if b + b // 2 < max_tokens:
+            out.append(b + b // 2)
+        b *= 2
+    return out + [max_tokens]
+
+
+def prefill_seq_slots(num_seqs: int, max_slots: int) -> int:
+    """Sequence slots of a graph for ``num_seqs`` sequences plus the padding sequence: the next power of
+    two >= ``num_seqs + 1``, at least 8, at most ``max_slots``. Each slot costs every attention launch a
+    program per KV head (an empty one exits at once) and the page table a row, hence powers of two rather
+    than one size for all."""
+    slots = 8
+    while slots < num_seqs + 1:
+        slots *= 2
+    return min(slots, max_slots)
+
+
+class PrefillGraphs:
+    """Engine steps that carry prefill chunks (any step the decode graphs do not take), replayed from CUDA
+    graphs padded to token buckets (:func:`prefill_buckets`), one graph per (kernel mode, bucket, sequence
+    slots), captured on first use.
+
+    Why: an eager step launches ~9 kernels a layer from Python, ~100 us of host time each (the op's
+    checks and Triton's launch path). For a 28-layer model that is ~25 ms a step whatever its size, longer
+    than the GPU's work for a prefill of 16 x 512 tokens (bench/BENCHMARKS.md). A replay is one launch.
+
+    What a graph computes: ``model.forward_paged`` over ``bucket`` tokens in ``slots`` sequences, the final
+    hidden rows [bucket, H] as its static output (the engine picks the rows it samples and runs the lm head
+    and the sampler eagerly: a few launches over a few rows).
+
+    Padding: the step's T tokens of S sequences, then ``bucket - T`` padding tokens as one more sequence
+    (``slot = -1``: their K/V are not stored; ``kv_len`` = their count over page 0, so they attend to
+    finite cached values and never write), then empty sequences up to ``slots`` (no query: their programs
+    exit at once). Every kernel is row invariant (``rlperf.kernels``) and attention reads only a sequence's
+    own pages, so the T real rows get the bits of the eager, unpadded step; padding rows are dropped.
+    tests/rollout/test_engine.py checks the padded path on CPU, where it runs eagerly (nothing is
+    captured); the GPU test compares replayed steps with eager ones.
+
+    Limits: invariant mode on rlperf's kernels (fast mode's paged attention reads the batch's lengths on
+    the host), no routing record, no FlashInfer plan, steps of at most ``max_tokens`` tokens (longer ones
+    run eagerly). Memory: the graphs share one private pool, sized by the largest captured bucket (about
+    one eager step's activations).
+    """
+
+    def __init__(self, model, kv_layers, max_tokens: int, max_seqs: int, max_pages: int):
+        if max_tokens <= 0 or max_seqs <= 0:
+            raise ValueError(f"max_tokens and max_seqs must be positive, got {max_tokens} and {max_seqs}")
+        self.model, self.kv_layers = model, kv_layers
+        self.buckets = prefill_buckets(max_tokens)
+        self.max_tokens, self.max_pages = max_tokens, max_pages
+        self.max_slots = prefill_seq_slots(max_seqs, 1 << 30)
+        dev = model.device
+        self.capture = dev.type == "cuda"
+        # the step's inputs: int64 rows (ids, positions, slots) [3, max_tokens], int32 sequences (cu_seqlens
+        # [slots + 1], kv_lens [slots]) [2, max_slots + 1] and the int32 page table [max_slots, max_pages],
+        # each filled from pinned host staging by one asynchronous copy; the graphs read views of them
+        self.rows = torch.zeros(3, max_tokens, dtype=torch.int64, device=dev)
+        self.seqs = torch.zeros(2, self.max_slots + 1, dtype=torch.int32, device=dev)
+        self.table = torch.zeros(self.max_slots, max_pages, dtype=torch.int32, device=dev)
+        pinned = self.capture
+        self._host_rows = torch.zeros(3, max_tokens, dtype=torch.int64, pin_memory=pinned)
+        self._host_seqs = torch.zeros(2, self.max_slots + 1, dtype=torch.int32, pin_memory=pinned)
+        self._host_table = torch.zeros(self.max_slots, max_pages, dtype=torch.int32, pin_memory=pinned)
+        self._copied = None  # CUDA event: the last step's staging copies are done
+        self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    def bucket(self, num_tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def takes(self, num_tokens: int, num_seqs: int) -> bool:
+        """Whether a step of ``num_tokens`` tokens in ``num_seqs`` sequences fits a graph."""
+        return num_tokens <= self.max_tokens and num_seqs < self.max_slots
+
+    def _forward(self, bucket: int, slots: int) -> torch.Tensor:
+        ids, pos, slot_mapping = self.rows[:, :bucket].unbind(0)
+        cu, kv_lens = self.seqs[0, : slots + 1], self.seqs[1, :slots]
+        return self.model.forward_paged(ids, pos, self.kv_layers, slot_mapping, self.table[:slots], cu, kv_lens)
+
+    def run(self, ids: list[int], pos: list[int], slots: list[int], cu: list[int], kv_lens: list[int],
+            table: list[list[int]]) -> torch.Tensor:
+        """Final hidden rows [T, H] (after the final norm) of an engine step of T = len(ids) tokens in
+        S = len(kv_lens) sequences: ``forward_paged``'s inputs as lists (``cu`` [S + 1] with cu[S] = T,
+        ``table`` one list of pages per sequence). A view of a static buffer: read it before the next call.
+        """
+        T, S = len(ids), len(kv_lens)
+        bucket = self.bucket(T)
+        if bucket is None or not self.takes(T, S):
+            raise ValueError(f"prefill graphs take up to {self.max_tokens} tokens in {self.max_slots - 1} "
+                             f"sequences, got {T} in {S}")
+        nslots, pad = prefill_seq_slots(S, self.max_slots), bucket - T
+        P = self.kv_layers[0][0].shape[1]
+        width = max(max(len(r) for r in table), -(-pad // P))  # the padding sequence reads cdiv(pad, P) pages
+        if width > self.max_pages:
+            raise ValueError(f"a sequence holds {width} pages; the graphs were sized for {self.max_pages}")
+        # pinned staging -> device; the staging is reused only after the previous step's copies are done
+        if self._copied is not None:
+            self._copied.synchronize()
+        rows = self._host_rows
+        rows[:, :T] = torch.tensor([ids, pos, slots], dtype=torch.int64)
+        rows[:2, T:bucket] = 0
+        rows[2, T:bucket] = -1
+        seqs = self._host_seqs
+        seqs[0, : nslots + 1] = torch.tensor(cu + [bucket] * (nslots - S), dtype=torch.int32)
+        seqs[1, :nslots] = torch.tensor(kv_lens + [pad] + [0] * (nslots - S - 1), dtype=torch.int32)
+        # only the columns this step can read are written (a sequence reads its first cdiv(kv_len, P)
+        # entries, at most `width`), as in DecodeGraphs.run; the padding sequence's row is page 0
+        self._host_table[:nslots, :width] = torch.tensor(
+            [r + [0] * (width - len(r)) for r in table] + [[0] * width] * (nslots - S), dtype=torch.int32)
+        self.rows.copy_(rows, non_blocking=True)
+        self.seqs.copy_(seqs, non_blocking=True)
+        self.table[:nslots].copy_(self._host_table[:nslots], non_blocking=True)  # contiguous rows
+        if not self.capture:
+            return self._forward(bucket, nslots)[:T]
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        key = (K.mode(), bucket, nslots)
+        if key not in self.graphs:
+            graph, out, self._pool = capture(lambda: self._forward(bucket, nslots), self._pool)
+            self.graphs[key] = (graph, out)
+        graph, hidden = self.graphs[key]
+        graph.replay()
+        return hidden[:T]

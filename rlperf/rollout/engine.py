@@ -220,6 +220,12 @@ class EngineConfig:
     """Replay decode steps of up to this many sequences from CUDA graphs (``rlperf.rollout.cuda_graph``);
     0 disables (the engine's default; ``rlperf serve`` uses 256 on CUDA). The GPU tests show the
     replayed steps give the eager bits."""
+    cuda_graph_max_prefill_tokens: int = 0
+    """Replay steps with prefill chunks of up to this many tokens (chunks and decode rows together) from
+    CUDA graphs padded to token buckets (``rlperf.rollout.cuda_graph.PrefillGraphs``; invariant mode on
+    rlperf's kernels); 0 disables (the engine's default; ``rlperf serve`` takes
+    ``chunked_prefill_size + max_running_requests`` on CUDA). The GPU tests show the replayed steps give the
+    eager bits."""
     attention_backend: str = "rlperf"
     """``rlperf`` (the paged-attention kernel) or ``flashinfer``: FlashInfer's paged attention in fast
     mode (``rlperf.rollout.flashinfer_attention``; CUDA only); invariant mode keeps the kernel."""
@@ -368,6 +374,12 @@ class Engine:
             self.graphs = DecodeGraphs(model, self.kv.layers, min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
                                        max_pages, attention=attention,
                                        logits_wanted=lambda: not self._draws_from_hidden())
+        self.prefill_graphs = None
+        if cfg.cuda_graph_max_prefill_tokens > 0:
+            from .cuda_graph import PrefillGraphs
+
+            self.prefill_graphs = PrefillGraphs(model, self.kv.layers, cfg.cuda_graph_max_prefill_tokens,
+                                                cfg.max_running_requests, max_pages)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -502,6 +514,12 @@ class Engine:
             if graphed:
                 # a pure decode step: replay the captured graph of its batch-size bucket
                 hidden, logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
+            elif self._prefill_graphed(len(ids), len(batch), routing):
+                # a step with prefill chunks: replay the captured graph of its token bucket
+                hidden = self.prefill_graphs.run(ids, pos, slots, cu, kv_lens, [r.pages for r, _ in batch])
+                if sample_reqs:
+                    hidden = hidden[torch.tensor(sample_rows, device=dev)]
+                    logits = None if self._draws_from_hidden() else model.logits(hidden)
             else:
                 max_pages = max(len(r.pages) for r, _ in batch)
                 table = [r.pages + [0] * (max_pages - len(r.pages)) for r, _ in batch]
@@ -530,6 +548,13 @@ class Engine:
             if suspect in self.running:
                 self.retract(suspect)
         return finished
+
+    def _prefill_graphed(self, num_tokens: int, num_seqs: int, routing) -> bool:
+        """Whether a step the decode graphs do not take replays a prefill graph (``PrefillGraphs``' limits:
+        invariant mode on the kernels, no routing record, no FlashInfer plan, a size its graphs take)."""
+        g = self.prefill_graphs
+        return (g is not None and routing is None and K.mode() == "invariant" and for_this_mode(self.attention) is None
+                and g.takes(num_tokens, num_seqs))
 
     @staticmethod
     def _keep_routing(batch: list[tuple[Request, int]], cu: list[int], experts: torch.Tensor) -> None:
@@ -859,8 +884,8 @@ class Engine:
         """Compile and warm the kernels before any client comes (``rlperf serve`` runs it at start):
         capture every CUDA-graph decode size, then run one request per entry of ``prompt_lengths``
         (prompts cut to what the context and the cache hold) for 2 tokens: a prefill of that
-        length, chunked as a client's would be, and a decode step. Returns how many graphs were
-        captured.
+        length, chunked as a client's would be (capturing the prefill graphs of its steps' token
+        buckets), and a decode step. Returns how many graphs were captured.
 
         Nothing a client can see changes: only when idle; the requests carry their own seed (the
         engine's seed draw is untouched); afterwards the KV pool is as new (every page free, contents
@@ -873,10 +898,13 @@ class Engine:
         num_steps, V = self.num_steps, self.model.cfg.vocab_size
         try:
             captured = self.graphs.capture_all() if self.graphs is not None else 0
+            prefill_graphs = self.prefill_graphs.graphs if self.prefill_graphs is not None else {}
+            before = len(prefill_graphs)
             params = SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True, seed=0)
             for n in prompt_lengths:
                 n = max(1, min(n, self.context_length - 2, self.kv.max_total_tokens - 2))
                 self.generate([[(7 * i + 1) % V for i in range(n)]], params)
+            captured += len(prefill_graphs) - before
         finally:
             self.abort(None, "warm-up")
             self.kv.reset_contents()

@@ -151,6 +151,16 @@ def default_cuda_graph_max_bs(args: ServerArgs, model) -> int:
     return default_max_bs(model.device)
 
 
+def default_cuda_graph_max_prefill_tokens(args: ServerArgs, model) -> int:
+    """``--cuda-graph-max-prefill-tokens`` as given, else the most tokens a step holds on a CUDA device
+    (:func:`rlperf.rollout.cuda_graph.default_max_prefill_tokens`) and 0 on CPU."""
+    from .cuda_graph import default_max_prefill_tokens
+
+    if args.cuda_graph_max_prefill_tokens is not None:
+        return args.cuda_graph_max_prefill_tokens
+    return default_max_prefill_tokens(model.device, args.chunked_prefill_size, args.max_running_requests)
+
+
 class RolloutServer:
     """The aiohttp application around one :class:`EngineLoop`."""
 
@@ -160,6 +170,7 @@ class RolloutServer:
                               chunked_prefill_size=args.chunked_prefill_size, max_total_tokens=args.max_total_tokens,
                               mem_fraction_static=args.mem_fraction_static, context_length=args.context_length,
                               random_seed=args.random_seed, cuda_graph_max_bs=default_cuda_graph_max_bs(args, model),
+                              cuda_graph_max_prefill_tokens=default_cuda_graph_max_prefill_tokens(args, model),
                               attention_backend=args.attention_backend,
                               overlap_schedule=not args.disable_overlap_schedule)
         self.engine = Engine(model, tokenizer, config)

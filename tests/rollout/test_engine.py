@@ -353,6 +353,44 @@ def test_padded_decode_graph_path_gives_the_eager_bits(model):
     assert {5, 4, 3, 2, 1} <= set(calls) and max(calls) == 5
 
 
+def test_padded_prefill_graph_path_gives_the_eager_bits(model):
+    # on CPU the prefill graph runner runs its padded static-buffer path eagerly: the padding sequence
+    # (slot -1, attending over page 0, which the poisoned pool fills with NaN) and the empty sequence
+    # slots must not change a single bit of the real rows; steps over the limit run eagerly
+    from rlperf.rollout.cuda_graph import prefill_buckets, prefill_seq_slots
+
+    assert prefill_buckets(100) == [64, 96, 100] and prefill_buckets(64) == [64]
+    assert prefill_buckets(8448)[-4:] == [4096, 6144, 8192, 8448]
+    assert [prefill_seq_slots(n, 64) for n in (0, 7, 8, 40, 63, 70)] == [8, 8, 16, 64, 64, 64]
+    prompts = _prompts(9, seed=21, lo=20, hi=150)
+    params = [dataclasses.replace(PARAMS[i % 3], max_new_tokens=4 + 2 * i) for i in range(9)]
+    eager = _run(_engine(model, chunked_prefill_size=100), prompts, params)
+    graphed_engine = _engine(model, chunked_prefill_size=100, cuda_graph_max_prefill_tokens=100)
+    assert graphed_engine.prefill_graphs.buckets == [64, 96, 100]
+    calls, run = [], graphed_engine.prefill_graphs.run
+    graphed_engine.prefill_graphs.run = lambda *a: calls.append((len(a[0]), len(a[4]))) or run(*a)
+    steps = []
+    step = graphed_engine.step
+    graphed_engine.step = lambda: steps.append(1) or step()
+    assert _run(graphed_engine, prompts, params) == eager
+    # chunks with decode rows (up to 100 + 8 tokens: the larger steps run eagerly), whole short prompts,
+    # and decode-only steps (no decode graphs here) all went through the padded path
+    assert any(t > 96 for t, _ in calls) and any(t < 64 for t, _ in calls) and any(t == s for t, s in calls)
+    assert len(calls) < len(steps)
+
+
+def test_prefill_graphs_take_only_what_they_can_replay(model):
+    engine = _engine(model, cuda_graph_max_prefill_tokens=256, max_running_requests=5)
+    g = engine.prefill_graphs
+    assert g.max_slots == 8 and g.takes(256, 7) and not g.takes(257, 1) and not g.takes(10, 8)
+    with pytest.raises(ValueError, match="up to 256 tokens in 7 sequences"):
+        g.run([1] * 300, list(range(300)), list(range(300)), [0, 300], [300], [[0, 1, 2]])
+    assert engine._prefill_graphed(100, 2, None)
+    with K.use_mode("fast"):  # fast mode's paged attention reads the lengths on the host: eager
+        assert not engine._prefill_graphed(100, 2, None)
+    assert _engine(model).prefill_graphs is None  # off by default
+
+
 def _stops_from(outputs, k):
     """A stop token per request: its output's token number ``k % len`` (so requests stop at different steps)."""
     return [out[0][(k + 3 * i) % len(out[0])] for i, out in enumerate(outputs)]
@@ -528,6 +566,27 @@ def test_gpu_cuda_graph_decode_gives_the_eager_bits():
 
 
 @pytest.mark.gpu
+def test_gpu_prefill_graphs_give_the_eager_bits():
+    """Chunked prefills mixed with decode rows, whole short prompts and decode steps over the decode graphs'
+    largest bucket, replayed from prefill graphs of several token buckets and slot counts: the eager
+    engine's tokens and log-probs, bit for bit."""
+    cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
+    model = Qwen3ForCausalLM.random(cfg, seed=4, dtype=torch.bfloat16, device="cuda")
+    tok = ByteTokenizer(cfg.vocab_size)
+    prompts = _prompts(12, seed=22, lo=10, hi=700)
+    params = [SamplingParams(max_new_tokens=8 + 3 * i, temperature=(1.0, 0.0)[i % 2], seed=40 + i, ignore_eos=True)
+              for i in range(12)]
+    with K.use_backend(None), K.use_mode("invariant"):
+        eager = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, chunked_prefill_size=300)).generate(prompts, params)
+        graphed = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, chunked_prefill_size=300, cuda_graph_max_bs=4,
+                                                  cuda_graph_max_prefill_tokens=300 + 12))
+        got = graphed.generate(prompts, params)
+    keys = graphed.prefill_graphs.graphs
+    assert len({b for _, b, _ in keys}) >= 3 and len({s for _, _, s in keys}) >= 2, sorted(keys)
+    assert [(r.output_ids, r.output_logprobs) for r in got] == [(r.output_ids, r.output_logprobs) for r in eager]
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_engine_determinism_and_on_policy_logprobs():
     cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
     model = Qwen3ForCausalLM.random(cfg, seed=1, dtype=torch.bfloat16, device="cuda")
@@ -555,11 +614,12 @@ def test_gpu_bf16_engine_determinism_and_on_policy_logprobs():
 @pytest.mark.gpu
 def test_gpu_bf16_qwen3_0_6b_graphed_rollout_logprobs_equal_the_trainers():
     """The full qwen3-0.6b shape in bf16, the engine with CUDA-graph decode at ``rlperf serve``'s default
-    cuda_graph_max_bs: 5 requests, then 32 (the 5 among them, same seeds) of prompt lengths 20..300,
+    cuda_graph_max_bs and prefill graphs (serve's default for its chunk and batch): 5 requests, then 32 (the 5
+    among them, same seeds) of prompt lengths 20..300,
     mixed temperatures, 64 new tokens. Every output log-prob equals the trainer's, bit for bit: its
     old-log-prob pass (``compute_log_probs``, packed micro-batches of up to 8192 tokens) and its
     training forward (grad on, with entropy, as the train step computes it)."""
-    from rlperf.rollout.cuda_graph import DEFAULT_MAX_BS
+    from rlperf.rollout.cuda_graph import DEFAULT_MAX_BS, default_max_prefill_tokens
     from rlperf.train import Sample, micro_batch_log_probs, pack_micro_batches
 
     cfg = preset("qwen3-0.6b")
@@ -570,9 +630,11 @@ def test_gpu_bf16_qwen3_0_6b_graphed_rollout_logprobs_equal_the_trainers():
     params = [SamplingParams(max_new_tokens=64, temperature=t, seed=100 + i, ignore_eos=True) for i, t in enumerate(temps)]
     few = [0, 7, 8, 20, 31]
     with K.use_backend(None), K.use_mode("invariant"):
-        engine = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, cuda_graph_max_bs=DEFAULT_MAX_BS))
+        engine = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, cuda_graph_max_bs=DEFAULT_MAX_BS,
+                                                 cuda_graph_max_prefill_tokens=default_max_prefill_tokens("cuda", 512, 64)))
         small = engine.generate([prompts[i] for i in few], [params[i] for i in few])
         assert engine.graphs.graphs, "no decode step was replayed from a CUDA graph"
+        assert engine.prefill_graphs.graphs, "no prefill step was replayed from a CUDA graph"
         big = engine.generate(prompts, params)
         assert len(engine.graphs.graphs) >= 2  # the 5-request and the 32-request buckets
         for k, i in enumerate(few):
