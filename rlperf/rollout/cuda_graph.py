@@ -34,6 +34,9 @@ tests exercise).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 from rlperf import kernels as K
@@ -55,17 +58,29 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 19
 def capture(forward, pool=None):
     """``(graph, out, pool)``: ``out = forward()`` captured in a CUDA graph whose memory comes from ``pool``
     (None: a new private pool; returned, for the next capture to share). ``forward`` runs twice on a side
-    stream first, so every kernel is compiled and warm outside the capture."""
+    stream first, so every kernel is compiled and warm outside the capture.
+
+    Python's cyclic garbage collector stays off during the capture: an engine dropped earlier (engines hold
+    reference cycles) would otherwise be collected at any allocation inside it, and destroying its graphs
+    or freeing its pinned buffers there invalidates the capture (measured: the GPU test of two engines in
+    a row failed so). It collects first instead, which also returns their memory before this graph's."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
             forward()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: the server's other threads may touch CUDA (e.g. copying a weight bucket)
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = forward()
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the server's other threads may touch CUDA (e.g. copying a weight bucket)
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = forward()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out, graph.pool()
 
 
@@ -219,6 +234,19 @@ def default_max_prefill_tokens(device, chunked_prefill_size: int, max_running_re
     return chunk + max_running_requests
 
 
+PDL_MAX_TOKENS = 1024
+"""Steps of more tokens than this launch their kernels plainly, without programmatic dependent launch
+(:func:`step_launches`). PDL shortens the gaps between the short kernels of a decode step (1.02-1.13x
+faster on an H200, docs/kernels.md), but a prefill's kernels run several waves each, and there it cost:
+the 16 x 512 prefill graph replayed in 22.3 ms with PDL and 17.4 ms without (H200, 2026-11-30)."""
+
+
+def step_launches(num_tokens: int):
+    """The launches of an engine step of ``num_tokens`` tokens: plain launches (PDL switched off for the
+    block, process-wide) above :data:`PDL_MAX_TOKENS`; otherwise the process's switch as it is."""
+    return K.use_programmatic_launch(False) if num_tokens > PDL_MAX_TOKENS else contextlib.nullcontext()
+
+
 def prefill_buckets(max_tokens: int) -> list[int]:
     """Token buckets up to ``max_tokens``: the powers of two from :data:`MIN_PREFILL_BUCKET` and the
     midpoints 1.5x each (a step pads at most 50%, one of more than 64 tokens at most 33%), then
@@ -253,8 +281,9 @@ class PrefillGraphs:
     than the GPU's work for a prefill of 16 x 512 tokens (bench/BENCHMARKS.md). A replay is one launch.
 
     What a graph computes: ``model.forward_paged`` over ``bucket`` tokens in ``slots`` sequences, the final
-    hidden rows [bucket, H] as its static output (the engine picks the rows it samples and runs the lm head
-    and the sampler eagerly: a few launches over a few rows).
+    hidden rows [bucket, H] as its static output. :meth:`run` returns the rows the step samples from
+    (gathered after the replay by an index staged with the inputs: no host sync), for the engine's lm head
+    and sampler (a few launches over a few rows, queued while the graph runs).
 
     Padding: the step's T tokens of S sequences, then ``bucket - T`` padding tokens as one more sequence
     (``slot = -1``: their K/V are not stored; ``kv_len`` = their count over page 0, so they attend to
@@ -263,6 +292,8 @@ class PrefillGraphs:
     own pages, so the T real rows get the bits of the eager, unpadded step; padding rows are dropped.
     tests/rollout/test_engine.py checks the padded path on CPU, where it runs eagerly (nothing is
     captured); the GPU test compares replayed steps with eager ones.
+
+    Launches: a bucket above :data:`PDL_MAX_TOKENS` is captured with plain launches (:func:`step_launches`).
 
     Limits: invariant mode on rlperf's kernels (fast mode's paged attention reads the batch's lengths on
     the host), no routing record, no FlashInfer plan, steps of at most ``max_tokens`` tokens (longer ones
@@ -279,16 +310,18 @@ class PrefillGraphs:
         self.max_slots = prefill_seq_slots(max_seqs, 1 << 30)
         dev = model.device
         self.capture = dev.type == "cuda"
-        # the step's inputs: int64 rows (ids, positions, slots) [3, max_tokens], int32 sequences (cu_seqlens
-        # [slots + 1], kv_lens [slots]) [2, max_slots + 1] and the int32 page table [max_slots, max_pages],
-        # each filled from pinned host staging by one asynchronous copy; the graphs read views of them
+        # the step's inputs: int64 rows (ids, positions, slots) [3, max_tokens]; int32 sequences [3, max_slots
+        # + 1]: cu_seqlens [slots + 1], kv_lens [slots], the sampled rows; the int32 page table [max_slots,
+        # max_pages]; each filled from pinned host staging (written through numpy views: a list of 8k ints
+        # goes in 3x faster than through torch.tensor) by one asynchronous copy; the graphs read views of them
         self.rows = torch.zeros(3, max_tokens, dtype=torch.int64, device=dev)
-        self.seqs = torch.zeros(2, self.max_slots + 1, dtype=torch.int32, device=dev)
+        self.seqs = torch.zeros(3, self.max_slots + 1, dtype=torch.int32, device=dev)
         self.table = torch.zeros(self.max_slots, max_pages, dtype=torch.int32, device=dev)
         pinned = self.capture
         self._host_rows = torch.zeros(3, max_tokens, dtype=torch.int64, pin_memory=pinned)
-        self._host_seqs = torch.zeros(2, self.max_slots + 1, dtype=torch.int32, pin_memory=pinned)
+        self._host_seqs = torch.zeros(3, self.max_slots + 1, dtype=torch.int32, pin_memory=pinned)
         self._host_table = torch.zeros(self.max_slots, max_pages, dtype=torch.int32, pin_memory=pinned)
+        self._rows_np, self._seqs_np = self._host_rows.numpy(), self._host_seqs.numpy()
         self._copied = None  # CUDA event: the last step's staging copies are done
         self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -306,12 +339,13 @@ class PrefillGraphs:
         return self.model.forward_paged(ids, pos, self.kv_layers, slot_mapping, self.table[:slots], cu, kv_lens)
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], cu: list[int], kv_lens: list[int],
-            table: list[list[int]]) -> torch.Tensor:
-        """Final hidden rows [T, H] (after the final norm) of an engine step of T = len(ids) tokens in
-        S = len(kv_lens) sequences: ``forward_paged``'s inputs as lists (``cu`` [S + 1] with cu[S] = T,
-        ``table`` one list of pages per sequence). A view of a static buffer: read it before the next call.
+            table: list[list[int]], sample_rows: list[int]) -> torch.Tensor:
+        """Final hidden rows [R, H] (after the final norm) at ``sample_rows`` (R of them, indices into the
+        step's tokens) of an engine step of T = len(ids) tokens in S = len(kv_lens) sequences:
+        ``forward_paged``'s inputs as lists (``cu`` [S + 1] with cu[S] = T, ``table`` one list of pages per
+        sequence). A new tensor; the step's other rows stay in the graph's static buffer.
         """
-        T, S = len(ids), len(kv_lens)
+        T, S, R = len(ids), len(kv_lens), len(sample_rows)
         bucket = self.bucket(T)
         if bucket is None or not self.takes(T, S):
             raise ValueError(f"prefill graphs take up to {self.max_tokens} tokens in {self.max_slots - 1} "
@@ -324,28 +358,33 @@ class PrefillGraphs:
         # pinned staging -> device; the staging is reused only after the previous step's copies are done
         if self._copied is not None:
             self._copied.synchronize()
-        rows = self._host_rows
-        rows[:, :T] = torch.tensor([ids, pos, slots], dtype=torch.int64)
+        rows, seqs = self._rows_np, self._seqs_np
+        rows[0, :T], rows[1, :T], rows[2, :T] = ids, pos, slots
         rows[:2, T:bucket] = 0
         rows[2, T:bucket] = -1
-        seqs = self._host_seqs
-        seqs[0, : nslots + 1] = torch.tensor(cu + [bucket] * (nslots - S), dtype=torch.int32)
-        seqs[1, :nslots] = torch.tensor(kv_lens + [pad] + [0] * (nslots - S - 1), dtype=torch.int32)
+        seqs[0, : S + 1] = cu
+        seqs[0, S + 1: nslots + 1] = bucket  # the padding sequence ends at the bucket; empty ones after it
+        seqs[1, :S] = kv_lens
+        seqs[1, S] = pad
+        seqs[1, S + 1: nslots] = 0
+        seqs[2, :R] = sample_rows
         # only the columns this step can read are written (a sequence reads its first cdiv(kv_len, P)
         # entries, at most `width`), as in DecodeGraphs.run; the padding sequence's row is page 0
         self._host_table[:nslots, :width] = torch.tensor(
             [r + [0] * (width - len(r)) for r in table] + [[0] * width] * (nslots - S), dtype=torch.int32)
-        self.rows.copy_(rows, non_blocking=True)
-        self.seqs.copy_(seqs, non_blocking=True)
+        self.rows.copy_(self._host_rows, non_blocking=True)
+        self.seqs.copy_(self._host_seqs, non_blocking=True)
         self.table[:nslots].copy_(self._host_table[:nslots], non_blocking=True)  # contiguous rows
         if not self.capture:
-            return self._forward(bucket, nslots)[:T]
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        key = (K.mode(), bucket, nslots)
-        if key not in self.graphs:
-            graph, out, self._pool = capture(lambda: self._forward(bucket, nslots), self._pool)
-            self.graphs[key] = (graph, out)
-        graph, hidden = self.graphs[key]
-        graph.replay()
-        return hidden[:T]
+            hidden = self._forward(bucket, nslots)
+        else:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+            key = (K.mode(), bucket, nslots)
+            if key not in self.graphs:
+                with step_launches(bucket):
+                    graph, out, self._pool = capture(lambda: self._forward(bucket, nslots), self._pool)
+                self.graphs[key] = (graph, out)
+            graph, hidden = self.graphs[key]
+            graph.replay()
+        return hidden[self.seqs[2, :R]]

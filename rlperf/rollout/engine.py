@@ -75,6 +75,7 @@ from rlperf import kernels as K
 from rlperf.model.moe import RoutingTrace
 
 from .args import ATTENTION_BACKENDS
+from .cuda_graph import step_launches
 from .flashinfer_attention import for_this_mode
 from .kv_cache import PagedKVCache, plan_num_pages
 from .sampling_params import check_sampling_values, check_stop_limits
@@ -516,9 +517,9 @@ class Engine:
                 hidden, logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
             elif self._prefill_graphed(len(ids), len(batch), routing):
                 # a step with prefill chunks: replay the captured graph of its token bucket
-                hidden = self.prefill_graphs.run(ids, pos, slots, cu, kv_lens, [r.pages for r, _ in batch])
+                hidden = self.prefill_graphs.run(ids, pos, slots, cu, kv_lens, [r.pages for r, _ in batch],
+                                                 sample_rows)
                 if sample_reqs:
-                    hidden = hidden[torch.tensor(sample_rows, device=dev)]
                     logits = None if self._draws_from_hidden() else model.logits(hidden)
             else:
                 max_pages = max(len(r.pages) for r, _ in batch)
@@ -526,11 +527,12 @@ class Engine:
                 attention = for_this_mode(self.attention)
                 if attention is not None:
                     attention.plan_step(table, cu, kv_lens)
-                hidden = model.forward_paged(
-                    torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-                    self.kv.layers, torch.tensor(slots, dtype=torch.int64, device=dev),
-                    torch.tensor(table, dtype=torch.int32, device=dev), torch.tensor(cu, dtype=torch.int32, device=dev),
-                    torch.tensor(kv_lens, dtype=torch.int32, device=dev), routing, attention=attention)
+                with step_launches(len(ids)):  # a large step's kernels launch plainly (cuda_graph.PDL_MAX_TOKENS)
+                    hidden = model.forward_paged(
+                        torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+                        self.kv.layers, torch.tensor(slots, dtype=torch.int64, device=dev),
+                        torch.tensor(table, dtype=torch.int32, device=dev), torch.tensor(cu, dtype=torch.int32, device=dev),
+                        torch.tensor(kv_lens, dtype=torch.int32, device=dev), routing, attention=attention)
                 if routing is not None:
                     self._keep_routing(batch, cu, routing.experts().cpu())
                 if sample_reqs:

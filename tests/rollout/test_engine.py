@@ -384,11 +384,25 @@ def test_prefill_graphs_take_only_what_they_can_replay(model):
     g = engine.prefill_graphs
     assert g.max_slots == 8 and g.takes(256, 7) and not g.takes(257, 1) and not g.takes(10, 8)
     with pytest.raises(ValueError, match="up to 256 tokens in 7 sequences"):
-        g.run([1] * 300, list(range(300)), list(range(300)), [0, 300], [300], [[0, 1, 2]])
+        g.run([1] * 300, list(range(300)), list(range(300)), [0, 300], [300], [[0, 1, 2]], [299])
     assert engine._prefill_graphed(100, 2, None)
     with K.use_mode("fast"):  # fast mode's paged attention reads the lengths on the host: eager
         assert not engine._prefill_graphed(100, 2, None)
     assert _engine(model).prefill_graphs is None  # off by default
+
+
+def test_large_steps_launch_plainly():
+    from rlperf.kernels.pipeline import programmatic_launch_switched_on
+    from rlperf.rollout.cuda_graph import PDL_MAX_TOKENS, step_launches
+
+    with K.use_programmatic_launch(True):
+        with step_launches(PDL_MAX_TOKENS):
+            assert programmatic_launch_switched_on()
+        with step_launches(PDL_MAX_TOKENS + 1):
+            assert not programmatic_launch_switched_on()
+        assert programmatic_launch_switched_on()
+    with K.use_programmatic_launch(False), step_launches(1):  # never switched on where it was off
+        assert not programmatic_launch_switched_on()
 
 
 def _stops_from(outputs, k):
