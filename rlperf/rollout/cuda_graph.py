@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import gc
 
+import numpy as np
 import torch
 
 from rlperf import kernels as K
@@ -338,40 +339,57 @@ class PrefillGraphs:
         cu, kv_lens = self.seqs[0, : slots + 1], self.seqs[1, :slots]
         return self.model.forward_paged(ids, pos, self.kv_layers, slot_mapping, self.table[:slots], cu, kv_lens)
 
-    def run(self, ids: list[int], pos: list[int], slots: list[int], cu: list[int], kv_lens: list[int],
-            table: list[list[int]], sample_rows: list[int]) -> torch.Tensor:
+    def run(self, chunks: list[tuple[list[int], int, list[int]]], sample_rows: list[int]) -> torch.Tensor:
         """Final hidden rows [R, H] (after the final norm) at ``sample_rows`` (R of them, indices into the
-        step's tokens) of an engine step of T = len(ids) tokens in S = len(kv_lens) sequences:
-        ``forward_paged``'s inputs as lists (``cu`` [S + 1] with cu[S] = T, ``table`` one list of pages per
-        sequence). A new tensor; the step's other rows stay in the graph's static buffer.
+        step's T tokens) of an engine step over S = len(chunks) sequences. ``chunks``: per sequence, in the
+        step's order, (its new token ids [n], the position of the first, its KV pages): the sequence's
+        queries are positions ``start .. start + n - 1``, its ``kv_len`` is ``start + n`` and token ``p``
+        sits in slot ``pages[p // P] * P + p % P``. A new tensor; the step's other rows stay in the graph's
+        static buffer.
         """
-        T, S, R = len(ids), len(kv_lens), len(sample_rows)
+        S, R = len(chunks), len(sample_rows)
+        T = sum(len(c[0]) for c in chunks)
         bucket = self.bucket(T)
         if bucket is None or not self.takes(T, S):
             raise ValueError(f"prefill graphs take up to {self.max_tokens} tokens in {self.max_slots - 1} "
                              f"sequences, got {T} in {S}")
         nslots, pad = prefill_seq_slots(S, self.max_slots), bucket - T
         P = self.kv_layers[0][0].shape[1]
-        width = max(max(len(r) for r in table), -(-pad // P))  # the padding sequence reads cdiv(pad, P) pages
+        width = max(max(len(c[2]) for c in chunks), -(-pad // P))  # the padding sequence reads cdiv(pad, P) pages
         if width > self.max_pages:
             raise ValueError(f"a sequence holds {width} pages; the graphs were sized for {self.max_pages}")
         # pinned staging -> device; the staging is reused only after the previous step's copies are done
         if self._copied is not None:
             self._copied.synchronize()
         rows, seqs = self._rows_np, self._seqs_np
-        rows[0, :T], rows[1, :T], rows[2, :T] = ids, pos, slots
+        # a chunk's rows as numpy segments; one-token rows (decodes) gathered into one indexed write
+        singles: list[list[int]] = [[], [], [], []]  # row, id, position, slot
+        off = 0
+        for b, (tokens, start, pages) in enumerate(chunks):
+            n = len(tokens)
+            if n == 1:
+                for col, v in zip(singles, (off, tokens[0], start, pages[start // P] * P + start % P)):
+                    col.append(v)
+            else:
+                p = np.arange(start, start + n)
+                rows[0, off:off + n] = tokens
+                rows[1, off:off + n] = p
+                rows[2, off:off + n] = np.asarray(pages, dtype=np.int64)[p // P] * P + p % P
+            seqs[0, b] = off
+            seqs[1, b] = start + n
+            off += n
+        if singles[0]:
+            rows[:, singles[0]] = singles[1:]
         rows[:2, T:bucket] = 0
         rows[2, T:bucket] = -1
-        seqs[0, : S + 1] = cu
-        seqs[0, S + 1: nslots + 1] = bucket  # the padding sequence ends at the bucket; empty ones after it
-        seqs[1, :S] = kv_lens
+        seqs[0, S: nslots + 1] = [T] + [bucket] * (nslots - S)  # the padding sequence, then empty ones
         seqs[1, S] = pad
         seqs[1, S + 1: nslots] = 0
         seqs[2, :R] = sample_rows
         # only the columns this step can read are written (a sequence reads its first cdiv(kv_len, P)
         # entries, at most `width`), as in DecodeGraphs.run; the padding sequence's row is page 0
         self._host_table[:nslots, :width] = torch.tensor(
-            [r + [0] * (width - len(r)) for r in table] + [[0] * width] * (nslots - S), dtype=torch.int32)
+            [c[2] + [0] * (width - len(c[2])) for c in chunks] + [[0] * width] * (nslots - S), dtype=torch.int32)
         self.rows.copy_(self._host_rows, non_blocking=True)
         self.seqs.copy_(self._host_seqs, non_blocking=True)
         self.table[:nslots].copy_(self._host_table[:nslots], non_blocking=True)  # contiguous rows

@@ -482,31 +482,22 @@ class Engine:
         if not batch:
             return finished
         self.num_steps += 1
-        model, P, dev = self.model, self.kv.page_size, self.model.device
-        # host-side batch description as Python lists, one tensor (and one copy to the device) each:
-        # per-request torch ops would cost more than a decode step of a small model
-        ids, pos, slots, cu, kv_lens, sample_rows, sample_reqs = [], [], [], [0], [], [], []
+        model, dev = self.model, self.model.device
+        # the batch per sequence: (request, first new position, new tokens); cu_seqlens, kv_lens and the rows
+        # to sample as Python lists. The token rows (ids, positions, slots) are built for the path taken:
+        # Python lists for the decode graphs and the eager forward (one tensor and one copy each: per-request
+        # torch ops would cost more than a decode step of a small model), numpy segments for a prefill graph
+        segments, cu, kv_lens, sample_rows, sample_reqs = [], [0], [], [], []
         for r, n in batch:
             start = r.num_cached
-            pages = r.pages
-            if n == 1:  # a decode row (or a prompt's last token): no slices, no generators
-                p = len(r.prompt_ids)
-                ids.append(r.output_ids[start - p] if start >= p else r.prompt_ids[start])
-                pos.append(start)
-                slots.append(pages[start // P] * P + start % P)
-            else:  # a chunk: its slots one page's run at a time
-                ids.extend(r.tokens(start, start + n))
-                pos.extend(range(start, start + n))
-                for j in range(start // P, (start + n - 1) // P + 1):
-                    base = pages[j] * P
-                    slots.extend(range(base + max(start - j * P, 0), base + min(start + n - j * P, P)))
+            segments.append((r, start, n))
             cu.append(cu[-1] + n)
             kv_lens.append(start + n)
             r.num_cached = start + n
             if r.num_cached == r.seq_len:
                 sample_rows.append(cu[-1] - 1)
                 sample_reqs.append(r)
-        decode_only = len(sample_reqs) == len(batch) == len(ids)
+        decode_only = len(sample_reqs) == len(batch) == cu[-1]
         routing = RoutingTrace() if any(r.return_routed_experts for r, _ in batch) else None
         # named ranges so a profile can split prefill from decode time (rlperf.profiles.summary)
         phase = torch.profiler.record_function("rlperf.decode" if decode_only else "rlperf.prefill")
@@ -514,14 +505,16 @@ class Engine:
         with torch.no_grad(), phase:
             if graphed:
                 # a pure decode step: replay the captured graph of its batch-size bucket
+                ids, pos, slots = self._token_rows(segments)
                 hidden, logits = self.graphs.run(ids, pos, slots, [r.pages for r, _ in batch], kv_lens)
-            elif self._prefill_graphed(len(ids), len(batch), routing):
+            elif self._prefill_graphed(cu[-1], len(batch), routing):
                 # a step with prefill chunks: replay the captured graph of its token bucket
-                hidden = self.prefill_graphs.run(ids, pos, slots, cu, kv_lens, [r.pages for r, _ in batch],
+                hidden = self.prefill_graphs.run([(r.tokens(start, start + n), start, r.pages) for r, start, n in segments],
                                                  sample_rows)
                 if sample_reqs:
                     logits = None if self._draws_from_hidden() else model.logits(hidden)
             else:
+                ids, pos, slots = self._token_rows(segments)
                 max_pages = max(len(r.pages) for r, _ in batch)
                 table = [r.pages + [0] * (max_pages - len(r.pages)) for r, _ in batch]
                 attention = for_this_mode(self.attention)
@@ -550,6 +543,26 @@ class Engine:
             if suspect in self.running:
                 self.retract(suspect)
         return finished
+
+    def _token_rows(self, segments: list[tuple[Request, int, int]]) -> tuple[list[int], list[int], list[int]]:
+        """The step's token rows as Python lists (ids, positions, KV slots), from each sequence's (request,
+        first new position, new tokens)."""
+        P = self.kv.page_size
+        ids, pos, slots = [], [], []
+        for r, start, n in segments:
+            pages = r.pages
+            if n == 1:  # a decode row (or a prompt's last token): no slices, no generators
+                p = len(r.prompt_ids)
+                ids.append(r.output_ids[start - p] if start >= p else r.prompt_ids[start])
+                pos.append(start)
+                slots.append(pages[start // P] * P + start % P)
+            else:  # a chunk: its slots one page's run at a time
+                ids.extend(r.tokens(start, start + n))
+                pos.extend(range(start, start + n))
+                for j in range(start // P, (start + n - 1) // P + 1):
+                    base = pages[j] * P
+                    slots.extend(range(base + max(start - j * P, 0), base + min(start + n - j * P, P)))
+        return ids, pos, slots
 
     def _prefill_graphed(self, num_tokens: int, num_seqs: int, routing) -> bool:
         """Whether a step the decode graphs do not take replays a prefill graph (``PrefillGraphs``' limits:

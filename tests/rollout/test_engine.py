@@ -368,7 +368,7 @@ def test_padded_prefill_graph_path_gives_the_eager_bits(model):
     graphed_engine = _engine(model, chunked_prefill_size=100, cuda_graph_max_prefill_tokens=100)
     assert graphed_engine.prefill_graphs.buckets == [64, 96, 100]
     calls, run = [], graphed_engine.prefill_graphs.run
-    graphed_engine.prefill_graphs.run = lambda *a: calls.append((len(a[0]), len(a[4]))) or run(*a)
+    graphed_engine.prefill_graphs.run = lambda c, r: calls.append((sum(len(x[0]) for x in c), len(c))) or run(c, r)
     steps = []
     step = graphed_engine.step
     graphed_engine.step = lambda: steps.append(1) or step()
@@ -384,7 +384,7 @@ def test_prefill_graphs_take_only_what_they_can_replay(model):
     g = engine.prefill_graphs
     assert g.max_slots == 8 and g.takes(256, 7) and not g.takes(257, 1) and not g.takes(10, 8)
     with pytest.raises(ValueError, match="up to 256 tokens in 7 sequences"):
-        g.run([1] * 300, list(range(300)), list(range(300)), [0, 300], [300], [[0, 1, 2]], [299])
+        g.run([([1] * 300, 0, [0, 1, 2])], [299])
     assert engine._prefill_graphed(100, 2, None)
     with K.use_mode("fast"):  # fast mode's paged attention reads the lengths on the host: eager
         assert not engine._prefill_graphed(100, 2, None)
