@@ -100,7 +100,8 @@ def add_loop_arguments(p: argparse.ArgumentParser, command: str = "train") -> No
                    help="GPUs per engine (only 1 for now: no tensor-parallel engines)")
     g.add_argument("--sglang-cuda-graph-max-bs", type=int, default=None,
                    help="in-process engine: replay decode steps of up to this many sequences from CUDA graphs, as "
-                        "rlperf serve --cuda-graph-max-bs (default: serve's, 256 on CUDA; 0: eager decode, the "
+                        "rlperf serve --cuda-graph-max-bs, and then steps with prefill chunks from CUDA graphs of "
+                        "their token bucket too (default: serve's, 256 on CUDA; 0: eager decode and prefill, the "
                         "debuggable path; CPU is always eager)")
     g.add_argument("--engine-weights", default="auto", choices=["auto", "buckets", "shared"],
                    help="in-process engine's weights: its own copy loaded from flattened buckets at each sync, or "
