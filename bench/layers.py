@@ -29,6 +29,7 @@ import torch
 
 from rlperf import kernels as K
 from rlperf.model import RopeTable, decoder_layer_paged, decoder_layer_prefill, init_layer_weights, preset
+from rlperf.rollout.cuda_graph import capture
 
 from .harness import BenchCase, BenchRow, Workload, by_workload, cuda_time, geomean
 
@@ -42,15 +43,7 @@ KERNEL, ANCHOR = "invariant", "fast path"
 def _graphed(fn):
     """A CUDA-graph replay of ``fn`` if it captures, else ``fn``; and whether capture worked."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _, _ = capture(fn)  # the engine's capture: two warm-up calls on a side stream, then the graph
         return graph.replay, True
     except Exception as exc:  # capture is an optimisation; say so and time eagerly
         torch.cuda.synchronize()
