@@ -307,7 +307,10 @@ class PrefillGraphs:
             raise ValueError(f"max_tokens and max_seqs must be positive, got {max_tokens} and {max_seqs}")
         self.model, self.kv_layers = model, kv_layers
         self.buckets = prefill_buckets(max_tokens)
-        self.max_tokens, self.max_pages = max_tokens, max_pages
+        # the table is wide enough for a sequence's pages and for the padding sequence's (up to a bucket of
+        # tokens over page 0): a short context must not limit the padding
+        self.page_size = kv_layers[0][0].shape[1]
+        self.max_tokens, self.max_pages = max_tokens, max(max_pages, -(-max_tokens // self.page_size))
         self.max_slots = prefill_seq_slots(max_seqs, 1 << 30)
         dev = model.device
         self.capture = dev.type == "cuda"
@@ -317,11 +320,11 @@ class PrefillGraphs:
         # goes in 3x faster than through torch.tensor) by one asynchronous copy; the graphs read views of them
         self.rows = torch.zeros(3, max_tokens, dtype=torch.int64, device=dev)
         self.seqs = torch.zeros(3, self.max_slots + 1, dtype=torch.int32, device=dev)
-        self.table = torch.zeros(self.max_slots, max_pages, dtype=torch.int32, device=dev)
+        self.table = torch.zeros(self.max_slots, self.max_pages, dtype=torch.int32, device=dev)
         pinned = self.capture
         self._host_rows = torch.zeros(3, max_tokens, dtype=torch.int64, pin_memory=pinned)
         self._host_seqs = torch.zeros(3, self.max_slots + 1, dtype=torch.int32, pin_memory=pinned)
-        self._host_table = torch.zeros(self.max_slots, max_pages, dtype=torch.int32, pin_memory=pinned)
+        self._host_table = torch.zeros(self.max_slots, self.max_pages, dtype=torch.int32, pin_memory=pinned)
         self._rows_np, self._seqs_np = self._host_rows.numpy(), self._host_seqs.numpy()
         self._copied = None  # CUDA event: the last step's staging copies are done
         self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -354,7 +357,7 @@ class PrefillGraphs:
             raise ValueError(f"prefill graphs take up to {self.max_tokens} tokens in {self.max_slots - 1} "
                              f"sequences, got {T} in {S}")
         nslots, pad = prefill_seq_slots(S, self.max_slots), bucket - T
-        P = self.kv_layers[0][0].shape[1]
+        P = self.page_size
         width = max(max(len(c[2]) for c in chunks), -(-pad // P))  # the padding sequence reads cdiv(pad, P) pages
         if width > self.max_pages:
             raise ValueError(f"a sequence holds {width} pages; the graphs were sized for {self.max_pages}")

@@ -379,6 +379,18 @@ def test_padded_prefill_graph_path_gives_the_eager_bits(model):
     assert len(calls) < len(steps)
 
 
+def test_prefill_graph_padding_is_not_limited_by_a_short_context(model):
+    # context 128 = one page per sequence; 8 prompts of 100 tokens fill a bucket of 1000 with 200 padding
+    # tokens, whose sequence reads two pages of the graphs' table
+    prompts = _prompts(8, seed=23, lo=100, hi=101)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=5, ignore_eos=True)
+    cfg = dict(context_length=128, chunked_prefill_size=1000)
+    eager = _run(_engine(model, **cfg), prompts, params)
+    graphed_engine = _engine(model, **cfg, cuda_graph_max_prefill_tokens=1000)
+    assert graphed_engine.prefill_graphs.max_pages == 8  # cdiv(1000, 128), not the context's 1
+    assert _run(graphed_engine, prompts, params) == eager
+
+
 def test_prefill_graphs_take_only_what_they_can_replay(model):
     engine = _engine(model, cuda_graph_max_prefill_tokens=256, max_running_requests=5)
     g = engine.prefill_graphs
