@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import time
 
@@ -260,7 +261,7 @@ def main(argv=None) -> None:
                 # one warm engine: the untimed first step compiles (and captures), then each profiled step
                 # prefills fresh prompts queued before it
                 engine = prefill_engine(model, a.prompts, PROMPT, graphs=not a.eager)
-                seeds = iter(range(1 << 30))
+                seeds = itertools.count()
 
                 def queue():
                     queue_prefill(engine, a.prompts, PROMPT, seed=next(seeds))
