@@ -323,19 +323,18 @@ SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
 
 
 def _config(bm: int, bn: int, w: int, s: int, tma: bool, prefetch_page: bool = False, masked_ptr: bool = False,
-            guess_one_query: bool = True, l2_prefetch: bool = False) -> dict:
+            guess_one_query: bool = True) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma, "PREFETCH_PAGE": prefetch_page,
-            "MASKED_PTR": masked_ptr, "GUESS_ONE_QUERY": guess_one_query, "L2_PREFETCH": l2_prefetch}
+            "MASKED_PTR": masked_ptr, "GUESS_ONE_QUERY": guess_one_query}
 
 
-_DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA", "PREFETCH_PAGE", "MASKED_PTR", "GUESS_ONE_QUERY",
-                "L2_PREFETCH")
+_DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA", "PREFETCH_PAGE", "MASKED_PTR", "GUESS_ONE_QUERY")
 
 
 def _decode_label(c: tuple) -> str:
     """``c``: a :data:`DECODE_SWEEP` tuple."""
     return (f"BM={c[0]} BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])} prefetch={int(c[5])} masked_ptr={int(c[6])} "
-            f"guess={int(c[7])} l2={int(c[8])}")
+            f"guess={int(c[7])}")
 
 
 def _bits_check(cfg: dict, gen: torch.Generator) -> bool:
@@ -442,13 +441,14 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
     return best["cfg"] if best else {}
 
 
-DECODE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, PREFETCH_PAGE, MASKED_PTR, GUESS_ONE_QUERY,
-    # L2_PREFETCH); BLOCK_N is the page size. First the many-program launch before L2_PREFETCH, then the
-    # L2 prefetch at each depth, then earlier candidates.
-    (64, 128, 4, 1, True, False, True, True, False), (64, 128, 4, 1, True, True, True, True, False),
-    (64, 128, 4, 1, True, True, True, True, True), (64, 128, 4, 2, True, True, True, True, True),
-    (64, 128, 4, 3, True, True, False, True, True), (64, 128, 4, 3, True, True, False, True, False),
-    (64, 128, 4, 1, True, True, False, True, True), (64, 128, 4, 2, True, True, True, True, False),
+DECODE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, PREFETCH_PAGE, MASKED_PTR, GUESS_ONE_QUERY);
+    # BLOCK_N is the page size. The first two: the launches of the day without the one-query guess.
+    (64, 128, 4, 3, True, True, False, False), (64, 128, 4, 1, True, False, True, False),
+    (64, 128, 4, 3, True, True, False, True), (64, 128, 4, 3, True, True, True, True),
+    (64, 128, 4, 2, True, True, True, True), (64, 128, 4, 1, True, True, True, True),
+    (64, 128, 4, 1, True, False, True, True), (64, 128, 4, 1, True, False, False, True),
+    (64, 128, 4, 2, True, False, False, True), (64, 128, 4, 1, False, False, False, True),
+    (64, 128, 8, 1, True, False, False, True),
 ]
 DECODE_SWEEP_CASES = ((1, 540), (16, 540), (64, 540), (256, 540), (64, 4096))
 """(batch, KV length) of the decode sweep: ``rlperf bench rollout``'s decode (prompt 512 and a few dozen

@@ -1,6 +1,6 @@
 """The engine's decode and prefill steps under variants of its decode path (the two fusions, programmatic
-dependent launch, the fused log-prob's split width, the fused draw, decode attention's one-query guess, the
-L2 prefetches), same card, same process: is a change of the rollout bench's times theirs or the card's?
+dependent launch, the fused log-prob's split width, the fused draw, decode attention's one-query guess), same card, same process: is a change
+of the rollout bench's times theirs or the card's?
 
 * ``swiglu``: :func:`rlperf.kernels.linear_silu_mul` (the gate_up product with its SwiGLU epilogue, one
   launch) against ``silu_mul(linear(x, w))`` (two launches). The engine takes the epilogue for at most
@@ -24,15 +24,10 @@ L2 prefetches), same card, same process: is a change of the rollout bench's time
 * ``no decode guess``: decode attention's launches without ``GUESS_ONE_QUERY`` (each program then finds
   its sequence by the binary search over the batch's query offsets, ceil(log2 B) dependent loads before
   its first K/V load, instead of checking the one-query-per-sequence numbering with two loads; the same
-  sequence either way, so the same bits);
-* ``no weight prefetch``: the products without asking the L2 for the next product's weight
-  (``rlperf.kernels.gemm.WEIGHT_PREFETCH``; by default each product of the engine's step asks for it before
-  its grid-dependency wait, so the weight's read overlaps the kernels before it);
-* ``no kv prefetch``: decode attention's many-program launch without asking the L2 for each program's next
-  K/V block while the current one computes (``L2_PREFETCH`` of its config).
+  sequence either way, so the same bits).
 
-Both fused forms give the bits of their unfused calls (their kernel tests), and PDL and the L2 prefetches
-move no instruction of a kernel's math, so those variants decode the same tokens; only the launches differ. A
+Both fused forms give the bits of their unfused calls (their kernel tests), and PDL moves no
+instruction of a kernel's math, so those variants decode the same tokens; only the launches differ. A
 log-prob split changes the order in which the log-sum-exp adds the splits, so its log-probs differ in the
 last bits from the default's (the tokens do not: they are drawn from the logits).
 Each variant is timed with the rollout bench's own cases
@@ -61,8 +56,7 @@ class Variant(NamedTuple):
     the epilogue at every size, False never; kv: the K/V-store fusion; pdl: launches with programmatic
     dependent launch (the engine's default; it applies on SM 90+ GPUs only); logprob_split_tiles: the
     fused log-prob's vocabulary tiles per forward split (None: its config's); fused_sampling: the
-    engine's ``EngineConfig.fused_sampling``; decode_guess: decode attention's ``GUESS_ONE_QUERY``;
-    weight_prefetch: ``gemm.WEIGHT_PREFETCH``; kv_prefetch: decode attention's ``L2_PREFETCH``."""
+    engine's ``EngineConfig.fused_sampling``; decode_guess: decode attention's ``GUESS_ONE_QUERY``."""
 
     swiglu: bool | None
     kv: bool
@@ -70,8 +64,6 @@ class Variant(NamedTuple):
     logprob_split_tiles: int | None = None
     fused_sampling: bool = False
     decode_guess: bool = True
-    weight_prefetch: bool = True
-    kv_prefetch: bool = True
 
 
 ENGINE_DEFAULT = "engine default"
@@ -79,16 +71,14 @@ VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, T
             "no swiglu epilogue": Variant(False, True), "no kv-store fusion": Variant(True, False),
             "neither": Variant(False, False), "no pdl": Variant(None, True, pdl=False),
             "fused sampling": Variant(None, True, fused_sampling=True),
-            "no decode guess": Variant(None, True, decode_guess=False),
-            "no weight prefetch": Variant(None, True, weight_prefetch=False),
-            "no kv prefetch": Variant(None, True, kv_prefetch=False)}
+            "no decode guess": Variant(None, True, decode_guess=False)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
 
 
-def _unfused_linear_silu_mul(x, w, prefetch=None):
-    return K.silu_mul(K.linear(x, w, prefetch=prefetch))
+def _unfused_linear_silu_mul(x, w):
+    return K.silu_mul(K.linear(x, w))
 
 
 def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_cache, v_cache, slot_mapping):
@@ -98,25 +88,20 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 
 @contextlib.contextmanager
 def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles: int | None = None,
-            decode_guess: bool = True, weight_prefetch: bool = True, kv_prefetch: bool = True):
+            decode_guess: bool = True):
     """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
     kernels package: swap in the unfused calls (or lift the epilogue's row limit), switch
-    programmatic dependent launch, set the fused log-prob's split width (every dtype's config), decode
-    attention's one-query guess and K/V prefetch, and the products' weight prefetch, for the variant's
-    duration."""
+    programmatic dependent launch, set the fused log-prob's split width (every dtype's config) and decode
+    attention's one-query guess, for the variant's duration."""
     from rlperf.kernels import attention, fused_lm_head, gemm
 
     saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS
     saved_configs = dict(fused_lm_head._CONFIGS)
     decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
     saved_guesses = [c["GUESS_ONE_QUERY"] for c in decode_configs]
-    saved_kv_prefetch = [c.get("L2_PREFETCH", False) for c in decode_configs]
-    saved_weight_prefetch = gemm.WEIGHT_PREFETCH
     try:
-        for c, on in zip(decode_configs, saved_kv_prefetch):
+        for c in decode_configs:
             c["GUESS_ONE_QUERY"] = decode_guess
-            c["L2_PREFETCH"] = on and kv_prefetch
-        gemm.WEIGHT_PREFETCH = saved_weight_prefetch and weight_prefetch
         if swiglu is False:
             K.linear_silu_mul = _unfused_linear_silu_mul
         elif swiglu:
@@ -132,10 +117,8 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
         K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS = saved
         fused_lm_head._CONFIGS.clear()
         fused_lm_head._CONFIGS.update(saved_configs)
-        for c, guess, on in zip(decode_configs, saved_guesses, saved_kv_prefetch):
+        for c, guess in zip(decode_configs, saved_guesses):
             c["GUESS_ONE_QUERY"] = guess
-            c["L2_PREFETCH"] = on
-        gemm.WEIGHT_PREFETCH = saved_weight_prefetch
 
 
 def chosen_variants(spec: str) -> dict[str, Variant] | None:
@@ -199,15 +182,13 @@ def main(argv=None) -> int:
         # one untimed round first (every variant's kernels compiled, the allocator warm), so the variant
         # timed first pays no more than the others
         for v in variants.values():
-            with variant(*v[:4], decode_guess=v.decode_guess, weight_prefetch=v.weight_prefetch,
-                         kv_prefetch=v.kv_prefetch):
+            with variant(*v[:4], decode_guess=v.decode_guess):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),
                             fused_sampling=v.fused_sampling)
                 if args.prefill:
                     prefill_case(model, args.prefill, PROMPT, reps=1)
         for name, v in variants.items():
-            with variant(*v[:4], decode_guess=v.decode_guess, weight_prefetch=v.weight_prefetch,
-                         kv_prefetch=v.kv_prefetch):
+            with variant(*v[:4], decode_guess=v.decode_guess):
                 row = {}
                 for b in batches:
                     d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),

@@ -54,7 +54,7 @@ import triton.language as tl
 from .attention_backward import attention_backward
 from .autograd import with_recompute_backward
 from .dispatch import mode, route
-from .pipeline import grid_dependency_sync, launch_options, launch_with_fitting_stages, num_sms, prefetch_l2_lines
+from .pipeline import grid_dependency_sync, launch_options, launch_with_fitting_stages, num_sms
 from .tile_dot import dot_acc, dot_fresh
 from .reference import attention as _ref
 
@@ -88,7 +88,7 @@ _DECODE_CONFIG = {**_CONFIG, "BLOCK_M": 64, "num_warps": 4}
 # last page, mostly empty at these lengths) loads by pointers (MASKED_PTR), so the empty rows of the
 # page are not read.
 _DECODE_FEW_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 3, "PREFETCH_PAGE": True}
-_DECODE_MANY_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 1, "MASKED_PTR": True, "PREFETCH_PAGE": True, "L2_PREFETCH": True}
+_DECODE_MANY_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 1, "MASKED_PTR": True}
 
 
 def _decode_config(programs: int, device: torch.device) -> dict:
@@ -182,20 +182,6 @@ def _attn_block(
     return acc, l_i, m_new
 
 
-@triton.jit
-def _prefetch_block(K_PTR, V_PTR, page, kvh, rows, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Ask the L2 for the first ``rows`` rows (<= 0: none) of KV head ``kvh`` in cache page ``page``, K's
-    and V's: one prefetch per 64 elements of a row (a 128-byte line in 16-bit caches)."""
-    LINES: tl.constexpr = (HEAD_DIM + 63) // 64
-    offs_j = tl.arange(0, BLOCK_N)
-    line = tl.arange(0, LINES) * 64
-    inside = (offs_j < rows)[:, None] & (line < HEAD_DIM)[None, :]
-    page = page.to(tl.int64)
-    prefetch_l2_lines(K_PTR + page * stride_kp + kvh * stride_kh + offs_j[:, None] * stride_kt + line[None, :], inside)
-    prefetch_l2_lines(V_PTR + page * stride_vp + kvh * stride_vh + offs_j[:, None] * stride_vt + line[None, :], inside)
-
-
 # Integers whose divisibility by 16 follows the run rather than the shape (the batch's sequence count,
 # the page table's row stride, which follows the KV cache's size, i.e. free memory) are not specialized
 # on: one compiled kernel per shape serves every run, so a kernel manifest covers them.
@@ -207,7 +193,7 @@ def _attn_fwd_kernel(
     qk_scale, num_seqs, search_steps,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, USE_TMA: tl.constexpr, STORE_LSE: tl.constexpr, PREFETCH_PAGE: tl.constexpr,
-    MASKED_PTR: tl.constexpr, GUESS_ONE_QUERY: tl.constexpr = False, L2_PREFETCH: tl.constexpr = False,
+    MASKED_PTR: tl.constexpr, GUESS_ONE_QUERY: tl.constexpr = False,
 ):
     """Program (i, kvh): query tile i of the flattened tile list, KV head kvh.
 
@@ -220,12 +206,6 @@ def _attn_fwd_kernel(
     clamped to B - 1) and check it with the two loads f(b) <= pid < f(b + 1); only a failed check runs
     the search. Both find the same b, so the arithmetic and the bits are the search's; a decode program
     starts its K/V loads after two parallel loads instead of ceil(log2 B) dependent ones.
-
-    ``L2_PREFETCH`` (paged, with ``PREFETCH_PAGE``): while block ``jb`` loads and computes, the rows of
-    block ``jb + 1`` that lie inside the sequence are asked of the L2 (``prefetch.global.L2``, this KV
-    head's K and V rows), so a one-stage launch's next loads find them there: the depth of a two-stage
-    pipeline without its shared memory. The page ids are read two blocks ahead. No load or arithmetic
-    changes, so the bits are those of the launch without it.
 
     ``STORE_LSE``: also store each row's base-2 log-sum-exp of the scaled scores,
     ``LSE[head, token] = m + log2(l)``, for the backward (``kernels/attention_backward.py``).
@@ -285,20 +265,12 @@ def _attn_fwd_kernel(
         pages = PAGE_TABLE + b * stride_pt
         if PREFETCH_PAGE:
             page = tl.load(pages, mask=n_blocks > 0, other=0)
-            if L2_PREFETCH:
-                next_page = tl.load(pages + 1, mask=n_blocks > 1, other=0)
         else:
             page = 0  # read inside _attn_block
         for jb in range(0, n_full):
             this_page = page
             if PREFETCH_PAGE:  # the next block's page, read while this block computes (same values)
-                if L2_PREFETCH:
-                    _prefetch_block(K_PTR, V_PTR, next_page, kvh, kv_len - (jb + 1) * BLOCK_N,
-                                    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, HEAD_DIM, BLOCK_N)
-                    page = next_page
-                    next_page = tl.load(pages + jb + 2, mask=jb + 2 < n_blocks, other=0)
-                else:
-                    page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
+                page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
             acc, l_i, m_i = _attn_block(
                 acc, l_i, m_i, q, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_start, kv_len, this_page,
                 PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
@@ -306,13 +278,7 @@ def _attn_fwd_kernel(
         for jb in range(n_full, n_blocks):
             this_page = page
             if PREFETCH_PAGE:
-                if L2_PREFETCH:
-                    _prefetch_block(K_PTR, V_PTR, next_page, kvh, kv_len - (jb + 1) * BLOCK_N,
-                                    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, HEAD_DIM, BLOCK_N)
-                    page = next_page
-                    next_page = tl.load(pages + jb + 2, mask=jb + 2 < n_blocks, other=0)
-                else:
-                    page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
+                page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
             acc, l_i, m_i = _attn_block(
                 acc, l_i, m_i, q, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_start, kv_len, this_page,
                 PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
@@ -391,7 +357,7 @@ def attention_forward(
     either way.
 
     ``config`` (keys ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``TMA`` and the optional
-    ``PREFETCH_PAGE``, ``MASKED_PTR``, ``GUESS_ONE_QUERY``, ``L2_PREFETCH``) replaces the
+    ``PREFETCH_PAGE``, ``MASKED_PTR``, ``GUESS_ONE_QUERY``) replaces the
     one launch config for tuning sweeps (``bench/attention.py``); the ops never pass it, and another
     config may give other bits.
     """
@@ -449,7 +415,6 @@ def attention_forward(
             G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged, USE_TMA=use_tma,
             STORE_LSE=return_lse, PREFETCH_PAGE=paged and cfg.get("PREFETCH_PAGE", False),
             MASKED_PTR=use_tma and cfg.get("MASKED_PTR", False), GUESS_ONE_QUERY=cfg.get("GUESS_ONE_QUERY", False) and T == num_seqs,
-            L2_PREFETCH=paged and cfg.get("PREFETCH_PAGE", False) and cfg.get("L2_PREFETCH", False),
             num_warps=cfg["num_warps"], num_stages=stages, **launch_options(q.device),
         )
 

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from .autograd import matmul_with_grad
 from .dispatch import mode, route
-from .pipeline import grid_dependency_sync, launch_options, launch_with_fitting_stages, num_sms, prefetch_l2_bytes
+from .pipeline import grid_dependency_sync, launch_options, launch_with_fitting_stages, num_sms
 from .tile_dot import dot_acc, kernel_store_dtype
 from .reference.matmul import matmul_ref
 
@@ -77,12 +77,10 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 # M is never specialized (Triton would otherwise compile a separate kernel for M == 1): one
-# compiled kernel per (dtype, N, K) config serves every batch size. Nor is the prefetch (its address and
-# size follow the next product, which does not change the kernel).
-@triton.jit(do_not_specialize=["M", "prefetch_bytes"], do_not_specialize_on_alignment=["prefetch"])
+# compiled kernel per (dtype, N, K) config serves every batch size.
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x, w, out, bias,  # x, w: pointers, or TMA tensor descriptors when USE_TMA
-    prefetch, prefetch_bytes,
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -95,10 +93,6 @@ def _matmul_kernel(
     # W_KN: w is stored [K, N] (w_kn[k, n] = w[n, k]; the strides name its logical [N, K] axes), e.g.
     # a layer's weight [N_out, K_in] read as the [K_in, N_out] operand of dx = g @ w: its tiles load as
     # [BLOCK_K, BLOCK_N] and enter the dot untransposed, with no copy of w.T.
-    # prefetch: the first prefetch_bytes of the next product's weight, asked of the L2 before the wait (no
-    # kernel of the step writes a weight) so its read overlaps this launch (prefetch_l2_bytes; no bit moves)
-    if prefetch_bytes > 0:
-        prefetch_l2_bytes(prefetch, prefetch_bytes)
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -330,13 +324,10 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtyp
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
-           prefetch: torch.Tensor | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T (+ bias[N])`` -> [M, N] of ``out_dtype`` (default ``x.dtype``).
 
     ``out``: optional [M, N] tensor of ``out_dtype`` (any strides) written in place and returned.
-    ``prefetch``: the next product's weight, which the Triton launch asks the L2 for while it runs
-    (:func:`launch`; ignored elsewhere, never a bit).
     Invariant mode: the persistent Triton kernel above (GPU or CPU interpreter), or the float64
     reference cast to ``out_dtype`` (CPU otherwise). Fast mode: ``F.linear`` (cuBLAS), not
     batch-invariant. Differentiable in x, w and bias (:func:`rlperf.kernels.autograd.matmul_with_grad`);
@@ -360,39 +351,15 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     elif how == "reference":
         y = matmul_ref(x, w, bias).to(out_dtype)
     else:
-        return launch(x, w, bias, out_dtype, out=out, prefetch=prefetch)
+        return launch(x, w, bias, out_dtype, out=out)
     if out is None:
         return y
     return out.copy_(y)
 
 
-WEIGHT_PREFETCH = True
-"""Whether a product given ``prefetch=`` (the next product's weight) asks the L2 for it before its
-grid-dependency wait (:func:`prefetch_bytes`). False: never (the A/B of ``python -m rlperf.bench.fusion_ab
---variants 'no weight prefetch'``). Either way the same bits."""
-
-
-@functools.lru_cache(maxsize=None)
-def _l2_bytes(index: int) -> int:
-    return torch.cuda.get_device_properties(index).L2_cache_size
-
-
-def prefetch_bytes(prefetch: torch.Tensor | None, x: torch.Tensor) -> int:
-    """How many leading bytes of ``prefetch`` a product of ``x`` asks the L2 for before its wait: none off
-    the GPU, with :data:`WEIGHT_PREFETCH` off, or for a tensor that is not one contiguous, 16-byte aligned
-    block of x's dtype on x's device; else its size, at most half the GPU's L2 (the product's own weight
-    streams through the rest), rounded down to 16 bytes."""
-    if (prefetch is None or not WEIGHT_PREFETCH or x.device.type != "cuda" or prefetch.device != x.device
-            or prefetch.dtype != x.dtype or not prefetch.is_contiguous() or prefetch.data_ptr() % 16):
-        return 0
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return min(prefetch.numel() * prefetch.element_size(), _l2_bytes(index) // 2) // 16 * 16
-
-
 def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            *, config: MatmulConfig | None = None, tma: bool | None = None,
-           out: torch.Tensor | None = None, w_kn: bool = False, swiglu: bool = False,
-           prefetch: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, w_kn: bool = False, swiglu: bool = False) -> torch.Tensor:
     """Launch the Triton kernel directly: no routing, no autograd, no input checks (:func:`matmul`
     does those). CUDA tensors run compiled, CPU tensors under the interpreter (``TRITON_INTERPRET=1``).
 
@@ -401,9 +368,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
     (``bench/matmul_sweep.py``): another config may give other bits. ``w_kn``: ``w`` is given as
     [K, N] (``x @ w``, e.g. a layer's [N_out, K_in] weight for ``dx = g @ w``), read in place.
     ``swiglu``: ``w`` is [2I, K] = [gate | up] and the result [M, I] is ``silu_mul(x @ w.T)``
-    (:func:`linear_silu_mul`), in the tile config of the plain [2I, K] product. ``prefetch``: a tensor the
-    next kernels read and none writes, e.g. the next product's weight, asked of the L2 by this launch's
-    programs before their grid-dependency wait (:func:`prefetch_bytes`); the same bits with or without.
+    (:func:`linear_silu_mul`), in the tile config of the plain [2I, K] product.
     """
     M, K = x.shape
     N = w.shape[1] if w_kn else w.shape[0]
@@ -437,13 +402,11 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
         else:
             programs = num_sms(x.device)
         programs = min(programs, num_tiles)
-        ahead = prefetch_bytes(prefetch, x)
         # A wider output (float32 logits from a bf16 lm-head) needs a larger epilogue buffer in
         # shared memory: fewer stages then (kernels/pipeline.py; the bits stay).
         def run(stages):
             _matmul_kernel[(programs,)](
                 x_arg, w_arg, dst, bias,
-                prefetch if ahead else w, ahead,  # w: a pointer of the same type when there is none
                 M, N, K,
                 x.stride(0), x.stride(1), *((w.stride(1), w.stride(0)) if w_kn else (w.stride(0), w.stride(1))),
                 dst.stride(0), dst.stride(1),
@@ -613,7 +576,7 @@ the epilogue's wider tiles cost. Both forms give the same bits, so the limit cha
 fused form stays for the A/B bench and its bit tests, which raise the limit."""
 
 
-def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, *, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``silu_mul(linear(x, w))``: x [..., K], w [2I, K] = [gate | up] -> [..., I], the MLP's first half.
 
     On the Triton kernels without autograd (the engine's steps, the trainer's log-prob passes), for at
@@ -622,7 +585,7 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, *, prefetch: torch.Tensor 
     plain [2I, K] product's tile config, so it gives the bits of the two calls. With more rows, with
     autograd (the train step keeps the [..., 2I] product for the backward), in fast mode, on the
     reference backend and for bfloat16 under the CPU interpreter (whose bf16 rounding differs from
-    torch's) it is the two calls. ``prefetch``: as :func:`matmul`'s.
+    torch's) it is the two calls.
     """
     from .activation import silu_mul
 
@@ -634,16 +597,15 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, *, prefetch: torch.Tensor 
     fused = how in ("triton", "interpreter") and route("silu_mul", x.device, (x,)) in ("triton", "interpreter") \
         and not (x.device.type != "cuda" and x.dtype == torch.bfloat16) and flat.shape[0] <= SWIGLU_EPILOGUE_MAX_ROWS
     if not fused:
-        return silu_mul(linear(x, w, prefetch=prefetch))
-    return launch(flat, w, swiglu=True, prefetch=prefetch).reshape(*x.shape[:-1], w.shape[0] // 2)
+        return silu_mul(linear(x, w))
+    return launch(flat, w, swiglu=True).reshape(*x.shape[:-1], w.shape[0] // 2)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, *, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] @ w[N, K].T (+ bias)`` -> [..., N]: leading dims flattened onto :func:`matmul`'s M
-    (``prefetch``: as :func:`matmul`'s)."""
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [..., K] @ w[N, K].T (+ bias)`` -> [..., N]: leading dims flattened onto :func:`matmul`'s M."""
     if x.dim() < 1:
         raise ValueError(f"linear: x must have at least 1 dim [..., K], got shape {tuple(x.shape)}")
     lead = x.shape[:-1]
-    y = matmul(x.reshape(-1, x.shape[-1]), w, bias, out_dtype, prefetch=prefetch)
+    y = matmul(x.reshape(-1, x.shape[-1]), w, bias, out_dtype)
     return y.reshape(*lead, w.shape[0])

@@ -58,45 +58,6 @@ def grid_dependency_sync():
         gdc_launch_dependents()
 
 
-# The L2 prefetch instructions, like the grid-dependency ones, exist in compiled kernels only.
-_L2_PREFETCH = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
-
-L2_PREFETCH_CHUNK = tl.constexpr(65536)
-"""Bytes per bulk L2 prefetch instruction of :func:`prefetch_l2_bytes` (a multiple of 16)."""
-
-
-@triton.jit
-def prefetch_l2_bytes(base, nbytes):
-    """Ask the L2 cache for bytes ``[base, base + nbytes)`` of a tensor no kernel of the step writes (a
-    weight): the launch's programs take the ``L2_PREFETCH_CHUNK``-byte chunks in turn (program p the chunks
-    p, p + P, ...; a 1-D grid of P programs) and one thread of each issues them
-    (``cp.async.bulk.prefetch.L2``, SM 90). ``base`` 16-byte aligned, ``nbytes`` a multiple of 16 (0: none).
-
-    A prefetch only moves bytes into the L2: nothing is loaded into the program, nothing waits for it, and
-    a later load of those bytes returns the same values either way (the L2 is where global memory is
-    coherent), so it may run before :func:`grid_dependency_sync` and moves no bit. A no-op under the
-    interpreter."""
-    if _L2_PREFETCH:
-        raw = base.to(tl.pointer_type(tl.int8))
-        chunk = L2_PREFETCH_CHUNK
-        for start in range(tl.program_id(0) * chunk, nbytes, tl.num_programs(0) * chunk):
-            tl.inline_asm_elementwise(
-                "{ .reg .pred leader; .reg .u32 tid; mov.u32 tid, %tid.x; setp.eq.u32 leader, tid, 0; "
-                "@leader cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [raw + start, tl.minimum(nbytes - start, chunk)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_l2_lines(ptrs, mask):
-    """Ask the L2 cache for the 128-byte line holding each ``ptrs[i]`` where ``mask[i]``
-    (``prefetch.global.L2``): as :func:`prefetch_l2_bytes`, no value and no wait, so no bit moves. A no-op
-    under the interpreter."""
-    if _L2_PREFETCH:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred on; setp.ne.b32 on, $2, 0; @on prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def _pdl_from_environment() -> bool:
     value = os.environ.get(PDL_ENV, "1")
     if value not in ("0", "1", ""):

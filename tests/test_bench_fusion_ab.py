@@ -23,9 +23,9 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     calls = {"swiglu": 0, "kv": 0}
     unfused_mlp, unfused_kv = fusion_ab._unfused_linear_silu_mul, fusion_ab._unfused_store_kv
 
-    def mlp(*a, **kw):
+    def mlp(*a):
         calls["swiglu"] += 1
-        return unfused_mlp(*a, **kw)
+        return unfused_mlp(*a)
 
     def kv(*a):
         calls["kv"] += 1
@@ -47,16 +47,11 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     assert not variants["no decode guess"].decode_guess and variants[fusion_ab.ENGINE_DEFAULT].decode_guess
     decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
     assert all(c["GUESS_ONE_QUERY"] for c in decode_configs)
-    kv_prefetch = [c.get("L2_PREFETCH", False) for c in decode_configs]
-    assert any(kv_prefetch) and gemm.WEIGHT_PREFETCH  # the engine's defaults
-    for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, weights_ahead, kv_ahead) in variants.items():
+    for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
-        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, weights_ahead, kv_ahead), \
-                K.use_backend("reference"):
+        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess), K.use_backend("reference"):
             assert all(c["GUESS_ONE_QUERY"] is decode_guess for c in decode_configs), name
-            assert [c.get("L2_PREFETCH", False) for c in decode_configs] == [on and kv_ahead for on in kv_prefetch], name
-            assert gemm.WEIGHT_PREFETCH is weights_ahead, name
             assert all(fused_lm_head.fused_config(d).SPLIT_TILES == (split or c.SPLIT_TILES)
                        for d, c in configs.items()), name
             assert pipeline._pdl_on is pdl, name  # the launches' setting (a no-op on the CPU)
@@ -64,7 +59,6 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
         assert pipeline._pdl_on is setting, name  # restored
         assert fused_lm_head._CONFIGS == configs, name
         assert all(c["GUESS_ONE_QUERY"] for c in decode_configs), name  # restored
-        assert [c.get("L2_PREFETCH", False) for c in decode_configs] == kv_prefetch and gemm.WEIGHT_PREFETCH, name
         assert (calls["swiglu"] > before["swiglu"]) == (swiglu is False), name
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
         assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored

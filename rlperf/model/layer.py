@@ -133,27 +133,24 @@ def _norm_rope(x, weight, positions, rope: RopeTable, eps: float, blocks: int | 
     return K.rmsnorm_rope_blocks(x, weight[None].expand(blocks, -1), positions, rope.cos, rope.sin, eps)
 
 
-def _row_linear(x, w, leaves: int | None, tp_group=None, prefetch=None):
-    """A row-parallel-able projection (o_proj, down_proj): the plain kernel (which asks the L2 for
-    ``prefetch`` while it runs), or K summed in the fixed tree (this rank's K slice under ``tp_group``, the
-    ranks' tree nodes added in the tree's top levels)."""
+def _row_linear(x, w, leaves: int | None, tp_group=None):
+    """A row-parallel-able projection (o_proj, down_proj): the plain kernel, or K summed in the fixed tree
+    (this rank's K slice under ``tp_group``, the ranks' tree nodes added in the tree's top levels)."""
     if leaves is None:
-        return K.linear(x, w, prefetch=prefetch)
+        return K.linear(x, w)
     return tree_reduce.row_parallel_linear(x, w, leaves, tp_group)
 
 
-def _column_linear(x, w, leaves: int | None, tp_group=None, prefetch=None):
-    """A column-parallel-able projection (q/k/v, gate/up): the plain kernel (asking the L2 for ``prefetch``),
-    or under ``tp_group`` this rank's rows in the tile config of the whole layer (each column the bits it
-    has at TP=1)."""
+def _column_linear(x, w, leaves: int | None, tp_group=None):
+    """A column-parallel-able projection (q/k/v, gate/up): the plain kernel, or under ``tp_group`` this
+    rank's rows in the tile config of the whole layer (each column the bits it has at TP=1)."""
     if tp_group is None:
-        return K.linear(x, w, prefetch=prefetch)
+        return K.linear(x, w)
     return tree_reduce.column_parallel_linear(x, w, leaves, tp_group)
 
 
 def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: RopeTable, positions, attend,
-           leaves: int | None = None, routing: RoutingTrace | None = None, kv_store=None, tp_group=None,
-           prefetch: bool = False, next_weight: torch.Tensor | None = None):
+           leaves: int | None = None, routing: RoutingTrace | None = None, kv_store=None, tp_group=None):
     """One decoder layer; ``attend(q, k, v)`` -> [T, heads, D]. ``kv_store``: (k_cache, v_cache,
     slot_mapping) of the engine's paged step: q's and k's norm + RoPE run in one launch that also
     stores k and v into the cache (:func:`rlperf.kernels.rmsnorm_rope_store_kv`, the bits of the
@@ -164,11 +161,7 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
     (``leaves``): ``o_proj`` / ``down_proj`` hold its K slice, attention runs on its heads and the
     row-parallel products add the ranks' tree nodes, so every rank returns the TP=1 tree's bits. Plain
     mode (``leaves`` None, :func:`_plain_tp_layer`): the row-parallel products run whole after a gather,
-    so every rank returns the one-process plain bits.
-
-    ``prefetch`` (the engine's step, one process, no tree): each product asks the L2 for the weight of the
-    product after it while it runs (``K.linear(..., prefetch=)``): q/k/v -> o_proj -> gate_up -> down ->
-    ``next_weight`` (the next layer's q/k/v, None after the last layer). No bit moves."""
+    so every rank returns the one-process plain bits."""
     tp, _ = tree_reduce.group_size_rank(tp_group)
     if tp > 1 and leaves is None:
         return _plain_tp_layer(hidden, residual, w, cfg, rope, positions, attend, routing, tp_group)
@@ -183,10 +176,7 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
         x, residual = K.rmsnorm(hidden, w.input_layernorm, cfg.rms_norm_eps), hidden
     else:
         x, residual = K.add_rmsnorm(hidden, residual, w.input_layernorm, cfg.rms_norm_eps)
-    # each product asks the L2 for the weight of the product after it (the plain kernels only; the tree's
-    # and tensor parallelism's products run other launches)
-    ahead = prefetch and leaves is None and tp_group is None
-    qkv = _column_linear(x, w.qkv_proj, leaves, tp_group, prefetch=w.o_proj if ahead else None)
+    qkv = _column_linear(x, w.qkv_proj, leaves, tp_group)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(t, heads, cfg.head_dim)
     k = k.reshape(t, kv_heads, cfg.head_dim)
@@ -201,17 +191,16 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
         q = _norm_rope(q, w.q_norm, positions, rope, cfg.rms_norm_eps, blocks)
         k = _norm_rope(k, w.k_norm, positions, rope, cfg.rms_norm_eps, blocks)
     a = attend(q, k, v)
-    after_o = w.gate_up_proj if ahead and w.router is None else None
-    x, residual = K.add_rmsnorm(_row_linear(a.reshape(t, q_size), w.o_proj, leaves, tp_group, prefetch=after_o),
-                                residual, w.post_attention_layernorm, cfg.rms_norm_eps)
+    x, residual = K.add_rmsnorm(_row_linear(a.reshape(t, q_size), w.o_proj, leaves, tp_group), residual,
+                                w.post_attention_layernorm, cfg.rms_norm_eps)
     if w.router is not None:
         return sparse_moe_block(x, w.router, w.experts_gate_up, w.experts_down, cfg, routing,
                                 w.expert_parallel), residual
     if tp_group is None:
-        gated = K.linear_silu_mul(x, w.gate_up_proj, prefetch=w.down_proj if ahead else None)
+        gated = K.linear_silu_mul(x, w.gate_up_proj)
     else:  # this rank's [gate | up] rows: silu_mul of the rounded product, as linear_silu_mul computes it
         gated = K.silu_mul(_column_linear(x, w.gate_up_proj, leaves, tp_group))
-    return _row_linear(gated, w.down_proj, leaves, tp_group, prefetch=next_weight if ahead else None), residual
+    return _row_linear(gated, w.down_proj, leaves, tp_group), residual
 
 
 def _plain_tp_layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: RopeTable, positions, attend,
@@ -266,7 +255,7 @@ def decoder_layer_prefill(hidden, residual, w, cfg, rope, positions, cu_seqlens,
 
 def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slot_mapping, page_table,
                         cu_seqlens_q, kv_lens, leaves: int | None = None, routing=None, attention=None,
-                        tp_group=None, next_weight: torch.Tensor | None = None):
+                        tp_group=None):
     """Engine step of one layer: store the new tokens' K/V in the paged cache, attend over it.
 
     hidden [T, H] (the new tokens of B sequences, packed); positions [T]; kv_cache (k_cache,
@@ -276,8 +265,7 @@ def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slo
     v_cache)``: the step's planned attention in place of :func:`rlperf.kernels.paged_attention` over
     the same batch (the engine's FlashInfer backend, ``rlperf.rollout.flashinfer_attention``); None:
     the kernel. ``tp_group``: ``w`` is this rank's shard and ``kv_cache`` holds this rank's key-value
-    heads (:func:`_layer`). Each product asks the L2 for the next product's weight while it runs, the
-    last one for ``next_weight`` (the next layer's ``qkv_proj``; :func:`_layer`'s ``prefetch``).
+    heads (:func:`_layer`).
     """
     k_cache, v_cache = kv_cache
 
@@ -289,4 +277,4 @@ def decoder_layer_paged(hidden, residual, w, cfg, rope, positions, kv_cache, slo
         return K.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens)
 
     return _layer(hidden, residual, w, cfg, rope, positions, attend, leaves, routing,
-                  kv_store=(k_cache, v_cache, slot_mapping), tp_group=tp_group, prefetch=True, next_weight=next_weight)
+                  kv_store=(k_cache, v_cache, slot_mapping), tp_group=tp_group)

@@ -190,14 +190,10 @@ class Qwen3ForCausalLM(nn.Module):
         layer (``decoder_layer_paged``), None for rlperf's kernel.
         """
         hidden, residual = self.embed(input_ids), None
-        layers = list(self.layers)
-        for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
-            # the last product of a layer asks the L2 for the next layer's first weight (decoder_layer_paged)
-            following = layers[i + 1].qkv_proj if i + 1 < len(layers) else None
+        for layer, cache in zip(self.layers, kv_caches):
             hidden, residual = decoder_layer_paged(hidden, residual, layer.weights(), self.cfg, self.rope, positions,
                                                    cache, slot_mapping, page_table, cu_seqlens_q, kv_lens,
-                                                   self.reduction_leaves, routing, attention, self.tp_group,
-                                                   next_weight=following)
+                                                   self.reduction_leaves, routing, attention, self.tp_group)
         return K.add_rmsnorm(hidden, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,

@@ -226,10 +226,9 @@ def test_decode_from_first_token_bit_identical(interpreter):
 
 
 def test_page_prefetch_and_masked_pointer_loads_bit_identical(interpreter):
-    """Reading each block's page one block ahead (``PREFETCH_PAGE``; two ahead with ``L2_PREFETCH``, whose
-    L2 requests the interpreter skips) and loading masked blocks by pointers in a TMA launch
-    (``MASKED_PTR``: rows past ``kv_len`` never read) load the same K/V: decode rows and a paged prefill
-    across pages equal the varlen prefill's."""
+    """Reading each block's page one block ahead (``PREFETCH_PAGE``) and loading masked blocks by pointers
+    in a TMA launch (``MASKED_PTR``: rows past ``kv_len`` never read) load the same K/V: decode rows and a
+    paged prefill across pages equal the varlen prefill's."""
     from rlperf.kernels.attention import _CONFIG, _DECODE_CONFIG, attention_forward
 
     P = page_size()
@@ -240,9 +239,7 @@ def test_page_prefetch_and_masked_pointer_loads_bit_identical(interpreter):
     kv = torch.tensor(lens, dtype=torch.int32)
     last = (cu[1:] - 1).long()
     step = torch.arange(len(lens) + 1, dtype=torch.int32)
-    for extra in ({"PREFETCH_PAGE": True}, {"MASKED_PTR": True}, {"PREFETCH_PAGE": True, "MASKED_PTR": True},
-                  {"PREFETCH_PAGE": True, "L2_PREFETCH": True},
-                  {"PREFETCH_PAGE": True, "MASKED_PTR": True, "L2_PREFETCH": True}):
+    for extra in ({"PREFETCH_PAGE": True}, {"MASKED_PTR": True}, {"PREFETCH_PAGE": True, "MASKED_PTR": True}):
         out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table, config={**_DECODE_CONFIG, **extra})
         assert torch.equal(out, base[last]), extra
         out = attention_forward(q, cache.k, cache.v, cu, kv, cache.page_table, config={**_CONFIG, **extra})
@@ -414,10 +411,9 @@ def test_gpu_batch_composition_bit_identical(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_decode_pipeline_depth_bit_identical(dtype):
-    """Decode takes its pipeline depth from its grid (3 stages up to one program per SM, else 1): a
+    """Decode takes its pipeline depth from its grid (2 stages up to one program per SM, else 1): a
     decode step of 48 sequences (48 x 8 programs) and of each sequence alone (8 programs) equal the
-    prefill rows, and so does every depth forced on the same launch, with and without the page ids read
-    ahead, the masked block's pointer loads and the next block's L2 prefetch."""
+    prefill rows, and so does every depth forced on the same launch."""
     from rlperf.kernels.attention import _DECODE_CONFIG, attention_forward
 
     many = [int(x) for x in torch.randint(1, 1500, (48,), generator=torch.Generator().manual_seed(5)).tolist()]
@@ -436,13 +432,11 @@ def test_gpu_decode_pipeline_depth_bit_identical(dtype):
     kv = torch.tensor(many, dtype=torch.int32, device="cuda")
     step = torch.arange(len(many) + 1, dtype=torch.int32, device="cuda")
     for stages in (1, 2, 3):
-        for prefetch, masked_ptr, l2 in ((False, False, False), (True, False, False), (True, True, False),
-                                         (True, True, True), (True, False, True)):
+        for prefetch, masked_ptr in ((False, False), (True, False), (True, True)):
             out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table,
                                     config={**_DECODE_CONFIG, "num_stages": stages, "PREFETCH_PAGE": prefetch,
-                                            "MASKED_PTR": masked_ptr, "L2_PREFETCH": l2})
-            assert torch.equal(out, base[last]), \
-                f"{stages} stages, page prefetch {prefetch}, masked ptr {masked_ptr}, L2 prefetch {l2}"
+                                            "MASKED_PTR": masked_ptr})
+            assert torch.equal(out, base[last]), f"{stages} stages, page prefetch {prefetch}, masked ptr {masked_ptr}"
 
 
 @pytest.mark.gpu

@@ -189,35 +189,6 @@ def test_accuracy_gpu(dtype, m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 37, 64, 300])
-def test_gpu_weight_prefetch_moves_no_bit(m):
-    """A product that asks the L2 for another weight (``prefetch=``, before its grid-dependency wait) gives
-    the bits of the same product without, in a CUDA graph too; a weight larger than half the L2 is asked
-    for in part, a tensor that is not one aligned block not at all."""
-    from rlperf.kernels import gemm
-
-    x, w, _ = _inputs(m, 3072, 1024, torch.bfloat16, device="cuda")
-    following = torch.randn(1024, 3072, device="cuda").bfloat16()  # the next product's weight (down_proj)
-    plain = K.linear(x, w)
-    assert gemm.prefetch_bytes(following, x) == following.numel() * 2
-    assert torch.equal(K.linear(x, w, prefetch=following), plain)
-    assert torch.equal(K.linear_silu_mul(x, w, prefetch=following), K.linear_silu_mul(x, w))
-    big = torch.empty(64 << 20, dtype=torch.bfloat16, device="cuda")  # 128 MiB: more than any L2
-    half_l2 = torch.cuda.get_device_properties(0).L2_cache_size // 2
-    assert gemm.prefetch_bytes(big, x) == half_l2 // 16 * 16
-    assert gemm.prefetch_bytes(following.t(), x) == 0 and gemm.prefetch_bytes(following[:, 1:], x) == 0
-    assert gemm.prefetch_bytes(following.float(), x) == 0 and gemm.prefetch_bytes(following.cpu(), x) == 0
-    out = torch.empty_like(plain)
-    K.linear(x, w, prefetch=big)  # compiled and warm before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(K.linear(x, w, prefetch=big))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, plain)
-
-
-@pytest.mark.gpu
 def test_float32_logits_gpu():
     x, w, _ = _inputs(300, 4099, 2560, torch.bfloat16, device="cuda")
     y = K.matmul(x, w, out_dtype=torch.float32, out=_poisoned(300, 4099, torch.float32, "cuda"))

@@ -88,36 +88,6 @@ def test_prefill_chunked_decode_give_identical_bits(interpreter):
         assert torch.equal(alone, packed[cu[1]:cu[2]])
 
 
-def test_engine_step_products_ask_for_the_next_weight(monkeypatch):
-    """In an engine step (forward_paged) each product names the weight of the product after it as its L2
-    prefetch: q/k/v -> o_proj -> gate_up -> down -> the next layer's q/k/v, and the last layer's down
-    none; the training forward names none."""
-    model = Qwen3ForCausalLM.random(CFG, seed=2)
-    seqs, ids, positions, cu = _packed([5, 9], CFG.vocab_size, seed=1)
-    calls = []
-    real_linear, real_swiglu = K.linear, K.linear_silu_mul
-
-    def linear(x, w, *args, prefetch=None, **kw):
-        calls.append((w, prefetch))
-        return real_linear(x, w, *args, prefetch=prefetch, **kw)
-
-    def swiglu(x, w, *, prefetch=None):
-        calls.append((w, prefetch))
-        return real_swiglu(x, w, prefetch=prefetch)
-
-    monkeypatch.setattr(K, "linear", linear)
-    monkeypatch.setattr(K, "linear_silu_mul", swiglu)
-    products = [w for layer in model.layers for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    with K.use_backend("reference"), torch.no_grad():
-        _paged_run(model, seqs, (9, 9), list(range(4)))  # one step: both prompts whole
-        assert [w for w, _ in calls] == products
-        assert all(p is nxt for (_, p), nxt in zip(calls, products[1:] + [None])), \
-            [(products.index(w), None if p is None else products.index(p)) for w, p in calls]
-        calls.clear()
-        model.forward_packed(ids, positions, cu)
-        assert [w for w, _ in calls] == products and all(p is None for _, p in calls)
-
-
 @pytest.mark.gpu
 def test_bf16_gpu_prefill_equals_decode_and_tracks_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
