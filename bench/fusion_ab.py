@@ -1,6 +1,6 @@
 """The engine's decode and prefill steps under variants of its decode path (the two fusions, programmatic
-dependent launch, the fused log-prob's split width, the fused draw, decode attention's one-query guess), same card, same process: is a change
-of the rollout bench's times theirs or the card's?
+dependent launch, the fused log-prob's split width, the fused draw, decode attention's one-query guess, the
+log-prob's source), same card, same process: is a change of the rollout bench's times theirs or the card's?
 
 * ``swiglu``: :func:`rlperf.kernels.linear_silu_mul` (the gate_up product with its SwiGLU epilogue, one
   launch) against ``silu_mul(linear(x, w))`` (two launches). The engine takes the epilogue for at most
@@ -24,10 +24,14 @@ of the rollout bench's times theirs or the card's?
 * ``no decode guess``: decode attention's launches without ``GUESS_ONE_QUERY`` (each program then finds
   its sequence by the binary search over the batch's query offsets, ceil(log2 B) dependent loads before
   its first K/V load, instead of checking the one-query-per-sequence numbering with two loads; the same
-  sequence either way, so the same bits).
+  sequence either way, so the same bits);
+* ``logprob from the lm head``: the sampled tokens' log-probs by a second pass over the lm head
+  (:func:`rlperf.kernels.fused_logprob`, ``EngineConfig.logprob_from_logits=False``) instead of folding the
+  step's logits (:func:`rlperf.kernels.fused_logprob_of_logits`, the default where it gives the same bits).
 
-Both fused forms give the bits of their unfused calls (their kernel tests), and PDL moves no
-instruction of a kernel's math, so those variants decode the same tokens; only the launches differ. A
+Both fused forms give the bits of their unfused calls (their kernel tests), PDL moves no instruction of a
+kernel's math, and the log-prob from the logits is the second pass's bits, so those variants decode the same
+tokens and log-probs; only the launches differ. A
 log-prob split changes the order in which the log-sum-exp adds the splits, so its log-probs differ in the
 last bits from the default's (the tokens do not: they are drawn from the logits).
 Each variant is timed with the rollout bench's own cases
@@ -56,7 +60,8 @@ class Variant(NamedTuple):
     the epilogue at every size, False never; kv: the K/V-store fusion; pdl: launches with programmatic
     dependent launch (the engine's default; it applies on SM 90+ GPUs only); logprob_split_tiles: the
     fused log-prob's vocabulary tiles per forward split (None: its config's); fused_sampling: the
-    engine's ``EngineConfig.fused_sampling``; decode_guess: decode attention's ``GUESS_ONE_QUERY``."""
+    engine's ``EngineConfig.fused_sampling``; decode_guess: decode attention's ``GUESS_ONE_QUERY``;
+    logprob_from_logits: ``EngineConfig.logprob_from_logits``."""
 
     swiglu: bool | None
     kv: bool
@@ -64,6 +69,7 @@ class Variant(NamedTuple):
     logprob_split_tiles: int | None = None
     fused_sampling: bool = False
     decode_guess: bool = True
+    logprob_from_logits: bool = True
 
 
 ENGINE_DEFAULT = "engine default"
@@ -71,7 +77,8 @@ VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, T
             "no swiglu epilogue": Variant(False, True), "no kv-store fusion": Variant(True, False),
             "neither": Variant(False, False), "no pdl": Variant(None, True, pdl=False),
             "fused sampling": Variant(None, True, fused_sampling=True),
-            "no decode guess": Variant(None, True, decode_guess=False)}
+            "no decode guess": Variant(None, True, decode_guess=False),
+            "logprob from the lm head": Variant(None, True, logprob_from_logits=False)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
@@ -184,7 +191,7 @@ def main(argv=None) -> int:
         for v in variants.values():
             with variant(*v[:4], decode_guess=v.decode_guess):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),
-                            fused_sampling=v.fused_sampling)
+                            fused_sampling=v.fused_sampling, logprob_from_logits=v.logprob_from_logits)
                 if args.prefill:
                     prefill_case(model, args.prefill, PROMPT, reps=1)
         for name, v in variants.items():
@@ -192,7 +199,7 @@ def main(argv=None) -> int:
                 row = {}
                 for b in batches:
                     d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),
-                                    fused_sampling=v.fused_sampling)
+                                    fused_sampling=v.fused_sampling, logprob_from_logits=v.logprob_from_logits)
                     row[f"decode B={b}"] = d["ms"]
                     print(f"fusion_ab: {name}: decode B={b} {d['ms']:.3f} ms "
                           f"({d['launches'].kernels if d['launches'] else '?'} kernels per step)", flush=True)

@@ -221,6 +221,49 @@ def _fwd_partials_kernel(
     tl.store(pz_ptr + out, tz, mask=keep)
 
 
+@triton.jit(do_not_specialize=["N", "num_m_tiles"])
+def _fwd_partials_of_logits_kernel(
+    logits_ptr, tgt_ptr, pm_ptr, ps_ptr, pt_ptr, pz_ptr,
+    N, V, stride_l, c, zero, num_m_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    OPERAND: tl.constexpr,
+):
+    """:func:`_fwd_partials_kernel`'s programs, tiles, splits and online update over logits already in
+    memory (``logits`` [N, V] float32, the lm-head product's): each tile is loaded instead of computed.
+
+    On the GPU a tile then passes through a tensor-core product of zeros into it as the accumulator
+    (``x + 0 @ 0``, exact: it changes no value but a -0.0 into +0.0, which the -inf mask's ``+ 0.0``
+    does to every column anyway): the result sits in the accumulator layout of the partials kernel's
+    own logit tile (same BLOCK_M x BLOCK_N, same warps), so the max and sum reductions run over the
+    same registers, lanes and warps in the same order — the same bits. ``zero`` is a run-time 0.0, so the
+    compiler cannot drop the product. Rows past N load nothing and are never stored."""
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
+    pid_m, pid_s, offs_m, rows, v_begin, v_end = _split_program(N, V, num_m_tiles, BLOCK_M, BLOCK_N, SPLIT_TILES)
+    tgt = tl.load(tgt_ptr + rows)
+    tgt = tl.where((tgt >= 0) & (tgt < V), tgt, -1)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    t = tl.zeros([BLOCK_M], tl.float32)
+    tz = tl.zeros([BLOCK_M], tl.float32)
+    za = (tl.zeros([BLOCK_M, 16], tl.float32) + zero).to(OPERAND)
+    zb = (tl.zeros([16, BLOCK_N], tl.float32) + zero).to(OPERAND)
+    row_ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_l
+    live = (offs_m < N)[:, None]
+    for n0 in range(v_begin, v_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        x = tl.load(row_ptrs + tl.minimum(offs_n, V - 1)[None, :], mask=live, other=0.0)
+        x = dot_acc(za, zb, x)
+        x = x + tl.where(offs_n < V, 0.0, float("-inf"))[None, :]  # _raw_logits' mask, the same add
+        tz += tl.sum(tl.where(offs_n[None, :] == tgt[:, None], x, 0.0), axis=1)
+        m, s, t = online_lse_update(m, s, t, x, c, WITH_ENTROPY)
+    out = pid_s * N + offs_m
+    keep = offs_m < N
+    tl.store(pm_ptr + out, m, mask=keep)
+    tl.store(ps_ptr + out, s, mask=keep)
+    tl.store(pt_ptr + out, t, mask=keep)
+    tl.store(pz_ptr + out, tz, mask=keep)
+
+
 @triton.jit
 def _merge_split(m, s, t, pm_ptr, ps_ptr, pt_ptr, at, keep, c, WITH_ENTROPY: tl.constexpr):
     """Fold one split's (max, sum-exp, entropy-sum) partials at offsets ``at`` into the running (m, s, t)
@@ -451,6 +494,78 @@ def _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, with_entropy
         BLOCK=_COMBINE_BLOCK, WITH_ENTROPY=with_entropy, FINAL=final, num_warps=4, **launch_options(dev),
     )
     return outs[0], outs[1], outs[2], outs[3]
+
+
+_OPERAND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def logits_give_fused_logprob(weight: torch.Tensor) -> bool:
+    """Whether ``fused_logprob_of_logits(linear(hidden, weight, out_dtype=torch.float32), targets, T,
+    weight.dtype)`` is ``fused_logprob(hidden, weight, targets, T)`` bit for bit, for any hidden rows: a
+    16-bit lm head in invariant mode on the Triton kernels. On the GPU every product is one k16 tensor-core
+    chain over H, whatever the tile; under the interpreter a tile product is exact per BLOCK_K tile, so
+    there the lm-head product's BLOCK_K must also be this kernel's (it is for vocabularies of 16384 words
+    and more: :func:`rlperf.kernels.matmul_config`)."""
+    from .dispatch import mode
+    from .gemm import matmul_config
+
+    if weight.dim() != 2 or weight.dtype not in _OPERAND or mode() != "invariant":
+        return False
+    how = route("fused_logprob", weight.device, stock_ok=False)
+    if how == "interpreter":
+        V, H = weight.shape
+        return matmul_config(weight.dtype, V, H, 1).BLOCK_K == fused_config(weight.dtype).BLOCK_K
+    return how == "triton"
+
+
+def fused_logprob_of_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """:func:`fused_logprob`'s log-probs [N] float32 (no entropy, no autograd) from the logits the lm-head
+    product already wrote, instead of a second pass over the lm head.
+
+    ``logits`` [N, V] float32 must be ``rlperf.kernels.linear(hidden, weight, out_dtype=torch.float32)`` of a
+    16-bit ``weight`` of ``dtype`` on the Triton kernels (CUDA, or the interpreter); ``targets`` [N] integer
+    ids (NaN outside [0, V)). Then the result is ``fused_logprob(hidden, weight, targets, temperature)`` bit
+    for bit: the matmul's logits are the partials kernel's logit tiles (one k16 chain over H, the same
+    BLOCK_K), and :func:`_fwd_partials_of_logits_kernel` folds them with that kernel's config, tiles,
+    splits, update and reduction layout, then the same combine. What it reads is the [N, V] logits, where
+    the fused pass reads the [V, H] lm head: at decode batches (N <= a few hundred) far fewer bytes.
+    """
+    T = _check_temperature(temperature)
+    if dtype not in _OPERAND:
+        raise TypeError(f"fused_logprob_of_logits: dtype {dtype} must be a 16-bit lm-head dtype (bfloat16, float16)")
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"fused_logprob_of_logits: logits must be [N, V] float32, got {list(logits.shape)} "
+                         f"{logits.dtype}")
+    N, V = logits.shape
+    if targets.shape != (N,) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"fused_logprob_of_logits: targets must be [{N}] integer ids, got {list(targets.shape)} "
+                         f"{targets.dtype}")
+    if targets.device != logits.device:
+        raise ValueError(f"fused_logprob_of_logits: logits on {logits.device}, targets on {targets.device}")
+    if route("fused_logprob", logits.device, stock_ok=False) not in ("triton", "interpreter"):
+        raise RuntimeError("fused_logprob_of_logits: needs the Triton kernels (CUDA, or TRITON_INTERPRET=1 on CPU)")
+    if N == 0:
+        return logits.new_zeros(0)
+    cfg = fused_config(dtype)
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    tgt = targets.to(torch.int64).contiguous()
+    inv_t = 1.0 / T
+    num_m = triton.cdiv(N, cfg.BLOCK_M)
+    num_splits = triton.cdiv(V, cfg.SPLIT_TILES * cfg.BLOCK_N)
+    parts = torch.empty((4, num_splits, N), dtype=torch.float32, device=x.device)
+    _fwd_partials_of_logits_kernel[(num_m * num_splits,)](
+        x, tgt, parts[0], parts[1], parts[2], parts[3], N, V, x.stride(0), inv_t * LOG2E, 0.0, num_m,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT_TILES=cfg.SPLIT_TILES, WITH_ENTROPY=False,
+        OPERAND=_OPERAND[dtype], num_warps=cfg.num_warps, **launch_options(x.device),
+    )
+    outs = torch.empty((4, N), dtype=torch.float32, device=x.device)
+    _fwd_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
+        parts[0], parts[1], parts[2], parts[3], tgt, outs[0], outs[1], outs[2], outs[3],
+        N, num_splits, V, inv_t, inv_t * LOG2E,
+        BLOCK=_COMBINE_BLOCK, WITH_ENTROPY=False, FINAL=True, num_warps=4, **launch_options(x.device),
+    )
+    return outs[0].clamp_(max=0.0)  # fused_logprob's clamp (_FusedLogprob.forward)
 
 
 def _tp_layout(weight: torch.Tensor, group) -> tuple[int, int]:

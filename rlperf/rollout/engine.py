@@ -27,8 +27,12 @@ Sampling and log-probs (per request):
   call per group (a row's bits do not depend on its group).
 
 That is the trainer's one log-prob path (``rlperf.train.batching``): the same kernel, with the same
-vocabulary-tile order, which never materialises [N, V] float32 logits (the engine's [B, V] logits
-serve the sampling only). So in ``invariant`` mode a response's log-probs equal
+vocabulary-tile order, which never materialises [N, V] float32 logits. The engine has the step's [B, V]
+logits for the sampling anyway, and where they are the lm-head product's bits of that kernel's logit
+tiles (a 16-bit lm head on the Triton kernels: :func:`rlperf.kernels.logits_give_fused_logprob`)
+it folds them instead of reading the lm head a second time (:func:`rlperf.kernels.fused_logprob_of_logits`:
+the same tiles, splits, update and reductions, so the same bits). So in ``invariant`` mode a response's
+log-probs equal
 ``fused_logprob(model.forward_packed(prompt + response)[rows], model.head_weight, targets, T)``
 bit for bit, ``rows`` being the positions just before the response tokens.
 
@@ -243,6 +247,13 @@ class EngineConfig:
     head's product gives the fused tile's logit bits (docs/kernels.md). Off by default: on an H200 the decode
     step took 1.11-1.27x the two passes' time at B = 1 to 256
     (``python -m rlperf.bench.fusion_ab --variants 'fused sampling'``, bench/BENCHMARKS.md)."""
+    logprob_from_logits: bool = True
+    """Compute the sampled tokens' log-probs from the step's [B, V] float32 logits
+    (:func:`rlperf.kernels.fused_logprob_of_logits`) where those are ``fused_logprob``'s logit tiles bit for
+    bit (:func:`rlperf.kernels.logits_give_fused_logprob`: a 16-bit lm head on the Triton kernels, a
+    one-process model), instead of a second pass over the [V, H] lm head: the same log-prob bits, fewer
+    bytes at decode batches. False: always the second pass (the A/B of ``python -m rlperf.bench.fusion_ab
+    --variants 'logprob from the lm head'``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -639,6 +650,13 @@ class Engine:
         return (self.config.fused_sampling and K.mode() == "invariant" and K.backend(m.device) != "reference"
                 and getattr(m, "reduction_leaves", None) is None and getattr(m, "tp_group", None) is None)
 
+    def _logits_are_the_fused_tiles(self, weight: torch.Tensor) -> bool:
+        """Whether this engine's [B, V] logits, folded by :func:`rlperf.kernels.fused_logprob_of_logits`,
+        give ``fused_logprob``'s bits (``EngineConfig.logprob_from_logits`` on, a one-process model whose
+        logits are ``K.linear(hidden, head_weight)``, and :func:`rlperf.kernels.logits_give_fused_logprob`)."""
+        return (self.config.logprob_from_logits and getattr(self.model, "tp_group", None) is None
+                and K.logits_give_fused_logprob(weight))
+
     def _sample(self, hidden: torch.Tensor, logits: torch.Tensor | None, reqs: list[Request], counters: list[int],
                 graphed: bool = False) -> _Sampled:
         """Draw tokens from ``logits`` [B, V] float32 and their log-probs [B] from ``hidden`` [B, H], the
@@ -663,16 +681,23 @@ class Engine:
                           check_values=False, filtered=rows.filtered)
         # the trainer's kernel on the same hidden bits; it takes one temperature per call, and a row's
         # bits do not depend on the other rows of the launch, so grouping is exact
-        logprob = K.fused_logprob
-        if getattr(self.model, "reduction_leaves", None) is not None:  # tensor-parallel-invariant tree mode
-            logprob = lambda h, _w, tok, t: self.model.token_logprobs(h, tok, t)  # noqa: E731
+        tree = getattr(self.model, "reduction_leaves", None) is not None  # tensor-parallel-invariant tree mode
+        of_logits = not tree and self._logits_are_the_fused_tiles(weight)
+
+        def logprob(rows, tok, t):  # rows None: every row of the step
+            if tree:
+                return self.model.token_logprobs(hidden if rows is None else hidden[rows], tok, t)
+            if of_logits:  # the same bits from the logits in hand (module docstring)
+                return K.fused_logprob_of_logits(logits if rows is None else logits[rows], tok, t, weight.dtype)
+            return K.fused_logprob(hidden if rows is None else hidden[rows], weight, tok, t)
+
         if len(groups) == 1:
-            logprobs = logprob(hidden, weight, tokens, groups[0] if groups[0] > 0 else 1.0)
+            logprobs = logprob(None, tokens, groups[0] if groups[0] > 0 else 1.0)
         else:
             logprobs = torch.empty(B, dtype=torch.float32, device=dev)
             for t in groups:
                 rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=dev)
-                logprobs[rows] = logprob(hidden[rows], weight, tokens[rows], t if t > 0 else 1.0)
+                logprobs[rows] = logprob(rows, tokens[rows], t if t > 0 else 1.0)
         return self._launched(reqs, tokens, logprobs, graphed)
 
     def _launched(self, reqs: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor, graphed: bool) -> _Sampled:

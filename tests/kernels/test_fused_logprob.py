@@ -364,3 +364,71 @@ def test_gpu_bf16_fused_sample_logprob_is_the_sampler_then_the_trainers_logprob(
         want_tokens, want_logp = _sample_then_logprob(hidden, weight, temps, seeds, positions, 1.0)
         assert torch.equal(tokens, want_tokens), N
         assert torch.equal(logp, want_logp), N
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_logprob_of_logits: the same bits from the lm-head product's logits
+# ---------------------------------------------------------------------------------------------
+
+
+def _of_logits_case(N, V, H, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(N, H, device=device, generator=g).to(dtype)
+    weight = (torch.randn(V, H, device=device, generator=g) / math.sqrt(H) * 4).to(dtype)
+    targets = torch.randint(0, V, (N,), device=device, generator=g)
+    targets[::5] = V + 2  # out of range: NaN, as fused_logprob
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,V,H", [(1, 16500, 64), (6, 16391, 72), (129, 16640, 48)])
+def test_fused_logprob_of_logits_is_fused_logprob(interpreter, dtype, N, V, H):
+    """Folding ``linear(hidden, weight, float32)`` gives fused_logprob's bits (a vocabulary of >= 16384
+    words: the lm-head product's BLOCK_K is the fused kernel's, which the interpreter's exact tile products
+    need), at two temperatures; rows past a 128-row tile and a vocabulary tail past the last 256 columns."""
+    hidden, weight, targets = _of_logits_case(N, V, H, dtype, "cpu", seed=N)
+    assert K.logits_give_fused_logprob(weight)
+    logits = K.linear(hidden, weight, out_dtype=torch.float32)
+    for t in (1.0, 0.6):
+        want = K.fused_logprob(hidden, weight, targets, t)
+        got = K.fused_logprob_of_logits(logits, targets, t, dtype)
+        assert torch.equal(got.isnan(), want.isnan()) and got.isnan()[::5].all()
+        assert torch.equal(got.nan_to_num(1.0), want.nan_to_num(1.0)), t
+        # a row's bits do not depend on the others
+        assert torch.equal(K.fused_logprob_of_logits(logits[-1:], targets[-1:], t, dtype).nan_to_num(1.0),
+                           want[-1:].nan_to_num(1.0))
+
+
+def test_fused_logprob_of_logits_refuses_what_it_cannot_match(interpreter):
+    hidden, weight, targets = _of_logits_case(3, 16500, 64, torch.float16, "cpu")
+    logits = K.linear(hidden, weight, out_dtype=torch.float32)
+    assert not K.logits_give_fused_logprob(weight.float())  # float32 heads: the product runs tf32x3
+    assert not K.logits_give_fused_logprob(weight[:1000])  # a small vocabulary: another BLOCK_K here
+    with K.use_mode("fast"):
+        assert not K.logits_give_fused_logprob(weight)
+    with pytest.raises(TypeError, match="16-bit"):
+        K.fused_logprob_of_logits(logits, targets, 1.0, torch.float32)
+    with pytest.raises(ValueError, match="float32"):
+        K.fused_logprob_of_logits(logits.half(), targets, 1.0, torch.float16)
+    with pytest.raises(ValueError, match="targets"):
+        K.fused_logprob_of_logits(logits, targets[:2], 1.0, torch.float16)
+    with pytest.raises(ValueError, match="temperature"):
+        K.fused_logprob_of_logits(logits, targets, 0.0, torch.float16)
+    with K.use_backend("reference"), pytest.raises(RuntimeError, match="Triton"):
+        K.fused_logprob_of_logits(logits, targets, 1.0, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N", [1, 64, 200])
+def test_gpu_fused_logprob_of_logits_is_fused_logprob(dtype, N):
+    """On the GPU (any vocabulary: every product is one k16 chain over H): the qwen3 lm head's shape and an
+    odd one, two temperatures, bit for bit."""
+    for V, H in ((151936, 1024), (50001, 2560)):
+        hidden, weight, targets = _of_logits_case(N, V, H, dtype, "cuda", seed=N)
+        assert K.logits_give_fused_logprob(weight)
+        logits = K.linear(hidden, weight, out_dtype=torch.float32)
+        for t in (1.0, 0.7):
+            want = K.fused_logprob(hidden, weight, targets, t)
+            got = K.fused_logprob_of_logits(logits, targets, t, dtype)
+            assert torch.equal(got.nan_to_num(1.0), want.nan_to_num(1.0)), (V, H, t)

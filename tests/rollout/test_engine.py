@@ -576,6 +576,37 @@ def test_interpreter_engine_matches_the_trainers_log_probs(model, interpreter, d
         assert torch.equal(torch.tensor(o[1], dtype=torch.float32), train[i]), i
 
 
+def test_interpreter_engine_takes_the_log_probs_from_its_logits(interpreter, monkeypatch):
+    """With a vocabulary whose lm-head product has the fused log-prob's BLOCK_K (16,400 words), the engine
+    folds its step's logits (``fused_logprob_of_logits``) instead of reading the lm head again: the same
+    tokens and log-probs as the second pass, and the trainer's bits; two temperatures in one batch."""
+    cfg = dataclasses.replace(CFG, vocab_size=16400)
+    m = Qwen3ForCausalLM.random(cfg, seed=1, std=0.1, dtype=torch.float16)
+    prompts = _prompts(3, seed=5, lo=4, hi=12)
+    params = [SamplingParams(max_new_tokens=3, temperature=t, seed=20 + i, ignore_eos=True)
+              for i, t in enumerate([0.8, 0.0, 0.8])]
+    folded = []
+    real = K.fused_logprob_of_logits
+
+    def counted(*a, **kw):
+        folded.append(a[0].shape[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(K, "fused_logprob_of_logits", counted)
+    with K.use_backend("interpreter"):
+        engine = Engine(m, ByteTokenizer(cfg.vocab_size), EngineConfig(max_total_tokens=2048, poison_kv_cache=True))
+        assert engine._logits_are_the_fused_tiles(m.head_weight)
+        assert not K.logits_give_fused_logprob(Qwen3ForCausalLM.random(CFG, seed=0, dtype=torch.float16).head_weight)
+        got = _run(engine, prompts, params)
+        assert folded, "the engine did not take its log-probs from the logits"
+        second_pass = _run(Engine(m, ByteTokenizer(cfg.vocab_size),
+                                  EngineConfig(max_total_tokens=2048, logprob_from_logits=False)), prompts, params)
+        train = _trainer_log_probs(m, prompts, [o[0] for o in got], [p.temperature for p in params])
+    assert got == second_pass
+    for i, o in enumerate(got):
+        assert torch.equal(torch.tensor(o[1], dtype=torch.float32), train[i]), i
+
+
 @pytest.mark.gpu
 def test_gpu_cuda_graph_decode_gives_the_eager_bits():
     cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
@@ -661,6 +692,7 @@ def test_gpu_bf16_qwen3_0_6b_graphed_rollout_logprobs_equal_the_trainers():
         small = engine.generate([prompts[i] for i in few], [params[i] for i in few])
         assert engine.graphs.graphs, "no decode step was replayed from a CUDA graph"
         assert engine.prefill_graphs.graphs, "no prefill step was replayed from a CUDA graph"
+        assert engine._logits_are_the_fused_tiles(model.head_weight)  # log-probs folded from the step's logits
         big = engine.generate(prompts, params)
         assert len(engine.graphs.graphs) >= 2  # the 5-request and the 32-request buckets
         for k, i in enumerate(few):
