@@ -25,9 +25,11 @@ log-prob's source), same card, same process: is a change of the rollout bench's 
   its sequence by the binary search over the batch's query offsets, ceil(log2 B) dependent loads before
   its first K/V load, instead of checking the one-query-per-sequence numbering with two loads; the same
   sequence either way, so the same bits);
-* ``logprob from the lm head``: the sampled tokens' log-probs by a second pass over the lm head
-  (:func:`rlperf.kernels.fused_logprob`, ``EngineConfig.logprob_from_logits=False``) instead of folding the
-  step's logits (:func:`rlperf.kernels.fused_logprob_of_logits`, the default where it gives the same bits).
+* ``logprob from the lm head`` / ``logprob from the logits``: the sampled tokens' log-probs by a second
+  pass over the lm head (:func:`rlperf.kernels.fused_logprob`) at every batch / by folding the step's
+  logits (:func:`rlperf.kernels.fused_logprob_of_logits`, the same bits) at every batch
+  (``EngineConfig.logprob_from_logits_max_rows`` 0 / unlimited; the engine's default folds them up to 64
+  rows).
 
 Both fused forms give the bits of their unfused calls (their kernel tests), PDL moves no instruction of a
 kernel's math, and the log-prob from the logits is the second pass's bits, so those variants decode the same
@@ -61,7 +63,7 @@ class Variant(NamedTuple):
     dependent launch (the engine's default; it applies on SM 90+ GPUs only); logprob_split_tiles: the
     fused log-prob's vocabulary tiles per forward split (None: its config's); fused_sampling: the
     engine's ``EngineConfig.fused_sampling``; decode_guess: decode attention's ``GUESS_ONE_QUERY``;
-    logprob_from_logits: ``EngineConfig.logprob_from_logits``."""
+    logprob_from_logits_max_rows: ``EngineConfig``'s (None: its default)."""
 
     swiglu: bool | None
     kv: bool
@@ -69,7 +71,7 @@ class Variant(NamedTuple):
     logprob_split_tiles: int | None = None
     fused_sampling: bool = False
     decode_guess: bool = True
-    logprob_from_logits: bool = True
+    logprob_from_logits_max_rows: int | None = None
 
 
 ENGINE_DEFAULT = "engine default"
@@ -78,7 +80,8 @@ VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, T
             "neither": Variant(False, False), "no pdl": Variant(None, True, pdl=False),
             "fused sampling": Variant(None, True, fused_sampling=True),
             "no decode guess": Variant(None, True, decode_guess=False),
-            "logprob from the lm head": Variant(None, True, logprob_from_logits=False)}
+            "logprob from the lm head": Variant(None, True, logprob_from_logits_max_rows=0),
+            "logprob from the logits": Variant(None, True, logprob_from_logits_max_rows=1 << 30)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
@@ -191,7 +194,8 @@ def main(argv=None) -> int:
         for v in variants.values():
             with variant(*v[:4], decode_guess=v.decode_guess):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),
-                            fused_sampling=v.fused_sampling, logprob_from_logits=v.logprob_from_logits)
+                            fused_sampling=v.fused_sampling,
+                            logprob_from_logits_max_rows=v.logprob_from_logits_max_rows)
                 if args.prefill:
                     prefill_case(model, args.prefill, PROMPT, reps=1)
         for name, v in variants.items():
@@ -199,7 +203,8 @@ def main(argv=None) -> int:
                 row = {}
                 for b in batches:
                     d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),
-                                    fused_sampling=v.fused_sampling, logprob_from_logits=v.logprob_from_logits)
+                                    fused_sampling=v.fused_sampling,
+                                    logprob_from_logits_max_rows=v.logprob_from_logits_max_rows)
                     row[f"decode B={b}"] = d["ms"]
                     print(f"fusion_ab: {name}: decode B={b} {d['ms']:.3f} ms "
                           f"({d['launches'].kernels if d['launches'] else '?'} kernels per step)", flush=True)

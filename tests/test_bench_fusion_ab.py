@@ -9,13 +9,15 @@ from rlperf.kernels import attention, fused_lm_head, gemm
 from rlperf.bench.rollout import decoding_engine
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
+from rlperf.rollout.engine import EngineConfig
 
 
-def _decoded(model, fused_sampling=False, logprob_from_logits=True):
+def _decoded(model, fused_sampling=False, logprob_rows=None):
     engine = decoding_engine(model, batch=2, prompt_len=5, new_tokens=4, warmup=1, fused_sampling=fused_sampling,
-                             logprob_from_logits=logprob_from_logits)
+                             logprob_from_logits_max_rows=logprob_rows)
     assert engine.config.fused_sampling is fused_sampling
-    assert engine.config.logprob_from_logits is logprob_from_logits
+    default = EngineConfig().logprob_from_logits_max_rows
+    assert engine.config.logprob_from_logits_max_rows == (default if logprob_rows is None else logprob_rows)
     engine.step()
     return sorted((list(r.prompt_ids), list(r.output_ids)) for r in engine.requests.values())
 
@@ -49,8 +51,9 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     assert not variants["no decode guess"].decode_guess and variants[fusion_ab.ENGINE_DEFAULT].decode_guess
     decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
     assert all(c["GUESS_ONE_QUERY"] for c in decode_configs)
-    assert not variants["logprob from the lm head"].logprob_from_logits
-    for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, from_logits) in variants.items():
+    assert variants["logprob from the lm head"].logprob_from_logits_max_rows == 0
+    assert variants["logprob from the logits"].logprob_from_logits_max_rows > 1 << 20
+    for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
         with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess), K.use_backend("reference"):
@@ -58,7 +61,7 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
             assert all(fused_lm_head.fused_config(d).SPLIT_TILES == (split or c.SPLIT_TILES)
                        for d, c in configs.items()), name
             assert pipeline._pdl_on is pdl, name  # the launches' setting (a no-op on the CPU)
-            tokens[name] = _decoded(model, fused_sampling, from_logits)
+            tokens[name] = _decoded(model, fused_sampling, logprob_rows)
         assert pipeline._pdl_on is setting, name  # restored
         assert fused_lm_head._CONFIGS == configs, name
         assert all(c["GUESS_ONE_QUERY"] for c in decode_configs), name  # restored

@@ -29,8 +29,9 @@ Sampling and log-probs (per request):
 That is the trainer's one log-prob path (``rlperf.train.batching``): the same kernel, with the same
 vocabulary-tile order, which never materialises [N, V] float32 logits. The engine has the step's [B, V]
 logits for the sampling anyway, and where they are the lm-head product's bits of that kernel's logit
-tiles (a 16-bit lm head on the Triton kernels: :func:`rlperf.kernels.logits_give_fused_logprob`)
-it folds them instead of reading the lm head a second time (:func:`rlperf.kernels.fused_logprob_of_logits`:
+tiles (a 16-bit lm head on the Triton kernels: :func:`rlperf.kernels.logits_give_fused_logprob`), a step
+of up to ``EngineConfig.logprob_from_logits_max_rows`` rows folds them instead of reading the lm head a
+second time (:func:`rlperf.kernels.fused_logprob_of_logits`:
 the same tiles, splits, update and reductions, so the same bits). So in ``invariant`` mode a response's
 log-probs equal
 ``fused_logprob(model.forward_packed(prompt + response)[rows], model.head_weight, targets, T)``
@@ -247,13 +248,15 @@ class EngineConfig:
     head's product gives the fused tile's logit bits (docs/kernels.md). Off by default: on an H200 the decode
     step took 1.11-1.27x the two passes' time at B = 1 to 256
     (``python -m rlperf.bench.fusion_ab --variants 'fused sampling'``, bench/BENCHMARKS.md)."""
-    logprob_from_logits: bool = True
-    """Compute the sampled tokens' log-probs from the step's [B, V] float32 logits
+    logprob_from_logits_max_rows: int = 64
+    """A step of at most this many sampled rows computes their log-probs from its [B, V] float32 logits
     (:func:`rlperf.kernels.fused_logprob_of_logits`) where those are ``fused_logprob``'s logit tiles bit for
     bit (:func:`rlperf.kernels.logits_give_fused_logprob`: a 16-bit lm head on the Triton kernels, a
-    one-process model), instead of a second pass over the [V, H] lm head: the same log-prob bits, fewer
-    bytes at decode batches. False: always the second pass (the A/B of ``python -m rlperf.bench.fusion_ab
-    --variants 'logprob from the lm head'``)."""
+    one-process model), instead of a second pass over the [V, H] lm head; larger steps, and every step at
+    0, take the second pass. The same log-prob bits either way. On an H200 (qwen3-0.6b shape, graphed
+    decode, ``python -m rlperf.bench.fusion_ab --variants 'logprob from the lm head'``, ``b0a6de7``, two runs)
+    the logits took the decode step to 0.95x / 0.96x / 0.99x the second pass's time at B = 1 / 16 / 64 and
+    to 1.01x at B = 256 (bench/BENCHMARKS.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -652,10 +655,10 @@ class Engine:
 
     def _logits_are_the_fused_tiles(self, weight: torch.Tensor) -> bool:
         """Whether this engine's [B, V] logits, folded by :func:`rlperf.kernels.fused_logprob_of_logits`,
-        give ``fused_logprob``'s bits (``EngineConfig.logprob_from_logits`` on, a one-process model whose
-        logits are ``K.linear(hidden, head_weight)``, and :func:`rlperf.kernels.logits_give_fused_logprob`)."""
-        return (self.config.logprob_from_logits and getattr(self.model, "tp_group", None) is None
-                and K.logits_give_fused_logprob(weight))
+        give ``fused_logprob``'s bits (a one-process model whose logits are ``K.linear(hidden, head_weight)``,
+        and :func:`rlperf.kernels.logits_give_fused_logprob`); whether a step takes them is
+        ``EngineConfig.logprob_from_logits_max_rows``'s."""
+        return getattr(self.model, "tp_group", None) is None and K.logits_give_fused_logprob(weight)
 
     def _sample(self, hidden: torch.Tensor, logits: torch.Tensor | None, reqs: list[Request], counters: list[int],
                 graphed: bool = False) -> _Sampled:
@@ -682,7 +685,8 @@ class Engine:
         # the trainer's kernel on the same hidden bits; it takes one temperature per call, and a row's
         # bits do not depend on the other rows of the launch, so grouping is exact
         tree = getattr(self.model, "reduction_leaves", None) is not None  # tensor-parallel-invariant tree mode
-        of_logits = not tree and self._logits_are_the_fused_tiles(weight)
+        of_logits = (not tree and B <= self.config.logprob_from_logits_max_rows
+                     and self._logits_are_the_fused_tiles(weight))
 
         def logprob(rows, tok, t):  # rows None: every row of the step
             if tree:

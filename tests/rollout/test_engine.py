@@ -600,7 +600,7 @@ def test_interpreter_engine_takes_the_log_probs_from_its_logits(interpreter, mon
         got = _run(engine, prompts, params)
         assert folded, "the engine did not take its log-probs from the logits"
         second_pass = _run(Engine(m, ByteTokenizer(cfg.vocab_size),
-                                  EngineConfig(max_total_tokens=2048, logprob_from_logits=False)), prompts, params)
+                                  EngineConfig(max_total_tokens=2048, logprob_from_logits_max_rows=0)), prompts, params)
         train = _trainer_log_probs(m, prompts, [o[0] for o in got], [p.temperature for p in params])
     assert got == second_pass
     for i, o in enumerate(got):
