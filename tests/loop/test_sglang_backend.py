@@ -478,7 +478,10 @@ def test_gpu_colocated_handles_name_the_gpu_by_uuid_for_every_rank(tmp_path):
     t = torch.arange(4096, dtype=torch.float32, device="cuda").reshape(64, 64) * 0.5
     entry = S.serialize_named_tensors([("w", t)])
     n = torch.cuda.device_count()
-    order = ",".join(str(i) for i in reversed(range(n)))
+    # the GPUs this process sees, reversed: a process already limited by CUDA_VISIBLE_DEVICES (a device lane)
+    # names the same physical GPUs, not the machine's first n
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    order = ",".join(reversed(visible[:n] if len(visible) >= n else [str(i) for i in range(n)]))
     code = ("import base64, sys, torch\n"
             "from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions\n"
             "from sglang.srt.utils import MultiprocessingSerializer\n"
