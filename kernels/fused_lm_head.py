@@ -191,6 +191,27 @@ def _split_program(N, V, num_m_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
     return pid_m, pid_s, offs_m, rows, v_begin, v_end
 
 
+@triton.jit
+def _fold_tile(m, s, t, tz, x, offs_n, tgt, c, WITH_ENTROPY: tl.constexpr):
+    """Fold logit tile ``x`` [BLOCK_M, BLOCK_N] (columns ``offs_n``, past V at -inf) into the running (max,
+    sum-exp, entropy-sum) and target logit of each row: the online update, and the target's column."""
+    # at most one column of one tile matches: a sum of zeros and that logit, exact
+    tz += tl.sum(tl.where(offs_n[None, :] == tgt[:, None], x, 0.0), axis=1)
+    m, s, t = online_lse_update(m, s, t, x, c, WITH_ENTROPY)
+    return m, s, t, tz
+
+
+@triton.jit
+def _store_partials(pm_ptr, ps_ptr, pt_ptr, pz_ptr, m, s, t, tz, pid_s, offs_m, N):
+    """A program's split partials, [n_splits, N] each, at (split, token); rows past N are not stored."""
+    out = pid_s * N + offs_m
+    keep = offs_m < N
+    tl.store(pm_ptr + out, m, mask=keep)
+    tl.store(ps_ptr + out, s, mask=keep)
+    tl.store(pt_ptr + out, t, mask=keep)
+    tl.store(pz_ptr + out, tz, mask=keep)
+
+
 @triton.jit(do_not_specialize=["N", "num_m_tiles"])
 def _fwd_partials_kernel(
     h_src, w_src, tgt_ptr, pm_ptr, ps_ptr, pt_ptr, pz_ptr,
@@ -210,15 +231,8 @@ def _fwd_partials_kernel(
     for n0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
         x, offs_n = _raw_logits(h_src, w_src, pid_m * BLOCK_M, n0, rows, V, H, stride_h, stride_w,
                                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
-        # at most one column of one tile matches: a sum of zeros and that logit, exact
-        tz += tl.sum(tl.where(offs_n[None, :] == tgt[:, None], x, 0.0), axis=1)
-        m, s, t = online_lse_update(m, s, t, x, c, WITH_ENTROPY)
-    out = pid_s * N + offs_m
-    keep = offs_m < N
-    tl.store(pm_ptr + out, m, mask=keep)
-    tl.store(ps_ptr + out, s, mask=keep)
-    tl.store(pt_ptr + out, t, mask=keep)
-    tl.store(pz_ptr + out, tz, mask=keep)
+        m, s, t, tz = _fold_tile(m, s, t, tz, x, offs_n, tgt, c, WITH_ENTROPY)
+    _store_partials(pm_ptr, ps_ptr, pt_ptr, pz_ptr, m, s, t, tz, pid_s, offs_m, N)
 
 
 @triton.jit(do_not_specialize=["N", "num_m_tiles"])
@@ -254,14 +268,8 @@ def _fwd_partials_of_logits_kernel(
         x = tl.load(row_ptrs + tl.minimum(offs_n, V - 1)[None, :], mask=live, other=0.0)
         x = dot_acc(za, zb, x)
         x = x + tl.where(offs_n < V, 0.0, float("-inf"))[None, :]  # _raw_logits' mask, the same add
-        tz += tl.sum(tl.where(offs_n[None, :] == tgt[:, None], x, 0.0), axis=1)
-        m, s, t = online_lse_update(m, s, t, x, c, WITH_ENTROPY)
-    out = pid_s * N + offs_m
-    keep = offs_m < N
-    tl.store(pm_ptr + out, m, mask=keep)
-    tl.store(ps_ptr + out, s, mask=keep)
-    tl.store(pt_ptr + out, t, mask=keep)
-    tl.store(pz_ptr + out, tz, mask=keep)
+        m, s, t, tz = _fold_tile(m, s, t, tz, x, offs_n, tgt, c, WITH_ENTROPY)
+    _store_partials(pm_ptr, ps_ptr, pt_ptr, pz_ptr, m, s, t, tz, pid_s, offs_m, N)
 
 
 @triton.jit
