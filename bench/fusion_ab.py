@@ -40,7 +40,12 @@ Each variant is timed with the rollout bench's own cases
 (:func:`rlperf.bench.rollout.decode_case`, CUDA graphs on, and :func:`prefill_case`), in invariant mode
 on the qwen3-0.6b shape with random weights. Ratios are to the engine's default of the same run::
 
-    python -m rlperf.bench.fusion_ab [--batches 1,64,256] [--steps 16] [--prefill 16] [--variants 'no pdl']
+    python -m rlperf.bench.fusion_ab [--batches 1,64,256] [--steps 16] [--prefill 16] [--variants 'no pdl'] [--rounds 2]
+
+The variants are timed in ``--rounds`` rounds, each in a rotated order (round r starts at the r-th variant,
+:func:`timing_orders`), and the table gives each case's median over the rounds: the variant timed first in
+a process read up to 7% high at B = 1 on an H200 even after an untimed round (identical steps, 1.540 against
+1.431 ms), and a rotation puts that cost on each variant in turn.
 
 Needs a CUDA GPU (exit 2 without one).
 """
@@ -50,6 +55,7 @@ import argparse
 import contextlib
 import dataclasses
 import re
+import statistics
 import sys
 from typing import NamedTuple
 
@@ -149,6 +155,13 @@ def chosen_variants(spec: str) -> dict[str, Variant] | None:
     return {**{n: v for n, v in VARIANTS.items() if n == ENGINE_DEFAULT or n in names or "all" in names}, **splits}
 
 
+def timing_orders(names: list[str], rounds: int) -> list[list[str]]:
+    """The variants' order in each timed round: round r is ``names`` rotated to start at ``names[r % n]``, so
+    over n rounds (n variants) each variant is timed first once and after every other variant once."""
+    n = len(names)
+    return [names[r % n:] + names[:r % n] for r in range(rounds)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m rlperf.bench.fusion_ab", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,6 +172,8 @@ def main(argv=None) -> int:
                    help="comma-separated variants to time besides the engine's default (default all): "
                         + ", ".join(repr(n) for n in VARIANTS if n != ENGINE_DEFAULT)
                         + ", and 'logprob split N' (N tiles of 256 words per log-prob split)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="timed rounds, each in a rotated variant order; the table shows the median (default 2)")
     args = p.parse_args(argv)
     try:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -170,6 +185,8 @@ def main(argv=None) -> int:
         p.error(f"--steps: at least 1, got {args.steps}")
     if args.prefill < 0:
         p.error(f"--prefill: 0 or more prompts, got {args.prefill}")
+    if args.rounds < 1:
+        p.error(f"--rounds: at least 1, got {args.rounds}")
     variants = chosen_variants(args.variants)
     if variants is None:
         p.error(f"--variants: names from {', '.join(n for n in VARIANTS if n != ENGINE_DEFAULT)}, "
@@ -187,7 +204,7 @@ def main(argv=None) -> int:
     # the rollout bench's new tokens: every request still decodes while the last prefill chunks run
     new_tokens = max(NEW, args.steps + 8)
     prefill = f"prefill {args.prefill}x{PROMPT}"
-    times: dict[str, dict[str, float]] = {}
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in variants}
     with K.use_mode("invariant"):
         # one untimed round first (every variant's kernels compiled, the allocator warm), so the variant
         # timed first pays no more than the others
@@ -198,23 +215,27 @@ def main(argv=None) -> int:
                             logprob_from_logits_max_rows=v.logprob_from_logits_max_rows)
                 if args.prefill:
                     prefill_case(model, args.prefill, PROMPT, reps=1)
-        for name, v in variants.items():
-            with variant(*v[:4], decode_guess=v.decode_guess):
-                row = {}
-                for b in batches:
-                    d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),
-                                    fused_sampling=v.fused_sampling,
-                                    logprob_from_logits_max_rows=v.logprob_from_logits_max_rows)
-                    row[f"decode B={b}"] = d["ms"]
-                    print(f"fusion_ab: {name}: decode B={b} {d['ms']:.3f} ms "
-                          f"({d['launches'].kernels if d['launches'] else '?'} kernels per step)", flush=True)
-                if args.prefill:
-                    row[prefill] = prefill_case(model, args.prefill, PROMPT, reps=3)
-                    print(f"fusion_ab: {name}: {prefill} {row[prefill]:.3f} ms", flush=True)
-                times[name] = row
+        for r, order in enumerate(timing_orders(list(variants), args.rounds), 1):
+            for name in order:
+                v = variants[name]
+                with variant(*v[:4], decode_guess=v.decode_guess):
+                    row = samples[name]
+                    for b in batches:
+                        d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),
+                                        fused_sampling=v.fused_sampling,
+                                        logprob_from_logits_max_rows=v.logprob_from_logits_max_rows)
+                        row.setdefault(f"decode B={b}", []).append(d["ms"])
+                        print(f"fusion_ab: round {r}: {name}: decode B={b} {d['ms']:.3f} ms "
+                              f"({d['launches'].kernels if d['launches'] else '?'} kernels per step)", flush=True)
+                    if args.prefill:
+                        ms = prefill_case(model, args.prefill, PROMPT, reps=3)
+                        row.setdefault(prefill, []).append(ms)
+                        print(f"fusion_ab: round {r}: {name}: {prefill} {ms:.3f} ms", flush=True)
+    times = {name: {case: statistics.median(ms) for case, ms in row.items()} for name, row in samples.items()}
     base = times[ENGINE_DEFAULT]
     cases = list(base)
-    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | ms (ratio to the engine's default)")
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | ms, the median of {args.rounds} round(s) "
+          f"(ratio to the engine's default)")
     print("| variant | " + " | ".join(cases) + " |")
     print("|---|" + "---:|" * len(cases))
     for name, row in times.items():

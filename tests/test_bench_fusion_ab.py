@@ -86,6 +86,14 @@ def test_variants_flag_picks_the_default_and_the_named_ones():
     assert fusion_ab.chosen_variants("logprob split x") is None
 
 
+def test_rounds_rotate_the_variants_so_each_is_timed_first_once():
+    names = [fusion_ab.ENGINE_DEFAULT, "no pdl", "fused sampling"]
+    orders = fusion_ab.timing_orders(names, 3)
+    assert orders == [names, names[1:] + names[:1], names[2:] + names[:2]]
+    assert sorted(o[0] for o in orders) == sorted(names) and all(sorted(o) == sorted(names) for o in orders)
+    assert fusion_ab.timing_orders(names, 4)[3] == names and fusion_ab.timing_orders(names[:2], 1) == [names[:2]]
+
+
 def test_bad_flags_exit_2_naming_them(capsys):
     with pytest.raises(SystemExit) as e:
         fusion_ab.main(["--batches", "1,x"])
@@ -96,6 +104,9 @@ def test_bad_flags_exit_2_naming_them(capsys):
     with pytest.raises(SystemExit) as e:
         fusion_ab.main(["--prefill", "-1"])
     assert e.value.code == 2 and "--prefill" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        fusion_ab.main(["--rounds", "0"])
+    assert e.value.code == 2 and "--rounds" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         fusion_ab.main(["--variants", "no pdl,turbo"])
     assert e.value.code == 2 and "--variants" in capsys.readouterr().err
