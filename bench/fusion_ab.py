@@ -206,8 +206,8 @@ def main(argv=None) -> int:
     prefill = f"prefill {args.prefill}x{PROMPT}"
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in variants}
     with K.use_mode("invariant"):
-        # one untimed round first (every variant's kernels compiled, the allocator warm), so the variant
-        # timed first pays no more than the others
+        # one untimed round first (every variant's kernels compiled, the allocator warm); the timed rounds'
+        # rotation then spreads what the first variant of a round still pays (module docstring)
         for v in variants.values():
             with variant(*v[:4], decode_guess=v.decode_guess):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),

@@ -192,6 +192,16 @@ def _split_program(N, V, num_m_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _fresh_stats(BLOCK_M: tl.constexpr):
+    """Each row's running (max, sum-exp, entropy-sum, target logit) before its first tile: (-inf, 0, 0, 0)."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    t = tl.zeros([BLOCK_M], tl.float32)
+    tz = tl.zeros([BLOCK_M], tl.float32)
+    return m, s, t, tz
+
+
+@triton.jit
 def _fold_tile(m, s, t, tz, x, offs_n, tgt, c, WITH_ENTROPY: tl.constexpr):
     """Fold logit tile ``x`` [BLOCK_M, BLOCK_N] (columns ``offs_n``, past V at -inf) into the running (max,
     sum-exp, entropy-sum) and target logit of each row: the online update, and the target's column."""
@@ -224,10 +234,7 @@ def _fwd_partials_kernel(
     pid_m, pid_s, offs_m, rows, v_begin, v_end = _split_program(N, V, num_m_tiles, BLOCK_M, BLOCK_N, SPLIT_TILES)
     tgt = tl.load(tgt_ptr + rows) - v_offset  # local vocabulary index
     tgt = tl.where((tgt >= 0) & (tgt < V), tgt, -1)  # not in this slice: matches no column
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_M], tl.float32)
-    t = tl.zeros([BLOCK_M], tl.float32)
-    tz = tl.zeros([BLOCK_M], tl.float32)
+    m, s, t, tz = _fresh_stats(BLOCK_M)
     for n0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
         x, offs_n = _raw_logits(h_src, w_src, pid_m * BLOCK_M, n0, rows, V, H, stride_h, stride_w,
                                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, USE_TMA)
@@ -255,10 +262,7 @@ def _fwd_partials_of_logits_kernel(
     pid_m, pid_s, offs_m, rows, v_begin, v_end = _split_program(N, V, num_m_tiles, BLOCK_M, BLOCK_N, SPLIT_TILES)
     tgt = tl.load(tgt_ptr + rows)
     tgt = tl.where((tgt >= 0) & (tgt < V), tgt, -1)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_M], tl.float32)
-    t = tl.zeros([BLOCK_M], tl.float32)
-    tz = tl.zeros([BLOCK_M], tl.float32)
+    m, s, t, tz = _fresh_stats(BLOCK_M)
     za = (tl.zeros([BLOCK_M, 16], tl.float32) + zero).to(OPERAND)
     zb = (tl.zeros([16, BLOCK_N], tl.float32) + zero).to(OPERAND)
     row_ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_l
@@ -495,13 +499,23 @@ def _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, with_entropy
         USE_TMA=use_tma, FLATTEN=cfg.flatten, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(dev),
     )
-    outs = torch.empty((4, N), dtype=torch.float32, device=dev)
+    outs = _merge_splits(parts, targets, v_total, inv_t, with_entropy, final)
+    return outs[0], outs[1], outs[2], outs[3]
+
+
+def _merge_splits(parts: torch.Tensor, targets: torch.Tensor, v_total: int, inv_t: float, with_entropy: bool,
+                  final: bool) -> torch.Tensor:
+    """The split partials ``parts`` [4, n_splits, N] (max, sum-exp, entropy-sum, target logit) merged per
+    token in split order (:func:`_fwd_combine_kernel`): [4, N] float32, rows (logp, entropy, lse, -) when
+    ``final``, else the local (m, s, t, tz)."""
+    _, num_splits, N = parts.shape
+    outs = torch.empty((4, N), dtype=torch.float32, device=parts.device)
     _fwd_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
         parts[0], parts[1], parts[2], parts[3], targets, outs[0], outs[1], outs[2], outs[3],
         N, num_splits, v_total, inv_t, inv_t * LOG2E,
-        BLOCK=_COMBINE_BLOCK, WITH_ENTROPY=with_entropy, FINAL=final, num_warps=4, **launch_options(dev),
+        BLOCK=_COMBINE_BLOCK, WITH_ENTROPY=with_entropy, FINAL=final, num_warps=4, **launch_options(parts.device),
     )
-    return outs[0], outs[1], outs[2], outs[3]
+    return outs
 
 
 _OPERAND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -567,13 +581,7 @@ def fused_logprob_of_logits(logits: torch.Tensor, targets: torch.Tensor, tempera
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT_TILES=cfg.SPLIT_TILES, WITH_ENTROPY=False,
         OPERAND=_OPERAND[dtype], num_warps=cfg.num_warps, **launch_options(x.device),
     )
-    outs = torch.empty((4, N), dtype=torch.float32, device=x.device)
-    _fwd_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
-        parts[0], parts[1], parts[2], parts[3], tgt, outs[0], outs[1], outs[2], outs[3],
-        N, num_splits, V, inv_t, inv_t * LOG2E,
-        BLOCK=_COMBINE_BLOCK, WITH_ENTROPY=False, FINAL=True, num_warps=4, **launch_options(x.device),
-    )
-    return outs[0].clamp_(max=0.0)  # fused_logprob's clamp (_FusedLogprob.forward)
+    return _merge_splits(parts, tgt, V, inv_t, False, True)[0].clamp_(max=0.0)  # fused_logprob's clamp
 
 
 def _tp_layout(weight: torch.Tensor, group) -> tuple[int, int]:

@@ -682,8 +682,9 @@ class Engine:
             logits = self.model.logits(hidden)
         tokens = K.sample(logits, rows.floats[0], rows.floats[1], rows.ints[0], rows.ints[1], counters,
                           check_values=False, filtered=rows.filtered)
-        # the trainer's kernel on the same hidden bits; it takes one temperature per call, and a row's
-        # bits do not depend on the other rows of the launch, so grouping is exact
+        # the trainer's log-prob bits (its kernel on the same hidden rows, or the same folding of the logits
+        # in hand); one temperature per call, and a row's bits do not depend on the other rows of the
+        # launch, so grouping is exact
         tree = getattr(self.model, "reduction_leaves", None) is not None  # tensor-parallel-invariant tree mode
         of_logits = (not tree and B <= self.config.logprob_from_logits_max_rows
                      and self._logits_are_the_fused_tiles(weight))
