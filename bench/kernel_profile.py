@@ -28,6 +28,7 @@ Cases (qwen3-0.6b shape, random bf16 weights, invariant mode unless ``--mode fas
   the step's median time (bench_one_batch's own, with a device sync per step) as the wall.
 
     python -m rlperf.bench.kernel_profile decode --batch 1 64
+    python -m rlperf.bench.kernel_profile decode --batch 1 64 --by-launch  # each launch shape apart
     python -m rlperf.bench.kernel_profile prefill --prompts 16
     python -m rlperf.bench.kernel_profile train --tokens 8192
     python -m rlperf.bench.kernel_profile sglang --variants plugin fast --batch 1 64
@@ -80,9 +81,21 @@ GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 """The Chrome-trace categories of work on the GPU (torch profiler's export)."""
 
 
-def trace_kernels(path) -> tuple[dict[str, list], float]:
+def launch_key(event: dict) -> str:
+    """``name grid=[x, y, z] block=[x, y, z]``: one Chrome-trace kernel event's launch, so the launches of one
+    kernel with different shapes (a step's products, for one) count apart. Events without a grid (copies,
+    sets) keep their name."""
+    args = event.get("args") or {}
+    name = str(event.get("name", "?"))
+    if "grid" not in args:
+        return name
+    return f"{name} grid={list(args['grid'])} block={list(args.get('block', []))}"
+
+
+def trace_kernels(path, by_launch: bool = False) -> tuple[dict[str, list], float]:
     """``({name: [total us, calls]}, span us)`` of the GPU events (:data:`GPU_EVENT_CATEGORIES`) in the
     Chrome trace ``path`` (``.gz`` read as gzip); span: first start to last end of those events.
+    ``by_launch``: keyed by :func:`launch_key` (name, grid and block) instead of the name.
     ValueError naming the file when it is not a trace or holds no GPU event."""
     opener = gzip.open if str(path).endswith(".gz") else open
     try:
@@ -97,7 +110,7 @@ def trace_kernels(path) -> tuple[dict[str, list], float]:
         if not isinstance(e, dict) or e.get("ph") != "X" or e.get("cat") not in GPU_EVENT_CATEGORIES:
             continue
         ts, dur = float(e.get("ts", 0.0)), float(e.get("dur", 0.0))
-        d = kernels.setdefault(str(e.get("name", "?")), [0.0, 0])
+        d = kernels.setdefault(launch_key(e) if by_launch else str(e.get("name", "?")), [0.0, 0])
         d[0] += dur
         d[1] += 1
         first, last = min(first, ts), max(last, ts + dur)
@@ -115,15 +128,17 @@ def _table(label: str, kernels: dict[str, list], wall_ms: float, steps: int, top
     print(f"{'ms/step':>9} {'share':>6} {'calls':>6}  kernel")
     for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         ms = us / 1e3 / steps
-        print(f"{ms:9.4f} {ms / gpu_ms:6.1%} {n / steps:6.1f}  {name[:110]}")
+        print(f"{ms:9.4f} {ms / gpu_ms:6.1%} {n / steps:6.1f}  {name[:160]}")
 
 
-def profile_kernels(fn, steps: int, prepare=None) -> tuple[dict[str, list], float]:
+def profile_kernels(fn, steps: int, prepare=None, by_launch: bool = False) -> tuple[dict[str, list], float]:
     """``({name: [total us, calls]}, wall ms per step)`` of ``steps`` calls of ``fn`` on the GPU: the
     wall time of unprofiled calls first (synchronized), then the torch profiler's CUDA events of as many
     profiled calls (kernels, copies and sets, by name). The calls run back to back in one timed span (an
     engine's overlapped decode steps keep one step in flight across calls); with ``prepare`` (called before
-    each call of ``fn``, launching no GPU work) each call is timed alone and ``prepare`` stays outside."""
+    each call of ``fn``, launching no GPU work) each call is timed alone and ``prepare`` stays outside.
+    ``by_launch``: the kernels keyed by name, grid and block (:func:`launch_key`, read from the profile's
+    Chrome trace), so that e.g. a decode step's products of different shapes are listed apart."""
     from torch.profiler import ProfilerActivity, profile
 
     wall = 0.0
@@ -146,6 +161,15 @@ def profile_kernels(fn, steps: int, prepare=None) -> tuple[dict[str, list], floa
                 prepare()
             fn()
         torch.cuda.synchronize()
+    if by_launch:
+        import os
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="rlperf-profile-") as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            kernels, _ = trace_kernels(path, by_launch=True)
+        return kernels, wall_ms
     kernels = {}
     for e in prof.events():
         # rlperf's own named ranges (``rlperf.decode``, ``rlperf.prefill``) also show on the GPU timeline:
@@ -164,8 +188,8 @@ def top_kernels(kernels: dict[str, list], steps: int, top: int) -> list[dict]:
     return [{"name": n[:160], "ms": us / 1e3 / steps, "calls": c / steps} for n, (us, c) in rows]
 
 
-def _profile(label: str, fn, steps: int, top: int, prepare=None) -> None:
-    kernels, wall_ms = profile_kernels(fn, steps, prepare)
+def _profile(label: str, fn, steps: int, top: int, prepare=None, by_launch: bool = False) -> None:
+    kernels, wall_ms = profile_kernels(fn, steps, prepare, by_launch)
     _table(label, kernels, wall_ms, steps, top)
     if K.programmatic_launch(torch.device("cuda")):
         print("(kernels launched with programmatic dependent launch: a kernel starts while the one before it "
@@ -219,6 +243,8 @@ def main(argv=None) -> None:
     p.add_argument("--variants", nargs="+", default=["plugin", "fast"],
                    help="sglang: SGLang variants, names of rlperf bench rollout --sglang-variants (default: plugin fast)")
     p.add_argument("--model", default=MODEL)
+    p.add_argument("--by-launch", action="store_true",
+                   help="list each kernel's launches by grid and block apart (e.g. a step's products by shape)")
     a = p.parse_intermixed_args(argv)
     if a.case == "trace":
         if not a.traces:
@@ -227,7 +253,7 @@ def main(argv=None) -> None:
             p.error(f"--steps must be >= 1, got {a.steps}")
         for path in a.traces:
             try:
-                kernels, span_us = trace_kernels(path)
+                kernels, span_us = trace_kernels(path, by_launch=a.by_launch)
             except ValueError as e:
                 p.error(str(e))
             _table(str(path), kernels, span_us / 1e3 / a.steps, a.steps, a.top, wall_what="trace span")
@@ -253,7 +279,7 @@ def main(argv=None) -> None:
                 for b in a.batch:
                     engine = _engine(model, b)
                     _profile(f"decode B={b} ({a.mode}, graphs={bool(engine.graphs and engine.graphs.graphs)})",
-                             engine.step, a.steps, a.top)
+                             engine.step, a.steps, a.top, by_launch=a.by_launch)
                     del engine
                     torch.cuda.empty_cache()
         elif a.case == "prefill":
@@ -270,14 +296,14 @@ def main(argv=None) -> None:
                 engine.step()
                 graphed = bool(engine.prefill_graphs and engine.prefill_graphs.graphs)
                 _profile(f"prefill {a.prompts}x{PROMPT} ({a.mode}, {'graphed' if graphed else 'eager'})", engine.step,
-                         a.steps, a.top, prepare=queue)
+                         a.steps, a.top, prepare=queue, by_launch=a.by_launch)
         else:
             for p_ in model.parameters():
                 p_.requires_grad_(True)
             for t in a.tokens:
                 step = _train_step(model, t)
                 step()
-                _profile(f"train micro-step {t} tokens ({a.mode})", step, a.steps, a.top)
+                _profile(f"train micro-step {t} tokens ({a.mode})", step, a.steps, a.top, by_launch=a.by_launch)
 
 
 if __name__ == "__main__":

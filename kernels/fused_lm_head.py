@@ -244,35 +244,49 @@ def _fwd_partials_kernel(
 
 @triton.jit(do_not_specialize=["N", "num_m_tiles"])
 def _fwd_partials_of_logits_kernel(
-    logits_ptr, tgt_ptr, pm_ptr, ps_ptr, pt_ptr, pz_ptr,
+    logits, logits_ptr, tgt_ptr, pm_ptr, ps_ptr, pt_ptr, pz_ptr,
     N, V, stride_l, c, zero, num_m_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    OPERAND: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr, OPERAND: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """:func:`_fwd_partials_kernel`'s programs, tiles, splits and online update over logits already in
-    memory (``logits`` [N, V] float32, the lm-head product's): each tile is loaded instead of computed.
+    """:func:`_fwd_partials_kernel`'s splits, tiles and online update (no entropy) over logits already in
+    memory (``logits_ptr`` [N, V] float32, the lm-head product's): each tile is loaded instead of computed.
 
-    On the GPU a tile then passes through a tensor-core product of zeros into it as the accumulator
-    (``x + 0 @ 0``, exact: it changes no value but a -0.0 into +0.0, which the -inf mask's ``+ 0.0``
-    does to every column anyway): the result sits in the accumulator layout of the partials kernel's
-    own logit tile (same BLOCK_M x BLOCK_N, same warps), so the max and sum reductions run over the
-    same registers, lanes and warps in the same order — the same bits. ``zero`` is a run-time 0.0, so the
-    compiler cannot drop the product. Rows past N load nothing and are never stored."""
+    * **Layout.** A loaded tile passes through a tensor-core product of zeros into it as the accumulator
+      (``x + 0 @ 0``, exact: it changes no value but a -0.0 into +0.0, which the -inf mask's ``+ 0.0``
+      does to every column anyway). The result sits in the partials kernel's accumulator layout: the same
+      BLOCK_N-wide wgmma instruction, warps stacked along the rows only. So the max and sum over a row run
+      over the same registers and lanes in the same order: the same bits. Which rows share a program
+      (BLOCK_M) moves no bit, since rows never meet in a reduction; ``zero`` is a run-time 0.0, so the
+      compiler cannot drop the product.
+    * **Loads.** ``USE_TMA``: ``logits`` is a tensor descriptor of [BLOCK_M, BLOCK_N] boxes, which lands a
+      tile in shared memory and from there straight in the accumulator layout (rows past N and columns past
+      V arrive as zeros). Otherwise ``logits`` is ``logits_ptr`` and the tile loads by masked pointers.
+    * **Target logit.** The partials kernel sums ``where(column == target, x, 0)`` over each tile: zeros
+      and, in the target's split, its logit, i.e. exactly that logit ``+ 0.0``. Here it is read once per
+      split from ``logits_ptr`` (``+ 0.0``, as the mask add), not compared against every column.
+
+    Rows past N are never stored."""
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     pid_m, pid_s, offs_m, rows, v_begin, v_end = _split_program(N, V, num_m_tiles, BLOCK_M, BLOCK_N, SPLIT_TILES)
-    tgt = tl.load(tgt_ptr + rows)
-    tgt = tl.where((tgt >= 0) & (tgt < V), tgt, -1)
     m, s, t, tz = _fresh_stats(BLOCK_M)
     za = (tl.zeros([BLOCK_M, 16], tl.float32) + zero).to(OPERAND)
     zb = (tl.zeros([16, BLOCK_N], tl.float32) + zero).to(OPERAND)
-    row_ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_l
-    live = (offs_m < N)[:, None]
-    for n0 in range(v_begin, v_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        x = tl.load(row_ptrs + tl.minimum(offs_n, V - 1)[None, :], mask=live, other=0.0)
+    row_ptrs = logits_ptr + rows.to(tl.int64) * stride_l
+    for n0 in tl.range(v_begin, v_end, BLOCK_N, num_stages=2):
+        if USE_TMA:
+            x = logits.load([pid_m * BLOCK_M, n0])
+        else:
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            x = tl.load(row_ptrs[:, None] + offs_n[None, :], mask=(offs_m < N)[:, None] & (offs_n < V)[None, :],
+                        other=0.0)
         x = dot_acc(za, zb, x)
-        x = x + tl.where(offs_n < V, 0.0, float("-inf"))[None, :]  # _raw_logits' mask, the same add
-        m, s, t, tz = _fold_tile(m, s, t, tz, x, offs_n, tgt, c, WITH_ENTROPY)
+        if n0 + BLOCK_N > V:  # only the vocabulary's last tile has columns past V: _raw_logits' mask
+            x = x + tl.where(n0 + tl.arange(0, BLOCK_N) < V, 0.0, float("-inf"))[None, :]
+        m, s, t = online_lse_update(m, s, t, x, c, False)
+    tgt = tl.load(tgt_ptr + rows)
+    in_split = (tgt >= v_begin) & (tgt < v_end) & (offs_m < N)
+    tz = tl.where(in_split, tl.load(row_ptrs + tgt, mask=in_split, other=0.0) + 0.0, 0.0)
     _store_partials(pm_ptr, ps_ptr, pt_ptr, pz_ptr, m, s, t, tz, pid_s, offs_m, N)
 
 
@@ -314,7 +328,7 @@ def _fwd_combine_kernel(
     s = tl.zeros([BLOCK], tl.float32)
     t = tl.zeros([BLOCK], tl.float32)
     tz = tl.zeros([BLOCK], tl.float32)
-    for sp in range(0, num_splits):
+    for sp in tl.range(0, num_splits, num_stages=_COMBINE_STAGES):
         m, s, t = _merge_split(m, s, t, pm_ptr, ps_ptr, pt_ptr, sp * N + offs, keep, c, WITH_ENTROPY)
         tz += tl.load(pz_ptr + sp * N + offs, mask=keep, other=0.0)
     if FINAL:
@@ -457,6 +471,10 @@ def _bwd_dlogits_kernel(
 # --------------------------------------------------------------------------------------------
 
 _COMBINE_BLOCK = 128
+# Splits whose partials load ahead of the sequential merge (cp.async stages of its loop). The merge is a chain
+# of dependent updates per token; without the stages each split's loads waited for the update before it
+# (about 28 us for the 119 splits of Qwen3's vocabulary at decode batches, H200).
+_COMBINE_STAGES = tl.constexpr(16)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -519,6 +537,10 @@ def _merge_splits(parts: torch.Tensor, targets: torch.Tensor, v_total: int, inv_
 
 
 _OPERAND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# Rows per program of the folding kernel: one warp per 16 rows, as in the partials kernel's accumulator
+# layout (wgmma rows per warp), so its row reductions are that kernel's. 64 rows, not the partials kernel's
+# 128: half the tile in registers and shared memory, and decode batches fill it.
+_OF_LOGITS_BLOCK_M = 64
 
 
 def logits_give_fused_logprob(weight: torch.Tensor) -> bool:
@@ -573,13 +595,17 @@ def fused_logprob_of_logits(logits: torch.Tensor, targets: torch.Tensor, tempera
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     tgt = targets.to(torch.int64).contiguous()
     inv_t = 1.0 / T
-    num_m = triton.cdiv(N, cfg.BLOCK_M)
+    num_m = triton.cdiv(N, _OF_LOGITS_BLOCK_M)
     num_splits = triton.cdiv(V, cfg.SPLIT_TILES * cfg.BLOCK_N)
     parts = torch.empty((4, num_splits, N), dtype=torch.float32, device=x.device)
+    # TMA when the rows are 16-byte aligned (V % 4 == 0, e.g. every Qwen3 vocabulary): a function of V only
+    use_tma = (TensorDescriptor is not None and (x.stride(0) * 4) % 16 == 0 and x.data_ptr() % 16 == 0
+               and (not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9))
+    src = TensorDescriptor.from_tensor(x, [_OF_LOGITS_BLOCK_M, cfg.BLOCK_N]) if use_tma else x
     _fwd_partials_of_logits_kernel[(num_m * num_splits,)](
-        x, tgt, parts[0], parts[1], parts[2], parts[3], N, V, x.stride(0), inv_t * LOG2E, 0.0, num_m,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT_TILES=cfg.SPLIT_TILES, WITH_ENTROPY=False,
-        OPERAND=_OPERAND[dtype], num_warps=cfg.num_warps, **launch_options(x.device),
+        src, x, tgt, parts[0], parts[1], parts[2], parts[3], N, V, x.stride(0), inv_t * LOG2E, 0.0, num_m,
+        BLOCK_M=_OF_LOGITS_BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT_TILES=cfg.SPLIT_TILES, OPERAND=_OPERAND[dtype],
+        USE_TMA=use_tma, num_warps=_OF_LOGITS_BLOCK_M // 16, **launch_options(x.device),
     )
     return _merge_splits(parts, tgt, V, inv_t, False, True)[0].clamp_(max=0.0)  # fused_logprob's clamp
 

@@ -40,6 +40,25 @@ def test_trace_kernels_sums_gpu_events(tmp_path, compress):
     assert span == pytest.approx(44.0)  # 100 .. 144: GPU events only
 
 
+def test_trace_kernels_by_launch_counts_each_grid_apart(tmp_path):
+    """``--by-launch``: one kernel's launches of different grids (a step's products of different shapes) are
+    rows of their own; the same grid twice is one row; events without a grid keep their name."""
+    events = [dict(e) for e in EVENTS]
+    events[0]["args"] = {"grid": [16, 1, 1], "block": [128, 1, 1]}
+    events[4]["args"] = {"grid": [64, 1, 1], "block": [128, 1, 1]}
+    events.append({"ph": "X", "cat": "kernel", "name": "_matmul_kernel", "ts": 150.0, "dur": 11.0,
+                   "args": {"grid": [16, 1, 1], "block": [128, 1, 1]}})
+    path = _write(tmp_path / "t.trace.json", events, False)
+    kernels, _ = trace_kernels(path, by_launch=True)
+    assert kernels["_matmul_kernel grid=[16, 1, 1] block=[128, 1, 1]"] == [21.0, 2]
+    assert kernels["_matmul_kernel grid=[64, 1, 1] block=[128, 1, 1]"] == [14.0, 1]
+    assert kernels["_attn_fwd_kernel"] == [6.0, 1] and "_matmul_kernel" not in kernels
+    proc = subprocess.run([sys.executable, "-m", "rlperf.bench.kernel_profile", "trace", "--by-launch", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "_matmul_kernel grid=[64, 1, 1] block=[128, 1, 1]" in proc.stdout
+
+
 def test_trace_command_prints_per_step_table(tmp_path):
     path = _write(tmp_path / "t.trace.json.gz", EVENTS, True)
     proc = subprocess.run([sys.executable, "-m", "rlperf.bench.kernel_profile", "trace", "--steps", "2", str(path)],
