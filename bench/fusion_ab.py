@@ -25,11 +25,14 @@ log-prob's source), same card, same process: is a change of the rollout bench's 
   its sequence by the binary search over the batch's query offsets, ceil(log2 B) dependent loads before
   its first K/V load, instead of checking the one-query-per-sequence numbering with two loads; the same
   sequence either way, so the same bits);
-* ``logprob from the lm head`` / ``logprob from the logits``: the sampled tokens' log-probs by a second
-  pass over the lm head (:func:`rlperf.kernels.fused_logprob`) at every batch / by folding the step's
-  logits (:func:`rlperf.kernels.fused_logprob_of_logits`, the same bits) at every batch
-  (``EngineConfig.logprob_from_logits_max_rows`` 0 / unlimited; the engine's default folds them up to 64
-  rows).
+* ``logprob from the lm head``: the sampled tokens' log-probs by a second pass over the lm head
+  (:func:`rlperf.kernels.fused_logprob`) at every batch (``EngineConfig.logprob_from_logits_max_rows`` 0),
+  where the engine's default folds the step's logits (:func:`rlperf.kernels.fused_logprob_of_logits`, the
+  same bits) at every batch;
+* ``two matmul buckets``: the products' tile configs as they were before the tiny-M and stretched small-M
+  buckets (:func:`rlperf.kernels.matmul_config`): the small-M tiles for at most 64 rows, no swapped tiles
+  (``gemm.TINY_M`` 0) and no shape's small-M tiles past 64 rows. The same bits (every config of a shape
+  shares its reduction: tests/kernels/test_matmul.py).
 
 Both fused forms give the bits of their unfused calls (their kernel tests), PDL moves no instruction of a
 kernel's math, and the log-prob from the logits is the second pass's bits, so those variants decode the same
@@ -69,7 +72,8 @@ class Variant(NamedTuple):
     dependent launch (the engine's default; it applies on SM 90+ GPUs only); logprob_split_tiles: the
     fused log-prob's vocabulary tiles per forward split (None: its config's); fused_sampling: the
     engine's ``EngineConfig.fused_sampling``; decode_guess: decode attention's ``GUESS_ONE_QUERY``;
-    logprob_from_logits_max_rows: ``EngineConfig``'s (None: its default)."""
+    logprob_from_logits_max_rows: ``EngineConfig``'s (None: its default); matmul_buckets: the products'
+    tiny-M and stretched small-M configs (False: the two buckets of before, ``two matmul buckets``)."""
 
     swiglu: bool | None
     kv: bool
@@ -78,6 +82,7 @@ class Variant(NamedTuple):
     fused_sampling: bool = False
     decode_guess: bool = True
     logprob_from_logits_max_rows: int | None = None
+    matmul_buckets: bool = True
 
 
 ENGINE_DEFAULT = "engine default"
@@ -87,7 +92,7 @@ VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, T
             "fused sampling": Variant(None, True, fused_sampling=True),
             "no decode guess": Variant(None, True, decode_guess=False),
             "logprob from the lm head": Variant(None, True, logprob_from_logits_max_rows=0),
-            "logprob from the logits": Variant(None, True, logprob_from_logits_max_rows=1 << 30)}
+            "two matmul buckets": Variant(None, True, matmul_buckets=False)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
@@ -104,14 +109,15 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 
 @contextlib.contextmanager
 def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles: int | None = None,
-            decode_guess: bool = True):
+            decode_guess: bool = True, matmul_buckets: bool = True):
     """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
     kernels package: swap in the unfused calls (or lift the epilogue's row limit), switch
-    programmatic dependent launch, set the fused log-prob's split width (every dtype's config) and decode
-    attention's one-query guess, for the variant's duration."""
+    programmatic dependent launch, set the fused log-prob's split width (every dtype's config), decode
+    attention's one-query guess and the products' M buckets, for the variant's duration."""
     from rlperf.kernels import attention, fused_lm_head, gemm
 
     saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS
+    saved_buckets = gemm.TINY_M, dict(gemm._SMALL_M_UP_TO)
     saved_configs = dict(fused_lm_head._CONFIGS)
     decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
     saved_guesses = [c["GUESS_ONE_QUERY"] for c in decode_configs]
@@ -124,6 +130,9 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
             gemm.SWIGLU_EPILOGUE_MAX_ROWS = 1 << 62
         if not kv:
             K.rmsnorm_rope_store_kv = _unfused_store_kv
+        if not matmul_buckets:
+            gemm.TINY_M = 0
+            gemm._SMALL_M_UP_TO.clear()
         if logprob_split_tiles is not None:
             for dtype, cfg in saved_configs.items():
                 fused_lm_head._CONFIGS[dtype] = dataclasses.replace(cfg, SPLIT_TILES=logprob_split_tiles)
@@ -131,6 +140,9 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
             yield
     finally:
         K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS = saved
+        gemm.TINY_M = saved_buckets[0]
+        gemm._SMALL_M_UP_TO.clear()
+        gemm._SMALL_M_UP_TO.update(saved_buckets[1])
         fused_lm_head._CONFIGS.clear()
         fused_lm_head._CONFIGS.update(saved_configs)
         for c, guess in zip(decode_configs, saved_guesses):
@@ -209,7 +221,7 @@ def main(argv=None) -> int:
         # one untimed round first (every variant's kernels compiled, the allocator warm); the timed rounds'
         # rotation then spreads what the first variant of a round still pays (module docstring)
         for v in variants.values():
-            with variant(*v[:4], decode_guess=v.decode_guess):
+            with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),
                             fused_sampling=v.fused_sampling,
                             logprob_from_logits_max_rows=v.logprob_from_logits_max_rows)
@@ -218,7 +230,7 @@ def main(argv=None) -> int:
         for r, order in enumerate(timing_orders(list(variants), args.rounds), 1):
             for name in order:
                 v = variants[name]
-                with variant(*v[:4], decode_guess=v.decode_guess):
+                with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets):
                     row = samples[name]
                     for b in batches:
                         d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),

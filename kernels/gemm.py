@@ -93,6 +93,12 @@ def _matmul_kernel(
     # W_KN: w is stored [K, N] (w_kn[k, n] = w[n, k]; the strides name its logical [N, K] axes), e.g.
     # a layer's weight [N_out, K_in] read as the [K_in, N_out] operand of dx = g @ w: its tiles load as
     # [BLOCK_K, BLOCK_N] and enter the dot untransposed, with no copy of w.T.
+    # BLOCK_M < 64 (the tiny-M configs, :func:`_tiny_m_config`; never with SWIGLU or W_KN): the tile is
+    # computed transposed, acc_t[n, m] = sum_k w[n, k] * x[m, k], w's BLOCK_N rows on the wgmma's 64-row
+    # side and x's few rows on its narrow side (no 64-row padding of x). Each element is the same chain of
+    # k16 steps over the same products, only the operands swap sides: the bits of the plain tile (GPU
+    # tests; under the interpreter the float64 tile sums are exact either way).
+    SWAP_AB: tl.constexpr = BLOCK_M < 64
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -119,7 +125,10 @@ def _matmul_kernel(
                 w_ptrs = w + safe_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
             if SWIGLU:
                 u_ptrs = w + (N + safe_n).to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if SWIGLU:
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # The full K loop, in order, into one accumulator: the reduction order of out[m, n] is
@@ -147,21 +156,29 @@ def _matmul_kernel(
                 w_ptrs += BLOCK_K * stride_wk
             if W_KN:
                 acc = dot_acc(a, b, acc, PRECISION)
+            elif SWAP_AB:
+                acc = dot_acc(b, a.T, acc, PRECISION)
             else:
                 acc = dot_acc(a, b.T, acc, PRECISION)
             if SWIGLU:
                 acc_u = dot_acc(a, bu.T, acc_u, PRECISION)
-        if HAS_BIAS:  # after the K loop, in float32, before the single cast
-            acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        # 64-bit row offsets: M * N passes 2^31 for long-batch lm-head logits.
-        o_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
         out_ty = out.dtype.element_ty
-        if SWIGLU:  # silu_mul's formula on the rounded matmul outputs (activation.py)
-            g = acc.to(out_ty).to(tl.float32)
-            u = acc_u.to(out_ty).to(tl.float32)
-            tl.store(o_ptrs, (g / (1.0 + tl.exp(-g)) * u).to(out_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        if SWAP_AB:  # acc is [BLOCK_N, BLOCK_M]: the same epilogue, transposed
+            if HAS_BIAS:
+                acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+            o_ptrs = out + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None] * stride_on
+            tl.store(o_ptrs, acc.to(out_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
         else:
-            tl.store(o_ptrs, acc.to(out_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+            if HAS_BIAS:  # after the K loop, in float32, before the single cast
+                acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            # 64-bit row offsets: M * N passes 2^31 for long-batch lm-head logits.
+            o_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+            if SWIGLU:  # silu_mul's formula on the rounded matmul outputs (activation.py)
+                g = acc.to(out_ty).to(tl.float32)
+                u = acc_u.to(out_ty).to(tl.float32)
+                tl.store(o_ptrs, (g / (1.0 + tl.exp(-g)) * u).to(out_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+            else:
+                tl.store(o_ptrs, acc.to(out_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,6 +244,18 @@ _TUNED_16BIT: dict[tuple[int, int], MatmulConfig] = {
 # Batches of at most SMALL_M rows (decode) take the shape's small-M config. 64 is one BLOCK_M of the
 # narrow tiles: up to there a launch has one row of tiles and is bound by how many programs stream w.
 SMALL_M = 64
+# Shapes whose narrow tiles stay ahead beyond SMALL_M rows take them up to this many rows (decode batches
+# of up to 256 sequences): their wide large-M tiles leave few programs there. Sweep ratio to cuBLAS at
+# M = 256 (H200, bench/NOTES-matmul.md run 7), large-M config -> narrow: 0.6B o_proj 0.853 -> 0.988,
+# down 0.768 -> 0.947, gate_up 0.826 -> 0.870 (qkv: 1.001 -> 0.964, kept).
+_SMALL_M_UP_TO = {(1024, 2048): 256, (1024, 3072): 256, (6144, 1024): 256}
+# Batches of at most TINY_M rows take swapped tiles (:func:`_tiny_m_config`) where the shape has them.
+TINY_M = 16
+
+
+def small_m_limit(N: int, K: int) -> int:
+    """The most rows a batch of an [N, K] weight may have to take the shape's small-M config."""
+    return _SMALL_M_UP_TO.get((N, K), SMALL_M)
 
 
 @functools.lru_cache(maxsize=None)  # on every decode launch: one object per shape, not one per call
@@ -242,6 +271,19 @@ def _small_m_config(large: MatmulConfig, N: int) -> MatmulConfig:
     return MatmulConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=large.BLOCK_K, GROUP_M=8, num_warps=4, num_stages=8)
 
 
+@functools.lru_cache(maxsize=None)
+def _tiny_m_config(large: MatmulConfig, N: int) -> MatmulConfig | None:
+    """The config for ``M <= TINY_M`` (16-bit, no SwiGLU epilogue, w in [N, K]), or None where the shape keeps
+    its small-M config: 16 x 64 tiles computed transposed (``_matmul_kernel``'s SWAP_AB: w's 64 rows on the
+    wgmma's M side, x's rows padded to 16, not 64), the large config's BLOCK_K. Measured for BLOCK_K 128
+    below 16384 columns (H200, weights rotated past the L2, CUDA graphs, us at M = 1, small-M tiles ->
+    these, bench/NOTES-matmul.md run 7): 0.6B qkv 6.1 -> 5.1, o_proj 6.4 -> 5.9, gate_up 7.8 -> 5.9, down
+    8.1 -> 7.3; the same bits on all four."""
+    if large.BLOCK_K != 128 or N >= 16384:
+        return None
+    return MatmulConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=large.BLOCK_K, GROUP_M=8, num_warps=4, num_stages=6)
+
+
 def _default_config(dtype: torch.dtype, N: int, K: int) -> MatmulConfig:
     if dtype == torch.float32:
         # tf32 wgmma reads 4-byte elements: BLOCK_K 32 moves the same bytes per stage as 64 bf16.
@@ -253,17 +295,23 @@ def _default_config(dtype: torch.dtype, N: int, K: int) -> MatmulConfig:
     return MatmulConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
 
 
-def matmul_config(dtype: torch.dtype, N: int, K: int, M: int) -> MatmulConfig:
-    """The tile config for ``dtype`` inputs ``x`` [M, K] and ``w`` [N, K]: the shape's large-M config,
-    or for ``M <= SMALL_M`` its small-M config (same BLOCK_K). float32 (tf32x3) has one config."""
+def matmul_config(dtype: torch.dtype, N: int, K: int, M: int, swapped_ok: bool = True) -> MatmulConfig:
+    """The tile config for ``dtype`` inputs ``x`` [M, K] and ``w`` [N, K]: the shape's large-M config; for
+    ``M <= small_m_limit(N, K)`` its small-M config; for ``M <= TINY_M`` its swapped tiny-M config where it has
+    one and ``swapped_ok`` (launches with the SwiGLU epilogue or a [K, N] w pass False). All of one shape share
+    BLOCK_K. float32 (tf32x3) has one config."""
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"matmul: dtype {dtype} not supported; expected one of {SUPPORTED_DTYPES}")
     if dtype != torch.float32 and (N, K) in _TUNED_16BIT:
         large = _TUNED_16BIT[(N, K)]
     else:
         large = _default_config(dtype, N, K)
-    if dtype == torch.float32 or M > SMALL_M:
+    if dtype == torch.float32 or M > small_m_limit(N, K):
         return large
+    if M <= TINY_M and swapped_ok:
+        tiny = _tiny_m_config(large, N)
+        if tiny is not None:
+            return tiny
     return _small_m_config(large, N)
 
 
@@ -373,7 +421,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
     M, K = x.shape
     N = w.shape[1] if w_kn else w.shape[0]
     out_dtype = out_dtype or x.dtype
-    cfg = config if config is not None else matmul_config(x.dtype, N, K, M)
+    cfg = config if config is not None else matmul_config(x.dtype, N, K, M, swapped_ok=not (swiglu or w_kn))
+    if cfg.BLOCK_M < 64 and (swiglu or w_kn):
+        raise ValueError("launch: swapped tiles (BLOCK_M < 64) take neither swiglu nor w_kn")
     if swiglu:  # the plain product's config (its bits), over the I output columns
         if w_kn or bias is not None or N % 2:
             raise ValueError("launch: swiglu takes an [2I, K] w, without bias or w_kn")

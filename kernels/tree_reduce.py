@@ -509,7 +509,7 @@ def _input_grad_out(g: torch.Tensor, w: torch.Tensor, out_dtype, config_n: int) 
     if route("matmul", g.device) in ("triton", "interpreter"):
         from . import gemm
 
-        cfg = gemm.matmul_config(g.dtype, config_n, w.shape[0], g.shape[0])
+        cfg = gemm.matmul_config(g.dtype, config_n, w.shape[0], g.shape[0], swapped_ok=False)
         return gemm.launch(g, w, None, out_dtype, config=cfg, w_kn=True)
     return _matmul_out(g, w.T.contiguous(), out_dtype, config_n=config_n)
 

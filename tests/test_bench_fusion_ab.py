@@ -2,6 +2,7 @@
 the same tokens (tiny model, CPU, reference kernels for speed: that the fused launches keep the bits of
 their unfused calls is the kernel tests' proof, tests/kernels/test_rope.py and test_matmul.py)."""
 import pytest
+import torch
 
 import rlperf.kernels as K
 from rlperf.bench import fusion_ab
@@ -52,11 +53,14 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
     assert all(c["GUESS_ONE_QUERY"] for c in decode_configs)
     assert variants["logprob from the lm head"].logprob_from_logits_max_rows == 0
-    assert variants["logprob from the logits"].logprob_from_logits_max_rows > 1 << 20
-    for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows) in variants.items():
+    assert not variants["two matmul buckets"].matmul_buckets and variants[fusion_ab.ENGINE_DEFAULT].matmul_buckets
+    buckets = gemm.TINY_M, dict(gemm._SMALL_M_UP_TO)
+    for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
-        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess), K.use_backend("reference"):
+        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets), K.use_backend("reference"):
+            # the two buckets of before: a decode batch of one row takes the 64-row small-M tiles
+            assert (K.matmul_config(torch.bfloat16, 1024, 2048, 1).BLOCK_M == 64) == (not matmul_buckets), name
             assert all(c["GUESS_ONE_QUERY"] is decode_guess for c in decode_configs), name
             assert all(fused_lm_head.fused_config(d).SPLIT_TILES == (split or c.SPLIT_TILES)
                        for d, c in configs.items()), name
@@ -69,6 +73,7 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
         assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored
         assert gemm.SWIGLU_EPILOGUE_MAX_ROWS == limit
+        assert (gemm.TINY_M, gemm._SMALL_M_UP_TO) == buckets, name  # restored
     first = tokens[fusion_ab.ENGINE_DEFAULT]
     assert all(len(out) >= 3 for _, out in first)
     assert all(t == first for t in tokens.values())

@@ -152,24 +152,33 @@ def test_bad_arguments_name_the_shapes():
         K.matmul(x, w, out=torch.empty(4, 9))
 
 
-def test_config_takes_two_buckets_of_m_that_share_the_reduction():
+def test_config_takes_buckets_of_m_that_share_the_reduction():
     from rlperf.kernels import gemm
 
     shapes = [(33, 33), (1024, 3072), (4096, 1024), (6144, 2560), (24576, 4096), (151936, 1024)] + list(gemm._TUNED_16BIT)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for n, k in shapes:
-            small = K.matmul_config(dtype, n, k, 1)
-            large = K.matmul_config(dtype, n, k, gemm.SMALL_M + 1)
+            limit = gemm.small_m_limit(n, k)
+            tiny = K.matmul_config(dtype, n, k, 1)
+            small = K.matmul_config(dtype, n, k, gemm.TINY_M + 1)
+            large = K.matmul_config(dtype, n, k, limit + 1)
             assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"} <= set(vars(large))
-            # every M of a bucket gets its config; both buckets are wgmma tiles with one BLOCK_K
-            assert all(K.matmul_config(dtype, n, k, m) == small for m in (1, 2, 17, gemm.SMALL_M))
-            assert all(K.matmul_config(dtype, n, k, m) == large for m in (gemm.SMALL_M + 1, 1000, 1 << 20))
-            assert small.BLOCK_K == large.BLOCK_K >= 16, (dtype, n, k, small, large)
+            # every M of a bucket gets its config; all buckets share one BLOCK_K
+            assert all(K.matmul_config(dtype, n, k, m) == tiny for m in (1, 2, 7, gemm.TINY_M))
+            assert all(K.matmul_config(dtype, n, k, m) == small for m in (gemm.TINY_M + 1, gemm.SMALL_M, limit))
+            assert all(K.matmul_config(dtype, n, k, m) == large for m in (limit + 1, 1000, 1 << 20))
+            assert tiny.BLOCK_K == small.BLOCK_K == large.BLOCK_K >= 16, (dtype, n, k, small, large)
             assert small.BLOCK_M % 64 == 0 and large.BLOCK_M % 64 == 0
+            # the tiny bucket: the small-M config, or 16-row tiles computed transposed (64 w rows per wgmma)
+            assert tiny == small or (tiny.BLOCK_M == 16 and tiny.BLOCK_N % 64 == 0), (n, k, tiny)
+            # launches that cannot swap (SwiGLU epilogue, [K, N] weights) keep the small-M config
+            assert K.matmul_config(dtype, n, k, 1, swapped_ok=False) == small
             if dtype == torch.float32:
-                assert small == large
-    # decode-sized batches of a small-N layer run narrower tiles than its large-M config
+                assert tiny == small == large
+    # decode-sized batches of a small-N layer run narrower tiles than its large-M config, up to 256 rows
     assert K.matmul_config(torch.bfloat16, 1024, 3072, 1).BLOCK_N < K.matmul_config(torch.bfloat16, 1024, 3072, 4096).BLOCK_N
+    assert K.matmul_config(torch.bfloat16, 1024, 3072, 256) == K.matmul_config(torch.bfloat16, 1024, 3072, 64)
+    assert K.matmul_config(torch.bfloat16, 1024, 2048, 1).BLOCK_M == 16  # swapped at decode batches of <= 16
     with pytest.raises(TypeError, match="not supported"):
         K.matmul_config(torch.float64, 8, 8, 1)
 
@@ -207,7 +216,7 @@ def test_float32_logits_full_vocab_gpu(k):
     assert torch.equal(K.matmul(x[:33], w, out_dtype=torch.float32), y[:33])
 
 
-GPU_MS = (1, 2, 7, 16, 33, 64, 128, 255, 1024, 2048, 4097)
+GPU_MS = (1, 2, 7, 16, 17, 33, 64, 65, 128, 255, 256, 257, 1024, 2048, 4097)  # the edges of the M buckets
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -264,6 +273,8 @@ def test_linear_silu_mul_bf16_under_the_interpreter_takes_the_two_calls(interpre
     (torch.bfloat16, 6144, 2560, False, None),    # Qwen3-4B fused qkv
     (torch.bfloat16, 2560, 9728, False, None),    # Qwen3-4B down
     (torch.bfloat16, 1024, 3072, True, None),     # Qwen3-0.6B down, with bias
+    (torch.bfloat16, 1024, 2048, False, None),    # Qwen3-0.6B o_proj (swapped tiles to 16 rows, narrow to 256)
+    (torch.bfloat16, 6144, 1024, False, None),    # Qwen3-0.6B gate_up
     (torch.bfloat16, 1024, 4096, False, None),    # Qwen3-0.6B qkv's input-gradient shape (128x256x64 tiles)
     (torch.bfloat16, 4099, 2560, False, torch.float32),  # lm-head-like: odd N, float32 logits
     (torch.bfloat16, 1000, 1001, False, None),    # K rows not 16-byte aligned: pointer path
