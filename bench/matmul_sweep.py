@@ -58,6 +58,11 @@ CANDIDATES = {
     "m64n32k256w4s4": (64, 32, 256, 4, 4, True, True),
     "m64n64k128w4s5": (64, 64, 128, 4, 5, True, True),
     "m64n32k64w4s10": (64, 32, 64, 4, 10, True, True),
+    # round 7: swapped tiles (BLOCK_M < 64: w's 64 rows on the wgmma's M side, x's rows padded to 16) for
+    # batches of at most 16 rows
+    "m16n64k128w4s4": (16, 64, 128, 4, 4, True, True),
+    "m16n64k128w4s6": (16, 64, 128, 4, 6, True, True),
+    "m16n64k128w4s8": (16, 64, 128, 4, 8, True, True),
 }
 
 

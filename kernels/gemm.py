@@ -12,14 +12,16 @@ Invariance contract: the bits of ``out[m, :]`` depend only on ``x[m, :]``, ``w``
 never on M, on the other rows, or on where row m sits in the batch. The kernel guarantees it by
 construction:
 
-* one ``BLOCK_K`` per (dtype, N, K) and every tile a Hopper wgmma (``BLOCK_M`` 64 or 128), so an
-  output element is the same chain of k16 tensor-core steps in increasing K whatever the tile shape.
-  The tile shape itself (:func:`matmul_config`) comes from one of two fixed configs of the shape:
-  one for decode-sized batches (``M <= SMALL_M``) and one beyond, both with that ``BLOCK_K``. No
-  autotune, no other dependence on M. On the GPU the tests prove the two configs' bits equal
-  across the edge (``tests/kernels/test_matmul.py``: M from 1 to 4097); under the interpreter each
-  BLOCK_K tile's product is exact (float64) and rounded once into the float32 accumulator, so the
-  shared BLOCK_K is what keeps the bits there;
+* one ``BLOCK_K`` per (dtype, N, K) and every tile a Hopper wgmma with 64 or 128 rows on its M side,
+  so an output element is the same chain of k16 tensor-core steps in increasing K whatever the tile
+  shape. The tile shape itself (:func:`matmul_config`) comes from at most three fixed configs of the
+  shape, all with that ``BLOCK_K``: swapped 16-row tiles for ``M <= TINY_M`` (w's rows on the wgmma's
+  M side, x's rows on its N side: the same products in the same chain, operands on the other sides),
+  narrow tiles up to ``small_m_limit(N, K)`` rows (64, or 256 for a few shapes) and wide ones beyond.
+  No autotune, no other dependence on M. On the GPU the tests prove the configs' bits equal across
+  the edges (``tests/kernels/test_matmul.py``: M from 1 to 4097); under the interpreter each BLOCK_K
+  tile's product is exact (float64) and rounded once into the float32 accumulator, so the shared
+  BLOCK_K is what keeps the bits there;
 * every tile runs the full K loop in one program, in increasing K order, into one float32
   accumulator: no split-K or stream-K, whose partial sums (and their number) would depend on
   how many tiles the launch has;
@@ -182,7 +184,7 @@ def _matmul_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Config table: per (dtype, N, K) one BLOCK_K and two tile shapes (M <= SMALL_M and beyond)
+# Config table: per (dtype, N, K) one BLOCK_K and up to three tile shapes (swapped tiny-M, small-M, large-M)
 # --------------------------------------------------------------------------------------------
 
 
