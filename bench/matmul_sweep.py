@@ -63,6 +63,8 @@ CANDIDATES = {
     "m16n64k128w4s4": (16, 64, 128, 4, 4, True, True),
     "m16n64k128w4s6": (16, 64, 128, 4, 6, True, True),
     "m16n64k128w4s8": (16, 64, 128, 4, 8, True, True),
+    "m16n64k64w4s8": (16, 64, 64, 4, 8, True, True),     # the BLOCK_K-64 shapes (not yet measured)
+    "m16n64k64w4s12": (16, 64, 64, 4, 12, True, True),
 }
 
 
