@@ -29,6 +29,9 @@ log-prob's source), same card, same process: is a change of the rollout bench's 
   (:func:`rlperf.kernels.fused_logprob`) at every batch (``EngineConfig.logprob_from_logits_max_rows`` 0),
   where the engine's default folds the step's logits (:func:`rlperf.kernels.fused_logprob_of_logits`, the
   same bits) at every batch;
+* ``logprob beside the sampler``: the engine's ``logprob_beside_sampler``: the fold of the step's logits
+  (:func:`rlperf.kernels.fold_logits`, which needs no tokens) on a side CUDA stream beside the sampler's
+  kernels, the merge with the drawn tokens after both (the same bits);
 * ``two matmul buckets``: the products' tile configs as they were before the tiny-M and stretched small-M
   buckets (:func:`rlperf.kernels.matmul_config`): the small-M tiles for at most 64 rows, no swapped tiles
   (``gemm.TINY_M`` 0) and no shape's small-M tiles past 64 rows. The same bits (every config of a shape
@@ -73,7 +76,8 @@ class Variant(NamedTuple):
     fused log-prob's vocabulary tiles per forward split (None: its config's); fused_sampling: the
     engine's ``EngineConfig.fused_sampling``; decode_guess: decode attention's ``GUESS_ONE_QUERY``;
     logprob_from_logits_max_rows: ``EngineConfig``'s (None: its default); matmul_buckets: the products'
-    tiny-M and stretched small-M configs (False: the two buckets of before, ``two matmul buckets``)."""
+    tiny-M and stretched small-M configs (False: the two buckets of before, ``two matmul buckets``);
+    logprob_beside_sampler: ``EngineConfig``'s."""
 
     swiglu: bool | None
     kv: bool
@@ -83,6 +87,7 @@ class Variant(NamedTuple):
     decode_guess: bool = True
     logprob_from_logits_max_rows: int | None = None
     matmul_buckets: bool = True
+    logprob_beside_sampler: bool = False
 
 
 ENGINE_DEFAULT = "engine default"
@@ -92,7 +97,8 @@ VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, T
             "fused sampling": Variant(None, True, fused_sampling=True),
             "no decode guess": Variant(None, True, decode_guess=False),
             "logprob from the lm head": Variant(None, True, logprob_from_logits_max_rows=0),
-            "two matmul buckets": Variant(None, True, matmul_buckets=False)}
+            "two matmul buckets": Variant(None, True, matmul_buckets=False),
+            "logprob beside the sampler": Variant(None, True, logprob_beside_sampler=True)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
@@ -224,7 +230,8 @@ def main(argv=None) -> int:
             with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),
                             fused_sampling=v.fused_sampling,
-                            logprob_from_logits_max_rows=v.logprob_from_logits_max_rows)
+                            logprob_from_logits_max_rows=v.logprob_from_logits_max_rows,
+                            logprob_beside_sampler=v.logprob_beside_sampler)
                 if args.prefill:
                     prefill_case(model, args.prefill, PROMPT, reps=1)
         for r, order in enumerate(timing_orders(list(variants), args.rounds), 1):
@@ -235,7 +242,8 @@ def main(argv=None) -> int:
                     for b in batches:
                         d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),
                                         fused_sampling=v.fused_sampling,
-                                        logprob_from_logits_max_rows=v.logprob_from_logits_max_rows)
+                                        logprob_from_logits_max_rows=v.logprob_from_logits_max_rows,
+                                        logprob_beside_sampler=v.logprob_beside_sampler)
                         row.setdefault(f"decode B={b}", []).append(d["ms"])
                         print(f"fusion_ab: round {r}: {name}: decode B={b} {d['ms']:.3f} ms "
                               f"({d['launches'].kernels if d['launches'] else '?'} kernels per step)", flush=True)

@@ -98,18 +98,19 @@ def _requests(engine: Engine, batch: int, prompt_len: int, new_tokens: int, seed
 
 def decoding_engine(model, batch: int, prompt_len: int, new_tokens: int, graph_bs: int = 0, warmup: int = 3,
                     attention_backend: str = "rlperf", overlap_schedule: bool = True,
-                    fused_sampling: bool = False, logprob_from_logits_max_rows: int | None = None) -> Engine:
+                    fused_sampling: bool = False, logprob_from_logits_max_rows: int | None = None,
+                    logprob_beside_sampler: bool = False) -> Engine:
     """An engine whose ``batch`` requests (byte prompts of ``prompt_len``) are all decoding: prefilled
     until each has its first token, then ``warmup`` decode steps (graph capture and kernel compilation
     stay out of what the caller times). ``attention_backend``: ``EngineConfig.attention_backend``
     (``flashinfer``: FlashInfer's attention in fast mode; FlashInferUnavailable where it cannot run);
-    ``overlap_schedule``, ``fused_sampling``, ``logprob_from_logits_max_rows`` (None: the default):
-    ``EngineConfig``'s."""
+    ``overlap_schedule``, ``fused_sampling``, ``logprob_from_logits_max_rows`` (None: the default),
+    ``logprob_beside_sampler``: ``EngineConfig``'s."""
     P = K.PAGE_SIZE
     cfg = EngineConfig(max_running_requests=batch, chunked_prefill_size=max(8192, prompt_len),
                        max_total_tokens=batch * (-(-(prompt_len + new_tokens) // P) * P), cuda_graph_max_bs=graph_bs,
                        attention_backend=attention_backend, overlap_schedule=overlap_schedule,
-                       fused_sampling=fused_sampling,
+                       fused_sampling=fused_sampling, logprob_beside_sampler=logprob_beside_sampler,
                        **({} if logprob_from_logits_max_rows is None
                           else {"logprob_from_logits_max_rows": logprob_from_logits_max_rows}))
     engine = Engine(model, ByteTokenizer(model.cfg.vocab_size), cfg)
@@ -123,7 +124,8 @@ def decoding_engine(model, batch: int, prompt_len: int, new_tokens: int, graph_b
 
 def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int, graph_bs: int = 0,
                 warmup: int = 3, attention_backend: str = "rlperf", overlap_schedule: bool = True,
-                fused_sampling: bool = False, logprob_from_logits_max_rows: int | None = None) -> dict:
+                fused_sampling: bool = False, logprob_from_logits_max_rows: int | None = None,
+                logprob_beside_sampler: bool = False) -> dict:
     """Mean wall ms of a decode step of ``batch`` sequences, the mean cached tokens per sequence, and
     the kernel launches of one more decode step after the timed ones (:func:`measure_launches`: None
     without CUDA). With the engine's overlap (``EngineConfig.overlap_schedule``) the warm engine has a
@@ -133,7 +135,7 @@ def decode_case(model, batch: int, prompt_len: int, new_tokens: int, steps: int,
         raise ValueError(f"{steps} timed + {warmup} warm-up steps + 1 counted step need more than {new_tokens} "
                          f"new tokens")
     engine = decoding_engine(model, batch, prompt_len, new_tokens, graph_bs, warmup, attention_backend, overlap_schedule,
-                             fused_sampling, logprob_from_logits_max_rows)
+                             fused_sampling, logprob_from_logits_max_rows, logprob_beside_sampler)
     kv_before = sum(r.num_cached for r in engine.running) / batch
     _sync(model.device)
     t0 = time.perf_counter()

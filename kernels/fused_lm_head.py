@@ -244,7 +244,7 @@ def _fwd_partials_kernel(
 
 @triton.jit(do_not_specialize=["N", "num_m_tiles"])
 def _fwd_partials_of_logits_kernel(
-    logits, logits_ptr, tgt_ptr, pm_ptr, ps_ptr, pt_ptr, pz_ptr,
+    logits, logits_ptr, pm_ptr, ps_ptr, pt_ptr,
     N, V, stride_l, c, zero, num_m_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr, OPERAND: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -262,14 +262,15 @@ def _fwd_partials_of_logits_kernel(
     * **Loads.** ``USE_TMA``: ``logits`` is a tensor descriptor of [BLOCK_M, BLOCK_N] boxes, which lands a
       tile in shared memory and from there straight in the accumulator layout (rows past N and columns past
       V arrive as zeros). Otherwise ``logits`` is ``logits_ptr`` and the tile loads by masked pointers.
-    * **Target logit.** The partials kernel sums ``where(column == target, x, 0)`` over each tile: zeros
-      and, in the target's split, its logit, i.e. exactly that logit ``+ 0.0``. Here it is read once per
-      split from ``logits_ptr`` (``+ 0.0``, as the mask add), not compared against every column.
+    * **No target.** The partials kernel also sums ``where(column == target, x, 0)`` over each tile: zeros
+      and, in the target's split, its logit, i.e. exactly that logit ``+ 0.0``. Here the split merge reads
+      that logit from the logits instead (``_fwd_combine_kernel``'s GATHER_TARGET), so these partials do not
+      depend on the targets and can be computed before the tokens are drawn.
 
     Rows past N are never stored."""
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     pid_m, pid_s, offs_m, rows, v_begin, v_end = _split_program(N, V, num_m_tiles, BLOCK_M, BLOCK_N, SPLIT_TILES)
-    m, s, t, tz = _fresh_stats(BLOCK_M)
+    m, s, t, _ = _fresh_stats(BLOCK_M)
     za = (tl.zeros([BLOCK_M, 16], tl.float32) + zero).to(OPERAND)
     zb = (tl.zeros([16, BLOCK_N], tl.float32) + zero).to(OPERAND)
     row_ptrs = logits_ptr + rows.to(tl.int64) * stride_l
@@ -284,10 +285,11 @@ def _fwd_partials_of_logits_kernel(
         if n0 + BLOCK_N > V:  # only the vocabulary's last tile has columns past V: _raw_logits' mask
             x = x + tl.where(n0 + tl.arange(0, BLOCK_N) < V, 0.0, float("-inf"))[None, :]
         m, s, t = online_lse_update(m, s, t, x, c, False)
-    tgt = tl.load(tgt_ptr + rows)
-    in_split = (tgt >= v_begin) & (tgt < v_end) & (offs_m < N)
-    tz = tl.where(in_split, tl.load(row_ptrs + tgt, mask=in_split, other=0.0) + 0.0, 0.0)
-    _store_partials(pm_ptr, ps_ptr, pt_ptr, pz_ptr, m, s, t, tz, pid_s, offs_m, N)
+    out = pid_s * N + offs_m
+    keep = offs_m < N
+    tl.store(pm_ptr + out, m, mask=keep)
+    tl.store(ps_ptr + out, s, mask=keep)
+    tl.store(pt_ptr + out, t, mask=keep)
 
 
 @triton.jit
@@ -312,14 +314,17 @@ def _merge_split(m, s, t, pm_ptr, ps_ptr, pt_ptr, at, keep, c, WITH_ENTROPY: tl.
 
 @triton.jit(do_not_specialize=["N"])
 def _fwd_combine_kernel(
-    pm_ptr, ps_ptr, pt_ptr, pz_ptr, tgt_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr,
-    N, num_splits, v_total, inv_t, c,
-    BLOCK: tl.constexpr, WITH_ENTROPY: tl.constexpr, FINAL: tl.constexpr,
+    pm_ptr, ps_ptr, pt_ptr, pz_ptr, tgt_ptr, logits_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr,
+    N, num_splits, v_total, stride_l, inv_t, c,
+    BLOCK: tl.constexpr, WITH_ENTROPY: tl.constexpr, FINAL: tl.constexpr, GATHER_TARGET: tl.constexpr = False,
 ):
     """Merge the splits of each token in split order (raw units, as the online update).
 
     FINAL: (logp, entropy, lse) into o0..o2 (lse in temperature-scaled units, for backward).
     Else the local raw (m, s, t, target logit) into o0..o3, for the tensor-parallel all-reduce.
+    GATHER_TARGET (FINAL only): the target logit is read from ``logits_ptr`` [N, V] (row stride ``stride_l``)
+    instead of summed from the splits' ``pz``. The same value: the splits hold +0.0 but the target's, which
+    holds its logit + 0.0, so their sum in split order is that logit + 0.0.
     """
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -330,11 +335,15 @@ def _fwd_combine_kernel(
     tz = tl.zeros([BLOCK], tl.float32)
     for sp in tl.range(0, num_splits, num_stages=_COMBINE_STAGES):
         m, s, t = _merge_split(m, s, t, pm_ptr, ps_ptr, pt_ptr, sp * N + offs, keep, c, WITH_ENTROPY)
-        tz += tl.load(pz_ptr + sp * N + offs, mask=keep, other=0.0)
+        if not GATHER_TARGET:
+            tz += tl.load(pz_ptr + sp * N + offs, mask=keep, other=0.0)
     if FINAL:
         tgt = tl.load(tgt_ptr + offs, mask=keep, other=0)
         log_s = tl.log(s)
         valid = (tgt >= 0) & (tgt < v_total)
+        if GATHER_TARGET:
+            row = offs.to(tl.int64) * stride_l
+            tz = tl.where(valid, tl.load(logits_ptr + row + tgt, mask=keep & valid, other=0.0) + 0.0, 0.0)
         tl.store(o0_ptr + offs, tl.where(valid, (tz - m) * inv_t - log_s, float("nan")), mask=keep)
         if WITH_ENTROPY:
             tl.store(o1_ptr + offs, log_s - (t / s) * inv_t, mask=keep)
@@ -522,16 +531,19 @@ def _local_stats(hidden, weight, targets, inv_t, v_offset, v_total, with_entropy
 
 
 def _merge_splits(parts: torch.Tensor, targets: torch.Tensor, v_total: int, inv_t: float, with_entropy: bool,
-                  final: bool) -> torch.Tensor:
+                  final: bool, logits: torch.Tensor | None = None) -> torch.Tensor:
     """The split partials ``parts`` [4, n_splits, N] (max, sum-exp, entropy-sum, target logit) merged per
     token in split order (:func:`_fwd_combine_kernel`): [4, N] float32, rows (logp, entropy, lse, -) when
-    ``final``, else the local (m, s, t, tz)."""
+    ``final``, else the local (m, s, t, tz). ``logits`` [N, V] (``final`` only): the target logits are read
+    from them, not from ``parts[3]`` (the same values: the kernel's GATHER_TARGET)."""
     _, num_splits, N = parts.shape
     outs = torch.empty((4, N), dtype=torch.float32, device=parts.device)
     _fwd_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
-        parts[0], parts[1], parts[2], parts[3], targets, outs[0], outs[1], outs[2], outs[3],
-        N, num_splits, v_total, inv_t, inv_t * LOG2E,
-        BLOCK=_COMBINE_BLOCK, WITH_ENTROPY=with_entropy, FINAL=final, num_warps=4, **launch_options(parts.device),
+        parts[0], parts[1], parts[2], parts[3], targets, parts[3] if logits is None else logits,
+        outs[0], outs[1], outs[2], outs[3],
+        N, num_splits, v_total, 0 if logits is None else logits.stride(0), inv_t, inv_t * LOG2E,
+        BLOCK=_COMBINE_BLOCK, WITH_ENTROPY=with_entropy, FINAL=final, GATHER_TARGET=logits is not None,
+        num_warps=4, **launch_options(parts.device),
     )
     return outs
 
@@ -562,10 +574,75 @@ def logits_give_fused_logprob(weight: torch.Tensor) -> bool:
     return how == "triton"
 
 
+@dataclasses.dataclass(frozen=True)
+class LogitsFold:
+    """The target-free half of :func:`fused_logprob_of_logits`: each row's split partials (max, sum-exp) of
+    ``logits`` at ``inv_t`` = 1 / T, [4, n_splits, N] float32 in ``parts`` (rows 2 and 3 unused), for
+    :func:`logprob_of_fold` to merge once the targets are known."""
+
+    parts: torch.Tensor
+    logits: torch.Tensor
+    inv_t: float
+
+
+def _check_logits(logits: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    if dtype not in _OPERAND:
+        raise TypeError(f"{what}: dtype {dtype} must be a 16-bit lm-head dtype (bfloat16, float16)")
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"{what}: logits must be [N, V] float32, got {list(logits.shape)} {logits.dtype}")
+    if route("fused_logprob", logits.device, stock_ok=False) not in ("triton", "interpreter"):
+        raise RuntimeError(f"{what}: needs the Triton kernels (CUDA, or TRITON_INTERPRET=1 on CPU)")
+
+
+def fold_logits(logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> LogitsFold:
+    """The first half of :func:`fused_logprob_of_logits`, which needs no targets: every split's partials of
+    ``logits`` [N, V] float32 (the lm-head product of a 16-bit ``dtype`` head) at ``temperature``, one
+    launch of :func:`_fwd_partials_of_logits_kernel`. A step can run it before (or beside) drawing its tokens;
+    :func:`logprob_of_fold` then gives the log-probs of the drawn tokens."""
+    T = _check_temperature(temperature)
+    _check_logits(logits, dtype, "fold_logits")
+    N, V = logits.shape
+    cfg = fused_config(dtype)
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    inv_t = 1.0 / T
+    num_m = triton.cdiv(N, _OF_LOGITS_BLOCK_M)
+    num_splits = triton.cdiv(V, cfg.SPLIT_TILES * cfg.BLOCK_N)
+    parts = torch.empty((4, num_splits, N), dtype=torch.float32, device=x.device)
+    if N == 0:
+        return LogitsFold(parts, x, inv_t)
+    # TMA when the rows are 16-byte aligned (V % 4 == 0, e.g. every Qwen3 vocabulary): a function of V only
+    use_tma = (TensorDescriptor is not None and (x.stride(0) * 4) % 16 == 0 and x.data_ptr() % 16 == 0
+               and (not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9))
+    src = TensorDescriptor.from_tensor(x, [_OF_LOGITS_BLOCK_M, cfg.BLOCK_N]) if use_tma else x
+    _fwd_partials_of_logits_kernel[(num_m * num_splits,)](
+        src, x, parts[0], parts[1], parts[2], N, V, x.stride(0), inv_t * LOG2E, 0.0, num_m,
+        BLOCK_M=_OF_LOGITS_BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT_TILES=cfg.SPLIT_TILES, OPERAND=_OPERAND[dtype],
+        USE_TMA=use_tma, num_warps=_OF_LOGITS_BLOCK_M // 16, **launch_options(x.device),
+    )
+    return LogitsFold(parts, x, inv_t)
+
+
+def logprob_of_fold(fold: LogitsFold, targets: torch.Tensor) -> torch.Tensor:
+    """The second half of :func:`fused_logprob_of_logits`: the log-probs [N] float32 of ``targets`` [N]
+    (integer ids; NaN outside [0, V)) from ``fold`` (:func:`fold_logits`), its splits merged in order and each
+    target's logit read from the folded logits: one launch of :func:`_fwd_combine_kernel`."""
+    N, V = fold.logits.shape
+    if targets.shape != (N,) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"logprob_of_fold: targets must be [{N}] integer ids, got {list(targets.shape)} "
+                         f"{targets.dtype}")
+    if targets.device != fold.logits.device:
+        raise ValueError(f"logprob_of_fold: logits on {fold.logits.device}, targets on {targets.device}")
+    if N == 0:
+        return fold.logits.new_zeros(0)
+    tgt = targets.to(torch.int64).contiguous()
+    return _merge_splits(fold.parts, tgt, V, fold.inv_t, False, True, logits=fold.logits)[0].clamp_(max=0.0)
+
+
 def fused_logprob_of_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                             dtype: torch.dtype) -> torch.Tensor:
     """:func:`fused_logprob`'s log-probs [N] float32 (no entropy, no autograd) from the logits the lm-head
-    product already wrote, instead of a second pass over the lm head.
+    product already wrote, instead of a second pass over the lm head: :func:`fold_logits` then
+    :func:`logprob_of_fold` (its clamp to <= 0 included, as ``fused_logprob``'s).
 
     ``logits`` [N, V] float32 must be ``rlperf.kernels.linear(hidden, weight, out_dtype=torch.float32)`` of a
     16-bit ``weight`` of ``dtype`` on the Triton kernels (CUDA, or the interpreter); ``targets`` [N] integer
@@ -575,39 +652,15 @@ def fused_logprob_of_logits(logits: torch.Tensor, targets: torch.Tensor, tempera
     splits, update and reduction layout, then the same combine. What it reads is the [N, V] logits, where
     the fused pass reads the [V, H] lm head: at decode batches (N <= a few hundred) far fewer bytes.
     """
-    T = _check_temperature(temperature)
-    if dtype not in _OPERAND:
-        raise TypeError(f"fused_logprob_of_logits: dtype {dtype} must be a 16-bit lm-head dtype (bfloat16, float16)")
-    if logits.dim() != 2 or logits.dtype != torch.float32:
-        raise ValueError(f"fused_logprob_of_logits: logits must be [N, V] float32, got {list(logits.shape)} "
-                         f"{logits.dtype}")
-    N, V = logits.shape
+    _check_temperature(temperature)
+    _check_logits(logits, dtype, "fused_logprob_of_logits")
+    N = logits.shape[0]
     if targets.shape != (N,) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise ValueError(f"fused_logprob_of_logits: targets must be [{N}] integer ids, got {list(targets.shape)} "
                          f"{targets.dtype}")
     if targets.device != logits.device:
         raise ValueError(f"fused_logprob_of_logits: logits on {logits.device}, targets on {targets.device}")
-    if route("fused_logprob", logits.device, stock_ok=False) not in ("triton", "interpreter"):
-        raise RuntimeError("fused_logprob_of_logits: needs the Triton kernels (CUDA, or TRITON_INTERPRET=1 on CPU)")
-    if N == 0:
-        return logits.new_zeros(0)
-    cfg = fused_config(dtype)
-    x = logits if logits.stride(1) == 1 else logits.contiguous()
-    tgt = targets.to(torch.int64).contiguous()
-    inv_t = 1.0 / T
-    num_m = triton.cdiv(N, _OF_LOGITS_BLOCK_M)
-    num_splits = triton.cdiv(V, cfg.SPLIT_TILES * cfg.BLOCK_N)
-    parts = torch.empty((4, num_splits, N), dtype=torch.float32, device=x.device)
-    # TMA when the rows are 16-byte aligned (V % 4 == 0, e.g. every Qwen3 vocabulary): a function of V only
-    use_tma = (TensorDescriptor is not None and (x.stride(0) * 4) % 16 == 0 and x.data_ptr() % 16 == 0
-               and (not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9))
-    src = TensorDescriptor.from_tensor(x, [_OF_LOGITS_BLOCK_M, cfg.BLOCK_N]) if use_tma else x
-    _fwd_partials_of_logits_kernel[(num_m * num_splits,)](
-        src, x, tgt, parts[0], parts[1], parts[2], parts[3], N, V, x.stride(0), inv_t * LOG2E, 0.0, num_m,
-        BLOCK_M=_OF_LOGITS_BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT_TILES=cfg.SPLIT_TILES, OPERAND=_OPERAND[dtype],
-        USE_TMA=use_tma, num_warps=_OF_LOGITS_BLOCK_M // 16, **launch_options(x.device),
-    )
-    return _merge_splits(parts, tgt, V, inv_t, False, True)[0].clamp_(max=0.0)  # fused_logprob's clamp
+    return logprob_of_fold(fold_logits(logits, temperature, dtype), targets)
 
 
 def _tp_layout(weight: torch.Tensor, group) -> tuple[int, int]:

@@ -13,10 +13,10 @@ from rlperf.model.qwen3 import Qwen3ForCausalLM
 from rlperf.rollout.engine import EngineConfig
 
 
-def _decoded(model, fused_sampling=False, logprob_rows=None):
+def _decoded(model, fused_sampling=False, logprob_rows=None, beside=False):
     engine = decoding_engine(model, batch=2, prompt_len=5, new_tokens=4, warmup=1, fused_sampling=fused_sampling,
-                             logprob_from_logits_max_rows=logprob_rows)
-    assert engine.config.fused_sampling is fused_sampling
+                             logprob_from_logits_max_rows=logprob_rows, logprob_beside_sampler=beside)
+    assert engine.config.fused_sampling is fused_sampling and engine.config.logprob_beside_sampler is beside
     default = EngineConfig().logprob_from_logits_max_rows
     assert engine.config.logprob_from_logits_max_rows == (default if logprob_rows is None else logprob_rows)
     engine.step()
@@ -55,7 +55,10 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     assert variants["logprob from the lm head"].logprob_from_logits_max_rows == 0
     assert not variants["two matmul buckets"].matmul_buckets and variants[fusion_ab.ENGINE_DEFAULT].matmul_buckets
     buckets = gemm.TINY_M, dict(gemm._SMALL_M_UP_TO)
-    for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets) in variants.items():
+    assert variants["logprob beside the sampler"].logprob_beside_sampler
+    assert not variants[fusion_ab.ENGINE_DEFAULT].logprob_beside_sampler
+    for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets,
+               beside) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
         with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets), K.use_backend("reference"):
@@ -65,7 +68,7 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
             assert all(fused_lm_head.fused_config(d).SPLIT_TILES == (split or c.SPLIT_TILES)
                        for d, c in configs.items()), name
             assert pipeline._pdl_on is pdl, name  # the launches' setting (a no-op on the CPU)
-            tokens[name] = _decoded(model, fused_sampling, logprob_rows)
+            tokens[name] = _decoded(model, fused_sampling, logprob_rows, beside)
         assert pipeline._pdl_on is setting, name  # restored
         assert fused_lm_head._CONFIGS == configs, name
         assert all(c["GUESS_ONE_QUERY"] for c in decode_configs), name  # restored

@@ -248,6 +248,12 @@ class EngineConfig:
     head's product gives the fused tile's logit bits (docs/kernels.md). Off by default: on an H200 the decode
     step took 1.11-1.27x the two passes' time at B = 1 to 256
     (``python -m rlperf.bench.fusion_ab --variants 'fused sampling'``, bench/BENCHMARKS.md)."""
+    logprob_beside_sampler: bool = False
+    """Where a step folds its logits for the log-probs (``logprob_from_logits_max_rows``) with one temperature
+    on a GPU: run the fold (:func:`rlperf.kernels.fold_logits`, which needs no tokens) on a side CUDA stream
+    beside the sampler's kernels, then merge it with the drawn tokens (:func:`rlperf.kernels.logprob_of_fold`),
+    instead of folding after the draw. The same kernels on the same logits, so the same bits. Off by default:
+    not yet measured (``python -m rlperf.bench.fusion_ab --variants 'logprob beside the sampler'``)."""
     logprob_from_logits_max_rows: int = 1 << 30
     """A step of at most this many sampled rows (default: every step) computes their log-probs from its
     [B, V] float32 logits (:func:`rlperf.kernels.fused_logprob_of_logits`) where those are
@@ -381,6 +387,7 @@ class Engine:
             attention = FlashInferAttention(mcfg, self.kv.page_size, dtype, device, max_pages=max_pages)
         self.attention = attention
         self._sampling_rows: _SamplingRows | None = None  # the last batch composition's (_sample)
+        self._fold_stream = None  # the side CUDA stream of EngineConfig.logprob_beside_sampler (_sample)
         self.graphs = None
         if cfg.cuda_graph_max_bs > 0:
             from .cuda_graph import DecodeGraphs
@@ -679,14 +686,17 @@ class Engine:
             return self._launched(reqs, tokens, logprobs, graphed)
         if logits is None:
             logits = self.model.logits(hidden)
-        tokens = K.sample(logits, rows.floats[0], rows.floats[1], rows.ints[0], rows.ints[1], counters,
-                          check_values=False, filtered=rows.filtered)
         # the trainer's log-prob bits (its kernel on the same hidden rows, or the same folding of the logits
         # in hand); one temperature per call, and a row's bits do not depend on the other rows of the
         # launch, so grouping is exact
         tree = getattr(self.model, "reduction_leaves", None) is not None  # tensor-parallel-invariant tree mode
         of_logits = (not tree and B <= self.config.logprob_from_logits_max_rows
                      and self._logits_are_the_fused_tiles(weight))
+        if of_logits and len(groups) == 1 and self.config.logprob_beside_sampler and logits.is_cuda:
+            return self._sample_beside_fold(logits, rows, counters, groups[0] if groups[0] > 0 else 1.0, weight.dtype,
+                                            reqs, graphed)
+        tokens = K.sample(logits, rows.floats[0], rows.floats[1], rows.ints[0], rows.ints[1], counters,
+                          check_values=False, filtered=rows.filtered)
 
         def logprob(rows, tok, t):  # rows None: every row of the step
             if tree:
@@ -703,6 +713,23 @@ class Engine:
                 rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=dev)
                 logprobs[rows] = logprob(rows, tokens[rows], t if t > 0 else 1.0)
         return self._launched(reqs, tokens, logprobs, graphed)
+
+    def _sample_beside_fold(self, logits: torch.Tensor, rows: _SamplingRows, counters: torch.Tensor, temperature: float,
+                            dtype: torch.dtype, reqs: list[Request], graphed: bool) -> _Sampled:
+        """:meth:`_sample`'s draw and folded log-probs with the fold on a side stream beside the sampler
+        (``EngineConfig.logprob_beside_sampler``): both read ``logits``; the merge waits for both."""
+        main = torch.cuda.current_stream(logits.device)
+        if self._fold_stream is None or self._fold_stream.device != logits.device:
+            self._fold_stream = torch.cuda.Stream(device=logits.device)
+        side = self._fold_stream
+        side.wait_stream(main)  # the logits are written
+        with torch.cuda.stream(side):
+            fold = K.fold_logits(logits, temperature, dtype)
+        fold.parts.record_stream(main)  # allocated on the side stream, read by the merge on this one
+        tokens = K.sample(logits, rows.floats[0], rows.floats[1], rows.ints[0], rows.ints[1], counters,
+                          check_values=False, filtered=rows.filtered)
+        main.wait_stream(side)
+        return self._launched(reqs, tokens, K.logprob_of_fold(fold, tokens), graphed)
 
     def _launched(self, reqs: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor, graphed: bool) -> _Sampled:
         """The step's tokens [B] int64 and log-probs [B] float32 on the device, on their way to the host."""

@@ -399,6 +399,22 @@ def test_fused_logprob_of_logits_is_fused_logprob(interpreter, dtype, N, V, H):
                            want[-1:].nan_to_num(1.0))
 
 
+def test_fold_then_targets_is_fused_logprob_of_logits(interpreter):
+    """The fold needs no targets: its partials, merged afterwards for two different target sets, give each
+    set's fused_logprob bits (the merge reads the targets' logits)."""
+    hidden, weight, targets = _of_logits_case(7, 16500, 64, torch.float16, "cpu", seed=3)
+    logits = K.linear(hidden, weight, out_dtype=torch.float32)
+    fold = K.fold_logits(logits, 0.7, torch.float16)
+    for tg in (targets, torch.flip(targets, [0]) % 16500):
+        got = K.logprob_of_fold(fold, tg)
+        want = K.fused_logprob(hidden, weight, tg, 0.7)
+        assert torch.equal(got.nan_to_num(1.0), want.nan_to_num(1.0))
+        assert torch.equal(got.nan_to_num(1.0), K.fused_logprob_of_logits(logits, tg, 0.7, torch.float16).nan_to_num(1.0))
+    with pytest.raises(ValueError, match="targets"):
+        K.logprob_of_fold(fold, targets[:3])
+    assert K.logprob_of_fold(K.fold_logits(logits[:0], 1.0, torch.float16), targets[:0]).shape == (0,)
+
+
 def test_fused_logprob_of_logits_refuses_what_it_cannot_match(interpreter):
     hidden, weight, targets = _of_logits_case(3, 16500, 64, torch.float16, "cpu")
     logits = K.linear(hidden, weight, out_dtype=torch.float32)

@@ -760,3 +760,22 @@ def test_gpu_bf16_graphed_fused_sampling_gives_the_default_engines_tokens_and_lo
                                                      fused_sampling=fused)).generate(prompts, params)]
                     for fused in (False, True)]
         assert runs[0] == runs[1], t
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_fold_beside_the_sampler_gives_the_default_engines_tokens_and_log_probs():
+    """``logprob_beside_sampler`` (the logits' fold on a side stream while the sampler runs, merged with the
+    drawn tokens after both) gives the default engine's tokens and log-probs bit for bit, with decode graphs,
+    for one temperature and for a batch of two (which folds after the draw, per temperature)."""
+    model = Qwen3ForCausalLM.random(preset("qwen3-0.6b"), seed=0, dtype=torch.bfloat16, device="cuda")
+    tok = ByteTokenizer(model.cfg.vocab_size)
+    prompts = _prompts(24, seed=6, lo=20, hi=300)
+    for temps in ((0.8,), (1.0, 0.5)):
+        params = [SamplingParams(max_new_tokens=40, temperature=temps[i % len(temps)], seed=200 + i, ignore_eos=True)
+                  for i in range(24)]
+        with K.use_backend(None):
+            runs = [[(r.output_ids, r.output_logprobs) for r in
+                     Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, cuda_graph_max_bs=32,
+                                                     logprob_beside_sampler=beside)).generate(prompts, params)]
+                    for beside in (False, True)]
+        assert runs[0] == runs[1], temps
