@@ -449,6 +449,11 @@ DECODE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, PREFETCH_PAGE
     (64, 128, 4, 1, True, False, True, True), (64, 128, 4, 1, True, False, False, True),
     (64, 128, 4, 2, True, False, False, True), (64, 128, 4, 1, False, False, False, True),
     (64, 128, 8, 1, True, False, False, True),
+    # 16- and 32-row tiles (mma.sync, not wgmma): far fewer registers, so more programs per SM. The 4-warp
+    # 16-row form differed from the prefill in a few rows before (kernels/attention.py); with one warp a
+    # row's lanes are those of the wgmma layout's, which is what this pair asks.
+    (16, 128, 1, 1, True, False, True, True), (16, 128, 1, 2, True, False, True, True),
+    (16, 128, 4, 1, True, False, True, True), (32, 128, 2, 1, True, False, True, True),
 ]
 DECODE_SWEEP_CASES = ((1, 540), (16, 540), (64, 540), (256, 540), (64, 4096))
 """(batch, KV length) of the decode sweep: ``rlperf bench rollout``'s decode (prompt 512 and a few dozen
