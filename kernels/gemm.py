@@ -100,8 +100,8 @@ def _matmul_kernel(
     # side and x's few rows on its narrow side (no 64-row padding of x). Each element is the same chain of
     # k16 steps over the same products, only the operands swap sides: the bits of the plain tile (GPU
     # tests; under the interpreter the float64 tile sums are exact either way).
-    SWAP_AB: tl.constexpr = BLOCK_M < 64
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
+    SWAP_AB: tl.constexpr = BLOCK_M < 64
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
