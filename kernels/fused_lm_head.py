@@ -594,6 +594,13 @@ def _check_logits(logits: torch.Tensor, dtype: torch.dtype, what: str) -> None:
         raise RuntimeError(f"{what}: needs the Triton kernels (CUDA, or TRITON_INTERPRET=1 on CPU)")
 
 
+def _check_targets(targets: torch.Tensor, N: int, device: torch.device, what: str) -> None:
+    if targets.shape != (N,) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"{what}: targets must be [{N}] integer ids, got {list(targets.shape)} {targets.dtype}")
+    if targets.device != device:
+        raise ValueError(f"{what}: logits on {device}, targets on {targets.device}")
+
+
 def fold_logits(logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> LogitsFold:
     """The first half of :func:`fused_logprob_of_logits`, which needs no targets: every split's partials of
     ``logits`` [N, V] float32 (the lm-head product of a 16-bit ``dtype`` head) at ``temperature``, one
@@ -601,6 +608,11 @@ def fold_logits(logits: torch.Tensor, temperature: float, dtype: torch.dtype) ->
     :func:`logprob_of_fold` then gives the log-probs of the drawn tokens."""
     T = _check_temperature(temperature)
     _check_logits(logits, dtype, "fold_logits")
+    return _fold(logits, T, dtype)
+
+
+def _fold(logits: torch.Tensor, T: float, dtype: torch.dtype) -> LogitsFold:
+    """:func:`fold_logits` on checked arguments."""
     N, V = logits.shape
     cfg = fused_config(dtype)
     x = logits if logits.stride(1) == 1 else logits.contiguous()
@@ -626,12 +638,13 @@ def logprob_of_fold(fold: LogitsFold, targets: torch.Tensor) -> torch.Tensor:
     """The second half of :func:`fused_logprob_of_logits`: the log-probs [N] float32 of ``targets`` [N]
     (integer ids; NaN outside [0, V)) from ``fold`` (:func:`fold_logits`), its splits merged in order and each
     target's logit read from the folded logits: one launch of :func:`_fwd_combine_kernel`."""
+    _check_targets(targets, fold.logits.shape[0], fold.logits.device, "logprob_of_fold")
+    return _merge_fold(fold, targets)
+
+
+def _merge_fold(fold: LogitsFold, targets: torch.Tensor) -> torch.Tensor:
+    """:func:`logprob_of_fold` on checked arguments."""
     N, V = fold.logits.shape
-    if targets.shape != (N,) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"logprob_of_fold: targets must be [{N}] integer ids, got {list(targets.shape)} "
-                         f"{targets.dtype}")
-    if targets.device != fold.logits.device:
-        raise ValueError(f"logprob_of_fold: logits on {fold.logits.device}, targets on {targets.device}")
     if N == 0:
         return fold.logits.new_zeros(0)
     tgt = targets.to(torch.int64).contiguous()
@@ -652,15 +665,10 @@ def fused_logprob_of_logits(logits: torch.Tensor, targets: torch.Tensor, tempera
     splits, update and reduction layout, then the same combine. What it reads is the [N, V] logits, where
     the fused pass reads the [V, H] lm head: at decode batches (N <= a few hundred) far fewer bytes.
     """
-    _check_temperature(temperature)
+    T = _check_temperature(temperature)
     _check_logits(logits, dtype, "fused_logprob_of_logits")
-    N = logits.shape[0]
-    if targets.shape != (N,) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"fused_logprob_of_logits: targets must be [{N}] integer ids, got {list(targets.shape)} "
-                         f"{targets.dtype}")
-    if targets.device != logits.device:
-        raise ValueError(f"fused_logprob_of_logits: logits on {logits.device}, targets on {targets.device}")
-    return logprob_of_fold(fold_logits(logits, temperature, dtype), targets)
+    _check_targets(targets, logits.shape[0], logits.device, "fused_logprob_of_logits")
+    return _merge_fold(_fold(logits, T, dtype), targets)
 
 
 def _tp_layout(weight: torch.Tensor, group) -> tuple[int, int]:

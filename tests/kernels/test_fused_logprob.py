@@ -371,6 +371,20 @@ def test_gpu_bf16_fused_sample_logprob_is_the_sampler_then_the_trainers_logprob(
 # ---------------------------------------------------------------------------------------------
 
 
+def _assert_of_logits_is_fused_logprob(N, V, H, dtype, device, temperatures):
+    """Fold ``linear(hidden, weight, float32)`` of a random case at each temperature: fused_logprob's bits
+    (NaN where the target is out of range)."""
+    hidden, weight, targets = _of_logits_case(N, V, H, dtype, device, seed=N)
+    assert K.logits_give_fused_logprob(weight)
+    logits = K.linear(hidden, weight, out_dtype=torch.float32)
+    for t in temperatures:
+        want = K.fused_logprob(hidden, weight, targets, t)
+        got = K.fused_logprob_of_logits(logits, targets, t, dtype)
+        assert torch.equal(got.isnan(), want.isnan()) and got.isnan()[::5].all(), (V, H, t)
+        assert torch.equal(got.nan_to_num(1.0), want.nan_to_num(1.0)), (V, H, t)
+    return logits, targets, want
+
+
 def _of_logits_case(N, V, H, dtype, device, seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     hidden = torch.randn(N, H, device=device, generator=g).to(dtype)
@@ -386,14 +400,8 @@ def test_fused_logprob_of_logits_is_fused_logprob(interpreter, dtype, N, V, H):
     """Folding ``linear(hidden, weight, float32)`` gives fused_logprob's bits (a vocabulary of >= 16384
     words: the lm-head product's BLOCK_K is the fused kernel's, which the interpreter's exact tile products
     need), at two temperatures; rows past a 128-row tile and a vocabulary tail past the last 256 columns."""
-    hidden, weight, targets = _of_logits_case(N, V, H, dtype, "cpu", seed=N)
-    assert K.logits_give_fused_logprob(weight)
-    logits = K.linear(hidden, weight, out_dtype=torch.float32)
     for t in (1.0, 0.6):
-        want = K.fused_logprob(hidden, weight, targets, t)
-        got = K.fused_logprob_of_logits(logits, targets, t, dtype)
-        assert torch.equal(got.isnan(), want.isnan()) and got.isnan()[::5].all()
-        assert torch.equal(got.nan_to_num(1.0), want.nan_to_num(1.0)), t
+        logits, targets, want = _assert_of_logits_is_fused_logprob(N, V, H, dtype, "cpu", (t,))
         # a row's bits do not depend on the others
         assert torch.equal(K.fused_logprob_of_logits(logits[-1:], targets[-1:], t, dtype).nan_to_num(1.0),
                            want[-1:].nan_to_num(1.0))
@@ -441,10 +449,4 @@ def test_gpu_fused_logprob_of_logits_is_fused_logprob(dtype, N):
     """On the GPU (any vocabulary: every product is one k16 chain over H): the qwen3 lm head's shape and an
     odd one, two temperatures, bit for bit."""
     for V, H in ((151936, 1024), (50001, 2560)):
-        hidden, weight, targets = _of_logits_case(N, V, H, dtype, "cuda", seed=N)
-        assert K.logits_give_fused_logprob(weight)
-        logits = K.linear(hidden, weight, out_dtype=torch.float32)
-        for t in (1.0, 0.7):
-            want = K.fused_logprob(hidden, weight, targets, t)
-            got = K.fused_logprob_of_logits(logits, targets, t, dtype)
-            assert torch.equal(got.nan_to_num(1.0), want.nan_to_num(1.0)), (V, H, t)
+        _assert_of_logits_is_fused_logprob(N, V, H, dtype, "cuda", (1.0, 0.7))
