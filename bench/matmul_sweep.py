@@ -13,6 +13,14 @@ numbers in ``bench/NOTES-matmul.md``.
 It also records whether different configs give the same bits on one input (which config knobs
 change the reduction order on this GPU): the evidence behind the two-bucket contract, which the GPU
 tests then prove for the configs in use.
+
+    python -m rlperf.bench.matmul_sweep --decode [--configs a,b] [--copies 16]
+
+times the decode-size products instead: the 0.6B layer shapes and its lm head at M = 1, 16, 64 and
+256, each product launched on ``--copies`` copies of its weight in turn inside one CUDA graph (so the
+weight streams from HBM, not the L2, and launches overlap as in a decode step), microseconds per
+product for cuBLAS, the shipped ``matmul`` and every candidate of ``DECODE_CANDIDATES`` with the shape's
+BLOCK_K; each candidate's output is compared bit for bit with the shipped ``matmul``'s on the same rows.
 """
 from __future__ import annotations
 
@@ -68,6 +76,60 @@ CANDIDATES = {
 }
 
 
+# --decode candidates (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is the shape's. Hopper picks the
+# product instruction from the tile: wgmma (m64nNk16) when the dot's M side is a multiple of 64 with 4k warps,
+# else mma.sync (m16n8k16): BLOCK_M < 64 swaps the operands (w's BLOCK_N rows on the M side), so 16 x 16 and
+# 16 x 32 tiles, and 64 x 16 with 2 warps, run mma.sync (compiled for SM 90 under Triton 3.6: 60-82 registers).
+DECODE_CANDIDATES = {
+    "m16n64w4s6": (16, 64, 4, 6),     # the shipped tiny-M tile (wgmma, swapped)
+    "m16n32w1s8": (16, 32, 1, 8),     # mma.sync, one warp
+    "m16n32w2s8": (16, 32, 2, 8),
+    "m16n32w4s8": (16, 32, 4, 8),
+    "m16n16w1s8": (16, 16, 1, 8),
+    "m16n16w1s12": (16, 16, 1, 12),
+    "m64n64w4s6": (64, 64, 4, 6),     # the shipped small-M tile (wgmma)
+    "m64n32w4s8": (64, 32, 4, 8),     # wgmma n32
+    "m64n16w4s8": (64, 16, 4, 8),     # wgmma n16
+    "m64n16w2s8": (64, 16, 2, 8),     # mma.sync
+}
+DECODE_SHAPES = (("qkv", 4096, 1024), ("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072),
+                 ("lm_head", 151936, 1024))
+DECODE_M = (1, 16, 64, 256)
+
+
+def decode_sweep(mm, names: list[str], copies: int, reps: int) -> list[dict]:
+    """us per product at decode sizes (module docstring), and each candidate's bits against ``matmul``."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for layer, n, k in DECODE_SHAPES:
+        ws = [(torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16() for _ in range(copies)]
+        block_k = mm.matmul_config(torch.bfloat16, n, k, 4096).BLOCK_K
+        for m in DECODE_M:
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            ref = mm.matmul(x, ws[0])
+            fns = {"cublas": lambda w: torch.matmul(x, w.T), "shipped": lambda w: mm.matmul(x, w)}
+            for name in names:
+                bm, bn, warps, stages = DECODE_CANDIDATES[name]
+                cfg = mm.MatmulConfig(bm, bn, block_k, 8, warps, stages)
+                fns[name] = lambda w, cfg=cfg: mm.launch(x, w, None, torch.bfloat16, config=cfg, tma=True)
+            base = None
+            for name, fn in fns.items():
+                try:
+                    same = None if name == "cublas" else bool(torch.equal(fn(ws[0]), ref))
+                    t = graph_time(lambda: [fn(w) for w in ws], warmup=3, reps=reps).median_ms * 1e3 / copies
+                except Exception as e:  # out of shared memory at this BLOCK_K, compile error: record, go on
+                    print(f"{layer} M={m} {name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                base = t if name == "shipped" else base
+                row = dict(layer=layer, N=n, K=k, M=m, config=name, us=t, bits_equal=same)
+                rows.append(row)
+                ratio = f"{base / t:6.3f}x shipped" if base else ""
+                print(f"{layer:<8} M={m:<4} {name:<12} {t:8.2f} us  {ratio}  bits {'-' if same is None else same}",
+                      flush=True)
+        ws = None
+    return rows
+
+
 def diagnose(mm, reps: int) -> list[dict]:
     """Where small-M time goes: event time with L2 flush (the harness), the same launch replayed from
     a CUDA graph (no host overhead), and host microseconds per call (launch overhead alone)."""
@@ -119,9 +181,28 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--configs", default="", help="comma-separated subset of candidate names")
     p.add_argument("--diag", action="store_true", help="first time host overhead vs graph replay on four cases")
+    p.add_argument("--decode", action="store_true",
+                   help="time DECODE_CANDIDATES on the 0.6B decode products (M = 1..256) with bits against matmul")
+    p.add_argument("--copies", type=int, default=16, help="--decode: weight copies per graph (L2 rotation)")
     args = p.parse_args(argv)
 
     from rlperf.kernels import gemm as mm
+    if args.decode:
+        wanted = [n for n in args.configs.split(",") if n]
+        unknown = sorted(set(wanted) - set(DECODE_CANDIDATES))
+        if unknown:
+            p.error(f"--configs: not in DECODE_CANDIDATES: {', '.join(unknown)} (known: {', '.join(DECODE_CANDIDATES)})")
+        if args.copies < 1:
+            p.error("--copies must be at least 1")
+        info = environment()
+        print(f"# decode sweep on {info['card']} | triton {info['triton']} | torch {info['torch']}", flush=True)
+        rows = decode_sweep(mm, wanted or list(DECODE_CANDIDATES), args.copies, args.reps)
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(environment=info, decode=rows), indent=1))
+        print(f"decode sweep: {args.json}")
+        return 0
     names = [n for n in CANDIDATES if not args.configs or n in args.configs.split(",")]
     configs = {n: mm.MatmulConfig(*CANDIDATES[n][:3], 8, *CANDIDATES[n][3:6]) for n in names}
     use_tma = {n: CANDIDATES[n][6] for n in names}
