@@ -32,14 +32,22 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_mul_f32(g, u):
+    """``silu(g) * u`` in float32 of two tiles of any float dtype: the one formula of every SwiGLU kernel
+    (this module's, and the matmul kernel's SwiGLU epilogue and SiLU prologue), so each gives this one's bits."""
+    g = g.to(tl.float32)
+    return g / (1.0 + tl.exp(-g)) * u.to(tl.float32)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr):
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
+    y = silu_mul_f32(g, u)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

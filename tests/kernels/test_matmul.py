@@ -158,14 +158,15 @@ def test_config_takes_buckets_of_m_that_share_the_reduction():
     shapes = [(33, 33), (1024, 3072), (4096, 1024), (6144, 2560), (24576, 4096), (151936, 1024)] + list(gemm._TUNED_16BIT)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for n, k in shapes:
-            limit = gemm.small_m_limit(n, k)
+            limit, tiny_limit = gemm.small_m_limit(n, k), gemm.tiny_m_limit(n, k)
+            assert gemm.TINY_M <= tiny_limit < limit
             tiny = K.matmul_config(dtype, n, k, 1)
-            small = K.matmul_config(dtype, n, k, gemm.TINY_M + 1)
+            small = K.matmul_config(dtype, n, k, tiny_limit + 1)
             large = K.matmul_config(dtype, n, k, limit + 1)
             assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"} <= set(vars(large))
             # every M of a bucket gets its config; all buckets share one BLOCK_K
-            assert all(K.matmul_config(dtype, n, k, m) == tiny for m in (1, 2, 7, gemm.TINY_M))
-            assert all(K.matmul_config(dtype, n, k, m) == small for m in (gemm.TINY_M + 1, gemm.SMALL_M, limit))
+            assert all(K.matmul_config(dtype, n, k, m) == tiny for m in (1, 2, 7, gemm.TINY_M, tiny_limit))
+            assert all(K.matmul_config(dtype, n, k, m) == small for m in (tiny_limit + 1, limit))
             assert all(K.matmul_config(dtype, n, k, m) == large for m in (limit + 1, 1000, 1 << 20))
             assert tiny.BLOCK_K == small.BLOCK_K == large.BLOCK_K >= 16, (dtype, n, k, small, large)
             assert small.BLOCK_M % 64 == 0 and large.BLOCK_M % 64 == 0
@@ -177,8 +178,12 @@ def test_config_takes_buckets_of_m_that_share_the_reduction():
                 assert tiny == small == large
     # decode-sized batches of a small-N layer run narrower tiles than its large-M config, up to 256 rows
     assert K.matmul_config(torch.bfloat16, 1024, 3072, 1).BLOCK_N < K.matmul_config(torch.bfloat16, 1024, 3072, 4096).BLOCK_N
-    assert K.matmul_config(torch.bfloat16, 1024, 3072, 256) == K.matmul_config(torch.bfloat16, 1024, 3072, 64)
+    assert K.matmul_config(torch.bfloat16, 1024, 3072, 256) == K.matmul_config(torch.bfloat16, 1024, 3072, 65)
     assert K.matmul_config(torch.bfloat16, 1024, 2048, 1).BLOCK_M == 16  # swapped at decode batches of <= 16
+    # ... and up to 64 rows for the 0.6B o_proj and down, the 16 rows elsewhere
+    assert K.matmul_config(torch.bfloat16, 1024, 3072, 64).BLOCK_M == 16
+    assert K.matmul_config(torch.bfloat16, 1024, 3072, 65).BLOCK_M == 64
+    assert K.matmul_config(torch.bfloat16, 4096, 1024, 17).BLOCK_M == 64
     with pytest.raises(TypeError, match="not supported"):
         K.matmul_config(torch.float64, 8, 8, 1)
 
@@ -266,6 +271,91 @@ def test_linear_silu_mul_bf16_under_the_interpreter_takes_the_two_calls(interpre
     the fused epilogue could not give the two calls' bits, so it is not used."""
     x, w, _ = _inputs(9, 64, 32, torch.bfloat16)
     assert torch.equal(K.linear_silu_mul(x, w), K.silu_mul(K.matmul(x, w)))
+
+
+def _gate_up(m, i, dtype, device="cpu", seed=3):
+    """A [m, 2I] gate/up product of the scale a layer's is (|g| up to a few units, so SiLU's exp is exercised)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(m, 2 * i, generator=g, device=device) * 2).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,i,n", [(1, 256, 48), (5, 130, 64), (16, 64, 33), (17, 128, 96), (64, 96, 130)])
+def test_silu_mul_linear_is_the_two_calls_interpreter(interpreter, poison, dtype, m, i, n):
+    """One launch with the SiLU prologue: the bits of matmul(silu_mul(h), w), in the swapped (M <= 16) and
+    narrow tiles, with K a multiple of BLOCK_K (TMA boxes of g and u) and not (I = 130, 96: masked pointer
+    loads), odd N; leading dims kept; with autograd and on the reference backend it is the two calls."""
+    h = _gate_up(m, i, dtype)
+    _, w, _ = _inputs(1, n, i, dtype)
+    fused = K.silu_mul_linear(h, w)
+    assert fused.shape == (m, n) and fused.dtype == dtype
+    assert torch.equal(fused, K.matmul(K.silu_mul(h), w))
+    assert torch.equal(K.silu_mul_linear(h.reshape(1, m, 2 * i), w)[0], fused)
+    hg, wg = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = K.silu_mul_linear(hg, wg)  # a train step's forward: the two calls, differentiable
+    assert torch.equal(y.detach(), fused)
+    y.sum().backward()
+    assert hg.grad is not None and wg.grad is not None
+    with K.use_backend("reference"):
+        assert torch.equal(K.silu_mul_linear(h, w), K.matmul(K.silu_mul(h), w))
+
+
+def test_silu_mul_linear_takes_the_prologue_up_to_its_row_threshold_only(interpreter, monkeypatch):
+    """Up to SILU_PROLOGUE_MAX_ROWS rows the one launch runs, above it silu_mul and the plain product; the bits
+    are the same either way. swiglu_mlp is the three calls' bits in every form."""
+    from rlperf.kernels import gemm
+
+    launches = []
+    real = gemm.launch
+    monkeypatch.setattr(gemm, "launch", lambda *a, **kw: launches.append(kw.get("silu_x", False)) or real(*a, **kw))
+    monkeypatch.setattr(gemm, "SILU_PROLOGUE_MAX_ROWS", 5)
+    h = _gate_up(6, 32, torch.float32)
+    _, w, _ = _inputs(1, 24, 32, torch.float32)
+    for m, fused in ((5, True), (6, False)):
+        launches.clear()
+        y = K.silu_mul_linear(h[:m], w)
+        assert (True in launches) == fused, m
+        assert torch.equal(y, K.matmul(K.silu_mul(h[:m]), w))
+    x, w_gate_up, _ = _inputs(6, 64, 40, torch.float32)
+    three = K.matmul(K.silu_mul(K.matmul(x, w_gate_up)), w)
+    for epilogue_rows in (0, 1 << 20):  # the prologue (up to 5 rows), the epilogue
+        monkeypatch.setattr(gemm, "SWIGLU_EPILOGUE_MAX_ROWS", epilogue_rows)
+        assert torch.equal(K.swiglu_mlp(x[:5], w_gate_up, w), three[:5]), epilogue_rows
+        assert torch.equal(K.swiglu_mlp(x, w_gate_up, w), three), epilogue_rows
+
+
+def test_silu_mul_linear_checks_its_shapes_and_keeps_bf16_off_the_interpreter(interpreter):
+    """A gate_up whose last dim is not 2x w's K is refused by name; bf16 under the interpreter (which rounds
+    bf16 unlike torch) takes the two calls."""
+    h = _gate_up(3, 32, torch.float32)
+    _, w, _ = _inputs(1, 16, 32, torch.float32)
+    with pytest.raises(ValueError, match=r"gate_up \[\.\.\., 2I\] and w \[N, I\]"):
+        K.silu_mul_linear(h[:, :-2], w)
+    with pytest.raises(ValueError, match="silu_x"):
+        from rlperf.kernels import gemm
+        gemm.launch(h, w, silu_x=True, swiglu=True)
+    hb, wb = h.bfloat16(), w.bfloat16()
+    assert torch.equal(K.silu_mul_linear(hb, wb), K.matmul(K.silu_mul(hb), wb))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,n,i", [
+    (torch.bfloat16, 1024, 3072),   # Qwen3-0.6B down [1024, 3072]
+    (torch.bfloat16, 2560, 9728),   # Qwen3-4B down
+    (torch.bfloat16, 1000, 1001),   # odd sizes: the pointer path, a ragged last tile
+    (torch.float16, 1024, 3072),
+])
+def test_silu_mul_linear_is_the_two_calls_gpu(monkeypatch, dtype, n, i):
+    """The SiLU prologue gives the bits of silu_mul then matmul at every batch size, decode to prefill (the
+    threshold raised: proven beyond the rows the default takes it for), and its rows do not depend on M."""
+    from rlperf.kernels import gemm
+
+    monkeypatch.setattr(gemm, "SILU_PROLOGUE_MAX_ROWS", 1 << 30)
+    h = _gate_up(max(GPU_MS), i, dtype, device="cuda")
+    _, w, _ = _inputs(1, n, i, dtype, device="cuda")
+    full = K.matmul(K.silu_mul(h), w)
+    for m in GPU_MS:
+        assert torch.equal(K.silu_mul_linear(h[:m], w), full[:m]), f"M={m}"
 
 
 @pytest.mark.gpu
