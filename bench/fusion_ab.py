@@ -2,14 +2,9 @@
 dependent launch, the fused log-prob's split width, the fused draw, decode attention's one-query guess, the
 log-prob's source), same card, same process: is a change of the rollout bench's times theirs or the card's?
 
-* ``swiglu``: the dense MLP (:func:`rlperf.kernels.swiglu_mlp`) in the engine's launches against its three
-  calls ``linear(silu_mul(linear(x, w_gate_up)), w_down)`` (``no swiglu fusion``, ``neither``) or with the
-  gate_up product's SwiGLU epilogue at every size (``both fusions``, ``no kv-store fusion``). The engine takes
-  the epilogue (:func:`rlperf.kernels.linear_silu_mul`) for at most ``SWIGLU_EPILOGUE_MAX_ROWS`` rows (0) and
-  else, for at most ``SILU_PROLOGUE_MAX_ROWS`` rows, the down product's SiLU prologue
-  (:func:`rlperf.kernels.silu_mul_linear`: the activation computed in the product's x tiles, two launches);
-* ``no silu prologue``: the engine's default with ``SILU_PROLOGUE_MAX_ROWS`` 0: the MLP's three calls at every
-  size (the engine's default before the prologue);
+* ``swiglu``: :func:`rlperf.kernels.linear_silu_mul` (the gate_up product with its SwiGLU epilogue, one
+  launch) against ``silu_mul(linear(x, w))`` (two launches). The engine takes the epilogue for at most
+  ``SWIGLU_EPILOGUE_MAX_ROWS`` rows; the variants that name it take it at every size;
 * ``kv``: :func:`rlperf.kernels.rmsnorm_rope_store_kv` (Q's and K's norm + RoPE and the K/V cache store,
   one launch) against ``rmsnorm_rope`` twice and ``write_kv_cache`` (three launches);
 * ``no pdl``: the engine's default kernels without programmatic dependent launch
@@ -75,15 +70,14 @@ import torch
 from rlperf import kernels as K
 
 class Variant(NamedTuple):
-    """swiglu: None is the engine's own choice (the epilogue up to ``SWIGLU_EPILOGUE_MAX_ROWS`` rows, else the
-    SiLU prologue up to ``SILU_PROLOGUE_MAX_ROWS``), True the epilogue at every size, False the MLP's three calls; kv: the K/V-store fusion; pdl: launches with programmatic
+    """swiglu: None is the engine's own choice (the epilogue up to ``SWIGLU_EPILOGUE_MAX_ROWS`` rows), True
+    the epilogue at every size, False never; kv: the K/V-store fusion; pdl: launches with programmatic
     dependent launch (the engine's default; it applies on SM 90+ GPUs only); logprob_split_tiles: the
     fused log-prob's vocabulary tiles per forward split (None: its config's); fused_sampling: the
     engine's ``EngineConfig.fused_sampling``; decode_guess: decode attention's ``GUESS_ONE_QUERY``;
     logprob_from_logits_max_rows: ``EngineConfig``'s (None: its default); matmul_buckets: the products'
     tiny-M and stretched small-M configs (False: the two buckets of before, ``two matmul buckets``);
-    logprob_beside_sampler: ``EngineConfig``'s; silu_prologue: the SiLU prologue up to its row limit (False:
-    ``SILU_PROLOGUE_MAX_ROWS`` 0)."""
+    logprob_beside_sampler: ``EngineConfig``'s."""
 
     swiglu: bool | None
     kv: bool
@@ -94,26 +88,24 @@ class Variant(NamedTuple):
     logprob_from_logits_max_rows: int | None = None
     matmul_buckets: bool = True
     logprob_beside_sampler: bool = False
-    silu_prologue: bool = True
 
 
 ENGINE_DEFAULT = "engine default"
 VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, True),
-            "no swiglu fusion": Variant(False, True), "no kv-store fusion": Variant(True, False),
+            "no swiglu epilogue": Variant(False, True), "no kv-store fusion": Variant(True, False),
             "neither": Variant(False, False), "no pdl": Variant(None, True, pdl=False),
             "fused sampling": Variant(None, True, fused_sampling=True),
             "no decode guess": Variant(None, True, decode_guess=False),
             "logprob from the lm head": Variant(None, True, logprob_from_logits_max_rows=0),
             "two matmul buckets": Variant(None, True, matmul_buckets=False),
-            "logprob beside the sampler": Variant(None, True, logprob_beside_sampler=True),
-            "no silu prologue": Variant(None, True, silu_prologue=False)}
+            "logprob beside the sampler": Variant(None, True, logprob_beside_sampler=True)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
 
 
-def _unfused_swiglu_mlp(x, w_gate_up, w_down):
-    return K.linear(K.silu_mul(K.linear(x, w_gate_up)), w_down)
+def _unfused_linear_silu_mul(x, w):
+    return K.silu_mul(K.linear(x, w))
 
 
 def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_cache, v_cache, slot_mapping):
@@ -123,14 +115,14 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 
 @contextlib.contextmanager
 def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles: int | None = None,
-            decode_guess: bool = True, matmul_buckets: bool = True, silu_prologue: bool = True):
-    """The engine's layers call ``K.swiglu_mlp`` and ``K.rmsnorm_rope_store_kv`` through the
+            decode_guess: bool = True, matmul_buckets: bool = True):
+    """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
     kernels package: swap in the unfused calls (or lift the epilogue's row limit), switch
     programmatic dependent launch, set the fused log-prob's split width (every dtype's config), decode
     attention's one-query guess and the products' M buckets, for the variant's duration."""
     from rlperf.kernels import attention, fused_lm_head, gemm
 
-    saved = K.swiglu_mlp, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS, gemm.SILU_PROLOGUE_MAX_ROWS
+    saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS
     saved_buckets = gemm.TINY_M, dict(gemm._SMALL_M_UP_TO), dict(gemm._TINY_M_UP_TO)
     saved_configs = dict(fused_lm_head._CONFIGS)
     decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
@@ -139,11 +131,9 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
         for c in decode_configs:
             c["GUESS_ONE_QUERY"] = decode_guess
         if swiglu is False:
-            K.swiglu_mlp = _unfused_swiglu_mlp
+            K.linear_silu_mul = _unfused_linear_silu_mul
         elif swiglu:
             gemm.SWIGLU_EPILOGUE_MAX_ROWS = 1 << 62
-        if not silu_prologue:
-            gemm.SILU_PROLOGUE_MAX_ROWS = 0
         if not kv:
             K.rmsnorm_rope_store_kv = _unfused_store_kv
         if not matmul_buckets:
@@ -156,7 +146,7 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
         with K.use_programmatic_launch(pdl):
             yield
     finally:
-        K.swiglu_mlp, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS, gemm.SILU_PROLOGUE_MAX_ROWS = saved
+        K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS = saved
         gemm.TINY_M = saved_buckets[0]
         gemm._SMALL_M_UP_TO.clear()
         gemm._SMALL_M_UP_TO.update(saved_buckets[1])
@@ -240,8 +230,7 @@ def main(argv=None) -> int:
         # one untimed round first (every variant's kernels compiled, the allocator warm); the timed rounds'
         # rotation then spreads what the first variant of a round still pays (module docstring)
         for v in variants.values():
-            with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets,
-                         silu_prologue=v.silu_prologue):
+            with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),
                             fused_sampling=v.fused_sampling,
                             logprob_from_logits_max_rows=v.logprob_from_logits_max_rows,
@@ -251,8 +240,7 @@ def main(argv=None) -> int:
         for r, order in enumerate(timing_orders(list(variants), args.rounds), 1):
             for name in order:
                 v = variants[name]
-                with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets,
-                             silu_prologue=v.silu_prologue):
+                with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets):
                     row = samples[name]
                     for b in batches:
                         d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),

@@ -34,7 +34,7 @@ BLOCK = 1024
 @triton.jit
 def silu_mul_f32(g, u):
     """``silu(g) * u`` in float32 of two tiles of any float dtype: the one formula of every SwiGLU kernel
-    (this module's, and the matmul kernel's SwiGLU epilogue and SiLU prologue), so each gives this one's bits."""
+    (this module's and the matmul kernel's SwiGLU epilogue), so each gives this one's bits."""
     g = g.to(tl.float32)
     return g / (1.0 + tl.exp(-g)) * u.to(tl.float32)
 

@@ -90,7 +90,6 @@ def _matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, FLATTEN: tl.constexpr, W_KN: tl.constexpr = False, SWIGLU: tl.constexpr = False,
-    SILU_X: tl.constexpr = False,
 ):
     # SWIGLU: w is [2N, K] = [gate | up] and out[m, n] = silu(g) * u of g = (x @ w[n].T), u = (x @ w[N + n].T),
     # each rounded to out's dtype first, with activation.py's formula: the bits of matmul then silu_mul.
@@ -98,10 +97,6 @@ def _matmul_kernel(
     # W_KN: w is stored [K, N] (w_kn[k, n] = w[n, k]; the strides name its logical [N, K] axes), e.g.
     # a layer's weight [N_out, K_in] read as the [K_in, N_out] operand of dx = g @ w: its tiles load as
     # [BLOCK_K, BLOCK_N] and enter the dot untransposed, with no copy of w.T.
-    # SILU_X: x is [M, 2K] = [gate | up] and the product's x[m, k] = silu_mul's output, silu(g) * u of g = x[m, k],
-    # u = x[m, K + k], rounded to w's dtype (activation.py's formula, :func:`silu_mul_f32`): each x tile is
-    # computed from its two halves' tiles, then enters the same K loop, so the bits of silu_mul then matmul.
-    # With TMA, K is a multiple of BLOCK_K (a tail box of g would read u's first columns; the host checks).
     # BLOCK_M < 64 (the tiny-M configs, :func:`_tiny_m_config`; never with SWIGLU or W_KN): the tile is
     # computed transposed, acc_t[n, m] = sum_k w[n, k] * x[m, k], w's BLOCK_N rows on the wgmma's 64-row
     # side and x's few rows on its narrow side (no 64-row padding of x). Each element is the same chain of
@@ -145,8 +140,6 @@ def _matmul_kernel(
         for ki in range(k_tiles):
             if USE_TMA:
                 a = x.load([off_m, ki * BLOCK_K])  # out-of-bounds rows/cols arrive as zeros
-                if SILU_X:
-                    a_up = x.load([off_m, K + ki * BLOCK_K])
                 if W_KN:
                     b = w.load([ki * BLOCK_K, off_n])
                 else:
@@ -156,8 +149,6 @@ def _matmul_kernel(
             else:
                 k_mask = offs_k[None, :] < K - ki * BLOCK_K  # zero tail: adds exact zeros
                 a = tl.load(x_ptrs, mask=k_mask, other=0.0)
-                if SILU_X:  # silu(0) * 0 = 0: the tail still adds exact zeros
-                    a_up = tl.load(x_ptrs + K * stride_xk, mask=k_mask, other=0.0)
                 if W_KN:
                     b = tl.load(w_ptrs, mask=offs_k[:, None] < K - ki * BLOCK_K, other=0.0)
                 else:
@@ -167,8 +158,6 @@ def _matmul_kernel(
                     u_ptrs += BLOCK_K * stride_wk
                 x_ptrs += BLOCK_K * stride_xk
                 w_ptrs += BLOCK_K * stride_wk
-            if SILU_X:
-                a = silu_mul_f32(a, a_up).to(b.dtype)
             if W_KN:
                 acc = dot_acc(a, b, acc, PRECISION)
             elif SWAP_AB:
@@ -432,8 +421,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            *, config: MatmulConfig | None = None, tma: bool | None = None,
-           out: torch.Tensor | None = None, w_kn: bool = False, swiglu: bool = False,
-           silu_x: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None, w_kn: bool = False, swiglu: bool = False) -> torch.Tensor:
     """Launch the Triton kernel directly: no routing, no autograd, no input checks (:func:`matmul`
     does those). CUDA tensors run compiled, CPU tensors under the interpreter (``TRITON_INTERPRET=1``).
 
@@ -443,15 +431,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
     [K, N] (``x @ w``, e.g. a layer's [N_out, K_in] weight for ``dx = g @ w``), read in place.
     ``swiglu``: ``w`` is [2I, K] = [gate | up] and the result [M, I] is ``silu_mul(x @ w.T)``
     (:func:`linear_silu_mul`), in the tile config of the plain [2I, K] product.
-    ``silu_x``: ``x`` is [M, 2K] = [gate | up] and the result is ``silu_mul(x) @ w.T`` (:func:`silu_mul_linear`),
-    in the tile config of the plain [M, K] @ [N, K] product.
     """
     M, K = x.shape
-    if silu_x:
-        if swiglu or w_kn or K % 2 or K // 2 != w.shape[1]:
-            raise ValueError(f"launch: silu_x takes x [M, 2K] and w [N, K] without swiglu or w_kn, got "
-                             f"{tuple(x.shape)} and {tuple(w.shape)}")
-        K //= 2
     N = w.shape[1] if w_kn else w.shape[0]
     out_dtype = out_dtype or x.dtype
     cfg = config if config is not None else matmul_config(x.dtype, N, K, M, swapped_ok=not (swiglu or w_kn))
@@ -465,16 +446,14 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
     # bf16 off the GPU: the kernel writes float32 and torch rounds (kernel_store_dtype); the
     # interpreter's tile products go through tile_dot.dot_acc
     kernel_out_dtype = kernel_store_dtype(out_dtype, x.device)
-    if (swiglu or silu_x) and kernel_out_dtype != out_dtype:  # the SwiGLU roundings would not be torch's
-        raise ValueError("launch: swiglu and silu_x with bfloat16 run on the GPU only (the interpreter rounds bf16 "
-                         "unlike torch)")
+    if swiglu and kernel_out_dtype != out_dtype:  # the epilogue's roundings would be skipped
+        raise ValueError("launch: swiglu with bfloat16 runs on the GPU only (the interpreter rounds bf16 unlike torch)")
     dst = out if out is not None and kernel_out_dtype == out_dtype else torch.empty(
         (M, N), dtype=kernel_out_dtype, device=x.device)
     if M > 0 and N > 0:
         # [K, N] rows are N long: TMA then needs N, not K, 16-byte aligned
-        # silu_x: x's rows are 2K long, and a K tail would put u's first columns in g's last box
         tma_path = (K > 0 and use_tma(x.dtype, K, x.device) and (not w_kn or use_tma(x.dtype, N, x.device))
-                   and not (silu_x and K % cfg.BLOCK_K) and tma is not False)
+                   and tma is not False)
         if tma_path:
             x, w = tma_ready(x), tma_ready(w)
             x_arg = TensorDescriptor.from_tensor(x, [cfg.BLOCK_M, cfg.BLOCK_K])
@@ -498,10 +477,10 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 HAS_BIAS=bias is not None, USE_TMA=tma_path,
                 PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", FLATTEN=cfg.flatten, W_KN=w_kn,
-                SWIGLU=swiglu, SILU_X=silu_x, num_warps=cfg.num_warps, num_stages=stages, **launch_options(x.device),
+                SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=stages, **launch_options(x.device),
             )
 
-        launch_with_fitting_stages(run, ("matmul", cfg, dst.dtype, w_kn, swiglu, silu_x), cfg.num_stages)
+        launch_with_fitting_stages(run, ("matmul", cfg, dst.dtype, w_kn, swiglu), cfg.num_stages)
     if dst is out:
         return out
     if out is not None:
@@ -684,48 +663,6 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not fused:
         return silu_mul(linear(x, w))
     return launch(flat, w, swiglu=True).reshape(*x.shape[:-1], w.shape[0] // 2)
-
-
-# The engine's steps take the SiLU prologue (one launch: silu_mul_linear) for at most this many rows. At a
-# prefill's thousands of rows each of the product's N / BLOCK_N column tiles would recompute its rows' SiLU.
-SILU_PROLOGUE_MAX_ROWS = 256
-
-
-def silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``linear(silu_mul(gate_up), w)``: gate_up [..., 2I] = [gate | up], w [N, I] -> [..., N], the MLP's down
-    projection of its gate/up product.
-
-    On the Triton kernels without autograd (the engine's steps), for at most :data:`SILU_PROLOGUE_MAX_ROWS`
-    rows, it is one launch: the matmul kernel's SiLU prologue computes each x tile as :func:`silu_mul` does
-    (rounded to the input dtype) before the product, in the plain [.., I] @ [N, I] product's tile config, so it
-    gives the bits of the two calls without writing the [..., I] activation. Otherwise (more rows, autograd,
-    fast mode, the reference backend, bfloat16 under the CPU interpreter) it is the two calls.
-    """
-    from .activation import silu_mul
-
-    if gate_up.dim() < 1 or w.dim() != 2 or gate_up.shape[-1] != 2 * w.shape[1]:
-        raise ValueError(f"silu_mul_linear: gate_up [..., 2I] and w [N, I], got {tuple(gate_up.shape)} and "
-                         f"{tuple(w.shape)}")
-    flat = gate_up.reshape(-1, gate_up.shape[-1])
-    fused = (flat.shape[0] <= SILU_PROLOGUE_MAX_ROWS
-             and route("matmul", flat.device, (flat, w)) in ("triton", "interpreter")
-             and route("silu_mul", flat.device, (flat,)) in ("triton", "interpreter")
-             and not (flat.device.type != "cuda" and flat.dtype == torch.bfloat16))
-    if not fused:
-        return linear(silu_mul(gate_up), w)
-    _check(flat[:, : w.shape[1]], w, None, None)
-    return launch(flat, w, silu_x=True).reshape(*gate_up.shape[:-1], w.shape[0])
-
-
-def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """The dense MLP ``linear(silu_mul(linear(x, w_gate_up)), w_down)``: x [..., H], w_gate_up [2I, H],
-    w_down [H_out, I] -> [..., H_out], in as few launches as its row count allows and always those bits: the
-    SwiGLU epilogue (:func:`linear_silu_mul`) up to ``SWIGLU_EPILOGUE_MAX_ROWS`` rows, else the SiLU prologue
-    (:func:`silu_mul_linear`) up to ``SILU_PROLOGUE_MAX_ROWS`` rows, else three calls."""
-    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if rows <= SWIGLU_EPILOGUE_MAX_ROWS:
-        return linear(linear_silu_mul(x, w_gate_up), w_down)
-    return silu_mul_linear(linear(x, w_gate_up), w_down)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

@@ -26,7 +26,7 @@ def _decoded(model, fused_sampling=False, logprob_rows=None, beside=False):
 def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread, monkeypatch):
     model = Qwen3ForCausalLM.random(preset("tiny"), seed=0)
     calls = {"swiglu": 0, "kv": 0}
-    unfused_mlp, unfused_kv = fusion_ab._unfused_swiglu_mlp, fusion_ab._unfused_store_kv
+    unfused_mlp, unfused_kv = fusion_ab._unfused_linear_silu_mul, fusion_ab._unfused_store_kv
 
     def mlp(*a):
         calls["swiglu"] += 1
@@ -36,10 +36,10 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
         calls["kv"] += 1
         return unfused_kv(*a)
 
-    monkeypatch.setattr(fusion_ab, "_unfused_swiglu_mlp", mlp)
+    monkeypatch.setattr(fusion_ab, "_unfused_linear_silu_mul", mlp)
     monkeypatch.setattr(fusion_ab, "_unfused_store_kv", kv)
-    fused_calls = K.swiglu_mlp, K.rmsnorm_rope_store_kv
-    limit = gemm.SWIGLU_EPILOGUE_MAX_ROWS, gemm.SILU_PROLOGUE_MAX_ROWS
+    fused_calls = K.linear_silu_mul, K.rmsnorm_rope_store_kv
+    limit = gemm.SWIGLU_EPILOGUE_MAX_ROWS
     with fusion_ab.variant(True, True):  # the epilogue at every size
         assert gemm.SWIGLU_EPILOGUE_MAX_ROWS > 1 << 40
     tokens = {}
@@ -55,19 +55,16 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     assert variants["logprob from the lm head"].logprob_from_logits_max_rows == 0
     assert not variants["two matmul buckets"].matmul_buckets and variants[fusion_ab.ENGINE_DEFAULT].matmul_buckets
     buckets = gemm.TINY_M, dict(gemm._SMALL_M_UP_TO), dict(gemm._TINY_M_UP_TO)
-    assert not variants["no silu prologue"].silu_prologue and variants[fusion_ab.ENGINE_DEFAULT].silu_prologue
     assert variants["logprob beside the sampler"].logprob_beside_sampler
     assert not variants[fusion_ab.ENGINE_DEFAULT].logprob_beside_sampler
     for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets,
-               beside, silu_prologue) in variants.items():
+               beside) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
-        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets, silu_prologue), \
-                K.use_backend("reference"):
-            # the two buckets of before: a decode batch of one row (or 64) takes the 64-row small-M tiles
+        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets), K.use_backend("reference"):
+            # the two buckets of before: a decode batch of one row takes the 64-row small-M tiles
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 1).BLOCK_M == 64) == (not matmul_buckets), name
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 64).BLOCK_M == 64) == (not matmul_buckets), name
-            assert (gemm.SILU_PROLOGUE_MAX_ROWS > 0) == silu_prologue, name
             assert all(c["GUESS_ONE_QUERY"] is decode_guess for c in decode_configs), name
             assert all(fused_lm_head.fused_config(d).SPLIT_TILES == (split or c.SPLIT_TILES)
                        for d, c in configs.items()), name
@@ -78,8 +75,8 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
         assert all(c["GUESS_ONE_QUERY"] for c in decode_configs), name  # restored
         assert (calls["swiglu"] > before["swiglu"]) == (swiglu is False), name
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
-        assert (K.swiglu_mlp, K.rmsnorm_rope_store_kv) == fused_calls  # restored
-        assert (gemm.SWIGLU_EPILOGUE_MAX_ROWS, gemm.SILU_PROLOGUE_MAX_ROWS) == limit
+        assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored
+        assert gemm.SWIGLU_EPILOGUE_MAX_ROWS == limit
         assert (gemm.TINY_M, gemm._SMALL_M_UP_TO, gemm._TINY_M_UP_TO) == buckets, name  # restored
     first = tokens[fusion_ab.ENGINE_DEFAULT]
     assert all(len(out) >= 3 for _, out in first)

@@ -196,8 +196,6 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
     if w.router is not None:
         return sparse_moe_block(x, w.router, w.experts_gate_up, w.experts_down, cfg, routing,
                                 w.expert_parallel), residual
-    if tp_group is None and leaves is None:  # in as few launches as the row count allows, the same bits
-        return K.swiglu_mlp(x, w.gate_up_proj, w.down_proj), residual
     if tp_group is None:
         gated = K.linear_silu_mul(x, w.gate_up_proj)
     else:  # this rank's [gate | up] rows: silu_mul of the rounded product, as linear_silu_mul computes it
