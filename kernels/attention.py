@@ -92,7 +92,9 @@ _DECODE_MANY_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 1, "MASKED_PTR": True}
 
 
 def _decode_config(programs: int, device: torch.device) -> dict:
-    """The launch config of a decode step of ``programs`` live programs (comment above)."""
+    """The launch config of a decode step of ``programs`` live programs (comment above). A config with
+    ``KV_RING`` (none yet: ``fusion_ab``'s variant ``kv ring`` sets it) applies it where the caches are one
+    allocation (:func:`paged_attention`)."""
     if device.type != "cuda":
         return _DECODE_CONFIG  # the interpreter has no pipeline
     return _DECODE_FEW_PROGRAMS if programs <= num_sms(device) else _DECODE_MANY_PROGRAMS
@@ -675,6 +677,8 @@ def paged_attention(
         # decode-only (T == B: every sequence has one query) takes the decode tile: same bits (above)
         decode = q.shape[0] == cu_seqlens_q.numel() - 1
         config = _decode_config(q.shape[0] * k_cache.shape[-2], q.device) if decode else None  # B x Hkv programs
+        if config is not None and config.get("KV_RING") and not _stacked_caches(k_cache, v_cache):
+            config = {**config, "KV_RING": False}  # the same bits, from caches that are two allocations
         return attention_forward(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, scale, config=config)
     return _ref.paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale).to(q.dtype)
 

@@ -57,11 +57,15 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     buckets = gemm.TINY_M, dict(gemm._SMALL_M_UP_TO), dict(gemm._TINY_M_UP_TO)
     assert variants["logprob beside the sampler"].logprob_beside_sampler
     assert not variants[fusion_ab.ENGINE_DEFAULT].logprob_beside_sampler
+    assert variants["kv ring"].kv_ring and not variants[fusion_ab.ENGINE_DEFAULT].kv_ring
+    many = dict(attention._DECODE_MANY_PROGRAMS)
     for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets,
-               beside) in variants.items():
+               beside, kv_ring) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
-        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets), K.use_backend("reference"):
+        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets, kv_ring), \
+                K.use_backend("reference"):
+            assert attention._DECODE_MANY_PROGRAMS.get("KV_RING", False) is kv_ring, name
             # the two buckets of before: a decode batch of one row takes the 64-row small-M tiles
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 1).BLOCK_M == 64) == (not matmul_buckets), name
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 64).BLOCK_M == 64) == (not matmul_buckets), name
@@ -73,6 +77,7 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
         assert pipeline._pdl_on is setting, name  # restored
         assert fused_lm_head._CONFIGS == configs, name
         assert all(c["GUESS_ONE_QUERY"] for c in decode_configs), name  # restored
+        assert attention._DECODE_MANY_PROGRAMS == many, name  # restored
         assert (calls["swiglu"] > before["swiglu"]) == (swiglu is False), name
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
         assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored

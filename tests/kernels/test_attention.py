@@ -275,6 +275,36 @@ def test_kv_ring_loads_the_same_bits(interpreter):
         attention_forward(q[last], apart.k, apart.v, step, kv, apart.page_table, config={**_DECODE_CONFIG, "KV_RING": True})
 
 
+def test_paged_attention_takes_a_decode_kv_ring_only_from_one_allocation(interpreter, monkeypatch):
+    """A decode config with ``KV_RING`` (fusion_ab's ``kv ring`` sets it) runs it from caches that are one
+    allocation (the engine's: rlperf.rollout.kv_cache) and the plain loads from two, the same bits either way; a
+    rollout engine's K/V cache halves are one allocation."""
+    from rlperf.kernels import attention
+    from rlperf.model import preset
+    from rlperf.rollout.kv_cache import PagedKVCache
+
+    P = page_size()
+    lens = [P + 5, 7, 2 * P]
+    q, k, v, cu = make_tokens(lens, 4, 2, 32, torch.float16, "cpu")
+    base = run_varlen(q, k, v, lens)
+    last = (cu[1:] - 1).long()
+    kv = torch.tensor(lens, dtype=torch.int32)
+    step = torch.arange(len(lens) + 1, dtype=torch.int32)
+    monkeypatch.setitem(attention._DECODE_CONFIG, "KV_RING", True)  # the interpreter's decode config
+    rings = []
+    real = attention.attention_forward
+    monkeypatch.setattr(attention, "attention_forward",
+                        lambda *a, **kw: rings.append(bool(kw["config"].get("KV_RING"))) or real(*a, **kw))
+    for stacked in (True, False):
+        cache = filled_cache(k, v, lens, stacked=stacked)
+        out = K.paged_attention(q[last], cache.k, cache.v, cache.page_table, step, kv)
+        assert torch.equal(out, base[last]), stacked
+    assert rings == [True, False]
+    pool = PagedKVCache(preset("tiny"), num_pages=3, dtype=torch.float16, device="cpu")
+    assert all(attention._stacked_caches(k_, v_) for k_, v_ in pool.layers)
+    assert pool.pool_bytes == 2 * len(pool.layers) * pool.layers[0][0].nbytes
+
+
 def test_decode_launch_finds_each_sequence_without_the_search(interpreter):
     """A launch with as many queries as sequences (T == B) first tries the one-query-per-sequence tile
     numbering and checks it (``GUESS_ONE_QUERY``): a decode step of 70 sequences (tile numbers crossing
