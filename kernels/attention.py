@@ -359,9 +359,12 @@ def _tma_views_ok(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
 
 def _stacked_caches(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the paged caches ``k``, ``v`` [pages, page, Hkv, D] are the two halves of one allocation, V's
-    pages right after K's with the same strides (``KV_RING``: one descriptor reads both)."""
-    return (k.shape == v.shape and k.stride() == v.stride() and k.stride(0) == k.shape[1] * k.stride(1)
-            and v.data_ptr() == k.data_ptr() + k.shape[0] * k.stride(0) * k.element_size())
+    pages right after K's with the same strides, in TMA's reach (``KV_RING``: one descriptor reads both, its row
+    coordinates below 2^31)."""
+    return (k.dim() == 4 and k.shape == v.shape and k.stride() == v.stride()
+            and k.stride(0) == k.shape[1] * k.stride(1) and 2 * k.shape[0] * k.shape[1] < 2**31
+            and v.data_ptr() == k.data_ptr() + k.shape[0] * k.stride(0) * k.element_size()
+            and _tma_views_ok(k, v, paged=True))
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -439,7 +442,7 @@ def attention_forward(
     ring = bool(cfg.get("KV_RING", False))
     if ring and not (paged and use_tma and _stacked_caches(k, v)):
         raise ValueError("config KV_RING: needs paged K/V caches that are the two halves of one allocation "
-                         "(kv[0], kv[1] of a [2, pages, page, Hkv, D] tensor) and TMA loads")
+                         "(kv[0], kv[1] of a [2, pages, page, Hkv, D] tensor) and TMA loads (config TMA)")
     v_rows = k.shape[0] * k.shape[1] if ring else 0
     if ring:  # one descriptor over both halves: V's rows follow K's
         k_arg = TensorDescriptor(k, [2 * v_rows, Hkv * D], [k.stride(1), 1], [cfg["BLOCK_N"], D])
