@@ -71,7 +71,8 @@ CANDIDATES = {
     "m16n64k128w4s4": (16, 64, 128, 4, 4, True, True),
     "m16n64k128w4s6": (16, 64, 128, 4, 6, True, True),
     "m16n64k128w4s8": (16, 64, 128, 4, 8, True, True),
-    "m16n64k64w4s8": (16, 64, 64, 4, 8, True, True),     # the BLOCK_K-64 shapes (not yet measured)
+    "m16n64k64w4s8": (16, 64, 64, 4, 8, True, True),     # the BLOCK_K-64 shapes (not yet in this sweep; --decode
+                                                         # timed the 6-stage form on the lm head: run 8)
     "m16n64k64w4s12": (16, 64, 64, 4, 12, True, True),
 }
 
@@ -177,9 +178,10 @@ def diagnose(mm, reps: int) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", default="results/matmul-sweep.json")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--configs", default="", help="comma-separated subset of candidate names")
+    p.add_argument("--json", default="results/matmul-sweep.json", help="where the results go (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=20, help="timed graph replays per case (default: %(default)s)")
+    p.add_argument("--configs", default="",
+                   help="comma-separated subset of candidate names (CANDIDATES, or DECODE_CANDIDATES with --decode)")
     p.add_argument("--diag", action="store_true", help="first time host overhead vs graph replay on four cases")
     p.add_argument("--decode", action="store_true",
                    help="time DECODE_CANDIDATES on the 0.6B decode products (M = 1..256) with bits against matmul")

@@ -253,7 +253,8 @@ class EngineConfig:
     on a GPU: run the fold (:func:`rlperf.kernels.fold_logits`, which needs no tokens) on a side CUDA stream
     beside the sampler's kernels, then merge it with the drawn tokens (:func:`rlperf.kernels.logprob_of_fold`),
     instead of folding after the draw. The same kernels on the same logits, so the same bits. Off by default:
-    not yet measured (``python -m rlperf.bench.fusion_ab --variants 'logprob beside the sampler'``)."""
+    slower on an H200 (``python -m rlperf.bench.fusion_ab --variants 'logprob beside the sampler'``: 1.79 against
+    1.29 ms a decode step at B = 1, no gain at 64 and 256; bench/BENCHMARKS.md)."""
     logprob_from_logits_max_rows: int = 1 << 30
     """A step of at most this many sampled rows (default: every step) computes their log-probs from its
     [B, V] float32 logits (:func:`rlperf.kernels.fused_logprob_of_logits`) where those are

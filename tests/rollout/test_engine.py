@@ -744,22 +744,28 @@ def test_fused_sampling_gives_the_same_tokens_and_log_probs(model, interpreter, 
     assert not calls  # the reference backend (this module's default): the logits path
 
 
+def _graphed_runs_default_and(model, prompts, params, **option):
+    """Each request's (output ids, output log-probs) from a graphed engine on the Triton kernels (``model`` on the
+    GPU) with the default EngineConfig, then with ``option`` set: two lists to compare bit for bit."""
+    tok = ByteTokenizer(model.cfg.vocab_size)
+    with K.use_backend(None):
+        return [[(r.output_ids, r.output_logprobs) for r in
+                 Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, cuda_graph_max_bs=32, **config))
+                 .generate(prompts, params)]
+                for config in ({}, option)]
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_graphed_fused_sampling_gives_the_default_engines_tokens_and_log_probs():
     """The qwen3-0.6b shape in bf16 with decode graphs: ``fused_sampling`` (graphs without logits, one pass
     over the lm head) gives the default engine's tokens and log-probs bit for bit, for a batch of one
     temperature (the fused kernel) and a greedy one."""
     model = Qwen3ForCausalLM.random(preset("qwen3-0.6b"), seed=0, dtype=torch.bfloat16, device="cuda")
-    tok = ByteTokenizer(model.cfg.vocab_size)
     prompts = _prompts(24, seed=5, lo=20, hi=300)
     for t in (1.0, 0.0):
         params = [SamplingParams(max_new_tokens=40, temperature=t, seed=100 + i, ignore_eos=True) for i in range(24)]
-        with K.use_backend(None):
-            runs = [[(r.output_ids, r.output_logprobs) for r in
-                     Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, cuda_graph_max_bs=32,
-                                                     fused_sampling=fused)).generate(prompts, params)]
-                    for fused in (False, True)]
-        assert runs[0] == runs[1], t
+        default, fused = _graphed_runs_default_and(model, prompts, params, fused_sampling=True)
+        assert default == fused, t
 
 
 @pytest.mark.gpu
@@ -768,14 +774,9 @@ def test_gpu_bf16_fold_beside_the_sampler_gives_the_default_engines_tokens_and_l
     drawn tokens after both) gives the default engine's tokens and log-probs bit for bit, with decode graphs,
     for one temperature and for a batch of two (which folds after the draw, per temperature)."""
     model = Qwen3ForCausalLM.random(preset("qwen3-0.6b"), seed=0, dtype=torch.bfloat16, device="cuda")
-    tok = ByteTokenizer(model.cfg.vocab_size)
     prompts = _prompts(24, seed=6, lo=20, hi=300)
     for temps in ((0.8,), (1.0, 0.5)):
         params = [SamplingParams(max_new_tokens=40, temperature=temps[i % len(temps)], seed=200 + i, ignore_eos=True)
                   for i in range(24)]
-        with K.use_backend(None):
-            runs = [[(r.output_ids, r.output_logprobs) for r in
-                     Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, cuda_graph_max_bs=32,
-                                                     logprob_beside_sampler=beside)).generate(prompts, params)]
-                    for beside in (False, True)]
-        assert runs[0] == runs[1], temps
+        default, beside = _graphed_runs_default_and(model, prompts, params, logprob_beside_sampler=True)
+        assert default == beside, temps
