@@ -105,8 +105,8 @@ def _paged_cache(k: torch.Tensor, v: torch.Tensor, B: int, L: int, page: int, ge
     num_pages = B * pages_per_seq
     perm = torch.randperm(num_pages, generator=gen, device=DEVICE)
     table = perm.view(B, pages_per_seq).to(torch.int32)
-    # K and V the two halves of one allocation, as a KV_RING launch needs (for the others: two caches)
-    kc, vc = torch.empty(2, num_pages, page, *k.shape[1:], dtype=k.dtype, device=DEVICE)
+    kc = torch.empty(num_pages, page, *k.shape[1:], dtype=k.dtype, device=DEVICE)
+    vc = torch.empty_like(kc)
     pos = torch.arange(L, device=DEVICE)
     slots = (table.long()[:, pos // page] * page + pos % page).reshape(-1)
     if page == K.PAGE_SIZE:
@@ -323,20 +323,18 @@ SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
 
 
 def _config(bm: int, bn: int, w: int, s: int, tma: bool, prefetch_page: bool = False, masked_ptr: bool = False,
-            guess_one_query: bool = True, kv_ring: bool = False) -> dict:
+            guess_one_query: bool = True) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma, "PREFETCH_PAGE": prefetch_page,
-            "MASKED_PTR": masked_ptr, "GUESS_ONE_QUERY": guess_one_query, "KV_RING": kv_ring}
+            "MASKED_PTR": masked_ptr, "GUESS_ONE_QUERY": guess_one_query}
 
 
-_DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA", "PREFETCH_PAGE", "MASKED_PTR", "GUESS_ONE_QUERY",
-                "KV_RING")
+_DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA", "PREFETCH_PAGE", "MASKED_PTR", "GUESS_ONE_QUERY")
 
 
 def _decode_label(c: tuple) -> str:
     """``c``: a :data:`DECODE_SWEEP` tuple."""
-    ring = len(c) > 8 and c[8]
     return (f"BM={c[0]} BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])} prefetch={int(c[5])} masked_ptr={int(c[6])} "
-            f"guess={int(c[7])}" + (" kv_ring=1" if ring else ""))
+            f"guess={int(c[7])}")
 
 
 def _bits_check(cfg: dict, gen: torch.Generator) -> bool:
@@ -443,7 +441,7 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
     return best["cfg"] if best else {}
 
 
-DECODE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, PREFETCH_PAGE, MASKED_PTR, GUESS_ONE_QUERY[, KV_RING]);
+DECODE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, PREFETCH_PAGE, MASKED_PTR, GUESS_ONE_QUERY);
     # BLOCK_N is the page size. The first two: the launches of the day without the one-query guess.
     (64, 128, 4, 3, True, True, False, False), (64, 128, 4, 1, True, False, True, False),
     (64, 128, 4, 3, True, True, False, True), (64, 128, 4, 3, True, True, True, True),
@@ -456,11 +454,6 @@ DECODE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, PREFETCH_PAGE
     # row's lanes are those of the wgmma layout's, which is what this pair asks.
     (16, 128, 1, 1, True, False, True, True), (16, 128, 1, 2, True, False, True, True),
     (16, 128, 4, 1, True, False, True, True), (32, 128, 2, 1, True, False, True, True),
-    # KV_RING: a block's K and V boxes as one two-deep stream (kernels/attention.py), so V's copy is issued before
-    # K's wait; the shared memory of one K and one V tile (99 KiB in all at one stage, against 84: still two
-    # programs per SM), compiled for SM 90 under Triton 3.6: 255 registers and 8 bytes of stack.
-    (64, 128, 4, 1, True, False, True, True, True), (64, 128, 4, 3, True, True, False, True, True),
-    (64, 128, 4, 1, True, False, False, True, True),
 ]
 DECODE_SWEEP_CASES = ((1, 540), (16, 540), (64, 540), (256, 540), (64, 4096))
 """(batch, KV length) of the decode sweep: ``rlperf bench rollout``'s decode (prompt 512 and a few dozen

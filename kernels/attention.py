@@ -92,9 +92,7 @@ _DECODE_MANY_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 1, "MASKED_PTR": True}
 
 
 def _decode_config(programs: int, device: torch.device) -> dict:
-    """The launch config of a decode step of ``programs`` live programs (comment above). A config with
-    ``KV_RING`` (none yet: ``fusion_ab``'s variant ``kv ring`` sets it) applies it where the caches are one
-    allocation (:func:`paged_attention`)."""
+    """The launch config of a decode step of ``programs`` live programs (comment above)."""
     if device.type != "cuda":
         return _DECODE_CONFIG  # the interpreter has no pipeline
     return _DECODE_FEW_PROGRAMS if programs <= num_sms(device) else _DECODE_MANY_PROGRAMS
@@ -187,7 +185,7 @@ def _attn_block(
 # Integers whose divisibility by 16 follows the run rather than the shape (the batch's sequence count,
 # the page table's row stride, which follows the KV cache's size, i.e. free memory) are not specialized
 # on: one compiled kernel per shape serves every run, so a kernel manifest covers them.
-@triton.jit(do_not_specialize=["num_seqs", "stride_pt", "stride_lse_h", "v_rows"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_pt", "stride_lse_h"])
 def _attn_fwd_kernel(
     Q, K, V, K_PTR, V_PTR, O, LSE, CU_Q, KV_LENS, PAGE_TABLE,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_h,
@@ -195,7 +193,7 @@ def _attn_fwd_kernel(
     qk_scale, num_seqs, search_steps,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, USE_TMA: tl.constexpr, STORE_LSE: tl.constexpr, PREFETCH_PAGE: tl.constexpr,
-    MASKED_PTR: tl.constexpr, GUESS_ONE_QUERY: tl.constexpr = False, v_rows=0, KV_RING: tl.constexpr = False,
+    MASKED_PTR: tl.constexpr, GUESS_ONE_QUERY: tl.constexpr = False,
 ):
     """Program (i, kvh): query tile i of the flattened tile list, KV head kvh.
 
@@ -208,13 +206,6 @@ def _attn_fwd_kernel(
     clamped to B - 1) and check it with the two loads f(b) <= pid < f(b + 1); only a failed check runs
     the search. Both find the same b, so the arithmetic and the bits are the search's; a decode program
     starts its K/V loads after two parallel loads instead of ceil(log2 B) dependent ones.
-
-    ``KV_RING`` (paged, TMA; the caches two halves of one allocation, so ``K`` is a descriptor over both, V's
-    rows ``v_rows`` rows after K's): the unmasked blocks load as one stream of boxes, K of block j, V of block j,
-    K of block j + 1, ..., through a two-deep pipeline over that stream: each box's copy is issued before the
-    previous box is waited on, so a block's V streams in while its scores are computed, in the shared memory
-    of one K and one V tile. Even steps run the scores and the softmax update, odd steps the P @ V product:
-    :func:`_attn_block`'s operations in its order, so the same bits.
 
     ``STORE_LSE``: also store each row's base-2 log-sum-exp of the scaled scores,
     ``LSE[head, token] = m + log2(l)``, for the backward (``kernels/attention_backward.py``).
@@ -276,25 +267,7 @@ def _attn_fwd_kernel(
             page = tl.load(pages, mask=n_blocks > 0, other=0)
         else:
             page = 0  # read inside _attn_block
-        if KV_RING:
-            p_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=q.dtype)  # block j's P, from its K step to its V step
-            for it in tl.range(0, 2 * n_full, num_stages=2):
-                half = it % 2
-                box = K.load([tl.load(pages + it // 2) * BLOCK_N + half * v_rows, kvh * HEAD_DIM])
-                if half == 0:  # K of the block: _attn_block's update up to the product with V
-                    qk = dot_fresh(q, tl.trans(box))
-                    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-                    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-                    alpha = tl.math.exp2(m_i - m_new)
-                    l_i = l_i * alpha + tl.sum(p, 1)
-                    acc = acc * alpha[:, None]
-                    m_i = m_new
-                    p_prev = p.to(box.dtype)
-                else:  # V of the block
-                    acc = dot_acc(p_prev, box, acc)
-            if PREFETCH_PAGE:  # the first masked block's page, as the loop below leaves it
-                page = tl.load(pages + n_full, mask=n_full < n_blocks, other=0)
-        for jb in range(0, 0 if KV_RING else n_full):
+        for jb in range(0, n_full):
             this_page = page
             if PREFETCH_PAGE:  # the next block's page, read while this block computes (same values)
                 page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
@@ -357,16 +330,6 @@ def _tma_views_ok(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
     return True
 
 
-def _stacked_caches(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the paged caches ``k``, ``v`` [pages, page, Hkv, D] are the two halves of one allocation, V's
-    pages right after K's with the same strides, in TMA's reach (``KV_RING``: one descriptor reads both, its row
-    coordinates below 2^31)."""
-    return (k.dim() == 4 and k.shape == v.shape and k.stride() == v.stride()
-            and k.stride(0) == k.shape[1] * k.stride(1) and 2 * k.shape[0] * k.shape[1] < 2**31
-            and v.data_ptr() == k.data_ptr() + k.shape[0] * k.stride(0) * k.element_size()
-            and _tma_views_ok(k, v, paged=True))
-
-
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -394,8 +357,7 @@ def attention_forward(
     either way.
 
     ``config`` (keys ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``TMA`` and the optional
-    ``PREFETCH_PAGE``, ``MASKED_PTR``, ``GUESS_ONE_QUERY``, ``KV_RING``; the last needs paged caches that are the
-    two halves of one allocation, e.g. ``kv[0]`` and ``kv[1]`` of a [2, pages, page, Hkv, D] tensor) replaces the
+    ``PREFETCH_PAGE``, ``MASKED_PTR``, ``GUESS_ONE_QUERY``) replaces the
     one launch config for tuning sweeps (``bench/attention.py``); the ops never pass it, and another
     config may give other bits.
     """
@@ -439,13 +401,6 @@ def attention_forward(
         k_arg, v_arg = descriptor(k), descriptor(v)
     else:
         k_arg, v_arg = k, v
-    ring = bool(cfg.get("KV_RING", False))
-    if ring and not (paged and use_tma and _stacked_caches(k, v)):
-        raise ValueError("config KV_RING: needs paged K/V caches that are the two halves of one allocation "
-                         "(kv[0], kv[1] of a [2, pages, page, Hkv, D] tensor) and TMA loads (config TMA)")
-    v_rows = k.shape[0] * k.shape[1] if ring else 0
-    if ring:  # one descriptor over both halves: V's rows follow K's
-        k_arg = TensorDescriptor(k, [2 * v_rows, Hkv * D], [k.stride(1), 1], [cfg["BLOCK_N"], D])
     grid = (T // block_q + num_seqs, Hkv)
     # float32 [128, 128] K and V blocks three stages deep need 448 KiB of shared memory (Hopper
     # has 227): fewer stages then (kernels/pipeline.py). The KV block order and the math stay, so
@@ -460,7 +415,7 @@ def attention_forward(
             G=G, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGED=paged, USE_TMA=use_tma,
             STORE_LSE=return_lse, PREFETCH_PAGE=paged and cfg.get("PREFETCH_PAGE", False),
             MASKED_PTR=use_tma and cfg.get("MASKED_PTR", False), GUESS_ONE_QUERY=cfg.get("GUESS_ONE_QUERY", False) and T == num_seqs,
-            v_rows=v_rows, KV_RING=ring, num_warps=cfg["num_warps"], num_stages=stages, **launch_options(q.device),
+            num_warps=cfg["num_warps"], num_stages=stages, **launch_options(q.device),
         )
 
     launch_with_fitting_stages(launch, ("attention", q.dtype, D, G, paged, use_tma, return_lse,
@@ -680,8 +635,6 @@ def paged_attention(
         # decode-only (T == B: every sequence has one query) takes the decode tile: same bits (above)
         decode = q.shape[0] == cu_seqlens_q.numel() - 1
         config = _decode_config(q.shape[0] * k_cache.shape[-2], q.device) if decode else None  # B x Hkv programs
-        if config is not None and config.get("KV_RING") and not _stacked_caches(k_cache, v_cache):
-            config = {**config, "KV_RING": False}  # the same bits, from caches that are two allocations
         return attention_forward(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, scale, config=config)
     return _ref.paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale).to(q.dtype)
 

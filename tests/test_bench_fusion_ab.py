@@ -57,15 +57,15 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     buckets = gemm.TINY_M, dict(gemm._SMALL_M_UP_TO), dict(gemm._TINY_M_UP_TO)
     assert variants["logprob beside the sampler"].logprob_beside_sampler
     assert not variants[fusion_ab.ENGINE_DEFAULT].logprob_beside_sampler
-    assert variants["kv ring"].kv_ring and not variants[fusion_ab.ENGINE_DEFAULT].kv_ring
-    many = dict(attention._DECODE_MANY_PROGRAMS)
+    assert variants["weights to l2"].weights_to_l2 and not variants[fusion_ab.ENGINE_DEFAULT].weights_to_l2
+    prefetch_rows = gemm.PREFETCH_WEIGHTS_MAX_ROWS
     for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets,
-               beside, kv_ring) in variants.items():
+               beside, to_l2) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
-        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets, kv_ring), \
+        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets, to_l2), \
                 K.use_backend("reference"):
-            assert attention._DECODE_MANY_PROGRAMS.get("KV_RING", False) is kv_ring, name
+            assert (gemm.PREFETCH_WEIGHTS_MAX_ROWS == 256) == to_l2, name  # decode batches: up to 256 rows
             # the two buckets of before: a decode batch of one row takes the 64-row small-M tiles
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 1).BLOCK_M == 64) == (not matmul_buckets), name
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 64).BLOCK_M == 64) == (not matmul_buckets), name
@@ -77,11 +77,11 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
         assert pipeline._pdl_on is setting, name  # restored
         assert fused_lm_head._CONFIGS == configs, name
         assert all(c["GUESS_ONE_QUERY"] for c in decode_configs), name  # restored
-        assert attention._DECODE_MANY_PROGRAMS == many, name  # restored
         assert (calls["swiglu"] > before["swiglu"]) == (swiglu is False), name
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
         assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored
         assert gemm.SWIGLU_EPILOGUE_MAX_ROWS == limit
+        assert gemm.PREFETCH_WEIGHTS_MAX_ROWS == prefetch_rows, name  # restored
         assert (gemm.TINY_M, gemm._SMALL_M_UP_TO, gemm._TINY_M_UP_TO) == buckets, name  # restored
     first = tokens[fusion_ab.ENGINE_DEFAULT]
     assert all(len(out) >= 3 for _, out in first)

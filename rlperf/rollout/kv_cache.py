@@ -1,10 +1,8 @@
 """The paged KV cache of the rollout engine: per-layer page pools and a page allocator.
 
 Layout (what :func:`rlperf.kernels.paged_attention` reads): per layer a pair ``(k_cache,
-v_cache)``, each ``[num_pages, PAGE_SIZE, Hkv, D]`` in the model's dtype, the two halves of one
-``[2, num_pages, PAGE_SIZE, Hkv, D]`` allocation (so a decode launch with ``KV_RING`` can read both
-through one descriptor; every other reader sees two tensors of the usual strides). Token ``p`` of a
-request lives in slot ``pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE``.
+v_cache)``, each ``[num_pages, PAGE_SIZE, Hkv, D]`` in the model's dtype. Token ``p`` of a request
+lives in slot ``pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE``.
 
 Sizing: ``bytes_per_token = 2 (K and V) * layers * Hkv * D * itemsize``. On CUDA the pool takes
 ``mem_fraction_static * total_memory - memory already allocated`` (weights and activations live in
@@ -57,7 +55,8 @@ class PagedKVCache:
         self.cfg, self.num_pages, self.page_size = cfg, num_pages, K.PAGE_SIZE
         shape = (num_pages, K.PAGE_SIZE, cfg.num_key_value_heads, cfg.head_dim)
         self._fill = fill = float("nan") if poison else 0.0
-        self.layers = [tuple(torch.full((2, *shape), fill, dtype=dtype, device=device).unbind(0))
+        self.layers = [(torch.full(shape, fill, dtype=dtype, device=device),
+                        torch.full(shape, fill, dtype=dtype, device=device))
                        for _ in range(cfg.num_hidden_layers)]
         self._free = list(range(num_pages - 1, -1, -1))
 

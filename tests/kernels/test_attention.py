@@ -55,7 +55,7 @@ def make_tokens(lens, hq, hkv, d, dtype, device):
 class PagedCache:
     """A NaN-filled paged cache whose sequences own shuffled, non-contiguous pages (plus free NaN pages)."""
 
-    def __init__(self, lens, hkv, d, dtype, device, free_pages=3, stacked=False):
+    def __init__(self, lens, hkv, d, dtype, device, free_pages=3):
         P = page_size()
         need = [-(-n // P) for n in lens]
         num_pages = sum(need) + free_pages
@@ -67,11 +67,8 @@ class PagedCache:
             self.page_table[b, :n] = torch.tensor(perm[i:i + n], dtype=torch.int32)
             i += n
         self.page_table = self.page_table.to(device)
-        if stacked:  # K and V the two halves of one allocation (the KV_RING launches' layout)
-            self.k, self.v = torch.full((2, num_pages, P, hkv, d), float("nan"), dtype=dtype, device=device)
-        else:
-            self.k = torch.full((num_pages, P, hkv, d), float("nan"), dtype=dtype, device=device)
-            self.v = torch.full_like(self.k, float("nan"))
+        self.k = torch.full((num_pages, P, hkv, d), float("nan"), dtype=dtype, device=device)
+        self.v = torch.full_like(self.k, float("nan"))
         self._table = self.page_table.cpu()
 
     def slots(self, b: int, start: int, end: int) -> torch.Tensor:
@@ -81,9 +78,9 @@ class PagedCache:
 
 
 
-def filled_cache(k, v, lens, stacked=False) -> PagedCache:
+def filled_cache(k, v, lens) -> PagedCache:
     """A :class:`PagedCache` holding every sequence's whole K/V (k, v packed as ``make_tokens`` gives them)."""
-    cache = PagedCache(lens, k.shape[1], k.shape[2], k.dtype, k.device, stacked=stacked)
+    cache = PagedCache(lens, k.shape[1], k.shape[2], k.dtype, k.device)
     K.write_kv_cache(k, v, cache.k, cache.v,
                      torch.cat([cache.slots(b, 0, n) for b, n in enumerate(lens)]).to(k.device))
     return cache
@@ -247,62 +244,6 @@ def test_page_prefetch_and_masked_pointer_loads_bit_identical(interpreter):
         assert torch.equal(out, base[last]), extra
         out = attention_forward(q, cache.k, cache.v, cu, kv, cache.page_table, config={**_CONFIG, **extra})
         assert torch.equal(out, base), extra
-
-
-def test_kv_ring_loads_the_same_bits(interpreter):
-    """``KV_RING`` (K and V boxes as one two-deep stream from a cache whose halves are one allocation) runs
-    _attn_block's update in two steps per block: decode rows (with and without the page read ahead and the
-    masked blocks' pointer loads) and a paged prefill across pages equal the varlen prefill's; caches that are
-    not one allocation are refused by name."""
-    from rlperf.kernels.attention import _CONFIG, _DECODE_CONFIG, attention_forward
-
-    P = page_size()
-    lens = [2 * P + 3, 1, P, 40, 3 * P]
-    q, k, v, cu = make_tokens(lens, 4, 2, 32, torch.float16, "cpu")
-    base = run_varlen(q, k, v, lens)
-    cache = filled_cache(k, v, lens, stacked=True)
-    kv = torch.tensor(lens, dtype=torch.int32)
-    last = (cu[1:] - 1).long()
-    step = torch.arange(len(lens) + 1, dtype=torch.int32)
-    for extra in ({}, {"PREFETCH_PAGE": True}, {"MASKED_PTR": True}, {"PREFETCH_PAGE": True, "MASKED_PTR": True}):
-        ring = {"KV_RING": True, **extra}
-        out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table, config={**_DECODE_CONFIG, **ring})
-        assert torch.equal(out, base[last]), extra
-        out = attention_forward(q, cache.k, cache.v, cu, kv, cache.page_table, config={**_CONFIG, **ring})
-        assert torch.equal(out, base), extra
-    apart = filled_cache(k, v, lens)
-    with pytest.raises(ValueError, match="KV_RING: needs paged K/V caches that are the two halves of one allocation"):
-        attention_forward(q[last], apart.k, apart.v, step, kv, apart.page_table, config={**_DECODE_CONFIG, "KV_RING": True})
-
-
-def test_paged_attention_takes_a_decode_kv_ring_only_from_one_allocation(interpreter, monkeypatch):
-    """A decode config with ``KV_RING`` (fusion_ab's ``kv ring`` sets it) runs it from caches that are one
-    allocation (the engine's: rlperf.rollout.kv_cache) and the plain loads from two, the same bits either way; a
-    rollout engine's K/V cache halves are one allocation."""
-    from rlperf.kernels import attention
-    from rlperf.model import preset
-    from rlperf.rollout.kv_cache import PagedKVCache
-
-    P = page_size()
-    lens = [P + 5, 7, 2 * P]
-    q, k, v, cu = make_tokens(lens, 4, 2, 32, torch.float16, "cpu")
-    base = run_varlen(q, k, v, lens)
-    last = (cu[1:] - 1).long()
-    kv = torch.tensor(lens, dtype=torch.int32)
-    step = torch.arange(len(lens) + 1, dtype=torch.int32)
-    monkeypatch.setitem(attention._DECODE_CONFIG, "KV_RING", True)  # the interpreter's decode config
-    rings = []
-    real = attention.attention_forward
-    monkeypatch.setattr(attention, "attention_forward",
-                        lambda *a, **kw: rings.append(bool(kw["config"].get("KV_RING"))) or real(*a, **kw))
-    for stacked in (True, False):
-        cache = filled_cache(k, v, lens, stacked=stacked)
-        out = K.paged_attention(q[last], cache.k, cache.v, cache.page_table, step, kv)
-        assert torch.equal(out, base[last]), stacked
-    assert rings == [True, False]
-    pool = PagedKVCache(preset("tiny"), num_pages=3, dtype=torch.float16, device="cpu")
-    assert all(attention._stacked_caches(k_, v_) for k_, v_ in pool.layers)
-    assert pool.pool_bytes == 2 * len(pool.layers) * pool.layers[0][0].nbytes
 
 
 def test_decode_launch_finds_each_sequence_without_the_search(interpreter):
@@ -495,29 +436,6 @@ def test_gpu_decode_pipeline_depth_bit_identical(dtype):
             out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table,
                                     config={**_DECODE_CONFIG, "num_stages": stages, "PREFETCH_PAGE": prefetch,
                                             "MASKED_PTR": masked_ptr})
-            assert torch.equal(out, base[last]), f"{stages} stages, page prefetch {prefetch}, masked ptr {masked_ptr}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_kv_ring_bit_identical(dtype):
-    """The ``KV_RING`` launches (a sweep candidate: K and V of a block in flight together) give a decode step's
-    rows the prefill's bits at every pipeline depth of the rest of the kernel, with and without the page read
-    ahead and the masked blocks' pointer loads; 48 sequences of 1 to 1,499 tokens."""
-    from rlperf.kernels.attention import _DECODE_CONFIG, attention_forward
-
-    many = [int(x) for x in torch.randint(1, 1500, (48,), generator=torch.Generator().manual_seed(6)).tolist()]
-    q, k, v, cu = make_tokens(many, 16, 8, 128, dtype, "cuda")
-    base = run_varlen(q, k, v, many)
-    cache = filled_cache(k, v, many, stacked=True)
-    last = (cu[1:] - 1).long()
-    kv = torch.tensor(many, dtype=torch.int32, device="cuda")
-    step = torch.arange(len(many) + 1, dtype=torch.int32, device="cuda")
-    for stages in (1, 3):
-        for prefetch, masked_ptr in ((False, False), (False, True), (True, False)):
-            out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table,
-                                    config={**_DECODE_CONFIG, "num_stages": stages, "PREFETCH_PAGE": prefetch,
-                                            "MASKED_PTR": masked_ptr, "KV_RING": True})
             assert torch.equal(out, base[last]), f"{stages} stages, page prefetch {prefetch}, masked ptr {masked_ptr}"
 
 
