@@ -35,11 +35,7 @@ log-prob's source), same card, same process: is a change of the rollout bench's 
 * ``two matmul buckets``: the products' tile configs as they were before the tiny-M and stretched small-M
   buckets (:func:`rlperf.kernels.matmul_config`): the small-M tiles for at most 64 rows, no swapped tiles
   (``gemm.TINY_M`` 0, so no shape's either) and no shape's small-M tiles past 64 rows. The same bits (every config of a shape
-  shares its reduction: tests/kernels/test_matmul.py);
-* ``weights to l2``: every product of up to 256 rows (the decode steps') asks the L2 for its first weight tile
-  before its grid-dependency wait (``gemm.PREFETCH_WEIGHTS_MAX_ROWS``; ``_matmul_kernel``'s ``PREFETCH_W``), so
-  under PDL the weight's DRAM reads start while the kernel before it runs. The same loads and products after
-  the wait, so the same bits.
+  shares its reduction: tests/kernels/test_matmul.py).
 
 Both fused forms give the bits of their unfused calls (their kernel tests), PDL moves no instruction of a
 kernel's math, and the log-prob from the logits is the second pass's bits, so those variants decode the same
@@ -81,8 +77,7 @@ class Variant(NamedTuple):
     engine's ``EngineConfig.fused_sampling``; decode_guess: decode attention's ``GUESS_ONE_QUERY``;
     logprob_from_logits_max_rows: ``EngineConfig``'s (None: its default); matmul_buckets: the products'
     tiny-M and stretched small-M configs (False: the two buckets of before, ``two matmul buckets``);
-    logprob_beside_sampler: ``EngineConfig``'s; weights_to_l2: products of up to 256 rows ask the L2 for their
-    weight tile before the grid-dependency wait (``gemm.PREFETCH_WEIGHTS_MAX_ROWS``)."""
+    logprob_beside_sampler: ``EngineConfig``'s."""
 
     swiglu: bool | None
     kv: bool
@@ -93,7 +88,6 @@ class Variant(NamedTuple):
     logprob_from_logits_max_rows: int | None = None
     matmul_buckets: bool = True
     logprob_beside_sampler: bool = False
-    weights_to_l2: bool = False
 
 
 ENGINE_DEFAULT = "engine default"
@@ -104,8 +98,7 @@ VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, T
             "no decode guess": Variant(None, True, decode_guess=False),
             "logprob from the lm head": Variant(None, True, logprob_from_logits_max_rows=0),
             "two matmul buckets": Variant(None, True, matmul_buckets=False),
-            "logprob beside the sampler": Variant(None, True, logprob_beside_sampler=True),
-            "weights to l2": Variant(None, True, weights_to_l2=True)}
+            "logprob beside the sampler": Variant(None, True, logprob_beside_sampler=True)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
@@ -122,16 +115,14 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 
 @contextlib.contextmanager
 def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles: int | None = None,
-            decode_guess: bool = True, matmul_buckets: bool = True, weights_to_l2: bool = False):
+            decode_guess: bool = True, matmul_buckets: bool = True):
     """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
     kernels package: swap in the unfused calls (or lift the epilogue's row limit), switch
     programmatic dependent launch, set the fused log-prob's split width (every dtype's config), decode
-    attention's one-query guess, the products' M buckets and their weight prefetch (decode batches: up to 256
-    rows), for the variant's duration."""
+    attention's one-query guess and the products' M buckets, for the variant's duration."""
     from rlperf.kernels import attention, fused_lm_head, gemm
 
     saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS
-    saved_prefetch = gemm.PREFETCH_WEIGHTS_MAX_ROWS
     saved_buckets = gemm.TINY_M, dict(gemm._SMALL_M_UP_TO), dict(gemm._TINY_M_UP_TO)
     saved_configs = dict(fused_lm_head._CONFIGS)
     decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
@@ -149,8 +140,6 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
             gemm.TINY_M = 0
             gemm._SMALL_M_UP_TO.clear()
             gemm._TINY_M_UP_TO.clear()
-        if weights_to_l2:
-            gemm.PREFETCH_WEIGHTS_MAX_ROWS = 256
         if logprob_split_tiles is not None:
             for dtype, cfg in saved_configs.items():
                 fused_lm_head._CONFIGS[dtype] = dataclasses.replace(cfg, SPLIT_TILES=logprob_split_tiles)
@@ -158,7 +147,6 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
             yield
     finally:
         K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS = saved
-        gemm.PREFETCH_WEIGHTS_MAX_ROWS = saved_prefetch
         gemm.TINY_M = saved_buckets[0]
         gemm._SMALL_M_UP_TO.clear()
         gemm._SMALL_M_UP_TO.update(saved_buckets[1])
@@ -242,8 +230,7 @@ def main(argv=None) -> int:
         # one untimed round first (every variant's kernels compiled, the allocator warm); the timed rounds'
         # rotation then spreads what the first variant of a round still pays (module docstring)
         for v in variants.values():
-            with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets,
-                         weights_to_l2=v.weights_to_l2):
+            with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),
                             fused_sampling=v.fused_sampling,
                             logprob_from_logits_max_rows=v.logprob_from_logits_max_rows,
@@ -253,8 +240,7 @@ def main(argv=None) -> int:
         for r, order in enumerate(timing_orders(list(variants), args.rounds), 1):
             for name in order:
                 v = variants[name]
-                with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets,
-                         weights_to_l2=v.weights_to_l2):
+                with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets):
                     row = samples[name]
                     for b in batches:
                         d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),

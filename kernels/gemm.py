@@ -80,26 +80,6 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
-def _prefetch_first_tile_to_l2(w_rows, M, N, K, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               GROUP_M: tl.constexpr, ELEMS_PER_LINE: tl.constexpr):
-    """Ask the L2 for the weight rows of this program's first tile (``_matmul_kernel``'s tile order): rows
-    ``off_n .. off_n + BLOCK_N`` (below N) of the [N, K] weight ``w_rows``, one ``prefetch.global.L2`` per
-    128-byte line (``ELEMS_PER_LINE`` elements), spread over the program's threads. Reads nothing into
-    registers and changes no value: a later load of those bytes reads what memory holds then (the L2 is where
-    global memory is coherent), so it may run before the grid-dependency wait."""
-    LINES: tl.constexpr = 16
-    _, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    safe_r = tl.where(offs_r < N, offs_r, 0).to(tl.int64)
-    for k0 in range(0, K, LINES * ELEMS_PER_LINE):
-        offs_k = k0 + tl.arange(0, LINES) * ELEMS_PER_LINE
-        safe_k = tl.where(offs_k < K, offs_k, 0)
-        ptrs = w_rows + safe_r[:, None] * stride_wn + safe_k[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
 # M is never specialized (Triton would otherwise compile a separate kernel for M == 1): one
 # compiled kernel per (dtype, N, K) config serves every batch size.
 @triton.jit(do_not_specialize=["M"])
@@ -110,7 +90,6 @@ def _matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, FLATTEN: tl.constexpr, W_KN: tl.constexpr = False, SWIGLU: tl.constexpr = False,
-    w_rows=None, PREFETCH_W: tl.constexpr = False, ELEMS_PER_LINE: tl.constexpr = 64,
 ):
     # SWIGLU: w is [2N, K] = [gate | up] and out[m, n] = silu(g) * u of g = (x @ w[n].T), u = (x @ w[N + n].T),
     # each rounded to out's dtype first, with activation.py's formula: the bits of matmul then silu_mul.
@@ -123,12 +102,6 @@ def _matmul_kernel(
     # side and x's few rows on its narrow side (no 64-row padding of x). Each element is the same chain of
     # k16 steps over the same products, only the operands swap sides: the bits of the plain tile (GPU
     # tests; under the interpreter the float64 tile sums are exact either way).
-    # PREFETCH_W (w_rows: w as a plain [N, K] tensor): before the grid-dependency wait, this program asks the L2
-    # for the weight rows of its first tile, so under PDL their DRAM reads overlap the kernel before this one.
-    # Nothing is read into registers before the wait, and the loads after it read what memory holds then (a
-    # prefetched line that kernel writes is updated in the L2): the same loads and products, so the same bits.
-    if PREFETCH_W:
-        _prefetch_first_tile_to_l2(w_rows, M, N, K, stride_wn, BLOCK_M, BLOCK_N, GROUP_M, ELEMS_PER_LINE)
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     SWAP_AB: tl.constexpr = BLOCK_M < 64
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -446,13 +419,6 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     return out.copy_(y)
 
 
-PREFETCH_WEIGHTS_MAX_ROWS = 0
-"""The most rows (tokens) for which a 16-bit product on the GPU asks the L2 for its weight tile before its
-grid-dependency wait (``_matmul_kernel``'s ``PREFETCH_W``): a decode step's products, whose weights are read
-once per step and whose launches (under PDL) start while the kernel before them runs. 0: never. The same
-bits either way; ``python -m rlperf.bench.fusion_ab --variants 'weights to l2'`` times it."""
-
-
 def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            *, config: MatmulConfig | None = None, tma: bool | None = None,
            out: torch.Tensor | None = None, w_kn: bool = False, swiglu: bool = False) -> torch.Tensor:
@@ -500,9 +466,6 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
         else:
             programs = num_sms(x.device)
         programs = min(programs, num_tiles)
-        # the weight tile asked of the L2 ahead of the wait (PREFETCH_WEIGHTS_MAX_ROWS): [N, K] weights, no SwiGLU
-        prefetch = (not interpreted and M <= PREFETCH_WEIGHTS_MAX_ROWS and x.dtype != torch.float32
-                    and not (w_kn or swiglu))
         # A wider output (float32 logits from a bf16 lm-head) needs a larger epilogue buffer in
         # shared memory: fewer stages then (kernels/pipeline.py; the bits stay).
         def run(stages):
@@ -514,9 +477,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 HAS_BIAS=bias is not None, USE_TMA=tma_path,
                 PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", FLATTEN=cfg.flatten, W_KN=w_kn,
-                SWIGLU=swiglu, w_rows=w if prefetch else None, PREFETCH_W=prefetch,
-                ELEMS_PER_LINE=128 // x.element_size(), num_warps=cfg.num_warps, num_stages=stages,
-                **launch_options(x.device),
+                SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=stages, **launch_options(x.device),
             )
 
         launch_with_fitting_stages(run, ("matmul", cfg, dst.dtype, w_kn, swiglu), cfg.num_stages)

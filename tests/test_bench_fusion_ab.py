@@ -57,15 +57,11 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     buckets = gemm.TINY_M, dict(gemm._SMALL_M_UP_TO), dict(gemm._TINY_M_UP_TO)
     assert variants["logprob beside the sampler"].logprob_beside_sampler
     assert not variants[fusion_ab.ENGINE_DEFAULT].logprob_beside_sampler
-    assert variants["weights to l2"].weights_to_l2 and not variants[fusion_ab.ENGINE_DEFAULT].weights_to_l2
-    prefetch_rows = gemm.PREFETCH_WEIGHTS_MAX_ROWS
     for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets,
-               beside, to_l2) in variants.items():
+               beside) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
-        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets, to_l2), \
-                K.use_backend("reference"):
-            assert (gemm.PREFETCH_WEIGHTS_MAX_ROWS == 256) == to_l2, name  # decode batches: up to 256 rows
+        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets), K.use_backend("reference"):
             # the two buckets of before: a decode batch of one row takes the 64-row small-M tiles
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 1).BLOCK_M == 64) == (not matmul_buckets), name
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 64).BLOCK_M == 64) == (not matmul_buckets), name
@@ -81,7 +77,6 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
         assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored
         assert gemm.SWIGLU_EPILOGUE_MAX_ROWS == limit
-        assert gemm.PREFETCH_WEIGHTS_MAX_ROWS == prefetch_rows, name  # restored
         assert (gemm.TINY_M, gemm._SMALL_M_UP_TO, gemm._TINY_M_UP_TO) == buckets, name  # restored
     first = tokens[fusion_ab.ENGINE_DEFAULT]
     assert all(len(out) >= 3 for _, out in first)

@@ -326,44 +326,6 @@ def test_linear_silu_mul_is_the_two_calls_gpu(monkeypatch, dtype, i, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,n,k", [
-    (torch.bfloat16, 4096, 1024),   # Qwen3-0.6B qkv: swapped tiles up to 16 rows, narrow ones above
-    (torch.bfloat16, 1024, 3072),   # 0.6B down: swapped tiles up to 64 rows
-    (torch.bfloat16, 151936, 1024),  # the lm head: more tiles than programs (only the first one asked for)
-    (torch.bfloat16, 1000, 1001),   # odd sizes: the pointer path, a ragged last tile
-    (torch.float16, 1024, 2048),
-])
-def test_gpu_weight_prefetch_keeps_the_bits(monkeypatch, dtype, n, k):
-    """A product that asks the L2 for its weight tile before its grid-dependency wait (PREFETCH_W) gives the
-    plain launch's bits at every decode size, eagerly and replayed from a CUDA graph under PDL, and the
-    same bits as a large-M launch of the same rows; the bf16 logits of the lm head in float32 too."""
-    from rlperf.kernels import gemm
-
-    x, w, _ = _inputs(300, n, k, dtype, device="cuda")
-    out_dtype = torch.float32 if n == 151936 else None
-    plain = {m: K.matmul(x[:m], w, out_dtype=out_dtype) for m in (1, 7, 16, 33, 64, 255)}
-    full = K.matmul(x, w, out_dtype=out_dtype)
-    monkeypatch.setattr(gemm, "PREFETCH_WEIGHTS_MAX_ROWS", 256)
-    for m, ref in plain.items():
-        assert torch.equal(K.matmul(x[:m], w, out_dtype=out_dtype), ref), f"M={m}"
-        assert torch.equal(ref, full[:m]), f"M={m} against the large-M launch"
-    xs = x[:16].clone()
-    out = torch.empty(16, n, dtype=out_dtype or dtype, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        K.matmul(xs, w, out_dtype=out_dtype, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        K.matmul(xs, w, out_dtype=out_dtype, out=out)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, plain[16])
-
-
-@pytest.mark.gpu
 def test_unaligned_and_strided_inputs_gpu():
     m, n, k = 300, 2560, 4096
     x, w, _ = _inputs(m, n, k, torch.bfloat16, device="cuda")

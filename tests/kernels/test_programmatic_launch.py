@@ -17,14 +17,6 @@ from rlperf.kernels import pipeline
 KERNELS_DIR = Path(pipeline.__file__).parent
 
 
-def _is_l2_prefetch(stmt) -> bool:
-    """``if FLAG: helper(...)`` where the helper's name ends in ``_to_l2`` (e.g. the matmul's weight tile asked
-    of the L2 before the wait): one call, nothing assigned, so nothing it could read is used before the wait."""
-    return (isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Name) and not stmt.orelse and len(stmt.body) == 1
-            and isinstance(stmt.body[0], ast.Expr) and isinstance(stmt.body[0].value, ast.Call)
-            and getattr(stmt.body[0].value.func, "id", "").endswith("_to_l2"))
-
-
 def pdl_launches() -> dict[str, str]:
     """``module:kernel`` -> the first statement of each kernel that some launch in ``kernels/`` marks with
     ``**launch_options(...)``, read from the source."""
@@ -40,16 +32,13 @@ def pdl_launches() -> dict[str, str]:
                 fn = jitted[node.func.value.id]
                 body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
                     else fn.body
-                if _is_l2_prefetch(body[0]):  # asks the L2 for bytes, reads nothing: may precede the wait
-                    body = body[1:]
                 found[f"{path.stem}:{fn.name}"] = ast.unparse(body[0])
     return found
 
 
 def test_every_kernel_launched_with_launch_options_waits_first():
     """A launch marked for PDL lets its kernel start before the previous one ends: the kernel's first
-    statement must be ``grid_dependency_sync()`` (after at most an L2 prefetch, which reads nothing), or its
-    loads could read what is still being written."""
+    statement must be ``grid_dependency_sync()``, or its loads could read what is still being written."""
     found = pdl_launches()
     assert len(found) >= 20, sorted(found)  # the decode step's and the dense train step's kernels
     assert {k for k, first in found.items() if first != "grid_dependency_sync()"} == set()
