@@ -27,7 +27,7 @@ cd "$(dirname "$0")/.."
 TEST_GROUPS=(
   "tests/kernels/test_matmul.py tests/kernels/test_attention.py"
   "tests/kernels/test_attention_backward.py tests/kernels/test_autograd.py tests/kernels/test_fused_logprob.py tests/kernels/test_logprob.py tests/kernels/test_moe.py"
-  "tests/kernels/test_norm.py tests/kernels/test_rope.py tests/kernels/test_sampling.py tests/kernels/test_activation.py tests/kernels/test_programmatic_launch.py tests/model/test_qwen3.py tests/model/test_qwen3_moe.py tests/train/test_batching.py tests/telemetry/test_meter.py tests/kernels/test_tree_reduce.py tests/train/test_megatron_runtime.py"
+  "tests/kernels/test_norm.py tests/kernels/test_rope.py tests/kernels/test_sampling.py tests/kernels/test_activation.py tests/kernels/test_programmatic_launch.py tests/model/test_qwen3.py tests/model/test_qwen3_moe.py tests/train/test_batching.py tests/telemetry/test_meter.py tests/kernels/test_tree_reduce.py tests/train/test_megatron_runtime.py tests/test_kernel_profile.py"
   "tests/sync/test_buckets.py tests/sync/test_transports.py tests/test_bench_sync.py tests/rollout/test_engine.py tests/rollout/test_warmup.py tests/rollout/test_weight_update_hostile.py"
   "tests/loop/test_loop.py tests/loop/test_precision.py tests/train/test_cuda_graph_train.py tests/train/test_megatron_graphs.py tests/train/test_adamw.py tests/loop/test_format_warmup.py tests/kernels/test_precompile.py"
   "tests/profiles/test_profile.py tests/test_flashinfer_anchors.py tests/rollout/test_flashinfer_attention.py tests/sglang_plugin/test_plugin_gpu.py tests/gates/test_colocated_oom_gpu.py tests/loop/test_sglang_backend.py"

@@ -22,6 +22,13 @@ Cases (qwen3-0.6b shape, random bf16 weights, invariant mode unless ``--mode fas
   without rlperf's plugin), its GPU time divided by ``--steps`` (the steps the trace covers). The GPU
   time is the sum of kernel, memcpy and memset durations; the trace's own span stands in for the wall.
 
+* ``launch-floor``: what a decode step's kernel count costs before any work. The engine's graphed B = 1 decode
+  step (the anchor: its ms and kernels per step, measured first), then one CUDA graph of that many launches of a
+  kernel that only hands a counter on (each waits for the one before, as the step's kernels do; program 0 adds
+  one to what the previous launch wrote) on ``--programs`` programs, with and without programmatic dependent
+  launch. Its table gives us per launch and the graph's share of the step: the part of a step that fewer,
+  fuller kernels (or one persistent kernel) could win back, and the part that is the kernels' own work;
+
 * ``sglang``: real SGLang's decode steps at ``--batch`` (prompt 512) for each of ``--variants``
   (names of ``rlperf bench rollout --sglang-variants``: ``plugin`` is SGLang with rlperf's plugin):
   ``sglang.bench_one_batch --profile`` over ``--steps`` steps, its traces summarized as ``trace`` does,
@@ -32,6 +39,7 @@ Cases (qwen3-0.6b shape, random bf16 weights, invariant mode unless ``--mode fas
     python -m rlperf.bench.kernel_profile prefill --prompts 16
     python -m rlperf.bench.kernel_profile train --tokens 8192
     python -m rlperf.bench.kernel_profile sglang --variants plugin fast --batch 1 64
+    python -m rlperf.bench.kernel_profile launch-floor --programs 8 16 132
     python -m rlperf.bench.kernel_profile trace --steps 3 /tmp/prof_batch1_input512_output32_decode.trace.json.gz
 """
 from __future__ import annotations
@@ -43,8 +51,11 @@ import json
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from rlperf import kernels as K
+from rlperf.kernels.pipeline import grid_dependency_sync, launch_options
 from rlperf.model import preset
 from rlperf.model.qwen3 import Qwen3ForCausalLM
 
@@ -197,6 +208,60 @@ def _profile(label: str, fn, steps: int, top: int, prepare=None, by_launch: bool
               "each kernel's own time)")
 
 
+@triton.jit
+def _handoff_kernel(counter):
+    """One link of a chain of launches: wait for the launch before (its write visible), then program 0 adds one
+    to the counter it left. No other work: a chain of these costs what the launches alone cost."""
+    grid_dependency_sync()
+    if tl.program_id(0) == 0:
+        tl.store(counter, tl.load(counter) + 1)
+
+
+def launch_floor(launches: int, programs: int, pdl: bool, reps: int = 50) -> float:
+    """ms of one CUDA-graph replay of ``launches`` chained :func:`_handoff_kernel` launches on ``programs``
+    programs each, with programmatic dependent launch or without (``pdl``); checks that every link ran."""
+    from .harness import cuda_time
+
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with K.use_programmatic_launch(pdl):
+        options = launch_options(counter.device)
+
+        def chain():
+            for _ in range(launches):
+                _handoff_kernel[(programs,)](counter, num_warps=4, **options)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile off the capture
+            chain()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+    counter.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    if int(counter.item()) != launches:
+        raise RuntimeError(f"launch-floor: {int(counter.item())} of {launches} links ran")
+    return cuda_time(graph.replay, warmup=5, reps=reps, flush_l2=False).median_ms
+
+
+def _launch_floor_case(model, programs: list[int], steps: int) -> None:
+    """The ``launch-floor`` case (module docstring)."""
+    from .rollout import decode_case
+
+    with torch.no_grad():
+        step = decode_case(model, 1, PROMPT, steps + 16, steps, graph_bs=1)
+    count = step["launches"].kernels if step["launches"] is not None else 266
+    print(f"\n== launch floor: the anchor, the engine's graphed decode step at B=1: {step['ms']:.3f} ms, "
+          f"{step['launches'] or 'kernel count n/a: 266 assumed'}")
+    print(f"{'programs':>8}  {'PDL':>3}  {'us/launch':>9}  {f'ms for {count}':>11}  {'x step':>6}")
+    for n in programs:
+        for pdl in (True, False):
+            ms = launch_floor(count, n, pdl)
+            print(f"{n:>8}  {'on' if pdl else 'off':>3}  {ms * 1e3 / count:9.2f}  {ms:11.3f}  {ms / step['ms']:6.3f}")
+
+
 def _sglang_cases(variants, batches, steps: int, top: int, model: str) -> None:
     """The ``sglang`` case (module docstring): one ``bench_one_batch --profile`` process per variant."""
     import glob
@@ -230,7 +295,7 @@ def _sglang_cases(variants, batches, steps: int, top: int, model: str) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m rlperf.bench.kernel_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("case", choices=("decode", "prefill", "train", "trace", "sglang"))
+    p.add_argument("case", choices=("decode", "prefill", "train", "trace", "sglang", "launch-floor"))
     p.add_argument("traces", nargs="*", metavar="FILE", help="trace: Chrome traces of the torch profiler (.json[.gz])")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="decode batch sizes (default: 1 64)")
     p.add_argument("--prompts", type=int, default=16, help="prefill: prompts of 512 tokens in the step (default: 16)")
@@ -243,6 +308,8 @@ def main(argv=None) -> None:
     p.add_argument("--variants", nargs="+", default=["plugin", "fast"],
                    help="sglang: SGLang variants, names of rlperf bench rollout --sglang-variants (default: plugin fast)")
     p.add_argument("--model", default=MODEL)
+    p.add_argument("--programs", type=int, nargs="+", default=[8, 16, 132],
+                   help="launch-floor: programs per launch of the chain (default: 8 16 132)")
     p.add_argument("--by-launch", action="store_true",
                    help="list each kernel's launches by grid and block apart (e.g. a step's products by shape)")
     a = p.parse_intermixed_args(argv)
@@ -262,6 +329,8 @@ def main(argv=None) -> None:
         p.error(f"{a.case} takes no FILE arguments (only trace does)")
     if a.steps < 1 or a.prompts < 1:
         p.error(f"--steps and --prompts must be >= 1, got {a.steps} and {a.prompts}")
+    if min(a.programs) < 1:
+        p.error(f"--programs must be >= 1, got {' '.join(map(str, a.programs))}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     if a.case == "sglang":
@@ -274,7 +343,9 @@ def main(argv=None) -> None:
         return
     model = Qwen3ForCausalLM.random(preset(a.model), seed=0, dtype=torch.bfloat16, device="cuda")
     with K.use_mode(a.mode):
-        if a.case == "decode":
+        if a.case == "launch-floor":
+            _launch_floor_case(model, a.programs, a.steps)
+        elif a.case == "decode":
             with torch.no_grad():
                 for b in a.batch:
                     engine = _engine(model, b)

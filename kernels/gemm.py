@@ -636,8 +636,10 @@ invariant mode, CUDA-graph decode): with the epilogue, decode steps took 2.86 / 
 1 / 16 / 64 against 2.57 / 2.98 / 5.23 ms with the two calls (one GPU alone, 2026-11-27; a run beside
 three other GPUs' work agreed: 0.85x / 0.83x / 0.85x with the two calls), and at B=256 and in prefill
 it cost more still (15.0 against 12.9 ms, 46.7 against 29.0 ms). The launch it saves is worth less than
-the epilogue's wider tiles cost. Both forms give the same bits, so the limit changes no token; the
-fused form stays for the A/B bench and its bit tests, which raise the limit."""
+the epilogue's wider tiles cost. Re-measured on an H200 with the swapped small-batch tiles, which its launches
+cannot take (``fusion_ab --variants 'both fusions'``, 2026-11-30): 1.449 / 1.606 / 2.552 / 6.688 ms at B = 1 /
+16 / 64 / 256 against 1.306 / 1.457 / 2.428 / 6.399 without it. Both forms give the same bits, so the limit
+changes no token; the fused form stays for the A/B bench and its bit tests, which raise the limit."""
 
 
 def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

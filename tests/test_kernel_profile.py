@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rlperf.bench.kernel_profile import trace_kernels
 
@@ -88,3 +89,25 @@ def test_prefill_case_checks_its_flags_before_needing_a_gpu():
     proc = subprocess.run([sys.executable, "-m", "rlperf.bench.kernel_profile", "prefill", "--prompts", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--prompts" in proc.stderr and "got 10 and 0" in proc.stderr, proc.stderr
+
+
+def test_launch_floor_checks_its_flags_then_needs_a_gpu():
+    """``launch-floor``: a bad ``--programs`` exits 2 naming it before anything else; without CUDA, exit 2 saying so."""
+    proc = subprocess.run([sys.executable, "-m", "rlperf.bench.kernel_profile", "launch-floor", "--programs", "16", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--programs must be >= 1, got 16 0" in proc.stderr, proc.stderr
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, "-m", "rlperf.bench.kernel_profile", "launch-floor"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr, proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False])
+def test_gpu_launch_floor_replays_every_link_of_the_chain(pdl):
+    """The chain's graph runs each of its launches once per replay (program 0 of each adds one to what the launch
+    before it wrote: a lost or reordered link would leave the counter short), and its time grows with its length."""
+    from rlperf.bench.kernel_profile import launch_floor
+
+    short, long = launch_floor(10, 16, pdl, reps=10), launch_floor(200, 16, pdl, reps=10)
+    assert 0 < short < long
