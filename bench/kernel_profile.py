@@ -252,9 +252,11 @@ def _launch_floor_case(model, programs: list[int], steps: int) -> None:
 
     with torch.no_grad():
         step = decode_case(model, 1, PROMPT, steps + 16, steps, graph_bs=1)
-    count = step["launches"].kernels if step["launches"] is not None else 266
+    if step["launches"] is None:  # the chain's length is the step's kernel count: no anchor, no floor
+        raise SystemExit("launch-floor: the profiler could not count the decode step's kernels")
+    count = step["launches"].kernels
     print(f"\n== launch floor: the anchor, the engine's graphed decode step at B=1: {step['ms']:.3f} ms, "
-          f"{step['launches'] or 'kernel count n/a: 266 assumed'}")
+          f"{step['launches']}")
     print(f"{'programs':>8}  {'PDL':>3}  {'us/launch':>9}  {f'ms for {count}':>11}  {'x step':>6}")
     for n in programs:
         for pdl in (True, False):

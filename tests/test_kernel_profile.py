@@ -106,7 +106,8 @@ def test_launch_floor_checks_its_flags_then_needs_a_gpu():
 @pytest.mark.parametrize("pdl", [True, False])
 def test_gpu_launch_floor_replays_every_link_of_the_chain(pdl):
     """The chain's graph runs each of its launches once per replay (program 0 of each adds one to what the launch
-    before it wrote: a lost or reordered link would leave the counter short), and its time grows with its length."""
+    before it wrote: a lost link, or one that read the counter before the launch before it wrote it, would leave
+    the counter short), and its time grows with its length."""
     from rlperf.bench.kernel_profile import launch_floor
 
     short, long = launch_floor(10, 16, pdl, reps=10), launch_floor(200, 16, pdl, reps=10)
