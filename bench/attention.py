@@ -323,16 +323,20 @@ SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
 
 
 def _config(bm: int, bn: int, w: int, s: int, tma: bool, prefetch_page: bool = False, masked_ptr: bool = False,
-            guess_one_query: bool = True) -> dict:
+            guess_one_query: bool = True, keys_on_m: bool = False) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma, "PREFETCH_PAGE": prefetch_page,
-            "MASKED_PTR": masked_ptr, "GUESS_ONE_QUERY": guess_one_query}
+            "MASKED_PTR": masked_ptr, "GUESS_ONE_QUERY": guess_one_query, "KEYS_ON_M": keys_on_m}
 
 
-_DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA", "PREFETCH_PAGE", "MASKED_PTR", "GUESS_ONE_QUERY")
+_DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA", "PREFETCH_PAGE", "MASKED_PTR", "GUESS_ONE_QUERY",
+                "KEYS_ON_M")
 
 
 def _decode_label(c: tuple) -> str:
     """``c``: a :data:`DECODE_SWEEP` tuple."""
+    if c[8]:  # keys on the M side: BLOCK_M and the one-query guess do not apply
+        return (f"keys-on-M BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])} prefetch={int(c[5])} "
+                f"masked_ptr={int(c[6])}")
     return (f"BM={c[0]} BN={c[1]} w={c[2]} s={c[3]} tma={int(c[4])} prefetch={int(c[5])} masked_ptr={int(c[6])} "
             f"guess={int(c[7])}")
 
@@ -441,19 +445,15 @@ def sweep(configs=SWEEP_CONFIGS, reps: int = 15) -> dict:
     return best["cfg"] if best else {}
 
 
-DECODE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, PREFETCH_PAGE, MASKED_PTR, GUESS_ONE_QUERY);
-    # BLOCK_N is the page size. The first two: the launches of the day without the one-query guess.
-    (64, 128, 4, 3, True, True, False, False), (64, 128, 4, 1, True, False, True, False),
-    (64, 128, 4, 3, True, True, False, True), (64, 128, 4, 3, True, True, True, True),
-    (64, 128, 4, 2, True, True, True, True), (64, 128, 4, 1, True, True, True, True),
-    (64, 128, 4, 1, True, False, True, True), (64, 128, 4, 1, True, False, False, True),
-    (64, 128, 4, 2, True, False, False, True), (64, 128, 4, 1, False, False, False, True),
-    (64, 128, 8, 1, True, False, False, True),
-    # 16- and 32-row tiles (mma.sync, not wgmma): far fewer registers, so more programs per SM. The 4-warp
-    # 16-row form differed from the prefill in a few rows before (kernels/attention.py); with one warp a
-    # row's lanes are those of the wgmma layout's, which is what this pair asks.
-    (16, 128, 1, 1, True, False, True, True), (16, 128, 1, 2, True, False, True, True),
-    (16, 128, 4, 1, True, False, True, True), (32, 128, 2, 1, True, False, True, True),
+DECODE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, PREFETCH_PAGE, MASKED_PTR, GUESS_ONE_QUERY,
+    # KEYS_ON_M); BLOCK_N is the page size. The first two: the 64-row launches of the day (few / many programs).
+    (64, 128, 4, 3, True, True, False, True, False), (64, 128, 4, 1, True, False, True, True, False),
+    # keys on the MMA's M side (queries as 16 columns): a quarter of the score tile's registers and exp2s
+    (64, 128, 4, 3, True, True, False, True, True), (64, 128, 4, 2, True, True, False, True, True),
+    (64, 128, 4, 3, True, True, True, True, True), (64, 128, 4, 2, True, True, True, True, True),
+    (64, 128, 4, 1, True, False, True, True, True), (64, 128, 4, 1, True, True, True, True, True),
+    (64, 128, 4, 1, True, False, False, True, True), (64, 128, 8, 1, True, False, True, True, True),
+    (64, 128, 8, 2, True, True, True, True, True), (64, 128, 4, 1, False, False, False, True, True),
 ]
 DECODE_SWEEP_CASES = ((1, 540), (16, 540), (64, 540), (256, 540), (64, 4096))
 """(batch, KV length) of the decode sweep: ``rlperf bench rollout``'s decode (prompt 512 and a few dozen

@@ -77,7 +77,8 @@ class Variant(NamedTuple):
     engine's ``EngineConfig.fused_sampling``; decode_guess: decode attention's ``GUESS_ONE_QUERY``;
     logprob_from_logits_max_rows: ``EngineConfig``'s (None: its default); matmul_buckets: the products'
     tiny-M and stretched small-M configs (False: the two buckets of before, ``two matmul buckets``);
-    logprob_beside_sampler: ``EngineConfig``'s."""
+    logprob_beside_sampler: ``EngineConfig``'s; decode_keys_on_m: decode attention's ``KEYS_ON_M`` in both
+    decode launches (None: their own)."""
 
     swiglu: bool | None
     kv: bool
@@ -88,6 +89,7 @@ class Variant(NamedTuple):
     logprob_from_logits_max_rows: int | None = None
     matmul_buckets: bool = True
     logprob_beside_sampler: bool = False
+    decode_keys_on_m: bool | None = None
 
 
 ENGINE_DEFAULT = "engine default"
@@ -98,7 +100,9 @@ VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, T
             "no decode guess": Variant(None, True, decode_guess=False),
             "logprob from the lm head": Variant(None, True, logprob_from_logits_max_rows=0),
             "two matmul buckets": Variant(None, True, matmul_buckets=False),
-            "logprob beside the sampler": Variant(None, True, logprob_beside_sampler=True)}
+            "logprob beside the sampler": Variant(None, True, logprob_beside_sampler=True),
+            "decode keys on m": Variant(None, True, decode_keys_on_m=True),
+            "decode row tiles": Variant(None, True, decode_keys_on_m=False)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
@@ -115,11 +119,11 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 
 @contextlib.contextmanager
 def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles: int | None = None,
-            decode_guess: bool = True, matmul_buckets: bool = True):
+            decode_guess: bool = True, matmul_buckets: bool = True, decode_keys_on_m: bool | None = None):
     """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
     kernels package: swap in the unfused calls (or lift the epilogue's row limit), switch
     programmatic dependent launch, set the fused log-prob's split width (every dtype's config), decode
-    attention's one-query guess and the products' M buckets, for the variant's duration."""
+    attention's one-query guess and tile orientation and the products' M buckets, for the variant's duration."""
     from rlperf.kernels import attention, fused_lm_head, gemm
 
     saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS
@@ -127,9 +131,12 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
     saved_configs = dict(fused_lm_head._CONFIGS)
     decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
     saved_guesses = [c["GUESS_ONE_QUERY"] for c in decode_configs]
+    saved_orientations = [c.get("KEYS_ON_M", False) for c in decode_configs]
     try:
         for c in decode_configs:
             c["GUESS_ONE_QUERY"] = decode_guess
+            if decode_keys_on_m is not None:
+                c["KEYS_ON_M"] = decode_keys_on_m
         if swiglu is False:
             K.linear_silu_mul = _unfused_linear_silu_mul
         elif swiglu:
@@ -154,8 +161,9 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
         gemm._TINY_M_UP_TO.update(saved_buckets[2])
         fused_lm_head._CONFIGS.clear()
         fused_lm_head._CONFIGS.update(saved_configs)
-        for c, guess in zip(decode_configs, saved_guesses):
+        for c, guess, keys_on_m in zip(decode_configs, saved_guesses, saved_orientations):
             c["GUESS_ONE_QUERY"] = guess
+            c["KEYS_ON_M"] = keys_on_m
 
 
 def chosen_variants(spec: str) -> dict[str, Variant] | None:
@@ -230,7 +238,8 @@ def main(argv=None) -> int:
         # one untimed round first (every variant's kernels compiled, the allocator warm); the timed rounds'
         # rotation then spreads what the first variant of a round still pays (module docstring)
         for v in variants.values():
-            with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets):
+            with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets,
+                         decode_keys_on_m=v.decode_keys_on_m):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),
                             fused_sampling=v.fused_sampling,
                             logprob_from_logits_max_rows=v.logprob_from_logits_max_rows,
@@ -240,7 +249,8 @@ def main(argv=None) -> int:
         for r, order in enumerate(timing_orders(list(variants), args.rounds), 1):
             for name in order:
                 v = variants[name]
-                with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets):
+                with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets,
+                         decode_keys_on_m=v.decode_keys_on_m):
                     row = samples[name]
                     for b in batches:
                         d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),

@@ -21,7 +21,7 @@ has the same bits in every mode and every batch composition, because every mode 
 * the same KV blocks in the same order: block ``j`` holds positions ``[j*BLOCK_N, (j+1)*BLOCK_N)``,
   which is exactly page ``page_table[b, j]`` (``PAGE_SIZE == BLOCK_N``), from block 0 upwards, with
   no split-KV;
-* the same online-softmax update per block. A tile covers several query positions, so it may run
+* the same online-softmax update per block (below). A tile covers several query positions, so it may run
   blocks that are entirely in some row's future; for that row the update is an exact no-op:
   scores are ``-inf``, the running max does not move (``alpha = exp2(0) = 1``), ``p = 0``, and
   ``acc*1 + 0 @ v == acc`` (``v`` past ``L_b`` is loaded as 0, never as stale cache bits or NaN).
@@ -29,6 +29,24 @@ has the same bits in every mode and every batch composition, because every mode 
 * blocks wholly at or before every row of the tile skip the mask (fast path); the masked path
   differs only by a ``where`` applied to the raw scores before anything else, so a valid score
   takes the same arithmetic (and the same FMA contraction) on both paths.
+
+The softmax sum. Per block, with ``p`` rounded to the K/V dtype as the ``p @ v`` product takes it::
+
+    m' = max(m, scale * max_j s_j);  alpha = exp2(m - m');  p_j = exp2(scale * s_j - m')
+    l' = l * alpha + sum_j p_j                      (a tensor-core product: p @ ones[BLOCK_N, 16])
+    acc' = acc * alpha + p @ v;   at the end  out = acc / l + 0.0
+
+``l`` is computed as a product with a ones tile (its 16 columns are equal; the epilogue takes their
+max, which is exact) rather than as a row reduction across threads: a row reduction's order follows
+the register layout, which changes with the tile's orientation, while a tensor-core product's chain
+over the keys (k16 steps, in key order) does not. That lets a decode launch put the **keys on the
+MMA's M side** (``KEYS_ON_M``, :func:`_attn_decode_keys_on_m_kernel`): scores ``k @ q^T`` of shape
+``[BLOCK_N, 16]`` with the ``G`` query heads as columns, ``v^T @ p^T`` for the output, ``ones @ p^T``
+for ``l``, every element the same chain of products and every elementwise step the same expression
+as in the row-oriented tile, so the same bits (the matrix products' operand swap is proven bit-equal
+on the GPU for the same reason: ``kernels/gemm.py``'s swapped tiles). At decode the 64-row tile holds
+``G`` (2-8) real rows; the transposed tile's score and exp2 work is a quarter of it and its registers
+a fraction, so more programs share an SM.
 
 GQA: the ``G`` query heads of one KV head are packed into the M tile (row ``r`` = query
 ``r // G``, head ``r % G``), so each K/V block is read once per KV head, not once per query head;
@@ -91,6 +109,7 @@ _DECODE_FEW_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 3, "PREFETCH_PAGE": True
 _DECODE_MANY_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 1, "MASKED_PTR": True}
 
 
+
 def _decode_config(programs: int, device: torch.device) -> dict:
     """The launch config of a decode step of ``programs`` live programs (comment above)."""
     if device.type != "cuda":
@@ -106,20 +125,19 @@ __all__ = ["PAGE_SIZE", "write_kv_cache", "paged_attention", "varlen_attention"]
 
 
 @triton.jit
-def _attn_block(
-    acc, l_i, m_i, q, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_start, kv_len, page,
-    PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+def _load_kv_block(
+    K, V, K_PTR, V_PTR, b, kvh, jb, kv_start, kv_len, page,
+    PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     USE_TMA: tl.constexpr, PREFETCH_PAGE: tl.constexpr, MASKED_PTR: tl.constexpr,
 ):
-    """One online-softmax update with KV block ``jb`` (identical arithmetic in every mode).
+    """KV block ``jb`` of (sequence ``b``, KV head ``kvh``): ``k, v [BLOCK_N, HEAD_DIM]`` (every kernel's loads).
 
-    ``MASKED``: apply the causal mask and treat positions past ``kv_len`` as absent; unmasked
-    blocks lie at or before every row's position.
+    ``MASKED``: rows past ``kv_len`` are absent: V's are zeroed (so ``0 * v`` stays 0 whatever stale
+    bits the cache holds there); K's need no zeroing (their scores become ``-inf``).
 
     K/V arrive either through tensor descriptors (TMA on Hopper; K, V are descriptors over the
-    2-D views ``[rows, Hkv*D]``) or through pointers; both paths load the same values, and past
-    ``kv_len`` V is zeroed in both (K needs no zeroing: those scores become -inf).
+    2-D views ``[rows, Hkv*D]``) or through pointers; both paths load the same values.
 
     ``PREFETCH_PAGE`` (paged): ``page`` is block ``jb``'s page, read by the caller one block ahead, so the
     K/V loads do not wait on the page table's read; otherwise the block reads its page here.
@@ -149,17 +167,17 @@ def _attn_block(
         v = V.load([row, kvh * HEAD_DIM])
         if MASKED:
             v = tl.where((offs_j < kv_left)[:, None], v, 0.0)
-    elif PAGED:
-        if not PREFETCH_PAGE:
-            page = tl.load(PAGE_TABLE + b * stride_pt + jb)
-        page = page.to(tl.int64)
-        k_ptrs = K_PTR + page * stride_kp + kvh * stride_kh + offs_j[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = V_PTR + page * stride_vp + kvh * stride_vh + offs_j[:, None] * stride_vt + offs_d[None, :]
     else:
-        rows = (kv_start + offs_n).to(tl.int64)
-        k_ptrs = K_PTR + kvh * stride_kh + rows[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = V_PTR + kvh * stride_vh + rows[:, None] * stride_vt + offs_d[None, :]
-    if not TMA_LOADS:
+        if PAGED:
+            if not PREFETCH_PAGE:
+                page = tl.load(PAGE_TABLE + b * stride_pt + jb)
+            page = page.to(tl.int64)
+            k_ptrs = K_PTR + page * stride_kp + kvh * stride_kh + offs_j[:, None] * stride_kt + offs_d[None, :]
+            v_ptrs = V_PTR + page * stride_vp + kvh * stride_vh + offs_j[:, None] * stride_vt + offs_d[None, :]
+        else:
+            rows = (kv_start + offs_n).to(tl.int64)
+            k_ptrs = K_PTR + kvh * stride_kh + rows[:, None] * stride_kt + offs_d[None, :]
+            v_ptrs = V_PTR + kvh * stride_vh + rows[:, None] * stride_vt + offs_d[None, :]
         if MASKED:
             # Past L_b the cache holds stale bits (maybe NaN): load zeros so 0 * v stays 0.
             in_seq = (offs_j < kv_left)[:, None]
@@ -168,18 +186,83 @@ def _attn_block(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
+def _key_sum(p):
+    """``p [R, BLOCK_N]`` -> ``[R]``: each row's sum over the keys in one fixed tree of additions, defined by
+    the key index alone (module docstring, "The softmax sum"). With ``k = 8 i + 2 L + j``: the pairs
+    ``j``, then the ``i`` halves from the nearest up, then the ``L`` pairs, then the two halves. Every
+    step is a sum over an axis of length 2, i.e. one rounded ``a + b``, whatever the register layout."""
+    R: tl.constexpr = p.shape[0]
+    N: tl.constexpr = p.shape[1]
+    x = tl.reshape(tl.sum(tl.reshape(p, [R, N // 2, 2]), 2), [R, N // 8, 4])   # [R, i, L]: the j pairs
+    for _ in tl.static_range(8):  # log2(N / 8) levels over i (N <= 2048)
+        if x.shape[1] > 1:
+            x = tl.sum(tl.reshape(x, [R, x.shape[1] // 2, 2, 4]), 2)   # i = 2 i' + (0 | 1)
+    x = tl.sum(tl.reshape(x, [R, 2, 2]), 2)                              # L = 2 a + (0 | 1)
+    return tl.sum(x, 1)
+
+
+@triton.jit
+def _attn_block(
+    acc, l_i, m_i, q, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_start, kv_len, page,
+    PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr, PREFETCH_PAGE: tl.constexpr, MASKED_PTR: tl.constexpr,
+):
+    """One online-softmax update with KV block ``jb`` (identical arithmetic in every mode).
+
+    Rows are queries: ``q [BLOCK_M, D]``, ``acc [BLOCK_M, D]``, ``m_i [BLOCK_M]``; ``l_t [BLOCK_M, SUM_N]``
+    is the running sum ``l`` in every column (module docstring, "the softmax sum"). ``MASKED``: apply the
+    causal mask and treat positions past ``kv_len`` as absent; unmasked blocks lie at or before every
+    row's position. :func:`_attn_block_keys_on_m` is the same update with keys as rows.
+    """
+    k, v = _load_kv_block(
+        K, V, K_PTR, V_PTR, b, kvh, jb, kv_start, kv_len, page,
+        PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+        HEAD_DIM, BLOCK_N, PAGED, MASKED, USE_TMA, PREFETCH_PAGE, MASKED_PTR)
     qk = dot_fresh(q, tl.trans(k))
     # The mask is applied to the raw scores, before the scale, so valid entries see the same FMA
     # (qk * scale - m) whether or not their block was masked.
     if MASKED:
+        offs_j = tl.arange(0, BLOCK_N)
         qk = tl.where(offs_j[None, :] <= (pos - jb * BLOCK_N)[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = dot_acc(p.to(v.dtype), v, acc)
+    l_i = l_i * alpha + _key_sum(p)
+    acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_block_keys_on_m(
+    acc_t, l_i, m_i, q_t, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_len, page,
+    PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr, PREFETCH_PAGE: tl.constexpr, MASKED_PTR: tl.constexpr,
+):
+    """:func:`_attn_block` transposed, for one query position ``pos`` (a decode step): queries are
+    columns. ``q_t [D, QN]``, ``acc_t [D, QN]``, ``m_i [QN]``, ``l_t [SUM_M, QN]``; the scores are
+    ``k @ q_t`` ``[BLOCK_N, QN]`` (keys on the MMA's M side), the output ``v^T @ p_t``. Every element
+    is the same chain of products in the same order as in :func:`_attn_block` (the operands trade
+    sides; each dot keeps its k16 chain), and every elementwise step is the same expression."""
+    k, v = _load_kv_block(
+        K, V, K_PTR, V_PTR, b, kvh, jb, 0, kv_len, page,
+        PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+        HEAD_DIM, BLOCK_N, True, MASKED, USE_TMA, PREFETCH_PAGE, MASKED_PTR)
+    s_t = dot_fresh(k, q_t)
+    if MASKED:
+        offs_j = tl.arange(0, BLOCK_N)
+        s_t = tl.where((offs_j <= pos - jb * BLOCK_N)[:, None], s_t, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s_t, 0) * qk_scale)
+    p_t = tl.math.exp2(s_t * qk_scale - m_new[None, :])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + _key_sum(tl.trans(p_t))
+    acc_t = dot_acc(tl.trans(v), p_t.to(v.dtype), acc_t * alpha[None, :])
+    return acc_t, l_i, m_new
 
 
 # Integers whose divisibility by 16 follows the run rather than the shape (the batch's sequence count,
@@ -294,6 +377,66 @@ def _attn_fwd_kernel(
             tl.store(LSE + head.to(tl.int64) * stride_lse_h + q_rows, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
+@triton.jit(do_not_specialize=["num_seqs", "stride_pt"])
+def _attn_decode_keys_on_m_kernel(
+    Q, K, V, K_PTR, V_PTR, O, CU_Q, KV_LENS, PAGE_TABLE,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_pt,
+    qk_scale, num_seqs,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QN: tl.constexpr,
+    USE_TMA: tl.constexpr, PREFETCH_PAGE: tl.constexpr, MASKED_PTR: tl.constexpr,
+):
+    """Program (b, kvh) of a paged launch with as many queries as sequences (a decode step): the
+    queries of sequence ``b`` (one in a decode step; each in turn where a sequence has more), the
+    ``G`` query heads of KV head ``kvh`` as the columns of ``[*, QN]`` tiles (``QN >= 16``, padding
+    columns computed on zero queries and not stored). The KV blocks, their order, masks and update
+    are :func:`_attn_fwd_kernel`'s, through :func:`_attn_block_keys_on_m`; the epilogue is its."""
+    grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    q_start = tl.load(CU_Q + b)
+    n_q = tl.load(CU_Q + b + 1) - q_start
+    kv_len = tl.load(KV_LENS + b)
+    offs_c = tl.arange(0, QN)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = offs_c < G
+    head = kvh * G + offs_c
+    pages = PAGE_TABLE + b * stride_pt
+    for i in range(0, n_q):
+        pos = kv_len - n_q + i                              # this query's key position
+        q_row = (q_start + i).to(tl.int64)
+        q_t = tl.load(Q + q_row * stride_qt + head[None, :] * stride_qh + offs_d[:, None],
+                      mask=col_ok[None, :], other=0.0)
+        m_i = tl.full([QN], float("-inf"), tl.float32)
+        l_i = tl.zeros([QN], tl.float32)
+        acc_t = tl.zeros([HEAD_DIM, QN], tl.float32)
+        n_full = (pos + 1) // BLOCK_N                       # blocks the query sees whole
+        n_blocks = (pos + BLOCK_N) // BLOCK_N               # cdiv(pos + 1, BLOCK_N)
+        if PREFETCH_PAGE:
+            page = tl.load(pages, mask=n_blocks > 0, other=0)
+        else:
+            page = 0  # read inside _load_kv_block
+        for jb in range(0, n_full):
+            this_page = page
+            if PREFETCH_PAGE:  # the next block's page, read while this block computes (same values)
+                page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
+            acc_t, l_i, m_i = _attn_block_keys_on_m(
+                acc_t, l_i, m_i, q_t, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_len, this_page,
+                PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+                HEAD_DIM, BLOCK_N, False, USE_TMA, PREFETCH_PAGE, MASKED_PTR)
+        for jb in range(n_full, n_blocks):
+            this_page = page
+            if PREFETCH_PAGE:
+                page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
+            acc_t, l_i, m_i = _attn_block_keys_on_m(
+                acc_t, l_i, m_i, q_t, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_len, this_page,
+                PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+                HEAD_DIM, BLOCK_N, True, USE_TMA, PREFETCH_PAGE, MASKED_PTR)
+        out_t = acc_t / l_i[None, :] + 0.0
+        tl.store(O + q_row * stride_ot + head[None, :] * stride_oh + offs_d[:, None],
+                 out_t.to(O.dtype.element_ty), mask=col_ok[None, :])
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int) -> int:
     if q.dim() != 3 or k.dim() < 3 or k.shape != v.shape:
         raise ValueError(f"expected q [T,Hq,D] and matching k/v, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -401,6 +544,9 @@ def attention_forward(
         k_arg, v_arg = descriptor(k), descriptor(v)
     else:
         k_arg, v_arg = k, v
+    if cfg.get("KEYS_ON_M", False) and paged and T == num_seqs:
+        return _launch_decode_keys_on_m(q, k, v, k_arg, v_arg, out, cu_seqlens_q, kv_lens, page_table, stride_pt,
+                                        strides_k, strides_v, scale, G, use_tma, cfg)
     grid = (T // block_q + num_seqs, Hkv)
     # float32 [128, 128] K and V blocks three stages deep need 448 KiB of shared memory (Hopper
     # has 227): fewer stages then (kernels/pipeline.py). The KV block order and the math stay, so
@@ -421,6 +567,27 @@ def attention_forward(
     launch_with_fitting_stages(launch, ("attention", q.dtype, D, G, paged, use_tma, return_lse,
                                         tuple(sorted(cfg.items()))), cfg["num_stages"])
     return (out, lse) if return_lse else out
+
+
+def _launch_decode_keys_on_m(q, k, v, k_arg, v_arg, out, cu_seqlens_q, kv_lens, page_table, stride_pt,
+                             strides_k, strides_v, scale, G, use_tma, cfg) -> torch.Tensor:
+    """:func:`attention_forward`'s launch of :func:`_attn_decode_keys_on_m_kernel`: grid (B, Hkv)."""
+    num_seqs, Hkv, D = cu_seqlens_q.numel() - 1, k.shape[-2], q.shape[-1]
+    qn = max(16, triton.next_power_of_2(G))
+
+    def launch(stages):
+        _attn_decode_keys_on_m_kernel[(num_seqs, Hkv)](
+            q, k_arg, v_arg, k, v, out, cu_seqlens_q, kv_lens, page_table,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides_k, *strides_v, stride_pt,
+            scale * math.log2(math.e), num_seqs,
+            G=G, HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], QN=qn, USE_TMA=use_tma,
+            PREFETCH_PAGE=cfg.get("PREFETCH_PAGE", False), MASKED_PTR=use_tma and cfg.get("MASKED_PTR", False),
+            num_warps=cfg["num_warps"], num_stages=stages, **launch_options(q.device),
+        )
+
+    launch_with_fitting_stages(launch, ("attention keys on m", q.dtype, D, G, use_tma, tuple(sorted(cfg.items()))),
+                               cfg["num_stages"])
+    return out
 
 
 def _check_index(name: str, x: torch.Tensor, device: torch.device) -> None:

@@ -57,15 +57,19 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     buckets = gemm.TINY_M, dict(gemm._SMALL_M_UP_TO), dict(gemm._TINY_M_UP_TO)
     assert variants["logprob beside the sampler"].logprob_beside_sampler
     assert not variants[fusion_ab.ENGINE_DEFAULT].logprob_beside_sampler
+    assert variants["decode keys on m"].decode_keys_on_m and variants["decode row tiles"].decode_keys_on_m is False
+    orientations = [c.get("KEYS_ON_M", False) for c in decode_configs]
     for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets,
-               beside) in variants.items():
+               beside, keys_on_m) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
-        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets), K.use_backend("reference"):
+        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets, keys_on_m), \
+                K.use_backend("reference"):
             # the two buckets of before: a decode batch of one row takes the 64-row small-M tiles
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 1).BLOCK_M == 64) == (not matmul_buckets), name
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 64).BLOCK_M == 64) == (not matmul_buckets), name
             assert all(c["GUESS_ONE_QUERY"] is decode_guess for c in decode_configs), name
+            assert keys_on_m is None or all(c["KEYS_ON_M"] is keys_on_m for c in decode_configs), name
             assert all(fused_lm_head.fused_config(d).SPLIT_TILES == (split or c.SPLIT_TILES)
                        for d, c in configs.items()), name
             assert pipeline._pdl_on is pdl, name  # the launches' setting (a no-op on the CPU)
@@ -73,6 +77,7 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
         assert pipeline._pdl_on is setting, name  # restored
         assert fused_lm_head._CONFIGS == configs, name
         assert all(c["GUESS_ONE_QUERY"] for c in decode_configs), name  # restored
+        assert [c.get("KEYS_ON_M", False) for c in decode_configs] == orientations, name  # restored
         assert (calls["swiglu"] > before["swiglu"]) == (swiglu is False), name
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
         assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored

@@ -273,6 +273,35 @@ def test_decode_launch_finds_each_sequence_without_the_search(interpreter):
         assert torch.equal(out, base[rows]), n_q
 
 
+@pytest.mark.parametrize("dtype,hq,hkv,d", [(torch.float16, 4, 2, 64), (torch.float32, 8, 2, 32),
+                                             (torch.float16, 3, 3, 16), (torch.float16, 20, 1, 16)])
+def test_decode_with_keys_on_m_bit_identical(interpreter, dtype, hq, hkv, d):
+    """The decode launch with keys on the MMA's M side (``KEYS_ON_M``: queries as columns, padded to 16 or
+    to the next power of two of G, here G = 2, 4, 1 and 20) equals the varlen prefill's rows: one query per
+    sequence across page boundaries, with the page read ahead and masked pointer loads, and T == B batches
+    that are not one query each (a sequence's queries in turn, none for others)."""
+    from rlperf.kernels.attention import _DECODE_CONFIG, attention_forward
+
+    P = page_size()
+    lens = [2 * P + 3, 1, P, 40, P + 1]
+    q, k, v, cu = make_tokens(lens, hq, hkv, d, dtype, "cpu")
+    base = run_varlen(q, k, v, lens)
+    cache = filled_cache(k, v, lens)
+    kv = torch.tensor(lens, dtype=torch.int32)
+    last = (cu[1:] - 1).long()
+    step = torch.arange(len(lens) + 1, dtype=torch.int32)
+    for extra in ({}, {"PREFETCH_PAGE": True, "MASKED_PTR": True}):
+        cfg = {**_DECODE_CONFIG, "KEYS_ON_M": True, **extra}
+        out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table, config=cfg)
+        assert torch.equal(out, base[last]), extra
+    n_q = [3, 0, 1, 0, 1]
+    rows = torch.cat([torch.arange(int(cu[b + 1]) - n, int(cu[b + 1])) for b, n in enumerate(n_q)])
+    out = torch.full_like(q[rows], float("nan"))
+    out = attention_forward(q[rows], cache.k, cache.v, cu_of(n_q, "cpu"), kv, cache.page_table,
+                            config={**_DECODE_CONFIG, "KEYS_ON_M": True})
+    assert torch.equal(out, base[rows])
+
+
 def test_batch_composition_bit_identical(interpreter):
     """A sequence's rows do not depend on its neighbours or its place in the batch."""
     lens = [127, 1, 33, 64, 7]
@@ -410,33 +439,36 @@ def test_gpu_batch_composition_bit_identical(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_decode_pipeline_depth_bit_identical(dtype):
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 8), (32, 4)])
+def test_gpu_decode_pipeline_depth_bit_identical(dtype, hq, hkv):
     """Decode takes its pipeline depth from its grid (2 stages up to one program per SM, else 1): a
-    decode step of 48 sequences (48 x 8 programs) and of each sequence alone (8 programs) equal the
-    prefill rows, and so does every depth forced on the same launch."""
+    decode step of 48 sequences (48 x Hkv programs) and of each sequence alone (Hkv programs) equal the
+    prefill rows, and so does every depth, page read-ahead and masked-load choice forced on the same
+    launch, with the 64-row tile and with the keys on the MMA's M side (4 and 8 warps), at G = 4, 2, 8."""
     from rlperf.kernels.attention import _DECODE_CONFIG, attention_forward
 
     many = [int(x) for x in torch.randint(1, 1500, (48,), generator=torch.Generator().manual_seed(5)).tolist()]
-    q, k, v, cu = make_tokens(many, 32, 8, 128, dtype, "cuda")
+    q, k, v, cu = make_tokens(many, hq, hkv, 128, dtype, "cuda")
     base = run_varlen(q, k, v, many)
     batched = run_chunked(q, k, v, many, chunk=1, prompt=3)  # three decode steps of all 48 at once
     assert torch.equal(batched, base)
     for b in (0, 17, 47):
         s = slice(int(cu[b]), int(cu[b + 1]))
         assert torch.equal(run_chunked(q[s], k[s], v[s], [many[b]], chunk=1, prompt=2), base[s])
-    cache = PagedCache(many, 8, 128, dtype, "cuda")
+    cache = PagedCache(many, hkv, 128, dtype, "cuda")
     rows = torch.cat([torch.arange(int(cu[b]), int(cu[b + 1])) for b in range(len(many))]).cuda()
     K.write_kv_cache(k[rows], v[rows], cache.k, cache.v,
                      torch.cat([cache.slots(b, 0, many[b]) for b in range(len(many))]).cuda())
     last = (cu[1:] - 1).long()
     kv = torch.tensor(many, dtype=torch.int32, device="cuda")
     step = torch.arange(len(many) + 1, dtype=torch.int32, device="cuda")
-    for stages in (1, 2, 3):
-        for prefetch, masked_ptr in ((False, False), (True, False), (True, True)):
-            out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table,
-                                    config={**_DECODE_CONFIG, "num_stages": stages, "PREFETCH_PAGE": prefetch,
-                                            "MASKED_PTR": masked_ptr})
-            assert torch.equal(out, base[last]), f"{stages} stages, page prefetch {prefetch}, masked ptr {masked_ptr}"
+    for keys_on_m, warps in ((False, 4), (True, 4), (True, 8)):
+        for stages in (1, 2, 3):
+            for prefetch, masked_ptr in ((False, False), (True, False), (True, True)):
+                cfg = {**_DECODE_CONFIG, "num_stages": stages, "PREFETCH_PAGE": prefetch, "MASKED_PTR": masked_ptr,
+                       "KEYS_ON_M": keys_on_m, "num_warps": warps}
+                out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table, config=cfg)
+                assert torch.equal(out, base[last]), cfg
 
 
 @pytest.mark.gpu
