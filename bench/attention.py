@@ -453,7 +453,8 @@ DECODE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, PREFETCH_PAGE
     (64, 128, 4, 3, True, True, True, True, True), (64, 128, 4, 2, True, True, True, True, True),
     (64, 128, 4, 1, True, False, True, True, True), (64, 128, 4, 1, True, True, True, True, True),
     (64, 128, 4, 1, True, False, False, True, True), (64, 128, 8, 1, True, False, True, True, True),
-    (64, 128, 8, 2, True, True, True, True, True), (64, 128, 4, 1, False, False, False, True, True),
+    (64, 128, 8, 2, True, True, True, True, True), (64, 128, 4, 2, True, False, True, True, True),
+    (64, 128, 4, 1, False, False, False, True, True),
 ]
 DECODE_SWEEP_CASES = ((1, 540), (16, 540), (64, 540), (256, 540), (64, 4096))
 """(batch, KV length) of the decode sweep: ``rlperf bench rollout``'s decode (prompt 512 and a few dozen

@@ -78,7 +78,8 @@ class Variant(NamedTuple):
     logprob_from_logits_max_rows: ``EngineConfig``'s (None: its default); matmul_buckets: the products'
     tiny-M and stretched small-M configs (False: the two buckets of before, ``two matmul buckets``);
     logprob_beside_sampler: ``EngineConfig``'s; decode_keys_on_m: decode attention's ``KEYS_ON_M`` in both
-    decode launches (None: their own)."""
+    decode launches (None: their own); decode_many_stages: the pipeline depth of the decode launch with more
+    programs than SMs (None: its own)."""
 
     swiglu: bool | None
     kv: bool
@@ -90,6 +91,7 @@ class Variant(NamedTuple):
     matmul_buckets: bool = True
     logprob_beside_sampler: bool = False
     decode_keys_on_m: bool | None = None
+    decode_many_stages: int | None = None
 
 
 ENGINE_DEFAULT = "engine default"
@@ -102,6 +104,7 @@ VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, T
             "two matmul buckets": Variant(None, True, matmul_buckets=False),
             "logprob beside the sampler": Variant(None, True, logprob_beside_sampler=True),
             "decode keys on m": Variant(None, True, decode_keys_on_m=True),
+            "decode keys on m 2 stages": Variant(None, True, decode_keys_on_m=True, decode_many_stages=2),
             "decode row tiles": Variant(None, True, decode_keys_on_m=False)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
@@ -119,7 +122,8 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 
 @contextlib.contextmanager
 def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles: int | None = None,
-            decode_guess: bool = True, matmul_buckets: bool = True, decode_keys_on_m: bool | None = None):
+            decode_guess: bool = True, matmul_buckets: bool = True, decode_keys_on_m: bool | None = None,
+            decode_many_stages: int | None = None):
     """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
     kernels package: swap in the unfused calls (or lift the epilogue's row limit), switch
     programmatic dependent launch, set the fused log-prob's split width (every dtype's config), decode
@@ -132,7 +136,10 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
     decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
     saved_guesses = [c["GUESS_ONE_QUERY"] for c in decode_configs]
     saved_orientations = [c.get("KEYS_ON_M", False) for c in decode_configs]
+    saved_many_stages = attention._DECODE_MANY_PROGRAMS["num_stages"]
     try:
+        if decode_many_stages is not None:
+            attention._DECODE_MANY_PROGRAMS["num_stages"] = decode_many_stages
         for c in decode_configs:
             c["GUESS_ONE_QUERY"] = decode_guess
             if decode_keys_on_m is not None:
@@ -161,6 +168,7 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
         gemm._TINY_M_UP_TO.update(saved_buckets[2])
         fused_lm_head._CONFIGS.clear()
         fused_lm_head._CONFIGS.update(saved_configs)
+        attention._DECODE_MANY_PROGRAMS["num_stages"] = saved_many_stages
         for c, guess, keys_on_m in zip(decode_configs, saved_guesses, saved_orientations):
             c["GUESS_ONE_QUERY"] = guess
             c["KEYS_ON_M"] = keys_on_m
@@ -239,7 +247,7 @@ def main(argv=None) -> int:
         # rotation then spreads what the first variant of a round still pays (module docstring)
         for v in variants.values():
             with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets,
-                         decode_keys_on_m=v.decode_keys_on_m):
+                         decode_keys_on_m=v.decode_keys_on_m, decode_many_stages=v.decode_many_stages):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),
                             fused_sampling=v.fused_sampling,
                             logprob_from_logits_max_rows=v.logprob_from_logits_max_rows,
@@ -250,7 +258,7 @@ def main(argv=None) -> int:
             for name in order:
                 v = variants[name]
                 with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets,
-                         decode_keys_on_m=v.decode_keys_on_m):
+                         decode_keys_on_m=v.decode_keys_on_m, decode_many_stages=v.decode_many_stages):
                     row = samples[name]
                     for b in batches:
                         d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),

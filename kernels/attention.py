@@ -239,16 +239,17 @@ def _attn_block(
 
 @triton.jit
 def _attn_block_keys_on_m(
-    acc_t, l_i, m_i, q_t, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_len, page,
+    acc, l_i, m_i, q_t, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_len, page,
     PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     USE_TMA: tl.constexpr, PREFETCH_PAGE: tl.constexpr, MASKED_PTR: tl.constexpr,
 ):
-    """:func:`_attn_block` transposed, for one query position ``pos`` (a decode step): queries are
-    columns. ``q_t [D, QN]``, ``acc_t [D, QN]``, ``m_i [QN]``, ``l_t [SUM_M, QN]``; the scores are
-    ``k @ q_t`` ``[BLOCK_N, QN]`` (keys on the MMA's M side), the output ``v^T @ p_t``. Every element
-    is the same chain of products in the same order as in :func:`_attn_block` (the operands trade
-    sides; each dot keeps its k16 chain), and every elementwise step is the same expression."""
+    """:func:`_attn_block` for one query position ``pos`` (a decode step) with the scores transposed: the
+    keys on the MMA's M side. ``q_t [D, QN]`` (the queries as columns), ``m_i, l_i [QN]``; the scores
+    ``s_t = k @ q_t`` ``[BLOCK_N, QN]`` (wgmma: M = BLOCK_N), ``p_t`` from them elementwise, then
+    ``acc [QN, D] = acc * alpha + p_t^T @ v`` (QN rows: ``mma.sync``). Every element is the same chain of
+    products in the same order as in :func:`_attn_block` (the score product's operands trade sides, each
+    dot keeps its k16 chain), and every elementwise step and the key sum are the same expressions."""
     k, v = _load_kv_block(
         K, V, K_PTR, V_PTR, b, kvh, jb, 0, kv_len, page,
         PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
@@ -261,8 +262,8 @@ def _attn_block_keys_on_m(
     p_t = tl.math.exp2(s_t * qk_scale - m_new[None, :])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + _key_sum(tl.trans(p_t))
-    acc_t = dot_acc(tl.trans(v), p_t.to(v.dtype), acc_t * alpha[None, :])
-    return acc_t, l_i, m_new
+    acc = dot_acc(tl.trans(p_t.to(v.dtype)), v, acc * alpha[:, None])
+    return acc, l_i, m_new
 
 
 # Integers whose divisibility by 16 follows the run rather than the shape (the batch's sequence count,
@@ -409,7 +410,7 @@ def _attn_decode_keys_on_m_kernel(
                       mask=col_ok[None, :], other=0.0)
         m_i = tl.full([QN], float("-inf"), tl.float32)
         l_i = tl.zeros([QN], tl.float32)
-        acc_t = tl.zeros([HEAD_DIM, QN], tl.float32)
+        acc = tl.zeros([QN, HEAD_DIM], tl.float32)
         n_full = (pos + 1) // BLOCK_N                       # blocks the query sees whole
         n_blocks = (pos + BLOCK_N) // BLOCK_N               # cdiv(pos + 1, BLOCK_N)
         if PREFETCH_PAGE:
@@ -420,21 +421,21 @@ def _attn_decode_keys_on_m_kernel(
             this_page = page
             if PREFETCH_PAGE:  # the next block's page, read while this block computes (same values)
                 page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
-            acc_t, l_i, m_i = _attn_block_keys_on_m(
-                acc_t, l_i, m_i, q_t, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_len, this_page,
+            acc, l_i, m_i = _attn_block_keys_on_m(
+                acc, l_i, m_i, q_t, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_len, this_page,
                 PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
                 HEAD_DIM, BLOCK_N, False, USE_TMA, PREFETCH_PAGE, MASKED_PTR)
         for jb in range(n_full, n_blocks):
             this_page = page
             if PREFETCH_PAGE:
                 page = tl.load(pages + jb + 1, mask=jb + 1 < n_blocks, other=0)
-            acc_t, l_i, m_i = _attn_block_keys_on_m(
-                acc_t, l_i, m_i, q_t, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_len, this_page,
+            acc, l_i, m_i = _attn_block_keys_on_m(
+                acc, l_i, m_i, q_t, K, V, K_PTR, V_PTR, pos, b, kvh, jb, kv_len, this_page,
                 PAGE_TABLE, stride_pt, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
                 HEAD_DIM, BLOCK_N, True, USE_TMA, PREFETCH_PAGE, MASKED_PTR)
-        out_t = acc_t / l_i[None, :] + 0.0
-        tl.store(O + q_row * stride_ot + head[None, :] * stride_oh + offs_d[:, None],
-                 out_t.to(O.dtype.element_ty), mask=col_ok[None, :])
+        out = acc / l_i[:, None] + 0.0
+        tl.store(O + q_row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=col_ok[:, None])
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int) -> int:

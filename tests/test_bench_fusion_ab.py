@@ -59,17 +59,19 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     assert not variants[fusion_ab.ENGINE_DEFAULT].logprob_beside_sampler
     assert variants["decode keys on m"].decode_keys_on_m and variants["decode row tiles"].decode_keys_on_m is False
     orientations = [c.get("KEYS_ON_M", False) for c in decode_configs]
+    stages = attention._DECODE_MANY_PROGRAMS["num_stages"]
     for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets,
-               beside, keys_on_m) in variants.items():
+               beside, keys_on_m, many_stages) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
-        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets, keys_on_m), \
+        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets, keys_on_m, many_stages), \
                 K.use_backend("reference"):
             # the two buckets of before: a decode batch of one row takes the 64-row small-M tiles
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 1).BLOCK_M == 64) == (not matmul_buckets), name
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 64).BLOCK_M == 64) == (not matmul_buckets), name
             assert all(c["GUESS_ONE_QUERY"] is decode_guess for c in decode_configs), name
             assert keys_on_m is None or all(c["KEYS_ON_M"] is keys_on_m for c in decode_configs), name
+            assert attention._DECODE_MANY_PROGRAMS["num_stages"] == (many_stages or stages), name
             assert all(fused_lm_head.fused_config(d).SPLIT_TILES == (split or c.SPLIT_TILES)
                        for d, c in configs.items()), name
             assert pipeline._pdl_on is pdl, name  # the launches' setting (a no-op on the CPU)
@@ -78,6 +80,7 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
         assert fused_lm_head._CONFIGS == configs, name
         assert all(c["GUESS_ONE_QUERY"] for c in decode_configs), name  # restored
         assert [c.get("KEYS_ON_M", False) for c in decode_configs] == orientations, name  # restored
+        assert attention._DECODE_MANY_PROGRAMS["num_stages"] == stages, name  # restored
         assert (calls["swiglu"] > before["swiglu"]) == (swiglu is False), name
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
         assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored
