@@ -104,8 +104,7 @@ VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, T
             "two matmul buckets": Variant(None, True, matmul_buckets=False),
             "logprob beside the sampler": Variant(None, True, logprob_beside_sampler=True),
             "decode keys on m": Variant(None, True, decode_keys_on_m=True),
-            "decode keys on m 2 stages": Variant(None, True, decode_keys_on_m=True, decode_many_stages=2),
-            "decode row tiles": Variant(None, True, decode_keys_on_m=False)}
+            "decode row tiles": Variant(None, True, decode_keys_on_m=False, decode_many_stages=1)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")

@@ -105,8 +105,15 @@ _DECODE_CONFIG = {**_CONFIG, "BLOCK_M": 64, "num_warps": 4}
 # 8576cfe, same sweep); it changes nothing at one stage. With one stage a masked block (a decode step's
 # last page, mostly empty at these lengths) loads by pointers (MASKED_PTR), so the empty rows of the
 # page are not read.
+# With more programs than SMs the launch puts the keys on the MMA's M side (KEYS_ON_M, module
+# docstring): its 16-column score tile leaves room for a 2-deep pipeline at two programs per SM (106 KiB
+# of shared memory against the 64-row tile's 82 KiB at one stage). In the engine's graphed decode step
+# (`python -m rlperf.bench.fusion_ab --variants 'decode keys on m 2 stages'`, H200, 5b2d08c, 3 rounds):
+# 2.383 / 6.187 ms against 2.446 / 6.462 at B = 64 / 256 (0.97x / 0.96x); at one stage it lost (1.03x /
+# 1.05x), and with few programs too (3 stages: 1.02x / 1.06x at B = 1 / 16), so that launch keeps the
+# 64-row tile. Bits equal at every depth and warp count (the GPU tests).
 _DECODE_FEW_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 3, "PREFETCH_PAGE": True}
-_DECODE_MANY_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 1, "MASKED_PTR": True}
+_DECODE_MANY_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 2, "MASKED_PTR": True, "KEYS_ON_M": True}
 
 
 

@@ -462,13 +462,14 @@ def test_gpu_decode_pipeline_depth_bit_identical(dtype, hq, hkv):
     last = (cu[1:] - 1).long()
     kv = torch.tensor(many, dtype=torch.int32, device="cuda")
     step = torch.arange(len(many) + 1, dtype=torch.int32, device="cuda")
-    for keys_on_m, warps in ((False, 4), (True, 4), (True, 8)):
-        for stages in (1, 2, 3):
-            for prefetch, masked_ptr in ((False, False), (True, False), (True, True)):
-                cfg = {**_DECODE_CONFIG, "num_stages": stages, "PREFETCH_PAGE": prefetch, "MASKED_PTR": masked_ptr,
-                       "KEYS_ON_M": keys_on_m, "num_warps": warps}
-                out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table, config=cfg)
-                assert torch.equal(out, base[last]), cfg
+    loads = ((False, False), (True, False), (True, True))  # (page read ahead, masked pointer loads)
+    launches = [(False, 4, stages, *ld) for stages in (1, 2, 3) for ld in loads]
+    launches += [(True, 4, stages, *ld) for stages in (1, 2, 3) for ld in loads[::2]] + [(True, 8, 2, False, True)]
+    for keys_on_m, warps, stages, prefetch, masked_ptr in launches:
+        cfg = {**_DECODE_CONFIG, "num_stages": stages, "PREFETCH_PAGE": prefetch, "MASKED_PTR": masked_ptr,
+               "KEYS_ON_M": keys_on_m, "num_warps": warps}
+        out = attention_forward(q[last], cache.k, cache.v, step, kv, cache.page_table, config=cfg)
+        assert torch.equal(out, base[last]), cfg
 
 
 @pytest.mark.gpu
