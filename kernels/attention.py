@@ -13,7 +13,8 @@ Invariance contract (docs/ARCHITECTURE.md, "Prefill ≡ decode"): the output row
 has the same bits in every mode and every batch composition, because every mode runs
 
 * the same kernel body with ONE launch config (``_CONFIG``: BLOCK_M, BLOCK_N, warps, stages; decode-only
-  launches take ``_DECODE_CONFIG``, a 64-row tile of the same wgmma family, proven bit-identical) —
+  launches take ``_DECODE_CONFIG``, a 64-row tile of the same wgmma family, or, with more programs
+  than SMs, the same update with the keys on the MMA's M side (below); both proven bit-identical) —
   on Hopper a row's wgmma result does not depend on which row of the tile it sits in, but a
   different tile shape or warp count may pick a different MMA instruction and change the bits
   (K/V arrive by TMA or, when strides forbid a descriptor, by pointers: the same values, tested
@@ -30,23 +31,23 @@ has the same bits in every mode and every batch composition, because every mode 
   differs only by a ``where`` applied to the raw scores before anything else, so a valid score
   takes the same arithmetic (and the same FMA contraction) on both paths.
 
-The softmax sum. Per block, with ``p`` rounded to the K/V dtype as the ``p @ v`` product takes it::
+The softmax sum. Per block, the same expressions in every launch::
 
     m' = max(m, scale * max_j s_j);  alpha = exp2(m - m');  p_j = exp2(scale * s_j - m')
-    l' = l * alpha + sum_j p_j                      (a tensor-core product: p @ ones[BLOCK_N, 16])
-    acc' = acc * alpha + p @ v;   at the end  out = acc / l + 0.0
+    l' = l * alpha + key_sum(p)                     (one fixed tree of additions: _key_sum)
+    acc' = acc * alpha + p @ v   (p rounded to the K/V dtype);   at the end  out = acc / l + 0.0
 
-``l`` is computed as a product with a ones tile (its 16 columns are equal; the epilogue takes their
-max, which is exact) rather than as a row reduction across threads: a row reduction's order follows
-the register layout, which changes with the tile's orientation, while a tensor-core product's chain
-over the keys (k16 steps, in key order) does not. That lets a decode launch put the **keys on the
-MMA's M side** (``KEYS_ON_M``, :func:`_attn_decode_keys_on_m_kernel`): scores ``k @ q^T`` of shape
-``[BLOCK_N, 16]`` with the ``G`` query heads as columns, ``v^T @ p^T`` for the output, ``ones @ p^T``
-for ``l``, every element the same chain of products and every elementwise step the same expression
-as in the row-oriented tile, so the same bits (the matrix products' operand swap is proven bit-equal
-on the GPU for the same reason: ``kernels/gemm.py``'s swapped tiles). At decode the 64-row tile holds
-``G`` (2-8) real rows; the transposed tile's score and exp2 work is a quarter of it and its registers
-a fraction, so more programs share an SM.
+``key_sum`` adds a row's ``BLOCK_N`` values in a tree defined by the key index alone (pairs of
+neighbours first, :func:`_key_sum`), not by ``tl.sum``, whose order follows the register layout and
+so changes with the tile's orientation. That lets a decode launch put the **keys on the MMA's M
+side** (``KEYS_ON_M``, :func:`_attn_decode_keys_on_m_kernel`): the scores as ``k @ q^T`` of shape
+``[BLOCK_N, QN]`` with the ``G`` query heads of one KV head as columns (padded to ``QN >= 16``), the
+output as ``trans(p_t) @ v`` (``QN`` rows, ``mma.sync``). Every score is the same k16 chain over the head
+dimension (the operands trade sides; the matrix products' swapped tiles rest on the same fact,
+``kernels/gemm.py``), the output the same chain over the keys, and every elementwise step and the key
+sum the same expressions, so the same bits (GPU tests, bf16 and fp16, G = 2, 4, 8). At decode the
+64-row tile holds ``G`` real rows; the transposed score tile is a quarter of its size (registers, exp2s
+and shared memory), which leaves room for a deeper pipeline at two programs per SM.
 
 GQA: the ``G`` query heads of one KV head are packed into the M tile (row ``r`` = query
 ``r // G``, head ``r % G``), so each K/V block is read once per KV head, not once per query head;
@@ -221,10 +222,10 @@ def _attn_block(
 ):
     """One online-softmax update with KV block ``jb`` (identical arithmetic in every mode).
 
-    Rows are queries: ``q [BLOCK_M, D]``, ``acc [BLOCK_M, D]``, ``m_i [BLOCK_M]``; ``l_t [BLOCK_M, SUM_N]``
-    is the running sum ``l`` in every column (module docstring, "the softmax sum"). ``MASKED``: apply the
-    causal mask and treat positions past ``kv_len`` as absent; unmasked blocks lie at or before every
-    row's position. :func:`_attn_block_keys_on_m` is the same update with keys as rows.
+    Rows are queries: ``q [BLOCK_M, D]``, ``acc [BLOCK_M, D]``, ``m_i, l_i [BLOCK_M]`` (module docstring,
+    "The softmax sum"). ``MASKED``: apply the causal mask and treat positions past ``kv_len`` as absent;
+    unmasked blocks lie at or before every row's position. :func:`_attn_block_keys_on_m` is the same
+    update with the keys on the MMA's M side.
     """
     k, v = _load_kv_block(
         K, V, K_PTR, V_PTR, b, kvh, jb, kv_start, kv_len, page,
