@@ -118,11 +118,15 @@ _DECODE_MANY_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 2, "MASKED_PTR": True, 
 
 
 
-def _decode_config(programs: int, device: torch.device) -> dict:
-    """The launch config of a decode step of ``programs`` live programs (comment above)."""
+def _decode_config(programs: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The launch config of a decode step of ``programs`` live programs (comment above). float32 keeps the
+    64-row tile: the keys-on-M orientation is proven bit-identical on the GPU for 16-bit inputs only (its
+    float32 dots run in TF32, which the GPU tests do not cover)."""
     if device.type != "cuda":
         return _DECODE_CONFIG  # the interpreter has no pipeline
-    return _DECODE_FEW_PROGRAMS if programs <= num_sms(device) else _DECODE_MANY_PROGRAMS
+    if programs <= num_sms(device):
+        return _DECODE_FEW_PROGRAMS
+    return _DECODE_MANY_PROGRAMS if dtype != torch.float32 else {**_DECODE_MANY_PROGRAMS, "KEYS_ON_M": False}
 
 __all__ = ["PAGE_SIZE", "write_kv_cache", "paged_attention", "varlen_attention"]
 
@@ -810,7 +814,7 @@ def paged_attention(
             page_table = page_table.contiguous()
         # decode-only (T == B: every sequence has one query) takes the decode tile: same bits (above)
         decode = q.shape[0] == cu_seqlens_q.numel() - 1
-        config = _decode_config(q.shape[0] * k_cache.shape[-2], q.device) if decode else None  # B x Hkv programs
+        config = _decode_config(q.shape[0] * k_cache.shape[-2], q.device, q.dtype) if decode else None  # B x Hkv programs
         return attention_forward(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, scale, config=config)
     return _ref.paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale).to(q.dtype)
 
