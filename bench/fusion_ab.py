@@ -32,6 +32,9 @@ log-prob's source), same card, same process: is a change of the rollout bench's 
 * ``logprob beside the sampler``: the engine's ``logprob_beside_sampler``: the fold of the step's logits
   (:func:`rlperf.kernels.fold_logits`, which needs no tokens) on a side CUDA stream beside the sampler's
   kernels, the merge with the drawn tokens after both (the same bits);
+* ``decode row tiles``: decode attention's launches with more programs than SMs on the 64-row tile at one
+  stage, as before the keys-on-M default; ``decode keys on m``: the keys on the MMA's M side in the
+  few-programs launch too (kernels/attention.py; the same bits in all three);
 * ``two matmul buckets``: the products' tile configs as they were before the tiny-M and stretched small-M
   buckets (:func:`rlperf.kernels.matmul_config`): the small-M tiles for at most 64 rows, no swapped tiles
   (``gemm.TINY_M`` 0, so no shape's either) and no shape's small-M tiles past 64 rows. The same bits (every config of a shape
@@ -257,7 +260,7 @@ def main(argv=None) -> int:
             for name in order:
                 v = variants[name]
                 with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets,
-                         decode_keys_on_m=v.decode_keys_on_m, decode_many_stages=v.decode_many_stages):
+                             decode_keys_on_m=v.decode_keys_on_m, decode_many_stages=v.decode_many_stages):
                     row = samples[name]
                     for b in batches:
                         d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),

@@ -109,13 +109,13 @@ _DECODE_CONFIG = {**_CONFIG, "BLOCK_M": 64, "num_warps": 4}
 # With more programs than SMs the launch puts the keys on the MMA's M side (KEYS_ON_M, module
 # docstring): its 16-column score tile leaves room for a 2-deep pipeline at two programs per SM (106 KiB
 # of shared memory against the 64-row tile's 82 KiB at one stage). In the engine's graphed decode step
-# (`python -m rlperf.bench.fusion_ab --variants 'decode keys on m 2 stages'`, H200, 5b2d08c, 3 rounds):
-# 2.383 / 6.187 ms against 2.446 / 6.462 at B = 64 / 256 (0.97x / 0.96x); at one stage it lost (1.03x /
-# 1.05x), and with few programs too (3 stages: 1.02x / 1.06x at B = 1 / 16), so that launch keeps the
-# 64-row tile. Bits equal at every depth and warp count (the GPU tests).
+# (`python -m rlperf.bench.fusion_ab`, H200, 5b2d08c, 3 rounds, the 64-row tiles then the default; today
+# `--variants 'decode row tiles'` times that launch of before): 2.383 / 6.187 ms against 2.446 / 6.462 at
+# B = 64 / 256 (0.97x / 0.96x); at one stage it lost (1.03x / 1.05x), and with few programs too (3 stages:
+# 1.02x / 1.06x at B = 1 / 16), so that launch keeps the 64-row tile. Bits equal at every depth and warp
+# count (the GPU tests).
 _DECODE_FEW_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 3, "PREFETCH_PAGE": True}
 _DECODE_MANY_PROGRAMS = {**_DECODE_CONFIG, "num_stages": 2, "MASKED_PTR": True, "KEYS_ON_M": True}
-
 
 
 def _decode_config(programs: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -401,8 +401,8 @@ def _attn_decode_keys_on_m_kernel(
 ):
     """Program (b, kvh) of a paged launch with as many queries as sequences (a decode step): the
     queries of sequence ``b`` (one in a decode step; each in turn where a sequence has more), the
-    ``G`` query heads of KV head ``kvh`` as the columns of ``[*, QN]`` tiles (``QN >= 16``, padding
-    columns computed on zero queries and not stored). The KV blocks, their order, masks and update
+    ``G`` query heads of KV head ``kvh`` as the ``QN >= 16`` columns of the score tile and rows of the
+    output tile (the padding ones computed on zero queries and not stored). The KV blocks, their order, masks and update
     are :func:`_attn_fwd_kernel`'s, through :func:`_attn_block_keys_on_m`; the epilogue is its."""
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     b = tl.program_id(0)

@@ -296,7 +296,6 @@ def test_decode_with_keys_on_m_bit_identical(interpreter, dtype, hq, hkv, d):
         assert torch.equal(out, base[last]), extra
     n_q = [3, 0, 1, 0, 1]
     rows = torch.cat([torch.arange(int(cu[b + 1]) - n, int(cu[b + 1])) for b, n in enumerate(n_q)])
-    out = torch.full_like(q[rows], float("nan"))
     out = attention_forward(q[rows], cache.k, cache.v, cu_of(n_q, "cpu"), kv, cache.page_table,
                             config={**_DECODE_CONFIG, "KEYS_ON_M": True})
     assert torch.equal(out, base[rows])
