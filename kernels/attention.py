@@ -34,12 +34,14 @@ has the same bits in every mode and every batch composition, because every mode 
 The softmax sum. Per block, the same expressions in every launch::
 
     m' = max(m, scale * max_j s_j);  alpha = exp2(m - m');  p_j = exp2(scale * s_j - m')
-    l' = l * alpha + key_sum(p)                     (one fixed tree of additions: _key_sum)
+    l' = l * alpha + key_sum(p)                     (one fixed order of additions: _key_sum)
     acc' = acc * alpha + p @ v   (p rounded to the K/V dtype);   at the end  out = acc / l + 0.0
 
-``key_sum`` adds a row's ``BLOCK_N`` values in a tree defined by the key index alone (pairs of
-neighbours first, :func:`_key_sum`), not by ``tl.sum``, whose order follows the register layout and
-so changes with the tile's orientation. That lets a decode launch put the **keys on the MMA's M
+``key_sum`` adds a row's ``BLOCK_N = 128`` values in an order defined by the key index alone
+(:func:`_key_sum`: four interleaved chains, then a pairwise finish), not by ``tl.sum``, whose order
+follows the register layout and so changes with the tile's orientation. The order is the one
+``tl.sum`` takes on the row tiles (64 or 128 rows, wgmma; GPU test), so those launches have the bits
+they had when they summed with ``tl.sum``. That lets a decode launch put the **keys on the MMA's M
 side** (``KEYS_ON_M``, :func:`_attn_decode_keys_on_m_kernel`): the scores as ``k @ q^T`` of shape
 ``[BLOCK_N, QN]`` with the ``G`` query heads of one KV head as columns (padded to ``QN >= 16``), the
 output as ``trans(p_t) @ v`` (``QN`` rows, ``mma.sync``). Every score is the same k16 chain over the head
@@ -203,18 +205,31 @@ def _load_kv_block(
 
 @triton.jit
 def _key_sum(p):
-    """``p [R, BLOCK_N]`` -> ``[R]``: each row's sum over the keys in one fixed tree of additions, defined by
-    the key index alone (module docstring, "The softmax sum"). With ``k = 8 i + 2 L + j``: the pairs
-    ``j``, then the ``i`` halves from the nearest up, then the ``L`` pairs, then the two halves. Every
-    step is a sum over an axis of length 2, i.e. one rounded ``a + b``, whatever the register layout."""
+    """``p [R, 128]`` -> ``[R]``: each row's sum over the keys of a block in one fixed order defined by the
+    key index alone (module docstring, "The softmax sum"). With ``k = 8 i + 2 L + j`` (``i < 16``, ``L < 4``,
+    ``j < 2``): four chains ``s_L = p[2L] + p[2L + 1] + p[8 + 2L] + p[9 + 2L] + ... + p[121 + 2L]``
+    (ascending ``k``, left to right), then ``(s_0 + s_2) + (s_1 + s_3)``. Every step is one rounded
+    ``a + b`` whatever the register layout. The order is the one ``tl.sum`` takes on a 64- or 128-row
+    wgmma tile (each thread holds a row's 32 values of one ``L`` in that order and adds them up in
+    register order; then butterfly shuffles over lane bits 1 and 0), so row tiles keep their bits."""
     R: tl.constexpr = p.shape[0]
-    N: tl.constexpr = p.shape[1]
-    x = tl.reshape(tl.sum(tl.reshape(p, [R, N // 2, 2]), 2), [R, N // 8, 4])   # [R, i, L]: the j pairs
-    for _ in tl.static_range(8):  # log2(N / 8) levels over i (N <= 2048)
-        if x.shape[1] > 1:
-            x = tl.sum(tl.reshape(x, [R, x.shape[1] // 2, 2, 4]), 2)   # i = 2 i' + (0 | 1)
-    x = tl.sum(tl.reshape(x, [R, 2, 2]), 2)                              # L = 2 a + (0 | 1)
-    return tl.sum(x, 1)
+    tl.static_assert(p.shape[1] == 128, "_key_sum: a block of 128 keys (BLOCK_N is the page size)")
+    # [R, L, j, i0, i1, i2, i3]: i's bits reversed, so each split of the last axis halves the remaining
+    # run of i in order (first half, second half) and the last split separates j.
+    x = tl.permute(tl.reshape(p, [R, 2, 2, 2, 2, 4, 2]), (0, 5, 6, 4, 3, 2, 1))
+    s = tl.zeros([R, 4], tl.float32)   # 0 + p[2L] is exact (p >= +0)
+    by_i3 = tl.split(x)
+    for a in tl.static_range(2):
+        by_i2 = tl.split(by_i3[a])
+        for b in tl.static_range(2):
+            by_i1 = tl.split(by_i2[b])
+            for c in tl.static_range(2):
+                by_i0 = tl.split(by_i1[c])
+                for d in tl.static_range(2):
+                    by_j = tl.split(by_i0[d])   # i = 8 a + 4 b + 2 c + d
+                    s = (s + by_j[0]) + by_j[1]
+    s = tl.sum(tl.reshape(s, [R, 2, 2]), 1)   # L = 2 h + l: s_l + s_(2 + l)
+    return tl.sum(s, 1)
 
 
 @triton.jit

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import rlperf.kernels as K
+from rlperf.kernels.attention import _key_sum
 from rlperf.kernels.reference.attention import (
     attention_ref,
     gather_kv_ref,
@@ -122,6 +125,33 @@ def run_chunked(q, k, v, lens, chunk, shuffle=True, cache=None, prompt=0):
             cu_of(n_q, device), torch.tensor(kv, dtype=torch.int32, device=device),
         )
     return out
+
+
+def key_sum_in_stated_order(p: torch.Tensor) -> torch.Tensor:
+    """``p [R, 128]`` float32 -> ``[R]``, one float32 addition at a time in the order ``_key_sum`` states:
+    with ``k = 8 i + 2 L + j``, the chains ``s_L`` over ascending ``k``, then ``(s_0 + s_2) + (s_1 + s_3)``."""
+    chains = []
+    for L in range(4):
+        s = torch.zeros(p.shape[0], dtype=torch.float32)
+        for i in range(16):
+            for j in range(2):
+                s = s + p[:, 8 * i + 2 * L + j]
+        chains.append(s)
+    return (chains[0] + chains[2]) + (chains[1] + chains[3])
+
+
+def spread_exp2_values(rows: int, seed: int) -> torch.Tensor:
+    """``[rows, 128]`` float32 in [0, 1] over 24 binades, like a block's ``exp2`` values: sums of them in
+    different orders round differently."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(rows, 128, generator=g) * torch.exp2(-24 * torch.rand(rows, 128, generator=g))
+
+
+@triton.jit
+def _key_sum_rows(P, OUT, R: tl.constexpr):
+    rows = tl.arange(0, R)
+    p = tl.load(P + rows[:, None] * 128 + tl.arange(0, 128)[None, :])
+    tl.store(OUT + rows, _key_sum(p))
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -299,6 +329,17 @@ def test_decode_with_keys_on_m_bit_identical(interpreter, dtype, hq, hkv, d):
     out = attention_forward(q[rows], cache.k, cache.v, cu_of(n_q, "cpu"), kv, cache.page_table,
                             config={**_DECODE_CONFIG, "KEYS_ON_M": True})
     assert torch.equal(out, base[rows])
+
+
+def test_key_sum_adds_in_its_stated_order(interpreter):
+    """A block's softmax sum (``_key_sum``) is the stated chain of float32 additions, bit for bit, on
+    values whose sums in other orders round differently (the plain sum disagrees in some rows)."""
+    p = spread_exp2_values(64, seed=3)
+    out = torch.empty(64)
+    _key_sum_rows[(1,)](p, out, R=64)
+    want = key_sum_in_stated_order(p)
+    assert not torch.equal(want, p.sum(1)), "the values do not tell summation orders apart"
+    assert torch.equal(out, want)
 
 
 def test_batch_composition_bit_identical(interpreter):
@@ -517,3 +558,44 @@ def test_gpu_strided_views_give_the_contiguous_bits(dtype):
     out = K.varlen_attention(q, k, v, cu)
     assert torch.equal(out, K.varlen_attention(q.contiguous(), k, v.contiguous(), cu))
     assert torch.equal(out, run_chunked(q.contiguous(), k, v.contiguous(), lens, chunk=1, prompt=40))
+
+
+@triton.jit
+def _score_tile_sums(Q, KEYS, TL_SUM, KEY_SUM, qk_scale, M: tl.constexpr, D: tl.constexpr):
+    """One row tile as the attention kernels build it: scores ``q @ k^T`` ``[M, 128]`` from the MMA, their
+    ``exp2`` against the row max, then the row sums by ``tl.sum`` and by ``_key_sum``."""
+    rows = tl.arange(0, M)
+    cols = tl.arange(0, D)
+    keys = tl.arange(0, 128)
+    q = tl.load(Q + rows[:, None] * D + cols[None, :])
+    k = tl.load(KEYS + keys[:, None] * D + cols[None, :])
+    s = tl.dot(q, tl.trans(k))
+    p = tl.math.exp2(s * qk_scale - (tl.max(s, 1) * qk_scale)[:, None])
+    tl.store(TL_SUM + rows, tl.sum(p, 1))
+    tl.store(KEY_SUM + rows, _key_sum(p))
+
+
+@pytest.mark.gpu
+def test_gpu_key_sum_adds_in_its_stated_order():
+    """The stated chain of additions on the GPU too (``_key_sum`` on a loaded, non-MMA tile)."""
+    p = spread_exp2_values(64, seed=3)
+    out = torch.empty(64, device="cuda")
+    _key_sum_rows[(1,)](p.cuda(), out, R=64)
+    assert torch.equal(out.cpu(), key_sum_in_stated_order(p))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,warps", [(64, 4), (128, 8)])
+def test_gpu_key_sum_is_tl_sum_on_row_tiles(dtype, rows, warps):
+    """On the row tiles of the prefill and decode launches (64 rows on 4 warps, 128 on 8: wgmma tiles),
+    ``_key_sum`` gives ``tl.sum``'s bits: the launches kept the bits they had when they summed with
+    ``tl.sum``, and the keys-on-M launch, whose layout makes ``tl.sum`` add in another order, has them too."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(rows, 128, generator=g).to(dtype).cuda()
+    k = torch.randn(128, 128, generator=g).to(dtype).cuda()
+    by_tl_sum = torch.empty(rows, device="cuda")
+    by_key_sum = torch.empty(rows, device="cuda")
+    _score_tile_sums[(1,)](q, k, by_tl_sum, by_key_sum, 128 ** -0.5 * 1.4426950408889634, M=rows, D=128,
+                           num_warps=warps)
+    assert torch.equal(by_key_sum, by_tl_sum)
