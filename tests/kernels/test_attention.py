@@ -561,9 +561,9 @@ def test_gpu_strided_views_give_the_contiguous_bits(dtype):
 
 
 @triton.jit
-def _score_tile_sums(Q, KEYS, TL_SUM, KEY_SUM, qk_scale, M: tl.constexpr, D: tl.constexpr):
+def _score_tile_sums(Q, KEYS, P, TL_SUM, KEY_SUM, qk_scale, M: tl.constexpr, D: tl.constexpr):
     """One row tile as the attention kernels build it: scores ``q @ k^T`` ``[M, 128]`` from the MMA, their
-    ``exp2`` against the row max, then the row sums by ``tl.sum`` and by ``_key_sum``."""
+    ``exp2`` against the row max (stored in ``P``), then the row sums by ``tl.sum`` and by ``_key_sum``."""
     rows = tl.arange(0, M)
     cols = tl.arange(0, D)
     keys = tl.arange(0, 128)
@@ -571,6 +571,7 @@ def _score_tile_sums(Q, KEYS, TL_SUM, KEY_SUM, qk_scale, M: tl.constexpr, D: tl.
     k = tl.load(KEYS + keys[:, None] * D + cols[None, :])
     s = tl.dot(q, tl.trans(k))
     p = tl.math.exp2(s * qk_scale - (tl.max(s, 1) * qk_scale)[:, None])
+    tl.store(P + rows[:, None] * 128 + keys[None, :], p)
     tl.store(TL_SUM + rows, tl.sum(p, 1))
     tl.store(KEY_SUM + rows, _key_sum(p))
 
@@ -589,13 +590,21 @@ def test_gpu_key_sum_adds_in_its_stated_order():
 @pytest.mark.parametrize("rows,warps", [(64, 4), (128, 8)])
 def test_gpu_key_sum_is_tl_sum_on_row_tiles(dtype, rows, warps):
     """On the row tiles of the prefill and decode launches (64 rows on 4 warps, 128 on 8: wgmma tiles),
-    ``_key_sum`` gives ``tl.sum``'s bits: the launches kept the bits they had when they summed with
-    ``tl.sum``, and the keys-on-M launch, whose layout makes ``tl.sum`` add in another order, has them too."""
+    ``_key_sum`` gives ``tl.sum``'s bits, on values whose sums in another order (adjacent pairs first, as the
+    tree of before) differ: the row tiles kept the bits they had when they summed with ``tl.sum``. (The
+    keys-on-M launch runs the same ``_key_sum``; the decode tests prove its rows equal the row tile's.)"""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(rows, 128, generator=g).to(dtype).cuda()
     k = torch.randn(128, 128, generator=g).to(dtype).cuda()
+    p = torch.empty(rows, 128, device="cuda")
     by_tl_sum = torch.empty(rows, device="cuda")
     by_key_sum = torch.empty(rows, device="cuda")
-    _score_tile_sums[(1,)](q, k, by_tl_sum, by_key_sum, 128 ** -0.5 * 1.4426950408889634, M=rows, D=128,
+    _score_tile_sums[(1,)](q, k, p, by_tl_sum, by_key_sum, 128 ** -0.5 * 1.4426950408889634, M=rows, D=128,
                            num_warps=warps)
+    p = p.cpu()
+    pairs_first = p
+    while pairs_first.shape[1] > 1:
+        pairs_first = pairs_first[:, 0::2] + pairs_first[:, 1::2]
+    assert not torch.equal(pairs_first[:, 0], key_sum_in_stated_order(p)), "the values do not tell orders apart"
+    assert torch.equal(by_key_sum.cpu(), key_sum_in_stated_order(p))
     assert torch.equal(by_key_sum, by_tl_sum)
