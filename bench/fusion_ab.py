@@ -1,6 +1,6 @@
 """The engine's decode and prefill steps under variants of its decode path (the two fusions, programmatic
-dependent launch, the fused log-prob's split width, the fused draw, decode attention's one-query guess, the
-log-prob's source), same card, same process: is a change of the rollout bench's times theirs or the card's?
+dependent launch, the fused log-prob's split width, the fused draw, decode attention's one-query guess and
+tile orientation, the log-prob's source), same card, same process: is a change of the rollout bench's times theirs or the card's?
 
 * ``swiglu``: :func:`rlperf.kernels.linear_silu_mul` (the gate_up product with its SwiGLU epilogue, one
   launch) against ``silu_mul(linear(x, w))`` (two launches). The engine takes the epilogue for at most
