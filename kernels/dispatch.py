@@ -6,7 +6,8 @@ Mode:
 
 * ``"invariant"`` (default) — batch-invariant kernels: a row's bits never depend on the batch.
 * ``"fast"``               — the fastest path, invariance not required, so the price of
-  invariance can be measured: stock torch where it beats rlperf's kernel (:data:`FAST_MODE_STOCK`).
+  invariance can be measured: stock torch where it beats rlperf's kernel (:data:`FAST_MODE_STOCK`;
+  for the matmul only above :data:`FAST_MODE_KERNEL_ROWS` rows).
 
 Backend, chosen per call from the input's device unless the policy names one:
 
@@ -36,7 +37,8 @@ Routing. Every public op calls :func:`route` once and follows its answer:
   itself in its backward (:mod:`rlperf.kernels.autograd`; varlen attention's own Triton backward is
   :mod:`rlperf.kernels.attention_backward`). The reference backend's float64 torch code needs no
   wrapper: autograd differentiates it as it is.
-* ``"stock"``     — fast mode, and the stock torch op is the faster path here (:data:`FAST_MODE_STOCK`).
+* ``"stock"``     — fast mode, and the stock torch op is the faster path here (:data:`FAST_MODE_STOCK`,
+  for a ``"large"`` op with the call's ``rows``).
 * ``"triton"`` / ``"interpreter"`` — launch the Triton kernel (compiled, or under the interpreter).
 * ``"reference"`` — the torch reference.
 """
@@ -53,10 +55,20 @@ BACKENDS = ("triton", "interpreter", "reference")
 MODES = ("invariant", "fast")
 ROUTES = ("autograd", "stock", *BACKENDS)
 
+FAST_MODE_KERNEL_ROWS = 64
+"""Fast mode's matmul on CUDA is rlperf's kernel for calls of at most this many rows (decode steps of up to 64
+sequences), cuBLAS above. At these sizes the products are memory-bound and the kernel's small-batch tiles are
+at least as fast as cuBLAS's (one H200, weights streamed from HBM, us per product at M = 1 / 16 / 64,
+bench/NOTES-matmul.md run 8: 0.6B qkv 5.2 / 5.3 / 5.5 against 5.8 / 5.8 / 5.8, o_proj 6.2 / 6.2 / 6.5 against
+10.7 / 6.4 / 6.3, gate_up 6.2 / 6.2 / 6.5 against 6.7 / 6.8 / 7.1, down 7.8 / 7.8 / 8.1 against 8.0 / 8.3 /
+8.5), and they keep the engine's programmatic dependent launches chained, which cuBLAS's launches break. From
+256 rows cuBLAS wins some shapes (gate_up 8.2 against 9.9 us)."""
+
 FAST_MODE_STOCK = {
-    # op: where fast mode runs the stock torch op instead of rlperf's ("everywhere", "cpu" or None).
+    # op: where fast mode runs the stock torch op instead of rlperf's ("everywhere", "large", "cpu" or None).
     # "everywhere": stock beats the kernel on CUDA too (bench/BENCHMARKS.md): cuBLAS, SDPA / flash.
-    "matmul": "everywhere",
+    # "large": on the CPU, and on CUDA for calls of more than FAST_MODE_KERNEL_ROWS rows (or that name none).
+    "matmul": "large",
     "varlen_attention": "everywhere",
     "paged_attention": "everywhere",  # decode-only batches keep the kernel: torch has no paged decode
     "fused_logprob": "everywhere",    # not with a tp_group: the vocabulary split needs the kernels
@@ -210,13 +222,15 @@ def backend(device: torch.device | str | None = None) -> str:
 # ---- routing ----------------------------------------------------------------------------------
 
 
-def route(op: str, device: torch.device, grad_inputs: tuple = (), stock_ok: bool = True) -> str:
+def route(op: str, device: torch.device, grad_inputs: tuple = (), stock_ok: bool = True,
+          rows: int | None = None) -> str:
     """How op ``op`` runs on ``device`` under the current policy: one of :data:`ROUTES` (module docstring).
 
     ``grad_inputs``: the tensors (None allowed) a gradient may flow to; ``"autograd"`` needs one of
     them to require grad while grad mode is on. ``stock_ok=False``: this call cannot take the stock
     op (``fused_logprob`` with a ``tp_group``; a ``paged_attention`` batch the stock path declined).
-    The backend is resolved only when the answer depends on it, so a fast-mode stock op never fails
+    ``rows``: the call's row count, which decides a ``"large"`` op in fast mode on CUDA (None: taken as
+    large). The backend is resolved only when the answer depends on it, so a fast-mode stock op never fails
     on a backend that could not have run it.
     """
     stock = FAST_MODE_STOCK[op]
@@ -226,6 +240,15 @@ def route(op: str, device: torch.device, grad_inputs: tuple = (), stock_ok: bool
         where = policy.backend_for(device)
         if where != "reference":
             return "autograd"
-    if policy.mode == "fast" and stock_ok and (stock == "everywhere" or (stock == "cpu" and not _is_cuda(device))):
+    if policy.mode == "fast" and stock_ok and _stock_here(stock, device, rows):
         return "stock"
     return where if where is not None else policy.backend_for(device)
+
+
+def _stock_here(stock: str | None, device, rows: int | None) -> bool:
+    """Whether fast mode takes the stock op of :data:`FAST_MODE_STOCK` entry ``stock`` for this call."""
+    if stock == "everywhere":
+        return True
+    if stock == "large":
+        return not _is_cuda(device) or rows is None or rows > FAST_MODE_KERNEL_ROWS
+    return stock == "cpu" and not _is_cuda(device)

@@ -392,12 +392,13 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     ``out``: optional [M, N] tensor of ``out_dtype`` (any strides) written in place and returned.
     Invariant mode: the persistent Triton kernel above (GPU or CPU interpreter), or the float64
     reference cast to ``out_dtype`` (CPU otherwise). Fast mode: ``F.linear`` (cuBLAS), not
-    batch-invariant. Differentiable in x, w and bias (:func:`rlperf.kernels.autograd.matmul_with_grad`);
+    batch-invariant, except on CUDA for at most :data:`rlperf.kernels.dispatch.FAST_MODE_KERNEL_ROWS` rows,
+    where the kernel is the faster path. Differentiable in x, w and bias (:func:`rlperf.kernels.autograd.matmul_with_grad`);
     invariant mode's backward is :func:`invariant_linear_grads`, fast mode's torch's matmuls.
     """
     _check(x, w, bias, out_dtype)
     out_dtype = out_dtype or x.dtype
-    how = route("matmul", x.device, (x, w, bias))
+    how = route("matmul", x.device, (x, w, bias), rows=x.shape[0])
     if how == "autograd":
         if out is not None:
             raise ValueError("matmul: out= does not support autograd (an input requires grad)")
@@ -659,7 +660,7 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"linear_silu_mul: x [..., K] and w [2I, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     flat = x.reshape(-1, x.shape[-1])
     _check(flat, w, None, None)
-    how = route("matmul", x.device, (x, w))
+    how = route("matmul", x.device, (x, w), rows=flat.shape[0])
     fused = how in ("triton", "interpreter") and route("silu_mul", x.device, (x,)) in ("triton", "interpreter") \
         and not (x.device.type != "cuda" and x.dtype == torch.bfloat16) and flat.shape[0] <= SWIGLU_EPILOGUE_MAX_ROWS
     if not fused:

@@ -32,7 +32,9 @@ logits for the sampling anyway, and where they are the lm-head product's bits of
 tiles (a 16-bit lm head on the Triton kernels: :func:`rlperf.kernels.logits_give_fused_logprob`), a step
 of up to ``EngineConfig.logprob_from_logits_max_rows`` rows folds them instead of reading the lm head a
 second time (:func:`rlperf.kernels.fused_logprob_of_logits`:
-the same tiles, splits, update and reductions, so the same bits). So in ``invariant`` mode a response's
+the same tiles, splits, update and reductions, so the same bits). ``fast`` mode, which promises no bits,
+folds the logits in hand wherever the fold's kernels run (:meth:`Engine._folds_logits`): one read of the
+[B, V] logits instead of a second lm-head product. So in ``invariant`` mode a response's
 log-probs equal
 ``fused_logprob(model.forward_packed(prompt + response)[rows], model.head_weight, targets, T)``
 bit for bit, ``rows`` being the positions just before the response tokens.
@@ -667,6 +669,20 @@ class Engine:
         ``EngineConfig.logprob_from_logits_max_rows``'s."""
         return getattr(self.model, "tp_group", None) is None and K.logits_give_fused_logprob(weight)
 
+    def _folds_logits(self, weight: torch.Tensor, B: int) -> bool:
+        """Whether a step of ``B`` sampled rows takes its log-probs from its [B, V] logits
+        (:func:`rlperf.kernels.fused_logprob_of_logits`) rather than from a second pass over the lm head: up to
+        ``EngineConfig.logprob_from_logits_max_rows`` rows of a one-process model, in invariant mode where the
+        fold gives ``fused_logprob``'s bits (:meth:`_logits_are_the_fused_tiles`), in fast mode wherever the
+        fold's kernels run (a 16-bit lm head, the Triton kernels or the interpreter). Fast mode promises no bits,
+        and its second pass (``fused_logprob``'s stock path: the lm-head product again, then ``log_softmax``) cost
+        0.30 ms of a 2.69 ms B = 64 step on an H200 (``kernel_profile decode --mode fast``, bench/BENCHMARKS.md)."""
+        if B > self.config.logprob_from_logits_max_rows or getattr(self.model, "tp_group", None) is not None:
+            return False
+        if K.mode() == "fast":
+            return weight.dtype in (torch.bfloat16, torch.float16) and K.backend(weight.device) != "reference"
+        return self._logits_are_the_fused_tiles(weight)
+
     def _sample(self, hidden: torch.Tensor, logits: torch.Tensor | None, reqs: list[Request], counters: list[int],
                 graphed: bool = False) -> _Sampled:
         """Draw tokens from ``logits`` [B, V] float32 and their log-probs [B] from ``hidden`` [B, H], the
@@ -691,8 +707,7 @@ class Engine:
         # in hand); one temperature per call, and a row's bits do not depend on the other rows of the
         # launch, so grouping is exact
         tree = getattr(self.model, "reduction_leaves", None) is not None  # tensor-parallel-invariant tree mode
-        of_logits = (not tree and B <= self.config.logprob_from_logits_max_rows
-                     and self._logits_are_the_fused_tiles(weight))
+        of_logits = not tree and self._folds_logits(weight, B)
         if of_logits and len(groups) == 1 and self.config.logprob_beside_sampler and logits.is_cuda:
             return self._sample_beside_fold(logits, rows, counters, groups[0] if groups[0] > 0 else 1.0, weight.dtype,
                                             reqs, graphed)

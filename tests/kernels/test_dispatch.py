@@ -9,7 +9,7 @@ import torch
 
 import rlperf.kernels as K
 from rlperf.kernels import dispatch
-from rlperf.kernels.dispatch import FAST_MODE_STOCK, KernelPolicy, route
+from rlperf.kernels.dispatch import FAST_MODE_KERNEL_ROWS, FAST_MODE_STOCK, KernelPolicy, route
 
 OPS = ["matmul", "linear", "rmsnorm", "add_rmsnorm", "silu_mul", "log_softmax", "token_logprobs", "fused_logprob",
        "varlen_attention", "paged_attention", "write_kv_cache", "sample", "rmsnorm_rope", "moe_route", "moe_experts"]
@@ -123,6 +123,11 @@ def test_route_fast_mode_takes_stock_ops_only_where_they_win():
     with K.use_mode("fast"):
         assert route("rmsnorm", cpu) == "stock"  # CPU: stock torch
         assert route("matmul", cuda) == "stock" and route("varlen_attention", "cuda:1") == "stock"  # cuBLAS, SDPA
+        # the matmul: the kernel for decode-sized calls on CUDA (faster there), cuBLAS above; stock on the CPU
+        limit = FAST_MODE_KERNEL_ROWS
+        assert route("matmul", cuda, rows=1) == route("matmul", cuda, rows=limit) == "triton"
+        assert route("matmul", cuda, rows=limit + 1) == "stock" and route("matmul", cpu, rows=1) == "stock"
+        assert route("varlen_attention", cuda, rows=1) == "stock"  # rows decide only the "large" ops
         assert route("rmsnorm", "cuda:0") == "triton"  # row ops keep the kernel
         assert route("sample", cuda) == "triton"  # sampling never changes with the mode
         assert route("fused_logprob", cuda, stock_ok=False) == "triton"  # e.g. with a tp_group
@@ -147,7 +152,7 @@ def test_route_autograd_only_when_a_kernel_runs_with_grad():
 def test_every_public_op_is_routed():
     # linear is matmul over flattened leading dims; every other op names its row in the table
     assert sorted(FAST_MODE_STOCK) == sorted(op for op in OPS if op != "linear")
-    assert all(where in ("everywhere", "cpu", None) for where in FAST_MODE_STOCK.values())
+    assert all(where in ("everywhere", "large", "cpu", None) for where in FAST_MODE_STOCK.values())
     with pytest.raises(KeyError):
         route("no_such_op", "cpu")
 

@@ -744,6 +744,30 @@ def test_fused_sampling_gives_the_same_tokens_and_log_probs(model, interpreter, 
     assert not calls  # the reference backend (this module's default): the logits path
 
 
+def test_fast_mode_folds_the_steps_logits_for_its_log_probs(interpreter, monkeypatch):
+    """Fast mode (no bits promised) takes a step's log-probs from the logits it sampled from (the fold's kernels,
+    interpreted here) instead of a second pass over the lm head (``fused_logprob``'s stock path): the same tokens
+    as that second pass, log-probs within float rounding of it, and ``fused_logprob`` never called; with
+    ``logprob_from_logits_max_rows=0`` every step takes the second pass again. A float32 lm head, which the fold
+    does not take, keeps the second pass."""
+    calls = []
+    second_pass = K.fused_logprob
+    monkeypatch.setattr(K, "fused_logprob", lambda *a, **kw: calls.append(a[0].shape[0]) or second_pass(*a, **kw))
+    half = Qwen3ForCausalLM.random(CFG, seed=0, std=0.1, dtype=torch.float16)
+    prompts = _prompts(3, seed=23, lo=5, hi=20)
+    with K.use_backend("interpreter"), K.use_mode("fast"):
+        folded = _run(_engine(half, chunked_prefill_size=8), prompts, PARAMS)
+        assert not calls
+        again = _run(_engine(half, chunked_prefill_size=8, logprob_from_logits_max_rows=0), prompts, PARAMS)
+        assert calls
+        for (ids, logps, why), (ids2, logps2, why2) in zip(folded, again):
+            assert (ids, why) == (ids2, why2) and len(logps) == len(ids)
+            torch.testing.assert_close(torch.tensor(logps), torch.tensor(logps2), atol=2e-3, rtol=0)
+        calls.clear()
+        _run(_engine(Qwen3ForCausalLM.random(CFG, seed=0, std=0.1), chunked_prefill_size=8), prompts, PARAMS[:1])
+        assert calls
+
+
 def _graphed_runs_default_and(model, prompts, params, **option):
     """Each request's (output ids, output log-probs) from a graphed engine on the Triton kernels (``model`` on the
     GPU) with the default EngineConfig, then with ``option`` set: two lists to compare bit for bit."""
