@@ -273,6 +273,120 @@ def test_linear_silu_mul_bf16_under_the_interpreter_takes_the_two_calls(interpre
     assert torch.equal(K.linear_silu_mul(x, w), K.silu_mul(K.matmul(x, w)))
 
 
+def _count_prologue_launches(monkeypatch):
+    """A list that records each fused prologue launch's kind (``gemm._launch_prologue``)."""
+    from rlperf.kernels import gemm
+
+    kinds = []
+    real = gemm._launch_prologue
+    monkeypatch.setattr(gemm, "_launch_prologue", lambda kind, *a, **kw: kinds.append(int(kind)) or real(kind, *a, **kw))
+    return kinds
+
+
+@pytest.mark.parametrize("n,k", [(96, 200), (130, 128), (5, 33)])
+def test_rmsnorm_linear_is_the_two_calls_interpreter(interpreter, poison, monkeypatch, n, k):
+    """``rmsnorm_linear`` (fp16): one launch whose swapped tiles normalize their own x rows, for the rows the
+    swapped tiles take (1 to 16), with and without the residual add: the bits of (add_)rmsnorm then linear,
+    the residual sum included, leading dims kept; more rows, autograd, bf16 under the interpreter and the
+    reference backend take the two calls, with the same bits."""
+    from rlperf.kernels import gemm
+
+    kinds = _count_prologue_launches(monkeypatch)
+    torch.manual_seed(n + k)
+    x, r = torch.randn(19, k).half(), torch.randn(19, k).half()
+    nw = (torch.rand(k) + 0.5).half()
+    _, w, _ = _inputs(1, n, k, torch.float16)
+    for m in (1, 3, 16, 17, 19):
+        kinds.clear()
+        normed, s = K.add_rmsnorm(x[:m], r[:m], nw, 1e-6)
+        y, s_fused = K.rmsnorm_linear(x[:m], nw, w, 1e-6, r[:m])
+        assert torch.equal(y, K.linear(normed, w)) and torch.equal(s_fused, s), m
+        y0, s0 = K.rmsnorm_linear(x[:m], nw, w, 1e-6)
+        assert torch.equal(y0, K.linear(K.rmsnorm(x[:m], nw, 1e-6), w)) and torch.equal(s0, x[:m]), m
+        assert kinds == ([1, 1] if K.matmul_config(torch.float16, n, k, m).BLOCK_M < 64 else []), (m, kinds)
+    y3, s3 = K.rmsnorm_linear(x[:4].reshape(2, 2, k), nw, w, 1e-6, r[:4].reshape(2, 2, k))
+    assert y3.shape == (2, 2, n) and torch.equal(y3.reshape(4, n), K.rmsnorm_linear(x[:4], nw, w, 1e-6, r[:4])[0])
+    assert torch.equal(s3.reshape(4, k), x[:4] + r[:4])
+    kinds.clear()
+    xg = x[:2].clone().requires_grad_(True)
+    yg, _ = K.rmsnorm_linear(xg, nw, w, 1e-6, r[:2])  # the train step's forward: the two calls, differentiable
+    yg.float().sum().backward()
+    assert xg.grad is not None and not kinds
+    with K.use_backend("reference"):
+        K.rmsnorm_linear(x[:2], nw, w, 1e-6, r[:2])
+    xb, nb, wb = x[:2].bfloat16(), nw.bfloat16(), w.bfloat16()
+    yb, _ = K.rmsnorm_linear(xb, nb, wb, 1e-6)
+    assert not kinds and torch.equal(yb, K.linear(K.rmsnorm(xb, nb, 1e-6), wb))
+    monkeypatch.setitem(gemm.PROLOGUE_FUSIONS, "norm", False)
+    assert torch.equal(K.rmsnorm_linear(x[:2], nw, w, 1e-6, r[:2])[0], K.linear(K.add_rmsnorm(x[:2], r[:2], nw, 1e-6)[0], w))
+    assert not kinds
+
+
+@pytest.mark.parametrize("n,i", [(96, 200), (130, 128), (5, 33)])
+def test_silu_mul_linear_is_the_two_calls_interpreter(interpreter, poison, monkeypatch, n, i):
+    """``silu_mul_linear`` (fp16): one launch whose swapped tiles compute SiLU-mul of their x tiles, for the rows
+    the swapped tiles take: the bits of silu_mul then linear; more rows and autograd take the two calls."""
+    from rlperf.kernels import gemm
+
+    kinds = _count_prologue_launches(monkeypatch)
+    torch.manual_seed(n + i)
+    gate_up = torch.randn(19, 2 * i).half()
+    _, w, _ = _inputs(1, n, i, torch.float16)
+    for m in (1, 7, 16, 17, 19):
+        kinds.clear()
+        assert torch.equal(K.silu_mul_linear(gate_up[:m], w), K.linear(K.silu_mul(gate_up[:m]), w)), m
+        assert kinds == ([2] if K.matmul_config(torch.float16, n, i, m).BLOCK_M < 64 else []), (m, kinds)
+    kinds.clear()
+    g = gate_up[:2].clone().requires_grad_(True)
+    K.silu_mul_linear(g, w).float().sum().backward()
+    assert g.grad is not None and not kinds
+    monkeypatch.setitem(gemm.PROLOGUE_FUSIONS, "silu", False)
+    assert torch.equal(K.silu_mul_linear(gate_up[:2], w), K.linear(K.silu_mul(gate_up[:2]), w)) and not kinds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024), (1000, 1001)])  # 0.6B qkv, gate_up; odd sizes
+def test_rmsnorm_linear_is_the_two_calls_gpu(monkeypatch, dtype, n, k):
+    """On the GPU the fused norm's bits rest on ``tl.sum`` adding a row in norm.py's order inside the product
+    kernel: the one launch equals (add_)rmsnorm then linear, eagerly and replayed from a CUDA graph, for
+    every row count the swapped tiles take (and the two calls beyond)."""
+    kinds = _count_prologue_launches(monkeypatch)
+    x, r = torch.randn(40, k, device="cuda").to(dtype), torch.randn(40, k, device="cuda").to(dtype)
+    nw = (torch.rand(k, device="cuda") + 0.5).to(dtype)
+    _, w, _ = _inputs(1, n, k, dtype, device="cuda")
+    for m in list(range(1, 18)) + [33, 40]:
+        normed, s = K.add_rmsnorm(x[:m], r[:m], nw, 1e-6)
+        y, s_fused = K.rmsnorm_linear(x[:m], nw, w, 1e-6, r[:m])
+        assert torch.equal(y, K.linear(normed, w)) and torch.equal(s_fused, s), m
+        assert torch.equal(K.rmsnorm_linear(x[:m], nw, w, 1e-6)[0], K.linear(K.rmsnorm(x[:m], nw, 1e-6), w)), m
+    assert kinds.count(1) == 2 * 16  # fused for 1 to 16 rows (the swapped tiles of these shapes), twice each
+    graph, x1, r1 = torch.cuda.CUDAGraph(), x[:5].clone(), r[:5].clone()
+    K.rmsnorm_linear(x1, nw, w, 1e-6, r1)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        y_graph, s_graph = K.rmsnorm_linear(x1, nw, w, 1e-6, r1)
+    x1.copy_(x[7:12])
+    r1.copy_(r[7:12])
+    graph.replay()
+    normed, s = K.add_rmsnorm(x[7:12], r[7:12], nw, 1e-6)
+    assert torch.equal(y_graph, K.linear(normed, w)) and torch.equal(s_graph, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,i", [(1024, 3072), (1000, 1001)])  # 0.6B down (swapped to 64 rows); odd sizes
+def test_silu_mul_linear_is_the_two_calls_gpu(monkeypatch, dtype, n, i):
+    """The SiLU-mul prologue gives silu_mul then linear's bits for every row count (the fused launch where the
+    swapped tiles run, the two calls beyond)."""
+    kinds = _count_prologue_launches(monkeypatch)
+    gate_up = torch.randn(80, 2 * i, device="cuda").to(dtype)
+    _, w, _ = _inputs(1, n, i, dtype, device="cuda")
+    for m in list(range(1, 18)) + [33, 63, 64, 65, 80]:
+        assert torch.equal(K.silu_mul_linear(gate_up[:m], w), K.linear(K.silu_mul(gate_up[:m]), w)), m
+    assert kinds
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,n,k,bias,out_dtype", [
     (torch.bfloat16, 6144, 2560, False, None),    # Qwen3-4B fused qkv
