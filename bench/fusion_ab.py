@@ -1,11 +1,10 @@
-"""The engine's decode and prefill steps under variants of its decode path (its fusions, programmatic
+"""The engine's decode and prefill steps under variants of its decode path (the two fusions, programmatic
 dependent launch, the fused log-prob's split width, the fused draw, decode attention's one-query guess and
 tile orientation, the log-prob's source), same card, same process: is a change of the rollout bench's times theirs or the card's?
 
-* ``norm`` / ``silu`` prologues: :func:`rlperf.kernels.rmsnorm_linear` (a layer's RMSNorm, with its residual
-  add, inside the q/k/v or gate/up product: one launch) and :func:`rlperf.kernels.silu_mul_linear` (SiLU-mul
-  inside the down product) where they apply (decode batches the swapped tiles take), against the norm then
-  the product and SiLU-mul then the product (two launches each; ``gemm.PROLOGUE_FUSIONS``);
+* ``swiglu``: :func:`rlperf.kernels.linear_silu_mul` (the gate_up product with its SwiGLU epilogue, one
+  launch) against ``silu_mul(linear(x, w))`` (two launches). The engine takes the epilogue for at most
+  ``SWIGLU_EPILOGUE_MAX_ROWS`` rows; the variants that name it take it at every size;
 * ``kv``: :func:`rlperf.kernels.rmsnorm_rope_store_kv` (Q's and K's norm + RoPE and the K/V cache store,
   one launch) against ``rmsnorm_rope`` twice and ``write_kv_cache`` (three launches);
 * ``no pdl``: the engine's default kernels without programmatic dependent launch
@@ -74,8 +73,8 @@ import torch
 from rlperf import kernels as K
 
 class Variant(NamedTuple):
-    """prologues: the product prologues switched on (``gemm.PROLOGUE_FUSIONS``' kinds; None: the engine's
-    own); kv: the K/V-store fusion; pdl: launches with programmatic
+    """swiglu: None is the engine's own choice (the epilogue up to ``SWIGLU_EPILOGUE_MAX_ROWS`` rows), True
+    the epilogue at every size, False never; kv: the K/V-store fusion; pdl: launches with programmatic
     dependent launch (the engine's default; it applies on SM 90+ GPUs only); logprob_split_tiles: the
     fused log-prob's vocabulary tiles per forward split (None: its config's); fused_sampling: the
     engine's ``EngineConfig.fused_sampling``; decode_guess: decode attention's ``GUESS_ONE_QUERY``;
@@ -85,8 +84,8 @@ class Variant(NamedTuple):
     decode launches (None: their own); decode_many_stages: the pipeline depth of the decode launch with more
     programs than SMs (None: its own)."""
 
-    prologues: tuple[str, ...] | None = None
-    kv: bool = True
+    swiglu: bool | None
+    kv: bool
     pdl: bool = True
     logprob_split_tiles: int | None = None
     fused_sampling: bool = False
@@ -99,20 +98,23 @@ class Variant(NamedTuple):
 
 
 ENGINE_DEFAULT = "engine default"
-VARIANTS = {ENGINE_DEFAULT: Variant(), "no norm prologue": Variant(("silu",)),
-            "no silu prologue": Variant(("norm",)), "no prologues": Variant(()),
-            "no kv-store fusion": Variant(kv=False), "no fusions": Variant((), kv=False),
-            "no pdl": Variant(pdl=False),
-            "fused sampling": Variant(fused_sampling=True),
-            "no decode guess": Variant(decode_guess=False),
-            "logprob from the lm head": Variant(logprob_from_logits_max_rows=0),
-            "two matmul buckets": Variant(matmul_buckets=False),
-            "logprob beside the sampler": Variant(logprob_beside_sampler=True),
-            "decode keys on m": Variant(decode_keys_on_m=True),
-            "decode row tiles": Variant(decode_keys_on_m=False, decode_many_stages=1)}
+VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, True),
+            "no swiglu epilogue": Variant(False, True), "no kv-store fusion": Variant(True, False),
+            "neither": Variant(False, False), "no pdl": Variant(None, True, pdl=False),
+            "fused sampling": Variant(None, True, fused_sampling=True),
+            "no decode guess": Variant(None, True, decode_guess=False),
+            "logprob from the lm head": Variant(None, True, logprob_from_logits_max_rows=0),
+            "two matmul buckets": Variant(None, True, matmul_buckets=False),
+            "logprob beside the sampler": Variant(None, True, logprob_beside_sampler=True),
+            "decode keys on m": Variant(None, True, decode_keys_on_m=True),
+            "decode row tiles": Variant(None, True, decode_keys_on_m=False, decode_many_stages=1)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
+
+
+def _unfused_linear_silu_mul(x, w):
+    return K.silu_mul(K.linear(x, w))
 
 
 def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_cache, v_cache, slot_mapping):
@@ -121,16 +123,16 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 
 
 @contextlib.contextmanager
-def variant(prologues: tuple[str, ...] | None = None, kv: bool = True, pdl: bool = True,
-            logprob_split_tiles: int | None = None, decode_guess: bool = True, matmul_buckets: bool = True,
-            decode_keys_on_m: bool | None = None, decode_many_stages: int | None = None):
-    """The engine's layers call ``K.rmsnorm_linear``, ``K.silu_mul_linear`` and ``K.rmsnorm_rope_store_kv``
-    through the kernels package: switch the product prologues, swap in the unfused K/V store, switch
+def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles: int | None = None,
+            decode_guess: bool = True, matmul_buckets: bool = True, decode_keys_on_m: bool | None = None,
+            decode_many_stages: int | None = None):
+    """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
+    kernels package: swap in the unfused calls (or lift the epilogue's row limit), switch
     programmatic dependent launch, set the fused log-prob's split width (every dtype's config), decode
     attention's one-query guess and tile orientation and the products' M buckets, for the variant's duration."""
     from rlperf.kernels import attention, fused_lm_head, gemm
 
-    saved = K.rmsnorm_rope_store_kv, dict(gemm.PROLOGUE_FUSIONS)
+    saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS
     saved_buckets = gemm.TINY_M, dict(gemm._SMALL_M_UP_TO), dict(gemm._TINY_M_UP_TO)
     saved_configs = dict(fused_lm_head._CONFIGS)
     decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
@@ -144,9 +146,10 @@ def variant(prologues: tuple[str, ...] | None = None, kv: bool = True, pdl: bool
             c["GUESS_ONE_QUERY"] = decode_guess
             if decode_keys_on_m is not None:
                 c["KEYS_ON_M"] = decode_keys_on_m
-        if prologues is not None:
-            for kind in gemm.PROLOGUE_FUSIONS:
-                gemm.PROLOGUE_FUSIONS[kind] = kind in prologues
+        if swiglu is False:
+            K.linear_silu_mul = _unfused_linear_silu_mul
+        elif swiglu:
+            gemm.SWIGLU_EPILOGUE_MAX_ROWS = 1 << 62
         if not kv:
             K.rmsnorm_rope_store_kv = _unfused_store_kv
         if not matmul_buckets:
@@ -159,8 +162,7 @@ def variant(prologues: tuple[str, ...] | None = None, kv: bool = True, pdl: bool
         with K.use_programmatic_launch(pdl):
             yield
     finally:
-        K.rmsnorm_rope_store_kv = saved[0]
-        gemm.PROLOGUE_FUSIONS.update(saved[1])
+        K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS = saved
         gemm.TINY_M = saved_buckets[0]
         gemm._SMALL_M_UP_TO.clear()
         gemm._SMALL_M_UP_TO.update(saved_buckets[1])
@@ -184,7 +186,7 @@ def chosen_variants(spec: str) -> dict[str, Variant] | None:
     for n in names:
         match = _LOGPROB_SPLIT.fullmatch(n)
         if match and int(match.group(1)) >= 1:
-            splits[n] = Variant(logprob_split_tiles=int(match.group(1)))
+            splits[n] = Variant(None, True, logprob_split_tiles=int(match.group(1)))
         elif n not in VARIANTS and n != "all":
             return None
     if not names:

@@ -22,7 +22,7 @@ from .activation import silu_mul
 from .attention import PAGE_SIZE, paged_attention, varlen_attention, write_kv_cache
 from .fused_lm_head import (LogitsFold, fold_logits, fused_logprob, fused_logprob_of_logits, fused_sample_logprob,
                             logits_give_fused_logprob, logprob_of_fold)
-from .gemm import linear, linear_silu_mul, matmul, matmul_config, rmsnorm_linear, silu_mul_linear
+from .gemm import linear, linear_silu_mul, matmul, matmul_config
 from .logprob import log_softmax, token_logprobs
 from .moe import grouped_matmul, moe_combine, moe_experts, moe_plan, moe_route, moe_route_weights, moe_slot_rows
 from .norm import add_rmsnorm, rmsnorm, rmsnorm_blocks
@@ -47,7 +47,7 @@ _settle_cache_keys()
 __all__ = [
     "BACKENDS", "MODES", "KernelPolicy", "backend", "current_policy", "default_policy", "mode", "refresh_environment",
     "set_mode", "use_backend", "use_mode", "use_policy",
-    "matmul", "linear", "linear_silu_mul", "rmsnorm_linear", "silu_mul_linear", "matmul_config", "rmsnorm", "rmsnorm_blocks", "add_rmsnorm", "PAGE_SIZE", "write_kv_cache",
+    "matmul", "linear", "linear_silu_mul", "matmul_config", "rmsnorm", "rmsnorm_blocks", "add_rmsnorm", "PAGE_SIZE", "write_kv_cache",
     "paged_attention", "varlen_attention", "log_softmax", "token_logprobs", "fused_logprob", "fused_logprob_of_logits", "fold_logits", "logprob_of_fold", "LogitsFold", "logits_give_fused_logprob", "fused_sample_logprob", "sample", "check_sampling_rows", "silu_mul",
     "rmsnorm_rope", "rmsnorm_rope_blocks", "rmsnorm_rope_store_kv", "moe_route", "moe_route_weights", "moe_plan", "grouped_matmul", "moe_combine", "moe_experts",
     "moe_slot_rows", "programmatic_launch", "set_programmatic_launch", "use_programmatic_launch",

@@ -80,22 +80,16 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-PROLOGUE_NORM: tl.constexpr = tl.constexpr(1)  # _matmul_kernel's x operand is rmsnorm(x (+ res)) (rmsnorm_linear)
-PROLOGUE_SILU: tl.constexpr = tl.constexpr(2)  # ... silu_mul(x) of x = [gate | up] (silu_mul_linear)
-
-
 # M is never specialized (Triton would otherwise compile a separate kernel for M == 1): one
 # compiled kernel per (dtype, N, K) config serves every batch size.
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
-    x, w, out, bias,  # x, w: pointers, or TMA tensor descriptors when USE_TMA (x: a pointer under a PROLOGUE)
+    x, w, out, bias,  # x, w: pointers, or TMA tensor descriptors when USE_TMA
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, FLATTEN: tl.constexpr, W_KN: tl.constexpr = False, SWIGLU: tl.constexpr = False,
-    res=None, norm_w=None, res_sum=None, stride_rm=0, stride_sm=0, eps=0.0,
-    PROLOGUE: tl.constexpr = 0, HAS_RESIDUAL: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1,
 ):
     # SWIGLU: w is [2N, K] = [gate | up] and out[m, n] = silu(g) * u of g = (x @ w[n].T), u = (x @ w[N + n].T),
     # each rounded to out's dtype first, with activation.py's formula: the bits of matmul then silu_mul.
@@ -108,14 +102,6 @@ def _matmul_kernel(
     # side and x's few rows on its narrow side (no 64-row padding of x). Each element is the same chain of
     # k16 steps over the same products, only the operands swap sides: the bits of the plain tile (GPU
     # tests; under the interpreter the float64 tile sums are exact either way).
-    # PROLOGUE (swapped tiles only; x read through plain pointers, w as USE_TMA says): the x operand is
-    # computed from the kernel's input as the row op before the product would have written it, with that
-    # op's formulas, so the product gets the row op's bits (:func:`rmsnorm_linear`, :func:`silu_mul_linear`):
-    #   PROLOGUE_NORM: x [M, K] (+ res [M, K] when HAS_RESIDUAL, s = round(x + res) stored to res_sum by the
-    #   tiles of pid_n 0) -> norm.py's rmsnorm with norm_w [K]: each row's sum of squares is norm.py's one
-    #   [NORM_BLOCK] chunk reduced by tl.sum in a launch of its warps (the launcher checks both), before the
-    #   K loop; the K loop rounds each x tile through the same steps.
-    #   PROLOGUE_SILU: x [M, 2K] = [gate | up] -> activation.py's silu_mul_f32, rounded.
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     SWAP_AB: tl.constexpr = BLOCK_M < 64
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -147,54 +133,12 @@ def _matmul_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if PROLOGUE != 0:
-            tl.static_assert(SWAP_AB and not (SWIGLU or W_KN), "a prologue runs on the swapped tiles only")
-            in_ty = x.dtype.element_ty
-            row_ok = offs_m < M
-            x_rows = x + offs_m.to(tl.int64) * stride_xm
-        if PROLOGUE == PROLOGUE_NORM:
-            # 1 / rms of each of the tile's rows, row after row in the row op's layout (rows past M: 1 / sqrt(eps))
-            inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            cols = tl.arange(0, NORM_BLOCK)
-            for r in range(0, tl.minimum(M - off_m, BLOCK_M)):
-                row = (off_m + r).to(tl.int64)
-                v = tl.load(x + row * stride_xm + cols, mask=cols < K, other=0.0)
-                if HAS_RESIDUAL:
-                    v = (v.to(tl.float32) + tl.load(res + row * stride_rm + cols, mask=cols < K, other=0.0)
-                         .to(tl.float32)).to(in_ty)
-                vf = v.to(tl.float32)
-                sq = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
-                sq += vf * vf
-                inv_rms = tl.where(tl.arange(0, BLOCK_M) == r, 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps), inv_rms)
         if SWIGLU:
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # The full K loop, in order, into one accumulator: the reduction order of out[m, n] is
         # fixed by BLOCK_K alone (no split-K).
         for ki in range(k_tiles):
-            if PROLOGUE != 0:
-                cols_k = ki * BLOCK_K + offs_k
-                tile_ok = row_ok[:, None] & (cols_k < K)[None, :]
-                if PROLOGUE == PROLOGUE_NORM:
-                    v = tl.load(x_rows[:, None] + cols_k[None, :], mask=tile_ok, other=0.0)
-                    if HAS_RESIDUAL:
-                        v = (v.to(tl.float32) + tl.load(res + offs_m.to(tl.int64)[:, None] * stride_rm + cols_k[None, :],
-                                                        mask=tile_ok, other=0.0).to(tl.float32)).to(in_ty)
-                        if pid_n == 0:
-                            tl.store(res_sum + offs_m.to(tl.int64)[:, None] * stride_sm + cols_k[None, :], v,
-                                     mask=tile_ok)
-                    xn = (v.to(tl.float32) * inv_rms[:, None]).to(in_ty)
-                    nw = tl.load(norm_w + cols_k, mask=cols_k < K, other=0.0)
-                    a = (nw.to(tl.float32)[None, :] * xn.to(tl.float32)).to(in_ty)
-                else:
-                    g = tl.load(x_rows[:, None] + cols_k[None, :], mask=tile_ok, other=0.0)
-                    u = tl.load(x_rows[:, None] + (K + cols_k)[None, :], mask=tile_ok, other=0.0)
-                    a = silu_mul_f32(g, u).to(in_ty)
-                if USE_TMA:
-                    b = w.load([off_n, ki * BLOCK_K])
-                else:
-                    b = tl.load(w_ptrs, mask=(offs_k[None, :] < K - ki * BLOCK_K), other=0.0)
-                    w_ptrs += BLOCK_K * stride_wk
-            elif USE_TMA:
+            if USE_TMA:
                 a = x.load([off_m, ki * BLOCK_K])  # out-of-bounds rows/cols arrive as zeros
                 if W_KN:
                     b = w.load([ki * BLOCK_K, off_n])
@@ -722,117 +666,6 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not fused:
         return silu_mul(linear(x, w))
     return launch(flat, w, swiglu=True).reshape(*x.shape[:-1], w.shape[0] // 2)
-
-
-PROLOGUE_FUSIONS = {"norm": True, "silu": True}
-"""Whether :func:`rmsnorm_linear` (``"norm"``) and :func:`silu_mul_linear` (``"silu"``) take their one fused
-launch where it applies (:func:`_prologue_applies`); False: always the two calls. Both forms give the same
-bits, so the switches change no token; they exist for ``python -m rlperf.bench.fusion_ab``."""
-
-
-def _prologue_applies(kind: str, x: torch.Tensor, w: torch.Tensor, row_op: str, grad_inputs: tuple) -> MatmulConfig | None:
-    """The swapped tile config a fused ``kind`` launch runs in for ``x`` (the row op's input, 2-D) and ``w``
-    [N, K], or None where the two calls run: the kernels without autograd for both ops, 16-bit (not bf16
-    under the interpreter, whose bf16 rounding differs from torch's), few enough rows for the shape's swapped
-    tiles, and for ``"norm"`` a row that norm.py reduces as one chunk with the product's warp count (so
-    ``tl.sum`` adds it in the same order)."""
-    if not PROLOGUE_FUSIONS[kind] or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2:
-        return None
-    if x.device.type != "cuda" and x.dtype == torch.bfloat16:
-        return None
-    rows, (N, K) = x.shape[0], w.shape
-    if rows == 0 or route("matmul", x.device, (x, w), rows=rows) not in ("triton", "interpreter") \
-            or route(row_op, x.device, grad_inputs) not in ("triton", "interpreter"):
-        return None
-    cfg = matmul_config(x.dtype, N, K, rows)
-    if cfg.BLOCK_M >= 64:
-        return None
-    if kind == "norm":
-        from .norm import MAX_BLOCK, _config as norm_config
-
-        if K > MAX_BLOCK or norm_config(K)[1] != cfg.num_warps:
-            return None
-    return cfg
-
-
-def _launch_prologue(kind: int, x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig, K: int,
-                     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                     eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``_matmul_kernel`` with a PROLOGUE on contiguous ``x`` (the row op's input) and ``w`` [N, K]: (the
-    product [M, N] of x's dtype, the residual sum [M, K] when ``residual`` is given, else None)."""
-    M, N = x.shape[0], w.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    res_sum = torch.empty((M, K), dtype=x.dtype, device=x.device) if residual is not None else None
-    tma_path = use_tma(x.dtype, K, x.device)
-    w = tma_ready(w) if tma_path else w
-    w_arg = TensorDescriptor.from_tensor(w, [cfg.BLOCK_N, cfg.BLOCK_K]) if tma_path else w
-    num_tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
-    programs = min(_INTERPRETER_PROGRAMS if x.device.type != "cuda" else num_sms(x.device), num_tiles)
-    extra = {}
-    if kind == PROLOGUE_NORM:
-        extra = dict(res=residual, norm_w=norm_weight, res_sum=res_sum, eps=float(eps),
-                     stride_rm=residual.stride(0) if residual is not None else 0,
-                     stride_sm=res_sum.stride(0) if res_sum is not None else 0,
-                     HAS_RESIDUAL=residual is not None, NORM_BLOCK=triton.next_power_of_2(K))
-
-    def run(stages):
-        _matmul_kernel[(programs,)](
-            x, w_arg, out, None, M, N, K,
-            x.stride(0), 1, w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            HAS_BIAS=False, USE_TMA=tma_path, PRECISION="tf32", FLATTEN=cfg.flatten,
-            PROLOGUE=int(kind), num_warps=cfg.num_warps, num_stages=stages, **extra, **launch_options(x.device),
-        )
-
-    launch_with_fitting_stages(run, ("matmul prologue", int(kind), cfg, x.dtype, residual is not None), cfg.num_stages)
-    return out, res_sum
-
-
-def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor, eps: float = 1e-6,
-                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(linear(rmsnorm(s, norm_weight, eps), w), s)`` with ``s = x + residual`` rounded to x's dtype
-    (:func:`rlperf.kernels.add_rmsnorm`), or ``s = x`` without a residual: x [..., K], w [N, K] -> [..., N].
-
-    The decoder layer's norm and the product after it (the q/k/v and gate/up projections). Where
-    :func:`_prologue_applies` (a decode step of few rows on the kernels, no autograd) it is one launch: the
-    product's swapped tiles normalize their x rows themselves, with norm.py's formula, chunk and warp count,
-    and the tiles of the first column block store ``s``; so the same bits as the two calls, which run
-    everywhere else (GPU tests prove the bits; they depend on ``tl.sum`` adding a row in one order in both
-    kernels). :data:`PROLOGUE_FUSIONS` switches it off.
-    """
-    from .norm import add_rmsnorm, rmsnorm
-
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])
-    res = residual.reshape(-1, residual.shape[-1]) if residual is not None else None
-    cfg = _prologue_applies("norm", flat, w, "rmsnorm" if residual is None else "add_rmsnorm", (x, residual, norm_weight, w))
-    if cfg is None or norm_weight.dtype != x.dtype or w.dtype != x.dtype or w.shape[1] != x.shape[-1] \
-            or norm_weight.shape != (x.shape[-1],) or (res is not None and res.shape != flat.shape):
-        if residual is None:
-            return linear(rmsnorm(x, norm_weight, eps), w), x
-        normed, s = add_rmsnorm(x, residual, norm_weight, eps)
-        return linear(normed, w), s
-    flat = flat.contiguous()
-    res = res.contiguous() if res is not None else None
-    y, s = _launch_prologue(PROLOGUE_NORM, flat, w, cfg, flat.shape[1], res, norm_weight.contiguous(), eps)
-    return y.reshape(*lead, w.shape[0]), (s.reshape(x.shape) if s is not None else x)
-
-
-def silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``linear(silu_mul(gate_up), w)``: gate_up [..., 2I] = [gate | up], w [N, I] -> [..., N], the MLP's
-    second half. Where :func:`_prologue_applies` (a decode step of few rows on the kernels, no autograd) it is
-    one launch: the down product's swapped tiles compute their x tiles with :func:`rlperf.kernels.silu_mul`'s
-    formula and rounding, so the same bits as the two calls, which run everywhere else.
-    :data:`PROLOGUE_FUSIONS` switches it off."""
-    from .activation import silu_mul
-
-    lead = gate_up.shape[:-1]
-    flat = gate_up.reshape(-1, gate_up.shape[-1])
-    cfg = _prologue_applies("silu", flat, w, "silu_mul", (gate_up, w)) if flat.shape[-1] == 2 * w.shape[-1] else None
-    if cfg is None or w.dtype != gate_up.dtype:
-        return linear(silu_mul(gate_up), w)
-    y, _ = _launch_prologue(PROLOGUE_SILU, flat.contiguous(), w, cfg, w.shape[1])
-    return y.reshape(*lead, w.shape[0])
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

@@ -25,24 +25,29 @@ def _decoded(model, fused_sampling=False, logprob_rows=None, beside=False):
 
 def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread, monkeypatch):
     model = Qwen3ForCausalLM.random(preset("tiny"), seed=0)
-    calls = {"kv": 0}
-    unfused_kv = fusion_ab._unfused_store_kv
+    calls = {"swiglu": 0, "kv": 0}
+    unfused_mlp, unfused_kv = fusion_ab._unfused_linear_silu_mul, fusion_ab._unfused_store_kv
+
+    def mlp(*a):
+        calls["swiglu"] += 1
+        return unfused_mlp(*a)
 
     def kv(*a):
         calls["kv"] += 1
         return unfused_kv(*a)
 
+    monkeypatch.setattr(fusion_ab, "_unfused_linear_silu_mul", mlp)
     monkeypatch.setattr(fusion_ab, "_unfused_store_kv", kv)
-    fused_calls = K.rmsnorm_rope_store_kv
-    prologues = dict(gemm.PROLOGUE_FUSIONS)
-    assert all(prologues.values())  # the engine's default: both prologues on
+    fused_calls = K.linear_silu_mul, K.rmsnorm_rope_store_kv
+    limit = gemm.SWIGLU_EPILOGUE_MAX_ROWS
+    with fusion_ab.variant(True, True):  # the epilogue at every size
+        assert gemm.SWIGLU_EPILOGUE_MAX_ROWS > 1 << 40
     tokens = {}
     from rlperf.kernels import pipeline
 
     setting = pipeline._pdl_on
     variants = fusion_ab.chosen_variants("all, logprob split 3")
-    assert variants["logprob split 3"] == fusion_ab.Variant(logprob_split_tiles=3)
-    assert variants["no norm prologue"].prologues == ("silu",) and variants["no prologues"].prologues == ()
+    assert variants["logprob split 3"] == fusion_ab.Variant(None, True, True, 3)
     assert variants["fused sampling"].fused_sampling and not variants[fusion_ab.ENGINE_DEFAULT].fused_sampling
     assert not variants["no decode guess"].decode_guess and variants[fusion_ab.ENGINE_DEFAULT].decode_guess
     decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
@@ -55,11 +60,11 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     assert variants["decode keys on m"].decode_keys_on_m and variants["decode row tiles"].decode_keys_on_m is False
     orientations = [c.get("KEYS_ON_M", False) for c in decode_configs]
     stages = attention._DECODE_MANY_PROGRAMS["num_stages"]
-    for name, (on, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets,
+    for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets,
                beside, keys_on_m, many_stages) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
-        with fusion_ab.variant(on, kv_fused, pdl, split, decode_guess, matmul_buckets, keys_on_m, many_stages), \
+        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets, keys_on_m, many_stages), \
                 K.use_backend("reference"):
             # the two buckets of before: a decode batch of one row takes the 64-row small-M tiles
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 1).BLOCK_M == 64) == (not matmul_buckets), name
@@ -70,15 +75,16 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
             assert all(fused_lm_head.fused_config(d).SPLIT_TILES == (split or c.SPLIT_TILES)
                        for d, c in configs.items()), name
             assert pipeline._pdl_on is pdl, name  # the launches' setting (a no-op on the CPU)
-            assert gemm.PROLOGUE_FUSIONS == (prologues if on is None else {k: k in on for k in prologues}), name
             tokens[name] = _decoded(model, fused_sampling, logprob_rows, beside)
         assert pipeline._pdl_on is setting, name  # restored
         assert fused_lm_head._CONFIGS == configs, name
         assert all(c["GUESS_ONE_QUERY"] for c in decode_configs), name  # restored
         assert [c.get("KEYS_ON_M", False) for c in decode_configs] == orientations, name  # restored
         assert attention._DECODE_MANY_PROGRAMS["num_stages"] == stages, name  # restored
+        assert (calls["swiglu"] > before["swiglu"]) == (swiglu is False), name
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
-        assert K.rmsnorm_rope_store_kv == fused_calls and gemm.PROLOGUE_FUSIONS == prologues, name  # restored
+        assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored
+        assert gemm.SWIGLU_EPILOGUE_MAX_ROWS == limit
         assert (gemm.TINY_M, gemm._SMALL_M_UP_TO, gemm._TINY_M_UP_TO) == buckets, name  # restored
     first = tokens[fusion_ab.ENGINE_DEFAULT]
     assert all(len(out) >= 3 for _, out in first)
@@ -88,7 +94,7 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
 def test_variants_flag_picks_the_default_and_the_named_ones():
     assert list(fusion_ab.chosen_variants("all")) == list(fusion_ab.VARIANTS)
     assert list(fusion_ab.chosen_variants("no pdl")) == [fusion_ab.ENGINE_DEFAULT, "no pdl"]
-    assert list(fusion_ab.chosen_variants(" no fusions , no pdl")) == [fusion_ab.ENGINE_DEFAULT, "no fusions", "no pdl"]
+    assert list(fusion_ab.chosen_variants(" neither , no pdl")) == [fusion_ab.ENGINE_DEFAULT, "neither", "no pdl"]
     assert fusion_ab.chosen_variants("no pdl,fast") is None and fusion_ab.chosen_variants(",") is None
     assert list(fusion_ab.chosen_variants("logprob  split 5, no pdl, logprob split 2")) == [
         fusion_ab.ENGINE_DEFAULT, "no pdl", "logprob split 5", "logprob split 2"]

@@ -10,12 +10,11 @@ One body, two ways to attend:
 Layer (HF ``Qwen3DecoderLayer`` order), per token, T tokens, hidden size H::
 
     x, r  = add_rmsnorm(h, r, w.input_layernorm)            # r = h + r; x = rmsnorm(r)
-    q,k,v = split(linear(x, w.qkv_proj))                    # [T,Hq,D], [T,Hkv,D], [T,Hkv,D]; with the norm: K.rmsnorm_linear
+    q,k,v = split(linear(x, w.qkv_proj))                    # [T,Hq,D], [T,Hkv,D], [T,Hkv,D]
     q, k  = rope(rmsnorm(q, w.q_norm)), rope(rmsnorm(k, w.k_norm))  # fused: K.rmsnorm_rope
     a     = attention(q, k, v)                              # causal, GQA
     x, r  = add_rmsnorm(linear(a, w.o_proj), r, w.post_attention_layernorm)
-    h     = linear(silu_mul(linear(x, w.gate_up_proj)), w.down_proj)     # dense MLP (K.rmsnorm_linear with the
-                                                                         # norm, K.silu_mul_linear), or
+    h     = linear(silu_mul(linear(x, w.gate_up_proj)), w.down_proj)     # dense MLP, or
     h     = sparse_moe_block(x, w.router, w.experts_gate_up, w.experts_down)  # Qwen3-MoE layers
     return h, r
 
@@ -173,15 +172,11 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
     q_size, kv_size = heads * cfg.head_dim, kv_heads * cfg.head_dim
     blocks = None if leaves is None else tree_reduce.head_blocks(cfg.num_attention_heads, cfg.num_key_value_heads,
                                                                  leaves) // tp
-    plain = leaves is None and tp_group is None  # one process, plain numerics: the fused norm + product apply
-    if plain:  # the norm and the q/k/v product: one launch at decode sizes (K.rmsnorm_linear)
-        qkv, residual = K.rmsnorm_linear(hidden, w.input_layernorm, w.qkv_proj, cfg.rms_norm_eps, residual)
+    if residual is None:
+        x, residual = K.rmsnorm(hidden, w.input_layernorm, cfg.rms_norm_eps), hidden
     else:
-        if residual is None:
-            x, residual = K.rmsnorm(hidden, w.input_layernorm, cfg.rms_norm_eps), hidden
-        else:
-            x, residual = K.add_rmsnorm(hidden, residual, w.input_layernorm, cfg.rms_norm_eps)
-        qkv = _column_linear(x, w.qkv_proj, leaves, tp_group)
+        x, residual = K.add_rmsnorm(hidden, residual, w.input_layernorm, cfg.rms_norm_eps)
+    qkv = _column_linear(x, w.qkv_proj, leaves, tp_group)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(t, heads, cfg.head_dim)
     k = k.reshape(t, kv_heads, cfg.head_dim)
@@ -196,16 +191,15 @@ def _layer(hidden, residual, w: DecoderLayerWeights, cfg: ModelConfig, rope: Rop
         q = _norm_rope(q, w.q_norm, positions, rope, cfg.rms_norm_eps, blocks)
         k = _norm_rope(k, w.k_norm, positions, rope, cfg.rms_norm_eps, blocks)
     a = attend(q, k, v)
-    o = _row_linear(a.reshape(t, q_size), w.o_proj, leaves, tp_group)
-    if plain and w.router is None:  # norm + gate/up, then SiLU-mul + down: one launch each at decode sizes
-        gate_up, residual = K.rmsnorm_linear(o, w.post_attention_layernorm, w.gate_up_proj, cfg.rms_norm_eps,
-                                             residual)
-        return K.silu_mul_linear(gate_up, w.down_proj), residual
-    x, residual = K.add_rmsnorm(o, residual, w.post_attention_layernorm, cfg.rms_norm_eps)
+    x, residual = K.add_rmsnorm(_row_linear(a.reshape(t, q_size), w.o_proj, leaves, tp_group), residual,
+                                w.post_attention_layernorm, cfg.rms_norm_eps)
     if w.router is not None:
         return sparse_moe_block(x, w.router, w.experts_gate_up, w.experts_down, cfg, routing,
                                 w.expert_parallel), residual
-    gated = K.silu_mul(_column_linear(x, w.gate_up_proj, leaves, tp_group))  # tree mode or a rank's [gate | up] rows
+    if tp_group is None:
+        gated = K.linear_silu_mul(x, w.gate_up_proj)
+    else:  # this rank's [gate | up] rows: silu_mul of the rounded product, as linear_silu_mul computes it
+        gated = K.silu_mul(_column_linear(x, w.gate_up_proj, leaves, tp_group))
     return _row_linear(gated, w.down_proj, leaves, tp_group), residual
 
 

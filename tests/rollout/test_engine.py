@@ -768,28 +768,6 @@ def test_fast_mode_folds_the_steps_logits_for_its_log_probs(interpreter, monkeyp
         assert calls
 
 
-def test_decode_steps_with_the_product_prologues_give_the_two_calls_bits(interpreter, monkeypatch):
-    """The decoder layers' fused norm + product and SiLU-mul + product (``K.rmsnorm_linear``,
-    ``K.silu_mul_linear``; fp16 under the interpreter): decode steps take them (every layer, both kinds) and
-    the engine's tokens and log-probs equal those with both switched off (``gemm.PROLOGUE_FUSIONS``), bit
-    for bit; prefill steps, with more rows than the swapped tiles take, run the two calls."""
-    from rlperf.kernels import gemm
-
-    half = Qwen3ForCausalLM.random(CFG, seed=0, std=0.1, dtype=torch.float16)
-    prompts = _prompts(2, seed=29, lo=20, hi=40)
-    params = [SamplingParams(max_new_tokens=6, temperature=0.8, seed=3, ignore_eos=True),
-              SamplingParams(max_new_tokens=4, temperature=0.0, seed=4, ignore_eos=True)]
-    kinds = []
-    real = gemm._launch_prologue
-    monkeypatch.setattr(gemm, "_launch_prologue", lambda kind, *a, **kw: kinds.append(int(kind)) or real(kind, *a, **kw))
-    with K.use_backend("interpreter"):
-        fused = _run(_engine(half), prompts, params)
-        assert kinds.count(1) == 2 * kinds.count(2) > 0 and kinds.count(2) % CFG.num_hidden_layers == 0
-        kinds.clear()
-        monkeypatch.setattr(gemm, "PROLOGUE_FUSIONS", {"norm": False, "silu": False})
-        assert _run(_engine(half), prompts, params) == fused and not kinds
-
-
 def _graphed_runs_default_and(model, prompts, params, **option):
     """Each request's (output ids, output log-probs) from a graphed engine on the Triton kernels (``model`` on the
     GPU) with the default EngineConfig, then with ``option`` set: two lists to compare bit for bit."""
@@ -812,24 +790,6 @@ def test_gpu_bf16_graphed_fused_sampling_gives_the_default_engines_tokens_and_lo
         params = [SamplingParams(max_new_tokens=40, temperature=t, seed=100 + i, ignore_eos=True) for i in range(24)]
         default, fused = _graphed_runs_default_and(model, prompts, params, fused_sampling=True)
         assert default == fused, t
-
-
-@pytest.mark.gpu
-def test_gpu_bf16_graphed_prologues_give_the_two_calls_tokens_and_log_probs(monkeypatch):
-    """The qwen3-0.6b shape in bf16 with decode graphs at B = 1, 5 and 16 (the fused norm + product and
-    SiLU-mul + product, ``gemm.PROLOGUE_FUSIONS``) and 24 (SiLU-mul + down only): the same tokens and
-    log-probs as with both switched off, bit for bit."""
-    from rlperf.kernels import gemm
-
-    model = Qwen3ForCausalLM.random(preset("qwen3-0.6b"), seed=0, dtype=torch.bfloat16, device="cuda")
-    prompts = _prompts(24, seed=8, lo=20, hi=300)
-    params = [SamplingParams(max_new_tokens=24, temperature=0.8, seed=300 + i, ignore_eos=True) for i in range(24)]
-    for n in (1, 5, 16, 24):
-        on, _ = _graphed_runs_default_and(model, prompts[:n], params[:n])
-        monkeypatch.setattr(gemm, "PROLOGUE_FUSIONS", {"norm": False, "silu": False})
-        off, _ = _graphed_runs_default_and(model, prompts[:n], params[:n])
-        monkeypatch.undo()
-        assert on == off, n
 
 
 @pytest.mark.gpu
