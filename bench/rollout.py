@@ -19,7 +19,8 @@ Cases (qwen3-0.6b shape, random bf16 weights, byte prompts, ``ignore_eos``):
   runs eagerly: its paged attention reads the lengths on the host). ``extra["eager_ms"]``: the invariant
   step without prefill graphs.
 * **invariance cost**: the batch-64 decode step in invariant mode vs fast mode, both replayed from
-  CUDA graphs (fast mode: cuBLAS matmuls; decode attention is rlperf's kernel in both modes).
+  CUDA graphs (fast mode: rlperf's matmul kernel up to 64 rows and cuBLAS above, the log-probs folded from
+  the step's logits as in invariant mode; decode attention is rlperf's kernel in both modes).
 * **overlap**: the batch-64 invariant decode step with the engine's overlap (its default: the next graphed
   step launched before this one's tokens are read) vs the same engine reading every step's tokens before
   the next launch (``EngineConfig.overlap_schedule=False``, ``rlperf serve --disable-overlap-schedule``).
