@@ -168,25 +168,48 @@ def missing_module(output: str) -> str | None:
     return (m.group(1) or m.group(2)) if m else "a module of its import chain"
 
 
+def _share_gpus(a: str | None, b: str | None) -> bool:
+    """Whether two engines with ``CUDA_VISIBLE_DEVICES`` ``a`` and ``b`` (None: unset, every GPU) may use one
+    GPU: unset on either side, or a device named by both."""
+    if a is None or b is None:
+        return True
+    return bool({d.strip() for d in a.split(",") if d.strip()} & {d.strip() for d in b.split(",") if d.strip()})
+
+
 def start_sglang_servers(argvs: list[list[str]], envs: list[dict], log_dir: Path | None, timeout: float,
                          env=None) -> tuple[list, list[str]]:
     """Start one ``python -m sglang.launch_server`` per ``argvs[i]`` (with ``envs[i]`` added to the
-    environment) and return (processes, URLs) once each answers ``GET /health``. An engine that exits
+    environment) and return (processes, URLs) once each answers ``GET /health``. Engines on GPUs of their
+    own start together; an engine that shares a GPU with an earlier one (:func:`_share_gpus`) starts once
+    that one answers: SGLang sizes its pools from the memory its weights' load took, and a neighbour
+    allocating its own pools meanwhile made that look too large (two engines at ``--mem-fraction-static
+    0.3`` on one H200: "Loaded weights leave no GPU memory for the KV cache"). An engine that exits
     first stops them all: :class:`SGLangUnavailable` when its output shows a failed import, else
     :class:`EngineFleetError` quoting it; :class:`EngineFleetError` after ``timeout`` seconds without an
     answer."""
     base = dict(os.environ if env is None else env)
-    procs, urls = [], []
+    procs, urls, gpus, answered = [], [], [], set()
+
+    def wait_for(i):
+        url = urls[i]
+        wait_until(lambda: http_json(url + "/health", timeout=5)[0] == 200, timeout, f"SGLang engine {i} at {url}",
+                   procs)
+        answered.add(i)
+
     try:
         for i, (argv, extra) in enumerate(zip(argvs, envs)):
+            gpus.append({**base, **extra}.get("CUDA_VISIBLE_DEVICES"))
+            for j in range(i):
+                if j not in answered and _share_gpus(gpus[j], gpus[i]):
+                    wait_for(j)
             log = str(log_dir / f"sglang-{i}.log") if log_dir else None
             procs.append(spawn([sys.executable, "-m", SGLANG_LAUNCH_MODULE, *argv], env={**base, **extra}, log_path=log,
                                die_with_parent=True))
             host, port = argv[argv.index("--host") + 1], argv[argv.index("--port") + 1]
             urls.append(f"http://{host}:{port}")
-        for i, url in enumerate(urls):
-            wait_until(lambda: http_json(url + "/health", timeout=5)[0] == 200, timeout, f"SGLang engine {i} at {url}",
-                       procs)
+        for i in range(len(urls)):
+            if i not in answered:
+                wait_for(i)
     except ProcessExited as exc:
         _kill(procs)
         module = missing_module(exc.output)

@@ -99,6 +99,25 @@ def _engines(tmp_path, n, extra_env=None, timeout=60.0):
     return S.start_sglang_servers(argvs, [dict(extra_env or {}) for _ in range(n)], tmp_path, timeout)
 
 
+def test_engines_sharing_a_gpu_start_one_after_another(tmp_path, monkeypatch):
+    """An engine whose GPUs overlap an earlier engine's is spawned only once that one answers /health (SGLang
+    sizes its pools from the memory its weights' load took); engines on GPUs of their own start together."""
+    order = []
+    monkeypatch.setattr(S, "spawn", lambda argv, env, **kw: order.append(("spawn", env.get("CUDA_VISIBLE_DEVICES")))
+                        or object())
+    monkeypatch.setattr(S, "wait_until", lambda ok, timeout, what, procs: order.append(("ready", what.split()[2])))
+    argvs = [["--host", "127.0.0.1", "--port", str(9000 + i)] for i in range(5)]
+    envs = [{"CUDA_VISIBLE_DEVICES": g} for g in ("0", "0", "1", "1,2", "3")]
+    procs, urls = S.start_sglang_servers(argvs, envs, None, 1.0, env={})
+    assert len(procs) == 5 and urls == [f"http://127.0.0.1:{9000 + i}" for i in range(5)]
+    assert order == [("spawn", "0"), ("ready", "0"), ("spawn", "0"), ("spawn", "1"), ("ready", "2"), ("spawn", "1,2"),
+                     ("spawn", "3"), ("ready", "1"), ("ready", "3"), ("ready", "4")]
+    order.clear()
+    S.start_sglang_servers(argvs[:2], [{}, {}], None, 1.0, env={})  # unset: every GPU, so shared
+    assert order == [("spawn", None), ("ready", "0"), ("spawn", None), ("ready", "1")]
+    assert S._share_gpus("0,1", " 1") and not S._share_gpus("0", "1") and S._share_gpus(None, "3")
+
+
 def test_client_generates_and_pushes_weights_with_sglangs_endpoints(tmp_path, fake_sglang):
     procs, urls = _engines(tmp_path, 2, {"CUDA_VISIBLE_DEVICES": "5"})
     router = None
