@@ -122,7 +122,7 @@ def add_kernel_arguments(p, auto_cpu: str) -> None:
     ``auto_cpu``: what ``--kernel-backend auto`` runs on CPU in this command."""
     p.add_argument("--mode", default="invariant", choices=KERNEL_MODES,
                    help="invariant: batch-invariant kernels (a row's bits never depend on its batch); fast: stock "
-                        "torch where it is faster (cuBLAS, SDPA), not batch-invariant (default: invariant)")
+                        "torch where it is faster (cuBLAS above 64 rows, SDPA), not batch-invariant (default: invariant)")
     p.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
                    help=f"auto: triton on CUDA, on CPU {auto_cpu}; triton (CUDA only); interpreter (Triton's "
                         "interpreter on CPU, needs TRITON_INTERPRET=1); reference (float64 torch) (default: auto)")
