@@ -70,7 +70,7 @@ from .logprob import LOG2E, _check_temperature, online_lse_update
 from .pipeline import grid_dependency_sync, launch_options
 from .sampling import row_keys, uniform
 from .reference import fused_logprob as _ref
-from .tile_dot import dot_acc
+from .tile_dot import INTERPRETED, dot_acc
 
 BWD_CHUNK_COLUMNS = 16384  # vocabulary columns of dlogits per backward chunk: [N, 16384] in the input dtype
 
@@ -366,6 +366,30 @@ def _better_draw(key_a, col_a, x_a, key_b, col_b, x_b):
     return tl.where(b, key_b, key_a), tl.where(b, col_b, col_a), tl.where(b, x_b, x_a)
 
 
+@triton.jit
+def _tile_draw(k, cols, x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(key, column, logit) of each row's draw in a [BLOCK_M, BLOCK_N] tile of keys ``k`` over columns ``cols``
+    [BLOCK_N] (increasing) with logits ``x``: :func:`_better_draw` over the row. On the GPU one ``tl.reduce``
+    with it. Triton's interpreter runs a reduction with a combine function one element at a time in Python
+    (seconds a tile), so there the same draw comes from built-in reductions, as its reduction gives it, left
+    to right: the largest non-NaN key and its lowest column, or the first column when its key is NaN (no key
+    beats a NaN accumulator). Without NaN keys the draw is unique, whatever order the GPU's tree takes."""
+    if INTERPRETED:
+        first = cols[None, :] == tl.min(cols, 0)
+        first_key = tl.sum(tl.where(first, k, 0.0), 1)
+        first_nan = first_key != first_key
+        clean = tl.where(k != k, float("-inf"), k)
+        kmax = tl.max(clean, 1)
+        kcol = tl.min(tl.where(clean == kmax[:, None], cols[None, :], _NO_COLUMN), 1)
+        kx = tl.sum(tl.where(cols[None, :] == kcol[:, None], x, 0.0), 1)
+        kmax = tl.where(first_nan, first_key, kmax)
+        kcol = tl.where(first_nan, tl.min(cols, 0), kcol)
+        kx = tl.where(first_nan, tl.sum(tl.where(first, x, 0.0), 1), kx)
+    else:
+        kmax, kcol, kx = tl.reduce((k, tl.broadcast_to(cols[None, :], (BLOCK_M, BLOCK_N)), x), 1, _better_draw)
+    return kmax, kcol, kx
+
+
 @triton.jit(do_not_specialize=["N", "num_m_tiles"])
 def _sample_partials_kernel(
     h_src, w_src, temp_ptr, seed_ptr, pos_ptr, pm_ptr, ps_ptr, pk_ptr, pi_ptr, px_ptr,
@@ -398,7 +422,7 @@ def _sample_partials_kernel(
         k = tl.where((offs_n < V)[None, :], k, float("-inf"))
         # one reduction over (key, column, logit): a max of the keys, then a min over the columns holding
         # it, would keep the key tile live for a second pass (register spills)
-        kmax, kcol, kx = tl.reduce((k, tl.broadcast_to(offs_n[None, :], (BLOCK_M, BLOCK_N)), x), 1, _better_draw)
+        kmax, kcol, kx = _tile_draw(k, offs_n, x, BLOCK_M, BLOCK_N)
         better = (kmax > best) | ((kmax == best) & (best_i == _NO_COLUMN))  # strict: earlier tiles win ties
         best = tl.where(better, kmax, best)
         best_i = tl.where(better, kcol, best_i)

@@ -316,6 +316,47 @@ def test_fused_sample_logprob_is_the_sampler_then_the_trainers_logprob(interpret
     assert torch.equal(tokens[greedy], logits[greedy].argmax(-1))  # no ties in random data
 
 
+def test_tile_draw_under_the_interpreter_is_the_left_to_right_draw(interpreter):
+    """``_tile_draw``'s interpreter branch (built-in reductions in place of ``tl.reduce`` with ``_better_draw``,
+    which the interpreter runs element by element) gives what that reduction gives, left to right: the largest
+    key at its lowest column with its logit, ties at the lowest column, the first column of an all -inf row,
+    and a NaN first key kept; NaN keys after it never win."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def draw_kernel(k_ptr, x_ptr, key_ptr, col_ptr, xo_ptr, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows, cols = tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N)
+        at = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        kmax, kcol, kx = FL._tile_draw(tl.load(k_ptr + at), cols, tl.load(x_ptr + at), BLOCK_M, BLOCK_N)
+        tl.store(key_ptr + rows, kmax)
+        tl.store(col_ptr + rows, kcol)
+        tl.store(xo_ptr + rows, kx)
+
+    nan, inf = float("nan"), float("inf")
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(8, 16, generator=g)
+    k[1, [3, 9]] = 5.0                      # a tie at the maximum: column 3
+    k[2] = -inf                             # nothing drawable: the first column
+    k[3, 0] = nan                           # a NaN first key stays
+    k[4, [2, 7]] = nan                      # NaN keys later never win
+    k[5, 6] = inf
+    k[6, :5] = nan                          # NaN first: kept whatever follows
+    k[7] = 1.0                              # every key equal
+    x = torch.randn(8, 16, generator=g)
+    key, col, xo = torch.empty(8), torch.empty(8, dtype=torch.int32), torch.empty(8)
+    draw_kernel[(1,)](k, x, key, col, xo, 100, BLOCK_M=8, BLOCK_N=16)
+    for r in range(8):  # the reduction's own order: an accumulator, then each element in turn
+        best, best_c = k[r, 0].item(), 0
+        for c in range(1, 16):
+            kc = k[r, c].item()
+            if kc > best or (kc == best and c < best_c):
+                best, best_c = kc, c
+        assert col[r].item() == 100 + best_c, r
+        assert torch.equal(key[r], k[r, best_c]) or (math.isnan(best) and math.isnan(key[r].item())), r
+        assert torch.equal(xo[r], x[r, best_c]), r
+
+
 def test_fused_sample_logprob_fp16_keeps_the_logprob_bits_and_is_batch_invariant(interpreter):
     """float16: the log-prob is ``fused_logprob``'s of the drawn token bit for bit; a row's token and
     log-prob are the same alone and in any position of a batch."""
