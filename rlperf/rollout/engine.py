@@ -675,8 +675,9 @@ class Engine:
         ``EngineConfig.logprob_from_logits_max_rows`` rows of a one-process model, in invariant mode where the
         fold gives ``fused_logprob``'s bits (:meth:`_logits_are_the_fused_tiles`), in fast mode wherever the
         fold's kernels run (a 16-bit lm head, the Triton kernels or the interpreter). Fast mode promises no bits,
-        and its second pass (``fused_logprob``'s stock path: the lm-head product again, then ``log_softmax``) cost
-        0.30 ms of a 2.69 ms B = 64 step on an H200 (``kernel_profile decode --mode fast``, bench/BENCHMARKS.md)."""
+        and its second pass (``fused_logprob``'s stock path: the lm-head product again, then ``log_softmax`` and its
+        copies) took ~0.22 ms of GPU time in a B = 64 step on an H200 (``kernel_profile decode --mode fast``,
+        bench/BENCHMARKS.md)."""
         if B > self.config.logprob_from_logits_max_rows or getattr(self.model, "tp_group", None) is not None:
             return False
         if K.mode() == "fast":
