@@ -6,7 +6,8 @@ Cases (bf16, all 28 layers of the qwen3-0.6b shape):
 * decode: 64 sequences, one new token each, against a paged KV cache of 1024 tokens per sequence.
 
 Kernel = ``invariant`` mode (rlperf's Triton kernels); anchor = ``fast`` mode (cuBLAS, SDPA, torch
-ops) in the same run, same weights and inputs. Both are captured in a CUDA graph when capture
+ops; for products of at most 64 rows, such as the decode case's, fast mode runs rlperf's matmul kernel too:
+``rlperf.kernels.dispatch.FAST_MODE_KERNEL_ROWS``) in the same run, same weights and inputs. Both are captured in a CUDA graph when capture
 works (as an engine would run them), else timed eagerly; ``extra['graph']`` says which. Target:
 invariant mode costs <= 15% over the fast path, i.e. ratio (fast_ms / invariant_ms) >= 0.87.
 ``cases(quick)`` lists both for ``bench/test_microbench.py``, which times the eager calls.
