@@ -57,12 +57,18 @@ ROUTES = ("autograd", "stock", *BACKENDS)
 
 FAST_MODE_KERNEL_ROWS = 64
 """Fast mode's matmul on CUDA is rlperf's kernel for calls of at most this many rows (decode steps of up to 64
-sequences), cuBLAS above. At these sizes the products are memory-bound and the kernel's small-batch tiles are
-at least as fast as cuBLAS's (one H200, weights streamed from HBM, us per product at M = 1 / 16 / 64,
-bench/NOTES-matmul.md run 8: 0.6B qkv 5.2 / 5.3 / 5.5 against 5.8 / 5.8 / 5.8, o_proj 6.2 / 6.2 / 6.5 against
-10.7 / 6.4 / 6.3, gate_up 6.2 / 6.2 / 6.5 against 6.7 / 6.8 / 7.1, down 7.8 / 7.8 / 8.1 against 8.0 / 8.3 /
-8.5), and they keep the engine's programmatic dependent launches chained, which cuBLAS's launches break. From
-256 rows cuBLAS wins some shapes (gate_up 8.2 against 9.9 us)."""
+sequences), cuBLAS above. At these sizes the products are memory-bound, and the kernel's small-batch tiles ran
+faster than cuBLAS in 11 of 12 cases and 0.2 us slower in one (o_proj at 64 rows). The figures are us per
+product at M = 1 / 16 / 64, kernel against cuBLAS, from bench/NOTES-matmul.md run 8 (one H200, weights streamed
+from HBM):
+
+* 0.6B qkv: 5.2 / 5.3 / 5.5 against 5.8 / 5.8 / 5.8;
+* o_proj: 6.2 / 6.2 / 6.5 against 10.7 / 6.4 / 6.3;
+* gate_up: 6.2 / 6.2 / 6.5 against 6.7 / 6.8 / 7.1;
+* down: 7.8 / 7.8 / 8.1 against 8.0 / 8.3 / 8.5.
+
+The kernel's launches also keep the engine's programmatic dependent launches chained, which cuBLAS's launches
+break. From 256 rows cuBLAS wins some shapes (gate_up 8.2 against 9.9 us)."""
 
 FAST_MODE_STOCK = {
     # op: where fast mode runs the stock torch op instead of rlperf's ("everywhere", "large", "cpu" or None).

@@ -393,7 +393,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     Invariant mode: the persistent Triton kernel above (GPU or CPU interpreter), or the float64
     reference cast to ``out_dtype`` (CPU otherwise). Fast mode: ``F.linear`` (cuBLAS), not
     batch-invariant, except on CUDA for at most :data:`rlperf.kernels.dispatch.FAST_MODE_KERNEL_ROWS` rows,
-    where the kernel is the faster path. Differentiable in x, w and bias (:func:`rlperf.kernels.autograd.matmul_with_grad`);
+    where the kernel is about as fast as cuBLAS or faster and keeps the launches chained. Differentiable in x, w and bias (:func:`rlperf.kernels.autograd.matmul_with_grad`);
     invariant mode's backward is :func:`invariant_linear_grads`, fast mode's torch's matmuls.
     """
     _check(x, w, bias, out_dtype)

@@ -678,10 +678,11 @@ class Engine:
         and its second pass (``fused_logprob``'s stock path: the lm-head product again, then ``log_softmax`` and its
         copies) took ~0.22 ms of GPU time in a B = 64 step on an H200 (``kernel_profile decode --mode fast``,
         bench/BENCHMARKS.md)."""
-        if B > self.config.logprob_from_logits_max_rows or getattr(self.model, "tp_group", None) is not None:
+        if B > self.config.logprob_from_logits_max_rows:
             return False
         if K.mode() == "fast":
-            return weight.dtype in (torch.bfloat16, torch.float16) and K.backend(weight.device) != "reference"
+            return (getattr(self.model, "tp_group", None) is None and weight.dtype in (torch.bfloat16, torch.float16)
+                    and K.backend(weight.device) != "reference")
         return self._logits_are_the_fused_tiles(weight)
 
     def _sample(self, hidden: torch.Tensor, logits: torch.Tensor | None, reqs: list[Request], counters: list[int],
