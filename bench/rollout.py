@@ -15,9 +15,9 @@ Cases (qwen3-0.6b shape, random bf16 weights, byte prompts, ``ignore_eos``):
   target is >= 0.5 at batch 64 (step <= 2x the floor). Decode uses CUDA graphs
   (``cuda_graph_max_bs``) unless ``graphs=False``; ``extra`` has tokens/s and whether graphs ran.
 * **prefill**: one step that prefills 16 x 512 fresh prompt tokens on a warm engine (its prefill CUDA
-  graphs captured, as ``rlperf serve``'s are after its warm-up); anchor: the same step in fast mode (which
-  runs eagerly: its paged attention reads the lengths on the host). ``extra["eager_ms"]``: the invariant
-  step without prefill graphs.
+  graphs captured, as ``rlperf serve``'s are after its warm-up); anchor: the same step in fast mode, also
+  replayed from its prefill graphs. ``extra``: ``eager_ms`` and ``fast_eager_ms``, the invariant and fast
+  steps without prefill graphs; ``graph`` / ``graph_fast``, whether each timed step replayed a graph.
 * **invariance cost**: the batch-64 decode step in invariant mode vs fast mode, both replayed from
   CUDA graphs (fast mode: rlperf's matmul kernel up to 64 rows and cuBLAS above, the log-probs folded from
   the step's logits as in invariant mode; decode attention is rlperf's kernel in both modes).
@@ -170,9 +170,11 @@ def queue_prefill(engine: Engine, batch: int, prompt_len: int, seed: int = 0) ->
     _requests(engine, batch, prompt_len, 2, seed=seed)
 
 
-def prefill_case(model, batch: int, prompt_len: int, reps: int, graphs: bool = True) -> float:
+def prefill_case(model, batch: int, prompt_len: int, reps: int, graphs: bool = True,
+                 replayed: list[bool] | None = None) -> float:
     """Median wall ms of one engine step that prefills ``batch`` fresh prompts of ``prompt_len`` tokens, on
-    one warm engine (:func:`prefill_engine`; the first step, untimed, compiles and captures)."""
+    one warm engine (:func:`prefill_engine`; the first step, untimed, compiles and captures). ``replayed``:
+    a list that gets whether the steps replayed a prefill graph (captured one in this mode)."""
     engine = prefill_engine(model, batch, prompt_len, graphs)
     times = []
     for rep in range(reps + 1):
@@ -184,6 +186,9 @@ def prefill_case(model, batch: int, prompt_len: int, reps: int, graphs: bool = T
         _sync(model.device)
         if rep:
             times.append((time.perf_counter() - t0) * 1e3)
+    if replayed is not None:
+        g = engine.prefill_graphs
+        replayed.append(g is not None and any(mode == K.mode() for mode, _, _ in g.graphs))
     return sorted(times)[len(times) // 2]
 
 
@@ -559,12 +564,14 @@ def run(quick: bool = False, sglang_variants=None, transformers_anchor: bool = T
                                  extra={"tokens_per_s": b / d["ms"] * 1e3, "graph": d["graph"], "kv_mean": d["kv_mean"],
                                         "copy_GBps": bw / 1e9, **launch_fields("decode_step", d["launches"])}))
             print(f"rollout: decode B={b}: {format_launches(d['launches'])} per decode step")
-        pre_inv = prefill_case(model, PREFILL_BATCH, PROMPT, reps=2 if quick else 5)
+        pre_graph: list[bool] = []
+        pre_inv = prefill_case(model, PREFILL_BATCH, PROMPT, reps=2 if quick else 5, replayed=pre_graph)
         pre_eager = prefill_case(model, PREFILL_BATCH, PROMPT, reps=2 if quick else 5, graphs=False)
         inv64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64)
         stepwise64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64, overlap_schedule=False)
     with K.use_mode("fast"):
-        pre_fast = prefill_case(model, PREFILL_BATCH, PROMPT, reps=2 if quick else 5)
+        pre_fast = prefill_case(model, PREFILL_BATCH, PROMPT, reps=2 if quick else 5, replayed=pre_graph)
+        pre_fast_eager = prefill_case(model, PREFILL_BATCH, PROMPT, reps=2 if quick else 5, graphs=False)
         fast64 = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64)
         try:  # the engine's fast mode with FlashInfer's attention (rlperf serve --attention-backend flashinfer)
             fi64, fi_extra = decode_case(model, 64, PROMPT, NEW, steps, graph_bs=64, attention_backend="flashinfer"), {}
@@ -573,7 +580,8 @@ def run(quick: bool = False, sglang_variants=None, transformers_anchor: bool = T
     flops = 2 * PREFILL_BATCH * PROMPT * sum(p.numel() for p in model.parameters())
     rows.append(BenchRow("rollout", f"prefill {PREFILL_BATCH}x{PROMPT}", "invariant step", pre_inv, "fast step", pre_fast,
                          work=flops, extra={"tokens_per_s": PREFILL_BATCH * PROMPT / pre_inv * 1e3,
-                                            "eager_ms": pre_eager}))
+                                            "eager_ms": pre_eager, "fast_eager_ms": pre_fast_eager,
+                                            "graph": pre_graph[0], "graph_fast": pre_graph[1]}))
     rows.append(BenchRow("rollout", "decode B=64 invariance cost", "invariant step", inv64["ms"], "fast step", fast64["ms"],
                          work=0.0, extra={"graph": inv64["graph"], "graph_fast": fast64["graph"]}))
     rows.append(BenchRow("rollout", "decode B=64 overlap", "overlapped step", inv64["ms"], "step-by-step",

@@ -28,7 +28,9 @@ def test_decode_and_prefill_cases_run_the_engine_as_described(one_thread):
         off = decode_case(model, batch=3, prompt_len=20, new_tokens=12, steps=4, warmup=2, graph_bs=4,
                           overlap_schedule=False)
         assert off["kv_mean"] == 20 + 2 + (4 + 1) / 2  # one forward per warm-up step
-        assert prefill_case(model, batch=2, prompt_len=16, reps=1) > 0
+        replayed: list[bool] = []
+        assert prefill_case(model, batch=2, prompt_len=16, reps=1, replayed=replayed) > 0
+        assert replayed == [False]  # nothing captured on the CPU
         engine = prefill_engine(model, batch=2, prompt_len=16)
         assert engine.prefill_graphs is None  # CPU: prefill graphs are serve's default on CUDA only
         for seed in range(2):  # each queued batch is prefilled whole by one step, the one before aborted

@@ -290,17 +290,22 @@ class PrefillGraphs:
     Padding: the step's T tokens of S sequences, then ``bucket - T`` padding tokens as one more sequence
     (``slot = -1``: their K/V are not stored; ``kv_len`` = their count over page 0, so they attend to
     finite cached values and never write), then empty sequences up to ``slots`` (no query: their programs
-    exit at once). Every kernel is row invariant (``rlperf.kernels``) and attention reads only a sequence's
-    own pages, so the T real rows get the bits of the eager, unpadded step; padding rows are dropped.
-    tests/rollout/test_engine.py checks the padded path on CPU, where it runs eagerly (nothing is
-    captured); the GPU test compares replayed steps with eager ones.
+    exit at once). In invariant mode every kernel is row invariant (``rlperf.kernels``) and attention reads
+    only a sequence's own pages, so the T real rows get the bits of the eager, unpadded step; padding rows
+    are dropped. Fast mode promises no such bits: its cuBLAS products (above ``FAST_MODE_KERNEL_ROWS`` rows)
+    may pick another kernel for the padded row count, so a replayed fast step can differ from the eager one
+    in the last bits. tests/rollout/test_engine.py checks the padded path on CPU, where it runs eagerly
+    (nothing is captured); the GPU tests compare replayed steps with eager ones.
 
     Launches: a bucket above :data:`PDL_MAX_TOKENS` is captured with plain launches (:func:`step_launches`).
 
-    Limits: invariant mode on rlperf's kernels (fast mode's paged attention reads the batch's lengths on
-    the host), no routing record, no FlashInfer plan, steps of at most ``max_tokens`` tokens (longer ones
-    run eagerly). Memory: the graphs share one private pool, sized by the largest captured bucket (about
-    one eager step's activations).
+    Limits: no routing record, no FlashInfer plan (the engine checks both), steps of at most ``max_tokens``
+    tokens (longer ones run eagerly). Both kernel modes: on CUDA a fast-mode step's ops are kernels and
+    cuBLAS products that read no length on the host (its paged attention is rlperf's kernel there), except
+    a MoE model's expert block in a dtype other than bf16, which loops over the experts on the host
+    (``kernels/moe.py``) and cannot be captured here or in :class:`DecodeGraphs`.
+    Memory: the graphs share one private pool, sized by the largest captured bucket (about one eager step's
+    activations).
     """
 
     def __init__(self, model, kv_layers, max_tokens: int, max_seqs: int, max_pages: int):

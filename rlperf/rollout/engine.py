@@ -230,10 +230,10 @@ class EngineConfig:
     replayed steps give the eager bits."""
     cuda_graph_max_prefill_tokens: int = 0
     """Replay steps with prefill chunks of up to this many tokens (chunks and decode rows together) from
-    CUDA graphs padded to token buckets (``rlperf.rollout.cuda_graph.PrefillGraphs``; invariant mode on
-    rlperf's kernels); 0 disables (the engine's default; ``rlperf serve`` takes
-    ``chunked_prefill_size + max_running_requests`` on CUDA). The GPU tests show the replayed steps give the
-    eager bits."""
+    CUDA graphs padded to token buckets (``rlperf.rollout.cuda_graph.PrefillGraphs``; both kernel modes, not
+    with FlashInfer's attention); 0 disables (the engine's default; ``rlperf serve`` takes
+    ``chunked_prefill_size + max_running_requests`` on CUDA). The GPU tests show that in invariant mode the
+    replayed steps give the eager bits."""
     attention_backend: str = "rlperf"
     """``rlperf`` (the paged-attention kernel) or ``flashinfer``: FlashInfer's paged attention in fast
     mode (``rlperf.rollout.flashinfer_attention``; CUDA only); invariant mode keeps the kernel."""
@@ -588,11 +588,10 @@ class Engine:
         return ids, pos, slots
 
     def _prefill_graphed(self, num_tokens: int, num_seqs: int, routing) -> bool:
-        """Whether a step the decode graphs do not take replays a prefill graph (``PrefillGraphs``' limits:
-        invariant mode on the kernels, no routing record, no FlashInfer plan, a size its graphs take)."""
+        """Whether a step the decode graphs do not take replays a prefill graph (``PrefillGraphs``' limits: no
+        routing record, no FlashInfer plan, a size its graphs take; either kernel mode)."""
         g = self.prefill_graphs
-        return (g is not None and routing is None and K.mode() == "invariant" and for_this_mode(self.attention) is None
-                and g.takes(num_tokens, num_seqs))
+        return g is not None and routing is None and for_this_mode(self.attention) is None and g.takes(num_tokens, num_seqs)
 
     @staticmethod
     def _keep_routing(batch: list[tuple[Request, int]], cu: list[int], experts: torch.Tensor) -> None:

@@ -398,9 +398,27 @@ def test_prefill_graphs_take_only_what_they_can_replay(model):
     with pytest.raises(ValueError, match="up to 256 tokens in 7 sequences"):
         g.run([([1] * 300, 0, [0, 1, 2])], [299])
     assert engine._prefill_graphed(100, 2, None)
-    with K.use_mode("fast"):  # fast mode's paged attention reads the lengths on the host: eager
-        assert not engine._prefill_graphed(100, 2, None)
+    with K.use_mode("fast"):  # fast mode replays graphs of its own (keyed by the mode)
+        assert engine._prefill_graphed(100, 2, None)
+    assert not engine._prefill_graphed(100, 2, routing=object())  # a step recording its routing runs eagerly
     assert _engine(model).prefill_graphs is None  # off by default
+
+
+def test_fast_mode_takes_the_padded_prefill_graph_path(model):
+    # fast mode promises no bits, so its padded steps (cuBLAS / the CPU's matmul at the bucket's row count)
+    # are checked against the eager fast-mode engine to within rounding: the same tokens, close log-probs
+    prompts = _prompts(6, seed=31, lo=20, hi=120)
+    params = [dataclasses.replace(PARAMS[i % 3], max_new_tokens=3 + i) for i in range(6)]
+    with K.use_mode("fast"):
+        eager = _run(_engine(model, chunked_prefill_size=100), prompts, params)
+        graphed_engine = _engine(model, chunked_prefill_size=100, cuda_graph_max_prefill_tokens=100)
+        calls, run = [], graphed_engine.prefill_graphs.run
+        graphed_engine.prefill_graphs.run = lambda c, r: calls.append(len(c)) or run(c, r)
+        got = _run(graphed_engine, prompts, params)
+    assert calls, "no fast-mode step took the prefill graphs' padded path"
+    assert [o[0] for o in got] == [o[0] for o in eager] and [o[2] for o in got] == [o[2] for o in eager]
+    for g, e in zip(got, eager):
+        torch.testing.assert_close(torch.tensor(g[1]), torch.tensor(e[1]), rtol=0, atol=1e-4)
 
 
 def test_large_steps_launch_plainly():
@@ -641,6 +659,30 @@ def test_gpu_prefill_graphs_give_the_eager_bits():
     keys = graphed.prefill_graphs.graphs
     assert len({b for _, b, _ in keys}) >= 3 and len({s for _, _, s in keys}) >= 2, sorted(keys)
     assert [(r.output_ids, r.output_logprobs) for r in got] == [(r.output_ids, r.output_logprobs) for r in eager]
+
+
+@pytest.mark.gpu
+def test_gpu_fast_mode_prefill_graphs_replay_the_eager_steps():
+    """Fast mode's steps with prefill chunks replayed from its own prefill graphs (cuBLAS products, rlperf's
+    paged attention): greedy first tokens of 12 prompts, chunked and mixed with decode rows, against the eager
+    fast-mode engine. Fast mode promises no bits (a padded step's cuBLAS products may round otherwise), so
+    the log-probs are compared to bf16 rounding and the tokens where they are not near-ties."""
+    cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
+    model = Qwen3ForCausalLM.random(cfg, seed=4, dtype=torch.bfloat16, device="cuda")
+    tok = ByteTokenizer(cfg.vocab_size)
+    prompts = _prompts(12, seed=22, lo=10, hi=700)
+    params = [SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True) for _ in range(12)]
+    with K.use_backend(None), K.use_mode("fast"):
+        eager = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, chunked_prefill_size=300)).generate(prompts, params)
+        graphed = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, chunked_prefill_size=300, cuda_graph_max_bs=4,
+                                                  cuda_graph_max_prefill_tokens=300 + 12))
+        got = graphed.generate(prompts, params)
+    keys = graphed.prefill_graphs.graphs
+    assert keys and all(mode == "fast" for mode, _, _ in keys), sorted(keys)
+    first = [(g.output_ids[0], e.output_ids[0], g.output_logprobs[0], e.output_logprobs[0]) for g, e in zip(got, eager)]
+    for g_tok, e_tok, g_lp, e_lp in first:
+        assert abs(g_lp - e_lp) < 0.05, first
+    assert sum(g_tok == e_tok for g_tok, e_tok, _, _ in first) >= 10, first
 
 
 @pytest.mark.gpu
