@@ -9,6 +9,8 @@
 # unpacked into $DEST/site and a marker written; then `export PYTHONPATH=$DEST/site:$PYTHONPATH`
 # makes SGLang, FlashInfer and the router importable (bench/device_sglang.sh does it).
 #
+# Concurrent runs for one $DEST take turns (a lock file in it).
+#
 # Exit 0: complete (unpacked now or before); 75: chunks still missing (named, with the carry to use);
 # 2: no MANIFEST, or a chunk that does not match it.
 set -euo pipefail
@@ -17,6 +19,11 @@ PACK_DIR=${PACK_DIR:-.sglang-pack}
 DEST=${DEST:-/tmp/sglang-site}
 manifest="$PACK_DIR/MANIFEST"
 [ -f "$manifest" ] || { echo "unpack_sglang: no $manifest (bash bench/pack_sglang.sh on the CPU machine, then carry it)" >&2; exit 2; }
+# one unpack at a time per $DEST: lanes of one device call (bench/device_lanes.sh) that each start SGLang run this
+# together; the later ones wait here, then find the site complete
+mkdir -p "$DEST"
+exec 9>"$DEST/.lock"
+if command -v flock >/dev/null; then flock 9; else echo "unpack_sglang: no flock here: unpacks started together may collide" >&2; fi
 archive_sha=$(awk '$1 == "archive" {print $2}' "$manifest")
 if [ -f "$DEST/.unpacked" ] && [ "$(cat "$DEST/.unpacked")" = "$archive_sha" ]; then
   echo "unpack_sglang: $DEST/site is complete (archive $archive_sha)"

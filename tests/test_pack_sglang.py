@@ -1,7 +1,8 @@
 """bench/pack_sglang.sh + bench/unpack_sglang.sh on a small installed folder (no download): the trim keeps
 sglang-kernel's Python, sm90/common_ops and spatial_ops only and follows the TRIM list (its "!" entries kept);
 a small pack is one chunk; chunks of a pack split smaller reassemble over separate calls that each carry one
-chunk, the still-missing ones named; a broken chunk is refused. bench/sglang_imports.py names every missing
+chunk, the still-missing ones named; a broken chunk is refused; unpacks started together (the lanes of one
+device call) take turns and all find the site. bench/sglang_imports.py names every missing
 module of an import walk, with its importer."""
 import fnmatch
 import os
@@ -72,6 +73,19 @@ def test_pack_splits_and_unpack_joins_one_call_at_a_time_refusing_a_broken_chunk
     assert (got / "flashinfer/data.bin").read_bytes() == files["flashinfer/data.bin"]
     again = _run("unpack_sglang.sh", env, ROOT)  # a later call finds it complete
     assert again.returncode == 0 and "is complete" in again.stdout
+
+
+def test_unpacks_started_together_take_turns_and_all_find_the_site(tmp_path):
+    site, files = _site(tmp_path)
+    pack, dest = tmp_path / "pack", tmp_path / "dest"
+    env = {"PACK_DIR": str(pack), "DEST": str(dest), "SITE": str(site), "XZ_LEVEL": "0"}
+    assert _run("pack_sglang.sh", env, ROOT).returncode == 0
+    procs = [subprocess.Popen(["bash", str(ROOT / "bench" / "unpack_sglang.sh")], env={**os.environ, **env}, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    outs = [(p.wait(timeout=60), *p.communicate()) for p in procs]
+    assert all(rc == 0 for rc, _, _ in outs), outs
+    assert sum("chunks joined and unpacked" in out for _, out, _ in outs) == 1  # the others found it complete
+    assert (dest / "site/flashinfer/data.bin").read_bytes() == files["flashinfer/data.bin"]
 
 
 def test_trim_follows_the_trim_list_and_the_packs_own_site_is_trimmed_in_place(tmp_path):
