@@ -640,23 +640,30 @@ def test_gpu_cuda_graph_decode_gives_the_eager_bits():
     assert [(r.output_ids, r.output_logprobs) for r in got] == [(r.output_ids, r.output_logprobs) for r in eager]
 
 
+def _eager_and_prefill_graphed(mode, params):
+    """12 prompts of 10-700 tokens (chunks of 300 mixed with decode rows) through a 2-layer bf16 qwen3-0.6b-shaped
+    engine in kernel ``mode`` on the GPU, eagerly and with prefill graphs (and decode graphs up to 4 sequences):
+    (eager results, graphed results, the captured prefill graphs' keys (mode, bucket, slots))."""
+    cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
+    model = Qwen3ForCausalLM.random(cfg, seed=4, dtype=torch.bfloat16, device="cuda")
+    tok = ByteTokenizer(cfg.vocab_size)
+    prompts = _prompts(12, seed=22, lo=10, hi=700)
+    with K.use_backend(None), K.use_mode(mode):
+        eager = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, chunked_prefill_size=300)).generate(prompts, params)
+        graphed = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, chunked_prefill_size=300, cuda_graph_max_bs=4,
+                                                  cuda_graph_max_prefill_tokens=300 + 12))
+        got = graphed.generate(prompts, params)
+    return eager, got, list(graphed.prefill_graphs.graphs)
+
+
 @pytest.mark.gpu
 def test_gpu_prefill_graphs_give_the_eager_bits():
     """Chunked prefills mixed with decode rows, whole short prompts and decode steps over the decode graphs'
     largest bucket, replayed from prefill graphs of several token buckets and slot counts: the eager
     engine's tokens and log-probs, bit for bit."""
-    cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
-    model = Qwen3ForCausalLM.random(cfg, seed=4, dtype=torch.bfloat16, device="cuda")
-    tok = ByteTokenizer(cfg.vocab_size)
-    prompts = _prompts(12, seed=22, lo=10, hi=700)
     params = [SamplingParams(max_new_tokens=8 + 3 * i, temperature=(1.0, 0.0)[i % 2], seed=40 + i, ignore_eos=True)
               for i in range(12)]
-    with K.use_backend(None), K.use_mode("invariant"):
-        eager = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, chunked_prefill_size=300)).generate(prompts, params)
-        graphed = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, chunked_prefill_size=300, cuda_graph_max_bs=4,
-                                                  cuda_graph_max_prefill_tokens=300 + 12))
-        got = graphed.generate(prompts, params)
-    keys = graphed.prefill_graphs.graphs
+    eager, got, keys = _eager_and_prefill_graphed("invariant", params)
     assert len({b for _, b, _ in keys}) >= 3 and len({s for _, _, s in keys}) >= 2, sorted(keys)
     assert [(r.output_ids, r.output_logprobs) for r in got] == [(r.output_ids, r.output_logprobs) for r in eager]
 
@@ -667,17 +674,8 @@ def test_gpu_fast_mode_prefill_graphs_replay_the_eager_steps():
     paged attention): greedy first tokens of 12 prompts, chunked and mixed with decode rows, against the eager
     fast-mode engine. Fast mode promises no bits (a padded step's cuBLAS products may round otherwise), so
     the log-probs are compared to bf16 rounding and the tokens where they are not near-ties."""
-    cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
-    model = Qwen3ForCausalLM.random(cfg, seed=4, dtype=torch.bfloat16, device="cuda")
-    tok = ByteTokenizer(cfg.vocab_size)
-    prompts = _prompts(12, seed=22, lo=10, hi=700)
     params = [SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True) for _ in range(12)]
-    with K.use_backend(None), K.use_mode("fast"):
-        eager = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, chunked_prefill_size=300)).generate(prompts, params)
-        graphed = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, chunked_prefill_size=300, cuda_graph_max_bs=4,
-                                                  cuda_graph_max_prefill_tokens=300 + 12))
-        got = graphed.generate(prompts, params)
-    keys = graphed.prefill_graphs.graphs
+    eager, got, keys = _eager_and_prefill_graphed("fast", params)
     assert keys and all(mode == "fast" for mode, _, _ in keys), sorted(keys)
     first = [(g.output_ids[0], e.output_ids[0], g.output_logprobs[0], e.output_logprobs[0]) for g, e in zip(got, eager)]
     for g_tok, e_tok, g_lp, e_lp in first:
