@@ -86,7 +86,7 @@ FAST_MODE_STOCK = {
     "log_softmax": "cpu",
     "token_logprobs": "cpu",
     "write_kv_cache": "cpu",          # a copy: the torch path syncs the host (negative-slot filter)
-    "moe_experts": "everywhere",      # torch._grouped_mm / a per-expert loop: the price of invariance
+    "moe_experts": "everywhere",      # torch._grouped_mm / a per-expert loop (on CUDA bf16 only: kernels/moe.py)
     # None: the kernel in both modes (a sampler that changed with the batch would break seeded runs)
     "sample": None,
     "moe_route": None,                # routing decides which weights a token meets: same in both modes

@@ -580,6 +580,24 @@ def moe_slot_rows(x: torch.Tensor, plan: ExpertPlan) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def _grouped_mm_takes(x) -> bool:
+    """Whether fast mode's stock expert block runs as ``torch._grouped_mm`` (CUDA, bf16), which keeps the
+    expert counts on the device. Elsewhere it loops over the experts with their counts read on the host: fine
+    on the CPU, but no CUDA graph can hold it, so on CUDA fast mode runs the kernels then (:func:`moe_experts`)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+def _experts_route(x, grad_inputs: tuple) -> str:
+    """How :func:`moe_experts` runs ``x`` (a dispatch route): fast mode's stock op where it stays on the device
+    (:func:`_grouped_mm_takes`) or runs on the CPU, the kernels otherwise; a stock op with gradients is
+    differentiated by torch ("stock" again)."""
+    stock_ok = not x.is_cuda or _grouped_mm_takes(x)
+    how = route("moe_experts", x.device, grad_inputs, stock_ok=stock_ok)
+    if how == "autograd" and route("moe_experts", x.device, stock_ok=stock_ok) == "stock":
+        how = "stock"
+    return how
+
+
 def _torch_experts(x, experts, weights, w_gate_up, w_down):
     """Fast mode: stock torch (``torch._grouped_mm`` on CUDA bf16, else one F.linear per expert)."""
     t, k = experts.shape
@@ -588,7 +606,7 @@ def _torch_experts(x, experts, weights, w_gate_up, w_down):
     token = order // k
     xs = x[token]
     inter = w_down.shape[2]
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+    if _grouped_mm_takes(x):
         counts = torch.zeros(w_gate_up.shape[0], dtype=torch.int32, device=x.device)
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
@@ -624,12 +642,12 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w
     in x's dtype: ``out[t] = sum_j weights[t, j] down_e(silu(gate_e x_t) * up_e x_t)``.
 
     Invariant mode: permutation, two grouped GEMMs, SwiGLU and combine (module docstring), each
-    batch-invariant; differentiable in x, weights and the expert weights. Fast mode: stock torch.
+    batch-invariant; differentiable in x, weights and the expert weights. Fast mode: stock torch, except on
+    CUDA in a dtype ``torch._grouped_mm`` does not take (not bf16), where the kernels run (so a CUDA graph
+    can hold the step: :func:`_grouped_mm_takes`).
     """
     _check_experts(x, experts, weights, w_gate_up, w_down)
-    how = route("moe_experts", x.device, (x, weights, w_gate_up, w_down))
-    if how == "autograd" and route("moe_experts", x.device) == "stock":
-        how = "stock"  # fast mode's stock op: torch differentiates it
+    how = _experts_route(x, (x, weights, w_gate_up, w_down))
     if how == "stock":
         return _torch_experts(x, experts, weights, w_gate_up, w_down)
     if how == "reference":

@@ -301,9 +301,8 @@ class PrefillGraphs:
 
     Limits: no routing record, no FlashInfer plan (the engine checks both), steps of at most ``max_tokens``
     tokens (longer ones run eagerly). Both kernel modes: on CUDA a fast-mode step's ops are kernels and
-    cuBLAS products that read no length on the host (its paged attention is rlperf's kernel there), except
-    a MoE model's expert block in a dtype other than bf16, which loops over the experts on the host
-    (``kernels/moe.py``) and cannot be captured here or in :class:`DecodeGraphs`.
+    cuBLAS products that read no length on the host (its paged attention is rlperf's kernel there, and a MoE
+    block is ``torch._grouped_mm`` in bf16 or the kernels: ``kernels/moe.py``).
     Memory: the graphs share one private pool, sized by the largest captured bucket (about one eager step's
     activations).
     """

@@ -218,6 +218,28 @@ def test_fast_mode_and_reference_backend_agree_with_the_kernel(interpreter):
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
+def test_fast_mode_runs_the_kernels_where_the_stock_block_would_read_counts_on_the_host():
+    # CUDA stand-ins (routing reads only the device, dtype and requires_grad): on CUDA fast mode's stock block
+    # must stay on the device (torch._grouped_mm, bf16) so a CUDA graph can hold the step; fp16 takes the kernels
+    from types import SimpleNamespace
+
+    from rlperf.kernels.moe import _experts_route
+
+    def cuda(dtype, grad=False):
+        return SimpleNamespace(is_cuda=True, dtype=dtype, device=torch.device("cuda"), requires_grad=grad)
+
+    grouped = "stock" if hasattr(torch, "_grouped_mm") else "triton"
+    with K.use_mode("fast"):
+        assert _experts_route(cuda(torch.bfloat16), ()) == grouped
+        assert _experts_route(cuda(torch.bfloat16, grad=True), (cuda(torch.bfloat16, grad=True),)) == grouped
+        assert _experts_route(cuda(torch.float16), ()) == "triton"
+        assert _experts_route(cuda(torch.float16, grad=True), (cuda(torch.float16, grad=True),)) == "autograd"
+        cpu = torch.zeros(2, 4, dtype=torch.float16, requires_grad=True)
+        assert _experts_route(cpu, (cpu,)) == "stock"  # the loop is fine on the CPU; torch differentiates it
+    with K.use_mode("invariant"):
+        assert _experts_route(cuda(torch.bfloat16), ()) == "triton"
+
+
 def test_bad_shapes_are_named():
     w_gate_up, w_down = _weights(4, 8, 6, torch.float32)
     x, experts, weights = _tokens(3, 8, 4, 2, torch.float32)
