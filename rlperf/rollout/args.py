@@ -170,7 +170,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-prefill-tokens", type=flags.nonnegative_int, default=d.cuda_graph_max_prefill_tokens,
                    metavar="N",
                    help="replay steps with prefill chunks of up to N tokens (chunks and decode rows together) from "
-                        "CUDA graphs padded to token buckets, invariant mode only; 0 disables (default: "
+                        "CUDA graphs padded to token buckets, in either --mode (not with --attention-backend "
+                        "flashinfer); 0 disables (default: "
                         "--chunked-prefill-size + --max-running-requests on CUDA, 0 on CPU)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens before launching the next one; by default a steady "
