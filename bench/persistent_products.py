@@ -36,7 +36,9 @@ from rlperf.kernels.tile_dot import dot_acc
 
 HIDDEN, Q_WIDTH, INTER = 1024, 2048, 3072
 SHAPES = ((4096, HIDDEN), (HIDDEN, Q_WIDTH), (2 * INTER, HIDDEN), (HIDDEN, INTER))
-"""(N, K) of qkv, o_proj, gate_up and down (the 0.6B layer); the kernel's constants below are these."""
+"""(N, K) of qkv, o_proj, gate_up and down (the 0.6B layer)."""
+KERNEL_SHAPE = {"H": HIDDEN, "QKV_N": SHAPES[0][0], "Q_W": Q_WIDTH, "GU_N": SHAPES[2][0], "INTER": INTER}
+""":func:`_persistent_products`' shape constexprs, from the above."""
 BLOCK_N, BLOCK_M, BLOCK_K = 64, 16, 128  # the shipped swapped tile at M <= 16 (kernels/gemm.py, _tiny_m_config)
 
 
@@ -74,12 +76,12 @@ def _wait_for(counters, c, need):
 
 @triton.jit
 def _persistent_products(x0, w_qkv, w_o, w_gu, w_down, out_qkv, out_o, out_gu, out_down, counters, epoch, n_layers,
-                         BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr):
-    """The chain of module docstring in one launch. w_*: [L, N, K]; out_*: [L, BM, N]; x0: [BM, 1024];
-    counters: [L * 4] int32, counter 4 l + p counts the finished tiles of layer l's product p over all launches."""
-    H: tl.constexpr = 1024
-    QKV_N: tl.constexpr = 4096
-    GU_N: tl.constexpr = 6144
+                         BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr,
+                         H: tl.constexpr, QKV_N: tl.constexpr, Q_W: tl.constexpr, GU_N: tl.constexpr,
+                         INTER: tl.constexpr):
+    """The chain of module docstring in one launch (shapes: :data:`KERNEL_SHAPE`). w_*: [L, N, K]; out_*: [L, BM,
+    N]; x0: [BM, H]; counters: [L * 4] int32, counter 4 l + p counts the finished tiles of layer l's product p
+    over all launches."""
     T_QKV: tl.constexpr = QKV_N // BN
     T_O: tl.constexpr = H // BN
     T_GU: tl.constexpr = GU_N // BN
@@ -100,13 +102,13 @@ def _persistent_products(x0, w_qkv, w_o, w_gu, w_down, out_qkv, out_o, out_gu, o
                 x = x0
             _swapped_tile(w, x, out_qkv + layer * BM * QKV_N, n0, H, QKV_N, H, BN, BM, BK)
             c = layer * 4
-        elif t < T_QKV + T_O:  # o_proj: x = qkv's first 2048 columns
+        elif t < T_QKV + T_O:  # o_proj: x = qkv's first Q_W columns
             n0 = (t - T_QKV) * BN
-            w = w_o + layer.to(tl.int64) * H * 2048
+            w = w_o + layer.to(tl.int64) * H * Q_W
             if PREFETCH:
-                _prefetch_rows(w, n0, 2048, BN)
+                _prefetch_rows(w, n0, Q_W, BN)
             _wait_for(counters, layer * 4, epoch * T_QKV)
-            _swapped_tile(w, out_qkv + layer * BM * QKV_N, out_o + layer * BM * H, n0, 2048, H, QKV_N, BN, BM, BK)
+            _swapped_tile(w, out_qkv + layer * BM * QKV_N, out_o + layer * BM * H, n0, Q_W, H, QKV_N, BN, BM, BK)
             c = layer * 4 + 1
         elif t < T_QKV + T_O + T_GU:  # gate_up: x = o_proj's output
             n0 = (t - T_QKV - T_O) * BN
@@ -116,13 +118,13 @@ def _persistent_products(x0, w_qkv, w_o, w_gu, w_down, out_qkv, out_o, out_gu, o
             _wait_for(counters, layer * 4 + 1, epoch * T_O)
             _swapped_tile(w, out_o + layer * BM * H, out_gu + layer * BM * GU_N, n0, H, GU_N, H, BN, BM, BK)
             c = layer * 4 + 2
-        else:  # down: x = gate_up's first 3072 columns
+        else:  # down: x = gate_up's first INTER columns
             n0 = (t - T_QKV - T_O - T_GU) * BN
-            w = w_down + layer.to(tl.int64) * H * 3072
+            w = w_down + layer.to(tl.int64) * H * INTER
             if PREFETCH:
-                _prefetch_rows(w, n0, 3072, BN)
+                _prefetch_rows(w, n0, INTER, BN)
             _wait_for(counters, layer * 4 + 2, epoch * T_GU)
-            _swapped_tile(w, out_gu + layer * BM * GU_N, out_down + layer * BM * H, n0, 3072, H, GU_N, BN, BM, BK)
+            _swapped_tile(w, out_gu + layer * BM * GU_N, out_down + layer * BM * H, n0, INTER, H, GU_N, BN, BM, BK)
             c = layer * 4 + 3
         tl.debug_barrier()  # every thread's stores of the tile are issued before the release
         tl.atomic_add(counters + c, 1, sem="release")
@@ -149,7 +151,7 @@ class ProductChain:
         self.epoch += 1
         _persistent_products[(self.programs,)](
             self.x0, *self.weights, *self.outs, self.counters, self.epoch, self.layers,
-            BN=BLOCK_N, BM=BLOCK_M, BK=BLOCK_K, PREFETCH=prefetch, num_warps=4,
+            BN=BLOCK_N, BM=BLOCK_M, BK=BLOCK_K, PREFETCH=prefetch, **KERNEL_SHAPE, num_warps=4,
             num_stages=4 if self.x0.is_cuda else 1)
 
     def chain(self) -> list[list[torch.Tensor]]:
