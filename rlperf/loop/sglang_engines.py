@@ -173,7 +173,8 @@ def _share_gpus(a: str | None, b: str | None) -> bool:
     GPU: unset on either side, or a device named by both."""
     if a is None or b is None:
         return True
-    return bool({d.strip() for d in a.split(",") if d.strip()} & {d.strip() for d in b.split(",") if d.strip()})
+    named = [{d.strip() for d in v.split(",")} - {""} for v in (a, b)]
+    return bool(named[0] & named[1])
 
 
 def start_sglang_servers(argvs: list[list[str]], envs: list[dict], log_dir: Path | None, timeout: float,
