@@ -35,10 +35,6 @@ tile orientation, the log-prob's source), same card, same process: is a change o
 * ``decode row tiles``: decode attention's launches with more programs than SMs on the 64-row tile at one
   stage, as before the keys-on-M default; ``decode keys on m``: the keys on the MMA's M side in the
   few-programs launch too (kernels/attention.py; the same bits in all three);
-* ``swiglu on swapped tiles`` / ``no swiglu on swapped tiles``: the SwiGLU epilogue wherever the gate/up
-  product runs its swapped small-batch tiles (``gemm.SWIGLU_EPILOGUE_ON_SWAPPED_TILES``; up to 16 rows on the
-  0.6B shape: half the plain product's programs, each with a gate and an up accumulator, and no SiLU-mul
-  launch) or not there, whatever the engine's default;
 * ``two matmul buckets``: the products' tile configs as they were before the tiny-M and stretched small-M
   buckets (:func:`rlperf.kernels.matmul_config`): the small-M tiles for at most 64 rows, no swapped tiles
   (``gemm.TINY_M`` 0, so no shape's either) and no shape's small-M tiles past 64 rows. The same bits (every config of a shape
@@ -86,8 +82,7 @@ class Variant(NamedTuple):
     tiny-M and stretched small-M configs (False: the two buckets of before, ``two matmul buckets``);
     logprob_beside_sampler: ``EngineConfig``'s; decode_keys_on_m: decode attention's ``KEYS_ON_M`` in both
     decode launches (None: their own); decode_many_stages: the pipeline depth of the decode launch with more
-    programs than SMs (None: its own); swiglu_swapped: ``gemm.SWIGLU_EPILOGUE_ON_SWAPPED_TILES`` (the SwiGLU
-    epilogue wherever the gate/up product runs its swapped small-batch tiles; None: the engine's own)."""
+    programs than SMs (None: its own)."""
 
     swiglu: bool | None
     kv: bool
@@ -100,7 +95,6 @@ class Variant(NamedTuple):
     logprob_beside_sampler: bool = False
     decode_keys_on_m: bool | None = None
     decode_many_stages: int | None = None
-    swiglu_swapped: bool | None = None
 
 
 ENGINE_DEFAULT = "engine default"
@@ -113,9 +107,7 @@ VARIANTS = {ENGINE_DEFAULT: Variant(None, True), "both fusions": Variant(True, T
             "two matmul buckets": Variant(None, True, matmul_buckets=False),
             "logprob beside the sampler": Variant(None, True, logprob_beside_sampler=True),
             "decode keys on m": Variant(None, True, decode_keys_on_m=True),
-            "decode row tiles": Variant(None, True, decode_keys_on_m=False, decode_many_stages=1),
-            "swiglu on swapped tiles": Variant(None, True, swiglu_swapped=True),
-            "no swiglu on swapped tiles": Variant(None, True, swiglu_swapped=False)}
+            "decode row tiles": Variant(None, True, decode_keys_on_m=False, decode_many_stages=1)}
 """The named variants (``all`` times these); ``logprob split N`` variants are made on request
 (:func:`chosen_variants`)."""
 _LOGPROB_SPLIT = re.compile(r"logprob split (\d+)")
@@ -133,14 +125,14 @@ def _unfused_store_kv(q, q_weight, k, k_weight, positions, cos, sin, eps, v, k_c
 @contextlib.contextmanager
 def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles: int | None = None,
             decode_guess: bool = True, matmul_buckets: bool = True, decode_keys_on_m: bool | None = None,
-            decode_many_stages: int | None = None, swiglu_swapped: bool | None = None):
+            decode_many_stages: int | None = None):
     """The engine's layers call ``K.linear_silu_mul`` and ``K.rmsnorm_rope_store_kv`` through the
     kernels package: swap in the unfused calls (or lift the epilogue's row limit), switch
     programmatic dependent launch, set the fused log-prob's split width (every dtype's config), decode
     attention's one-query guess and tile orientation and the products' M buckets, for the variant's duration."""
     from rlperf.kernels import attention, fused_lm_head, gemm
 
-    saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS, gemm.SWIGLU_EPILOGUE_ON_SWAPPED_TILES
+    saved = K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS
     saved_buckets = gemm.TINY_M, dict(gemm._SMALL_M_UP_TO), dict(gemm._TINY_M_UP_TO)
     saved_configs = dict(fused_lm_head._CONFIGS)
     decode_configs = (attention._DECODE_CONFIG, attention._DECODE_FEW_PROGRAMS, attention._DECODE_MANY_PROGRAMS)
@@ -158,8 +150,6 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
             K.linear_silu_mul = _unfused_linear_silu_mul
         elif swiglu:
             gemm.SWIGLU_EPILOGUE_MAX_ROWS = 1 << 62
-        if swiglu_swapped is not None:
-            gemm.SWIGLU_EPILOGUE_ON_SWAPPED_TILES = swiglu_swapped
         if not kv:
             K.rmsnorm_rope_store_kv = _unfused_store_kv
         if not matmul_buckets:
@@ -172,7 +162,7 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
         with K.use_programmatic_launch(pdl):
             yield
     finally:
-        K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS, gemm.SWIGLU_EPILOGUE_ON_SWAPPED_TILES = saved
+        K.linear_silu_mul, K.rmsnorm_rope_store_kv, gemm.SWIGLU_EPILOGUE_MAX_ROWS = saved
         gemm.TINY_M = saved_buckets[0]
         gemm._SMALL_M_UP_TO.clear()
         gemm._SMALL_M_UP_TO.update(saved_buckets[1])
@@ -184,14 +174,6 @@ def variant(swiglu: bool | None, kv: bool, pdl: bool = True, logprob_split_tiles
         for c, guess, keys_on_m in zip(decode_configs, saved_guesses, saved_orientations):
             c["GUESS_ONE_QUERY"] = guess
             c["KEYS_ON_M"] = keys_on_m
-
-
-def variant_of(v: Variant):
-    """:func:`variant` with ``v``'s settings (the engine-side ones, ``fused_sampling`` and the log-prob's
-    ``EngineConfig`` fields, go to the bench's cases instead)."""
-    return variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets,
-                   decode_keys_on_m=v.decode_keys_on_m, decode_many_stages=v.decode_many_stages,
-                   swiglu_swapped=v.swiglu_swapped)
 
 
 def chosen_variants(spec: str) -> dict[str, Variant] | None:
@@ -266,7 +248,8 @@ def main(argv=None) -> int:
         # one untimed round first (every variant's kernels compiled, the allocator warm); the timed rounds'
         # rotation then spreads what the first variant of a round still pays (module docstring)
         for v in variants.values():
-            with variant_of(v):
+            with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets,
+                         decode_keys_on_m=v.decode_keys_on_m, decode_many_stages=v.decode_many_stages):
                 decode_case(model, max(batches), PROMPT, new_tokens, 1, graph_bs=max(batches),
                             fused_sampling=v.fused_sampling,
                             logprob_from_logits_max_rows=v.logprob_from_logits_max_rows,
@@ -276,7 +259,8 @@ def main(argv=None) -> int:
         for r, order in enumerate(timing_orders(list(variants), args.rounds), 1):
             for name in order:
                 v = variants[name]
-                with variant_of(v):
+                with variant(*v[:4], decode_guess=v.decode_guess, matmul_buckets=v.matmul_buckets,
+                             decode_keys_on_m=v.decode_keys_on_m, decode_many_stages=v.decode_many_stages):
                     row = samples[name]
                     for b in batches:
                         d = decode_case(model, b, PROMPT, new_tokens, args.steps, graph_bs=max(batches),

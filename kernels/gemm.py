@@ -97,12 +97,11 @@ def _matmul_kernel(
     # W_KN: w is stored [K, N] (w_kn[k, n] = w[n, k]; the strides name its logical [N, K] axes), e.g.
     # a layer's weight [N_out, K_in] read as the [K_in, N_out] operand of dx = g @ w: its tiles load as
     # [BLOCK_K, BLOCK_N] and enter the dot untransposed, with no copy of w.T.
-    # BLOCK_M < 64 (the tiny-M configs, :func:`_tiny_m_config`; never with W_KN): the tile is
+    # BLOCK_M < 64 (the tiny-M configs, :func:`_tiny_m_config`; never with SWIGLU or W_KN): the tile is
     # computed transposed, acc_t[n, m] = sum_k w[n, k] * x[m, k], w's BLOCK_N rows on the wgmma's 64-row
     # side and x's few rows on its narrow side (no 64-row padding of x). Each element is the same chain of
     # k16 steps over the same products, only the operands swap sides: the bits of the plain tile (GPU
-    # tests; under the interpreter the float64 tile sums are exact either way). With SWIGLU a swapped
-    # program holds two such accumulators, BLOCK_N gate rows and the matching BLOCK_N up rows.
+    # tests; under the interpreter the float64 tile sums are exact either way).
     grid_dependency_sync()  # a PDL launch (kernels/pipeline.py): the previous kernel's writes first
     SWAP_AB: tl.constexpr = BLOCK_M < 64
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -135,10 +134,7 @@ def _matmul_kernel(
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if SWIGLU:
-            if SWAP_AB:
-                acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            else:
-                acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # The full K loop, in order, into one accumulator: the reduction order of out[m, n] is
         # fixed by BLOCK_K alone (no split-K).
         for ki in range(k_tiles):
@@ -169,20 +165,13 @@ def _matmul_kernel(
             else:
                 acc = dot_acc(a, b.T, acc, PRECISION)
             if SWIGLU:
-                if SWAP_AB:
-                    acc_u = dot_acc(bu, a.T, acc_u, PRECISION)
-                else:
-                    acc_u = dot_acc(a, bu.T, acc_u, PRECISION)
+                acc_u = dot_acc(a, bu.T, acc_u, PRECISION)
         out_ty = out.dtype.element_ty
         if SWAP_AB:  # acc is [BLOCK_N, BLOCK_M]: the same epilogue, transposed
             if HAS_BIAS:
                 acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
             o_ptrs = out + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None] * stride_on
-            if SWIGLU:  # silu_mul's formula on the rounded matmul outputs (activation.py)
-                tl.store(o_ptrs, silu_mul_f32(acc.to(out_ty), acc_u.to(out_ty)).to(out_ty),
-                         mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
-            else:
-                tl.store(o_ptrs, acc.to(out_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
+            tl.store(o_ptrs, acc.to(out_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
         else:
             if HAS_BIAS:  # after the K loop, in float32, before the single cast
                 acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -298,7 +287,7 @@ def _small_m_config(large: MatmulConfig, N: int) -> MatmulConfig:
 
 @functools.lru_cache(maxsize=None)
 def _tiny_m_config(large: MatmulConfig, N: int) -> MatmulConfig | None:
-    """The config for ``M <= TINY_M`` (16-bit, w in [N, K]), or None where the shape keeps
+    """The config for ``M <= TINY_M`` (16-bit, no SwiGLU epilogue, w in [N, K]), or None where the shape keeps
     its small-M config: 16 x 64 tiles computed transposed (``_matmul_kernel``'s SWAP_AB: w's 64 rows on the
     wgmma's M side, x's rows padded to 16, not 64), the large config's BLOCK_K. Measured for BLOCK_K 128
     below 16384 columns (H200, weights rotated past the L2, CUDA graphs, us at M = 1, small-M tiles ->
@@ -323,7 +312,7 @@ def _default_config(dtype: torch.dtype, N: int, K: int) -> MatmulConfig:
 def matmul_config(dtype: torch.dtype, N: int, K: int, M: int, swapped_ok: bool = True) -> MatmulConfig:
     """The tile config for ``dtype`` inputs ``x`` [M, K] and ``w`` [N, K]: the shape's large-M config; for
     ``M <= small_m_limit(N, K)`` its small-M config; for ``M <= tiny_m_limit(N, K)`` its swapped tiny-M config where it has
-    one and ``swapped_ok`` (launches with a [K, N] w pass False). All of one shape share
+    one and ``swapped_ok`` (launches with the SwiGLU epilogue or a [K, N] w pass False). All of one shape share
     BLOCK_K. float32 (tf32x3) has one config."""
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"matmul: dtype {dtype} not supported; expected one of {SUPPORTED_DTYPES}")
@@ -442,15 +431,14 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
     (``bench/matmul_sweep.py``): another config may give other bits. ``w_kn``: ``w`` is given as
     [K, N] (``x @ w``, e.g. a layer's [N_out, K_in] weight for ``dx = g @ w``), read in place.
     ``swiglu``: ``w`` is [2I, K] = [gate | up] and the result [M, I] is ``silu_mul(x @ w.T)``
-    (:func:`linear_silu_mul`), in the tile config of the plain [2I, K] product (its swapped tiles included:
-    a program then computes BLOCK_N gate and BLOCK_N up rows, so half as many programs run).
+    (:func:`linear_silu_mul`), in the tile config of the plain [2I, K] product.
     """
     M, K = x.shape
     N = w.shape[1] if w_kn else w.shape[0]
     out_dtype = out_dtype or x.dtype
-    cfg = config if config is not None else matmul_config(x.dtype, N, K, M, swapped_ok=not w_kn)
-    if cfg.BLOCK_M < 64 and w_kn:
-        raise ValueError("launch: swapped tiles (BLOCK_M < 64) do not take w_kn")
+    cfg = config if config is not None else matmul_config(x.dtype, N, K, M, swapped_ok=not (swiglu or w_kn))
+    if cfg.BLOCK_M < 64 and (swiglu or w_kn):
+        raise ValueError("launch: swapped tiles (BLOCK_M < 64) take neither swiglu nor w_kn")
     if swiglu:  # the plain product's config (its bits), over the I output columns
         if w_kn or bias is not None or N % 2:
             raise ValueError("launch: swiglu takes an [2I, K] w, without bias or w_kn")
@@ -654,27 +642,12 @@ cannot take (``fusion_ab --variants 'both fusions'``, 2026-11-30): 1.449 / 1.606
 16 / 64 / 256 against 1.306 / 1.457 / 2.428 / 6.399 without it. Both forms give the same bits, so the limit
 changes no token; the fused form stays for the A/B bench and its bit tests, which raise the limit."""
 
-SWIGLU_EPILOGUE_ON_SWAPPED_TILES = False
-"""Whether :func:`linear_silu_mul` also takes its fused launch wherever the plain [2I, K] product runs the swapped
-small-batch tiles (:func:`matmul_config`'s BLOCK_M < 64; up to 16 rows for the 0.6B gate_up), whatever
-:data:`SWIGLU_EPILOGUE_MAX_ROWS` says. Those launches have half the plain product's programs, each with a gate
-and an up accumulator, and no SiLU-mul launch after them."""
-
-
-def swiglu_epilogue_rows(dtype: torch.dtype, N: int, K: int, M: int) -> bool:
-    """Whether :func:`linear_silu_mul` of M rows of ``dtype`` on a [N = 2I, K] weight takes the fused launch
-    (on the kernels' routes): up to :data:`SWIGLU_EPILOGUE_MAX_ROWS` rows, and where the plain product's tiles
-    are the swapped ones when :data:`SWIGLU_EPILOGUE_ON_SWAPPED_TILES`."""
-    if M <= SWIGLU_EPILOGUE_MAX_ROWS:
-        return True
-    return SWIGLU_EPILOGUE_ON_SWAPPED_TILES and matmul_config(dtype, N, K, M).BLOCK_M < 64
-
 
 def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``silu_mul(linear(x, w))``: x [..., K], w [2I, K] = [gate | up] -> [..., I], the MLP's first half.
 
-    On the Triton kernels without autograd (the engine's steps, the trainer's log-prob passes), where
-    :func:`swiglu_epilogue_rows` says so, it is one launch: the matmul kernel's SwiGLU epilogue
+    On the Triton kernels without autograd (the engine's steps, the trainer's log-prob passes), for at
+    most :data:`SWIGLU_EPILOGUE_MAX_ROWS` rows, it is one launch: the matmul kernel's SwiGLU epilogue
     rounds each product to x's dtype and applies :func:`rlperf.kernels.silu_mul`'s formula, in the
     plain [2I, K] product's tile config, so it gives the bits of the two calls. With more rows, with
     autograd (the train step keeps the [..., 2I] product for the backward), in fast mode, on the
@@ -689,8 +662,7 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _check(flat, w, None, None)
     how = route("matmul", x.device, (x, w), rows=flat.shape[0])
     fused = how in ("triton", "interpreter") and route("silu_mul", x.device, (x,)) in ("triton", "interpreter") \
-        and not (x.device.type != "cuda" and x.dtype == torch.bfloat16) \
-        and swiglu_epilogue_rows(x.dtype, w.shape[0], w.shape[1], flat.shape[0])
+        and not (x.device.type != "cuda" and x.dtype == torch.bfloat16) and flat.shape[0] <= SWIGLU_EPILOGUE_MAX_ROWS
     if not fused:
         return silu_mul(linear(x, w))
     return launch(flat, w, swiglu=True).reshape(*x.shape[:-1], w.shape[0] // 2)

@@ -60,15 +60,12 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
     assert variants["decode keys on m"].decode_keys_on_m and variants["decode row tiles"].decode_keys_on_m is False
     orientations = [c.get("KEYS_ON_M", False) for c in decode_configs]
     stages = attention._DECODE_MANY_PROGRAMS["num_stages"]
-    assert variants["swiglu on swapped tiles"].swiglu_swapped and variants["no swiglu on swapped tiles"].swiglu_swapped is False
-    on_swapped = gemm.SWIGLU_EPILOGUE_ON_SWAPPED_TILES
-    for name, v in variants.items():
-        (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets,
-         beside, keys_on_m, many_stages, swiglu_swapped) = v
+    for name, (swiglu, kv_fused, pdl, split, fused_sampling, decode_guess, logprob_rows, matmul_buckets,
+               beside, keys_on_m, many_stages) in variants.items():
         before = dict(calls)
         configs = dict(fused_lm_head._CONFIGS)
-        with fusion_ab.variant_of(v), K.use_backend("reference"):
-            assert gemm.SWIGLU_EPILOGUE_ON_SWAPPED_TILES is (on_swapped if swiglu_swapped is None else swiglu_swapped), name
+        with fusion_ab.variant(swiglu, kv_fused, pdl, split, decode_guess, matmul_buckets, keys_on_m, many_stages), \
+                K.use_backend("reference"):
             # the two buckets of before: a decode batch of one row takes the 64-row small-M tiles
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 1).BLOCK_M == 64) == (not matmul_buckets), name
             assert (K.matmul_config(torch.bfloat16, 1024, 2048, 64).BLOCK_M == 64) == (not matmul_buckets), name
@@ -88,7 +85,6 @@ def test_every_variant_reaches_the_layers_and_decodes_the_same_tokens(one_thread
         assert (calls["kv"] > before["kv"]) == (not kv_fused), name
         assert (K.linear_silu_mul, K.rmsnorm_rope_store_kv) == fused_calls  # restored
         assert gemm.SWIGLU_EPILOGUE_MAX_ROWS == limit
-        assert gemm.SWIGLU_EPILOGUE_ON_SWAPPED_TILES is on_swapped, name  # restored
         assert (gemm.TINY_M, gemm._SMALL_M_UP_TO, gemm._TINY_M_UP_TO) == buckets, name  # restored
     first = tokens[fusion_ab.ENGINE_DEFAULT]
     assert all(len(out) >= 3 for _, out in first)

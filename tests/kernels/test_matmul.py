@@ -266,42 +266,6 @@ def test_linear_silu_mul_takes_the_epilogue_up_to_its_row_threshold_only(interpr
         assert torch.equal(y, K.silu_mul(K.matmul(x[:m], w)))
 
 
-@pytest.mark.parametrize("i,k", [(72, 200), (64, 128), (5, 33)])
-def test_linear_silu_mul_on_swapped_tiles_interpreter(interpreter, monkeypatch, i, k):
-    """SWIGLU_EPILOGUE_ON_SWAPPED_TILES: the fused launch wherever the plain [2I, K] product takes its swapped
-    16-row tiles (fp16 up to TINY_M rows here), each program with a gate and an up accumulator over BLOCK_N rows
-    (a ragged last tile when I is not a multiple of 64, K not a multiple of BLOCK_K); above, the two calls. The
-    bits are the two calls' and those of the fused launch in the 64-row tiles."""
-    from rlperf.kernels import gemm
-
-    monkeypatch.setattr(gemm, "SWIGLU_EPILOGUE_ON_SWAPPED_TILES", True)
-    monkeypatch.setattr(gemm, "SWIGLU_EPILOGUE_MAX_ROWS", 0)
-    configs = []
-    real = gemm._matmul_kernel
-
-    class Spy:  # records each launch's tile shape and SwiGLU flag, then launches the real kernel
-        def __getitem__(self, grid):
-            def run(*args, **kw):
-                configs.append((kw["BLOCK_M"], kw["SWIGLU"]))
-                return real[grid](*args, **kw)
-            return run
-
-    monkeypatch.setattr(gemm, "_matmul_kernel", Spy())
-    x, w, _ = _inputs(gemm.TINY_M + 1, 2 * i, k, torch.float16)
-    small = gemm._small_m_config(gemm.matmul_config(torch.float16, 2 * i, k, 1 << 20), 2 * i)
-    for m in (1, 2, 7, gemm.TINY_M, gemm.TINY_M + 1):
-        configs.clear()
-        fused = K.linear_silu_mul(x[:m], w)
-        swapped = m <= gemm.TINY_M
-        assert configs[0] == ((16, True) if swapped else (64, False)), m
-        assert torch.equal(fused, K.silu_mul(K.matmul(x[:m], w))), m
-        if swapped:
-            assert gemm.swiglu_epilogue_rows(torch.float16, 2 * i, k, m)
-            assert torch.equal(fused, gemm.launch(x[:m], w, swiglu=True, config=small)), m
-        else:
-            assert not gemm.swiglu_epilogue_rows(torch.float16, 2 * i, k, m)
-
-
 def test_linear_silu_mul_bf16_under_the_interpreter_takes_the_two_calls(interpreter):
     """The interpreter rounds bf16 unlike torch (its matmul writes float32 that torch rounds): there
     the fused epilogue could not give the two calls' bits, so it is not used."""
