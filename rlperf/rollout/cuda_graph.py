@@ -27,6 +27,11 @@ backend, ``rlperf.rollout.flashinfer_attention``) a FlashInfer decode wrapper pe
 before the capture and before every replay (FlashInfer's graph mode: the plan writes the page-table
 buffers the captured kernels read).
 
+Failures: a capture that raises (an op that cannot be captured, memory the graph's pool cannot get) is
+logged and recorded in the graphs' ``failed`` (``Engine.graph_failures``, the server's
+``cuda_graph_failures``), and that key's steps run eagerly over the same padded buffers, with the same bits
+(:func:`capture_or_fall_back`); it is not captured again.
+
 Limits: pure decode steps only (a step with a prefill chunk runs eagerly or from a prefill graph), batches
 up to ``max_bs``. On a CPU
 device nothing is captured: the padded static-buffer path runs eagerly (that is what the CPU
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 
 import numpy as np
 import torch
@@ -43,6 +49,8 @@ import torch
 from rlperf import kernels as K
 
 from .flashinfer_attention import for_this_mode
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BS = 256
 """``--cuda-graph-max-bs`` on a CUDA device when not given: ``rlperf serve`` and the loop's in-process engine."""
@@ -74,15 +82,49 @@ def capture(forward, pool=None):
     gc.collect()
     collecting = gc.isenabled()
     gc.disable()
+    stream = torch.cuda.current_stream()
+    graph = torch.cuda.CUDAGraph()
     try:
-        graph = torch.cuda.CUDAGraph()
         # thread_local: the server's other threads may touch CUDA (e.g. copying a weight bucket)
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = forward()
+    except Exception:
+        _after_failed_capture(graph, stream)
+        raise
     finally:
         if collecting:
             gc.enable()
     return graph, out, graph.pool()
+
+
+def _after_failed_capture(graph, stream) -> None:
+    """Undo what a capture that raised left behind, so the process goes on eagerly. When the capture itself
+    was invalidated (an op that may not be captured: a host sync, an allocation the pool cannot make),
+    ``torch.cuda.graph``'s exit raises from ``capture_end`` before it restores the caller's stream, and
+    before the caching allocator stops routing the capture stream's allocations to the graph's pool: the
+    stream is set back here and the pool's routing ended (the pool's memory stays reserved)."""
+    if torch.cuda.current_stream() == stream:
+        return  # capture_end ran: the stream and the allocator are as they were
+    torch.cuda.set_stream(stream)
+    try:
+        torch._C._cuda_endAllocateToPool(stream.device_index, graph.pool())
+    except RuntimeError:  # the allocator had already ended it
+        pass
+
+
+def capture_or_fall_back(failed: dict, key, what: str, capture_once) -> bool:
+    """``capture_once()`` (a capture that stores its graph); True when it did. When it raises, the error's
+    text goes to ``failed[key]`` and a warning to the log, and False: the caller runs that key's steps
+    eagerly over the same padded static buffers. They give the replay's bits (the same kernels, row
+    invariant), without the launch savings. A key that failed is not captured again (``failed`` says so)."""
+    try:
+        capture_once()
+        return True
+    except Exception as exc:  # noqa: BLE001 - any capture failure: that graph's steps run eagerly
+        failed[key] = f"{type(exc).__name__}: {exc}".strip()
+        log.warning("CUDA graph capture of the %s step %s failed; those steps run eagerly: %s", what, key,
+                    failed[key].splitlines()[0])
+        return False
 
 
 class DecodeGraphs:
@@ -118,6 +160,7 @@ class DecodeGraphs:
         self._copied = None  # CUDA event: the last step's staging copies are done
         # (mode, bucket, with logits) -> the graph and its outputs (hidden, logits or None)
         self.graphs: dict[tuple[str, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self.failed: dict[tuple[str, int, bool], str] = {}  # keys whose capture raised (the error): run eagerly
         self._pool = None
 
     def bucket(self, batch: int) -> int | None:
@@ -133,20 +176,26 @@ class DecodeGraphs:
     def _key(self, bs: int) -> tuple[str, int, bool]:
         return K.mode(), bs, bool(self.logits_wanted())
 
-    def _capture(self, bs: int) -> None:
+    def _capture(self, bs: int) -> bool:
+        """Capture bucket ``bs``'s graph for the current key; False when the capture failed (:func:`capture_or_fall_back`)."""
         attention = for_this_mode(self.attention)
         if attention is not None:  # captured over padding rows' plan (capture_all's inputs)
             attention.plan_graph(bs, [], [])
         key = self._key(bs)
-        graph, out, self._pool = capture(lambda: self._forward(bs, key[2]), self._pool)
-        self.graphs[key] = (graph, out)
+
+        def once():
+            graph, out, self._pool = capture(lambda: self._forward(bs, key[2]), self._pool)
+            self.graphs[key] = (graph, out)
+
+        return capture_or_fall_back(self.failed, key, "decode", once)
 
     def capture_all(self) -> int:
         """Capture every bucket's graph for the current mode now (``rlperf serve``'s warm-up), so no
         request pays a capture; returns how many were captured. On a CPU device: nothing to capture.
 
         Every row of these captures is a padding row (``slot = -1``, ``kv_len = 1`` over page 0), so
-        the eager passes before each capture write no K/V.
+        the eager passes before each capture write no K/V. A bucket whose capture fails is left to run
+        eagerly (:attr:`failed`) and not counted.
         """
         if not self.capture:
             return 0
@@ -155,10 +204,9 @@ class DecodeGraphs:
         self.slots.fill_(-1)
         self.table.zero_()
         self.kv_lens64.fill_(1)
-        todo = [bs for bs in self.buckets if self._key(bs) not in self.graphs]
-        for bs in reversed(todo):  # largest first: the shared pool is sized once by the biggest graph
-            self._capture(bs)
-        return len(todo)
+        todo = [bs for bs in self.buckets if self._key(bs) not in self.graphs and self._key(bs) not in self.failed]
+        # largest first: the shared pool is sized once by the biggest graph
+        return sum(self._capture(bs) for bs in reversed(todo))
 
     def run(self, ids: list[int] | torch.Tensor, pos: list[int], slots: list[int], table: list[list[int]],
             kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -203,13 +251,13 @@ class DecodeGraphs:
         if attention is not None:
             attention.plan_graph(bs, table, kv_lens)
         key = self._key(bs)
-        if not self.capture:
-            hidden, logits = self._forward(bs, key[2])
-            return hidden[:B], (None if logits is None else logits[:B])
-        if key not in self.graphs:
+        if key not in self.graphs and self.capture and key not in self.failed:
             self._capture(bs)
             if attention is not None:  # the capture planned padding rows: this step's plan again
                 attention.plan_graph(bs, table, kv_lens)
+        if key not in self.graphs:  # a CPU device, or a failed capture: the padded step, eagerly
+            hidden, logits = self._forward(bs, key[2])
+            return hidden[:B], (None if logits is None else logits[:B])
         graph, (hidden, logits) = self.graphs[key]
         graph.replay()
         return hidden[:B], (None if logits is None else logits[:B])
@@ -333,6 +381,7 @@ class PrefillGraphs:
         self._rows_np, self._seqs_np = self._host_rows.numpy(), self._host_seqs.numpy()
         self._copied = None  # CUDA event: the last step's staging copies are done
         self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: dict[tuple[str, int, int], str] = {}  # keys whose capture raised (the error): run eagerly
         self._pool = None
 
     def bucket(self, num_tokens: int) -> int | None:
@@ -401,16 +450,21 @@ class PrefillGraphs:
         self.rows.copy_(self._host_rows, non_blocking=True)
         self.seqs.copy_(self._host_seqs, non_blocking=True)
         self.table[:nslots].copy_(self._host_table[:nslots], non_blocking=True)  # contiguous rows
-        if not self.capture:
-            hidden = self._forward(bucket, nslots)
-        else:
+        key = (K.mode(), bucket, nslots)
+        if self.capture:
             self._copied = torch.cuda.Event()
             self._copied.record()
-            key = (K.mode(), bucket, nslots)
-            if key not in self.graphs:
-                with step_launches(bucket):
+            if key not in self.graphs and key not in self.failed:
+                def once():
                     graph, out, self._pool = capture(lambda: self._forward(bucket, nslots), self._pool)
-                self.graphs[key] = (graph, out)
+                    self.graphs[key] = (graph, out)
+
+                with step_launches(bucket):
+                    capture_or_fall_back(self.failed, key, "prefill", once)
+        if key in self.graphs:
             graph, hidden = self.graphs[key]
             graph.replay()
+        else:  # a CPU device, or a failed capture: the padded step, eagerly
+            with step_launches(bucket):
+                hidden = self._forward(bucket, nslots)
         return hidden[self.seqs[2, :R]]

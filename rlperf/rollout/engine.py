@@ -968,6 +968,16 @@ class Engine:
         self.run_until_done()
         return [r.result() for r in reqs]
 
+    def graph_failures(self) -> list[dict]:
+        """The CUDA-graph captures that failed, each ``{"graphs": "decode" | "prefill", "key": [mode, bucket,
+        ...], "error": text}``: those steps run eagerly (the same bits, without the graph's launch savings;
+        ``rlperf.rollout.cuda_graph.capture_or_fall_back``). Empty when every capture succeeded."""
+        out = []
+        for what, graphs in (("decode", self.graphs), ("prefill", self.prefill_graphs)):
+            if graphs is not None:
+                out += [{"graphs": what, "key": list(key), "error": err} for key, err in graphs.failed.items()]
+        return out
+
     def warm_up(self, prompt_lengths: tuple[int, ...] = ()) -> int:
         """Compile and warm the kernels before any client comes (``rlperf serve`` runs it at start):
         capture every CUDA-graph decode size, then run one request per entry of ``prompt_lengths``
@@ -979,7 +989,8 @@ class Engine:
         engine's seed draw is untouched); afterwards the KV pool is as new (every page free, contents
         refilled: :meth:`PagedKVCache.reset_contents`) and ``num_steps`` is restored. Later requests get
         the bits they would get without it: the kernels and graphs are the ones they would compile
-        and capture themselves, and a row's bits never depend on what ran before.
+        and capture themselves, and a row's bits never depend on what ran before. A capture that fails
+        is not counted; :meth:`graph_failures` lists it.
         """
         if self.has_work():
             raise RuntimeError("warm_up needs an idle engine")

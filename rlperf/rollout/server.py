@@ -19,7 +19,9 @@ Endpoints (SGLang's names and reply fields; docs/ARCHITECTURE.md, "Rollout serve
   the next weight sync, so it has failed (a run's fault tolerance restarts it). ``GET /model_info``,
   ``/get_model_info``, ``/server_info``,
   ``/get_server_info`` (with ``warmup_seconds``; ``internal_states[0]["memory"]``: the process's memory,
-  :meth:`RolloutServer.memory`), ``/get_weight_version``.
+  :meth:`RolloutServer.memory`; ``internal_states[0]["cuda_graph_failures"]``: the CUDA-graph captures that
+  failed, whose steps run eagerly, :meth:`Engine.graph_failures <rlperf.rollout.engine.Engine.graph_failures>`),
+  ``/get_weight_version``.
 * ``GET /v1/models``: the OpenAI model list (one card: ``id`` and ``root`` are ``--model-path``).
 * ``POST /generate``: ``text`` or ``input_ids``, single or batched; ``sampling_params`` (one object
   or one per prompt), ``return_logprob``, ``rid``, ``stream`` (parsed by
@@ -240,7 +242,10 @@ class RolloutServer:
         if delay > 0:
             time.sleep(delay)
         seconds = time.perf_counter() - t0
-        print(f"rlperf serve: warm-up done in {seconds:.1f} s ({graphs} CUDA graphs captured)", flush=True)
+        failures = engine.graph_failures()
+        failed = (f"; {len(failures)} failed, those steps run eagerly: {failures[0]['error'].splitlines()[0]}"
+                  if failures else "")
+        print(f"rlperf serve: warm-up done in {seconds:.1f} s ({graphs} CUDA graphs captured{failed})", flush=True)
         return seconds
 
     def _warmed(self, fut) -> None:
@@ -328,6 +333,7 @@ class RolloutServer:
                     internal_states=[{"num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
                                       "num_free_pages": e.kv.num_free_pages, "num_steps": e.num_steps,
                                       "num_retractions": e.num_retractions, "num_failed_steps": e.num_failed_steps,
+                                      "cuda_graph_failures": e.graph_failures(),
                                       "paused": self.loop.paused, "memory": self.memory()}])
         return web.json_response(info)
 

@@ -640,6 +640,88 @@ def test_gpu_cuda_graph_decode_gives_the_eager_bits():
     assert [(r.output_ids, r.output_logprobs) for r in got] == [(r.output_ids, r.output_logprobs) for r in eager]
 
 
+def test_a_failed_capture_is_recorded_warned_and_left_to_eager_steps(model, caplog):
+    """``capture_or_fall_back``: a capture that raises is recorded under its key with the error's text and
+    warned about once (its first line), and does not raise; one that succeeds says so. The engine lists the
+    recorded failures of both graph kinds (``Engine.graph_failures``, the server's ``cuda_graph_failures``), and
+    its steps go on (on the CPU the padded paths run eagerly anyway)."""
+    import logging
+
+    from rlperf.rollout import cuda_graph
+
+    def boom():
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nthe rest of the trace")
+
+    engine = _engine(model, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=128)
+    assert engine.graph_failures() == []
+    with caplog.at_level(logging.WARNING, logger="rlperf.rollout.cuda_graph"):
+        assert cuda_graph.capture_or_fall_back(engine.graphs.failed, ("invariant", 4, True), "decode", boom) is False
+        assert cuda_graph.capture_or_fall_back(engine.prefill_graphs.failed, ("invariant", 64, 8), "prefill",
+                                               lambda: 1 / 0) is False
+    assert engine.graphs.failed == {("invariant", 4, True): "RuntimeError: CUDA error: operation not permitted when "
+                                                            "stream is capturing\nthe rest of the trace"}
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == ["CUDA graph capture of the decode step ('invariant', 4, True) failed; those steps run eagerly: "
+                      "RuntimeError: CUDA error: operation not permitted when stream is capturing",
+                      "CUDA graph capture of the prefill step ('invariant', 64, 8) failed; those steps run eagerly: "
+                      "ZeroDivisionError: division by zero"], warned
+    assert engine.graph_failures() == [
+        {"graphs": "decode", "key": ["invariant", 4, True], "error": engine.graphs.failed[("invariant", 4, True)]},
+        {"graphs": "prefill", "key": ["invariant", 64, 8], "error": "ZeroDivisionError: division by zero"}]
+    done = []
+    assert cuda_graph.capture_or_fall_back(engine.graphs.failed, ("invariant", 2, True), "decode",
+                                           lambda: done.append(1)) is True
+    assert done == [1] and len(engine.graph_failures()) == 2
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    assert _run(engine, _prompts(3), [params] * 3) == _run(_engine(model), _prompts(3), [params] * 3)
+
+
+@pytest.mark.gpu
+def test_gpu_failed_captures_run_those_steps_eagerly_with_the_eager_bits(monkeypatch, caplog):
+    """Captures that fail for real. Decode bucket 1: a host sync inside the capture, which CUDA forbids there
+    (the capture is invalidated and ``capture_end`` raises before ``torch.cuda.graph`` restores the stream and the
+    allocator: the fallback must). Every prefill bucket: a Python error inside the capture. Those steps run
+    eagerly: the engine's tokens and log-probs are the eager engine's bit for bit, the other decode buckets
+    still capture and replay, the caller's stream is the default one again, and ``graph_failures`` lists them."""
+    import logging
+
+    cfg = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=2)
+    model = Qwen3ForCausalLM.random(cfg, seed=2, dtype=torch.bfloat16, device="cuda")
+    tok = ByteTokenizer(cfg.vocab_size)
+    prompts = _prompts(12, seed=16, lo=10, hi=200)
+    params = [SamplingParams(max_new_tokens=20 + 5 * i, temperature=1.0, seed=30 + i, ignore_eos=True) for i in range(12)]
+    real_logits, real_forward = model.logits, model.forward_paged
+
+    def logits(hidden):
+        if torch.cuda.is_current_stream_capturing() and hidden.shape[0] == 1:
+            torch.cuda.synchronize()  # not permitted while the stream captures
+        return real_logits(hidden)
+
+    def forward_paged(ids, *args, **kw):
+        if torch.cuda.is_current_stream_capturing() and ids.shape[0] >= 64:  # prefill buckets: >= 64 tokens
+            raise RuntimeError("an op this capture cannot take")
+        return real_forward(ids, *args, **kw)
+
+    with K.use_backend(None):
+        eager = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15)).generate(prompts, params)
+        monkeypatch.setattr(model, "logits", logits)
+        monkeypatch.setattr(model, "forward_paged", forward_paged)
+        graphed = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, cuda_graph_max_bs=16,
+                                                  cuda_graph_max_prefill_tokens=512))
+        with caplog.at_level(logging.WARNING, logger="rlperf.rollout.cuda_graph"):
+            got = graphed.generate(prompts, params)
+    assert [(r.output_ids, r.output_logprobs) for r in got] == [(r.output_ids, r.output_logprobs) for r in eager]
+    failures = graphed.graph_failures()
+    decode = [f for f in failures if f["graphs"] == "decode"]
+    assert [f["key"] for f in decode] == [["invariant", 1, True]], failures
+    prefill = [f for f in failures if f["graphs"] == "prefill"]
+    assert prefill and all("an op this capture cannot take" in f["error"] for f in prefill), failures
+    assert not graphed.prefill_graphs.graphs
+    assert len(graphed.graphs.graphs) >= 2 and ("invariant", 1, True) not in graphed.graphs.graphs
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert sum("failed; those steps run eagerly" in r.getMessage() for r in caplog.records) == len(failures)
+
+
 # greedy, 3-14 new tokens: the last requests decode on their own, through the decode graphs
 FAST_GREEDY = [SamplingParams(max_new_tokens=3 + i, temperature=0.0, ignore_eos=True) for i in range(12)]
 

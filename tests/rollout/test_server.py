@@ -130,6 +130,8 @@ def test_router_lists_both_workers(cluster):
         assert mem["kv_pool_bytes"] == bytes_per_token(preset("tiny"), torch.float32) * KV_TOKENS
         assert mem["kv_pool_bytes"] < mem["current_bytes"] <= mem["peak_bytes"] < mem["capacity_bytes"]
         assert mem["capacity_bytes"] == system_memory_bytes()
+        # no CUDA graphs on CPU: no failed capture to report
+        assert http_json(url + "/get_server_info")[1]["internal_states"][0]["cuda_graph_failures"] == []
 
 
 def test_generate_single_and_batched_with_logprobs(cluster, model):
