@@ -100,9 +100,10 @@ def capture(forward, pool=None):
 def _after_failed_capture(graph, stream) -> None:
     """Undo what a capture that raised left behind, so the process goes on eagerly. When the capture itself
     was invalidated (an op that may not be captured: a host sync, an allocation the pool cannot make),
-    ``torch.cuda.graph``'s exit raises from ``capture_end`` before it restores the caller's stream, and
-    before the caching allocator stops routing the capture stream's allocations to the graph's pool: the
-    stream is set back here and the pool's routing ended (the pool's memory stays reserved)."""
+    ``torch.cuda.graph``'s exit raises from ``capture_end`` and skips restoring the caller's stream, and the
+    caching allocator may still hold the graph's pool as the capture's: the stream is set back here and the
+    pool's routing ended (a no-op if ``capture_end`` got that far; the pool's memory stays reserved). The GPU
+    test of a failed capture (tests/rollout/test_engine.py) checks that later captures and eager steps work."""
     if torch.cuda.current_stream() == stream:
         return  # capture_end ran: the stream and the allocator are as they were
     torch.cuda.set_stream(stream)
