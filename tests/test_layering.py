@@ -37,6 +37,7 @@ LAYERS = {
     "kernels": 0,
     "lazy_exports": 0,  # the packages' exports loaded on first use (light --help); imports nothing of rlperf
     "flags": 0,  # argparse value checks every command's flags share; imports nothing of rlperf
+    "graph_capture": 0,  # CUDA-graph captures that fall back to eager steps: the engine's and the trainer's graphs
     "_C": 0,  # the C++/CUDA extension, the kernels' peer
     "plots": 0,  # pictures of rlperf's files (metrics.jsonl, bench JSON) with matplotlib: imports nothing of rlperf,
                  # so the loop's --plot (through telemetry's loggers), the gates and the CLI can all draw

@@ -30,7 +30,7 @@ buffers the captured kernels read).
 Failures: a capture that raises (an op that cannot be captured, memory the graph's pool cannot get) is
 logged and recorded in the graphs' ``failed`` (``Engine.graph_failures``, the server's
 ``cuda_graph_failures``), and that key's steps run eagerly over the same padded buffers, with the same bits
-(:func:`capture_or_fall_back`); it is not captured again.
+(:func:`rlperf.graph_capture.capture_or_fall_back`); it is not captured again.
 
 Limits: pure decode steps only (a step with a prefill chunk runs eagerly or from a prefill graph), batches
 up to ``max_bs``. On a CPU
@@ -41,16 +41,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 
 import numpy as np
 import torch
 
 from rlperf import kernels as K
+from rlperf.graph_capture import capture_or_fall_back, capturing
 
 from .flashinfer_attention import for_this_mode
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BS = 256
 """``--cuda-graph-max-bs`` on a CUDA device when not given: ``rlperf serve`` and the loop's in-process engine."""
@@ -67,7 +65,8 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 19
 def capture(forward, pool=None):
     """``(graph, out, pool)``: ``out = forward()`` captured in a CUDA graph whose memory comes from ``pool``
     (None: a new private pool; returned, for the next capture to share). ``forward`` runs twice on a side
-    stream first, so every kernel is compiled and warm outside the capture.
+    stream first, so every kernel is compiled and warm outside the capture. A capture that raises leaves the
+    stream and the allocator as they were (:func:`rlperf.graph_capture.capturing`) and re-raises.
 
     Python's cyclic garbage collector stays off during the capture: an engine dropped earlier (engines hold
     reference cycles) would otherwise be collected at any allocation inside it, and destroying its graphs
@@ -82,50 +81,14 @@ def capture(forward, pool=None):
     gc.collect()
     collecting = gc.isenabled()
     gc.disable()
-    stream = torch.cuda.current_stream()
     graph = torch.cuda.CUDAGraph()
     try:
-        # thread_local: the server's other threads may touch CUDA (e.g. copying a weight bucket)
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with capturing(graph, pool):
             out = forward()
-    except Exception:
-        _after_failed_capture(graph, stream)
-        raise
     finally:
         if collecting:
             gc.enable()
     return graph, out, graph.pool()
-
-
-def _after_failed_capture(graph, stream) -> None:
-    """Undo what a capture that raised left behind, so the process goes on eagerly. When the capture itself
-    was invalidated (an op that may not be captured: a host sync, an allocation the pool cannot make),
-    ``torch.cuda.graph``'s exit raises from ``capture_end`` and skips restoring the caller's stream, and the
-    caching allocator may still hold the graph's pool as the capture's: the stream is set back here and the
-    pool's routing ended (a no-op if ``capture_end`` got that far; the pool's memory stays reserved). The GPU
-    test of a failed capture (tests/rollout/test_engine.py) checks that later captures and eager steps work."""
-    if torch.cuda.current_stream() == stream:
-        return  # capture_end ran: the stream and the allocator are as they were
-    torch.cuda.set_stream(stream)
-    try:
-        torch._C._cuda_endAllocateToPool(stream.device_index, graph.pool())
-    except RuntimeError:  # the allocator had already ended it
-        pass
-
-
-def capture_or_fall_back(failed: dict, key, what: str, capture_once) -> bool:
-    """``capture_once()`` (a capture that stores its graph); True when it did. When it raises, the error's
-    text goes to ``failed[key]`` and a warning to the log, and False: the caller runs that key's steps
-    eagerly over the same padded static buffers. They give the replay's bits (the same kernels, row
-    invariant), without the launch savings. A key that failed is not captured again (``failed`` says so)."""
-    try:
-        capture_once()
-        return True
-    except Exception as exc:  # noqa: BLE001 - any capture failure: that graph's steps run eagerly
-        failed[key] = f"{type(exc).__name__}: {exc}".strip()
-        log.warning("CUDA graph capture of the %s step %s failed; those steps run eagerly: %s", what, key,
-                    failed[key].splitlines()[0])
-        return False
 
 
 class DecodeGraphs:
@@ -178,7 +141,7 @@ class DecodeGraphs:
         return K.mode(), bs, bool(self.logits_wanted())
 
     def _capture(self, bs: int) -> bool:
-        """Capture bucket ``bs``'s graph for the current key; False when the capture failed (:func:`capture_or_fall_back`)."""
+        """Capture bucket ``bs``'s graph for the current key; False when the capture failed (:func:`rlperf.graph_capture.capture_or_fall_back`)."""
         attention = for_this_mode(self.attention)
         if attention is not None:  # captured over padding rows' plan (capture_all's inputs)
             attention.plan_graph(bs, [], [])
@@ -188,7 +151,7 @@ class DecodeGraphs:
             graph, out, self._pool = capture(lambda: self._forward(bs, key[2]), self._pool)
             self.graphs[key] = (graph, out)
 
-        return capture_or_fall_back(self.failed, key, "decode", once)
+        return capture_or_fall_back(self.failed, key, "decode step", once)
 
     def capture_all(self) -> int:
         """Capture every bucket's graph for the current mode now (``rlperf serve``'s warm-up), so no
@@ -461,7 +424,7 @@ class PrefillGraphs:
                     self.graphs[key] = (graph, out)
 
                 with step_launches(bucket):
-                    capture_or_fall_back(self.failed, key, "prefill", once)
+                    capture_or_fall_back(self.failed, key, "prefill step", once)
         if key in self.graphs:
             graph, hidden = self.graphs[key]
             graph.replay()

@@ -971,7 +971,7 @@ class Engine:
     def graph_failures(self) -> list[dict]:
         """The CUDA-graph captures that failed, each ``{"graphs": "decode" | "prefill", "key": [mode, bucket,
         ...], "error": text}``: those steps run eagerly (the same bits, without the graph's launch savings;
-        ``rlperf.rollout.cuda_graph.capture_or_fall_back``). Empty when every capture succeeded."""
+        ``rlperf.graph_capture.capture_or_fall_back``). Empty when every capture succeeded."""
         out = []
         for what, graphs in (("decode", self.graphs), ("prefill", self.prefill_graphs)):
             if graphs is not None:

@@ -43,6 +43,12 @@ replays a bucket's forward and backward graphs back to back (never another graph
 so a later capture may reuse memory an earlier graph freed. Each bucket's train graphs keep one
 set of parameter gradients (the compute dtype) as static outputs.
 
+Failures: a capture that raises (an op that cannot be captured, memory the graphs' pool cannot get) is
+logged once, naming the key and ``--cuda-graph-buckets none``, and recorded in :attr:`MicroBatchGraphs.failed`
+(:func:`rlperf.graph_capture.capture_or_fall_back`); that key's passes and micro-steps then run eagerly on
+the padded micro-batch: the same kernels on the same rows, so the replay's bits, without the launch savings.
+The key is not captured again. What the failed capture reserved in the pool stays reserved.
+
 Limits: CUDA only (the constructor refuses other devices); one process (the data-parallel trainer
 does not use it); dense models without routing replay (the loop checks the flags).
 
@@ -65,10 +71,13 @@ import torch
 
 from rlperf import kernels as K
 from rlperf.flags import check_token_buckets
+from rlperf.graph_capture import capture_or_fall_back, capturing
 
 from .batching import MicroBatch, micro_batch_log_probs, pad_micro_batch
 
 FLAG = "--cuda-graph-buckets"
+FALL_BACK_HINT = f"{FLAG} none keeps every step eager"
+"""What a failed capture's warning adds: the flag that turns the graphs off."""
 
 
 MIN_SEQ_SLOTS = 8
@@ -168,6 +177,7 @@ class MicroBatchGraphs:
         self.cu_seqlens = torch.zeros(seq_slots(top) + 1, dtype=torch.int32, device=dev)
         self.log_prob_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.train_graphs: dict[tuple, _TrainGraph] = {}
+        self.failed: dict[tuple, str] = {}  # keys (of either kind) whose capture raised -> the error: run eagerly
         self._pool = None
 
     def bucket(self, num_tokens: int) -> int:
@@ -187,14 +197,15 @@ class MicroBatchGraphs:
         return MicroBatch([], self.input_ids[:bucket], self.positions[:bucket], self.cu_seqlens[:slots + 1],
                           self.logit_rows[:bucket], self.targets[:bucket], [])
 
-    def _load(self, mb: MicroBatch) -> tuple[tuple[int, int], MicroBatch]:
-        """Pad ``mb`` to its shape and copy it into the static buffers; ((bucket, slots), the static view)."""
+    def _load(self, mb: MicroBatch) -> tuple[tuple[int, int], MicroBatch, MicroBatch]:
+        """Pad ``mb`` to its shape and copy it into the static buffers; ((bucket, slots), the padded
+        micro-batch (fresh tensors: what a failed key's eager step runs on), the static view)."""
         bucket, slots = self.shape_of(mb)
         padded = pad_micro_batch(mb.to(self.input_ids.device), bucket, slots)
         static = self._static(bucket, slots)
         for name in ("input_ids", "positions", "cu_seqlens", "logit_rows", "targets"):
             getattr(static, name).copy_(getattr(padded, name))
-        return (bucket, slots), static
+        return (bucket, slots), padded, static
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -215,22 +226,29 @@ class MicroBatchGraphs:
         (graph, what the captured call returned)."""
         self._warm_up(body)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with capturing(graph, self._pool):
             out = body()
         self._pool = graph.pool()
         return graph, out
 
     @torch.no_grad()
     def log_probs(self, mb: MicroBatch, with_entropy: bool = False):
-        """``micro_batch_log_probs(model, mb, temperature, with_entropy)`` without grad, replayed:
-        log-probs [sum R_i] float32 (and entropy), fresh tensors."""
-        shape, static = self._load(mb)
+        """``micro_batch_log_probs(model, mb, temperature, with_entropy)`` without grad, replayed (eagerly on
+        the padded micro-batch where the key's capture failed): log-probs [sum R_i] float32 (and entropy),
+        fresh tensors."""
+        shape, padded, static = self._load(mb)
         key = (K.mode(), *shape, with_entropy)
-        if key not in self.log_prob_graphs:
-            self.log_prob_graphs[key] = self._capture(
-                lambda: self.log_probs_fn(self.model, static, self.temperature, with_entropy=with_entropy))
-        graph, out = self.log_prob_graphs[key]
-        graph.replay()
+        if key not in self.log_prob_graphs and key not in self.failed:
+            def once():
+                self.log_prob_graphs[key] = self._capture(
+                    lambda: self.log_probs_fn(self.model, static, self.temperature, with_entropy=with_entropy))
+
+            capture_or_fall_back(self.failed, key, "log-prob pass", once, FALL_BACK_HINT)
+        if key in self.log_prob_graphs:
+            graph, out = self.log_prob_graphs[key]
+            graph.replay()
+        else:
+            out = self.log_probs_fn(self.model, padded, self.temperature, with_entropy=with_entropy)
         n = sum(mb.response_lengths)
         if with_entropy:
             return out[0][:n].clone(), out[1][:n].clone()
@@ -238,12 +256,20 @@ class MicroBatchGraphs:
 
     def log_probs_with_grad(self, mb: MicroBatch):
         """(log-probs, entropy) [sum R_i] float32 of ``mb`` with grad to every trainable parameter:
-        the forward graph now, the backward graph when autograd reaches them."""
-        shape, static = self._load(mb)
+        the forward graph now, the backward graph when autograd reaches them. Where the key's capture
+        failed: the eager forward on the padded micro-batch, and autograd's own backward."""
+        shape, padded, static = self._load(mb)
         key = (K.mode(), *shape)
-        if key not in self.train_graphs:
-            self.train_graphs[key] = self._capture_train(static)
-        return _ReplayedLogProbs.apply(self.train_graphs[key], sum(mb.response_lengths), *self._params())
+        if key not in self.train_graphs and key not in self.failed:
+            def once():
+                self.train_graphs[key] = self._capture_train(static)
+
+            capture_or_fall_back(self.failed, key, "train micro-step", once, FALL_BACK_HINT)
+        n = sum(mb.response_lengths)
+        if key in self.train_graphs:
+            return _ReplayedLogProbs.apply(self.train_graphs[key], n, *self._params())
+        log_probs, entropy = self.log_probs_fn(self.model, padded, self.temperature, with_entropy=True)
+        return log_probs[:n], entropy[:n]
 
     def _capture_train(self, static: MicroBatch) -> _TrainGraph:
         bucket = static.num_tokens
@@ -263,19 +289,24 @@ class MicroBatchGraphs:
             leaves = log_probs_of.fresh_leaves()
             return backward(forward(leaves), leaves)
 
-        with torch.enable_grad():
-            self._warm_up(step)  # the forward and the backward kernels
-            torch.cuda.synchronize()
+        try:
+            with torch.enable_grad():
+                self._warm_up(step)  # the forward and the backward kernels
+                torch.cuda.synchronize()
+                if side is not None:
+                    side.stash()  # what the warm-up's backwards wrote: dropped
+                leaves = log_probs_of.fresh_leaves()  # their gradient accumulators are made during the capture
+                fwd = torch.cuda.CUDAGraph()
+                with capturing(fwd, self._pool):
+                    outs = forward(leaves)
+                self._pool = fwd.pool()
+                bwd = torch.cuda.CUDAGraph()
+                with capturing(bwd, self._pool):
+                    grads = backward(outs, leaves)
+        except BaseException:
             if side is not None:
-                side.stash()  # what the warm-up's backwards wrote: dropped
-            leaves = log_probs_of.fresh_leaves()  # their gradient accumulators are made during the capture
-            fwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(fwd, pool=self._pool, capture_error_mode="thread_local"):
-                outs = forward(leaves)
-            self._pool = fwd.pool()
-            bwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bwd, pool=self._pool, capture_error_mode="thread_local"):
-                grads = backward(outs, leaves)
+                side.restore(kept)  # the trainer's value, for the eager step that runs instead
+            raise
         side_grad = None
         if side is not None:
             side_grad = side.stash()  # the capture's backward wrote it: the static output

@@ -647,17 +647,17 @@ def test_a_failed_capture_is_recorded_warned_and_left_to_eager_steps(model, capl
     its steps go on (on the CPU the padded paths run eagerly anyway)."""
     import logging
 
-    from rlperf.rollout import cuda_graph
+    from rlperf.graph_capture import capture_or_fall_back
 
     def boom():
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nthe rest of the trace")
 
     engine = _engine(model, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=128)
     assert engine.graph_failures() == []
-    with caplog.at_level(logging.WARNING, logger="rlperf.rollout.cuda_graph"):
-        assert cuda_graph.capture_or_fall_back(engine.graphs.failed, ("invariant", 4, True), "decode", boom) is False
-        assert cuda_graph.capture_or_fall_back(engine.prefill_graphs.failed, ("invariant", 64, 8), "prefill",
-                                               lambda: 1 / 0) is False
+    with caplog.at_level(logging.WARNING, logger="rlperf.graph_capture"):
+        assert capture_or_fall_back(engine.graphs.failed, ("invariant", 4, True), "decode step", boom) is False
+        assert capture_or_fall_back(engine.prefill_graphs.failed, ("invariant", 64, 8), "prefill step",
+                                    lambda: 1 / 0) is False
     assert engine.graphs.failed == {("invariant", 4, True): "RuntimeError: CUDA error: operation not permitted when "
                                                             "stream is capturing\nthe rest of the trace"}
     warned = [r.getMessage() for r in caplog.records]
@@ -669,8 +669,8 @@ def test_a_failed_capture_is_recorded_warned_and_left_to_eager_steps(model, capl
         {"graphs": "decode", "key": ["invariant", 4, True], "error": engine.graphs.failed[("invariant", 4, True)]},
         {"graphs": "prefill", "key": ["invariant", 64, 8], "error": "ZeroDivisionError: division by zero"}]
     done = []
-    assert cuda_graph.capture_or_fall_back(engine.graphs.failed, ("invariant", 2, True), "decode",
-                                           lambda: done.append(1)) is True
+    assert capture_or_fall_back(engine.graphs.failed, ("invariant", 2, True), "decode step",
+                                lambda: done.append(1)) is True
     assert done == [1] and len(engine.graph_failures()) == 2
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     assert _run(engine, _prompts(3), [params] * 3) == _run(_engine(model), _prompts(3), [params] * 3)
@@ -708,7 +708,7 @@ def test_gpu_failed_captures_run_those_steps_eagerly_with_the_eager_bits(monkeyp
         monkeypatch.setattr(model, "forward_paged", forward_paged)
         graphed = Engine(model, tok, EngineConfig(max_total_tokens=1 << 15, cuda_graph_max_bs=16,
                                                   cuda_graph_max_prefill_tokens=512))
-        with caplog.at_level(logging.WARNING, logger="rlperf.rollout.cuda_graph"):
+        with caplog.at_level(logging.WARNING, logger="rlperf.graph_capture"):
             got = graphed.generate(prompts, params)
     assert [(r.output_ids, r.output_logprobs) for r in got] == [(r.output_ids, r.output_logprobs) for r in eager]
     failures = graphed.graph_failures()

@@ -115,6 +115,55 @@ def test_gpu_replayed_graphs_equal_the_eager_calls_on_the_padded_micro_batch(pdl
 
 
 @pytest.mark.gpu
+def test_gpu_failed_captures_run_those_micro_steps_eagerly_with_the_replay_bits(caplog):
+    """Captures that fail for real. The log-prob passes of the 768-token bucket: a host sync inside the capture
+    (CUDA invalidates it and ``capture_end`` raises before ``torch.cuda.graph`` restores the stream and the
+    allocator: :func:`rlperf.graph_capture.capturing` must). Every train micro-step: a Python error inside the
+    forward's capture. Those passes and micro-steps run eagerly on the padded micro-batch: log-probs, entropy
+    and every gradient equal the eager calls' bit for bit (what a replay gives), the 1100 bucket's log-prob
+    passes still capture and replay, the current stream is the default one again, ``failed`` lists each key
+    once (a failed key is not captured again: one warning per key over two rounds, naming the flag)."""
+    import logging
+
+    from rlperf.train.batching import pad_micro_batch
+
+    def log_probs_fn(m, mb, temperature, with_entropy=False):
+        if torch.cuda.is_current_stream_capturing():
+            if torch.is_grad_enabled():
+                raise RuntimeError("an op this capture cannot take")
+            if mb.num_tokens == 768:
+                torch.cuda.synchronize()  # not permitted while the stream captures
+        return micro_batch_log_probs(m, mb, temperature, with_entropy=with_entropy)
+
+    model = _gpu_model()
+    mbs = pack_micro_batches(_samples(model.cfg.vocab_size), max_tokens_per_gpu=1100, device="cuda")
+    graphs = MicroBatchGraphs(model, [768, 1100], temperature=0.8, log_probs_fn=log_probs_fn)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with K.use_mode("invariant"), caplog.at_level(logging.WARNING, logger="rlperf.graph_capture"):
+        for rep in range(2):
+            for mb in mbs:
+                bucket, slots = graphs.shape_of(mb)
+                want_lp, want_ent, want = _eager(model, pad_micro_batch(mb, bucket, slots), params)
+                with torch.no_grad():
+                    got_lp, got_ent = graphs.log_probs(mb, with_entropy=True)
+                    assert torch.equal(got_lp, want_lp) and torch.equal(got_ent, want_ent), (rep, bucket)
+                    assert torch.equal(graphs.log_probs(mb), want_lp)
+                lp, ent = graphs.log_probs_with_grad(mb)
+                assert torch.equal(lp.detach(), want_lp) and torch.equal(ent.detach(), want_ent)
+                got = torch.autograd.grad(_loss_of(lp, ent), params)
+                assert not _differ(got, want), f"rep {rep}, bucket {bucket}: parameters {_differ(got, want)} differ"
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert not graphs.train_graphs and sorted((k[1], k[3]) for k in graphs.log_prob_graphs) == [(1100, False),
+                                                                                                (1100, True)]
+    failed = sorted(graphs.failed)
+    assert [k[1] for k in failed] == [768, 768, 768, 1100], failed
+    assert all("an op this capture cannot take" in graphs.failed[k] for k in failed if len(k) == 3), graphs.failed
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == len(failed) and all("--cuda-graph-buckets none keeps every step eager" in w
+                                              for w in warned), warned
+
+
+@pytest.mark.gpu
 def test_gpu_padding_changes_no_real_log_prob_nor_any_gradient():
     """Eager, bf16: the micro-batch padded to a bucket (odd and round sizes, extra sequence slots)
     against the unpadded one. The log-prob rows are batch invariant; a gradient that differs names
