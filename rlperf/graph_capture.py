@@ -59,8 +59,8 @@ def after_failed_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream)
 
 def capture_or_fall_back(failed: dict, key, what: str, capture_once, hint: str = "") -> bool:
     """``capture_once()`` (a capture that stores its graph); True when it did. When it raises, the error's
-    text goes to ``failed[key]``, a warning to the log (``what`` names the step, e.g. ``"decode step"``; ``hint`` is appended, e.g.
-    the flag that turns graphs off) and False comes back: the caller runs that key's steps eagerly, with the
+    text goes to ``failed[key]``, a warning to the log (``what`` names the step, e.g. ``"decode step"``;
+    ``hint`` is appended, e.g. the flag that turns graphs off) and False comes back: the caller runs that key's steps eagerly, with the
     replay's bits (the same kernels over the same padded buffers) and without the launch savings. The caller
     does not capture a key that is in ``failed`` again."""
     try:

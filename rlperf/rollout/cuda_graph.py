@@ -141,7 +141,8 @@ class DecodeGraphs:
         return K.mode(), bs, bool(self.logits_wanted())
 
     def _capture(self, bs: int) -> bool:
-        """Capture bucket ``bs``'s graph for the current key; False when the capture failed (:func:`rlperf.graph_capture.capture_or_fall_back`)."""
+        """Capture bucket ``bs``'s graph for the current key; False when the capture failed
+        (:func:`rlperf.graph_capture.capture_or_fall_back`)."""
         attention = for_this_mode(self.attention)
         if attention is not None:  # captured over padding rows' plan (capture_all's inputs)
             attention.plan_graph(bs, [], [])

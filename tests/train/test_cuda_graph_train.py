@@ -73,6 +73,21 @@ def _differ(got, want) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
 
 
+def _check_graphs_against_eager(graphs, mb, eager, params, where: str):
+    """``graphs``' no-grad log-prob pass (with and without entropy) and train micro-step on ``mb`` against
+    ``eager`` = :func:`_eager` of the padded ``mb``, bit for bit; returns the micro-step's gradients."""
+    want_lp, want_ent, want = eager
+    with torch.no_grad():
+        got_lp, got_ent = graphs.log_probs(mb, with_entropy=True)
+        assert torch.equal(got_lp, want_lp) and torch.equal(got_ent, want_ent), where
+        assert torch.equal(graphs.log_probs(mb), want_lp), where
+    lp, ent = graphs.log_probs_with_grad(mb)
+    assert torch.equal(lp.detach(), want_lp) and torch.equal(ent.detach(), want_ent), where
+    got = torch.autograd.grad(_loss_of(lp, ent), params)
+    assert not _differ(got, want), f"{where}: parameters {_differ(got, want)} differ"
+    return got
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_gpu_replayed_graphs_equal_the_eager_calls_on_the_padded_micro_batch(pdl):
@@ -97,16 +112,9 @@ def test_gpu_replayed_graphs_equal_the_eager_calls_on_the_padded_micro_batch(pdl
                 bucket, slots = graphs.shape_of(mb)
                 padded = pad_micro_batch(mb, bucket, slots)
                 with K.use_programmatic_launch(False):
-                    want_lp, want_ent, want = _eager(model, padded, params)
+                    eager = _eager(model, padded, params)
                 with K.use_programmatic_launch(pdl):  # the captures (on first use) and the replays
-                    with torch.no_grad():
-                        got_lp, got_ent = graphs.log_probs(mb, with_entropy=True)
-                        assert torch.equal(got_lp, want_lp) and torch.equal(got_ent, want_ent), (rep, bucket)
-                        assert torch.equal(graphs.log_probs(mb), want_lp)
-                    lp, ent = graphs.log_probs_with_grad(mb)
-                    assert torch.equal(lp.detach(), want_lp) and torch.equal(ent.detach(), want_ent)
-                    got = torch.autograd.grad(_loss_of(lp, ent), params)
-                assert not _differ(got, want), f"rep {rep}, bucket {bucket}: parameters {_differ(got, want)} differ"
+                    got = _check_graphs_against_eager(graphs, mb, eager, params, f"rep {rep}, bucket {bucket}")
                 assert all(torch.isfinite(g).all() for g in got)
     assert len(graphs.train_graphs) == 2 and len(graphs.log_prob_graphs) == 4  # captured once per key
     too_big = pack_micro_batches(_samples(model.cfg.vocab_size), max_tokens_per_gpu=2048, device="cuda")[0]
@@ -143,15 +151,8 @@ def test_gpu_failed_captures_run_those_micro_steps_eagerly_with_the_replay_bits(
         for rep in range(2):
             for mb in mbs:
                 bucket, slots = graphs.shape_of(mb)
-                want_lp, want_ent, want = _eager(model, pad_micro_batch(mb, bucket, slots), params)
-                with torch.no_grad():
-                    got_lp, got_ent = graphs.log_probs(mb, with_entropy=True)
-                    assert torch.equal(got_lp, want_lp) and torch.equal(got_ent, want_ent), (rep, bucket)
-                    assert torch.equal(graphs.log_probs(mb), want_lp)
-                lp, ent = graphs.log_probs_with_grad(mb)
-                assert torch.equal(lp.detach(), want_lp) and torch.equal(ent.detach(), want_ent)
-                got = torch.autograd.grad(_loss_of(lp, ent), params)
-                assert not _differ(got, want), f"rep {rep}, bucket {bucket}: parameters {_differ(got, want)} differ"
+                eager = _eager(model, pad_micro_batch(mb, bucket, slots), params)
+                _check_graphs_against_eager(graphs, mb, eager, params, f"rep {rep}, bucket {bucket}")
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     assert not graphs.train_graphs and sorted((k[1], k[3]) for k in graphs.log_prob_graphs) == [(1100, False),
                                                                                                 (1100, True)]
