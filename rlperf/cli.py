@@ -5,11 +5,14 @@ test), 2 bad usage.
 """
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 def _bench(args: argparse.Namespace) -> int:
@@ -62,22 +65,57 @@ class Terminated(BaseException):
     Not an ``Exception``: no handler of a run's own errors takes it for one."""
 
 
+STOP_AGAIN_AFTER_S = 0.01
+"""Seconds before a stop that Python swallowed is raised again (:func:`_sigterm_raises`): the hook that
+saw it has returned by then."""
+
+
+def _stop_again(signum: int) -> None:
+    """From a helper thread: trip ``signum``'s handler in the main thread again, where it runs at the next
+    bytecode. ``interrupt_main`` raises no OS signal, so a handler reset to the default in the meantime
+    (the run over) is left alone instead of killing the process."""
+    time.sleep(STOP_AGAIN_AFTER_S)
+    _thread.interrupt_main(signum)
+
+
 @contextlib.contextmanager
 def _sigterm_raises():
     """While the block runs, SIGTERM raises :class:`Terminated`; a second SIGTERM kills at once (the
-    default action), should the cleanup itself hang."""
+    default action), should the cleanup itself hang.
+
+    A stop (:class:`Terminated`, ``KeyboardInterrupt``) raised where Python swallows exceptions, in a
+    ``__del__`` the garbage collector runs or a weakref callback, would be printed as "Exception ignored"
+    and lost, the run going on. ``sys.unraisablehook`` takes it instead: it prints nothing, sets the
+    SIGTERM handler again and has a helper thread trip the signal (:func:`_stop_again`), so the stop is
+    raised at the next bytecode outside the finalizer and the run ends as a stopped run does."""
     def terminated(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise Terminated()
+
+    def swallowed(unraisable):
+        signum = (signal.SIGTERM if isinstance(unraisable.exc_value, Terminated)
+                  else signal.SIGINT if isinstance(unraisable.exc_value, KeyboardInterrupt) else None)
+        if signum is None:
+            return previous_hook(unraisable)
+        while True:
+            try:
+                if signum == signal.SIGTERM:
+                    signal.signal(signal.SIGTERM, terminated)
+                threading.Thread(target=_stop_again, args=(signum,), name="rlperf-stop-again", daemon=True).start()
+                return None
+            except (Terminated, KeyboardInterrupt):  # the trip already landed in this hook: trip it once more
+                continue
 
     try:
         previous = signal.signal(signal.SIGTERM, terminated)
     except ValueError:  # not the main thread (main() called from a thread): SIGTERM keeps its handler
         yield
         return
+    previous_hook, sys.unraisablehook = sys.unraisablehook, swallowed
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         signal.signal(signal.SIGTERM, previous)
 
 

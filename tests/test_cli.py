@@ -2,8 +2,10 @@
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,38 @@ def test_top_level_folders_import_as_rlperf_subpackages_from_this_checkout(folde
     sub_file, package_file = out.splitlines()
     assert Path(sub_file).resolve() == ROOT / folder / "__init__.py"
     assert Path(package_file).resolve() == ROOT / "rlperf" / "__init__.py"
+
+
+STOPPED_IN_A_FINALIZER = """
+import os, signal, sys, time
+from rlperf.cli import Terminated, _sigterm_raises
+
+class Finalized:
+    def __del__(self):  # the stop lands in here, where Python would print it as ignored and go on
+        os.kill(os.getpid(), signal.{signal})
+
+try:
+    with _sigterm_raises():
+        Finalized()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.001)
+    print("the stop was lost")
+except (Terminated, KeyboardInterrupt) as exc:
+    print("stopped by", type(exc).__name__, flush=True)
+    assert sys.unraisablehook is sys.__unraisablehook__  # the block's hook is gone with the block
+    signal.raise_signal(signal.SIGTERM)  # and SIGTERM has its default action again
+"""
+
+
+@pytest.mark.parametrize("signame,raised", [("SIGTERM", "Terminated"), ("SIGINT", "KeyboardInterrupt")])
+def test_a_stop_raised_inside_a_finalizer_still_stops_the_run(signame, raised):
+    """A SIGTERM or SIGINT handled while the garbage collector runs a ``__del__`` (a dropped
+    ``SharedMemory``, say) raises there, where Python swallows exceptions; the run must still stop,
+    at once and without the "Exception ignored" traceback."""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", STOPPED_IN_A_FINALIZER.replace("{signal}", signame)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout == f"stopped by {raised}\n", proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == -signal.SIGTERM and proc.stderr == "", proc.stderr[-3000:]
+    assert time.monotonic() - started < 25
