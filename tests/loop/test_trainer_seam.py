@@ -20,17 +20,26 @@ flags -> :mod:`rlperf.train.backend`) and talks to it through one protocol.
 
 Why that last comparison is guarded. float32 CPU math is not the same bits on every x86 CPU: torch's and
 numpy's vectorised kernels (matmul blocking, exp, log) differ between AVX2 and AVX-512 builds, and
-between torch versions. The recorded file therefore carries a fingerprint of the recording machine's
-numerics (:func:`numerics_fingerprint`: the bits of the ops the reference kernels are made of, and
-torch's version). Where this machine's fingerprint is the recorded one the metrics must be equal bit for
-bit; elsewhere that comparison is skipped, naming the difference, because it could only test the CPU.
-What holds on every CPU is tested by the layout tests beside this file: each layout equals the one-process
-run bit for bit, in the same process, on whatever CPU runs them.
+between torch versions. The recorded file therefore carries the fingerprints of the machines whose numerics
+are known to write the recorded bits (:func:`numerics_fingerprint`: the bits of the ops the reference kernels
+are made of, and torch's version): the recording machine's, and each machine added since by
+``--add-machine``, which runs the four layouts there and adds its fingerprint only when they wrote the
+recording bit for bit. Where this machine's fingerprint is in that list the metrics must be equal bit for
+bit; elsewhere that comparison is skipped, naming the difference, because it could only test the CPU. The
+fingerprint is stricter than the runs need (an AMD AVX-512 machine whose fingerprint differs from the
+recording machine's wrote the recording bit for bit): a skip names the command that checks and adds the
+machine. What holds on every CPU is tested by the layout tests beside this file: each layout equals the
+one-process run bit for bit, in the same process, on whatever CPU runs them.
 
 Recording (once, at the commit before a refactor, with that commit's ``rlperf`` importable; COMMIT
 defaults to the checkout ``rlperf`` is imported from)::
 
     python tests/loop/test_trainer_seam.py --record tests/loop/data/trainer_seam_metrics.json [COMMIT]
+
+Adding this machine (at a commit whose bits are the recording's, e.g. the head while this test passes on
+a listed machine; exit 0 when the machine was added or already listed, 1 naming the first difference)::
+
+    python tests/loop/test_trainer_seam.py --add-machine tests/loop/data/trainer_seam_metrics.json
 """
 from __future__ import annotations
 
@@ -243,33 +252,93 @@ def run_layouts(work: Path) -> dict:
 def recorded():
     data = json.loads(RECORDED.read_text())
     here = numerics_fingerprint()
-    if here != data["fingerprint"]:
-        pytest.skip(f"this CPU's float numerics are not the recording machine's ({here} vs {data['fingerprint']}): "
-                    f"bits recorded there cannot be compared here")
+    if here not in data["fingerprints"]:
+        pytest.skip(f"this CPU's float numerics are not a listed machine's ({here} vs {data['fingerprints']}): "
+                    f"bits recorded there cannot be compared here (python {Path(__file__).relative_to(ROOT)} "
+                    f"--add-machine {RECORDED.relative_to(ROOT)} checks this machine and adds it)")
     return data
+
+
+def test_first_difference_names_the_layout_line_and_metric():
+    """The comparison behind the recorded-bits test and ``--add-machine``: equal layouts give None; a moved
+    metric, a missing layout and another checkpoint are named (layout, metrics line, key, both values)."""
+    layouts = json.loads(RECORDED.read_text())["layouts"]
+    assert first_difference(json.loads(json.dumps(layouts)), layouts) is None
+    moved = json.loads(json.dumps(layouts))
+    moved["fsdp2"]["metrics"][1]["train/grad_norm"] += 1e-9
+    want = layouts["fsdp2"]["metrics"][1]["train/grad_norm"]
+    assert first_difference(moved, layouts) == (f"fsdp2: metrics line 1: train/grad_norm = "
+                                                 f"{want + 1e-9!r}, recorded {want!r}")
+    moved = json.loads(json.dumps(layouts))
+    moved["ep2"]["model_sha256"] = "0" * 64
+    assert first_difference(moved, layouts) == "ep2: the checkpoint's model file differs"
+    del moved["ep2"]
+    assert first_difference(moved, layouts) == "ep2: not run"
 
 
 def test_four_layouts_write_the_recorded_bits(recorded, tmp_path):
     """Metrics (rewards, log-probs, losses, grad norms, weight checksums) and the checkpoint's weights of
     the embedded default, FSDP 2 ranks, EP=2 and megatron TP=2, equal to the recording bit for bit."""
     pytest.importorskip("megatron.core")
-    got = run_layouts(tmp_path)
-    for name in LAYOUTS:
-        assert got[name] == recorded["layouts"][name], f"{name}: not the recorded bits (commit {recorded['commit']})"
+    diff = first_difference(run_layouts(tmp_path), recorded["layouts"])
+    assert diff is None, f"not the recorded bits (commit {recorded['commit']}): {diff}"
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--record"]:
+def first_difference(got: dict, recorded: dict) -> str | None:
+    """Where the layouts' bits ``got`` (:func:`run_layouts`) first differ from ``recorded``'s, in words;
+    None when they are equal."""
+    for name, want in recorded.items():
+        have = got.get(name)
+        if have is None:
+            return f"{name}: not run"
+        if have["model_sha256"] != want["model_sha256"]:
+            return f"{name}: the checkpoint's model file differs"
+        for i, (a, b) in enumerate(zip(have["metrics"], want["metrics"])):
+            keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            if keys:
+                return f"{name}: metrics line {i}: {keys[0]} = {a.get(keys[0])!r}, recorded {b.get(keys[0])!r}"
+        if len(have["metrics"]) != len(want["metrics"]):
+            return f"{name}: {len(have['metrics'])} metrics lines, recorded {len(want['metrics'])}"
+    return None
+
+
+def _record_or_add_machine(argv: list[str]) -> int:
+    """``--record FILE [COMMIT]`` or ``--add-machine FILE`` (module docstring)."""
     import subprocess
     import tempfile
 
+    if len(argv) < 2 or argv[0] not in ("--record", "--add-machine"):
+        print("Recording" + __doc__.split("Recording", 1)[1], file=sys.stderr)
+        return 2
     os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py sets it on a machine without CUDA
+    path = Path(argv[1])
+    here = numerics_fingerprint()
+    if argv[0] == "--add-machine":
+        data = json.loads(path.read_text())
+        if here in data["fingerprints"]:
+            print(f"{here} is already listed in {path}")
+            return 0
     with tempfile.TemporaryDirectory() as tmp:
         layouts = run_layouts(Path(tmp))
-    import rlperf
+    if argv[0] == "--add-machine":
+        diff = first_difference(layouts, data["layouts"])
+        if diff is not None:
+            print(f"not added: this machine ({here}) did not write the recording (commit {data['commit']}): {diff}",
+                  file=sys.stderr)
+            return 1
+        data["fingerprints"].append(here)
+        print(f"added {here}: the four layouts wrote the recording of {data['commit']} bit for bit")
+    else:
+        import rlperf
 
-    commit = sys.argv[3] if len(sys.argv) > 3 else subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-        cwd=Path(rlperf.__file__).parents[1]).stdout.strip()
-    Path(sys.argv[2]).parent.mkdir(parents=True, exist_ok=True)
-    Path(sys.argv[2]).write_text(json.dumps({"commit": commit, "fingerprint": numerics_fingerprint(),
-                                             "layouts": layouts}, indent=1, sort_keys=True) + "\n")
+        commit = argv[2] if len(argv) > 2 else subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=Path(rlperf.__file__).parents[1]).stdout.strip()
+        data = {"commit": commit, "fingerprints": [here], "layouts": layouts}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_record_or_add_machine(sys.argv[1:]))
