@@ -61,29 +61,48 @@ SHM_NAME = re.compile(r"rlperf_bucket_[0-9]{1,10}_[0-9a-f]{16}")
 """The only shared-memory names a receiver opens: ``rlperf_bucket_<sender pid>_<64 random bits in hex>``,
 one segment per bucket transfer (:func:`bucket_payload`)."""
 _SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps POSIX segments on Linux
-_created: dict[str, shared_memory.SharedMemory] = {}
-"""Segments this process created and has not released, by name (the fallback reader needs the names;
-:func:`_release_at_exit` the objects)."""
+_created: dict[str, shared_memory.SharedMemory | None] = {}
+"""Segments this process created (or is creating: None until the constructor returns) and has not
+released, by name (the fallback reader needs the names; :func:`_release_at_exit` the segments)."""
 
 
 def _new_segment(nbytes: int) -> shared_memory.SharedMemory:
     """A fresh segment of ``max(nbytes, 1)`` bytes named ``rlperf_bucket_<pid>_<random>`` (:data:`SHM_NAME`)."""
     name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
-    shm = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
-    _created[shm.name] = shm
+    _created[name] = None  # first: a stop inside the constructor leaves the name to _release_at_exit
+    shm = _created[name] = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
     return shm
+
+
+def _remove_segment(name: str) -> None:
+    """Remove segment ``name`` and leave ``multiprocessing``'s resource tracker without it, from whichever
+    state a stop left: never created; created but not yet registered with the tracker (a stop inside the
+    constructor); registered; or unlinked with the tracker not told (a stop between the two steps of
+    ``SharedMemory.unlink``, which would make the tracker warn of a leak and fail to unlink it at exit).
+    The tracker keeps a set of names: registering is idempotent and unregistering an absent name is an
+    error it prints, so the name is registered first and unregistered exactly once."""
+    key = "/" + name  # the tracker's key: SharedMemory's name on POSIX
+    resource_tracker.register(key, "shared_memory")
+    try:
+        shm = shared_memory.SharedMemory(name=name)  # registers again: a no-op
+    except FileNotFoundError:  # never created, or unlinked already
+        resource_tracker.unregister(key, "shared_memory")
+        return
+    shm.close()
+    shm.unlink()  # removes the name and unregisters it
 
 
 def _release_at_exit() -> None:
     """Unlink the segments still held when the interpreter exits: a run stopped by SIGTERM in the middle
     of a weight sync (its ``finally`` may not have reached :func:`release`, or the transfer ran in a
     thread) leaves nothing in ``/dev/shm``, and ``multiprocessing``'s resource tracker has no leak to
-    warn about after the run's last line."""
+    warn about after the run's last line, wherever the stop landed (:func:`_remove_segment`)."""
     for name, shm in list(_created.items()):
-        with contextlib.suppress(BufferError):  # a view still open: the unlink frees the name all the same
-            shm.close()
-        with contextlib.suppress(OSError):  # unlinked already (stopped between the unlink and the forget)
-            shm.unlink()
+        if shm is not None:
+            with contextlib.suppress(BufferError):  # a view still open: the unlink frees the name all the same
+                shm.close()
+        with contextlib.suppress(OSError):
+            _remove_segment(name)
         _created.pop(name, None)
 
 

@@ -242,21 +242,48 @@ def test_a_stop_while_a_segment_is_filled_unlinks_it(monkeypatch):
     assert not os.path.exists(f"/dev/shm/{shm.name}") or sys.platform != "linux"
 
 
+# Where a stop (SIGTERM's Terminated, KeyboardInterrupt) lands around a segment, as the code a subprocess runs
+# before it exits 143: the bucket's segment is then left in one of the states _release_at_exit must finish.
+_STOP_LANDS = {
+    # between a transfer's start and its release (or a transfer in a thread): the segment is held
+    "held": "payload, handle = bucket_payload(b, 'shm')\n",
+    # inside release(), between SharedMemory.unlink's two steps: the name is gone, the tracker not told
+    "inside unlink": ("payload, handle = bucket_payload(b, 'shm')\n"
+                      "stop_at(resource_tracker, 'unregister')\n"
+                      "try:\n    release(handle)\nexcept KeyboardInterrupt:\n    pass\n"),
+    # inside the constructor, after the segment exists and before the tracker registers it
+    "inside create": ("stop_at(resource_tracker, 'register')\n"
+                      "try:\n    bucket_payload(b, 'shm')\nexcept KeyboardInterrupt:\n    pass\n"),
+    # inside the constructor, before the segment exists
+    "before create": ("stop_at(transports.shared_memory, 'SharedMemory')\n"
+                      "try:\n    bucket_payload(b, 'shm')\nexcept KeyboardInterrupt:\n    pass\n"),
+}
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /dev/shm")
-def test_segments_still_held_at_exit_are_unlinked_without_a_resource_tracker_warning():
-    # a run stopped between a transfer's start and its release (SIGTERM, or a transfer in a thread): the
-    # process exits holding the segment; it must not stay in /dev/shm, nor make multiprocessing's
-    # resource tracker print a leak warning after the run's last line
+@pytest.mark.parametrize("where", list(_STOP_LANDS))
+def test_segments_left_at_exit_are_unlinked_without_a_resource_tracker_warning(where):
+    # a run stopped by SIGTERM while it syncs weights: wherever the stop landed, the process must leave
+    # nothing in /dev/shm and multiprocessing's resource tracker must print no leak warning (nor fail to
+    # unlink a segment already gone) after the run's last line
     import subprocess
 
     script = ("import torch\n"
-              "from rlperf.sync import bucket_payload, flatten_buckets\n"
+              "from multiprocessing import resource_tracker\n"
+              "from rlperf.sync import bucket_payload, flatten_buckets, release, transports\n"
+              "def stop_at(owner, attr):  # the next call of owner.attr raises KeyboardInterrupt, once\n"
+              "    real = getattr(owner, attr)\n"
+              "    def stopped(*a, **k):\n"
+              "        setattr(owner, attr, real)\n"
+              "        raise KeyboardInterrupt\n"
+              "    setattr(owner, attr, stopped)\n"
               "(b,) = flatten_buckets({'w': torch.arange(10.0)})\n"
-              "payload, handle = bucket_payload(b, 'shm')\n"
-              "print(payload['transport']['name'], flush=True)\n"
+              + _STOP_LANDS[where] +
+              "print(*transports._created, flush=True)\n"
               "raise SystemExit(143)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 143, out.stderr[-2000:]
-    name = out.stdout.split()[-1]
-    assert not os.path.exists(f"/dev/shm/{name}")
+    names = out.stdout.split()
+    assert len(names) == 1 and names[0].startswith("rlperf_bucket_"), (out.stdout, out.stderr[-2000:])
+    assert not os.path.exists(f"/dev/shm/{names[0]}")
     assert "resource_tracker" not in out.stderr and "leaked" not in out.stderr, out.stderr[-2000:]
